@@ -1,0 +1,96 @@
+"""One interface for every attention approximation, and the registry behind `--method`.
+
+A method is an `nn.Module` built once per converted layer. It receives post-RoPE, *unscaled* q/k/v in HF
+layout (q [B, Hq, N, d], k/v [B, Hkv, N, d|dv], GQA by `h // (Hq // Hkv)`) and returns [B, Hq, N, dv].
+Every method has a dense O(N^2) `dense_kernel` (the oracle and the basis of the Table 1 diagnostics) and a
+linear-time `forward`. Adding a method: one file with a subclass decorated by `@register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionMethod", "METHODS", "build_method", "get_method", "method_names", "register", "repeat_kv"]
+
+METHODS: dict[str, type[AttentionMethod]] = {}
+
+
+def register(cls: type[AttentionMethod]) -> type[AttentionMethod]:
+    """Class decorator: make `cls` selectable by `--method cls.name`."""
+    if cls.name in METHODS:
+        raise ValueError(f"method {cls.name!r} is registered twice")
+    METHODS[cls.name] = cls
+    return cls
+
+
+# Modules holding the built-in methods; each registers itself on import.
+_BUILTIN = ("oal", "softmax")
+
+
+def _load_builtin() -> None:
+    for mod in _BUILTIN:
+        importlib.import_module(f"{__package__}.{mod}")
+
+
+def method_names() -> list[str]:
+    _load_builtin()
+    return list(METHODS)
+
+
+def get_method(name: str) -> type[AttentionMethod]:
+    _load_builtin()
+    if name not in METHODS:
+        raise ValueError(f"method: unknown {name!r}; expected one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwargs) -> AttentionMethod:
+    return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, N, d] -> [B, Hkv * n_rep, N, d], query head h reading KV head h // n_rep (as HF's repeat_kv)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+class AttentionMethod(nn.Module):
+    """Base class. Subclasses set `name` and implement `dense_kernel` and `forward`."""
+
+    name: ClassVar[str] = ""
+    stochastic: ClassVar[bool] = False  # random features: Table 1 averages over seeds
+    supports_state: ClassVar[bool] = False  # forward accepts initial_state / output_final_state
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
+        super().__init__()
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads: {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.layer_idx, self.seed = layer_idx, seed
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def dense_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Unnormalised kernel weights [B, Hq, N, M] between queries q [B, Hq, N, d] and keys k [B, Hkv, M, d]."""
+        raise NotImplementedError
+
+    def reference(self, q, k, v, *, causal: bool = True) -> torch.Tensor:
+        """Dense O(N^2): normalised kernel-weighted sum of values (Eq. 1 evaluated pairwise)."""
+        w = self.dense_kernel(q, k)
+        if causal:
+            n, m = w.shape[-2:]
+            w = w.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=w.device).tril(m - n), 0.0)
+        w = w.to(v.dtype)
+        return (w @ repeat_kv(v, self.n_rep)) / w.sum(-1, keepdim=True)
+
+    def forward(self, q, k, v, *, causal: bool = True, initial_state=None, output_final_state: bool = False):
+        raise NotImplementedError

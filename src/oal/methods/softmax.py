@@ -1,0 +1,25 @@
+"""Exact softmax attention: the reference arm. No parameters, no approximation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionMethod, register
+
+
+@register
+class SoftmaxMethod(AttentionMethod):
+    name = "softmax"
+
+    def dense_kernel(self, q, k):
+        scores = q @ k.repeat_interleave(self.n_rep, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+        # shift by the row max: the common factor cancels in the normalised output
+        return torch.exp(scores - scores.amax(-1, keepdim=True))
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state: softmax attention keeps a KV cache, not a recurrent state")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, enable_gqa=True)

@@ -1,0 +1,128 @@
+"""The OAL operator: positive grouped quadratic attention in linear time (paper Section 4, App. D)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .chunked import chunked_attention
+from .kernel import coefficients, feature_dim, key_features, query_features
+from .recurrent import recurrent_attention
+from .reference import reference_attention
+
+__all__ = ["BACKENDS", "feature_dim", "oal_attention", "split_state", "empty_state"]
+
+BACKENDS = ("auto", "reference", "recurrent", "chunked")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # states accumulate in fp32, or fp64 for fp64 inputs
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_state(batch: int, n_kv: int, d: int, dv: int, *, dtype=torch.float32, device="cpu"):
+    """Zero state [B, Hkv, 1 + d + d(d+1)/2, dv + 1]: rows H0, H1, H2 (packed), last column the denominator."""
+    return torch.zeros(batch, n_kv, feature_dim(d), dv + 1, dtype=dtype, device=device)
+
+
+def split_state(state: torch.Tensor, d: int):
+    """Views (H0 [..., dv+1], H1 [..., d, dv+1], H2 [..., d(d+1)/2, dv+1]) of a state tensor."""
+    return state[..., 0, :], state[..., 1 : 1 + d, :], state[..., 1 + d :, :]
+
+
+def _check(q, k, v, groups, factor, eps, scale, initial_state, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 4-D tensor [B, H, N, d], got {shape}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    bsz, n_q, n, d = q.shape
+    if k.shape[0] != bsz or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"k: expected shape [{bsz}, Hkv, {n}, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    n_kv = k.shape[1]
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected shape [{bsz}, {n_kv}, {n}, dv] to match k, got {tuple(v.shape)}")
+    if n_kv == 0 or n_q % n_kv != 0:
+        raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
+    if not isinstance(factor, torch.Tensor) or factor.dim() != 3 or factor.shape[0] != n_q or (
+        factor.shape[1] != factor.shape[2] or factor.shape[1] < 2
+    ):
+        got = tuple(factor.shape) if isinstance(factor, torch.Tensor) else type(factor).__name__
+        raise ValueError(f"factor: expected shape [Hq={n_q}, G+1, G+1] with G >= 1, got {got}")
+    n_groups = factor.shape[1] - 1
+    if not isinstance(groups, torch.Tensor) or groups.shape != (n_q, d):
+        got = tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__
+        raise ValueError(f"groups: expected an integer tensor of shape [Hq={n_q}, d={d}], got {got}")
+    if groups.is_floating_point() or groups.is_complex() or groups.dtype == torch.bool:
+        raise ValueError(f"groups: expected an integer dtype, got {groups.dtype}")
+    if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= n_groups):
+        raise ValueError(
+            f"groups: ids must lie in [0, G={n_groups}), got range [{int(groups.min())}, {int(groups.max())}]"
+        )
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("factor", factor)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or Inf values")
+    if initial_state is not None:
+        want = (bsz, n_kv, feature_dim(d), v.shape[-1] + 1)
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
+            got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state)
+            raise ValueError(f"initial_state: expected shape {list(want)}, got {got}")
+
+
+def oal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: torch.Tensor,
+    factor: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+):
+    """OAL attention: sum_j kappa_ij v_j / sum_j kappa_ij over j <= i (all j when causal=False).
+
+    q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv]; groups [Hq, d] ids in [0, G); factor
+    [Hq, G+1, G+1] (lower triangle read). Returns out [B, Hq, N, dv] in q's dtype, and the final state
+    [B, Hkv, 1 + d + d(d+1)/2, dv + 1] when `output_final_state`. `initial_state` continues a sequence.
+    """
+    _check(q, k, v, groups, factor, eps, scale, initial_state, backend)
+    out_dtype = q.dtype
+    dtype = _compute_dtype(q.dtype)
+    q, k, v, factor = (t.to(dtype) for t in (q, k, v, factor))
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    groups = groups.to(q.device)
+    coeffs = coefficients(factor, groups, eps)
+    state = initial_state.to(dtype) if initial_state is not None else None
+    if backend == "auto":
+        backend = "chunked"
+    if backend == "reference":
+        out, final = reference_attention(
+            q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, initial_state=state,
+            coeffs=coeffs, want_state=output_final_state,
+        )
+    else:
+        if state is None:
+            state = empty_state(q.shape[0], k.shape[1], d, v.shape[-1], dtype=dtype, device=q.device)
+        if backend == "recurrent":
+            out, final = recurrent_attention(q, k, v, coeffs, scale=scale, causal=causal, state=state)
+        else:
+            out, final = chunked_attention(
+                q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
+                chunk_size=chunk_size,
+            )
+    out = out.to(out_dtype)
+    return (out, final) if output_final_state else out

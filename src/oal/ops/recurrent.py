@@ -1,0 +1,45 @@
+"""Token-by-token OAL: Algorithm 1 with H0/H1/H2 packed symmetric in one state (App. D).
+
+State of one KV head: rows [H0 (1); H1 (d); H2 (d(d+1)/2)] x (dv + 1) columns, the last column being the
+denominator. Query heads sharing a KV head read the same state with their own coefficients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernel import key_features, query_features
+
+
+def recurrent_step(state, q_t, k_t, v_t, coeffs, scale):
+    """One token: update the state with (k_t, v_t), then read out for q_t. Shapes [B, H, 1, *]."""
+    a, b, c = coeffs
+    rep = q_t.shape[1] // k_t.shape[1]
+    u_t = torch.cat([v_t, torch.ones_like(v_t[..., :1])], dim=-1)
+    state = state + key_features(k_t).transpose(-1, -2) @ u_t  # Eq. 5, lines 7-9 of Algorithm 1
+    phi = query_features(q_t, a, b, c, scale)  # [B, Hq, 1, F]
+    bsz, n_q = phi.shape[:2]
+    phi = phi.view(bsz, n_q // rep, rep, phi.shape[-1])
+    num = phi @ state  # Eq. 6: [B, Hkv, rep, dv+1]
+    return state, num.view(bsz, n_q, 1, -1)
+
+
+def recurrent_attention(q, k, v, coeffs, *, scale, causal, state):
+    """Causal: loop over tokens. Non-causal: accumulate all keys first, then read out every query."""
+    outs = []
+    if causal:
+        for i in range(q.shape[2]):
+            sl = slice(i, i + 1)
+            state, num = recurrent_step(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], coeffs, scale)
+            outs.append(num)
+        num = torch.cat(outs, dim=2)
+    else:
+        for i in range(k.shape[2]):
+            u_i = torch.cat([v[:, :, i : i + 1], torch.ones_like(v[:, :, i : i + 1, :1])], dim=-1)
+            state = state + key_features(k[:, :, i : i + 1]).transpose(-1, -2) @ u_i
+        a, b, c = coeffs
+        rep = q.shape[1] // k.shape[1]
+        phi = query_features(q, a, b, c, scale)
+        bsz, n_q, n, f = phi.shape
+        num = (phi.view(bsz, n_q // rep, rep * n, f) @ state).view(bsz, n_q, n, -1)
+    return num[..., :-1] / num[..., -1:], state
