@@ -20,8 +20,19 @@ class OALMethod(AttentionMethod):
     name = "oal"
     supports_state = True
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, groups=None, factor=None, n_groups: int = 2,
-                 eps: float = 1e-6, layer_idx: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        *,
+        groups=None,
+        factor=None,
+        n_groups: int = 2,
+        eps: float = 1e-6,
+        layer_idx: int = 0,
+        seed: int = 0,
+    ):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         if groups is None:
             groups = torch.zeros(n_heads, head_dim, dtype=torch.long)
@@ -40,12 +51,22 @@ class OALMethod(AttentionMethod):
         return self.factor.shape[-1] - 1
 
     def dense_kernel(self, q, k):
-        return dense_kernel(q, k, self.groups, self.factor.to(q.dtype), eps=self.eps,
-                            scale=1.0 / math.sqrt(q.shape[-1]))
+        return dense_kernel(
+            q, k, self.groups, self.factor.to(q.dtype), eps=self.eps, scale=1.0 / math.sqrt(q.shape[-1])
+        )
 
     def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
-        return oal_attention(q, k, v, self.groups, self.factor, eps=self.eps, causal=causal,
-                             initial_state=initial_state, output_final_state=output_final_state)
+        return oal_attention(
+            q,
+            k,
+            v,
+            self.groups,
+            self.factor,
+            eps=self.eps,
+            causal=causal,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+        )
 
 
 @register
@@ -54,7 +75,26 @@ class GlobalMethod(OALMethod):
 
     name = "global"
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, factor=None, eps: float = 1e-6, layer_idx: int = 0,
-                 seed: int = 0, **_ignored):
-        super().__init__(n_heads, n_kv_heads, head_dim, groups=torch.zeros(n_heads, head_dim, dtype=torch.long),
-                         factor=factor, n_groups=1, eps=eps, layer_idx=layer_idx, seed=seed)
+    def __init__(
+        self,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        *,
+        factor=None,
+        eps: float = 1e-6,
+        layer_idx: int = 0,
+        seed: int = 0,
+        **_ignored,
+    ):
+        super().__init__(
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            groups=torch.zeros(n_heads, head_dim, dtype=torch.long),
+            factor=factor,
+            n_groups=1,
+            eps=eps,
+            layer_idx=layer_idx,
+            seed=seed,
+        )

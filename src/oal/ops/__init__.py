@@ -7,7 +7,7 @@ import math
 import torch
 
 from .chunked import chunked_attention
-from .kernel import coefficients, feature_dim, key_features, query_features
+from .kernel import coefficients, feature_dim
 from .recurrent import recurrent_attention
 from .reference import reference_attention
 
@@ -46,8 +46,11 @@ def _check(q, k, v, groups, factor, eps, scale, initial_state, backend):
         raise ValueError(f"v: expected shape [{bsz}, {n_kv}, {n}, dv] to match k, got {tuple(v.shape)}")
     if n_kv == 0 or n_q % n_kv != 0:
         raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
-    if not isinstance(factor, torch.Tensor) or factor.dim() != 3 or factor.shape[0] != n_q or (
-        factor.shape[1] != factor.shape[2] or factor.shape[1] < 2
+    if (
+        not isinstance(factor, torch.Tensor)
+        or factor.dim() != 3
+        or factor.shape[0] != n_q
+        or (factor.shape[1] != factor.shape[2] or factor.shape[1] < 2)
     ):
         got = tuple(factor.shape) if isinstance(factor, torch.Tensor) else type(factor).__name__
         raise ValueError(f"factor: expected shape [Hq={n_q}, G+1, G+1] with G >= 1, got {got}")
@@ -111,8 +114,17 @@ def oal_attention(
         backend = "chunked"
     if backend == "reference":
         out, final = reference_attention(
-            q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, initial_state=state,
-            coeffs=coeffs, want_state=output_final_state,
+            q,
+            k,
+            v,
+            groups,
+            factor,
+            eps=eps,
+            scale=scale,
+            causal=causal,
+            initial_state=state,
+            coeffs=coeffs,
+            want_state=output_final_state,
         )
     else:
         if state is None:
@@ -121,7 +133,16 @@ def oal_attention(
             out, final = recurrent_attention(q, k, v, coeffs, scale=scale, causal=causal, state=state)
         else:
             out, final = chunked_attention(
-                q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
+                q,
+                k,
+                v,
+                groups,
+                factor,
+                coeffs,
+                eps=eps,
+                scale=scale,
+                causal=causal,
+                state=state,
                 chunk_size=chunk_size,
             )
     out = out.to(out_dtype)

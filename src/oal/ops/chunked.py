@@ -57,9 +57,7 @@ def chunked_attention(q, k, v, groups, factor, coeffs, *, eps, scale, causal, st
             outs.append((phi.view(bsz, n_q // rep, rep * m, -1) @ state).view(bsz, n_q, m, -1))
         num = torch.cat(outs, dim=2)
         return num[..., :-1] / num[..., -1:], state
-    use_ckpt = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, factor, state)
-    )
+    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
     outs = []
     for start in range(0, n, chunk_size):
         sl = slice(start, start + chunk_size)

@@ -40,8 +40,9 @@ def reference_attention(q, k, v, groups, factor, *, eps, scale, causal, initial_
     outs = []
     for h in range(n_q):
         kv = h // rep
-        kappa = dense_kernel(q[:, h : h + 1], k[:, kv : kv + 1], groups[h : h + 1], factor[h : h + 1], eps=eps,
-                             scale=scale)[:, 0]
+        kappa = dense_kernel(
+            q[:, h : h + 1], k[:, kv : kv + 1], groups[h : h + 1], factor[h : h + 1], eps=eps, scale=scale
+        )[:, 0]
         num = kappa.masked_fill(~mask, 0.0) @ u[:, kv]
         if initial_state is not None:  # earlier tokens through the state (Eq. 6)
             a, b, c = coeffs
