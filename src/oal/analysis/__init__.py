@@ -1,0 +1,38 @@
+"""Dimension-wise contribution analysis and contribution-based grouping (paper Sec. 3, 4.2, App. A, B)."""
+
+from .contributions import (
+    contribution_scores,
+    contribution_scores_reference,
+    head_contributions,
+    prefix_contributions,
+)
+from .grouping import (
+    GroupingResult,
+    candidate_cuts,
+    fixed_budget_groups,
+    stable_gap_groups,
+    stable_gap_groups_reference,
+)
+
+__all__ = [
+    "GroupingResult",
+    "analyze",
+    "candidate_cuts",
+    "contribution_scores",
+    "contribution_scores_reference",
+    "fixed_budget_groups",
+    "head_contributions",
+    "load_groups",
+    "prefix_contributions",
+    "stable_gap_groups",
+    "stable_gap_groups_reference",
+]
+
+
+def __getattr__(name):
+    # analyze pulls in transformers and matplotlib; import it only when asked for
+    if name in ("analyze", "load_groups"):
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.runner"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
