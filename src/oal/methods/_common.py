@@ -1,0 +1,32 @@
+"""Small helpers shared by the baseline methods: seeding, compute dtype, input checks."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["check_qkv", "compute_dtype", "generator_for"]
+
+
+def generator_for(*parts) -> torch.Generator:
+    """A CPU generator seeded from a readable key, e.g. ("performer", seed, layer, head): reproducible."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()
+    return torch.Generator().manual_seed(int(digest[:15], 16))
+
+
+def compute_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """fp64 inputs stay fp64 (tests, paper runs); otherwise the method's configured dtype."""
+    return torch.float64 if x.dtype == torch.float64 else dtype
+
+
+def check_qkv(method, q, k, v=None) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q/k: expected 4-D [B, H, N, d], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[1] != method.n_heads or k.shape[1] != method.n_kv_heads:
+        raise ValueError(f"q/k: expected {method.n_heads} query and {method.n_kv_heads} KV heads, "
+                         f"got {q.shape[1]} and {k.shape[1]}")
+    if q.shape[-1] != method.head_dim or k.shape[-1] != method.head_dim:
+        raise ValueError(f"q/k: expected head_dim {method.head_dim}, got {q.shape[-1]} and {k.shape[-1]}")
+    if v is not None and (v.dim() != 4 or v.shape[:3] != k.shape[:3]):
+        raise ValueError(f"v: expected [B, Hkv, N, dv] matching k {tuple(k.shape)}, got {tuple(v.shape)}")

@@ -1,0 +1,88 @@
+"""Performer (FAVOR+, Choromanski et al. 2021) with App. F.1's settings.
+
+Positive orthogonal random features, 250 per query head, drawn once per (seed, layer, query head) and
+fixed (a buffer, never trained). With x = d^-1/4 q and y = d^-1/4 k,
+    phi(x)_l = exp(w_l . x - |x|^2 / 2) / sqrt(m),   E[phi(x) . phi(y)] = exp(x . y) = exp(q . k / sqrt(d)).
+Stabilisation: query log-features are shifted by their per-token max (a per-query factor, cancels in the
+normalisation); key log-features by a max over tokens and features. In the linear path that key max is a
+running max over the causal prefix (see features.py), so no query sees a future key through it.
+The 1/sqrt(m) factor cancels in the normalised ratio and is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import check_qkv, compute_dtype, generator_for
+from .base import AttentionMethod, register
+from .features import dense_feature_kernel, feature_attention
+
+__all__ = ["PerformerMethod", "orthogonal_gaussian"]
+
+
+def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Tensor:
+    """[m, d] rows: blocks of d orthonormal directions (QR of a Gaussian), each row scaled by an independent
+    chi(d) length so that every row is marginally N(0, I_d) (FAVOR+'s regular-norm orthogonal features)."""
+    blocks = []
+    for _ in range(math.ceil(m / d)):
+        qmat, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+        blocks.append(qmat.T)
+    directions = torch.cat(blocks)[:m]
+    lengths = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    return directions * lengths
+
+
+@register
+class PerformerMethod(AttentionMethod):
+    name = "performer"
+    stochastic = True
+    supports_state = True
+
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, n_features: int = 250, dtype=torch.float32,
+                 chunk_size: int = 64, layer_idx: int = 0, seed: int = 0, **_ignored):
+        super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
+        if n_features < 1:
+            raise ValueError(f"n_features: expected a positive integer, got {n_features}")
+        self.n_features, self.dtype, self.chunk_size = n_features, dtype, chunk_size
+        w = torch.stack([orthogonal_gaussian(n_features, head_dim, generator_for("performer", seed, layer_idx, h))
+                         for h in range(n_heads)])
+        # drawn in fp64, stored as a buffer: fixed, saved with the layer, never trained
+        self.register_buffer("projection", w, persistent=True)
+
+    def _log_features(self, x: torch.Tensor, per_query_head: bool) -> torch.Tensor:
+        """w_l . x - |x|^2/2 for x [B, H, N, d] (already scaled), projections of the matching query heads."""
+        w = self.projection.to(x.dtype)  # [Hq, m, d]
+        if per_query_head:
+            proj = torch.einsum("bhnd,hmd->bhnm", x, w)
+        else:  # keys: [B, Hkv, N, d] against the projections of every query head in its group, no repeat of k
+            b, n_kv, n, d = x.shape
+            proj = torch.einsum("bgnd,grmd->bgrnm", x, w.view(n_kv, self.n_rep, -1, d))
+            proj = proj.reshape(b, n_kv * self.n_rep, n, -1)
+            x = x.repeat_interleave(self.n_rep, dim=1)  # only for its norm below: [B, Hq, N, d] is small
+        return proj - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+    def _features(self, q, k):
+        dt = compute_dtype(q, self.dtype)
+        s = self.head_dim ** -0.25  # q, k scaled by d^-1/4 so that x . y = q . k / sqrt(d)
+        lq = self._log_features(q.to(dt) * s, True)
+        fq = torch.exp(lq - lq.amax(-1, keepdim=True).detach())  # per-token query shift (cancels per row)
+        lk = self._log_features(k.to(dt) * s, False)
+        return fq, lk
+
+    def dense_kernel(self, q, k):
+        check_qkv(self, q, k)
+        fq, lk = self._features(q, k)
+        # one shift over all keys' tokens and features: a constant per (batch, head), cancels when normalised
+        fk = torch.exp(lk - lk.detach().amax(dim=(-2, -1), keepdim=True))
+        return dense_feature_kernel(fq, fk)
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        check_qkv(self, q, k, v)
+        fq, lk = self._features(q, k)
+        res = feature_attention(fq, lk, v, causal=causal, log_keys=True, chunk_size=self.chunk_size,
+                                initial_state=initial_state, output_final_state=output_final_state)
+        if output_final_state:
+            return res[0].to(v.dtype), res[1]
+        return res.to(v.dtype)

@@ -1,0 +1,121 @@
+"""SpectraFormer, OPRF-FastFoodL variant (Nguyen et al.), with App. F.1's settings.
+
+Projection (FastFood, Le et al. 2013): W = (1/sqrt(p)) diag(S) H diag(G) P H diag(B), H the unnormalised
+p x p Walsh-Hadamard matrix (p = d rounded up to a power of two, inputs zero-padded), P a fixed random
+permutation; B, G, S in R^p are trainable, one set per layer shared by all query heads, initialised from
+the standard FastFood distributions (B Rademacher, G N(0,1), S chi(p) lengths / |G|), so rows of W are
+marginally N(0, I) like Performer's.
+
+Component function (OPRF, "optimised positive random features"): with x = d^-1/4 q, y = d^-1/4 k,
+    log phi(x)_l = A |w_l|^2 + sqrt(1 - 4A) w_l . x - |x|^2,
+where A <= 0 solves the OPRF variance optimum for the statistic |x + y|^2. Upstream computes it from the
+query and key at the same position (averaged over a batch); we use each token's own pair (q_i, k_i) per
+query head, which is causal. Then the per-token row max is subtracted and 1e-4 added (upstream's
+stabilisation; it changes the kernel for keys, as in the adapted method).
+
+Features: m = p + 1 (65 for d = 64): the p FastFood rows plus the zero-frequency row w = 0. This is our
+reading of App. F.1's "65 positive features for d = 64" with one FastFood block (3d parameters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ._common import check_qkv, compute_dtype, generator_for
+from .base import AttentionMethod, register
+from .features import dense_feature_kernel, feature_attention
+
+__all__ = ["SpectraFormerMethod", "hadamard", "oprf_a"]
+
+OFFSET = 1e-4
+
+
+def hadamard(p: int) -> torch.Tensor:
+    """Sylvester Walsh-Hadamard matrix [p, p] with +-1 entries, p a power of two."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < p:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def oprf_a(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
+    """OPRF's A for each token from z = |x + y|^2: A = (1 - 1/rho)/8 with rho the positive root of
+    2z rho^2 + (2z + d) rho - d = 0, written as 2d / (b + sqrt(b^2 + 8 z d)) so that z = 0 gives A = 0."""
+    z = (x + y).pow(2).sum(-1)
+    b = 2 * z + d
+    rho = 2 * d / (b + torch.sqrt(b * b + 8 * z * d))
+    return (1 - 1 / rho) / 8
+
+
+@register
+class SpectraFormerMethod(AttentionMethod):
+    name = "spectraformer"
+    stochastic = True
+    supports_state = True
+
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
+                 layer_idx: int = 0, seed: int = 0, **_ignored):
+        super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
+        self.dtype, self.chunk_size = dtype, chunk_size
+        p = 1 << max(0, math.ceil(math.log2(head_dim)))
+        self.p = p
+        g = generator_for("spectraformer", seed, layer_idx)
+        b = torch.randint(0, 2, (p,), generator=g).double() * 2 - 1  # Rademacher
+        gauss = torch.randn(p, generator=g, dtype=torch.float64)
+        chi = torch.randn(p, p, generator=g, dtype=torch.float64).norm(dim=-1)  # chi(p) lengths
+        self.B = nn.Parameter(b.float())
+        self.G = nn.Parameter(gauss.float())
+        self.S = nn.Parameter((chi / gauss.norm()).float())
+        self.register_buffer("perm", torch.randperm(p, generator=g))
+        self.register_buffer("H", hadamard(p), persistent=False)
+
+    @property
+    def n_features(self) -> int:
+        return self.p + 1
+
+    def projection(self, dtype) -> torch.Tensor:
+        """Rows w_l of the FastFood matrix restricted to the first d input coordinates, plus w = 0: [p+1, d]."""
+        h = self.H.to(dtype)
+        inner = (h * self.B.to(dtype))[self.perm]  # P H diag(B)
+        w = (self.S.to(dtype)[:, None] * h * self.G.to(dtype)) @ inner / math.sqrt(self.p)
+        w = w[:, : self.head_dim]
+        return torch.cat([w, w.new_zeros(1, self.head_dim)])
+
+    def _features(self, q, k):
+        dt = compute_dtype(q, self.dtype)
+        d, s = self.head_dim, self.head_dim ** -0.25
+        x = q.to(dt) * s  # [B, Hq, N, d]
+        y = k.to(dt) * s  # [B, Hkv, N, d]
+        b_, n_kv, n, _ = y.shape
+        w = self.projection(dt)
+        wn = w.pow(2).sum(-1)  # |w_l|^2
+        xg = x.view(b_, n_kv, self.n_rep, n, d)
+        a = oprf_a(xg, y.unsqueeze(2), d).unsqueeze(-1)  # [B, Hkv, r, N, 1] per query head and token
+        sb = torch.sqrt(1 - 4 * a)
+
+        def feat(z, zn):  # log-features, row-max shift, exp, offset
+            lf = a * wn + sb * (z @ w.T) - zn
+            return torch.exp(lf - lf.amax(-1, keepdim=True).detach()) + OFFSET
+
+        fq = feat(xg, xg.pow(2).sum(-1, keepdim=True))
+        fk = feat(y.unsqueeze(2), y.pow(2).sum(-1, keepdim=True).unsqueeze(2))
+        shape = (b_, self.n_heads, n, self.n_features)
+        return fq.reshape(shape), fk.reshape(shape)
+
+    def dense_kernel(self, q, k):
+        check_qkv(self, q, k)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError("k: spectraformer's OPRF statistic pairs q_i with k_i; expected equal lengths")
+        return dense_feature_kernel(*self._features(q, k))
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        check_qkv(self, q, k, v)
+        fq, fk = self._features(q, k)
+        res = feature_attention(fq, fk, v, causal=causal, chunk_size=self.chunk_size,
+                                initial_state=initial_state, output_final_state=output_final_state)
+        if output_final_state:
+            return res[0].to(v.dtype), res[1]
+        return res.to(v.dtype)
