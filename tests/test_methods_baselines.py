@@ -178,3 +178,15 @@ def test_fp32_default_runs_on_large_logits():
         with torch.no_grad():
             out = build_method(name, 4, 2, D)(q, k, v)
         assert torch.isfinite(out).all() and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_dense_kernel_on_query_subset_and_prefix(name):
+    # sampled query positions against a key prefix (Table 1, calibration): same normalised rows as the full matrix
+    m = _make(name, 4, 2)
+    q, k, _ = _qkv(4, 2, 21, seed=12)
+    pos = torch.tensor([0, 5, 13])
+    full = m.dense_kernel(q, k)[:, :, pos, :14]
+    sub = m.dense_kernel(q[:, :, pos], k[:, :, :14])
+    torch.testing.assert_close(sub / sub.sum(-1, keepdim=True), full / full.sum(-1, keepdim=True), rtol=1e-10,
+                               atol=1e-12)

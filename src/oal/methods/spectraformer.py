@@ -8,10 +8,11 @@ marginally N(0, I) like Performer's.
 
 Component function (OPRF, "optimised positive random features"): with x = d^-1/4 q, y = d^-1/4 k,
     log phi(x)_l = A |w_l|^2 + sqrt(1 - 4A) w_l . x - |x|^2,
-where A <= 0 solves the OPRF variance optimum for the statistic |x + y|^2. Upstream computes it from the
-query and key at the same position (averaged over a batch); we use each token's own pair (q_i, k_i) per
-query head, which is causal. Then the per-token row max is subtracted and 1e-4 added (upstream's
-stabilisation; it changes the kernel for keys, as in the adapted method).
+where A <= 0 is OPRF's variance-optimal value for the statistic z = |x + y|^2 (Likhosherstov et al.). Upstream
+estimates z from the query and key at the *same position* (a batch mean); that pairing cannot be formed
+causally for arbitrary query/key sets (sampled query positions, decoding), so each side uses its own token:
+z = 2 |x|^2 (|x + y|^2 with the cross term zero on average and |y| ~ |x|). Then the per-token row max is
+subtracted and 1e-4 added (upstream's stabilisation; for keys it changes the kernel, as in the adapted method).
 
 Features: m = p + 1 (65 for d = 64): the p FastFood rows plus the zero-frequency row w = 0. This is our
 reading of App. F.1's "65 positive features for d = 64" with one FastFood block (3d parameters).
@@ -41,10 +42,9 @@ def hadamard(p: int) -> torch.Tensor:
     return h
 
 
-def oprf_a(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
-    """OPRF's A for each token from z = |x + y|^2: A = (1 - 1/rho)/8 with rho the positive root of
+def oprf_a(z: torch.Tensor, d: int) -> torch.Tensor:
+    """OPRF's A from the statistic z = |x + y|^2: A = (1 - 1/rho)/8 with rho the positive root of
     2z rho^2 + (2z + d) rho - d = 0, written as 2d / (b + sqrt(b^2 + 8 z d)) so that z = 0 gives A = 0."""
-    z = (x + y).pow(2).sum(-1)
     b = 2 * z + d
     rho = 2 * d / (b + torch.sqrt(b * b + 8 * z * d))
     return (1 - 1 / rho) / 8
@@ -84,31 +84,21 @@ class SpectraFormerMethod(AttentionMethod):
         w = w[:, : self.head_dim]
         return torch.cat([w, w.new_zeros(1, self.head_dim)])
 
+    def _feature(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Positive OPRF features [.., N, p+1] of scaled inputs x [.., N, d]."""
+        xn = x.pow(2).sum(-1, keepdim=True)
+        a = oprf_a(2 * xn, self.head_dim)  # per token, from its own |x|^2 (see module doc)
+        lf = a * w.pow(2).sum(-1) + torch.sqrt(1 - 4 * a) * (x @ w.T) - xn
+        return torch.exp(lf - lf.amax(-1, keepdim=True).detach()) + OFFSET  # row-max shift, then +1e-4
+
     def _features(self, q, k):
         dt = compute_dtype(q, self.dtype)
-        d, s = self.head_dim, self.head_dim ** -0.25
-        x = q.to(dt) * s  # [B, Hq, N, d]
-        y = k.to(dt) * s  # [B, Hkv, N, d]
-        b_, n_kv, n, _ = y.shape
+        s = self.head_dim ** -0.25  # upstream data normaliser: x = d^-1/4 q
         w = self.projection(dt)
-        wn = w.pow(2).sum(-1)  # |w_l|^2
-        xg = x.view(b_, n_kv, self.n_rep, n, d)
-        a = oprf_a(xg, y.unsqueeze(2), d).unsqueeze(-1)  # [B, Hkv, r, N, 1] per query head and token
-        sb = torch.sqrt(1 - 4 * a)
-
-        def feat(z, zn):  # log-features, row-max shift, exp, offset
-            lf = a * wn + sb * (z @ w.T) - zn
-            return torch.exp(lf - lf.amax(-1, keepdim=True).detach()) + OFFSET
-
-        fq = feat(xg, xg.pow(2).sum(-1, keepdim=True))
-        fk = feat(y.unsqueeze(2), y.pow(2).sum(-1, keepdim=True).unsqueeze(2))
-        shape = (b_, self.n_heads, n, self.n_features)
-        return fq.reshape(shape), fk.reshape(shape)
+        return self._feature(q.to(dt) * s, w), self._feature(k.to(dt) * s, w)  # keys shared per KV head
 
     def dense_kernel(self, q, k):
         check_qkv(self, q, k)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError("k: spectraformer's OPRF statistic pairs q_i with k_i; expected equal lengths")
         return dense_feature_kernel(*self._features(q, k))
 
     def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
