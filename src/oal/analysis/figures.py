@@ -1,0 +1,142 @@
+"""Analysis figures (paper Fig. 1, 2(a), 5, 6 and Table 4 as a plot), PNG via matplotlib's Agg backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+_COLORS = ["#b0b0b0", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+def _color(g: int) -> str:
+    return _COLORS[g % len(_COLORS)]
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _sorted_bars(ax, chi: list[float], groups: list[int], cuts: list[int]) -> None:
+    order = sorted(range(len(chi)), key=lambda r: chi[r])  # stable ascending, as App. B
+    ax.bar(range(len(chi)), [chi[r] for r in order], color=[_color(groups[r]) for r in order], width=1.0)
+    for k in cuts:
+        ax.axvline(k - 0.5, color="k", lw=0.6, ls=":")
+
+
+def layer_profiles(path: Path, layer: int, heads: list[dict]) -> Path:
+    """Fig. 2(a)-style sorted contribution profile of every head of one layer, groups coloured."""
+    n = len(heads)
+    cols = min(n, 7)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.2 * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    for i, ax in enumerate(axes.flat):
+        if i >= n:
+            ax.axis("off")
+            continue
+        h = heads[i]
+        _sorted_bars(ax, h["chi"], h["groups"], h["cuts"])
+        ax.set_title(f"head {h['head']}: G={h['n_groups']}", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"Layer {layer}: sorted contribution scores $\\chi_r$ (colour = group)")
+    fig.supxlabel("dimension rank (ascending $\\chi_r$)")
+    return _save(fig, path)
+
+
+def head_panels(path: Path, layer: int, head: dict, mean_abs_q: list[float], mean_abs_k: list[float]) -> Path:
+    """Fig. 1 (a-c) + Fig. 2(a) for one head: |q|, |k| (its KV head), chi by dimension, sorted chi with groups."""
+    d = len(head["chi"])
+    top = sorted(range(d), key=lambda r: -head["chi"][r])[:2]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8), layout="constrained")
+    for ax, vals, label in (
+        (axes[0], mean_abs_q, "mean |query|"),
+        (axes[1], mean_abs_k, "mean |key| (KV head)"),
+        (axes[2], head["chi"], "contribution $\\chi_r$"),
+    ):
+        ax.bar(range(d), vals, color=[_color(g) for g in head["groups"]], width=1.0)
+        for r in top:
+            ax.annotate(f"r={r}", (r, vals[r]), fontsize=8, ha="center", va="bottom")
+        ax.set_xlabel("QK dimension")
+        ax.set_ylabel(label)
+    _sorted_bars(axes[3], head["chi"], head["groups"], head["cuts"])
+    axes[3].set_xlabel("dimension rank (ascending)")
+    axes[3].set_ylabel("sorted $\\chi_r$")
+    fig.suptitle(f"Layer {layer}, head {head['head']}: G={head['n_groups']} groups (colour), cuts at {head['cuts']}")
+    return _save(fig, path)
+
+
+def heatmap(path: Path, values: list[list[float]], layers: list[int], title: str, cbar: str, fmt: str) -> Path:
+    """layers x heads heatmap with the value written in each cell."""
+    n_l, n_h = len(values), len(values[0])
+    fig, ax = plt.subplots(figsize=(0.55 * n_h + 2.5, 0.35 * n_l + 1.8), layout="constrained")
+    im = ax.imshow(values, aspect="auto", cmap="viridis")
+    for i in range(n_l):
+        for j in range(n_h):
+            ax.text(j, i, format(values[i][j], fmt), ha="center", va="center", fontsize=6, color="w")
+    ax.set_xticks(range(n_h))
+    ax.set_yticks(range(n_l), [str(layer) for layer in layers])
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=cbar)
+    return _save(fig, path)
+
+
+def gaussian_controls(path: Path, rep: dict, mean: dict, label: str) -> Path:
+    """Fig. 5: real top-5 share vs Gaussian top-5 share vs Gaussian share at the real top-5 coordinates."""
+    keys = ["real_top5", "gaussian_top5", "gaussian_at_real_top5"]
+    names = ["Real top-5", "Gaussian top-5", "Gaussian at real coords"]
+    fig, ax = plt.subplots(figsize=(7, 3.8), layout="constrained")
+    width = 0.38
+    for off, data, lab, color in ((-width / 2, rep, label, "#1f77b4"), (width / 2, mean, "mean over all heads",
+                                                                     "#aec7e8")):
+        bars = ax.bar([i + off for i in range(3)], [100 * data[k] for k in keys], width, label=lab, color=color)
+        for b in bars:
+            ax.annotate(f"{b.get_height():.1f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(3), names)
+    ax.set_ylabel("contribution ratio (%)")
+    ax.set_title("Top-5 contribution concentration vs isotropic Gaussian controls")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def stability_scatter(path: Path, calib: list[float], heldout: list[float], rho: float, overlap: int,
+                      label: str) -> Path:
+    """Fig. 6: calibration vs held-out chi for one head, top-5 of calibration highlighted."""
+    top = sorted(range(len(calib)), key=lambda r: -calib[r])[:5]
+    fig, ax = plt.subplots(figsize=(4.8, 4.6), layout="constrained")
+    rest = [r for r in range(len(calib)) if r not in top]
+    ax.scatter([calib[r] for r in rest], [heldout[r] for r in rest], s=12, c="#7f7f7f", label="other dimensions")
+    ax.scatter([calib[r] for r in top], [heldout[r] for r in top], s=26, c="#d62728", label="calibration top-5")
+    for r in top:
+        ax.annotate(f"r={r}", (calib[r], heldout[r]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    hi = max(max(calib), max(heldout)) * 1.05
+    ax.plot([0, hi], [0, hi], color="k", lw=0.6, ls="--")
+    ax.set_xlabel("calibration $\\chi_r$")
+    ax.set_ylabel("held-out $\\chi_r$")
+    ax.set_title(f"{label}\nSpearman $\\rho$ = {rho:.3f}, top-5 overlap = {overlap}/5", fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def length_stability(path: Path, lengths: list[int], dims: list[int], shares: list[list[float]], label: str) -> Path:
+    """Table 4 as a plot: normalised contribution (%) of the top-5 dims (at the longest length) vs prefix length."""
+    fig, ax = plt.subplots(figsize=(5.8, 3.8), layout="constrained")
+    for j, r in enumerate(dims):
+        ax.plot(lengths, [100 * row[j] for row in shares], marker="o", label=f"r={r}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("$\\chi_r / \\sum_t \\chi_t$ (%)")
+    ax.set_title(f"{label}: top-5 dims across sequence lengths", fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,348 @@
+"""`analyze`: capture -> per-prompt contribution scores -> stable-gap groups -> groups.json, analysis.json, figures.
+
+Writes into `out_dir`:
+- groups.json: per layer, per query head: groups, chi, order, candidate cuts with rho and bootstrap support,
+  retained cuts (natural / fallback), top-5 dims and concentration. `load_groups` reads it back.
+- analysis.json: the App. A diagnostics: top-5 concentration vs two isotropic Gaussian controls (Fig. 5),
+  held-out stability (Spearman rho, top-5 overlap; Fig. 6), normalised top-5 contributions across prefix lengths
+  (Table 4), group-count statistics.
+- figures/*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..models.capture import Captured, attention_module, capture
+from . import figures as figs
+from .contributions import head_contributions, prefix_contributions
+from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
+from .grouping import stable_gap_groups
+
+GROUPS_FILE = "groups.json"
+ANALYSIS_FILE = "analysis.json"
+TOP_K = 5
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # atomic: readers never see a half-written file
+
+
+def _batches(prompts, tokenizer, batch_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Token blocks [P, L] (no padding) or a list of strings (tokenised without BOS/EOS, right-padded)."""
+    if torch.is_tensor(prompts):
+        if prompts.dim() != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0:
+            raise ValueError(f"prompts: expected token ids [P, L] with P, L >= 1, got {tuple(prompts.shape)}")
+        return [(prompts[i : i + batch_size].to(device), None) for i in range(0, prompts.shape[0], batch_size)]
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts: expected a LongTensor [P, L] or a non-empty list of strings")
+    if tokenizer is None:
+        raise ValueError("tokenizer: required when prompts are strings")
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("prompts: every prompt must contain at least one token")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = []
+    for i in range(0, len(ids), batch_size):
+        chunk = ids[i : i + batch_size]
+        n = max(len(x) for x in chunk)
+        t = torch.full((len(chunk), n), pad, dtype=torch.long)
+        m = torch.zeros(len(chunk), n, dtype=torch.long)
+        for j, x in enumerate(chunk):
+            t[j, : len(x)] = torch.tensor(x)
+            m[j, : len(x)] = 1
+        out.append((t.to(device), m.to(device)))
+    return out
+
+
+class _Collector:
+    """Streaming reducer: per layer, per-prompt chi [P, Hq, d] and running mean |q|, |k| per dimension."""
+
+    def __init__(self, layers: list[int], n_prompts: int):
+        self.chi: dict[int, torch.Tensor] = {}
+        self.abs_q: dict[int, torch.Tensor] = {}
+        self.abs_k: dict[int, torch.Tensor] = {}
+        self.tokens = 0.0
+        self.n_prompts, self.offset = n_prompts, 0
+        self.layers = layers
+
+    def __call__(self, c: Captured) -> None:
+        b = c.q.shape[0]
+        chi = head_contributions(c.q, c.k, c.attention_mask).to("cpu", torch.float64)  # Eq. (2) per prompt
+        if c.layer not in self.chi:
+            self.chi[c.layer] = torch.zeros(self.n_prompts, *chi.shape[1:], dtype=torch.float64)
+            self.abs_q[c.layer] = torch.zeros(c.q.shape[1], c.q.shape[-1], dtype=torch.float64)
+            self.abs_k[c.layer] = torch.zeros(c.k.shape[1], c.k.shape[-1], dtype=torch.float64)
+        self.chi[c.layer][self.offset : self.offset + b] = chi
+        m = torch.ones(c.q.shape[0], c.q.shape[2], device=c.q.device) if c.attention_mask is None \
+            else c.attention_mask.to(c.q.dtype)
+        self.abs_q[c.layer] += torch.einsum("bhnd,bn->hd", c.q.abs().float(), m.float()).cpu().double()
+        self.abs_k[c.layer] += torch.einsum("bhnd,bn->hd", c.k.abs().float(), m.float()).cpu().double()
+        if c.layer == self.layers[-1]:
+            self.tokens += float(m.sum())
+            self.offset += b
+
+
+def _run_capture(model, batches, layers, n_prompts, progress, task) -> _Collector:
+    col = _Collector(layers, n_prompts)
+    for ids, mask in batches:
+        capture(model, ids, layers, col, mask, stop_after_last=True)
+        progress.advance(task, ids.shape[0])
+    return col
+
+
+def _prefix_shares(model, seq: torch.Tensor, layers: list[int], lengths: list[int]):
+    """Table 4 data: normalised chi of each head's top-5 dims (identified at the longest length) per prefix length."""
+    out = {}
+
+    def on_layer(c: Captured) -> None:
+        rep = c.q.shape[1] // c.k.shape[1]
+        k = c.k.repeat_interleave(rep, 1)  # GQA: query head h uses KV head h // rep
+        chi = prefix_contributions(c.q[0], k[0], lengths).to("cpu", torch.float64)  # [n_len, Hq, d]
+        share = chi / chi.sum(-1, keepdim=True)
+        dims = chi[-1].topk(TOP_K, dim=-1).indices  # [Hq, 5] at the longest length
+        out[c.layer] = (dims, share.gather(-1, dims[None].expand(len(lengths), -1, -1)))  # [n_len, Hq, 5]
+
+    capture(model, seq[None], layers, on_layer, stop_after_last=True)
+    return out
+
+
+def _default_lengths(n: int) -> list[int]:
+    lengths = [2**i for i in range(4, 20) if 2**i < n and 2**i >= max(16, n // 64)]
+    return [*lengths, n]
+
+
+def analyze(
+    model,
+    tokenizer,
+    prompts,
+    layers: Sequence[int],
+    out_dir: str | Path,
+    *,
+    heldout=None,
+    long_sequence: torch.Tensor | None = None,
+    lengths: Sequence[int] | None = None,
+    tail_fraction: float = 0.25,
+    min_support: float = 0.9,
+    min_ratio: float = 1.5,
+    min_groups: int = 2,
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    representative: tuple[int, int] | None = None,
+    batch_size: int = 8,
+    figures: bool = True,
+    console: Console | None = None,
+    meta: dict | None = None,
+) -> dict:
+    """Group every query head of `layers` from `prompts` (token blocks [P, L] or strings) and write the outputs.
+
+    heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
+    long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
+    grouping parameters as `stable_gap_groups`; representative: (layer, head) for the single-head figures.
+    Returns the analysis summary (also written to analysis.json).
+    """
+    console = console or Console()
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    layers = sorted(int(i) for i in layers)
+    for i in layers:
+        attention_module(model, i)  # validates architecture and layer range with a clear error
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers: duplicates in {layers}")
+    device = next(model.parameters()).device
+    batches = _batches(prompts, tokenizer, batch_size, device)
+    held_batches = None if heldout is None else _batches(heldout, tokenizer, batch_size, device)
+    n_prompts = sum(b[0].shape[0] for b in batches)
+    prompt_lengths = [
+        int(n) for ids, m in batches for n in (m.sum(1).tolist() if m is not None else [ids.shape[1]] * ids.shape[0])
+    ]
+    rep = representative if representative is not None else (layers[0], 0)
+    if rep[0] not in layers or not 0 <= rep[1] < model.config.num_attention_heads:
+        raise ValueError(f"representative: expected (layer in {layers}, head < Hq), got {rep}")
+    if long_sequence is not None:
+        long_sequence = long_sequence.reshape(-1).to(device)
+        lengths = list(lengths) if lengths is not None else _default_lengths(long_sequence.numel())
+        if any(not 1 <= n <= long_sequence.numel() for n in lengths) or lengths != sorted(lengths):
+            raise ValueError(f"lengths: expected increasing values in [1, {long_sequence.numel()}], got {lengths}")
+
+    t0 = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with torch.no_grad(), Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("capture: calibration prompts", total=n_prompts)
+        calib = _run_capture(model, batches, layers, n_prompts, progress, task)
+        held = None
+        if held_batches is not None:
+            n_held = sum(b[0].shape[0] for b in held_batches)
+            task = progress.add_task("capture: held-out prompts", total=n_held)
+            held = _run_capture(model, held_batches, layers, n_held, progress, task)
+        prefix = None
+        if long_sequence is not None:
+            task = progress.add_task(f"capture: {long_sequence.numel()}-token sequence", total=1)
+            prefix = _prefix_shares(model, long_sequence, layers, lengths)
+            progress.advance(task)
+    t_capture = time.perf_counter() - t0
+
+    chi_pp = torch.stack([calib.chi[i].transpose(0, 1) for i in layers])  # [L, Hq, P, d]
+    n_layers, n_heads, _, d = chi_pp.shape
+    params = dict(tail_fraction=tail_fraction, min_support=min_support, min_ratio=min_ratio,
+                  min_groups=min_groups, n_bootstrap=n_bootstrap, seed=seed)
+    t1 = time.perf_counter()
+    res = stable_gap_groups(chi_pp, **params)  # all heads of all layers in one vectorised call
+    t_group = time.perf_counter() - t1
+    chi = res.chi  # [L, Hq, d]
+    top_dims = chi.topk(TOP_K, dim=-1).indices
+    real_top = topk_concentration(chi, TOP_K)
+
+    # Fig. 5 controls: i.i.d. N(0, 1) q/k with the real prompt count, lengths and head dim
+    gen = torch.Generator().manual_seed(seed)
+    g_pp = torch.stack([gaussian_chi(n_prompts, n_heads, d, prompt_lengths, gen).transpose(0, 1) for _ in layers])
+    g_chi = g_pp.mean(2)
+    g_res = stable_gap_groups(g_pp, **params)
+    gauss_top = topk_concentration(g_chi, TOP_K)
+    gauss_at_real = share_at(g_chi, top_dims)
+
+    stab = None
+    if held is not None:
+        h_chi = torch.stack([held.chi[i].mean(0) for i in layers])  # [L, Hq, d]
+        stab = dict(spearman=spearman(chi, h_chi), overlap=topk_overlap(chi, h_chi, TOP_K), chi=h_chi)
+
+    heads_json = {}
+    for li, layer in enumerate(layers):
+        rows = []
+        for h in range(n_heads):
+            r = res[li, h]
+            rows.append(dict(
+                head=h, kv_head=h // (n_heads // calib.abs_k[layer].shape[0]), n_groups=r.n_groups,
+                groups=r.groups.tolist(), chi=r.chi.tolist(), order=r.order.tolist(), cuts=r.cuts,
+                fallback_cuts=r.fallback, candidates=r.candidates.tolist(), rho=r.ratios.tolist(),
+                support=r.support.tolist(), natural=r.natural.tolist(), top5=top_dims[li, h].tolist(),
+                top5_concentration=float(real_top[li, h]),
+            ))
+        heads_json[str(layer)] = rows
+    info = dict(meta or {}, layers=layers, n_prompts=n_prompts, prompt_lengths=prompt_lengths, head_dim=d,
+                n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
+                versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                              python=platform.python_version()))
+    _write_json(out / GROUPS_FILE, dict(format="oal.groups/1", **info, heads=heads_json))
+
+    li_rep = layers.index(rep[0])
+    summary = dict(
+        info,
+        representative=dict(layer=rep[0], head=rep[1]),
+        timing_s=dict(capture=t_capture, grouping=t_group),
+        n_groups=dict(
+            per_head=res.n_groups.tolist(), histogram=_histogram(res.n_groups),
+            natural_only_fraction=float((res.selected == res.natural).all(-1).double().mean()),
+            gaussian_histogram=_histogram(g_res.n_groups),
+        ),
+        concentration=dict(
+            real_top5=real_top.tolist(), gaussian_top5=gauss_top.tolist(), gaussian_at_real_top5=gauss_at_real.tolist(),
+            mean=dict(real_top5=float(real_top.mean()), gaussian_top5=float(gauss_top.mean()),
+                      gaussian_at_real_top5=float(gauss_at_real.mean())),
+            representative=dict(real_top5=float(real_top[li_rep, rep[1]]),
+                                gaussian_top5=float(gauss_top[li_rep, rep[1]]),
+                                gaussian_at_real_top5=float(gauss_at_real[li_rep, rep[1]])),
+        ),
+    )
+    if stab is not None:
+        summary["stability_inputs"] = dict(
+            n_heldout=sum(b[0].shape[0] for b in held_batches),
+            spearman=stab["spearman"].tolist(), top5_overlap=stab["overlap"].tolist(),
+            mean_spearman=float(stab["spearman"].mean()), min_spearman=float(stab["spearman"].min()),
+            mean_top5_overlap=float(stab["overlap"].double().mean()),
+            representative=dict(spearman=float(stab["spearman"][li_rep, rep[1]]),
+                                top5_overlap=int(stab["overlap"][li_rep, rep[1]])),
+        )
+    if prefix is not None:
+        dims_rep, share_rep = prefix[rep[0]][0][rep[1]], prefix[rep[0]][1][:, rep[1]]
+        summary["stability_lengths"] = dict(
+            lengths=lengths,
+            representative=dict(dims=dims_rep.tolist(), percent=(100 * share_rep).tolist()),
+            per_head={str(i): dict(dims=prefix[i][0].tolist(), percent=(100 * prefix[i][1]).transpose(0, 1).tolist())
+                      for i in layers},
+        )
+    _write_json(out / ANALYSIS_FILE, summary)
+
+    if figures:
+        _figures(out / "figures", layers, heads_json, calib, summary, stab, rep, li_rep)
+    _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary)
+    return summary
+
+
+def _histogram(n_groups: torch.Tensor) -> dict[str, int]:
+    vals, counts = torch.unique(n_groups, return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(vals, counts, strict=True)}
+
+
+def _figures(fig_dir: Path, layers, heads_json, calib, summary, stab, rep, li_rep) -> None:
+    for layer in layers:
+        figs.layer_profiles(fig_dir / f"profile_layer{layer}.png", layer, heads_json[str(layer)])
+    head = heads_json[str(rep[0])][rep[1]]
+    n_tok = max(calib.tokens, 1.0)
+    figs.head_panels(fig_dir / "representative_head.png", rep[0], head,
+                     (calib.abs_q[rep[0]][rep[1]] / n_tok).tolist(),
+                     (calib.abs_k[rep[0]][head["kv_head"]] / n_tok).tolist())
+    per_head = summary["n_groups"]["per_head"]
+    figs.heatmap(fig_dir / "heatmap_groups.png", per_head, layers, "Groups per head (App. B)", "groups", "d")
+    figs.heatmap(fig_dir / "heatmap_top5.png", summary["concentration"]["real_top5"], layers,
+                 "Top-5 contribution concentration", "share of total $\\chi$", ".2f")
+    label = f"layer {rep[0]}, head {rep[1]}"
+    figs.gaussian_controls(fig_dir / "gaussian_controls.png", summary["concentration"]["representative"],
+                           summary["concentration"]["mean"], label)
+    if stab is not None:
+        s = summary["stability_inputs"]["representative"]
+        figs.stability_scatter(fig_dir / "stability_inputs.png", head["chi"], stab["chi"][li_rep, rep[1]].tolist(),
+                               s["spearman"], s["top5_overlap"], label)
+    if "stability_lengths" in summary:
+        sl = summary["stability_lengths"]
+        figs.length_stability(fig_dir / "stability_lengths.png", sl["lengths"], sl["representative"]["dims"],
+                              [[p / 100 for p in row] for row in sl["representative"]["percent"]], label)
+
+
+def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary) -> None:
+    table = Table(title="Contribution analysis (per layer, over query heads)")
+    for col in ("layer", "groups min-max", "groups mean", "top-5 share", "Gauss top-5", "Gauss @ real",
+                "Spearman", "top-5 overlap"):
+        table.add_column(col, justify="right")
+    for li, layer in enumerate(layers):
+        g = res.n_groups[li]
+        row = [str(layer), f"{int(g.min())}-{int(g.max())}", f"{g.double().mean():.2f}",
+               f"{100 * real_top[li].mean():.1f}%", f"{100 * gauss_top[li].mean():.1f}%",
+               f"{100 * gauss_at_real[li].mean():.1f}%"]
+        if stab is not None:
+            row += [f"{stab['spearman'][li].mean():.3f}", f"{stab['overlap'][li].double().mean():.2f}/5"]
+        else:
+            row += ["-", "-"]
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"group-count histogram: {summary['n_groups']['histogram']} "
+                  f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
+
+
+def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
+    """Read groups.json (or a directory containing it) -> {layer: LongTensor [Hq, d]}."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / GROUPS_FILE
+    if not path.is_file():
+        raise ValueError(f"path: no {GROUPS_FILE} at {path}")
+    data = json.loads(path.read_text())
+    if data.get("format") != "oal.groups/1":
+        raise ValueError(f"path: {path} is not an oal groups file (format={data.get('format')!r})")
+    return {
+        int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
+        for layer, rows in data["heads"].items()
+    }
