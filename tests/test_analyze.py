@@ -1,0 +1,111 @@
+"""`analyze` end to end on a tiny random Qwen2, the concentration/stability statistics, and `load_groups`."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from oal.analysis import analyze, head_contributions, load_groups, stable_gap_groups
+from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
+from oal.models.capture import capture
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+class _CharTokenizer:
+    """Minimal tokenizer: one id per character (enough to exercise string prompts and padding)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + ord(ch) % 63 for ch in text]}
+
+
+def test_analyze_writes_consistent_outputs(tiny, tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (6, 20), generator=gen)
+    held = torch.randint(0, 64, (4, 20), generator=gen)
+    long_seq = torch.randint(0, 64, (70,), generator=gen)
+    summary = analyze(tiny, None, ids, [2, 0], tmp_path, heldout=held, long_sequence=long_seq, lengths=[8, 33, 70],
+                      n_bootstrap=50, batch_size=4, representative=(2, 1))
+    data = json.loads((tmp_path / "groups.json").read_text())
+    assert data["layers"] == [0, 2] and data["n_prompts"] == 6 and data["head_dim"] == 8
+    # chi in groups.json is Eq. 2 averaged over prompts, from an independent capture
+    direct = {}
+    with torch.no_grad():
+        capture(tiny, ids, [0, 2], lambda c: direct.__setitem__(c.layer, head_contributions(c.q, c.k)))
+    for layer in (0, 2):
+        chi_file = torch.tensor([h["chi"] for h in data["heads"][str(layer)]], dtype=torch.float64)
+        torch.testing.assert_close(chi_file, direct[layer].double().mean(0), rtol=1e-5, atol=1e-8)
+        res = stable_gap_groups(direct[layer].double().transpose(0, 1), n_bootstrap=50)
+        assert torch.equal(load_groups(tmp_path)[layer], res.groups)
+        assert [h["cuts"] for h in data["heads"][str(layer)]] == res.cuts
+    # Table 4: the longest prefix is the whole sequence
+    with torch.no_grad():
+        full = {}
+        capture(tiny, long_seq[None], [2], lambda c: full.__setitem__(2, head_contributions(c.q, c.k)[0]))
+    share = full[2][1] / full[2][1].sum()
+    rep = summary["stability_lengths"]["representative"]
+    torch.testing.assert_close(torch.tensor(rep["percent"][-1]), 100 * share[rep["dims"]].float(), rtol=1e-4,
+                               atol=1e-4)
+    assert summary["stability_lengths"]["lengths"] == [8, 33, 70]
+    s = summary["stability_inputs"]
+    assert len(s["spearman"]) == 2 and all(-1 <= v <= 1 for row in s["spearman"] for v in row)
+    conc = summary["concentration"]
+    assert all(5 / 8 <= v <= 1 for row in conc["real_top5"] for v in row)  # top-5 of 8 dims holds >= 5/8
+    analysis = json.loads((tmp_path / "analysis.json").read_text())
+    assert analysis["representative"] == {"layer": 2, "head": 1}
+    names = {p.name for p in (tmp_path / "figures").iterdir()}
+    assert {"profile_layer0.png", "profile_layer2.png", "representative_head.png", "heatmap_groups.png",
+            "heatmap_top5.png", "gaussian_controls.png", "stability_inputs.png", "stability_lengths.png"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+
+
+def test_string_prompts_with_padding_match_single_prompts(tiny, tmp_path):
+    tok = _CharTokenizer()
+    prompts = ["the quick brown fox", "a b", "jumps over the lazy dog!", "xyz abc"]
+    analyze(tiny, tok, prompts, [1], tmp_path / "batched", n_bootstrap=20, batch_size=4, figures=False)
+    analyze(tiny, tok, prompts, [1], tmp_path / "single", n_bootstrap=20, batch_size=1, figures=False)
+    a = json.loads((tmp_path / "batched" / "groups.json").read_text())
+    b = json.loads((tmp_path / "single" / "groups.json").read_text())
+    assert a["prompt_lengths"] == [len(p) for p in prompts]
+    chi_a = torch.tensor([h["chi"] for h in a["heads"]["1"]])
+    chi_b = torch.tensor([h["chi"] for h in b["heads"]["1"]])
+    torch.testing.assert_close(chi_a, chi_b, rtol=1e-5, atol=1e-7)
+
+
+def test_statistics():
+    a = torch.tensor([[1.0, 5.0, 2.0, 9.0, 3.0, 0.5]], dtype=torch.float64)
+    assert spearman(a, a**3 + 7).item() == pytest.approx(1.0)
+    assert spearman(a, -a).item() == pytest.approx(-1.0)
+    b = torch.tensor([[1.0, 1.0, 2.0, 3.0]], dtype=torch.float64)  # ties take the average rank
+    c = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    assert spearman(b, c).item() == pytest.approx(0.9486832980505138)
+    assert topk_overlap(a, a, 5).item() == 5
+    assert topk_overlap(a, torch.tensor([[9.0, 0.0, 8.0, 1.0, 7.0, 6.0]]), 3).item() == 1
+    assert topk_concentration(torch.tensor([4.0, 1.0, 3.0, 2.0]), 2).item() == pytest.approx(0.7)
+    assert share_at(torch.tensor([4.0, 1.0, 3.0, 2.0]), torch.tensor([1, 3])).item() == pytest.approx(0.3)
+    g = gaussian_chi(3, 2, 16, [40, 50, 60], torch.Generator().manual_seed(0))
+    assert g.shape == (3, 2, 16)
+    # isotropic: E|q||k| / sqrt(d) = (2 / pi) / 4 for every dimension
+    assert g.mean().item() == pytest.approx(2 / torch.pi / 4, rel=0.05)
+
+
+def test_bad_input(tiny, tmp_path):
+    with pytest.raises(ValueError, match="prompts"):
+        analyze(tiny, None, torch.zeros(0, 5, dtype=torch.long), [0], tmp_path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        analyze(tiny, None, ["abc"], [0], tmp_path)
+    with pytest.raises(ValueError, match="layer"):
+        analyze(tiny, None, torch.zeros(2, 5, dtype=torch.long), [7], tmp_path)
+    with pytest.raises(ValueError, match="representative"):
+        analyze(tiny, None, torch.zeros(2, 5, dtype=torch.long), [0], tmp_path, representative=(1, 0))
+    with pytest.raises(ValueError, match="path"):
+        load_groups(tmp_path / "missing")
