@@ -1,0 +1,131 @@
+"""Table 1 (retained-error ratio, controls, Eq. 8-15), budget and tables on synthetic data."""
+
+import math
+
+import pytest
+import torch
+
+from oal.diagnostics.retained_error import (
+    RetainedErrorConfig,
+    SequenceQKV,
+    gaussian_control,
+    gaussian_groups,
+    hybrid_output,
+    matched_controls,
+    p_value,
+    retained_error,
+)
+from oal.methods import build_method, repeat_kv
+
+BASELINES = ("performer", "spectraformer", "dijiang", "taylorshift")
+D = 16
+
+
+def _seq(n, hq=4, hkv=2, seed=0, outliers=(3, 11), boost=5.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, n, D, generator=g, dtype=torch.float64) * 0.6
+    k = torch.randn(1, hkv, n, D, generator=g, dtype=torch.float64) * 0.6
+    q[..., list(outliers)] *= boost
+    k[..., list(outliers)] *= boost
+    v = torch.randn(1, hkv, n, 6, generator=g, dtype=torch.float64)
+    return SequenceQKV(q, k, v)
+
+
+def _groups(hq=4, outliers=(3, 11)):
+    g = torch.zeros(hq, D, dtype=torch.long)
+    g[:, outliers[0]] = 1
+    g[:, outliers[1]] = 2
+    return g
+
+
+def _softmax_at(q, k, v, pos):
+    rep = q.shape[1] // k.shape[1]
+    s = q[:, :, pos] @ repeat_kv(k, rep).transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(torch.arange(k.shape[2])[None, :] > pos[:, None], -math.inf)
+    return torch.softmax(s, -1) @ repeat_kv(v, rep)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_hybrid_extremes(name):
+    m = build_method(name, 4, 2, D, seed=1, layer_idx=0).double()
+    s = _seq(23, seed=2)
+    pos = torch.tensor([0, 4, 9, 22])
+    masks = torch.stack([torch.ones(4, D, dtype=torch.bool), torch.zeros(4, D, dtype=torch.bool)])
+    y = hybrid_output(m, s.q, s.k, s.v, pos, masks)
+    # all dims approximated: the method on the full head (its own dense reference at those positions)
+    torch.testing.assert_close(y[0:1], m.reference(s.q, s.k, s.v)[:, :, pos], rtol=1e-10, atol=1e-12)
+    # no dims approximated: exact softmax (kernel of zero inputs is constant for every method)
+    torch.testing.assert_close(y[1:2], _softmax_at(s.q, s.k, s.v, pos), rtol=1e-10, atol=1e-12)
+
+
+def test_hybrid_kernel_is_product_eq10():
+    # one head, a literal Eq. 10 product built from the method's own dense kernel on masked inputs
+    m = build_method("dijiang", 1, 1, D, seed=0).double()
+    s = _seq(9, hq=1, hkv=1, seed=3)
+    mask = torch.zeros(1, D, dtype=torch.bool)
+    mask[0, [1, 3, 4]] = True
+    pos = torch.arange(9)
+    y = hybrid_output(m, s.q, s.k, s.v, pos, mask[None])
+    mf = mask.double()
+    approx = m.dense_kernel(s.q * mf, s.k * mf)[0, 0]
+    exact = torch.exp((s.q * (1 - mf))[0, 0] @ (s.k * (1 - mf))[0, 0].T / math.sqrt(D))
+    w = (approx * exact).tril()
+    torch.testing.assert_close(y[0, 0], (w @ s.v[0, 0]) / w.sum(-1, keepdim=True), rtol=1e-10, atol=1e-12)
+
+
+def test_matched_controls_and_p_value():
+    g = _groups()
+    g[2, 5] = 1  # head 2 has |S| = 3
+    ctrl = matched_controls(g, 7, torch.Generator().manual_seed(0))
+    assert ctrl.shape == (7, 4, D)
+    assert ctrl.sum(-1).tolist() == [[2, 2, 3, 2]] * 7
+    assert not (ctrl & (g != 0)).any()  # drawn from the bulk only
+    assert p_value(0.5, [0.1, 0.2, 0.6]) == pytest.approx(2 / 4)
+    assert p_value(0.5, [0.1] * 999) == pytest.approx(1 / 1000)
+    with pytest.raises(ValueError, match="bulk"):
+        matched_controls(torch.ones(1, 4, dtype=torch.long), 1, torch.Generator())
+
+
+@pytest.mark.parametrize("name", ["performer", "taylorshift"])
+def test_outlier_dims_retain_error(name):
+    # planted high-contribution dims: approximating only them retains much more error than random bulk dims
+    data = {0: [_seq(40, seed=s) for s in range(2)], 1: [_seq(40, seed=10 + s) for s in range(2)]}
+    groups = {0: _groups(), 1: _groups()}
+    cfg = RetainedErrorConfig(queries=12, seeds=(0, 1), n_controls=19, control_batch=8)
+    res = retained_error(name, data, groups, cfg)
+    assert res["method"] == name and res["n_controls"] == 19 and len(res["controls"]) == 19
+    assert res["seeds"] == ([0, 1] if name == "performer" else [0])
+    assert 0 < res["R_S"] and res["subset_fraction"] == pytest.approx(2 / D)
+    assert res["R_S"] > max(res["controls"]) and res["p_value"] == pytest.approx(1 / 20)
+    manual = sum(x["R_S"] for x in res["per_layer"].values()) / 2  # equal sequences per layer
+    assert res["R_S"] == pytest.approx(manual)
+
+
+def test_seed_averaging_before_ratio():
+    # R_S = mean_seeds(E_S) / mean_seeds(E_full), not the mean of per-seed ratios
+    data = {0: [_seq(20, seed=4)]}
+    groups = {0: _groups()}
+    cfg = RetainedErrorConfig(queries=6, seeds=(0, 1), n_controls=0)
+    both = retained_error("performer", data, groups, cfg)
+    per = [retained_error("performer", data, groups, RetainedErrorConfig(queries=6, seeds=(s,), n_controls=0))
+           for s in (0, 1)]
+    e_s = sum(p["per_layer"][0]["E_S"] for p in per) / 2
+    e_f = sum(p["per_layer"][0]["E_full"] for p in per) / 2
+    assert both["R_S"] == pytest.approx(e_s / e_f, rel=1e-9)
+
+
+def test_gaussian_control_runs_same_protocol():
+    cfg = RetainedErrorConfig.preset("tiny")
+    g = gaussian_groups(4, D, cfg, torch.Generator().manual_seed(0))
+    assert g.shape == (4, D) and int(g.max(dim=-1).values.min()) >= 1  # at least two groups per head
+    data = {0: [_seq(30, seed=5)]}
+    res = gaussian_control("dijiang", data, cfg)
+    assert res["n_controls"] == 0 and res["p_value"] is None and res["R_S"] > 0
+
+
+def test_config_presets():
+    assert RetainedErrorConfig.preset("paper").n_controls == 1000
+    with pytest.raises(ValueError, match="preset"):
+        RetainedErrorConfig.preset("nope")
+    with pytest.raises(ValueError, match="dtype"):
+        RetainedErrorConfig(dtype="float16")
