@@ -1,0 +1,21 @@
+"""oal: Outlier-Aware Attention Linearization for pretrained HF causal LMs.
+
+Top-level helpers are imported lazily so that `import oal` stays light (no transformers import).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["convert", "load", "save_kernels"]
+
+
+def __getattr__(name: str):
+    if name == "convert":
+        from .models.convert import convert
+
+        return convert
+    if name in ("load", "save_kernels"):
+        from . import io
+
+        return getattr(io, name)
+    raise AttributeError(f"module 'oal' has no attribute {name!r}")

@@ -1,0 +1,530 @@
+"""Kernel calibration by output matching (paper Eq. 20, App. B "Coefficient calibration").
+
+For one layer, the trainable parameters of an attention method are fitted so that its normalised causal output
+matches the frozen softmax output on captured post-RoPE q, k, v:
+
+    L* = argmin_L  1/|C| sum_x sum_i || y_i(L; x) - y_i^softmax(x) ||^2                       (Eq. 20)
+
+Protocol (App. B): Adam (lr 0.02, no scheduler, fp32), gradient-norm clip 10, up to 1000 updates per
+initialisation; each update samples one training sequence and 32 causal query positions; validation every
+100 updates; early stop after 400 updates without improvement; the best checkpoint is kept per head, and the
+final parameters are chosen per head across initialisations by validation MSE.
+
+Batching: heads are independent, so all heads of a layer *and* all initialisations run as one method with
+I*Hq query heads (initialisation i owns heads [i*Hq, (i+1)*Hq) and KV heads [i*Hkv, (i+1)*Hkv)). The loss is
+the sum of per-head mean squared errors, gradient clipping is per head, and each head keeps its own best
+checkpoint and early-stopping clock ("stopped" heads get zero gradients). `calibrate_layer_sequential` runs the
+same loop one head at a time; with the same seed both give the same per-head trajectories.
+
+Generic over methods: a tensor (parameter or buffer) whose first dimension equals the method's `n_heads` is
+taken to be per query head and is sliced/tiled along that dimension; any other trainable parameter is shared by
+the layer, in which case the layer is one selection unit and only a single initialisation is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+
+from .methods.base import AttentionMethod, repeat_kv
+
+__all__ = [
+    "CalibConfig",
+    "HeadResult",
+    "LayerCalibration",
+    "LayerData",
+    "calibrate_layer",
+    "calibrate_layer_sequential",
+    "calibrate_oal_layer",
+    "global_inits",
+    "oal_inits",
+    "sampled_dense_output",
+]
+
+
+@dataclass
+class CalibConfig:
+    """Calibration settings. `preset("paper")` is App. B; the default is sized for the embedded model on CPU."""
+
+    lr: float = 0.02
+    max_steps: int = 200  # updates per initialisation (paper: 1000)
+    val_every: int = 25  # paper: 100
+    patience: int = 100  # updates without validation improvement before a head stops (paper: 400)
+    queries: int = 32  # causal query positions sampled per update
+    clip_norm: float = 10.0  # per head
+    perturb_std: float = 0.05  # Gaussian perturbation of the perturbed initialisations
+    seed: int = 0
+    dtype: str = "float32"
+    block_len: int = 256  # sequence length of the calibration blocks
+    train_blocks: int = 8  # number of coefficient-training sequences
+    val_blocks: int = 2  # number of validation sequences
+
+    @classmethod
+    def preset(cls, name: str = "default", **overrides) -> CalibConfig:
+        presets = {
+            "default": cls(),
+            "paper": cls(max_steps=1000, val_every=100, patience=400, block_len=4096),
+            "tiny": cls(max_steps=40, val_every=10, patience=20, block_len=64, train_blocks=2, val_blocks=1),
+        }
+        if name not in presets:
+            raise ValueError(f"preset: expected one of {sorted(presets)}, got {name!r}")
+        return replace(presets[name], **overrides)
+
+    def __post_init__(self):
+        for name in ("max_steps", "val_every", "patience", "queries"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        if not (self.lr > 0 and self.clip_norm > 0 and self.perturb_std >= 0):
+            raise ValueError("lr/clip_norm: expected > 0 and perturb_std >= 0")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype: expected 'float32' or 'float64', got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LayerData:
+    """Frozen attention tensors of S sequences: q [S, Hq, N, d], k/v [S, Hkv, N, d|dv], out [S, Hq, N, dv]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def from_captured(cls, items) -> LayerData:
+        """Concatenate `Captured` objects (or a single one) along the batch dimension."""
+        items = [items] if hasattr(items, "q") else list(items)
+        if not items:
+            raise ValueError("items: expected at least one captured sequence")
+        cat = [torch.cat([getattr(c, n) for c in items]) for n in ("q", "k", "v", "out")]
+        return cls(*cat)
+
+    def __post_init__(self):
+        s, hq, n, d = self.q.shape
+        if self.k.dim() != 4 or self.k.shape[0] != s or self.k.shape[2:] != (n, d) or hq % self.k.shape[1]:
+            raise ValueError(f"k: expected [{s}, Hkv, {n}, {d}] with Hq % Hkv == 0, got {tuple(self.k.shape)}")
+        if self.v.shape[:3] != self.k.shape[:3] or self.out.shape != (s, hq, n, self.v.shape[-1]):
+            raise ValueError(f"v/out: shapes {tuple(self.v.shape)} / {tuple(self.out.shape)} do not match q/k")
+
+    def to(self, dtype) -> LayerData:
+        return LayerData(*(t.to(dtype) for t in (self.q, self.k, self.v, self.out)))
+
+    def head(self, h: int, rep: int) -> LayerData:
+        kv = h // rep
+        return LayerData(self.q[:, h : h + 1], self.k[:, kv : kv + 1], self.v[:, kv : kv + 1], self.out[:, h : h + 1])
+
+    def tile(self, n: int) -> LayerData:
+        """n copies along the head dimensions (copy i owns heads i*Hq.. and KV heads i*Hkv..)."""
+        return LayerData(*(t.repeat(1, n, 1, 1) for t in (self.q, self.k, self.v, self.out)))
+
+
+@dataclass
+class HeadResult:
+    head: int
+    init: str  # chosen initialisation
+    val_mse: float  # best validation MSE of the chosen initialisation
+    best_step: int
+    steps: int  # updates run by the chosen initialisation before it stopped
+    val_mse_by_init: dict[str, float] = field(default_factory=dict)
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)  # init -> [[step, val_mse, train_mse]]
+
+
+@dataclass
+class LayerCalibration:
+    """Selected parameters of one layer, with per-head (or, for shared parameters, per-layer) evidence."""
+
+    layer: int
+    method: str
+    params: dict[str, torch.Tensor]  # the chosen trainable parameters, in the method's own shapes
+    heads: list[HeadResult]
+    elapsed_s: float
+    per_head: bool = True
+
+    def apply(self, method: AttentionMethod) -> AttentionMethod:
+        """Copy the chosen parameters into `method` (same shapes) and return it."""
+        named = dict(method.named_parameters())
+        with torch.no_grad():
+            for name, value in self.params.items():
+                if name not in named or named[name].shape != value.shape:
+                    raise ValueError(f"method: parameter {name!r} missing or of a different shape")
+                named[name].copy_(value.to(named[name].dtype))
+        return method
+
+    def summary(self) -> dict:
+        return {"layer": self.layer, "method": self.method, "elapsed_s": self.elapsed_s,
+                "per_head": self.per_head, "heads": [asdict(h) for h in self.heads]}
+
+
+# ----------------------------------------------------------------------------------------------- method surgery
+
+
+def _per_head_names(method: AttentionMethod) -> tuple[set[str], set[str]]:
+    """(per-head tensor names, shared trainable parameter names) by the first-dimension convention."""
+    per_head, shared = set(), set()
+    for name, t in list(method.named_parameters()) + list(method.named_buffers()):
+        if t.dim() >= 1 and t.shape[0] == method.n_heads:
+            per_head.add(name)
+        elif isinstance(t, nn.Parameter) and t.requires_grad:
+            shared.add(name)
+    return per_head, shared
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    for p in path:
+        module = getattr(module, p)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
+    else:
+        module._buffers[leaf] = value
+
+
+def _restructure(method, n_heads, n_kv, make: Callable[[str, torch.Tensor], torch.Tensor]) -> AttentionMethod:
+    new = copy.deepcopy(method)
+    per_head, _ = _per_head_names(method)
+    for name, t in list(method.named_parameters()) + list(method.named_buffers()):
+        if name in per_head:
+            _set_tensor(new, name, make(name, t.detach()).clone())
+    new.n_heads, new.n_kv_heads = n_heads, n_kv
+    return new
+
+
+def _fold(methods: Sequence[AttentionMethod]) -> AttentionMethod:
+    """One method with I*Hq heads from I copies (initialisations) of the same layer's method."""
+    base = methods[0]
+    tensors = [dict(list(m.named_parameters()) + list(m.named_buffers())) for m in methods]
+    return _restructure(base, base.n_heads * len(methods), base.n_kv_heads * len(methods),
+                        lambda name, _t: torch.cat([t[name].detach() for t in tensors]))
+
+
+def _head(method: AttentionMethod, h: int) -> AttentionMethod:
+    """The single-head method of query head h (KV head h // rep)."""
+    return _restructure(method, 1, 1, lambda _name, t: t[h : h + 1])
+
+
+# ----------------------------------------------------------------------------------------------- the loss
+
+
+def _oal_dense_kernel(method, q, k):
+    """Vectorised Eq. 7 for OAL-family methods: kappa = eps + sum_m (L_0m + scale (q * w_m) . k)^2.
+
+    w_m[r] = L[g(r)+1, m]. All heads in one batched GEMM; `method.dense_kernel` is the per-head reference.
+    """
+    lower = torch.tril(method.factor).to(q.dtype)  # [H, G+1, G+1]
+    idx = method.groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1])
+    w = torch.gather(lower[:, 1:, :], 1, idx).transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, G+1, d]
+    kr = repeat_kv(k, method.n_rep)  # [B, H, M, d]
+    z = (q.unsqueeze(2) * w[None, :, :, None, :]) @ kr.unsqueeze(2).transpose(-1, -2)  # [B, H, G+1, n, M]
+    z = z + lower[:, 0, :][None, :, :, None, None]
+    return method.eps + z.square().sum(2)
+
+
+def _dense_kernel(method, q, k):
+    if hasattr(method, "factor") and hasattr(method, "groups") and method.name in ("oal", "global"):
+        return _oal_dense_kernel(method, q, k)
+    return method.dense_kernel(q, k)
+
+
+def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor) -> torch.Tensor:
+    """Normalised causal output at query `positions` [n] only: q [B, Hq, N, d] -> [B, Hq, n, dv].
+
+    Each selected query i attends keys j <= i of the causal prefix; no N x N matrix is formed.
+    """
+    m = int(positions.max()) + 1
+    qs = q[:, :, positions]
+    w = _dense_kernel(method, qs, k[:, :, :m])  # [B, Hq, n, m]
+    mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
+    w = w.masked_fill(~mask, 0.0).to(v.dtype)
+    return (w @ repeat_kv(v[:, :, :m], method.n_rep)) / w.sum(-1, keepdim=True)
+
+
+def _val_mse(method, data: LayerData) -> torch.Tensor:
+    """Per-head validation MSE [H] of the linear-time causal output (all positions, all sequences)."""
+    with torch.no_grad():
+        out = method(data.q, data.k, data.v, causal=True)
+        return (out.to(data.out.dtype) - data.out).square().mean(dim=(0, 2, 3))
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+
+def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, n_units: int):
+    """Run the protocol on `method` (already folded/sliced). Units are heads, or 1 for shared parameters.
+
+    Returns (best_params {name: tensor}, best_val [U], best_step [U], steps [U], curves [U] of [step, val, train]).
+    """
+    params = {n: p for n, p in method.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError(f"method: {method.name!r} has no trainable parameters to calibrate")
+    per_head = n_units == method.n_heads
+    opt = torch.optim.Adam(params.values(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n_seq, _, n_tok, _ = train.q.shape
+    n_q = min(cfg.queries, n_tok)
+
+    def unit_val():
+        v = _val_mse(method, val)
+        return v if per_head else v.mean().reshape(1)
+
+    best = {n: p.detach().clone() for n, p in params.items()}
+    best_val = unit_val()
+    best_val = torch.where(torch.isfinite(best_val), best_val, torch.full_like(best_val, math.inf))
+    best_step = torch.zeros(n_units, dtype=torch.long)
+    steps = torch.zeros(n_units, dtype=torch.long)
+    stopped = torch.zeros(n_units, dtype=torch.bool)
+    curves: list[list[list[float]]] = [[[0, float(best_val[u]), math.nan]] for u in range(n_units)]
+    train_sum = torch.zeros(n_units, dtype=torch.float64)
+    train_count = 0
+    for step in range(1, cfg.max_steps + 1):
+        s = int(torch.randint(n_seq, (1,), generator=gen))
+        pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values
+        pred = sampled_dense_output(method, train.q[s : s + 1], train.k[s : s + 1], train.v[s : s + 1], pos)
+        err = (pred - train.out[s : s + 1, :, pos]).square().mean(dim=(0, 2, 3))  # [H] per-head MSE
+        loss_units = err if per_head else err.mean().reshape(1)
+        opt.zero_grad(set_to_none=False)
+        loss_units.sum().backward()
+        with torch.no_grad():
+            _clip_and_mask(params, stopped, cfg.clip_norm, per_head)
+            opt.step()
+            active = ~stopped
+            steps[active] = step
+            train_sum += loss_units.detach().double().nan_to_num(math.inf).cpu()
+            train_count += 1
+            if step % cfg.val_every == 0 or step == cfg.max_steps:
+                cur = unit_val()
+                improved = active & torch.isfinite(cur) & (cur < best_val)
+                best_val = torch.where(improved, cur, best_val)
+                best_step[improved] = step
+                for n, p in params.items():
+                    if per_head:
+                        best[n][improved] = p[improved]
+                    elif bool(improved[0]):
+                        best[n].copy_(p)
+                tr = train_sum / train_count
+                for u in torch.nonzero(active).flatten().tolist():
+                    curves[u].append([step, float(cur[u]), float(tr[u])])
+                train_sum.zero_()
+                train_count = 0
+                stopped |= active & ((step - best_step) >= cfg.patience)
+                stopped |= ~torch.isfinite(cur)
+                if bool(stopped.all()):
+                    break
+    return best, best_val, best_step, steps, curves
+
+
+def _clip_and_mask(params, stopped, clip_norm, per_head):
+    """Per-unit gradient-norm clipping (clip 10 per head, as if each head were optimised alone); stopped units
+    get zero gradient."""
+    grads = [p.grad for p in params.values()]
+    for g in grads:
+        g.nan_to_num_(0.0, 0.0, 0.0)
+    if per_head:
+        sq = sum(g.reshape(g.shape[0], -1).square().sum(1) for g in grads)
+        coef = (clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0) * (~stopped).to(sq.dtype)
+        for g in grads:
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+    else:
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        coef = 0.0 if bool(stopped[0]) else min(1.0, clip_norm / (float(norm) + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+
+
+# ----------------------------------------------------------------------------------------------- public entry points
+
+
+def _prepare(method, inits, train, val, cfg):
+    dtype = cfg.torch_dtype
+    train, val = train.to(dtype), val.to(dtype)
+    if train.q.shape[1:] != val.q.shape[1:] or train.q.shape[1] != method.n_heads:
+        raise ValueError(f"train/val: expected {method.n_heads} query heads with matching shapes, got "
+                         f"{tuple(train.q.shape)} / {tuple(val.q.shape)}")
+    if train.k.shape[1] != method.n_kv_heads:
+        raise ValueError(f"train: expected {method.n_kv_heads} KV heads, got {train.k.shape[1]}")
+    inits = dict(inits) if inits else {"default": {}}
+    copies = {}
+    for name, values in inits.items():
+        m = copy.deepcopy(method).to(dtype)
+        named = dict(m.named_parameters())
+        with torch.no_grad():
+            for pname, value in values.items():
+                if pname not in named or named[pname].shape != value.shape:
+                    got = tuple(value.shape)
+                    raise ValueError(f"inits[{name!r}]: parameter {pname!r} missing or shape {got} does not match")
+                named[pname].copy_(value.to(dtype))
+        copies[name] = m
+    _, shared = _per_head_names(method)
+    if shared and len(copies) > 1:
+        raise ValueError(f"inits: method {method.name!r} shares parameters {sorted(shared)} across heads; "
+                         "only a single initialisation is supported")
+    return train, val, copies, not shared
+
+
+def _select(method, layer, copies, results, per_head, t0) -> LayerCalibration:
+    """Pick per head (or per layer) the initialisation with the lowest validation MSE."""
+    names = list(copies)
+    vals = torch.stack([results[n][1] for n in names])  # [I, U]
+    choice = vals.argmin(0)
+    params = {}
+    for pname, p in method.named_parameters():
+        if not p.requires_grad:
+            continue
+        stacked = torch.stack([results[n][0][pname] for n in names])  # [I, ...]
+        if per_head:
+            params[pname] = stacked[choice, torch.arange(stacked.shape[1])].to(p.dtype)
+        else:
+            params[pname] = stacked[int(choice[0])].to(p.dtype)
+    heads = []
+    for u in range(vals.shape[1]):
+        i = names[int(choice[u])]
+        _, best_val, best_step, steps, curves = results[i]
+        heads.append(HeadResult(
+            head=u if per_head else -1, init=i, val_mse=float(best_val[u]), best_step=int(best_step[u]),
+            steps=int(steps[u]), val_mse_by_init={n: float(results[n][1][u]) for n in names},
+            curves={n: results[n][4][u] for n in names},
+        ))
+    return LayerCalibration(layer, method.name, params, heads, time.perf_counter() - t0, per_head)
+
+
+def calibrate_layer(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig | None = None,
+                    inits: Mapping[str, Mapping[str, torch.Tensor]] | None = None, *, layer: int | None = None,
+                    ) -> LayerCalibration:
+    """Batched calibration of one layer: all heads and all initialisations in one tensor program.
+
+    `inits` maps an initialisation name to parameter values (name -> tensor in the method's shapes); omitted:
+    the method's current parameters as the single initialisation. `method` itself is not modified; use
+    `result.apply(method)`.
+    """
+    cfg = cfg or CalibConfig()
+    t0 = time.perf_counter()
+    train, val, copies, per_head = _prepare(method, inits, train, val, cfg)
+    n_init, hq = len(copies), method.n_heads
+    folded = _fold(list(copies.values())) if n_init > 1 else next(iter(copies.values()))
+    units = folded.n_heads if per_head else 1
+    best, best_val, best_step, steps, curves = _optimize(
+        folded, train.tile(n_init) if n_init > 1 else train, val.tile(n_init) if n_init > 1 else val, cfg, units
+    )
+    results = {}
+    for i, name in enumerate(copies):
+        sl = slice(i * hq, (i + 1) * hq) if per_head else slice(0, 1)
+        p_i = {n: (t[i * hq : (i + 1) * hq] if per_head else t) for n, t in best.items()}
+        results[name] = (p_i, best_val[sl], best_step[sl], steps[sl], curves[sl])
+    return _select(method, method.layer_idx if layer is None else layer, copies, results, per_head, t0)
+
+
+def calibrate_layer_sequential(method: AttentionMethod, train: LayerData, val: LayerData,
+                               cfg: CalibConfig | None = None, inits=None, *, layer: int | None = None,
+                               ) -> LayerCalibration:
+    """Reference: the same protocol, one initialisation and one head at a time (for tests and the benchmark)."""
+    cfg = cfg or CalibConfig()
+    t0 = time.perf_counter()
+    train, val, copies, per_head = _prepare(method, inits, train, val, cfg)
+    results = {}
+    for name, m in copies.items():
+        if not per_head:
+            results[name] = _optimize(m, train, val, cfg, 1)
+            continue
+        outs = [_optimize(_head(m, h), train.head(h, m.n_rep), val.head(h, m.n_rep), cfg, 1)
+                for h in range(m.n_heads)]
+        best = {n: torch.cat([o[0][n] for o in outs]) for n in outs[0][0]}
+        results[name] = (best, *(torch.cat([o[j] for o in outs]) for j in (1, 2, 3)),
+                         [o[4][0] for o in outs])
+    return _select(method, method.layer_idx if layer is None else layer, copies, results, per_head, t0)
+
+
+# ----------------------------------------------------------------------------------------------- OAL and global
+
+
+def global_inits(n_heads: int, cfg: CalibConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """Three starts for the learned global quadratic (G = 1), our choice (App. B leaves them open):
+    Taylor 1 + s + s^2/2; the steeper quadratic 1 + s + s^2; Taylor with Gaussian perturbation."""
+    from .ops.kernel import learned_global_from_coefficients, perturbed_factor, taylor_factor
+
+    taylor = taylor_factor(n_heads, 1)
+    steep = learned_global_from_coefficients(1.0, 1.0, 1.0).expand(n_heads, 2, 2).clone()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    return {"taylor": {"factor": taylor}, "quadratic": {"factor": steep},
+            "taylor_perturbed": {"factor": perturbed_factor(taylor, cfg.perturb_std, gen)}}
+
+
+def oal_inits(global_factor: torch.Tensor, n_groups: int, cfg: CalibConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """App. B's three OAL starts: learned global embedded, Taylor, learned global + Gaussian perturbation."""
+    from .ops.kernel import global_embedded_factor, perturbed_factor, taylor_factor
+
+    emb = global_embedded_factor(global_factor.detach().float(), n_groups)
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    return {"global_embedded": {"factor": emb}, "taylor": {"factor": taylor_factor(emb.shape[0], n_groups)},
+            "global_perturbed": {"factor": perturbed_factor(emb, cfg.perturb_std, gen)}}
+
+
+def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, cfg: CalibConfig | None = None,
+                        *, layer: int = 0, eps: float = 1e-6, sequential: bool = False,
+                        ) -> tuple[LayerCalibration, LayerCalibration]:
+    """The learned global baseline first (3 inits), then OAL (3 inits, one seeded by the global result).
+
+    Returns (global, oal) calibrations; `groups` [Hq, d] are the layer's fixed dimension groups.
+    """
+    from .methods import build_method
+
+    cfg = cfg or CalibConfig()
+    hq, hkv, d = train.q.shape[1], train.k.shape[1], train.q.shape[-1]
+    groups = torch.as_tensor(groups, dtype=torch.long)
+    if groups.shape != (hq, d):
+        raise ValueError(f"groups: expected shape [{hq}, {d}], got {tuple(groups.shape)}")
+    run = calibrate_layer_sequential if sequential else calibrate_layer
+    glob = build_method("global", hq, hkv, d, eps=eps, layer_idx=layer)
+    g_res = run(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
+    n_groups = int(groups.max()) + 1
+    oal = build_method("oal", hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer)
+    o_res = run(oal, train, val, cfg, oal_inits(g_res.params["factor"], n_groups, cfg), layer=layer)
+    return g_res, o_res
+
+
+# ----------------------------------------------------------------------------------------------- from a model
+
+
+def capture_layer_data(model, input_ids: torch.Tensor, layer: int, batch_size: int = 4) -> LayerData:
+    """Frozen q/k/v/softmax-out of `layer` for the blocks `input_ids` [S, N] (via `oal.models.capture`)."""
+    from .models.capture import capture
+
+    got = []
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            capture(model, input_ids[start : start + batch_size], [layer], got.append, stop_after_last=True)
+    return LayerData.from_captured(got)
+
+
+def calibrate_model(model, train_ids: torch.Tensor, val_ids: torch.Tensor, groups: Mapping[int, torch.Tensor],
+                    cfg: CalibConfig | None = None, *, eps: float = 1e-6, progress: bool = False,
+                    on_layer: Callable[[int, LayerCalibration, LayerCalibration], None] | None = None,
+                    ) -> dict[int, tuple[LayerCalibration, LayerCalibration]]:
+    """Calibrate global then OAL on every layer in `groups` (layer -> [Hq, d]); returns layer -> (global, oal).
+
+    `on_layer(layer, global, oal)` is called after each layer (e.g. to checkpoint).
+    """
+    from rich.progress import Progress
+
+    cfg = cfg or CalibConfig()
+    out = {}
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("calibrating", total=len(groups))
+        for layer in sorted(groups):
+            train = capture_layer_data(model, train_ids, layer)
+            val = capture_layer_data(model, val_ids, layer)
+            out[layer] = calibrate_oal_layer(train, val, groups[layer], cfg, layer=layer, eps=eps)
+            if on_layer is not None:
+                on_layer(layer, *out[layer])
+            bar.advance(task)
+    return out

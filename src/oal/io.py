@@ -1,0 +1,181 @@
+"""Save and load converted kernels: `DIR/kernels.safetensors` + `DIR/kernels.json`, no pickle anywhere.
+
+kernels.safetensors holds every parameter and buffer of each converted layer's method under
+`layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
+to rebuild and to refuse a wrong base model: per layer the method name, (Hq, Hkv, d) and constructor settings
+(eps, n_groups), the base model's id, revision, architecture fingerprint and file hashes, and the SHA256 of the
+tensor file. Both files are written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .methods.base import AttentionMethod, build_method
+
+__all__ = ["KERNELS_FILE", "META_FILE", "load", "load_kernels", "model_fingerprint", "save_kernels"]
+
+KERNELS_FILE = "kernels.safetensors"
+META_FILE = "kernels.json"
+FORMAT = "oal-kernels/1"
+_INIT_ATTRS = ("eps", "n_groups")  # JSON-able constructor settings read off a method when present
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """Architecture facts a kernel file must agree with (a different model of the same shape passes; use hashes)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_heads = cfg.num_attention_heads
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or n_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def _methods_of(model_or_methods) -> tuple[dict[int, AttentionMethod], nn.Module | None]:
+    if isinstance(model_or_methods, Mapping):
+        return dict(model_or_methods), None
+    from .models.convert import converted_methods
+
+    methods = converted_methods(model_or_methods)
+    if not methods:
+        raise ValueError("model_or_methods: the model has no converted layers; call oal.convert first")
+    return methods, model_or_methods
+
+
+def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | None = None,
+                 revision: str | None = None, model_hashes: Mapping[str, str] | None = None,
+                 fingerprint: Mapping | None = None, extra: Mapping | None = None) -> Path:
+    """Write the kernels of a converted model (or a dict layer -> method) to `directory`; returns the JSON path.
+
+    `base_model`/`revision`/`model_hashes` identify the base model (defaults: `config._name_or_path`).
+    """
+    methods, model = _methods_of(model_or_methods)
+    directory = Path(directory)
+    tensors, layers = {}, {}
+    for i, m in sorted(methods.items()):
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
+        layers[str(i)] = {
+            "method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+            "seed": getattr(m, "seed", 0),
+            "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))},
+        }
+    if model is not None:
+        fingerprint = fingerprint or model_fingerprint(model)
+        base_model = base_model or getattr(model.config, "_name_or_path", None)
+    tensor_path = directory / KERNELS_FILE
+    _atomic_write(tensor_path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    meta = {
+        "format": FORMAT,
+        "layers": layers,
+        "base_model": {"name_or_path": base_model, "revision": revision, "fingerprint": dict(fingerprint or {}),
+                       "hashes": dict(model_hashes or {})},
+        "sha256": {KERNELS_FILE: _sha256(tensor_path)},
+        **({"extra": dict(extra)} if extra else {}),
+    }
+    meta_path = directory / META_FILE
+    _write_json(meta_path, meta)
+    return meta_path
+
+
+def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
+                 ) -> tuple[dict[int, AttentionMethod], dict]:
+    """Rebuild the methods saved in `directory`; returns (layer -> method, metadata).
+
+    Raises ValueError on a missing/corrupt file, a hash mismatch, a fingerprint that differs from `fingerprint`,
+    or tensors whose shapes do not fit the recorded method.
+    """
+    directory = Path(directory)
+    meta_path, tensor_path = directory / META_FILE, directory / KERNELS_FILE
+    if not meta_path.is_file() or not tensor_path.is_file():
+        raise ValueError(f"directory: expected {META_FILE} and {KERNELS_FILE} in {directory}")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: expected format {FORMAT!r}, got {meta.get('format')!r}")
+    want = meta.get("sha256", {}).get(KERNELS_FILE)
+    if want and _sha256(tensor_path) != want:
+        raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
+    if fingerprint is not None:
+        saved = meta["base_model"].get("fingerprint") or {}
+        diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if k in saved and saved[k] != v}
+        if diff:
+            details = ", ".join(f"{k}: file {a!r} vs model {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"base_model: kernels in {directory} were made for another model ({details})")
+    tensors = load_file(str(tensor_path))
+    methods = {}
+    for key, info in meta["layers"].items():
+        i = int(key)
+        prefix = f"layers.{i}."
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        kwargs = dict(info.get("init", {}))
+        if "groups" in state and info["method"] == "oal":
+            kwargs["groups"] = state["groups"]
+        m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=i,
+                         seed=info.get("seed", 0), **kwargs)
+        own = m.state_dict()
+        bad = {k: (tuple(v.shape), tuple(own[k].shape))
+               for k, v in state.items() if k in own and v.shape != own[k].shape}
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if bad or missing or unexpected:
+            raise ValueError(f"{tensor_path}: layer {i} ({info['method']}) does not fit: shapes {bad}, "
+                             f"missing {missing}, unexpected {unexpected}")
+        m.load_state_dict(state)
+        methods[i] = m
+    return methods, meta
+
+
+def load(directory: str | Path, base_model, **load_kwargs) -> nn.Module:
+    """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
+
+    A name/path goes through `oal.models.registry.load_model` (`load_kwargs` passed on).
+    """
+    if isinstance(base_model, (str, os.PathLike)):
+        from .models.registry import load_model
+
+        base_model = load_model(str(base_model), **load_kwargs)[0]
+    if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
+        raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
+    methods, _ = load_kernels(directory, fingerprint=model_fingerprint(base_model))
+    n_layers = model_fingerprint(base_model)["num_hidden_layers"]
+    if any(i >= n_layers for i in methods):
+        raise ValueError(f"base_model: kernel layers {sorted(methods)} exceed its {n_layers} layers")
+    from .models.convert import convert
+
+    return convert(base_model, sorted(methods), methods)

@@ -1,0 +1,112 @@
+"""Generation cache for converted layers: an O(1) recurrent state instead of a growing K/V cache.
+
+Design: a converted layer's slot of the ordinary transformers `Cache` (e.g. the `DynamicCache` that `generate`
+creates) is replaced, on first use, by an `OALStateLayer` (see `models.convert`, which does the swap from a
+forward pre-hook of the attention module). Softmax layers keep their `DynamicLayer` K/V cache untouched, so
+`past_key_values.get_seq_length()` and the mask sizes stay those of a normal cache.
+
+`OALStateLayer.update(k, v)` only counts tokens and hands the new k/v back; the attention function then runs the
+method with `initial_state=layer.state, output_final_state=True` and stores the new state
+[B, Hkv, 1 + d + d(d+1)/2, dv + 1] (H0, H1, packed H2 and the denominator column, see `oal.ops`). Its size does
+not depend on the context length.
+
+Methods without a recurrent state (`supports_state = False`: softmax, kernels without a prefix state) in a
+converted layer get `OALStateLayer(stateful=False)`, which stores K/V like a dynamic layer; decoding then
+recomputes the dense kernel of the new queries against all cached keys (exact, O(N) per token, not O(1)).
+
+Beam search (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`) is supported; `crop` (assisted
+decoding) is not, because a summed state cannot forget tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+__all__ = ["OALStateLayer", "state_nbytes"]
+
+
+class OALStateLayer(CacheLayerMixin):
+    """Cache slot of one converted layer: the recurrent state (or K/V for stateless methods) and a token count."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, stateful: bool = True, **kwargs):
+        super().__init__()
+        self.stateful = stateful
+        self.state: torch.Tensor | None = None
+        self.seen = 0
+
+    def __repr__(self):
+        return f"OALStateLayer(stateful={self.stateful}, seen={self.seen})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        if not self.stateful:
+            self.keys = key_states[..., :0, :]
+            self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Count the new tokens; stateful: return them unchanged (the state is updated by the attention function)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        if self.stateful:
+            return key_states, value_states
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # the same (kv_length, kv_offset) a dynamic layer reports: masks cover every token seen so far
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state, self.keys, self.values = None, None, None
+        self.seen = 0
+        self.is_initialized = False
+
+    def _map_batch(self, fn) -> None:
+        if self.state is not None:
+            self.state = fn(self.state)
+        if not self.stateful and self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError("crop: a converted layer keeps a summed recurrent state and cannot drop tokens "
+                             "(assisted/speculative decoding is not supported)")
+
+    def offload(self):
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+def state_nbytes(cache) -> dict[int, int]:
+    """Bytes held per layer of a cache: recurrent state for converted layers, K/V for the others."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        tensors = [getattr(layer, "state", None), getattr(layer, "keys", None), getattr(layer, "values", None)]
+        out[i] = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return out

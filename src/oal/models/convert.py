@@ -1,0 +1,271 @@
+"""Swap the attention computation of chosen layers of an HF causal LM for an `AttentionMethod` (paper App. F).
+
+How: the HF attention module stays in place, with its q/k/v/o projections, biases, RoPE, q/k norms (Qwen3) and
+GQA layout. We attach the method as a submodule `self_attn.oal_method` (its kernel parameters are trainable
+`nn.Parameter`s, groups are buffers) and switch the model to an attention implementation registered through
+`transformers.AttentionInterface` as "oal_<base>" (base = the model's own, usually "sdpa"). That function receives
+exactly what the softmax function would (post-RoPE unscaled q [B, Hq, N, d], unrepeated k/v [B, Hkv, N, d]) and
+dispatches to `module.oal_method` for converted layers and to the base implementation for every other layer,
+so unconverted layers are bit-identical to the original model.
+
+Caching (see `models.cache`): a forward pre-hook on each converted attention module finds the cache passed to it
+and, on first use, replaces that layer's empty slot with an `OALStateLayer`, so `generate(use_cache=True)` keeps an
+O(1) recurrent state for converted layers (prefill through the chunked path, then one token at a time) and the usual
+K/V cache for softmax layers.
+
+Padding: left padding (what batched `generate` uses) is supported: each row's padded prefix is cut off before the
+method runs, so padded tokens never enter the row's state or normaliser, and padded query positions get a zero
+output. Right or inner padding in a converted layer raises ValueError (a causal prefix state cannot skip tokens
+that come before real ones... or after them without a per-token mask).
+
+Use with peft: call `convert` first, then `get_peft_model`; peft freezes non-LoRA weights, so re-enable the kernel
+parameters with `for p in kernel_parameters(model): p.requires_grad_(True)` (or list them in `modules_to_save`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..methods.base import AttentionMethod, build_method, repeat_kv
+from .cache import OALStateLayer
+
+__all__ = ["convert", "converted_methods", "default_layers", "kernel_parameters", "is_converted"]
+
+_PREFIX = "oal_"
+_HOOKS_ATTR = "_oal_hook_handles"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _decoder_layers(model: nn.Module):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "config"):
+        raise ValueError(f"model: expected an HF causal LM with `model.model.layers`, got {type(model).__name__}")
+    return layers
+
+
+def _attention(model: nn.Module, layer: int) -> nn.Module:
+    layers = _decoder_layers(model)
+    if not isinstance(layer, int) or not 0 <= layer < len(layers):
+        raise ValueError(f"layers: expected ints in [0, {len(layers)}), got {layer!r}")
+    attn = getattr(layers[layer], "self_attn", None)
+    if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        raise ValueError(f"model: layer {layer} has no self_attn with q/k/v/o projections")
+    return attn
+
+
+def default_layers(model: nn.Module) -> list[int]:
+    """App. F layer ranges via the model registry when available, else every layer but the first and last."""
+    try:
+        from .registry import default_layers as registry_default
+    except ImportError:
+        n = len(_decoder_layers(model))
+        return list(range(1, n - 1)) if n > 2 else list(range(n))
+    return list(registry_default(model))
+
+
+def _head_shape(model: nn.Module) -> tuple[int, int, int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    return n_heads, n_kv, head_dim
+
+
+# ----------------------------------------------------------------------------------------------- attention function
+
+
+def _key_validity(mask, n_new: int) -> torch.Tensor | None:
+    """[B, n_new] True for real (non-padded) new tokens, read off the last query row of the 4-D mask."""
+    if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
+        return None
+    row = mask[:, 0, -1, -n_new:]
+    return row if row.dtype == torch.bool else row == 0
+
+
+def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
+    """Stateless fallback: dense kernel of the new queries against every cached key, masked like softmax."""
+    w = method.dense_kernel(q, k)  # [B, Hq, n, M]
+    n, m = w.shape[-2:]
+    if mask is not None and torch.is_tensor(mask) and mask.dim() == 4:
+        allowed = mask[..., -n:, -m:]
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+    else:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=w.device).tril(m - n)
+    w = w.masked_fill(~allowed, 0.0).to(v.dtype)
+    return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
+
+
+def _run(method, q, k, v, state, want_state):
+    if want_state:
+        return method(q, k, v, causal=True, initial_state=state, output_final_state=True)
+    return method(q, k, v, causal=True), None
+
+
+def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
+    want = layer is not None
+    state = layer.state if want else None
+    n = q.shape[2]
+    if valid is None or bool(valid.all()):
+        out, state = _run(method, q, k, v, state, want)
+    else:
+        n_pad = (~valid).sum(1)
+        outs, states = [], []
+        for b in range(q.shape[0]):
+            p = int(n_pad[b])
+            if bool(valid[b, :p].any()) or not bool(valid[b, p:].all()):
+                raise ValueError("attention_mask: converted layers support left padding only (padding tokens "
+                                 "must come before every real token of the row)")
+            if p == n:
+                raise ValueError("attention_mask: a row of the batch is entirely padding")
+            if p and state is not None and layer.seen > n:
+                raise ValueError("attention_mask: padding after earlier tokens is not supported in converted layers")
+            st = None if state is None else state[b : b + 1]
+            o, st = _run(method, q[b : b + 1, :, p:], k[b : b + 1, :, p:], v[b : b + 1, :, p:], st, want)
+            outs.append(torch.nn.functional.pad(o, (0, 0, p, 0)))  # padded queries: zero output
+            states.append(st)
+        out = torch.cat(outs)
+        state = torch.cat(states) if want else None
+    if want:
+        layer.state = state
+    return out
+
+
+def _converted_forward(module, query, key, value, attention_mask):
+    method: AttentionMethod = module.oal_method
+    layer = getattr(module, "_oal_cache_layer", None)
+    if layer is not None and not layer.stateful:
+        out = _dense_with_mask(method, query, key, value, attention_mask)
+    else:
+        out = _stateful(method, query, key, value, _key_validity(attention_mask, key.shape[-2]), layer)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _base_function(module: nn.Module, impl: str):
+    if impl == "eager":  # each modeling file defines its own eager function
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _register(base: str) -> str:
+    """Register (once) the dispatching attention function "oal_<base>" with `base`'s mask function."""
+    name = f"{_PREFIX}{base}"
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"model: attention implementation {base!r} is not supported; use 'sdpa' or 'eager'")
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(f"model: attention implementation {base!r} has no mask function; use 'sdpa' or 'eager'")
+
+    def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+        if getattr(module, "oal_method", None) is None:
+            return _base_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+        return _converted_forward(module, query, key, value, attention_mask)
+
+    oal_dispatch.__name__ = name
+    AttentionInterface.register(name, oal_dispatch)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+# ----------------------------------------------------------------------------------------------- cache hooks
+
+
+def _cache_slot(cache, idx: int, method: AttentionMethod) -> OALStateLayer:
+    """The converted layer's slot of `cache`, swapped to an OALStateLayer on first use."""
+    if not isinstance(cache, Cache):
+        raise ValueError(f"past_key_values: expected a transformers Cache, got {type(cache).__name__}")
+    if getattr(cache, "layer_class_to_replicate", None) is not None:
+        while len(cache.layers) <= idx:
+            cache.layers.append(cache.layer_class_to_replicate())
+    if idx >= len(cache.layers):
+        raise ValueError(f"past_key_values: the cache has no slot for layer {idx}")
+    slot = cache.layers[idx]
+    if isinstance(slot, OALStateLayer):
+        return slot
+    if type(slot) is not DynamicLayer:
+        raise ValueError(f"past_key_values: converted layer {idx} needs a DynamicCache slot, got "
+                         f"{type(slot).__name__} (static/sliding/quantized caches are not supported)")
+    if slot.get_seq_length() > 0:
+        raise ValueError(f"past_key_values: layer {idx} already holds softmax K/V; start from an empty cache")
+    cache.layers[idx] = OALStateLayer(stateful=method.supports_state)
+    return cache.layers[idx]
+
+
+def _pre_hook(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    module._oal_cache_layer = None if cache is None else _cache_slot(cache, module.layer_idx, module.oal_method)
+
+
+def _post_hook(module, args, kwargs, output):
+    module._oal_cache_layer = None
+
+
+# ----------------------------------------------------------------------------------------------- public API
+
+
+def convert(model: nn.Module, layers: Sequence[int] | None = None,
+            methods: Mapping[int, AttentionMethod] | str = "oal", **method_kwargs) -> nn.Module:
+    """Replace attention in `layers` of `model` (in place) and return the model.
+
+    `methods` maps layer index -> AttentionMethod built for this model's (Hq, Hkv, d); a method name instead
+    builds a default instance per layer (`method_kwargs` passed on). `layers` defaults to the keys of `methods`,
+    or to `default_layers(model)` when `methods` is a name. Converting an already converted layer replaces its method.
+    """
+    _decoder_layers(model)
+    n_heads, n_kv, head_dim = _head_shape(model)
+    if isinstance(methods, str):
+        layers = default_layers(model) if layers is None else list(layers)
+        methods = {i: build_method(methods, n_heads, n_kv, head_dim, layer_idx=i, **method_kwargs) for i in layers}
+    elif not isinstance(methods, Mapping):
+        raise ValueError(f"methods: expected a dict layer -> AttentionMethod or a method name, got {type(methods)}")
+    layers = sorted(methods) if layers is None else sorted(layers)
+    if set(layers) != set(methods):
+        raise ValueError(f"methods: expected one method per layer {layers}, got layers {sorted(methods)}")
+    attns = {i: _attention(model, i) for i in layers}
+    for i, m in methods.items():
+        if not isinstance(m, AttentionMethod):
+            raise ValueError(f"methods[{i}]: expected an AttentionMethod, got {type(m).__name__}")
+        if (m.n_heads, m.n_kv_heads, m.head_dim) != (n_heads, n_kv, head_dim):
+            raise ValueError(f"methods[{i}]: built for (Hq, Hkv, d) = {(m.n_heads, m.n_kv_heads, m.head_dim)}, "
+                             f"the model has {(n_heads, n_kv, head_dim)}")
+    base = model.config._attn_implementation or "sdpa"
+    if not base.startswith(_PREFIX):
+        model.set_attn_implementation(_register(base))
+    device = next(model.parameters()).device
+    for i in layers:
+        attn = attns[i]
+        attn.oal_method = methods[i].to(device)
+        if not getattr(attn, _HOOKS_ATTR, None):
+            setattr(attn, _HOOKS_ATTR, (attn.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                                        attn.register_forward_hook(_post_hook, with_kwargs=True)))
+    return model
+
+
+def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:
+    """layer index -> method for every converted layer of `model` (empty when none)."""
+    out = {}
+    for i, layer in enumerate(_decoder_layers(model)):
+        m = getattr(getattr(layer, "self_attn", None), "oal_method", None)
+        if m is not None:
+            out[i] = m
+    return out
+
+
+def is_converted(model: nn.Module) -> bool:
+    return bool(converted_methods(model))
+
+
+def kernel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable kernel parameters of every converted layer (e.g. OAL factors), for optimisers and peft."""
+    return [p for m in converted_methods(model).values() for p in m.parameters()]
