@@ -109,3 +109,46 @@ def test_bad_input(tiny, tmp_path):
         analyze(tiny, None, torch.zeros(2, 5, dtype=torch.long), [0], tmp_path, representative=(1, 0))
     with pytest.raises(ValueError, match="path"):
         load_groups(tmp_path / "missing")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny byte-level Llama saved in HF format (what `oal analyze --model PATH` loads).
+
+    Llama rather than Qwen2: transformers' AutoTokenizer replaces the declared ByT5Tokenizer of a qwen2 config by
+    Qwen2Tokenizer (qwen2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS list).
+    """
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(path)
+    return path
+
+
+def test_cli_end_to_end(tiny_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import oal.cli.analyze  # noqa: F401  (registers the command)
+    from oal.cli.app import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    args = ["analyze", "--model", str(tiny_dir), "--out", str(out), "--layers", "0,2", "--n-bootstrap", "30",
+            "--heldout", "6", "--no-figures", "--head", "2:3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    groups = load_groups(out)
+    assert sorted(groups) == [0, 2] and groups[0].shape == (4, 8)
+    data = json.loads((out / "groups.json").read_text())
+    assert data["n_prompts"] == 40 and data["prompt_lengths"] == [128] * 40  # default plan: 40 x 128 tokens
+    assert data["grouping"]["n_bootstrap"] == 30 and data["grouping"]["tail_fraction"] == 0.25
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert analysis["stability_inputs"]["n_heldout"] == 6
+    assert analysis["stability_lengths"]["lengths"][-1] == 256
+    assert "top-5 share" in result.output
+    bad = CliRunner().invoke(app, ["analyze", "--model", str(tiny_dir), "--out", str(out), "--layers", "5"])
+    assert bad.exit_code != 0 and "--layers" in bad.output
