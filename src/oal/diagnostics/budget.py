@@ -1,0 +1,86 @@
+"""Fig. 2(b): held-out attention-output MSE vs trainable coefficients per head over fixed group budgets.
+
+One chosen (layer, head); for each budget G, `oal.analysis.fixed_budget_groups` cuts the same sorted
+contribution profile at its G - 1 largest adjacent gaps (App. B), so larger budgets only subdivide. Each
+budget is calibrated with the same protocol (`oal.calibrate`: the learned global quadratic once, then OAL from
+its three starts, selection by validation MSE) and scored by pooled held-out output MSE over all tokens and
+output dimensions. Trainable coefficients per head: the lower triangle of L, (G + 1)(G + 2) / 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .tables import save_figure
+
+__all__ = ["budget_curve", "coefficients_per_head", "plot_budget"]
+
+
+def coefficients_per_head(n_groups: int) -> int:
+    """Entries of the lower-triangular (G+1) x (G+1) factor L (Section 4.3)."""
+    return (n_groups + 1) * (n_groups + 2) // 2
+
+
+def budget_curve(train, val, heldout, chi: torch.Tensor, head: int, budgets: Sequence[int] = tuple(range(1, 17)),
+                 cfg=None, *, layer: int = 0, on_budget: Callable[[dict], None] | None = None) -> dict:
+    """train/val/heldout: `oal.calibrate.LayerData` of one layer; chi [d] the head's calibration contribution
+    scores. Returns {"layer", "head", "points": [{G, coefficients, heldout_mse, val_mse, groups}], ...}."""
+    from ..analysis import fixed_budget_groups
+    from ..calibrate import CalibConfig, calibrate_layer, global_inits, oal_inits
+    from ..methods import build_method
+
+    cfg = cfg or CalibConfig()
+    rep = train.q.shape[1] // train.k.shape[1]
+    if not 0 <= head < train.q.shape[1]:
+        raise ValueError(f"head: expected 0 <= head < {train.q.shape[1]}, got {head}")
+    d = train.q.shape[-1]
+    if chi.shape != (d,):
+        raise ValueError(f"chi: expected shape [{d}], got {tuple(chi.shape)}")
+    tr, va, ho = train.head(head, rep), val.head(head, rep), heldout.head(head, rep)
+    glob = build_method("global", 1, 1, d, layer_idx=layer)
+    g_res = calibrate_layer(glob, tr, va, cfg, global_inits(1, cfg), layer=layer)  # shared by every budget
+    points = []
+    for n_groups in budgets:
+        groups = fixed_budget_groups(chi, n_groups).reshape(1, d)
+        g = int(groups.max()) + 1  # == n_groups unless chi has fewer distinct gaps
+        if g == 1:
+            method, res = g_res.apply(build_method("global", 1, 1, d, layer_idx=layer)), g_res
+        else:
+            method = build_method("oal", 1, 1, d, groups=groups, n_groups=g, layer_idx=layer)
+            res = calibrate_layer(method, tr, va, cfg, oal_inits(g_res.params["factor"], g, cfg), layer=layer)
+            method = res.apply(method)
+        with torch.no_grad():
+            dt = ho.q.dtype
+            y = method.to(dt)(ho.q, ho.k, ho.v, causal=True)
+            mse = float((y.double() - ho.out.double()).pow(2).mean())  # pooled over tokens and dims
+        point = {"G": g, "coefficients": coefficients_per_head(g), "heldout_mse": mse,
+                 "val_mse": res.heads[0].val_mse, "init": res.heads[0].init, "groups": groups[0].tolist()}
+        points.append(point)
+        if on_budget is not None:
+            on_budget(point)
+    return {"layer": layer, "head": head, "points": points, "calibration": cfg.to_dict()}
+
+
+def plot_budget(result: dict, path: str | Path) -> Path:
+    """Fig. 2(b)-style PNG: held-out MSE (left axis) and coefficients per head (right axis) vs G."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    gs = [p["G"] for p in pts]
+    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=150)
+    ax.plot(gs, [p["heldout_mse"] for p in pts], "o-", color="tab:blue", label="held-out output MSE")
+    ax.set_xlabel("group budget G")
+    ax.set_ylabel("attention-output MSE", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(gs, [p["coefficients"] for p in pts], "s--", color="tab:orange", label="coefficients / head")
+    ax2.set_ylabel("trainable coefficients per head", color="tab:orange")
+    ax.set_title(f"Group budget, layer {result['layer']} head {result['head']}")
+    ax.set_xticks(gs)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -1,0 +1,127 @@
+"""Table 2 for every method: calibrate each trainable method on frozen attention (Eq. 20, App. B protocol via
+`oal.calibrate`), then measure frozen-attention fidelity on held-out blocks (Eq. 21-22 via
+`oal.evaluate.fidelity`). Also the capture helpers the other diagnostics share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..methods import build_method
+from .retained_error import SequenceQKV
+
+__all__ = [
+    "TABLE2_METHODS",
+    "calibrate_methods",
+    "capture_chi",
+    "capture_layer_data",
+    "capture_sequences",
+    "table2",
+]
+
+# Paper Table 2 rows, plus the learned global quadratic (G = 1) and OAL.
+TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "global", "oal")
+
+
+def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int) -> None:
+    from ..models.capture import capture
+
+    with torch.no_grad():
+        for start in range(0, blocks.shape[0], batch_size):
+            capture(model, blocks[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
+
+
+def capture_layer_data(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
+    """{layer: oal.calibrate.LayerData} of frozen q, k, v and softmax outputs for token blocks [S, N]."""
+    from ..calibrate import LayerData
+
+    got: dict[int, list] = {int(i): [] for i in layers}
+    _capture(model, blocks, layers, lambda c: got[c.layer].append(c), batch_size)
+    return {i: LayerData.from_captured(items) for i, items in got.items()}
+
+
+def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
+    """{layer: [SequenceQKV per block]} for Table 1 (float64 copies, one sequence each)."""
+    out: dict[int, list[SequenceQKV]] = {int(i): [] for i in layers}
+
+    def on_layer(c):
+        for b in range(c.q.shape[0]):
+            out[c.layer].append(SequenceQKV(*(t[b : b + 1].double() for t in (c.q, c.k, c.v))))
+
+    _capture(model, blocks, layers, on_layer, batch_size)
+    return out
+
+
+def capture_chi(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 8) -> dict:
+    """{layer: chi per prompt [Hq, P, d]} (Eq. 2) of grouping prompts [P, L], for the App. B groupings."""
+    from ..analysis import head_contributions
+
+    got: dict[int, list] = {int(i): [] for i in layers}
+    _capture(model, blocks, layers, lambda c: got[c.layer].append(head_contributions(c.q, c.k).double()),
+             batch_size)
+    return {i: torch.cat(v).transpose(0, 1) for i, v in got.items()}
+
+
+def _oal_kwargs(groups: torch.Tensor) -> dict:
+    groups = torch.as_tensor(groups, dtype=torch.long)
+    return {"groups": groups, "n_groups": int(groups.max()) + 1}
+
+
+def calibrate_methods(
+    names: Sequence[str],
+    train: Mapping[int, object],
+    val: Mapping[int, object],
+    groups: Mapping[int, torch.Tensor] | None = None,
+    cfg=None,
+    *,
+    seed: int = 0,
+    on_done: Callable[[str, int, dict], None] | None = None,
+) -> tuple[dict[str, dict[int, torch.nn.Module]], dict]:
+    """Build and calibrate every method of `names` for every layer of `train` ({layer: LayerData}).
+
+    Trainable baselines: `oal.calibrate.calibrate_layer` (their own parameters as the single start); `global`
+    and `oal`: `calibrate_oal_layer` (three starts each, OAL seeded by the learned global), needing `groups`.
+    Performer has no trainable parameters and is used as drawn (seed `seed`). Returns ({name: {layer:
+    method}}, {name: {layer: calibration summary}}).
+    """
+    from ..calibrate import CalibConfig, calibrate_layer, calibrate_oal_layer
+
+    cfg = cfg or CalibConfig()
+    methods: dict[str, dict[int, torch.nn.Module]] = {n: {} for n in names}
+    summaries: dict[str, dict] = {n: {} for n in names}
+    for layer, tr in train.items():
+        hq, hkv, d = tr.q.shape[1], tr.k.shape[1], tr.q.shape[-1]
+        if {"oal", "global"} & set(names):
+            if groups is None or layer not in groups:
+                raise ValueError(f"groups: layer {layer} needs groups for 'oal'/'global'")
+            g_res, o_res = calibrate_oal_layer(tr, val[layer], groups[layer], cfg, layer=layer)
+            for name, res, kw in (("global", g_res, {}), ("oal", o_res, _oal_kwargs(groups[layer]))):
+                if name in names:
+                    methods[name][layer] = res.apply(build_method(name, hq, hkv, d, layer_idx=layer, **kw)).eval()
+                    summaries[name][layer] = res.summary()
+                    if on_done:
+                        on_done(name, layer, summaries[name][layer])
+        for name in names:
+            if name in ("oal", "global"):
+                continue
+            m = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed)
+            if m.trainable:
+                res = calibrate_layer(m, tr, val[layer], cfg, layer=layer)
+                m = res.apply(m)
+                summaries[name][layer] = res.summary()
+            else:
+                summaries[name][layer] = {"layer": layer, "method": name, "calibrated": False}
+            methods[name][layer] = m.eval()
+            if on_done:
+                on_done(name, layer, summaries[name][layer])
+    return methods, summaries
+
+
+def table2(model, fidelity_blocks: torch.Tensor, methods: Mapping[str, Mapping[int, torch.nn.Module]], *,
+           batch_size: int = 1, progress: bool = False) -> dict:
+    """metrics.json["fidelity"] for every method set: {name: {mse, relmse, mse_post_o, relmse_post_o, ...}}."""
+    from ..evaluate.fidelity import fidelity
+
+    return fidelity(model, fidelity_blocks, methods, batch_size=batch_size, progress=progress)

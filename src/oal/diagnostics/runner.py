@@ -1,0 +1,189 @@
+"""`diagnose`: Table 1, Fig. 2(b) and Table 2 written into a run directory (resumable per part).
+
+DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian control, matched-control test
+DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png
+DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
+DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
+
+A part whose JSON already holds the same settings is skipped, so a killed run resumes at the next part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from ..runio import atomic_write_json, atomic_write_text
+from .budget import budget_curve, plot_budget
+from .fidelity_table import TABLE2_METHODS, calibrate_methods, capture_chi, capture_layer_data, capture_sequences
+from .fidelity_table import table2 as run_table2
+from .retained_error import RetainedErrorConfig, gaussian_control, retained_error
+from .tables import table1_markdown, table2_markdown
+
+__all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
+
+TABLE1_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift")
+PARTS = ("table1", "budget", "table2")
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _done(path: Path, key: str):
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("settings_key") == key:
+            return data
+    return None
+
+
+def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], run_dir: Path, grouping: dict,
+                   seed: int = 0) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str]:
+    """Groups [Hq, d] and mean chi [Hq, d] per layer: from DIR/groups.json if `oal analyze` wrote it for
+    these layers, else computed here with the App. B procedure on the grouping prompts."""
+    from ..analysis import stable_gap_groups
+
+    path = run_dir / "groups.json"
+    if path.is_file():
+        from ..analysis import load_groups
+
+        data = json.loads(path.read_text())
+        groups = load_groups(path)
+        if set(layers) <= set(groups):
+            chi = {int(li): torch.tensor([h["chi"] for h in sorted(rows, key=lambda h: h["head"])],
+                                         dtype=torch.float64)
+                   for li, rows in data["heads"].items() if int(li) in layers}
+            return {i: groups[i] for i in layers}, chi, "groups.json"
+    chi_pp = capture_chi(model, grouping_blocks, layers)
+    groups, chi = {}, {}
+    for i in layers:
+        res = stable_gap_groups(chi_pp[i], seed=seed, **grouping)
+        groups[i], chi[i] = res.groups, res.chi
+    return groups, chi, "computed"
+
+
+def diagnose(
+    model,
+    blocks: Mapping[str, torch.Tensor],
+    layers: Sequence[int],
+    out_dir: str | Path,
+    *,
+    parts: Sequence[str] = PARTS,
+    table1_methods: Sequence[str] = TABLE1_METHODS,
+    table2_methods: Sequence[str] = TABLE2_METHODS,
+    grouping: dict | None = None,
+    table1_cfg: RetainedErrorConfig | None = None,
+    calib_cfg=None,
+    budget_head: tuple[int, int] | None = None,
+    budgets: Sequence[int] = tuple(range(1, 17)),
+    table1_sequences: int | None = None,
+    seed: int = 0,
+    console: Console | None = None,
+) -> dict:
+    """Run the requested diagnostics on `model` with token `blocks` per role ("grouping", "calib_train",
+    "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files."""
+    from ..calibrate import CalibConfig
+
+    bad = set(parts) - set(PARTS)
+    if bad:
+        raise ValueError(f"parts: unknown {sorted(bad)}; expected a subset of {PARTS}")
+    console = console or Console()
+    out = Path(out_dir)
+    diag = out / "diagnostics"
+    diag.mkdir(parents=True, exist_ok=True)
+    layers = sorted(int(i) for i in layers)
+    grouping = grouping or dict(tail_fraction=0.25, min_support=0.9, min_ratio=1.5, min_groups=2, n_bootstrap=1000)
+    t1cfg = table1_cfg or RetainedErrorConfig(seed=seed)
+    ccfg = calib_cfg or CalibConfig(seed=seed)
+    groups, chi, source = resolve_groups(model, blocks["grouping"], layers, out, grouping, seed)
+    atomic_write_json(diag / "groups.json", {"source": source, "grouping": grouping,
+                                             "groups": {str(i): g.tolist() for i, g in groups.items()}})
+    results: dict = {}
+    fid_blocks = blocks["fidelity"]
+
+    if "table1" in parts:
+        n_seq = fid_blocks.shape[0] if table1_sequences is None else min(table1_sequences, fid_blocks.shape[0])
+        settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers,
+                    "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
+                    "blocks": fid_blocks[:n_seq].tolist()}
+        key = _key(settings)
+        done = _done(diag / "table1.json", key)
+        if done is None:
+            t0 = time.perf_counter()
+            data = capture_sequences(model, fid_blocks[:n_seq], layers)
+            real, gauss = {}, {}
+            with Progress(console=console, transient=True) as bar:
+                for name in table1_methods:
+                    task = bar.add_task(f"Table 1: {name}", total=2 * n_seq * len(layers))
+                    real[name] = retained_error(name, data, groups, t1cfg, progress=lambda t=task: bar.advance(t))
+                    gauss[name] = gaussian_control(name, data, t1cfg, progress=lambda t=task: bar.advance(t))
+            done = {"settings_key": key, "config": t1cfg.to_dict(), "layers": layers, "sequences": n_seq,
+                    "high_contribution": real, "gaussian": gauss, "elapsed_s": time.perf_counter() - t0}
+            atomic_write_json(diag / "table1.json", done)
+            atomic_write_text(diag / "table1.md", "# Table 1\n\n" + table1_markdown(real, gauss))
+        results["table1"] = done
+        console.print(table1_markdown(done["high_contribution"], done["gaussian"]))
+
+    need_calib = "budget" in parts or "table2" in parts
+    if need_calib:
+        train = capture_layer_data(model, blocks["calib_train"], layers)
+        val = capture_layer_data(model, blocks["calib_val"], layers)
+
+    if "budget" in parts:
+        layer, head = budget_head or (layers[0], 0)
+        if layer not in layers:
+            raise ValueError(f"budget_head: layer {layer} is not among the evaluated layers {layers}")
+        settings = {"cfg": ccfg.to_dict(), "layer": layer, "head": head, "budgets": list(budgets),
+                    "chi": chi[layer][head].tolist()}
+        key = _key(settings)
+        done = _done(diag / "budget.json", key)
+        if done is None:
+            held = capture_layer_data(model, fid_blocks, [layer])[layer]
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task(f"Fig. 2(b): layer {layer} head {head}", total=len(budgets))
+                res = budget_curve(train[layer], val[layer], held, chi[layer][head], head, budgets, ccfg,
+                                   layer=layer, on_budget=lambda _p: bar.advance(task))
+            done = {"settings_key": key, **res}
+            atomic_write_json(diag / "budget.json", done)
+        plot_budget(done, out / "figures" / "group_budget.png")
+        results["budget"] = done
+
+    if "table2" in parts:
+        settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
+                    "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
+        key = _key(settings)
+        done = _done(diag / "table2.json", key)
+        if done is None:
+            t0 = time.perf_counter()
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("Table 2: calibration", total=len(table2_methods) * len(layers))
+                methods, summaries = calibrate_methods(table2_methods, train, val, groups, ccfg, seed=seed,
+                                                       on_done=lambda *_: bar.advance(task))
+            fid = run_table2(model, fid_blocks, methods, progress=True)
+            done = {"settings_key": key, "fidelity": fid, "calibration": summaries, "layers": layers,
+                    "elapsed_s": time.perf_counter() - t0}
+            atomic_write_json(diag / "table2.json", done)
+            atomic_write_text(diag / "table2.md", "# Table 2\n\n" + table2_markdown(
+                done["fidelity"], f"Frozen-attention fidelity, layers {layers}, {fid_blocks.shape[0]} held-out "
+                f"blocks of {fid_blocks.shape[1]} tokens. Lower is better."))
+        _merge_metrics(out / "metrics.json", done["fidelity"])
+        results["table2"] = done
+        console.print(table2_markdown(done["fidelity"]))
+    return results
+
+
+def _merge_metrics(path: Path, fidelity: dict) -> None:
+    """metrics.json["fidelity"][method] = {mse, relmse, mse_post_o, relmse_post_o}; other keys untouched."""
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    metrics.setdefault("fidelity", {})
+    for name, r in fidelity.items():
+        metrics["fidelity"][name] = {k: r[k] for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")}
+    atomic_write_json(path, metrics)
