@@ -18,6 +18,8 @@ method runs, so padded tokens never enter the row's state or normaliser, and pad
 output. Right or inner padding in a converted layer raises ValueError (a causal prefix state cannot skip tokens
 that come before real ones... or after them without a per-token mask).
 
+Sliding-window models (Mistral): a converted layer attends the full causal prefix (the state cannot slide).
+
 Use with peft: call `convert` first, then `get_peft_model`; peft freezes non-LoRA weights, so re-enable the kernel
 parameters with `for p in kernel_parameters(model): p.requires_grad_(True)` (or list them in `modules_to_save`).
 """
@@ -86,11 +88,14 @@ def _head_shape(model: nn.Module) -> tuple[int, int, int]:
 
 
 def _key_validity(mask, n_new: int) -> torch.Tensor | None:
-    """[B, n_new] True for real (non-padded) new tokens, read off the last query row of the 4-D mask."""
+    """[B, n_new] True for real (non-padded) new tokens: a key that no query row may see is padding.
+
+    (Taking any row rather than the last keeps sliding-window masks from looking like padding.)
+    """
     if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
         return None
-    row = mask[:, 0, -1, -n_new:]
-    return row if row.dtype == torch.bool else row == 0
+    cols = mask[:, 0, :, -n_new:]
+    return (cols if cols.dtype == torch.bool else cols == 0).any(dim=1)
 
 
 def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
@@ -193,7 +198,7 @@ def _cache_slot(cache, idx: int, method: AttentionMethod) -> OALStateLayer:
     slot = cache.layers[idx]
     if isinstance(slot, OALStateLayer):
         return slot
-    if type(slot) is not DynamicLayer:
+    if not isinstance(slot, DynamicLayer):
         raise ValueError(f"past_key_values: converted layer {idx} needs a DynamicCache slot, got "
                          f"{type(slot).__name__} (static/sliding/quantized caches are not supported)")
     if slot.get_seq_length() > 0:

@@ -1,0 +1,130 @@
+"""Recurrent decoding: O(1) state in the cache for converted layers, identical tokens/logits to full forwards."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from oal.methods import build_method
+from oal.models.cache import OALStateLayer, state_nbytes
+from oal.models.convert import convert
+from oal.ops.kernel import perturbed_factor
+
+HQ, HKV, D, V = 4, 2, 8, 53
+
+
+def _model(family="qwen2", layers=(1,), method="oal"):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=HQ * D, intermediate_size=48, num_hidden_layers=3, num_attention_heads=HQ,
+              num_key_value_heads=HKV, max_position_embeddings=128)
+    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if family == "qwen2" else LlamaForCausalLM(LlamaConfig(**kw))).eval()
+    gen = torch.Generator().manual_seed(3)
+    methods = {}
+    for i in layers:
+        if method == "oal":
+            m = build_method("oal", HQ, HKV, D, groups=torch.randint(0, 3, (HQ, D), generator=gen), n_groups=3)
+            with torch.no_grad():
+                m.factor.copy_(perturbed_factor(m.factor, 0.3, gen))
+        else:
+            m = build_method(method, HQ, HKV, D)
+        methods[i] = m
+    return convert(model, list(layers), methods)
+
+
+def _ids(b, n, seed=0):
+    return torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, use_cache, **kw):
+    out = model.generate(ids, max_new_tokens=7, do_sample=False, use_cache=use_cache, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_generate_with_cache_matches_full_forwards(family):
+    model = _model(family, layers=(0, 1))
+    ids = _ids(3, 12)
+    seq_c, sc_c = _generate(model, ids, True)
+    seq_f, sc_f = _generate(model, ids, False)
+    assert torch.equal(seq_c, seq_f)
+    torch.testing.assert_close(sc_c, sc_f, rtol=1e-4, atol=1e-5)
+
+
+def test_incremental_logits_equal_one_forward_and_cache_holds_state():
+    model = _model(layers=(0, 1))
+    ids = _ids(2, 19)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        parts = [model(ids[:, :9], cache=cache, use_cache=True).logits]
+        for t in range(9, 19):
+            parts.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+        full = model(ids).logits
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+    assert isinstance(cache.layers[0], OALStateLayer) and isinstance(cache.layers[1], OALStateLayer)
+    assert type(cache.layers[2]).__name__ == "DynamicLayer"
+    assert cache.get_seq_length() == 19 and cache.layers[1].state.shape == (2, HKV, 1 + D + D * (D + 1) // 2, D + 1)
+
+
+def test_state_memory_constant_in_context_length():
+    model = _model(layers=(1,))
+    sizes = []
+    for n in (8, 40):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(_ids(1, n), cache=cache, use_cache=True)
+        sizes.append(state_nbytes(cache))
+    assert sizes[0][1] == sizes[1][1] > 0  # converted layer: same bytes at 8 and 40 tokens
+    assert sizes[1][0] == 5 * sizes[0][0]  # softmax layer: K/V grows with the context
+
+
+def test_left_padding_matches_unpadded_rows():
+    model = _model(layers=(0, 1))
+    a, b = _ids(1, 10, seed=1), _ids(1, 6, seed=2)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    seq, sc = _generate(model, batch, True, attention_mask=mask)
+    seq_a, sc_a = _generate(model, a, True)
+    seq_b, sc_b = _generate(model, b, True)
+    assert torch.equal(seq[0, 10:], seq_a[0, 10:]) and torch.equal(seq[1, 10:], seq_b[0, 6:])
+    torch.testing.assert_close(sc[0], sc_a[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sc[1], sc_b[0], rtol=1e-4, atol=1e-5)
+
+
+def test_right_padding_is_a_clear_error():
+    model = _model()
+    ids = _ids(2, 8)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    with pytest.raises(ValueError, match="left padding"), torch.no_grad():
+        model(ids, attention_mask=mask)
+
+
+def test_stateless_method_falls_back_to_cached_kv():
+    """A converted layer whose method has no recurrent state (here exact softmax) keeps K/V and stays exact."""
+    model = _model(layers=(1,), method="softmax")
+    ids = _ids(2, 9)
+    seq_c, sc_c = _generate(model, ids, True)
+    seq_f, sc_f = _generate(model, ids, False)
+    assert torch.equal(seq_c, seq_f)
+    torch.testing.assert_close(sc_c, sc_f, rtol=1e-4, atol=1e-5)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    assert isinstance(cache.layers[1], OALStateLayer) and not cache.layers[1].stateful
+    assert cache.layers[1].keys.shape[-2] == 9
+
+
+def test_beam_search_runs_and_matches_no_cache():
+    model = _model(layers=(1,))
+    ids = _ids(2, 7)
+    kw = dict(max_new_tokens=4, do_sample=False, num_beams=2, pad_token_id=0)
+    assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_prefilled_softmax_cache_is_rejected():
+    model = _model(layers=(1,))
+    cache = DynamicCache(config=model.config)
+    cache.update(torch.zeros(1, HKV, 3, D), torch.zeros(1, HKV, 3, D), 1)
+    with pytest.raises(ValueError, match="already holds softmax K/V"), torch.no_grad():
+        model(_ids(1, 2), cache=cache, use_cache=True)

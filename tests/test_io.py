@@ -1,0 +1,79 @@
+"""Save/load of converted kernels: safetensors + JSON, identical logits, clear errors on mismatch."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import oal
+from oal.io import KERNELS_FILE, META_FILE, load_kernels
+from oal.methods import build_method
+from oal.models.convert import converted_methods
+from oal.ops.kernel import perturbed_factor
+
+
+def _base(hidden=32, heads=4):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=41, hidden_size=hidden, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _converted():
+    model = _base()
+    gen = torch.Generator().manual_seed(1)
+    methods = {}
+    for i in (0, 2):
+        m = build_method("oal", 4, 2, 8, groups=torch.randint(0, 3, (4, 8), generator=gen), n_groups=3,
+                         layer_idx=i)
+        with torch.no_grad():
+            m.factor.copy_(perturbed_factor(m.factor, 0.4, gen))
+        methods[i] = m
+    methods[1] = build_method("global", 4, 2, 8, layer_idx=1)
+    return oal.convert(model, [0, 1, 2], methods)
+
+
+def test_round_trip_identical_logits(tmp_path):
+    model = _converted()
+    ids = torch.randint(0, 41, (2, 13), generator=torch.Generator().manual_seed(2))
+    oal.save_kernels(model, tmp_path, base_model="tiny-qwen2", revision="abc")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [META_FILE, KERNELS_FILE]
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert meta["base_model"]["name_or_path"] == "tiny-qwen2" and meta["base_model"]["revision"] == "abc"
+    assert meta["layers"]["1"]["method"] == "global" and meta["layers"]["0"]["init"]["n_groups"] == 3
+    loaded = oal.load(tmp_path, _base())
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    for i, m in converted_methods(model).items():
+        other = converted_methods(loaded)[i]
+        assert other.name == m.name
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), other.state_dict().values()))
+
+
+def test_other_model_is_rejected(tmp_path):
+    oal.save_kernels(_converted(), tmp_path)
+    with pytest.raises(ValueError, match="another model"):
+        oal.load(tmp_path, _base(hidden=48, heads=6))
+
+
+def test_mismatched_shapes_are_rejected(tmp_path):
+    oal.save_kernels(_converted(), tmp_path)
+    tensors = load_file(str(tmp_path / KERNELS_FILE))
+    tensors["layers.0.factor"] = torch.zeros(4, 2, 2)
+    save_file(tensors, str(tmp_path / KERNELS_FILE))
+    with pytest.raises(ValueError, match="SHA256"):
+        load_kernels(tmp_path)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    meta["sha256"] = {}
+    (tmp_path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_kernels(tmp_path)
+
+
+def test_missing_files_and_unconverted_model(tmp_path):
+    with pytest.raises(ValueError, match="kernels.json"):
+        load_kernels(tmp_path)
+    with pytest.raises(ValueError, match="no converted layers"):
+        oal.save_kernels(_base(), tmp_path)
