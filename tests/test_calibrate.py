@@ -52,7 +52,7 @@ def test_vectorised_dense_kernel_matches_reference_outputs_and_grads():
     w = torch.randn_like(ref)
     g_fast = torch.autograd.grad((fast * w).sum(), (q, k, m.factor))
     g_ref = torch.autograd.grad((ref * w).sum(), (q, k, m.factor))
-    for a, b in zip(g_fast, g_ref):
+    for a, b in zip(g_fast, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 

@@ -48,7 +48,10 @@ def test_fidelity_matches_manual_aggregation():
         with torch.no_grad():
             y = methods["global"][c.layer](c.q, c.k, c.v)
         w = attention_module(model, c.layer).o_proj.weight
-        to_post = lambda t: t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1) @ w.T  # noqa: E731
+
+        def to_post(t, w=w):
+            return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1) @ w.T
+
         pre_err = pre_err + (y - c.out).double().square().sum((1, 2, 3))
         pre_en = pre_en + c.out.double().square().sum((1, 2, 3))
         post_err = post_err + (to_post(y) - to_post(c.out)).double().square().sum((1, 2))

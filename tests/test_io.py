@@ -49,7 +49,7 @@ def test_round_trip_identical_logits(tmp_path):
     for i, m in converted_methods(model).items():
         other = converted_methods(loaded)[i]
         assert other.name == m.name
-        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), other.state_dict().values()))
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), other.state_dict().values(), strict=True))
 
 
 def test_other_model_is_rejected(tmp_path):
