@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 
@@ -31,14 +30,6 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     return sorted(out)
 
 
-def _role_tokens(corpus, tokenizer, blockset, data_dir):
-    """Token stream of the split a BlockSet points at (its own corpus if it names one)."""
-    from ..data import encode, load_corpus
-
-    c = corpus if blockset.corpus is None else load_corpus(blockset.corpus, data_dir=data_dir)
-    return c, encode(tokenizer, c.splits[blockset.split])
-
-
 @app.command("analyze")
 def analyze_cmd(
     out: Path = typer.Option(..., "--out", help="Output directory (groups.json, analysis.json, figures/)."),
@@ -62,7 +53,8 @@ def analyze_cmd(
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
     from ..analysis import analyze
-    from ..data import default_plan, load_corpus, token_blocks
+    from ..analysis.inputs import analysis_inputs, preset_grouping
+    from ..data import default_plan, load_corpus
     from ..models.registry import PRESETS, default_layers, load_model, preset_for
 
     console = Console()
@@ -78,52 +70,34 @@ def analyze_cmd(
     layer_list = parse_layers(layers, n_layers) if layers else default_layers(mdl)
     rep = None
     if head:
-        try:
-            rep = tuple(int(x) for x in head.split(":"))
-            assert len(rep) == 2
-        except (ValueError, AssertionError):
-            raise typer.BadParameter(f"expected 'LAYER:HEAD', got {head!r}", param_hint="--head") from None
+        parts = head.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise typer.BadParameter(f"expected 'LAYER:HEAD', got {head!r}", param_hint="--head")
+        rep = (int(parts[0]), int(parts[1]))
     try:
         corpus = load_corpus(data, data_dir=data_dir)
     except (ValueError, RuntimeError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--data") from None
 
-    plan = default_plan(spec["plan"])
-    grp = plan.grouping
-    gcorpus, stream = _role_tokens(corpus, tok, grp, data_dir)
-    idx = grp.resolve(len(stream) // grp.block_len)
-    prompts = torch.tensor([stream[i * grp.block_len : (i + 1) * grp.block_len] for i in idx], dtype=torch.long)
-    held = None
-    if heldout > 0:
-        held = token_blocks(tok, gcorpus.splits["validation"], grp.block_len)[:heldout]
-        if held.shape[0] == 0:
-            console.print("[yellow]validation split too short for held-out prompts; stability check skipped")
-            held = None
-    fid = plan.fidelity
-    _, fstream = _role_tokens(corpus, tok, fid, data_dir)
-    n_long = long_len or min(fid.block_len, getattr(mdl.config, "max_position_embeddings", fid.block_len))
-    start = fid.indices[0] * fid.block_len
-    long_seq = torch.tensor(fstream[start : start + n_long], dtype=torch.long)
-    if long_seq.numel() < n_long:
-        raise typer.BadParameter(f"the fidelity split has only {long_seq.numel()} tokens from block "
-                                 f"{fid.indices[0]}", param_hint="--long-len")
-
-    kw = dict(
-        tail_fraction=spec["alpha"] if tail_fraction is None else tail_fraction,
-        min_support=spec["gamma"] if min_support is None else min_support,
-        min_ratio=spec["tau"] if min_ratio is None else min_ratio,
-        min_groups=spec["min_groups"] if min_groups is None else min_groups,
-        n_bootstrap=spec["n_bootstrap"] if n_bootstrap is None else n_bootstrap,
-    )
-    meta = dict(model=model, provenance=provenance, preset=preset,
-                data=dict(corpus=gcorpus.name, sha256=gcorpus.sha256, grouping=grp.__dict__,
-                          heldout=dict(split="validation", block_len=grp.block_len,
-                                       n=0 if held is None else held.shape[0]),
-                          long_sequence=dict(split=fid.split, start_token=start, n_tokens=n_long)))
+    try:
+        inputs = analysis_inputs(corpus, tok, default_plan(spec["plan"]), n_heldout=heldout, long_len=long_len,
+                                 max_len=getattr(mdl.config, "max_position_embeddings", None), data_dir=data_dir)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--data") from None
+    if heldout > 0 and inputs["heldout"] is None:
+        console.print("[yellow]validation split too short for held-out prompts; stability check skipped")
+    prompts = inputs["prompts"]
+    kw = preset_grouping(preset)
+    for key, val in (("tail_fraction", tail_fraction), ("min_support", min_support), ("min_ratio", min_ratio),
+                     ("min_groups", min_groups), ("n_bootstrap", n_bootstrap)):
+        if val is not None:
+            kw[key] = val
+    meta = dict(model=model, provenance=provenance, preset=preset, data=inputs["meta"])
     console.print(f"[bold]oal analyze[/]: {provenance.get('architecture')} '{model}', layers {layer_list}, "
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
     try:
-        summary = analyze(mdl, tok, prompts, layer_list, out, heldout=held, long_sequence=long_seq, seed=seed,
+        summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
+                          long_sequence=inputs["long_sequence"], seed=seed,
                           representative=rep, batch_size=batch_size, figures=figures, console=console, meta=meta,
                           **kw)
     except ValueError as exc:

@@ -1,0 +1,60 @@
+"""The analysis inputs of a data plan: grouping prompts, held-out prompts and one long sequence (App. A.3, B)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _stream(corpus, tokenizer, blockset, data_dir):
+    from ..data import encode, load_corpus
+
+    c = corpus if blockset.corpus is None else load_corpus(blockset.corpus, data_dir=data_dir)
+    return c, encode(tokenizer, c.splits[blockset.split])
+
+
+def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: int | None = None,
+                    max_len: int | None = None, data_dir=None) -> dict:
+    """Token tensors for `analyze` from a SplitPlan.
+
+    prompts: the plan's grouping blocks [P, L] (App. B calibration prompts);
+    heldout: the first `n_heldout` blocks of length L of the same corpus's validation split (App. A.3 held-out
+    inputs; None when 0 or the split is too short);
+    long_sequence: `long_len` tokens (default: the fidelity block length, capped at `max_len`) starting at the plan's
+    first fidelity block, for the sequence-length table (Table 4).
+    meta: where each came from.
+    """
+    from ..data import token_blocks
+
+    grp = plan.grouping
+    gcorpus, stream = _stream(corpus, tokenizer, grp, data_dir)
+    idx = grp.resolve(len(stream) // grp.block_len)
+    prompts = torch.tensor([stream[i * grp.block_len : (i + 1) * grp.block_len] for i in idx], dtype=torch.long)
+    heldout = None
+    if n_heldout > 0:
+        heldout = token_blocks(tokenizer, gcorpus.splits["validation"], grp.block_len)[:n_heldout]
+        heldout = heldout if heldout.shape[0] > 0 else None
+    fid = plan.fidelity
+    _, fstream = _stream(corpus, tokenizer, fid, data_dir)
+    n_long = long_len or (fid.block_len if max_len is None else min(fid.block_len, max_len))
+    start = min(fid.indices) * fid.block_len
+    long_sequence = torch.tensor(fstream[start : start + n_long], dtype=torch.long)
+    if long_sequence.numel() < n_long:
+        raise ValueError(f"long_len: split {fid.split!r} has only {long_sequence.numel()} tokens from token {start}")
+    meta = dict(
+        corpus=gcorpus.name, sha256=gcorpus.sha256,
+        grouping=dict(split=grp.split, block_len=grp.block_len, indices=idx, corpus=grp.corpus),
+        heldout=dict(split="validation", block_len=grp.block_len, n=0 if heldout is None else heldout.shape[0]),
+        long_sequence=dict(split=fid.split, corpus=fid.corpus, start_token=start, n_tokens=n_long),
+    )
+    return dict(prompts=prompts, heldout=heldout, long_sequence=long_sequence, meta=meta)
+
+
+def preset_grouping(preset: str) -> dict:
+    """stable_gap_groups keyword arguments of a registry preset (paper App. B settings)."""
+    from ..models.registry import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    p = PRESETS[preset]
+    return dict(tail_fraction=p["alpha"], min_support=p["gamma"], min_ratio=p["tau"], min_groups=p["min_groups"],
+                n_bootstrap=p["n_bootstrap"])
