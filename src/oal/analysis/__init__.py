@@ -13,9 +13,11 @@ from .grouping import (
     stable_gap_groups,
     stable_gap_groups_reference,
 )
+from .inputs import analysis_inputs, preset_grouping
 
 __all__ = [
     "GroupingResult",
+    "analysis_inputs",
     "analyze",
     "candidate_cuts",
     "contribution_scores",
@@ -24,6 +26,7 @@ __all__ = [
     "head_contributions",
     "load_groups",
     "prefix_contributions",
+    "preset_grouping",
     "stable_gap_groups",
     "stable_gap_groups_reference",
 ]
