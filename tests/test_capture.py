@@ -152,3 +152,21 @@ def test_unsupported_architecture_and_bad_layers():
         capture(model, torch.zeros(1, 4, dtype=torch.long), [3], lambda c: None)
     with pytest.raises(ValueError, match="input_ids"):
         capture(model, torch.zeros(4, dtype=torch.long), [0], lambda c: None)
+
+
+def test_embedded_default_model():
+    from oal.models.registry import DEFAULT_MODEL_DIR, load_model
+
+    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("embedded default model not built yet")
+    model, _, _ = load_model("default")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 259, (2, 33), generator=gen)
+    got = []
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        out = capture(model, ids, list(range(model.config.num_hidden_layers)), got.append)
+    assert torch.equal(out.logits, plain)
+    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert [c.layer for c in got] == list(range(model.config.num_hidden_layers))
+    assert got[0].q.shape == (2, hq, 33, 64) and got[0].k.shape == (2, hkv, 33, 64)
