@@ -54,14 +54,13 @@ class PerformerMethod(AttentionMethod):
     def _log_features(self, x: torch.Tensor, per_query_head: bool) -> torch.Tensor:
         """w_l . x - |x|^2/2 for x [B, H, N, d] (already scaled), projections of the matching query heads."""
         w = self.projection.to(x.dtype)  # [Hq, m, d]
+        half_sq = 0.5 * x.pow(2).sum(-1, keepdim=True)
         if per_query_head:
-            proj = torch.einsum("bhnd,hmd->bhnm", x, w)
-        else:  # keys: [B, Hkv, N, d] against the projections of every query head in its group, no repeat of k
-            b, n_kv, n, d = x.shape
-            proj = torch.einsum("bgnd,grmd->bgrnm", x, w.view(n_kv, self.n_rep, -1, d))
-            proj = proj.reshape(b, n_kv * self.n_rep, n, -1)
-            x = x.repeat_interleave(self.n_rep, dim=1)  # only for its norm below: [B, Hq, N, d] is small
-        return proj - 0.5 * x.pow(2).sum(-1, keepdim=True)
+            return torch.einsum("bhnd,hmd->bhnm", x, w) - half_sq
+        # keys [B, Hkv, N, d] against the projections of every query head in their group; k is never repeated
+        b, n_kv, n, d = x.shape
+        proj = torch.einsum("bgnd,grmd->bgrnm", x, w.view(n_kv, self.n_rep, -1, d)) - half_sq.unsqueeze(2)
+        return proj.reshape(b, n_kv * self.n_rep, n, -1)
 
     def _features(self, q, k):
         dt = compute_dtype(q, self.dtype)

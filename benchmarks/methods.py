@@ -1,0 +1,106 @@
+"""Causal forward time of every attention method (built-in registry) against SDPA, at a few lengths.
+
+Shape: Qwen2.5-0.5B heads (B=1, Hq=14, Hkv=2, d=dv=64), fp32, no grad, CPU by default. Methods run in this
+process one after another (time only; see benchmarks/operator.py for memory). Writes
+benchmarks/results/methods.{json,png} and prints a table of milliseconds and the ratio to SDPA.
+
+    python benchmarks/methods.py                    # N = 256, 1024, 4096
+    python benchmarks/methods.py --lens 512 2048    # custom lengths
+"""
+
+import os
+import sys
+
+# benchmarks/operator.py would shadow the standard library's `operator` when this folder leads sys.path
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("softmax", "oal", "global", "performer", "spectraformer", "dijiang", "taylorshift")
+HQ, HKV, D = 14, 2, 64
+
+
+def _build(name: str):
+    from oal.methods import build_method
+
+    kw = {}
+    if name == "oal":  # a 5-group head layout, as Fig. 3's OAL (G = 5)
+        kw = {"groups": torch.randint(0, 5, (HQ, D), generator=torch.Generator().manual_seed(0)), "n_groups": 5}
+    return build_method(name, HQ, HKV, D, **kw).eval()
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]  # median, ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lens", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for n in args.lens:
+            q = torch.randn(1, HQ, n, D, device=args.device)
+            k = torch.randn(1, HKV, n, D, device=args.device)
+            v = torch.randn(1, HKV, n, D, device=args.device)
+            for name in METHODS:
+                m = _build(name).to(args.device)
+                ms = _time(lambda m=m, q=q, k=k, v=v: m(q, k, v, causal=True), args.repeats)
+                rows.append({"method": name, "N": n, "ms": ms})
+    base = {r["N"]: r["ms"] for r in rows if r["method"] == "softmax"}
+    for r in rows:
+        r["ratio_to_sdpa"] = r["ms"] / base[r["N"]]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "d": D}, "dtype": "float32", "device": args.device,
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    (RESULTS / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+    table = Table(title=f"causal forward, B=1 Hq={HQ} Hkv={HKV} d={D}, fp32, {args.device}")
+    table.add_column("method")
+    for n in args.lens:
+        table.add_column(f"N={n} ms (x SDPA)", justify="right")
+    for name in METHODS:
+        cells = [f"{r['ms']:.1f} ({r['ratio_to_sdpa']:.1f}x)" for r in rows if r["method"] == name]
+        table.add_row(name, *cells)
+    Console().print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=150)
+    for name in METHODS:
+        pts = [(r["N"], r["ms"]) for r in rows if r["method"] == name]
+        ax.plot(*zip(*pts, strict=True), "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("forward time (ms, median)")
+    ax.set_title("Causal attention forward, all methods")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "methods.png")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
