@@ -81,7 +81,9 @@ def heatmap(path: Path, values: list[list[float]], layers: list[int], title: str
     im = ax.imshow(values, aspect="auto", cmap="viridis")
     for i in range(n_l):
         for j in range(n_h):
-            ax.text(j, i, format(values[i][j], fmt), ha="center", va="center", fontsize=6, color="w")
+            bright = im.norm(values[i][j]) > 0.6  # viridis turns yellow: dark text there
+            ax.text(j, i, format(values[i][j], fmt), ha="center", va="center", fontsize=7,
+                    color="k" if bright else "w")
     ax.set_xticks(range(n_h))
     ax.set_yticks(range(n_l), [str(layer) for layer in layers])
     ax.set_xlabel("query head")
