@@ -58,7 +58,8 @@ def test_backends_match_reference(case, causal):
     assert ref.shape == (b, hq, n, dv) and ref.dtype == F64
     backends = ["chunked", "auto"] + (["recurrent"] if n <= 200 else [])
     for backend in backends:
-        out = oal_attention(q, k, v, groups, factor, backend=backend, causal=causal, chunk_size=chunk)
+        size = None if backend == "auto" else chunk  # auto: default chunking, dense single chunk when short
+        out = oal_attention(q, k, v, groups, factor, backend=backend, causal=causal, chunk_size=size)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-10, msg=f"{backend} causal={causal}")
 
 

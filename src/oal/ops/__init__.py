@@ -93,13 +93,14 @@ def oal_attention(
     backend: str = "auto",
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ):
     """OAL attention: sum_j kappa_ij v_j / sum_j kappa_ij over j <= i (all j when causal=False).
 
     q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv]; groups [Hq, d] ids in [0, G); factor
     [Hq, G+1, G+1] (lower triangle read). Returns out [B, Hq, N, dv] in q's dtype, and the final state
     [B, Hkv, 1 + d + d(d+1)/2, dv + 1] when `output_final_state`. `initial_state` continues a sequence.
+    `chunk_size` (chunked backend): tokens per chunk; None picks it, and short fresh sequences run as one chunk.
     """
     _check(q, k, v, groups, factor, eps, scale, initial_state, backend)
     out_dtype = q.dtype
@@ -114,36 +115,19 @@ def oal_attention(
         backend = "chunked"
     if backend == "reference":
         out, final = reference_attention(
-            q,
-            k,
-            v,
-            groups,
-            factor,
-            eps=eps,
-            scale=scale,
-            causal=causal,
-            initial_state=state,
-            coeffs=coeffs,
-            want_state=output_final_state,
+            q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, initial_state=state, coeffs=coeffs,
+            want_state=output_final_state
         )
     else:
-        if state is None:
+        fresh = state is None
+        if fresh:
             state = empty_state(q.shape[0], k.shape[1], d, v.shape[-1], dtype=dtype, device=q.device)
         if backend == "recurrent":
             out, final = recurrent_attention(q, k, v, coeffs, scale=scale, causal=causal, state=state)
         else:
             out, final = chunked_attention(
-                q,
-                k,
-                v,
-                groups,
-                factor,
-                coeffs,
-                eps=eps,
-                scale=scale,
-                causal=causal,
-                state=state,
-                chunk_size=chunk_size,
+                q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
+                state_is_zero=fresh and chunk_size is None, chunk_size=chunk_size or 64
             )
     out = out.to(out_dtype)
     return (out, final) if output_final_state else out

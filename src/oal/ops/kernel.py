@@ -71,10 +71,18 @@ def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.T
     d = q.shape[-1]
     r, t, mult = packed_pairs(d, q.device)
     c_packed = (c[:, r, t] * mult.to(c.dtype)) * (scale * scale)  # [H, P]
-    const = a.view(-1, 1, 1).expand(*q.shape[:-1], 1)
-    lin = q * (b * scale)[:, None, :]
-    quad = q[..., r] * q[..., t] * c_packed[:, None, :]
-    return torch.cat([const.to(q.dtype), lin, quad], dim=-1)
+    if torch.is_grad_enabled() and (q.requires_grad or c.requires_grad or b.requires_grad):
+        const = a.view(-1, 1, 1).expand(*q.shape[:-1], 1)
+        quad = q[..., r] * q[..., t] * c_packed[:, None, :]
+        return torch.cat([const.to(q.dtype), q * (b * scale)[:, None, :], quad], dim=-1)
+    # inference: fill one buffer in place, without the temporaries of cat
+    out = torch.empty(*q.shape[:-1], feature_dim(d), dtype=q.dtype, device=q.device)
+    out[..., 0] = a.view(-1, 1).to(q.dtype)
+    torch.mul(q, (b * scale)[:, None, :], out=out[..., 1 : 1 + d])
+    quad = out[..., 1 + d :]
+    torch.mul(q[..., r], q[..., t], out=quad)
+    quad.mul_(c_packed[:, None, :])
+    return out
 
 
 def key_features(k: torch.Tensor) -> torch.Tensor:
