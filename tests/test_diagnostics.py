@@ -201,3 +201,21 @@ def test_cli_diagnose_rejects_bad_options(tmp_path):
     assert res.exit_code != 0 and "--parts" in res.output
     res = runner.invoke(app, ["diagnose", "--out", str(tmp_path), "--methods", "flash"])
     assert res.exit_code != 0 and "--methods" in res.output
+
+
+def test_table1_on_embedded_model():
+    from oal.diagnostics import capture_sequences
+    from oal.models.registry import DEFAULT_MODEL_DIR, load_model
+
+    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("embedded default model not built yet")
+    model, _, _ = load_model("default")
+    ids = torch.randint(3, 259, (1, 48), generator=torch.Generator().manual_seed(0))
+    data = capture_sequences(model, ids, [1])
+    hq, d = model.config.num_attention_heads, 64
+    groups = {1: torch.zeros(hq, d, dtype=torch.long)}
+    groups[1][:, :3] = 1  # any non-empty subset: the protocol must give finite, positive ratios on real q/k
+    cfg = RetainedErrorConfig(queries=8, seeds=(0,), n_controls=3)
+    for name in BASELINES:
+        res = retained_error(name, data, groups, cfg)
+        assert math.isfinite(res["R_S"]) and res["R_S"] > 0 and res["per_layer"][1]["E_full"] > 0

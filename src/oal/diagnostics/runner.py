@@ -10,6 +10,7 @@ A part whose JSON already holds the same settings is skipped, so a killed run re
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -101,7 +102,8 @@ def diagnose(
     diag.mkdir(parents=True, exist_ok=True)
     layers = sorted(int(i) for i in layers)
     grouping = grouping or dict(tail_fraction=0.25, min_support=0.9, min_ratio=1.5, min_groups=2, n_bootstrap=1000)
-    t1cfg = table1_cfg or RetainedErrorConfig(seed=seed)
+    t1cfg = copy.copy(table1_cfg or RetainedErrorConfig(seed=seed))
+    t1cfg.grouping = dict(grouping)  # the Gaussian control groups with the same App. B procedure and settings
     ccfg = calib_cfg or CalibConfig(seed=seed)
     groups, chi, source = resolve_groups(model, blocks["grouping"], layers, out, grouping, seed)
     atomic_write_json(diag / "groups.json", {"source": source, "grouping": grouping,
