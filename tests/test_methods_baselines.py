@@ -190,3 +190,17 @@ def test_dense_kernel_on_query_subset_and_prefix(name):
     sub = m.dense_kernel(q[:, :, pos], k[:, :, :14])
     torch.testing.assert_close(sub / sub.sum(-1, keepdim=True), full / full.sum(-1, keepdim=True), rtol=1e-10,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["performer", "spectraformer", "dijiang"])
+def test_compute_dtype_configurable(name):
+    # fp32 inputs with dtype=float64 (the paper's FP64 features/prefix sums) give the fp64 result in fp32
+    q, k, v = _qkv(4, 2, 25, seed=13)
+    exact = build_method(name, 4, 2, D, layer_idx=1).double()(q, k, v)
+    m64 = build_method(name, 4, 2, D, layer_idx=1, dtype=torch.float64)
+    with torch.no_grad():
+        out = m64(q.float(), k.float(), v.float())
+        low = build_method(name, 4, 2, D, layer_idx=1)(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.float32 and low.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(low).all()
