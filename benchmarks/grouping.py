@@ -5,7 +5,9 @@ contribution profiles. Compares the vectorised batch call (all 336 heads at once
 function, and the literal per-replicate reference loop (timed on a few heads and extrapolated, labelled so).
 Writes benchmarks/results/grouping.json and grouping.png and prints a table.
 
-    .venv/bin/python benchmarks/grouping.py [--reference-heads 2]
+    .venv/bin/python -P benchmarks/grouping.py [--reference-heads 2]
+
+(-P keeps benchmarks/ off sys.path, so a benchmark file named like a stdlib module cannot shadow it.)
 """
 
 from __future__ import annotations

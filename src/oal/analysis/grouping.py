@@ -121,18 +121,32 @@ def bootstrap_weights(n_prompts: int, n_bootstrap: int, seed: int) -> torch.Tens
 
 def _support(chi_pp: torch.Tensor, order: torch.Tensor, cand: torch.Tensor, weights: torch.Tensor,
              tau: float, eps: float) -> torch.Tensor:
-    """S_k (Eq. 18) for flat heads: chi_pp [H, P, d], order [H, d] -> [H, K]."""
-    n_heads, _, d = chi_pp.shape
+    """S_k (Eq. 18) for flat heads: chi_pp [H, P, d], order [H, d] -> [H, K].
+
+    Columns are put in the full-sample order once (the order is held fixed, so sorting before the bootstrap
+    average equals sorting after it). Candidates are contiguous, k = c0..d-1: max over L_k is the max of the bulk
+    positions < c0 combined with a running max over the tail; min over U_k is a reverse running min of the tail.
+    Replicates sit on the last (contiguous) axis so each running step is one vector op over [heads, B].
+    """
+    n_heads, n_prompts, d = chi_pp.shape
     n_boot = weights.shape[0]
-    out = torch.empty(n_heads, cand.numel(), dtype=torch.float64)
+    c0, n_cand = int(cand[0]), cand.numel()
+    srt_t = chi_pp.gather(-1, order[:, None, :].expand(-1, n_prompts, -1)).transpose(1, 2)  # [H, d, P]
+    w_t = weights.t().contiguous()  # [P, B]
+    out = torch.empty(n_heads, n_cand, dtype=torch.float64)
     step = max(1, _CHUNK_ELEMENTS // (n_boot * d))
     for s in range(0, n_heads, step):
-        boot = torch.matmul(weights, chi_pp[s : s + step])  # chi^(b) [h, B, d]
-        boot = boot.gather(-1, order[s : s + step, None, :].expand_as(boot))  # full-sample order held fixed
-        low_max = boot.cummax(-1).values[..., cand - 1]  # max over L_k
-        high_min = boot.flip(-1).cummin(-1).values.flip(-1)[..., cand]  # min over U_k
-        ratio = high_min / low_max.clamp_min(eps)  # R_k^(b), Eq. (17)
-        out[s : s + step] = (ratio >= tau).to(torch.float64).mean(1)  # S_k, Eq. (18)
+        boot = torch.matmul(srt_t[s : s + step], w_t)  # chi^(b) in full-sample order [h, d, B]
+        low = boot[:, :c0].amax(1)  # running max over L_k, starts with the bulk positions < c0
+        lows = []
+        for j in range(n_cand):
+            lows.append(low)
+            low = torch.maximum(low, boot[:, c0 + j])
+        high = boot[:, d - 1]  # running min over U_k, from the top down
+        for j in range(n_cand - 1, -1, -1):
+            high = torch.minimum(high, boot[:, c0 + j])
+            ratio = high / lows[j].clamp_min(eps)  # R_k^(b), Eq. (17)
+            out[s : s + step, j] = (ratio >= tau).to(torch.float64).mean(-1)  # S_k, Eq. (18)
     return out
 
 
