@@ -157,3 +157,55 @@ def test_bad_input():
         convert(model, [0, 1], {1: _oal_method(model, 1)})
     with pytest.raises(ValueError, match="model"):
         convert(torch.nn.Linear(2, 2), [0], "oal")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny byte-level Llama in HF format (loadable by `oal.models.registry.load_model`)."""
+    from transformers import ByT5Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(path)
+    return path
+
+
+def test_cli_calibrate_evaluate_convert_generate(tiny_dir, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    import oal.cli.convert  # noqa: F401  (registers the commands)
+    from oal.cli.app import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = CliRunner().invoke
+    out = tmp_path / "run"
+    bad = run(app, ["calibrate", "--out", str(out), "--model", str(tiny_dir)])
+    assert bad.exit_code != 0 and "groups.json" in bad.output
+    out.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    heads = [{"head": h, "groups": torch.randint(0, 2, (8,), generator=gen).tolist()} for h in range(4)]
+    (out / "groups.json").write_text(json.dumps({"format": "oal.groups/1", "heads": {"1": heads}}))
+    (out / "metrics.json").write_text(json.dumps({"perplexity": {"softmax": 1.5}}))
+    args = ["calibrate", "--out", str(out), "--model", str(tiny_dir), "--max-steps", "4", "--val-every", "2",
+            "--patience", "2"]
+    res = run(app, args)
+    assert res.exit_code == 0, res.output
+    assert (out / "kernels.safetensors").is_file() and (out / "kernels" / "global" / "kernels.json").is_file()
+    cal = json.loads((out / "calibration.json").read_text())
+    assert len(cal["methods"]["oal"]["1"]["heads"]) == 4 and cal["config"]["max_steps"] == 4
+    again = run(app, args)
+    assert again.exit_code == 0 and "reusing" in again.output
+    res = run(app, ["evaluate", "--out", str(out), "--blocks", "2"])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["perplexity"] == {"softmax": 1.5}  # merged, not overwritten
+    assert set(metrics["fidelity"]) == {"oal", "global"} and metrics["fidelity"]["oal"]["relmse"] > 0
+    res = run(app, ["convert", "--out", str(out)])
+    assert res.exit_code == 0 and "groups per head" in res.output and "2,2,2,2" in res.output, res.output
+    res = run(app, ["generate", "Hello", "--out", str(out), "--max-new-tokens", "3"])
+    assert res.exit_code == 0 and "Hello" in res.output.rstrip().splitlines()[-1], res.output

@@ -61,16 +61,15 @@ class CalibConfig:
     perturb_std: float = 0.05  # Gaussian perturbation of the perturbed initialisations
     seed: int = 0
     dtype: str = "float32"
-    block_len: int = 256  # sequence length of the calibration blocks
-    train_blocks: int = 8  # number of coefficient-training sequences
-    val_blocks: int = 2  # number of validation sequences
+    # Which blocks (and their length) serve training/validation is the split plan's job (`oal.data.SplitPlan`:
+    # calib_train / calib_val), not this config's.
 
     @classmethod
     def preset(cls, name: str = "default", **overrides) -> CalibConfig:
         presets = {
             "default": cls(),
-            "paper": cls(max_steps=1000, val_every=100, patience=400, block_len=4096),
-            "tiny": cls(max_steps=40, val_every=10, patience=20, block_len=64, train_blocks=2, val_blocks=1),
+            "paper": cls(max_steps=1000, val_every=100, patience=400),
+            "tiny": cls(max_steps=40, val_every=10, patience=20),
         }
         if name not in presets:
             raise ValueError(f"preset: expected one of {sorted(presets)}, got {name!r}")

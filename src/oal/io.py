@@ -90,7 +90,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
     directory = Path(directory)
     tensors, layers = {}, {}
     for i, m in sorted(methods.items()):
-        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+        for name, t in m.state_dict().items():  # persistent tensors only, as load_state_dict expects
             tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
         layers[str(i)] = {
             "method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
