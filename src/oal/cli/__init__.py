@@ -7,7 +7,7 @@ import importlib
 from .app import app
 
 # One module per command group; each adds its commands to `app` on import.
-_COMMAND_MODULES = ("demo", "analyze", "diagnose")
+_COMMAND_MODULES = ("demo", "analyze", "run", "diagnose", "convert")
 
 
 def main() -> None:
