@@ -94,14 +94,15 @@ def test_tied_scores_sort_stably_by_index():
     assert res.groups[2] == res.groups[5] == 1
 
 
-def test_vectorised_bootstrap_matches_literal_loop():
+@pytest.mark.parametrize("alpha", [0.3, 1.0])  # 1.0: every cut k = 1..d-1 is a candidate
+def test_vectorised_bootstrap_matches_literal_loop(alpha):
     gen = torch.Generator().manual_seed(0)
     base = torch.linspace(1.0, 2.0, 24).tolist()
     base[4], base[17], base[9] = 3.5, 5.0, 8.0
     chi = torch.stack([_noisy(base, 11, gen, noise=0.3) for _ in range(5)])  # 5 heads, P = 11, d = 24
-    fast = stable_gap_groups(chi, tail_fraction=0.3, min_support=0.6, n_bootstrap=97, seed=3)
+    fast = stable_gap_groups(chi, tail_fraction=alpha, min_support=0.6, n_bootstrap=97, seed=3)
     for h in range(5):
-        ref = stable_gap_groups_reference(chi[h], tail_fraction=0.3, min_support=0.6, n_bootstrap=97, seed=3)
+        ref = stable_gap_groups_reference(chi[h], tail_fraction=alpha, min_support=0.6, n_bootstrap=97, seed=3)
         one = fast[h]
         assert torch.equal(one.groups, ref["groups"])
         assert one.cuts == ref["cuts"]
