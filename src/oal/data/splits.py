@@ -1,0 +1,203 @@
+"""The data protocol: which token blocks serve which role, kept disjoint (paper App. B, F.2, F.3).
+
+A `BlockSet` names blocks of one split of one corpus: block `i` covers tokens `[i * block_len, (i+1) * block_len)`
+of that split's token stream. Roles with different block lengths are compared on these token ranges, so
+`check_disjoint` catches a 128-token grouping prompt that overlaps a 256-token calibration block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from .blocks import encode
+from .corpus import SPLITS, Corpus
+
+ROLES = ("grouping", "calib_train", "calib_val", "fidelity", "adapt_train", "val", "test")
+
+
+@dataclass
+class BlockSet:
+    """Blocks `indices` of `split`, each `block_len` tokens long.
+
+    `corpus` names the corpus when it is not the run's own (`None`). `through_end=True` adds every block after the
+    last listed index up to the end of the split (for "all test blocks" or "the rest of train").
+    """
+
+    split: str
+    block_len: int
+    indices: list[int]
+    corpus: str | None = None
+    through_end: bool = False
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
+        if not isinstance(self.block_len, int) or self.block_len < 2:
+            raise ValueError(f"block_len: expected an int >= 2, got {self.block_len!r}")
+        self.indices = [int(i) for i in self.indices]
+        if any(i < 0 for i in self.indices) or len(set(self.indices)) != len(self.indices):
+            raise ValueError(f"indices: expected distinct non-negative block indices, got {self.indices}")
+        if self.through_end and not self.indices:
+            raise ValueError("indices: through_end=True needs at least the first index")
+
+    def resolve(self, n_blocks: int) -> list[int]:
+        """The concrete block indices, given that the split has `n_blocks` blocks of this length."""
+        idx = list(self.indices)
+        if self.through_end:
+            idx += list(range(max(idx) + 1, n_blocks))
+        bad = [i for i in idx if i >= n_blocks]
+        if bad:
+            raise ValueError(f"indices: blocks {bad[:5]} requested but split {self.split!r} of corpus "
+                             f"{self.corpus or '(run corpus)'} has only {n_blocks} blocks of {self.block_len} tokens")
+        return idx
+
+    def token_ranges(self) -> list[tuple[int, float]]:
+        """Half-open token ranges covered, merged; the last one is open-ended with through_end."""
+        starts = sorted(self.indices)
+        out: list[tuple[int, float]] = []
+        for i in starts:
+            lo, hi = i * self.block_len, (i + 1) * self.block_len
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+        if self.through_end:
+            out[-1] = (out[-1][0], float("inf"))
+        return out
+
+
+@dataclass
+class SplitPlan:
+    """One BlockSet per role. All roles on the same corpus split must cover disjoint token ranges."""
+
+    grouping: BlockSet
+    calib_train: BlockSet
+    calib_val: BlockSet
+    fidelity: BlockSet
+    adapt_train: BlockSet
+    val: BlockSet
+    test: BlockSet
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.check_disjoint()
+
+    def roles(self) -> dict[str, BlockSet]:
+        return {r: getattr(self, r) for r in ROLES}
+
+    def to_dict(self) -> dict:
+        d = {r: asdict(b) for r, b in self.roles().items()}
+        d["notes"] = self.notes
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> SplitPlan:
+        missing = [r for r in ROLES if r not in d]
+        if missing:
+            raise ValueError(f"plan: missing roles {missing}")
+        names = {f.name for f in fields(BlockSet)}
+        return cls(**{r: BlockSet(**{k: v for k, v in d[r].items() if k in names}) for r in ROLES},
+                   notes=d.get("notes", ""))
+
+    def check_disjoint(self) -> None:
+        """ValueError naming the first pair of roles whose token ranges overlap on the same corpus split."""
+        roles = list(self.roles().items())
+        for a in range(len(roles)):
+            for b in range(a + 1, len(roles)):
+                (ra, sa), (rb, sb) = roles[a], roles[b]
+                if (sa.corpus, sa.split) != (sb.corpus, sb.split):
+                    continue
+                for lo1, hi1 in sa.token_ranges():
+                    for lo2, hi2 in sb.token_ranges():
+                        if lo1 < hi2 and lo2 < hi1:
+                            raise ValueError(
+                                f"plan: roles {ra!r} and {rb!r} overlap on split {sa.split!r} "
+                                f"(tokens {max(lo1, lo2)}..{min(hi1, hi2)})")
+
+
+def _blocks(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+def _default() -> SplitPlan:
+    # Embedded model + builtin corpus, sized so a full `oal run` fits ~10 min on a 2-core CPU.
+    # Train-split token layout (notes seed: grouping first, then calibration, later blocks for adaptation):
+    #   grouping 40 x 128 tokens = tokens [0, 5120) = 256-blocks 0-19; calib_train 20-27; calib_val 28-29;
+    #   fidelity 30-37; adapt_train 38 to the end of train.
+    return SplitPlan(
+        grouping=BlockSet("train", 128, _blocks(0, 40)),
+        calib_train=BlockSet("train", 256, _blocks(20, 8)),
+        calib_val=BlockSet("train", 256, _blocks(28, 2)),
+        fidelity=BlockSet("train", 256, _blocks(30, 8)),
+        adapt_train=BlockSet("train", 256, [38], through_end=True),
+        val=BlockSet("validation", 256, _blocks(0, 8)),
+        test=BlockSet("test", 256, _blocks(0, 32)),
+        notes="embedded default: builtin corpus, reduced sizes for CPU",
+    )
+
+
+def _paper() -> SplitPlan:
+    # App. B: WikiText-2 train in 4096-token blocks: 0-15 fidelity, 16-23 calibration train, 24-25 calibration
+    # validation. The paper's 40 short grouping prompts are not published; we take 40 x 128 tokens right after
+    # block 25 (tokens 106496..111616), disjoint from all of the above.
+    # App. F.2: adaptation on WikiText-103 train, 512 updates of 4096 tokens; 32 WikiText-103 validation blocks.
+    # App. F.3: WikiText-103 test, every complete 4096-token block.
+    wt2, wt103 = "wikitext-2-raw-v1", "wikitext-103-raw-v1"
+    return SplitPlan(
+        grouping=BlockSet("train", 128, _blocks(26 * 4096 // 128, 40), corpus=wt2),
+        calib_train=BlockSet("train", 4096, _blocks(16, 8), corpus=wt2),
+        calib_val=BlockSet("train", 4096, _blocks(24, 2), corpus=wt2),
+        fidelity=BlockSet("train", 4096, _blocks(0, 16), corpus=wt2),
+        adapt_train=BlockSet("train", 4096, _blocks(0, 512), corpus=wt103),
+        val=BlockSet("validation", 4096, _blocks(0, 32), corpus=wt103),
+        test=BlockSet("test", 4096, [0], corpus=wt103, through_end=True),
+        notes="paper protocol (App. B, F.2, F.3); WikiText-103 train contains WikiText-2 train articles, "
+        "so adaptation text may include the calibration text, as in the paper",
+    )
+
+
+PLAN_PRESETS = {"default": _default, "qwen2.5-0.5b": _paper, "llama-3.2-1b": _paper}
+
+
+def default_plan(preset: str = "default") -> SplitPlan:
+    """The SplitPlan of a preset: "default" (embedded model, builtin corpus) or a paper backbone."""
+    if preset not in PLAN_PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PLAN_PRESETS)}, got {preset!r}")
+    return PLAN_PRESETS[preset]()
+
+
+def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPlan, *,
+                data_dir: str | None = None) -> dict[str, torch.Tensor]:
+    """LongTensor [n, block_len] of token blocks for every role of `plan`.
+
+    `corpus` is the run's corpus (roles with `corpus=None`), or a mapping from corpus name to Corpus. Roles naming
+    another corpus load it with `load_corpus(name, data_dir=data_dir)`. Each split is tokenised once.
+    """
+    from . import load_corpus
+
+    corpora: dict[str | None, Corpus] = {}
+    if isinstance(corpus, Corpus):
+        corpora[None] = corpora[corpus.name] = corpus
+    else:
+        corpora.update(corpus)
+    plan.check_disjoint()
+    streams: dict[tuple, list[int]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for role, bs in plan.roles().items():
+        if bs.corpus not in corpora:
+            if bs.corpus is None:
+                raise ValueError(f"corpus: role {role!r} uses the run corpus but only {list(corpora)} were given")
+            corpora[bs.corpus] = load_corpus(bs.corpus, data_dir=data_dir)
+        c = corpora[bs.corpus]
+        key = (id(c), bs.split)
+        if key not in streams:
+            streams[key] = encode(tokenizer, c.splits[bs.split])
+        ids = streams[key]
+        n_blocks = len(ids) // bs.block_len
+        idx = bs.resolve(n_blocks)
+        flat = torch.tensor(ids[: n_blocks * bs.block_len], dtype=torch.long).reshape(n_blocks, bs.block_len)
+        out[role] = flat[idx] if idx else flat[:0]
+    return out

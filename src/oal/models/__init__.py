@@ -1,0 +1,1 @@
+"""HF model integration: the model registry (registry.py), capture, conversion and caches."""

@@ -1,0 +1,217 @@
+"""Load models by name: the embedded default, a local HF folder, or a pinned hub checkpoint; with provenance.
+
+Provenance is read from the files actually loaded (SHA256 of every config/weight/tokenizer file), never from the
+name the user typed: an Instruct checkpoint cannot pass as Base because its config and weight hashes differ from
+the pinned Base ones (reproduction notes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
+HASHED_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
+
+
+class ModelUnavailableError(RuntimeError):
+    """A hub model that is neither reachable nor in the local cache."""
+
+
+# Pinned hub checkpoints. `weights` gives (size in bytes, sha256) of a weight file where it is known;
+# `base_config` lists config.json values that tell the Base checkpoint from its Instruct sibling.
+HUB_MODELS: dict[str, dict] = {
+    "Qwen/Qwen2.5-0.5B": {
+        "revision": "060db6499f32faf8b98477b0a26969ef7d8b9987",
+        "weights": {"model.safetensors": (988_097_824,
+                                          "88c142557820ccad55bb59756bfcfcf891de9cc6202816bd346445188a0ed342")},
+        # Base ends documents with <|endoftext|> (151643); Instruct's config says <|im_end|> (151645).
+        "base_config": {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "eos_token_id": 151643},
+        "preset": "qwen2.5-0.5b",
+    },
+    "meta-llama/Llama-3.2-1B": {
+        "revision": "4e20de362430cd3b72f300e6b0f18e50e7166e08",
+        "weights": {},  # no published weight hash in our notes: hashes are recorded, not checked
+        # Base: eos 128001 only; Instruct lists [128001, 128008, 128009].
+        "base_config": {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "eos_token_id": 128001},
+        "preset": "llama-3.2-1b",
+    },
+}
+
+# Per-preset grouping / protocol settings (paper App. B, F.2). `layers=None` means default_layers' rule.
+PRESETS: dict[str, dict] = {
+    "default": {"model": "default", "layers": None, "alpha": 0.25, "gamma": 0.9, "tau": 1.5, "min_groups": 2,
+                "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "block_len": 256, "adapt_steps": 64,
+                "val_blocks": 8, "plan": "default"},
+    "qwen2.5-0.5b": {"model": "Qwen/Qwen2.5-0.5B", "layers": list(range(3, 21)), "alpha": 0.25, "gamma": 0.9,
+                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
+                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "qwen2.5-0.5b"},
+    "llama-3.2-1b": {"model": "meta-llama/Llama-3.2-1B", "layers": list(range(1, 15)), "alpha": 0.5, "gamma": 0.5,
+                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
+                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "llama-3.2-1b"},
+}
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_model_dir(path: str | Path) -> dict[str, str]:
+    """SHA256 of every config / weight / tokenizer file in a model folder (sorted by name)."""
+    path = Path(path)
+    return {p.name: file_sha256(p) for p in sorted(path.iterdir())
+            if p.is_file() and p.suffix in HASHED_SUFFIXES}
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def identify(path: str | Path) -> tuple[str | None, dict]:
+    """Which pinned hub checkpoint a folder is, judged by its files; returns (hub id or None, evidence).
+
+    A folder is identified as a pinned Base model only when its config matches the Base config values and every
+    known weight hash matches. The evidence lists every check and its outcome.
+    """
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        return None, {"reason": "no config.json"}
+    cfg = json.loads(cfg_path.read_text())
+    evidence: dict = {}
+    for hub_id, spec in HUB_MODELS.items():
+        base = spec["base_config"]
+        shape_keys = ("model_type", "num_hidden_layers", "hidden_size")
+        if any(cfg.get(k) != base[k] for k in shape_keys):
+            continue
+        checks = {f"config.{k}": cfg.get(k) == v for k, v in base.items()}
+        for fname, (size, sha) in spec["weights"].items():
+            f = path / fname
+            checks[f"{fname}.size"] = f.is_file() and f.stat().st_size == size
+            checks[f"{fname}.sha256"] = bool(checks[f"{fname}.size"]) and file_sha256(f) == sha
+        evidence[hub_id] = checks
+        if all(checks.values()):
+            return hub_id, evidence
+    return None, evidence
+
+
+def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
+    spec = HUB_MODELS.get(name)
+    if revision is None:
+        if spec is None:
+            raise ValueError(f"name_or_path: {name!r} is not 'default', a local folder or a pinned hub model "
+                             f"({sorted(HUB_MODELS)}); pass revision= to load another hub model")
+        revision = spec["revision"]
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+    online = _hub_reachable()
+    try:
+        path = snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=not online)
+    except Exception as exc:  # hub raises several error types; all mean "not available here"
+        why = "reachable" if online else "unreachable or HF_HUB_OFFLINE is set, and the files are not cached"
+        raise ModelUnavailableError(
+            f"model {name}@{revision}: hub {why} ({type(exc).__name__}: {exc}). Download it where the hub is "
+            f"reachable and pass the local folder instead, or use the embedded model ('default')."
+        ) from exc
+    return Path(path), revision
+
+
+def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               revision: str | None = None, expect: str | None = None):
+    """Load (model, tokenizer, provenance).
+
+    - "default": the embedded byte-level Qwen2 model shipped in the package (offline);
+    - a local folder in HF format;
+    - a hub id: the pinned revision of `HUB_MODELS` (or `revision=`), from the hub or the local HF cache.
+
+    `expect="Qwen/Qwen2.5-0.5B"` (etc.) demands that the files be that pinned Base checkpoint; a mismatch (for
+    example an Instruct checkpoint) raises ValueError. Hub ids in HUB_MODELS are always checked this way.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    name = str(name_or_path)
+    source, rev = "local", None
+    if name == "default":
+        path, source = DEFAULT_MODEL_DIR, "package"
+        if not (path / "model.safetensors").is_file():
+            raise ValueError(f"name_or_path: the embedded model is missing from {path}; "
+                             "build it with scripts/train_embedded_model.py")
+    elif Path(name).is_dir():
+        path = Path(name)
+    elif "/" in name and not Path(name).exists():
+        path, rev = _resolve_hub(name, revision)
+        source = "hub"
+        if name in HUB_MODELS:
+            expect = expect or name
+    else:
+        raise ValueError(f"name_or_path: expected 'default', a local model folder or a hub id, got {name!r}")
+
+    identified, evidence = identify(path)
+    if expect is not None and identified != expect:
+        failed = {k: v for k, v in evidence.get(expect, {}).items() if not v}
+        raise ValueError(f"model {name}: files are not the pinned {expect} Base checkpoint "
+                         f"(failed checks: {failed or 'architecture differs'}); refusing to label it {expect}")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    model.eval()
+    provenance = {
+        "model": name,
+        "identified_as": identified,
+        "source": source,
+        "path": str(Path(path).resolve()),
+        "revision": rev or (HUB_MODELS[identified]["revision"] if identified else None),
+        "architecture": type(model).__name__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "sha256": hash_model_dir(path),
+        "checks": evidence.get(identified, {}) if identified else evidence,
+    }
+    if source == "package":
+        summary = path / "training_summary.json"
+        if summary.is_file():
+            meta = json.loads(summary.read_text())
+            provenance["trained_on"] = meta.get("corpus", {})
+            provenance["steps_trained"] = meta.get("steps_trained")
+    return model, tokenizer, provenance
+
+
+def preset_for(model_or_config) -> str:
+    """The PRESETS key that fits a model (by architecture and shape), "default" otherwise."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    for spec in HUB_MODELS.values():
+        base = spec["base_config"]
+        if all(getattr(cfg, k, None) == base[k] for k in ("model_type", "num_hidden_layers", "hidden_size")):
+            return spec["preset"]
+    return "default"
+
+
+def default_layers(model_or_config) -> list[int]:
+    """Layers to convert: Qwen2.5-0.5B 3..20, Llama-3.2-1B 1..14 (App. F), otherwise all but the first and last.
+
+    Models with fewer than 3 layers have no middle; all their layers are returned.
+    """
+    preset = PRESETS[preset_for(model_or_config)]
+    if preset["layers"] is not None:
+        return list(preset["layers"])
+    cfg = getattr(model_or_config, "config", model_or_config)
+    n = int(cfg.num_hidden_layers)
+    return list(range(1, n - 1)) if n >= 3 else list(range(n))
