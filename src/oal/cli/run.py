@@ -1,0 +1,100 @@
+"""`oal run` (the whole protocol, resumable) and `oal adapt` (one adaptation arm in an existing run directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from .app import app
+
+
+def _layers(spec: str | None) -> list[int] | None:
+    if spec is None:
+        return None
+    try:
+        out: list[int] = []
+        for part in spec.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                out += list(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                out.append(int(part))
+        return out
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected layer indices like 1,2,3 or 3-20, got {spec!r}",
+                                 param_hint="--layers") from exc
+
+
+@app.command()
+def run(
+    out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one is resumed)."),
+    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
+    data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
+    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
+    preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
+    seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
+    layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
+    steps: int = typer.Option(None, help="Override the number of adaptation updates."),
+    val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
+    device: str = typer.Option("cpu", help="torch device."),
+    progress: bool = typer.Option(True, help="Show progress bars."),
+) -> None:
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
+    from ..config import RunConfig, parse_methods, parse_seeds
+    from ..pipeline import MissingDependency, run as run_pipeline
+
+    try:
+        seed_list = parse_seeds(seeds)
+        adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
+        cfg = RunConfig.from_preset(preset, model=model, data=data, methods=parse_methods(methods),
+                                    layers=_layers(layers), seed=seed_list[0], device=device, adapt=adapt)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
+    except MissingDependency as exc:
+        raise typer.BadParameter(f"cannot start: {exc}") from exc
+
+
+@app.command("adapt")
+def adapt_cmd(
+    out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run` or `oal calibrate`)."),
+    method: str = typer.Option("oal", help="The arm to adapt: a method name or softmax."),
+    steps: int = typer.Option(None, help="Override the number of adaptation updates."),
+    progress: bool = typer.Option(True, help="Show progress bars."),
+) -> None:
+    """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; resumable."""
+    from ..config import RunConfig
+    from ..pipeline import REFERENCE, MissingDependency, Run
+    from ..runio import load_json
+
+    cfg_path = out / "config.json"
+    if not cfg_path.is_file():
+        raise typer.BadParameter(f"{out} has no config.json; run `oal run --out {out}` first", param_hint="--out")
+    try:
+        d = load_json(cfg_path)["config"]
+        if steps is not None:
+            d["adapt"] = {**d.get("adapt", {}), "steps": steps}
+        if method not in d["methods"]:
+            d["methods"] = [*d["methods"], method]
+        cfg = RunConfig.from_dict(d)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console = Console()
+    r = Run(cfg, out, console=console, progress=progress)
+    try:
+        r.setup()
+        if method != REFERENCE:
+            rec = r.log.stages.get("calibrate")
+            if rec is None:
+                raise typer.BadParameter(f"{out} has no calibrated kernels; run `oal run --out {out}` first",
+                                         param_hint="--out")
+            r.keys["calibrate"] = rec["key"]
+        if r.adapt(method):
+            r.perplexity(method, adapted=True)
+    except MissingDependency as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    ppl = r.metrics()["perplexity"].get(method)
+    console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")

@@ -1,0 +1,146 @@
+"""`RunConfig`: everything `oal run` needs, with the paper's protocols as presets.
+
+The block split (which token blocks serve grouping, calibration, adaptation, validation and test) is not part of
+this dataclass: it comes from `oal.data.default_plan(preset)` and is recorded in config.json next to it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+
+from .adapt import AdaptConfig
+
+__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
+           "parse_seeds"]
+
+DEFAULT_METHODS = ("oal", "global", "softmax")
+ALL_METHODS = ("oal", "global", "softmax", "performer", "spectraformer", "dijiang", "taylorshift")
+
+# Per preset: model, corpus, calibration (App. B) and adaptation (App. F.2) budgets. Grouping parameters
+# (alpha, gamma, tau, Gmin, B) come from `oal.models.registry.PRESETS` (the backbone's own, App. B).
+# "default" is sized so that the whole `oal run` on the embedded model fits in ~10 minutes on a 2-core CPU.
+PRESETS: dict[str, dict] = {
+    "default": {
+        "model": "default",
+        "data": "builtin",
+        "calib": {"max_steps": 150, "val_every": 25, "patience": 75},
+        "adapt": {"steps": 96, "val_every": 32, "ckpt_every": 16},
+    },
+    "qwen2.5-0.5b": {
+        "model": "Qwen/Qwen2.5-0.5B",
+        "data": "wikitext-103-raw-v1",
+        "calib": {"max_steps": 1000, "val_every": 100, "patience": 400},
+        "adapt": {"steps": 512, "val_every": 128, "ckpt_every": 32},
+    },
+    "llama-3.2-1b": {
+        "model": "meta-llama/Llama-3.2-1B",
+        "data": "wikitext-103-raw-v1",
+        "calib": {"max_steps": 1000, "val_every": 100, "patience": 400},
+        "adapt": {"steps": 512, "val_every": 128, "ckpt_every": 32},
+    },
+}
+
+
+def grouping_preset(preset: str) -> dict:
+    """`stable_gap_groups` keyword arguments of a preset, from the model registry (App. B per backbone)."""
+    from .models.registry import PRESETS as MODEL_PRESETS
+
+    p = MODEL_PRESETS[preset]
+    return {"tail_fraction": p["alpha"], "min_support": p["gamma"], "min_ratio": p["tau"],
+            "min_groups": p["min_groups"], "n_bootstrap": p["n_bootstrap"]}
+
+
+def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
+    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    items = [s for s in items if s]
+    if not items:
+        raise ValueError("methods: expected a comma-separated list of method names or 'all', got nothing")
+    out: list[str] = []
+    for item in items:
+        for name in (ALL_METHODS if item == "all" else (item,)):
+            if name not in ALL_METHODS:
+                raise ValueError(f"methods: unknown method {name!r}; expected some of {', '.join(ALL_METHODS)} "
+                                 "or 'all'")
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def parse_seeds(spec: str | int | list[int]) -> list[int]:
+    """'42,43,44' -> [42, 43, 44]."""
+    if isinstance(spec, int):
+        return [spec]
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()] if isinstance(spec, str) else [int(s) for s in spec]
+    except ValueError as exc:
+        raise ValueError(f"seeds: expected comma-separated integers such as 42,43,44, got {spec!r}") from exc
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: expected distinct integers, got {spec!r}")
+    return seeds
+
+
+@dataclass
+class RunConfig:
+    model: str = "default"
+    data: str = "builtin"
+    preset: str = "default"
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    layers: list[int] | None = None  # None: the model family's default conversion range
+    seed: int = 42
+    dtype: str = "float32"
+    device: str = "cpu"
+    grouping: dict = field(default_factory=dict)
+    calib: dict = field(default_factory=dict)
+    adapt: dict = field(default_factory=dict)
+    eval_batch_size: int = 1
+    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {self.preset!r}")
+        self.methods = parse_methods(self.methods)
+        if self.layers is not None:
+            if not all(isinstance(x, int) and x >= 0 for x in self.layers):
+                raise ValueError(f"layers: expected non-negative layer indices, got {self.layers!r}")
+            self.layers = sorted(set(self.layers))
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype: expected float32, float64 or bfloat16, got {self.dtype!r}")
+        AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
+
+    @classmethod
+    def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
+        """Preset values, with any explicit override (None means 'keep the preset')."""
+        if preset not in PRESETS:
+            raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
+        p = copy.deepcopy(PRESETS[preset])
+        base = {"preset": preset, "model": p["model"], "data": p["data"], "grouping": grouping_preset(preset),
+                "calib": p["calib"], "adapt": p["adapt"]}
+        for key in ("grouping", "calib", "adapt"):
+            base[key] = {**base[key], **(overrides.pop(key, None) or {})}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def adapt_config_dict(self) -> dict:
+        return {**self.adapt, "seed": self.adapt.get("seed", self.seed)}
+
+    def adapt_config(self) -> AdaptConfig:
+        return AdaptConfig.from_dict(self.adapt_config_dict())
+
+    def with_seed(self, seed: int) -> RunConfig:
+        d = self.to_dict()
+        d["seed"] = seed
+        d["adapt"] = {k: v for k, v in d["adapt"].items() if k != "seed"}
+        return RunConfig(**d)
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}")
+        return cls(**d)

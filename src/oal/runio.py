@@ -1,0 +1,205 @@
+"""Run-directory I/O: atomic writes, config hashes, stage-done markers and provenance.
+
+Every file of a run directory is written to a temporary name in the same folder and renamed into place, so a
+killed process leaves either the old file or the new one, never half of one. A stage records a marker
+(`DIR/.oal/stages.json`) with the hash of everything it read; a rerun with the same hash skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "atomic_dir",
+    "atomic_save_safetensors",
+    "atomic_write_json",
+    "atomic_write_text",
+    "config_hash",
+    "load_json",
+    "load_safetensors",
+    "sha256_file",
+    "sha256_files",
+    "StageLog",
+    "tensor_hash",
+    "versions",
+]
+
+
+def _tmp_path(path: Path) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+
+
+def atomic_write_json(path: str | Path, obj) -> Path:
+    """JSON with sorted keys and a trailing newline (stable bytes for stable hashes)."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+
+
+def load_json(path: str | Path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
+    """safetensors needs contiguous, non-shared tensors: clone them (they are small: adapters, factors)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    try:
+        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
+                  metadata={k: str(v) for k, v in (metadata or {}).items()})
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Fill a fresh temporary directory, then swap it in for `path` (old contents removed only afterwards)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """SHA256 (first 16 hex) of a tensor's dtype, shape and bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def config_hash(obj) -> str:
+    """SHA256 (first 16 hex) of the canonical JSON of `obj`."""
+    blob = json.dumps(obj, sort_keys=True, default=_jsonable, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_files(folder: str | Path, suffixes=(".safetensors", ".json", ".txt", ".model", ".bin")) -> dict:
+    """SHA256 of the model-defining files of a local checkpoint folder (relative name -> hash)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix in suffixes}
+
+
+def versions() -> dict[str, str]:
+    """Versions of the interpreter and of the libraries whose numerics the results depend on."""
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for mod in ("torch", "transformers", "peft", "safetensors", "datasets", "numpy", "oal"):
+        try:
+            from importlib.metadata import version
+
+            out[mod] = version(mod)
+        except Exception:  # not installed: record the absence rather than fail a run
+            out[mod] = "absent"
+    return out
+
+
+class StageLog:
+    """Stage-done markers in `DIR/.oal/stages.json`: stage -> {key, elapsed_s, finished}.
+
+    `done(stage, key)` is True only when the stage finished with the same key and its outputs still exist.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ".oal" / "stages.json"
+        self.stages: dict = load_json(self.path) if self.path.exists() else {}
+
+    def done(self, stage: str, key: str, outputs=()) -> bool:
+        rec = self.stages.get(stage)
+        if rec is None or rec.get("key") != key:
+            return False
+        return all((self.run_dir / o).exists() for o in outputs)
+
+    def mark(self, stage: str, key: str, elapsed_s: float, **extra) -> None:
+        self.stages[stage] = {"key": key, "elapsed_s": round(float(elapsed_s), 3),
+                              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
+        atomic_write_json(self.path, self.stages)
+
+    def forget(self, stage: str) -> None:
+        if self.stages.pop(stage, None) is not None:
+            atomic_write_json(self.path, self.stages)
+
+    def elapsed(self) -> dict[str, float]:
+        return {k: v["elapsed_s"] for k, v in self.stages.items()}
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0

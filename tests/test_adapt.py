@@ -1,0 +1,156 @@
+"""Joint LoRA + kernel adaptation (App. F.2): frozen backbone, kernel training, selection and exact resume."""
+
+import pytest
+import torch
+from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from oal.adapt import AdaptConfig, adapt, kernel_parameter_names, load_adapter, save_adapter
+from oal.methods import build_method
+from oal.ops.kernel import perturbed_factor, taylor_factor
+
+VOCAB = 53
+
+
+def _method_attention(module, query, key, value, attention_mask, **kwargs):
+    """Test-only conversion: a layer holding `kernel_method` runs it (chunked operator path), others use SDPA."""
+    method = getattr(module, "kernel_method", None)
+    if method is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return method(query, key, value).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("oal_test_methods", _method_attention)
+
+
+def _tiny_model(seed=0, convert=None):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    if convert is not None:
+        gen = torch.Generator().manual_seed(seed + 7)
+        attn = model.model.layers[1].self_attn
+        groups = torch.randint(0, 3, (4, 16), generator=gen)
+        factor = perturbed_factor(taylor_factor(4, 3), 0.1, generator=gen)
+        attn.kernel_method = build_method(convert, 4, 2, 16, groups=groups, factor=factor, layer_idx=1)
+        model.set_attn_implementation("oal_test_methods")
+    return model
+
+
+def _blocks(n, length, seed):
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+CFG = dict(steps=6, val_every=3, ckpt_every=2, warmup_frac=0.2, lr=5e-3, seed=3)
+
+
+def test_lora_targets_every_layer_and_freezes_backbone():
+    model = _tiny_model()
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG), progress=False)
+    lora = [n for n, _ in peft_model.named_parameters() if "lora_A" in n]
+    for layer in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert any(f"layers.{layer}.self_attn.{proj}.lora_A" in n for n in lora), (layer, proj)
+    assert res.n_kernel_params == 0 and res.kernel_change == 0.0
+    for n, p in peft_model.named_parameters():
+        if "lora_" not in n:
+            name = n.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(p, base[name]), n
+    assert any(float(p.detach().abs().sum()) > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)
+    assert [v["step"] for v in res.validation] == [3, 6]
+    lrs = [h["lr"] for h in res.history]
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(5e-3) and lrs[-1] < max(lrs)  # warmup then cosine
+
+
+def test_kernel_parameters_train_jointly_and_groups_stay_fixed():
+    model = _tiny_model(convert="oal")
+    method = model.model.layers[1].self_attn.kernel_method
+    assert kernel_parameter_names(model) == ["model.layers.1.self_attn.kernel_method.factor"]
+    factor0, groups0 = method.factor.detach().clone(), method.groups.clone()
+    peft_model, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG), progress=False)
+    assert res.n_kernel_params == factor0.numel() and res.kernel_change > 0
+    assert not torch.equal(method.factor.detach(), factor0)
+    assert torch.equal(method.groups, groups0)
+
+
+def test_kernel_parameters_frozen_when_disabled():
+    model = _tiny_model(convert="oal")
+    factor0 = model.model.layers[1].self_attn.kernel_method.factor.detach().clone()
+    _, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG, train_kernel=False),
+                   progress=False)
+    assert res.n_kernel_params == 0
+    assert torch.equal(model.model.layers[1].self_attn.kernel_method.factor.detach(), factor0)
+
+
+def test_best_validation_checkpoint_is_restored():
+    model = _tiny_model(convert="global")
+    seen = {}
+
+    def record(step):
+        seen[step] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    cfg = AdaptConfig(**{**CFG, "val_every": 1, "lr": 0.05})
+    peft_model, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), cfg, progress=False, on_step=record)
+    nll = [v["val_nll"] for v in res.validation]
+    assert res.best_step == 1 + nll.index(min(nll)) and res.best_val_nll == min(nll)
+    for n, p in peft_model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), seen[res.best_step][n.removeprefix("base_model.model.")]), n
+
+
+class _Kill(Exception):
+    pass
+
+
+def _run(tmp, kill_after=None, convert="oal"):
+    model = _tiny_model(convert=convert)
+
+    def maybe_kill(step):
+        if kill_after is not None and step == kill_after:
+            raise _Kill
+
+    return adapt(model, _blocks(5, 12, 0), _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 7}),
+                 ckpt_dir=tmp, progress=False, on_step=maybe_kill)
+
+
+@pytest.mark.parametrize("kill_after", [1, 5])
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, kill_after):
+    ref_model, ref = _run(tmp_path / "ref")
+    with pytest.raises(_Kill):
+        _run(tmp_path / "killed", kill_after=kill_after)
+    model, res = _run(tmp_path / "killed")  # a fresh process would rebuild the same model, then resume
+    assert res.history == ref.history and res.validation == ref.validation
+    assert res.best_step == ref.best_step and res.best_val_nll == ref.best_val_nll
+    a = dict(ref_model.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, a[n]), n
+
+
+def test_save_and_load_adapter_roundtrip(tmp_path):
+    model, res = adapt(_tiny_model(convert="oal"), _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG),
+                       progress=False)
+    save_adapter(model, tmp_path / "adapter", res)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "adapter" / "kernel_params.safetensors").exists()
+    ids = _blocks(2, 10, 5)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        loaded = load_adapter(_tiny_model(convert="oal"), tmp_path / "adapter")
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="adapter_dir"):
+        load_adapter(_tiny_model(convert="oal"), tmp_path)
+
+
+@pytest.mark.parametrize("kw, name", [({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"),
+                                      ({"warmup_frac": 1.0}, "warmup_frac"), ({"val_every": 0}, "val_every")])
+def test_config_validation(kw, name):
+    with pytest.raises(ValueError, match=name):
+        AdaptConfig(**kw)
+
+
+def test_bad_blocks_rejected():
+    with pytest.raises(ValueError, match="train_blocks"):
+        adapt(_tiny_model(), torch.zeros(3, dtype=torch.long), _blocks(2, 8, 0), AdaptConfig(**CFG), progress=False)

@@ -1,0 +1,168 @@
+"""`oal run` end to end on a tiny random Qwen2 model: run directory contract, consistency and resume."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from typer.testing import CliRunner
+
+from oal.config import RunConfig, parse_methods, parse_seeds
+from oal.pipeline import aggregate_seeds, run, run_seed
+
+
+def _byte_tokenizer():
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    Qwen2ForCausalLM(cfg).save_pretrained(root / "model")
+    _byte_tokenizer().save_pretrained(root / "model")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group"]
+    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))) + "." for _ in range(500)]
+    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
+    return root
+
+
+def _plan():
+    def bs(split, length, first, count, through_end=False):
+        return {"split": split, "block_len": length, "indices": list(range(first, first + count)),
+                "through_end": through_end}
+
+    return {"grouping": bs("train", 32, 0, 8), "calib_train": bs("train", 64, 4, 2), "calib_val": bs("train", 64, 6, 1),
+            "fidelity": bs("train", 64, 7, 2), "adapt_train": bs("train", 64, 9, 6), "val": bs("validation", 64, 0, 2),
+            "test": bs("test", 64, 0, 3)}
+
+
+def _cfg(assets, **kw):
+    return RunConfig(model=str(assets / "model"), data=str(assets / "corpus.txt"), plan=_plan(),
+                     grouping={"n_bootstrap": 50}, calib={"max_steps": 10, "val_every": 5, "patience": 10},
+                     adapt={"steps": 4, "val_every": 2, "ckpt_every": 1}, **kw)
+
+
+@pytest.fixture(scope="module")
+def full_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    metrics = run_seed(_cfg(assets), out, progress=False)
+    return out, metrics
+
+
+def _strip_time(m):
+    return {k: v for k, v in m.items() if k != "elapsed_s"}
+
+
+def test_run_directory_contract(full_run):
+    out, metrics = full_run
+    assert metrics["missing"] == [], metrics["missing"]
+    for f in ("config.json", "groups.json", "kernels.safetensors", "calibration.json", "metrics.json", "report.md",
+              "adapter/oal/adapter_config.json", "adapter/oal/kernel_params.safetensors",
+              "adapter/softmax/adapter_config.json", "kernels/global/kernels.safetensors"):
+        assert (out / f).is_file(), f
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["converted_layers"] == [1]
+    for m in ("oal", "global"):
+        assert set(saved["fidelity"][m]) >= {"mse", "relmse", "mse_post_o", "relmse_post_o"}
+    for m in ("oal", "global", "softmax"):
+        assert math.isfinite(saved["perplexity"][m]) and saved["perplexity"][m] > 1
+    assert set(saved["elapsed_s"]) >= {"setup", "analyze", "calibrate", "fidelity", "adapt:oal", "report"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["split_plan"]["test"]["split"] == "test" and config["versions"]["torch"]
+    assert config["model"]["sha256"], "model file hashes recorded"
+    # kernels trained jointly with LoRA for OAL, none for the softmax arm
+    assert saved["adapt"]["oal"]["n_kernel_params"] > 0 and saved["adapt"]["oal"]["kernel_change"] > 0
+    assert saved["adapt"]["softmax"]["n_kernel_params"] == 0
+
+
+def test_perplexity_matches_model_rebuilt_from_files(full_run, assets):
+    """The run directory alone reproduces the reported number: kernels + adapter on the base model."""
+    import oal
+    from oal.adapt import load_adapter
+    from oal.data import SplitPlan, load_corpus, plan_blocks
+    from oal.evaluate.perplexity import perplexity
+    from oal.models.registry import load_model
+
+    out, metrics = full_run
+    model, tok, _ = load_model(str(assets / "model"))
+    blocks = plan_blocks(load_corpus(str(assets / "corpus.txt")), tok, SplitPlan.from_dict(_plan()))
+    model = load_adapter(oal.load(out, model), out / "adapter" / "oal")
+    assert perplexity(model, blocks["test"]) == pytest.approx(metrics["perplexity"]["oal"], rel=1e-9)
+
+
+def test_killed_run_resumes_and_matches(full_run, assets, tmp_path):
+    out_ref, ref = full_run
+    cfg = _cfg(assets)
+    assert run_seed(cfg, tmp_path, progress=False, stop_after="calibrate") == {}  # "killed" after calibrate
+    assert not (tmp_path / "metrics.json").exists()
+    stamps = {f: (tmp_path / f).stat().st_mtime_ns for f in ("groups.json", "calibration.json", "kernels.safetensors")}
+    metrics = run_seed(cfg, tmp_path, progress=False)
+    for f, t in stamps.items():
+        assert (tmp_path / f).stat().st_mtime_ns == t, f"{f} was recomputed"
+    assert _strip_time(metrics) == _strip_time(ref)
+    # a finished run does nothing new and reports the same
+    again = run_seed(cfg, tmp_path, progress=False)
+    assert _strip_time(again) == _strip_time(ref)
+
+
+def test_aggregate_seeds_mean_and_sample_std():
+    def m(seed, ppl):
+        return {"model": "x", "converted_layers": [1], "methods": ["oal"], "seed": seed,
+                "perplexity": {"oal": ppl}, "perplexity_no_adapt": {}, "elapsed_s": {"adapt:oal": 1.0},
+                "fidelity": {"oal": {"mse": ppl / 10, "relmse": 0.5, "mse_post_o": 0.1, "relmse_post_o": 0.2}},
+                "adapt": {}}
+
+    agg = aggregate_seeds({42: m(42, 10.0), 43: m(43, 12.0), 44: m(44, 14.0)})
+    assert agg["perplexity"]["oal"] == pytest.approx(12.0)
+    assert agg["perplexity_std"]["oal"] == pytest.approx(2.0)  # n-1 denominator
+    assert agg["fidelity"]["oal"]["mse"] == pytest.approx(1.2)
+    assert agg["per_seed"]["43"]["perplexity"]["oal"] == 12.0 and agg["seeds"] == [42, 43, 44]
+    assert agg["elapsed_s"]["adapt:oal"] == pytest.approx(3.0)
+
+
+def test_two_seeds_write_per_seed_dirs_and_aggregate(assets, tmp_path):
+    cfg = _cfg(assets, methods=["global", "softmax"])
+    metrics = run(cfg, tmp_path, [1, 2], progress=False)
+    for s in (1, 2):
+        assert (tmp_path / f"seed-{s}" / "metrics.json").is_file()
+    per = [json.loads((tmp_path / f"seed-{s}" / "metrics.json").read_text())["perplexity"]["global"] for s in (1, 2)]
+    assert metrics["perplexity"]["global"] == pytest.approx(sum(per) / 2)
+    assert metrics["perplexity_std"]["global"] == pytest.approx(abs(per[0] - per[1]) / math.sqrt(2))
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "metrics.json").is_file()
+
+
+def test_config_parsing_errors():
+    assert parse_methods("all")[:3] == ["oal", "global", "softmax"] and len(parse_methods("all")) == 7
+    assert parse_seeds("42,43,44") == [42, 43, 44]
+    with pytest.raises(ValueError, match="methods"):
+        parse_methods("oal,flash")
+    with pytest.raises(ValueError, match="seeds"):
+        parse_seeds("4x")
+    with pytest.raises(ValueError, match="preset"):
+        RunConfig(preset="gpt-5")
+    with pytest.raises(ValueError, match="steps"):
+        RunConfig(adapt={"steps": 0})
+
+
+def test_cli_rejects_bad_methods(tmp_path):
+    from oal.cli import _COMMAND_MODULES, app
+
+    import importlib
+
+    for mod in _COMMAND_MODULES:
+        importlib.import_module(f"oal.cli.{mod}")
+    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--methods", "oal,nope"])
+    assert res.exit_code == 2 and "nope" in res.output
+    res = CliRunner().invoke(app, ["adapt", "--out", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "config.json" in res.output
