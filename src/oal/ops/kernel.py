@@ -22,6 +22,7 @@ __all__ = [
     "global_embedded_factor",
     "key_features",
     "packed_pairs",
+    "pair_products",
     "perturbed_factor",
     "query_features",
     "taylor_factor",
@@ -66,6 +67,22 @@ def coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float):
     return a, b, c
 
 
+def pair_products(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x_r x_t for r <= t in `packed_pairs` order [..., d(d+1)/2].
+
+    Built from d contiguous slices x_r * x[r:], an order of magnitude faster on CPU than a gather. With `out`
+    (no autograd) the products are written in place.
+    """
+    d = x.shape[-1]
+    if out is None:
+        return torch.cat([x[..., r : r + 1] * x[..., r:] for r in range(d)], dim=-1)
+    start = 0
+    for r in range(d):
+        torch.mul(x[..., r : r + 1], x[..., r:], out=out[..., start : start + d - r])
+        start += d - r
+    return out
+
+
 def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float):
     """phi(q) [..., H, N, F] for q [..., H, N, d] with per-head coefficients (Eq. 6, packed symmetric)."""
     d = q.shape[-1]
@@ -73,23 +90,28 @@ def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.T
     c_packed = (c[:, r, t] * mult.to(c.dtype)) * (scale * scale)  # [H, P]
     if torch.is_grad_enabled() and (q.requires_grad or c.requires_grad or b.requires_grad):
         const = a.view(-1, 1, 1).expand(*q.shape[:-1], 1)
-        quad = q[..., r] * q[..., t] * c_packed[:, None, :]
+        quad = pair_products(q) * c_packed[:, None, :]
         return torch.cat([const.to(q.dtype), q * (b * scale)[:, None, :], quad], dim=-1)
     # inference: fill one buffer in place, without the temporaries of cat
     out = torch.empty(*q.shape[:-1], feature_dim(d), dtype=q.dtype, device=q.device)
     out[..., 0] = a.view(-1, 1).to(q.dtype)
     torch.mul(q, (b * scale)[:, None, :], out=out[..., 1 : 1 + d])
-    quad = out[..., 1 + d :]
-    torch.mul(q[..., r], q[..., t], out=quad)
+    quad = pair_products(q, out[..., 1 + d :])
     quad.mul_(c_packed[:, None, :])
     return out
 
 
 def key_features(k: torch.Tensor) -> torch.Tensor:
     """psi(k) [..., N, F] = [1, k, k_r k_t (r <= t)]: the keys' side of the state update (Eq. 5)."""
-    r, t, _ = packed_pairs(k.shape[-1], k.device)
-    ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
-    return torch.cat([ones, k, k[..., r] * k[..., t]], dim=-1)
+    d = k.shape[-1]
+    if torch.is_grad_enabled() and k.requires_grad:
+        ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
+        return torch.cat([ones, k, pair_products(k)], dim=-1)
+    out = torch.empty(*k.shape[:-1], feature_dim(d), dtype=k.dtype, device=k.device)
+    out[..., 0] = 1.0
+    out[..., 1 : 1 + d] = k
+    pair_products(k, out[..., 1 + d :])
+    return out
 
 
 def _embed_global(lower2: torch.Tensor, n_groups: int) -> torch.Tensor:
