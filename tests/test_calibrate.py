@@ -56,6 +56,24 @@ def test_vectorised_dense_kernel_matches_reference_outputs_and_grads():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+def test_stacked_initialisations_share_scores_exactly():
+    """Three stacked copies (initialisations) of the heads: shared s_bar, per-copy L, equal to per-copy reference."""
+    from oal.calibrate import _fold, _val_mse
+
+    groups = _groups()
+    copies = [_oal(groups, seed=s) for s in range(3)]
+    folded = _fold(copies)
+    data = _data(2, n_tok=15)
+    q, k = data.q[:, :, 3:9], data.k
+    got = _oal_dense_kernel(folded, q, k, n_copies=3)
+    want = torch.cat([c.dense_kernel(q, k) for c in copies], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # validation: dense path (short sequences) equals the linear-time forward of each copy
+    val = _val_mse(folded, data, n_copies=3, query_chunk=4)
+    ref = torch.cat([(c(data.q, data.k, data.v) - data.out).square().mean(dim=(0, 2, 3)) for c in copies])
+    torch.testing.assert_close(val, ref, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("method", ["oal", "softmax"])
 def test_sampled_output_equals_rows_of_reference(method):
     m = _oal(_groups()) if method == "oal" else build_method("softmax", HQ, HKV, D)

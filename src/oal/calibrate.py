@@ -124,10 +124,6 @@ class LayerData:
         kv = h // rep
         return LayerData(self.q[:, h : h + 1], self.k[:, kv : kv + 1], self.v[:, kv : kv + 1], self.out[:, h : h + 1])
 
-    def tile(self, n: int) -> LayerData:
-        """n copies along the head dimensions (copy i owns heads i*Hq.. and KV heads i*Hkv..)."""
-        return LayerData(*(t.repeat(1, n, 1, 1) for t in (self.q, self.k, self.v, self.out)))
-
 
 @dataclass
 class HeadResult:
@@ -216,51 +212,84 @@ def _head(method: AttentionMethod, h: int) -> AttentionMethod:
 # ----------------------------------------------------------------------------------------------- the loss
 
 
-def _oal_dense_kernel(method, q, k):
-    """Vectorised Eq. 7 for OAL-family methods: kappa = eps + sum_m (L_0m + scale (q * w_m) . k)^2.
+def _is_oal(method) -> bool:
+    return method.name in ("oal", "global") and hasattr(method, "factor") and hasattr(method, "groups")
 
-    w_m[r] = L[g(r)+1, m]. All heads in one batched GEMM; `method.dense_kernel` is the per-head reference.
+
+def _group_scores(groups, n_groups: int, q, k):
+    """s_bar [B, H, G+1, n, M] = [1, s_1, ..., s_G], s_g = scale * sum_{r in g} q_r k_r (the vector in Eq. 7)."""
+    onehot = torch.nn.functional.one_hot(groups.long(), n_groups).to(q.dtype).transpose(1, 2)  # [H, G, d]
+    kr = repeat_kv(k, q.shape[1] // k.shape[1]).unsqueeze(2)  # [B, H, 1, M, d]
+    s = (q.unsqueeze(2) * onehot[None, :, :, None, :] / math.sqrt(q.shape[-1])) @ kr.transpose(-1, -2)
+    return torch.cat([torch.ones_like(s[:, :, :1]), s], dim=2)
+
+
+def _oal_dense_kernel(method, q, k, n_copies: int = 1):
+    """Vectorised Eq. 7 for OAL-family methods: kappa = eps + |L^T s_bar|^2 for all heads at once.
+
+    `method` may hold `n_copies` stacked copies (initialisations) of the H heads of q with the same groups: s_bar
+    is computed once per head and shared, only the cheap (G+1)^2 map L^T differs. Returns [B, I*H, n, M].
+    `method.dense_kernel` (one head at a time) is the reference.
     """
-    lower = torch.tril(method.factor).to(q.dtype)  # [H, G+1, G+1]
-    idx = method.groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1])
-    w = torch.gather(lower[:, 1:, :], 1, idx).transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, G+1, d]
-    kr = repeat_kv(k, method.n_rep)  # [B, H, M, d]
-    z = (q.unsqueeze(2) * w[None, :, :, None, :]) @ kr.unsqueeze(2).transpose(-1, -2)  # [B, H, G+1, n, M]
-    z = z + lower[:, 0, :][None, :, :, None, None]
-    return method.eps + z.square().sum(2)
+    bsz, heads, n = q.shape[:3]
+    g1 = method.factor.shape[-1]
+    lower = torch.tril(method.factor).to(q.dtype).view(n_copies, heads, g1, g1)
+    s_bar = _group_scores(method.groups[:heads], g1 - 1, q, k)  # [B, H, G+1, n, M]
+    m = s_bar.shape[-1]
+    z = s_bar.permute(0, 1, 3, 4, 2).reshape(bsz, 1, heads, n * m, g1) @ lower  # [B, I, H, n*M, G+1]
+    return (method.eps + z.square().sum(-1)).view(bsz, n_copies * heads, n, m)
 
 
-def _dense_kernel(method, q, k):
-    if hasattr(method, "factor") and hasattr(method, "groups") and method.name in ("oal", "global"):
-        return _oal_dense_kernel(method, q, k)
-    return method.dense_kernel(q, k)
+def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1):
+    """Normalised causal output at query `positions` [n] only: q [B, H, N, d] -> [B, I*H, n, dv].
 
-
-def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-    """Normalised causal output at query `positions` [n] only: q [B, Hq, N, d] -> [B, Hq, n, dv].
-
-    Each selected query i attends keys j <= i of the causal prefix; no N x N matrix is formed.
+    Each selected query i attends keys j <= i of the causal prefix; no N x N matrix is formed. With
+    `n_copies` = I > 1 the method holds I stacked copies of the H heads (one per initialisation).
     """
     m = int(positions.max()) + 1
-    qs = q[:, :, positions]
-    w = _dense_kernel(method, qs, k[:, :, :m])  # [B, Hq, n, m]
+    qs, ks = q[:, :, positions], k[:, :, :m]
+    if _is_oal(method):
+        w = _oal_dense_kernel(method, qs, ks, n_copies)
+    else:
+        w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1))
     mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
     w = w.masked_fill(~mask, 0.0).to(v.dtype)
-    return (w @ repeat_kv(v[:, :, :m], method.n_rep)) / w.sum(-1, keepdim=True)
+    bsz, heads, n = qs.shape[:3]
+    vr = repeat_kv(v[:, :, :m], heads // v.shape[1]).unsqueeze(1)  # [B, 1, H, m, dv]
+    out = (w.view(bsz, n_copies, heads, n, m) @ vr) / w.view(bsz, n_copies, heads, n, m).sum(-1, keepdim=True)
+    return out.reshape(bsz, n_copies * heads, n, -1)
 
 
-def _val_mse(method, data: LayerData) -> torch.Tensor:
-    """Per-head validation MSE [H] of the linear-time causal output (all positions, all sequences)."""
+def _val_mse(method, data: LayerData, n_copies: int = 1, query_chunk: int = 256) -> torch.Tensor:
+    """Per-head validation MSE [I*H] of the causal output on all positions of all validation sequences.
+
+    OAL-family methods use the dense kernel when it is cheaper than the linear path (N*G*d < F*(dv+1), F the
+    state rows); otherwise (and for every other method) the method's own linear-time forward runs.
+    """
+    n, d, dv = data.q.shape[2], data.q.shape[3], data.v.shape[3]
+    target = data.out.repeat(1, n_copies, 1, 1)
     with torch.no_grad():
-        out = method(data.q, data.k, data.v, causal=True)
-        return (out.to(data.out.dtype) - data.out).square().mean(dim=(0, 2, 3))
+        if _is_oal(method) and n * (method.factor.shape[-1] - 1) * d < (1 + d + d * (d + 1) // 2) * (dv + 1):
+            err = 0
+            for s in range(data.q.shape[0]):
+                qs, ks, vs = data.q[s : s + 1], data.k[s : s + 1], data.v[s : s + 1]
+                for start in range(0, n, query_chunk):
+                    pos = torch.arange(start, min(start + query_chunk, n), device=qs.device)
+                    pred = sampled_dense_output(method, qs, ks, vs, pos, n_copies)
+                    err = err + (pred - target[s : s + 1, :, pos]).square().sum(dim=(0, 2, 3))
+            return err / (data.q.shape[0] * n * dv)
+        q, k, v = (t.repeat(1, n_copies, 1, 1) for t in (data.q, data.k, data.v))
+        out = method(q, k, v, causal=True)
+        return (out.to(target.dtype) - target).square().mean(dim=(0, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------- the loop
 
 
-def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, n_units: int):
-    """Run the protocol on `method` (already folded/sliced). Units are heads, or 1 for shared parameters.
+def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, n_units: int,
+              n_copies: int = 1):
+    """Run the protocol on `method` (already folded/sliced; `n_copies` stacked initialisations of the data's
+    heads). Units are heads, or 1 for shared parameters.
 
     Returns (best_params {name: tensor}, best_val [U], best_step [U], steps [U], curves [U] of [step, val, train]).
     """
@@ -274,7 +303,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     n_q = min(cfg.queries, n_tok)
 
     def unit_val():
-        v = _val_mse(method, val)
+        v = _val_mse(method, val, n_copies)
         return v if per_head else v.mean().reshape(1)
 
     best = {n: p.detach().clone() for n, p in params.items()}
@@ -289,8 +318,10 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     for step in range(1, cfg.max_steps + 1):
         s = int(torch.randint(n_seq, (1,), generator=gen))
         pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values
-        pred = sampled_dense_output(method, train.q[s : s + 1], train.k[s : s + 1], train.v[s : s + 1], pos)
-        err = (pred - train.out[s : s + 1, :, pos]).square().mean(dim=(0, 2, 3))  # [H] per-head MSE
+        pred = sampled_dense_output(method, train.q[s : s + 1], train.k[s : s + 1], train.v[s : s + 1], pos,
+                                    n_copies)
+        target = train.out[s : s + 1, :, pos].repeat(1, n_copies, 1, 1)
+        err = (pred - target).square().mean(dim=(0, 2, 3))  # [I*H] per-head MSE (Eq. 20 on sampled queries)
         loss_units = err if per_head else err.mean().reshape(1)
         opt.zero_grad(set_to_none=False)
         loss_units.sum().backward()
@@ -412,9 +443,7 @@ def calibrate_layer(method: AttentionMethod, train: LayerData, val: LayerData, c
     n_init, hq = len(copies), method.n_heads
     folded = _fold(list(copies.values())) if n_init > 1 else next(iter(copies.values()))
     units = folded.n_heads if per_head else 1
-    best, best_val, best_step, steps, curves = _optimize(
-        folded, train.tile(n_init) if n_init > 1 else train, val.tile(n_init) if n_init > 1 else val, cfg, units
-    )
+    best, best_val, best_step, steps, curves = _optimize(folded, train, val, cfg, units, n_init)
     results = {}
     for i, name in enumerate(copies):
         sl = slice(i * hq, (i + 1) * hq) if per_head else slice(0, 1)
