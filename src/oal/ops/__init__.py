@@ -127,7 +127,8 @@ def oal_attention(
         else:
             out, final = chunked_attention(
                 q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
-                state_is_zero=fresh and chunk_size is None, chunk_size=chunk_size or 64
+                state_is_zero=fresh and chunk_size is None, need_state=output_final_state,
+                chunk_size=chunk_size or 64,
             )
     out = out.to(out_dtype)
     return (out, final) if output_final_state else out

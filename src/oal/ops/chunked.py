@@ -24,10 +24,13 @@ def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[2] == n else F.pad(x, (0, 0, 0, n - x.shape[2]))
 
 
-def _block_step(state, q, k, u, a, b, c, lower, groups, eps: float, scale: float, chunk: int, fresh: bool):
+def _block_step(
+    state, q, k, u, a, b, c, lower, groups, eps: float, scale: float, chunk: int, fresh: bool, need_state: bool
+):
     """Causal OAL over one block of tokens. Returns (numerator [B, Hq, n, dv+1], state after the block).
 
-    `fresh`: the block is one chunk starting from a zero state, so the state readout is skipped.
+    `fresh`: the block is one chunk starting from a zero state, so the state readout is skipped; then the final
+    state is only built when `need_state`.
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
@@ -37,13 +40,14 @@ def _block_step(state, q, k, u, a, b, c, lower, groups, eps: float, scale: float
     qb = q.view(bsz, n_q, n_c, chunk, d).transpose(1, 2).contiguous()  # [B, nc, Hq, C, d]
     kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2)  # [B, nc, Hkv, C, d]
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2)
-    # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5)
-    d_state = key_features(kb).transpose(-1, -2) @ ub  # [B, nc, Hkv, F, dv+1]
-    incl = torch.cumsum(d_state, dim=1) + state.unsqueeze(1)
-    prev = torch.cat([state.unsqueeze(1), incl[:, :-1]], dim=1)
-    # inter-chunk readout (Eq. 6)
-    num = 0.0
-    if not fresh:
+    num, final = 0.0, None
+    if not fresh or need_state:
+        # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5)
+        d_state = key_features(kb).transpose(-1, -2) @ ub  # [B, nc, Hkv, F, dv+1]
+        incl = torch.cumsum(d_state, dim=1) + state.unsqueeze(1)
+        prev = torch.cat([state.unsqueeze(1), incl[:, :-1]], dim=1)
+        final = incl[:, -1]
+    if not fresh:  # inter-chunk readout (Eq. 6)
         phi = query_features(qb, a, b, c, scale)  # [B, nc, Hq, C, F]
         num = phi.view(bsz, n_c, n_kv, rep * chunk, -1) @ prev  # [B, nc, Hkv, rep*C, dv+1]
     # intra-chunk dense kernel (Eq. 7), GQA by grouping query heads per KV head
@@ -55,7 +59,7 @@ def _block_step(state, q, k, u, a, b, c, lower, groups, eps: float, scale: float
     kappa = torch.tril(eps + z.square().sum(dim=3))  # [B, nc, Hq, C, C]
     num = num + kappa.view(bsz, n_c, n_kv, rep * chunk, chunk) @ ub
     num = num.view(bsz, n_c, n_q, chunk, dv1).transpose(1, 2).reshape(bsz, n_q, n_c * chunk, dv1)
-    return num[:, :, :n], incl[:, -1]
+    return num[:, :, :n], final
 
 
 # Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
@@ -64,8 +68,8 @@ DENSE_MAX = 256
 
 
 def chunked_attention(
-    q, k, v, groups, factor, coeffs, *, eps, scale, causal, state, state_is_zero=False, chunk_size=64,
-    block_chunks=8,
+    q, k, v, groups, factor, coeffs, *, eps, scale, causal, state, state_is_zero=False, need_state=True,
+    chunk_size=64, block_chunks=8,
 ):
     """Returns (out, final_state). Inputs already validated and upcast; `state` is the initial state."""
     a, b, c = coeffs
@@ -91,7 +95,8 @@ def chunked_attention(
     outs = []
     for start in range(0, n, block):
         sl = slice(start, start + block)
-        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], a, b, c, lower, groups, eps, scale, chunk_size, fresh)
+        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], a, b, c, lower, groups, eps, scale, chunk_size)
+        args += (fresh, need_state)
         if use_ckpt:
             num, state = checkpoint(_block_step, *args, use_reentrant=False)
         else:
