@@ -132,13 +132,13 @@ def test_aggregate_seeds_mean_and_sample_std():
 
 
 def test_two_seeds_write_per_seed_dirs_and_aggregate(assets, tmp_path):
-    cfg = _cfg(assets, methods=["global", "softmax"])
+    cfg = _cfg(assets, methods=["softmax"])
     metrics = run(cfg, tmp_path, [1, 2], progress=False)
     for s in (1, 2):
         assert (tmp_path / f"seed-{s}" / "metrics.json").is_file()
-    per = [json.loads((tmp_path / f"seed-{s}" / "metrics.json").read_text())["perplexity"]["global"] for s in (1, 2)]
-    assert metrics["perplexity"]["global"] == pytest.approx(sum(per) / 2)
-    assert metrics["perplexity_std"]["global"] == pytest.approx(abs(per[0] - per[1]) / math.sqrt(2))
+    per = [json.loads((tmp_path / f"seed-{s}" / "metrics.json").read_text())["perplexity"]["softmax"] for s in (1, 2)]
+    assert metrics["perplexity"]["softmax"] == pytest.approx(sum(per) / 2)
+    assert metrics["perplexity_std"]["softmax"] == pytest.approx(abs(per[0] - per[1]) / math.sqrt(2))
     assert (tmp_path / "report.md").is_file() and (tmp_path / "metrics.json").is_file()
 
 
@@ -156,9 +156,9 @@ def test_config_parsing_errors():
 
 
 def test_cli_rejects_bad_methods(tmp_path):
-    from oal.cli import _COMMAND_MODULES, app
-
     import importlib
+
+    from oal.cli import _COMMAND_MODULES, app
 
     for mod in _COMMAND_MODULES:
         importlib.import_module(f"oal.cli.{mod}")

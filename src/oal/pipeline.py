@@ -411,7 +411,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
                 out[key][m] = mean
                 if key == "perplexity":
                     out["perplexity_std"][m] = std
-    for m, row in first["fidelity"].items():
+    for m in first["fidelity"]:
         out["fidelity"][m], out["fidelity_std"][m] = {}, {}
         for metric in ("mse", "relmse", "mse_post_o", "relmse_post_o"):
             vals = [per_seed[s]["fidelity"][m][metric] for s in seeds if m in per_seed[s]["fidelity"]]

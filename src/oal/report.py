@@ -82,7 +82,7 @@ def calibration_figure(calibration: dict, path: Path) -> bool:
     if not methods:
         return False
     fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.6), squeeze=False)
-    for ax, m in zip(axes[0], methods):
+    for ax, m in zip(axes[0], methods, strict=True):
         curves: dict[str, list] = {}
         for layer in calibration["methods"][m].values():
             for head in layer["heads"]:
@@ -241,7 +241,8 @@ def _calibration(calibration: dict | None, has_fig: bool) -> list[str]:
         for h in heads:
             chosen[h["init"]] = chosen.get(h["init"], 0) + 1
         mean = sum(h["val_mse"] for h in heads) / len(heads)
-        rows.append([_name(m), str(len(heads)), f"{mean:.5f}", ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))])
+        inits = ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))
+        rows.append([_name(m), str(len(heads)), f"{mean:.5f}", inits])
     out += [_table(["method", "units (heads or layers)", "mean validation MSE", "chosen initialisation"], rows), ""]
     if has_fig:
         out += ["![calibration curves](figures/calibration_curves.png)", ""]
@@ -375,9 +376,9 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
 
     lines = [f"# OAL run report: `{metrics.get('model')}`", ""]
     seeds = metrics.get("seeds")
-    lines += [f"Seeds: {seeds}" if seeds else f"Seed: {metrics.get('seed')}",
-              f"; methods: {', '.join(metrics.get('methods', []))}; converted layers: {metrics.get('converted_layers')}.",
-              ""]
+    head = f"Seeds: {seeds}" if seeds else f"Seed: {metrics.get('seed')}"
+    lines += [f"{head}; methods: {', '.join(metrics.get('methods', []))}; "
+              f"converted layers: {metrics.get('converted_layers')}.", ""]
     missing = metrics.get("missing") or []
     if missing:
         lines += ["**Incomplete run.** These stages did not run:", ""]

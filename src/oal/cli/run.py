@@ -43,7 +43,8 @@ def run(
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
     from ..config import RunConfig, parse_methods, parse_seeds
-    from ..pipeline import MissingDependency, run as run_pipeline
+    from ..pipeline import MissingDependency
+    from ..pipeline import run as run_pipeline
 
     try:
         seed_list = parse_seeds(seeds)
