@@ -11,7 +11,7 @@ from transformers import ByT5Tokenizer
 
 import oal.data as data
 from oal.data import Corpus, load_corpus, token_blocks
-from oal.data.corpus import normalize_whitespace, sha256_text, split_text
+from oal.data.corpus import builtin_text, normalize_whitespace, sha256_text, split_text
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def byte_tok():
 def test_builtin_is_deterministic_and_hashed(builtin):
     again = data.builtin_corpus()
     assert again.splits == builtin.splits
+    assert builtin_text() == "\n\n".join(builtin.splits.values())  # recomputed from scratch
     assert builtin.fingerprint() == again.fingerprint()
     for s in ("train", "validation", "test"):
         assert builtin.sha256[s] == sha256_text(builtin.splits[s])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import ByT5Tokenizer
 
 from oal.data import ROLES, BlockSet, SplitPlan, default_plan, load_corpus, plan_blocks, token_blocks
+from oal.data.byte_tokenizer import byte_tokenizer
 from oal.data.splits import PLAN_PRESETS
 
 
@@ -75,7 +75,7 @@ def test_blockset_validation_and_resolve():
 
 
 def test_plan_blocks_default_plan_on_builtin():
-    tok = ByT5Tokenizer(extra_ids=0)
+    tok = byte_tokenizer()
     corpus = load_corpus("builtin")
     plan = default_plan()
     blocks = plan_blocks(corpus, tok, plan)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import ByT5Tokenizer
 
-from oal.data import BlockSet, SplitPlan, load_corpus, plan_blocks
+from oal.data import BlockSet, Corpus, SplitPlan, load_corpus, plan_blocks
 from oal.data.wikitext import REVISION, load_wikitext, verify_manifest, write_manifest
 
 ENTRIES = {
@@ -97,7 +97,7 @@ def test_offline_hub_fails_fast_with_clear_message(monkeypatch, tmp_path):
 
 def test_plan_blocks_loads_named_corpora(wt_dir):
     tok = ByT5Tokenizer(extra_ids=0)
-    run = load_corpus("builtin")
+    run = Corpus("run", {"train": "r" * 48 + "0123456789abcdef" + "z" * 10, "validation": "v", "test": "t"})
     plan = SplitPlan(
         grouping=BlockSet("train", 8, [0, 1], corpus="wikitext-2-raw-v1"),
         calib_train=BlockSet("train", 16, [1], corpus="wikitext-2-raw-v1"),
@@ -111,6 +111,6 @@ def test_plan_blocks_loads_named_corpora(wt_dir):
     wt2_train = "\n\n".join(ENTRIES["train"]).encode()
     assert blocks["grouping"].reshape(-1).tolist() == [b + 3 for b in wt2_train[:16]]
     assert blocks["calib_train"][0].tolist() == [b + 3 for b in wt2_train[16:32]]
-    assert blocks["fidelity"][0].tolist() == [b + 3 for b in run.splits["train"].encode()[48:64]]
+    assert blocks["fidelity"][0].tolist() == [b + 3 for b in b"0123456789abcdef"]
     n_test = len("\n\n".join(ENTRIES["test"]).encode()) // 16
     assert blocks["test"].shape == (n_test, 16)

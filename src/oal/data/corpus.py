@@ -8,6 +8,7 @@ committed to the repository and every machine can build it offline.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import re
 import sys
@@ -97,8 +98,13 @@ def builtin_text() -> str:
     return "\n\n".join(d for d in docs if d)
 
 
+@functools.lru_cache(maxsize=1)
+def _builtin_text_cached() -> str:
+    return builtin_text()  # deterministic per interpreter, so computing it once per process is enough
+
+
 def builtin_corpus() -> Corpus:
-    text = builtin_text()
+    text = _builtin_text_cached()
     meta = {
         "source": "pydoc_data.topics + top-level stdlib docstrings",
         "python_version": sys.version.split()[0],
