@@ -25,11 +25,14 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _sorted_bars(ax, chi: list[float], groups: list[int], cuts: list[int]) -> None:
+def _sorted_bars(ax, head: dict) -> None:
+    """Sorted profile; natural cuts dotted black, fallback cuts (added to reach G_min) dashed red."""
+    chi, groups = head["chi"], head["groups"]
     order = sorted(range(len(chi)), key=lambda r: chi[r])  # stable ascending, as App. B
     ax.bar(range(len(chi)), [chi[r] for r in order], color=[_color(groups[r]) for r in order], width=1.0)
-    for k in cuts:
-        ax.axvline(k - 0.5, color="k", lw=0.6, ls=":")
+    fallback = set(head.get("fallback_cuts", []))
+    for k in head["cuts"]:
+        ax.axvline(k - 0.5, color="#d62728" if k in fallback else "k", lw=0.7, ls="--" if k in fallback else ":")
 
 
 def layer_profiles(path: Path, layer: int, heads: list[dict]) -> Path:
@@ -44,10 +47,12 @@ def layer_profiles(path: Path, layer: int, heads: list[dict]) -> Path:
             ax.axis("off")
             continue
         h = heads[i]
-        _sorted_bars(ax, h["chi"], h["groups"], h["cuts"])
-        ax.set_title(f"head {h['head']}: G={h['n_groups']}", fontsize=9)
+        _sorted_bars(ax, h)
+        n_fb = len(h.get("fallback_cuts", []))
+        ax.set_title(f"head {h['head']}: G={h['n_groups']}" + (f" ({n_fb} fallback)" if n_fb else ""), fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"Layer {layer}: sorted contribution scores $\\chi_r$ (colour = group)")
+    fig.suptitle(f"Layer {layer}: sorted contribution scores $\\chi_r$ (colour = group; cuts: natural dotted, "
+                 "fallback dashed red)")
     fig.supxlabel("dimension rank (ascending $\\chi_r$)")
     return _save(fig, path)
 
@@ -67,7 +72,7 @@ def head_panels(path: Path, layer: int, head: dict, mean_abs_q: list[float], mea
             ax.annotate(f"r={r}", (r, vals[r]), fontsize=8, ha="center", va="bottom")
         ax.set_xlabel("QK dimension")
         ax.set_ylabel(label)
-    _sorted_bars(axes[3], head["chi"], head["groups"], head["cuts"])
+    _sorted_bars(axes[3], head)
     axes[3].set_xlabel("dimension rank (ascending)")
     axes[3].set_ylabel("sorted $\\chi_r$")
     fig.suptitle(f"Layer {layer}, head {head['head']}: G={head['n_groups']} groups (colour), cuts at {head['cuts']}")

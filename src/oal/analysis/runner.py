@@ -314,12 +314,14 @@ def _figures(fig_dir: Path, layers, heads_json, calib, summary, stab, rep, li_re
 
 def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary) -> None:
     table = Table(title="Contribution analysis (per layer, over query heads)")
-    for col in ("layer", "groups min-max", "groups mean", "top-5 share", "Gauss top-5", "Gauss @ real",
+    for col in ("layer", "groups min-max", "groups mean", "fallback heads", "top-5 share", "Gauss top-5",
+                "Gauss @ real",
                 "Spearman", "top-5 overlap"):
         table.add_column(col, justify="right")
     for li, layer in enumerate(layers):
         g = res.n_groups[li]
-        row = [str(layer), f"{int(g.min())}-{int(g.max())}", f"{g.double().mean():.2f}",
+        n_fb = int((res.selected[li] & ~res.natural[li]).any(-1).sum())
+        row = [str(layer), f"{int(g.min())}-{int(g.max())}", f"{g.double().mean():.2f}", f"{n_fb}/{g.numel()}",
                f"{100 * real_top[li].mean():.1f}%", f"{100 * gauss_top[li].mean():.1f}%",
                f"{100 * gauss_at_real[li].mean():.1f}%"]
         if stab is not None:
