@@ -1,0 +1,156 @@
+"""Benchmark: per-token decode time against context length, converted (recurrent OAL state) vs softmax (KV cache).
+
+Models: the embedded default model (or, when it is not built yet, a randomly initialised model of its shape:
+Qwen2, 6 layers, hidden 256, 4 query / 2 KV heads, head_dim 64; the JSON says which). Three variants:
+  softmax   - the base model, K/V cache in every layer;
+  oal       - App. F conversion: every layer but the first and last (hybrid: 2 softmax layers keep K/V);
+  oal-all   - every layer converted (pure recurrent decoding).
+For a context of L tokens the cache is set up directly instead of prefilling L tokens (decode cost depends only on
+the cache's size): 64 real prompt tokens are prefilled, then softmax layers get random K/V of length L and converted
+layers keep their real state with the token count set to L (the state's size does not depend on L); decoding
+continues at position L. RoPE's max_position_embeddings is raised to cover 32k. Times are medians over tokens,
+`--threads` torch threads. Writes benchmarks/results/decode.json, decode.png and prints a table.
+
+    .venv/bin/python -P benchmarks/decode.py            # quick: 1k, 4k, 32k
+    .venv/bin/python -P benchmarks/decode.py --full     # 1k, 2k, 4k, 8k, 16k, 32k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from oal.models.cache import OALStateLayer, state_nbytes  # noqa: E402
+from oal.models.convert import convert, default_layers  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MAX_POS = 40_000
+
+
+def base_model():
+    try:
+        from oal.models.registry import load_model
+
+        model, _, prov = load_model("default")
+        source = f"embedded default model ({prov.get('path')})"
+    except Exception as exc:  # the embedded model may not be built yet
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(cfg).eval()
+        source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
+    model.config.max_position_embeddings = MAX_POS
+    return model.eval(), source
+
+
+def variant(name: str):
+    model, source = base_model()
+    n = model.config.num_hidden_layers
+    if name == "oal":
+        convert(model, default_layers(model), "oal")
+    elif name == "oal-all":
+        convert(model, list(range(n)), "oal")
+    return model, source
+
+
+@torch.no_grad()
+def decode_time(model, context: int, tokens: int, warmup: int = 2) -> tuple[float, dict[int, int]]:
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 64), generator=gen)
+    cache = DynamicCache(config=cfg)
+    model(prompt, cache=cache, use_cache=True)
+    for layer in cache.layers:
+        if isinstance(layer, OALStateLayer):
+            layer.seen = context
+        else:
+            shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+            layer.keys = torch.randn(shape, generator=gen)
+            layer.values = torch.randn(shape, generator=gen)
+    times = []
+    tok = prompt[:, -1:]
+    for i in range(warmup + tokens):
+        pos = torch.tensor([[context + i]])
+        t0 = time.perf_counter()
+        logits = model(tok, cache=cache, use_cache=True, position_ids=pos).logits
+        dt = time.perf_counter() - t0
+        tok = logits[:, -1:].argmax(-1)
+        if i >= warmup:
+            times.append(dt)
+    return statistics.median(times), state_nbytes(cache)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
+    ap.add_argument("--tokens", type=int, default=None, help="timed tokens per context (default 5, full 15)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [1024, 2048, 4096, 8192, 16384, 32768] if args.full else [1024, 4096, 32768]
+    tokens = args.tokens or (15 if args.full else 5)
+
+    record = {"contexts": contexts, "tokens": tokens, "threads": args.threads,
+              "machine": platform.processor() or platform.machine(), "variants": {}}
+    for name in ("softmax", "oal", "oal-all"):
+        model, source = variant(name)
+        record["source"] = source
+        rows = []
+        for ctx in contexts:
+            t, mem = decode_time(model, ctx, tokens)
+            rows.append({"context": ctx, "ms_per_token": 1e3 * t, "cache_bytes": sum(mem.values()),
+                         "cache_bytes_per_layer": mem})
+        record["variants"][name] = rows
+        del model
+    soft = {r["context"]: r["ms_per_token"] for r in record["variants"]["softmax"]}
+    record["speedup_vs_softmax"] = {
+        name: {str(r["context"]): soft[r["context"]] / r["ms_per_token"] for r in rows}
+        for name, rows in record["variants"].items() if name != "softmax"
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "decode.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, rows in record["variants"].items():
+        xs = [r["context"] for r in rows]
+        axes[0].plot(xs, [r["ms_per_token"] for r in rows], marker="o", label=name)
+        axes[1].plot(xs, [r["cache_bytes"] / 2**20 for r in rows], marker="o", label=name)
+    for ax, label in zip(axes, ("decode time per token (ms)", "cache size (MiB)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Per-token decoding on CPU: recurrent OAL state vs softmax KV cache")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "decode.png", dpi=120)
+    plt.close(fig)
+
+    table = Table(title=f"decode ms/token ({args.threads} thread(s)); {record['source'][:60]}")
+    table.add_column("context", justify="right")
+    for name in record["variants"]:
+        table.add_column(f"{name} ms", justify="right")
+    table.add_column("softmax / oal", justify="right")
+    table.add_column("softmax / oal-all", justify="right")
+    for i, ctx in enumerate(contexts):
+        cells = [f"{record['variants'][n][i]['ms_per_token']:.2f}" for n in record["variants"]]
+        table.add_row(str(ctx), *cells, f"{record['speedup_vs_softmax']['oal'][str(ctx)]:.2f}x",
+                      f"{record['speedup_vs_softmax']['oal-all'][str(ctx)]:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
