@@ -114,3 +114,24 @@ def test_plan_blocks_loads_named_corpora(wt_dir):
     assert blocks["fidelity"][0].tolist() == [b + 3 for b in b"0123456789abcdef"]
     n_test = len("\n\n".join(ENTRIES["test"]).encode()) // 16
     assert blocks["test"].shape == (n_test, 16)
+
+
+def test_hub_probe_gives_up_on_a_hanging_resolver(monkeypatch):
+    import threading
+
+    from oal.data import wikitext
+
+    release = threading.Event()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def hanging_connect(*args, **kwargs):
+        release.wait(30)
+        raise OSError("resolver gave up")
+
+    monkeypatch.setattr(wikitext.socket, "create_connection", hanging_connect)
+    try:
+        assert wikitext.hub_reachable(timeout=0.2) is False
+    finally:
+        release.set()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert wikitext.hub_reachable() is False

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -115,15 +116,26 @@ def _read_entries(paths: list[Path]) -> list[str]:
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """False when HF_HUB_OFFLINE is set or the hub endpoint does not answer a TCP connect within `timeout`."""
+    """False when HF_HUB_OFFLINE is set or the hub endpoint does not answer a TCP connect within `timeout` s.
+
+    The probe (DNS lookup included) runs in a daemon thread, so a hanging resolver cannot stall the caller.
+    """
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
 
 
 def _load_from_hub(config: str, revision: str) -> dict[str, list[str]]:

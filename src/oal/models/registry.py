@@ -7,14 +7,14 @@ the pinned Base ones (reproduction notes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import os
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
+
+from oal.data.wikitext import hub_reachable
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 HASHED_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
@@ -58,10 +58,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+def file_sha256(path: str | Path) -> str:
+    p = Path(path).resolve()
+    st = p.stat()
+    return _sha256_cached(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
+    # keyed on size and mtime so a 1 GB weight file is hashed once per process, yet changes are seen
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
@@ -71,17 +79,6 @@ def hash_model_dir(path: str | Path) -> dict[str, str]:
     path = Path(path)
     return {p.name: file_sha256(p) for p in sorted(path.iterdir())
             if p.is_file() and p.suffix in HASHED_SUFFIXES}
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def identify(path: str | Path) -> tuple[str | None, dict]:
@@ -122,7 +119,7 @@ def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
-    online = _hub_reachable()
+    online = hub_reachable()
     try:
         path = snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=not online)
     except Exception as exc:  # hub raises several error types; all mean "not available here"
