@@ -139,7 +139,7 @@ def main() -> None:
     fig.savefig(RESULTS / "decode.png", dpi=120)
     plt.close(fig)
 
-    table = Table(title=f"decode ms/token ({args.threads} thread(s)); {record['source'][:60]}")
+    table = Table(title=f"decode ms/token, {args.threads} thread(s), median of {tokens} tokens")
     table.add_column("context", justify="right")
     for name in record["variants"]:
         table.add_column(f"{name} ms", justify="right")
@@ -149,7 +149,9 @@ def main() -> None:
         cells = [f"{record['variants'][n][i]['ms_per_token']:.2f}" for n in record["variants"]]
         table.add_row(str(ctx), *cells, f"{record['speedup_vs_softmax']['oal'][str(ctx)]:.2f}x",
                       f"{record['speedup_vs_softmax']['oal-all'][str(ctx)]:.2f}x")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print(f"model: {record['source']}")
 
 
 if __name__ == "__main__":

@@ -150,3 +150,30 @@ def test_prefilled_softmax_cache_is_rejected():
     cache.update(torch.zeros(1, HKV, 3, D), torch.zeros(1, HKV, 3, D), 1)
     with pytest.raises(ValueError, match="already holds softmax K/V"), torch.no_grad():
         model(_ids(1, 2), cache=cache, use_cache=True)
+
+
+def test_embedded_model_generate_with_cache_matches_full_forwards():
+    """On the embedded default model (skipped until it is built): cached decoding == full recompute, batch 2."""
+    from oal.models.registry import load_model
+
+    try:
+        model, _, _ = load_model("default")
+    except ValueError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+    from oal.models.convert import default_layers
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(3)
+    methods = {}
+    for i in default_layers(model):
+        m = build_method("oal", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_idx=i,
+                         groups=torch.randint(0, 3, (cfg.num_attention_heads, cfg.head_dim), generator=gen))
+        with torch.no_grad():
+            m.factor.copy_(perturbed_factor(m.factor, 0.3, gen))
+        methods[i] = m
+    convert(model, list(methods), methods)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    seq_c, sc_c = _generate(model, ids, True)
+    seq_f, sc_f = _generate(model, ids, False)
+    assert torch.equal(seq_c, seq_f)
+    torch.testing.assert_close(sc_c, sc_f, rtol=1e-4, atol=1e-4)
