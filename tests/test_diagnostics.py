@@ -181,6 +181,7 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
     md = (tmp_path / "diagnostics" / "table2.md").read_text()
     assert "| OAL |" in md and "| DiJiang |" in md
     assert (tmp_path / "figures" / "group_budget.png").stat().st_size > 0
+    assert (tmp_path / "figures" / "retained_error.png").stat().st_size > 0
     assert "High-contrib." in (tmp_path / "diagnostics" / "table1.md").read_text()
     # second call: every part is found done (same settings) and nothing is recomputed
     stamps = {p: (tmp_path / "diagnostics" / p).stat().st_mtime_ns for p in ("table1.json", "budget.json",

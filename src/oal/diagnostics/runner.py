@@ -1,6 +1,7 @@
 """`diagnose`: Table 1, Fig. 2(b) and Table 2 written into a run directory (resumable per part).
 
-DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian control, matched-control test
+DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian control, matched-control test;
+                                          DIR/figures/retained_error.png
 DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png
 DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
 DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
@@ -26,7 +27,7 @@ from .budget import budget_curve, plot_budget
 from .fidelity_table import TABLE2_METHODS, calibrate_methods, capture_chi, capture_layer_data, capture_sequences
 from .fidelity_table import table2 as run_table2
 from .retained_error import RetainedErrorConfig, gaussian_control, retained_error
-from .tables import table1_markdown, table2_markdown
+from .tables import plot_table1, table1_markdown, table2_markdown
 
 __all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
 
@@ -131,6 +132,7 @@ def diagnose(
                     "high_contribution": real, "gaussian": gauss, "elapsed_s": time.perf_counter() - t0}
             atomic_write_json(diag / "table1.json", done)
             atomic_write_text(diag / "table1.md", "# Table 1\n\n" + table1_markdown(real, gauss))
+        plot_table1(done["high_contribution"], done["gaussian"], out / "figures" / "retained_error.png")
         results["table1"] = done
         console.print(table1_markdown(done["high_contribution"], done["gaussian"]))
 
