@@ -236,8 +236,8 @@ def _oal_dense_kernel(method, q, k, n_copies: int = 1):
     lower = torch.tril(method.factor).to(q.dtype).view(n_copies, heads, g1, g1)
     s_bar = _group_scores(method.groups[:heads], g1 - 1, q, k)  # [B, H, G+1, n, M]
     m = s_bar.shape[-1]
-    z = s_bar.permute(0, 1, 3, 4, 2).reshape(bsz, 1, heads, n * m, g1) @ lower  # [B, I, H, n*M, G+1]
-    return (method.eps + z.square().sum(-1)).view(bsz, n_copies * heads, n, m)
+    z = lower.transpose(-1, -2) @ s_bar.reshape(bsz, 1, heads, g1, n * m)  # (L^T s_bar): [B, I, H, G+1, n*M]
+    return (method.eps + z.square().sum(3)).view(bsz, n_copies * heads, n, m)
 
 
 def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1):
