@@ -77,3 +77,26 @@ def test_missing_files_and_unconverted_model(tmp_path):
         load_kernels(tmp_path)
     with pytest.raises(ValueError, match="no converted layers"):
         oal.save_kernels(_base(), tmp_path)
+
+
+def test_load_by_path_checks_file_hashes(tmp_path):
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    from oal.models.registry import load_model
+
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(model_dir)
+    model, _, prov = load_model(str(model_dir))
+    oal.convert(model, [1], "oal")
+    oal.save_kernels(model, tmp_path / "k", base_model=str(model_dir), model_hashes=prov["sha256"])
+    ids = torch.randint(0, 259, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(oal.load(tmp_path / "k", str(model_dir))(ids).logits, model(ids).logits)
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)  # same architecture, other weights
+    with pytest.raises(ValueError, match="differ"):
+        oal.load(tmp_path / "k", str(model_dir))

@@ -164,15 +164,23 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
 def load(directory: str | Path, base_model, **load_kwargs) -> nn.Module:
     """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
 
-    A name/path goes through `oal.models.registry.load_model` (`load_kwargs` passed on).
+    A name/path goes through `oal.models.registry.load_model` (`load_kwargs` passed on) and its file hashes must
+    match those recorded at save time. A loaded model is checked by architecture fingerprint only.
     """
+    hashes = None
     if isinstance(base_model, (str, os.PathLike)):
         from .models.registry import load_model
 
-        base_model = load_model(str(base_model), **load_kwargs)[0]
+        base_model, _, provenance = load_model(str(base_model), **load_kwargs)
+        hashes = provenance.get("sha256")
     if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
         raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
-    methods, _ = load_kernels(directory, fingerprint=model_fingerprint(base_model))
+    methods, meta = load_kernels(directory, fingerprint=model_fingerprint(base_model))
+    saved = meta["base_model"].get("hashes") or {}
+    if hashes and saved:  # weights files present on both sides: they must be the same files
+        differ = sorted(f for f in set(saved) & set(hashes) if saved[f] != hashes[f])
+        if differ:
+            raise ValueError(f"base_model: its files {differ} differ from those the kernels were calibrated on")
     n_layers = model_fingerprint(base_model)["num_hidden_layers"]
     if any(i >= n_layers for i in methods):
         raise ValueError(f"base_model: kernel layers {sorted(methods)} exceed its {n_layers} layers")
