@@ -1,6 +1,7 @@
 """Benchmark: batched calibration (all heads x all initialisations in one program) vs the per-head sequential loop.
 
-One layer of Qwen2.5-0.5B's attention shape (Hq = 14, Hkv = 2, d = 64), synthetic frozen q/k/v with a few
+Best of `--repeats` interleaved runs (the CPU is shared). One layer of Qwen2.5-0.5B's attention shape
+(Hq = 14, Hkv = 2, d = 64), synthetic frozen q/k/v with a few
 outlier dimensions and their exact softmax outputs as targets, groups with 2-4 groups per head. Both paths run the
 same protocol (global: 3 inits, then OAL: 3 inits; App. B) with the same seed and budgets; the table reports the
 wall time of each, the speedup, and whether they select the same initialisation with the same validation MSE.
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=25)
     ap.add_argument("--patience", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the fastest of each is reported")
     args = ap.parse_args()
 
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
@@ -64,10 +66,13 @@ def main() -> None:
 
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # first Adam imports torch._dynamo (~3 s): not timed
     times, results = {}, {}
-    for name, sequential in (("batched", False), ("sequential", True)):
-        t0 = time.perf_counter()
-        results[name] = calibrate_oal_layer(train, val, groups, cfg, sequential=sequential)
-        times[name] = time.perf_counter() - t0
+    for _ in range(args.repeats):  # interleaved repeats, best time kept: the CPU is shared with other jobs
+        for name, sequential in (("batched", False), ("sequential", True)):
+            t0 = time.perf_counter()
+            res = calibrate_oal_layer(train, val, groups, cfg, sequential=sequential)
+            dt = time.perf_counter() - t0
+            if dt < times.get(name, float("inf")):
+                times[name], results[name] = dt, res
     (gb, ob), (gs, os_) = results["batched"], results["sequential"]
     rows = {}
     for label, b, s in (("global", gb, gs), ("oal", ob, os_)):
@@ -82,7 +87,7 @@ def main() -> None:
     speedup = times["sequential"] / times["batched"]
     record = {"shape": {"Hq": hq, "Hkv": hkv, "d": d, "tokens": args.tokens, "train_seqs": 8, "val_seqs": 2,
                         "groups_per_head": (groups.max(1).values + 1).tolist()},
-              "config": cfg.to_dict(), "time_s": times, "speedup": speedup, "methods": rows,
+              "config": cfg.to_dict(), "time_s": times, "repeats": args.repeats, "speedup": speedup, "methods": rows,
               "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
