@@ -47,7 +47,7 @@ def test_fidelity_matches_manual_aggregation():
     for c in got:
         with torch.no_grad():
             y = methods["global"][c.layer](c.q, c.k, c.v)
-        w = attention_module(model, c.layer).o_proj.weight
+        w = attention_module(model, c.layer).o_proj.weight.detach()
 
         def to_post(t, w=w):
             return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1) @ w.T
