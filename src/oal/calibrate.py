@@ -218,9 +218,11 @@ def _is_oal(method) -> bool:
 
 def _group_scores(groups, n_groups: int, q, k):
     """s_bar [B, H, G+1, n, M] = [1, s_1, ..., s_G], s_g = scale * sum_{r in g} q_r k_r (the vector in Eq. 7)."""
+    bsz, heads, n, d = q.shape
     onehot = torch.nn.functional.one_hot(groups.long(), n_groups).to(q.dtype).transpose(1, 2)  # [H, G, d]
-    kr = repeat_kv(k, q.shape[1] // k.shape[1]).unsqueeze(2)  # [B, H, 1, M, d]
-    s = (q.unsqueeze(2) * onehot[None, :, :, None, :] / math.sqrt(q.shape[-1])) @ kr.transpose(-1, -2)
+    kr = repeat_kv(k, heads // k.shape[1])  # [B, H, M, d]
+    qg = (q.unsqueeze(2) * onehot[None, :, :, None, :] / math.sqrt(d)).reshape(bsz, heads, n_groups * n, d)
+    s = (qg @ kr.transpose(-1, -2)).view(bsz, heads, n_groups, n, -1)  # one GEMM per head, no broadcast copy
     return torch.cat([torch.ones_like(s[:, :, :1]), s], dim=2)
 
 
@@ -236,8 +238,11 @@ def _oal_dense_kernel(method, q, k, n_copies: int = 1):
     lower = torch.tril(method.factor).to(q.dtype).view(n_copies, heads, g1, g1)
     s_bar = _group_scores(method.groups[:heads], g1 - 1, q, k)  # [B, H, G+1, n, M]
     m = s_bar.shape[-1]
-    z = lower.transpose(-1, -2) @ s_bar.reshape(bsz, 1, heads, g1, n * m)  # (L^T s_bar): [B, I, H, G+1, n*M]
-    return (method.eps + z.square().sum(3)).view(bsz, n_copies * heads, n, m)
+    # all copies' L^T stacked per head, so one matmul per head and no broadcast copy of s_bar
+    lt = lower.transpose(-1, -2).permute(1, 0, 2, 3).reshape(heads, n_copies * g1, g1)  # [H, I*(G+1), G+1]
+    z = (lt @ s_bar.reshape(bsz, heads, g1, n * m)).view(bsz, heads, n_copies, g1, n * m)  # L^T s_bar
+    kappa = method.eps + (z * z).sum(3)  # [B, H, I, n*M]
+    return kappa.transpose(1, 2).reshape(bsz, n_copies * heads, n, m)
 
 
 def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1):
