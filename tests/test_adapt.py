@@ -2,25 +2,15 @@
 
 import pytest
 import torch
-from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oal.adapt import AdaptConfig, adapt, kernel_parameter_names, load_adapter, save_adapter
 from oal.methods import build_method
+from oal.methods.base import AttentionMethod
+from oal.models.convert import convert as convert_model
 from oal.ops.kernel import perturbed_factor, taylor_factor
 
 VOCAB = 53
-
-
-def _method_attention(module, query, key, value, attention_mask, **kwargs):
-    """Test-only conversion: a layer holding `kernel_method` runs it (chunked operator path), others use SDPA."""
-    method = getattr(module, "kernel_method", None)
-    if method is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return method(query, key, value).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("oal_test_methods", _method_attention)
 
 
 def _tiny_model(seed=0, convert=None):
@@ -30,11 +20,12 @@ def _tiny_model(seed=0, convert=None):
     model = Qwen2ForCausalLM(cfg)
     if convert is not None:
         gen = torch.Generator().manual_seed(seed + 7)
-        attn = model.model.layers[1].self_attn
         groups = torch.randint(0, 3, (4, 16), generator=gen)
         factor = perturbed_factor(taylor_factor(4, 3), 0.1, generator=gen)
-        attn.kernel_method = build_method(convert, 4, 2, 16, groups=groups, factor=factor, layer_idx=1)
-        model.set_attn_implementation("oal_test_methods")
+        if convert == "global":
+            factor = perturbed_factor(taylor_factor(4, 1), 0.1, generator=gen)
+        method = build_method(convert, 4, 2, 16, groups=groups, factor=factor, layer_idx=1)
+        convert_model(model, [1], {1: method})
     return model
 
 
@@ -66,8 +57,8 @@ def test_lora_targets_every_layer_and_freezes_backbone():
 
 def test_kernel_parameters_train_jointly_and_groups_stay_fixed():
     model = _tiny_model(convert="oal")
-    method = model.model.layers[1].self_attn.kernel_method
-    assert kernel_parameter_names(model) == ["model.layers.1.self_attn.kernel_method.factor"]
+    method = model.model.layers[1].self_attn.oal_method
+    assert kernel_parameter_names(model) == ["model.layers.1.self_attn.oal_method.factor"]
     factor0, groups0 = method.factor.detach().clone(), method.groups.clone()
     peft_model, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG), progress=False)
     assert res.n_kernel_params == factor0.numel() and res.kernel_change > 0
@@ -75,13 +66,29 @@ def test_kernel_parameters_train_jointly_and_groups_stay_fixed():
     assert torch.equal(method.groups, groups0)
 
 
+def test_training_never_builds_dense_attention(monkeypatch):
+    """Converted layers train through the operator's chunked autograd: the O(N^2) paths must not be touched."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("dense N x N attention used during adaptation")
+
+    monkeypatch.setattr(AttentionMethod, "reference", boom)
+    monkeypatch.setattr(AttentionMethod, "dense_kernel", boom)
+    monkeypatch.setattr(type(build_method("oal", 4, 2, 16)), "dense_kernel", boom)
+    monkeypatch.setattr("oal.ops.reference_attention", boom)
+    model = _tiny_model(convert="oal")
+    _, res = adapt(model, _blocks(3, 150, 0), _blocks(1, 150, 1), AdaptConfig(**{**CFG, "steps": 2}),
+                   progress=False)
+    assert res.kernel_change > 0
+
+
 def test_kernel_parameters_frozen_when_disabled():
     model = _tiny_model(convert="oal")
-    factor0 = model.model.layers[1].self_attn.kernel_method.factor.detach().clone()
+    factor0 = model.model.layers[1].self_attn.oal_method.factor.detach().clone()
     _, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG, train_kernel=False),
                    progress=False)
     assert res.n_kernel_params == 0
-    assert torch.equal(model.model.layers[1].self_attn.kernel_method.factor.detach(), factor0)
+    assert torch.equal(model.model.layers[1].self_attn.oal_method.factor.detach(), factor0)
 
 
 def test_best_validation_checkpoint_is_restored():
@@ -115,11 +122,13 @@ def _run(tmp, kill_after=None, convert="oal"):
                  ckpt_dir=tmp, progress=False, on_step=maybe_kill)
 
 
-@pytest.mark.parametrize("kill_after", [1, 5])
-def test_resume_after_kill_matches_uninterrupted_run(tmp_path, kill_after):
+@pytest.mark.parametrize("kill_after, mid_swap", [(1, False), (5, False), (5, True)])
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, kill_after, mid_swap):
     ref_model, ref = _run(tmp_path / "ref")
     with pytest.raises(_Kill):
         _run(tmp_path / "killed", kill_after=kill_after)
+    if mid_swap:  # killed between atomic_dir's two renames: only the previous checkpoint is on disk
+        (tmp_path / "killed").rename(tmp_path / ".killed.old")
     model, res = _run(tmp_path / "killed")  # a fresh process would rebuild the same model, then resume
     assert res.history == ref.history and res.validation == ref.validation
     assert res.best_step == ref.best_step and res.best_val_nll == ref.best_val_nll

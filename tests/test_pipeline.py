@@ -166,3 +166,19 @@ def test_cli_rejects_bad_methods(tmp_path):
     assert res.exit_code == 2 and "nope" in res.output
     res = CliRunner().invoke(app, ["adapt", "--out", str(tmp_path / "none")])
     assert res.exit_code == 2 and "config.json" in res.output
+
+
+def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
+    import importlib
+    import shutil
+
+    from oal.cli import app
+
+    importlib.import_module("oal.cli.run")
+    out, _ = full_run
+    shutil.copytree(out, tmp_path / "run")
+    res = CliRunner().invoke(app, ["adapt", "--out", str(tmp_path / "run"), "--method", "global", "--steps", "2",
+                                   "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "run" / "adapter" / "global" / "adapt.json").read_text())["steps"] == 2
+    assert "test PPL after adaptation" in res.output

@@ -28,6 +28,7 @@ from .runio import (
     atomic_save_safetensors,
     atomic_write_json,
     config_hash,
+    existing_dir,
     load_json,
     load_safetensors,
     tensor_hash,
@@ -170,9 +171,10 @@ def _save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: 
 
 
 def _load_checkpoint(ckpt_dir: Path, params, optimizer, scheduler, key: str):
-    state_path = ckpt_dir / "state.json"
-    if not state_path.exists():
+    ckpt_dir = existing_dir(ckpt_dir)
+    if ckpt_dir is None or not (ckpt_dir / "state.json").exists():
         return None
+    state_path = ckpt_dir / "state.json"
     state = load_json(state_path)
     if state.get("key") != key:
         return None  # another configuration: start over rather than mix runs

@@ -29,6 +29,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "config_hash",
+    "existing_dir",
     "load_json",
     "load_safetensors",
     "sha256_file",
@@ -46,6 +47,7 @@ def _tmp_path(path: Path) -> Path:
 
 
 def _replace(tmp: Path, path: Path) -> None:
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; run outputs are ordinary readable files
     os.replace(tmp, path)
 
 
@@ -106,17 +108,16 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o755)
     try:
         yield tmp
-        old = None
+        old = path.with_name(f".{path.name}.old")
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
             if old.exists():
                 shutil.rmtree(old)
             os.replace(path, old)
         os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # also a stale one left by a kill between the renames
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -128,6 +129,13 @@ def tensor_hash(t: torch.Tensor) -> str:
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
+
+
+def existing_dir(path: str | Path) -> Path | None:
+    """`path`, or the previous version `atomic_dir` keeps while swapping (a kill can land between the renames)."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    return path if path.is_dir() else (old if old.is_dir() else None)
 
 
 def config_hash(obj) -> str:
