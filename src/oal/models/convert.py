@@ -10,13 +10,18 @@ so unconverted layers are bit-identical to the original model.
 
 Caching (see `models.cache`): a forward pre-hook on each converted attention module finds the cache passed to it
 and, on first use, replaces that layer's empty slot with an `OALStateLayer`, so `generate(use_cache=True)` keeps an
-O(1) recurrent state for converted layers (prefill through the chunked path, then one token at a time) and the usual
-K/V cache for softmax layers.
+O(1) recurrent state for converted layers (prefill through the method's forward, i.e. the chunked operator for OAL,
+then one token at a time) and the usual K/V cache for softmax layers.
 
 Padding: left padding (what batched `generate` uses) is supported: each row's padded prefix is cut off before the
-method runs, so padded tokens never enter the row's state or normaliser, and padded query positions get a zero
-output. Right or inner padding in a converted layer raises ValueError (a causal prefix state cannot skip tokens
-that come before real ones... or after them without a per-token mask).
+method runs (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
+normaliser, and padded query positions get a zero output. Right or inner padding in a converted layer raises
+ValueError: the methods' linear-time paths take no per-token key mask, and a padded key inside the sequence would
+enter every later prefix sum. Padding is read off the 4-D mask transformers passes to attention functions
+(a key no query may see is padding).
+
+Decoding: with a state and at most a few new tokens, OAL layers run `decode_step` (gather-built features, tested
+against the operator's recurrent backend) instead of the chunked path, whose set-up dominates a single token.
 
 Sliding-window models (Mistral): a converted layer attends the full causal prefix (the state cannot slide).
 
