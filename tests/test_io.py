@@ -100,3 +100,19 @@ def test_load_by_path_checks_file_hashes(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(model_dir)  # same architecture, other weights
     with pytest.raises(ValueError, match="differ"):
         oal.load(tmp_path / "k", str(model_dir))
+
+
+@pytest.mark.parametrize("name", ["oal", "global", "softmax", "performer", "spectraformer", "dijiang", "taylorshift"])
+def test_every_method_round_trips(tmp_path, name):
+    from oal.methods import method_names
+
+    if name not in method_names():
+        pytest.skip(f"method {name} not registered")
+    m = build_method(name, 4, 2, 16, layer_idx=1, seed=3)
+    oal.save_kernels({1: m}, tmp_path)
+    got = load_kernels(tmp_path)[0][1]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 9, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen), torch.randn(
+        1, 2, 9, 16, generator=gen)
+    assert type(got) is type(m)
+    torch.testing.assert_close(got(q, k, v), m(q, k, v), rtol=0, atol=0)
