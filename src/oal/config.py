@@ -24,8 +24,8 @@ PRESETS: dict[str, dict] = {
     "default": {
         "model": "default",
         "data": "builtin",
-        "calib": {"max_steps": 150, "val_every": 25, "patience": 75},
-        "adapt": {"steps": 96, "val_every": 32, "ckpt_every": 16},
+        "calib": {"max_steps": 400, "val_every": 50, "patience": 150},
+        "adapt": {"steps": 256, "val_every": 64, "ckpt_every": 32},
     },
     "qwen2.5-0.5b": {
         "model": "Qwen/Qwen2.5-0.5B",

@@ -58,7 +58,10 @@ def _name(m: str) -> str:
 
 
 def _fmt(x, digits=4) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    """Fixed decimals, or scientific notation for values that would print as 0.0000."""
+    if x is None:
+        return "-"
+    return f"{x:.{digits - 1}e}" if 0 < abs(x) < 10 ** (-digits + 1) else f"{x:.{digits}f}"
 
 
 # ----------------------------------------------------------------------------------------------- figures
