@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -313,23 +314,25 @@ def _figures(fig_dir: Path, layers, heads_json, calib, summary, stab, rep, li_re
 
 
 def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary) -> None:
-    table = Table(title="Contribution analysis (per layer, over query heads)")
-    for col in ("layer", "groups min-max", "groups mean", "fallback heads", "top-5 share", "Gauss top-5",
-                "Gauss @ real",
-                "Spearman", "top-5 overlap"):
-        table.add_column(col, justify="right")
+    table = Table(title="Contribution analysis (per layer, over query heads)", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False)
+    for col in ("layer", "G (mean)", "fallback", "top-5", "Gauss", "@real", "Spearman", "overlap"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     for li, layer in enumerate(layers):
         g = res.n_groups[li]
         n_fb = int((res.selected[li] & ~res.natural[li]).any(-1).sum())
-        row = [str(layer), f"{int(g.min())}-{int(g.max())}", f"{g.double().mean():.2f}", f"{n_fb}/{g.numel()}",
+        row = [str(layer), f"{int(g.min())}-{int(g.max())} ({g.double().mean():.2f})", f"{n_fb}/{g.numel()}",
                f"{100 * real_top[li].mean():.1f}%", f"{100 * gauss_top[li].mean():.1f}%",
                f"{100 * gauss_at_real[li].mean():.1f}%"]
         if stab is not None:
-            row += [f"{stab['spearman'][li].mean():.3f}", f"{stab['overlap'][li].double().mean():.2f}/5"]
+            row += [f"{stab['spearman'][li].mean():.3f}", f"{stab['overlap'][li].double().mean():.2f}"]
         else:
             row += ["-", "-"]
         table.add_row(*row)
     console.print(table)
+    console.print("G: groups per head, min-max (mean); fallback: heads with cuts added to reach G_min; top-5: "
+                  "share of total chi in the 5 largest dims; Gauss: the same for i.i.d. N(0,1) q/k; @real: Gaussian "
+                  "share at the real top-5 dims; Spearman / overlap (of 5): calibration vs held-out chi")
     console.print(f"group-count histogram: {summary['n_groups']['histogram']} "
                   f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
 
