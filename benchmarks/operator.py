@@ -4,8 +4,8 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, fp32, N = 
 Each (method, N) runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the reported memory is
 the peak above the resident inputs. Writes benchmarks/results/operator.{json,png} and prints a table.
 
-    python benchmarks/operator.py                 # N = 1k..32k
-    python benchmarks/operator.py --max-len 8192  # quicker
+    python -m benchmarks.operator                 # N = 1k..32k
+    python -m benchmarks.operator --max-len 8192  # quicker
 """
 
 import os
@@ -133,9 +133,11 @@ def main() -> None:
     rows = []
     for n in lengths:
         for method in ("sdpa", "oal"):
-            cmd = [sys.executable, __file__, "--child", method, str(n), "--repeats", str(args.repeats),
-                   "--device", args.device]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            cmd = [sys.executable, "-m", "benchmarks.operator", "--child", method, str(n), "--repeats",
+                   str(args.repeats), "--device", args.device]
+            root = Path(__file__).resolve().parent.parent
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root)
+            out = res.stdout.strip().splitlines()[-1]
             rows.append(json.loads(out))
             print(f"  {method:5s} N={n:6d} {rows[-1]['time_s']:.3f} s", file=sys.stderr)
     gemm = gemm_gflops(args.device)
