@@ -440,7 +440,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
             console.rule(f"[bold]seed {s}")
             per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress)
         metrics = aggregate_seeds(per_seed)
-        shutil.copy2(out_dir / f"seed-{seeds[0]}" / "config.json", out_dir / "config.json")
+        atomic_write_json(out_dir / "config.json", load_json(out_dir / f"seed-{seeds[0]}" / "config.json"))
         atomic_write_json(out_dir / "metrics.json", metrics)
         from .report import write_report
 

@@ -27,6 +27,18 @@ def _layers(spec: str | None) -> list[int] | None:
                                  param_hint="--layers") from exc
 
 
+def _set_threads(threads: int | None) -> None:
+    """Thread count is a runtime choice, not part of the run's configuration. Reductions may round differently
+    with another count, so resume a killed run with the same --threads for bit-identical results."""
+    if threads is None or threads == 0:
+        return
+    if threads < 0:
+        raise typer.BadParameter(f"expected >= 0, got {threads}", param_hint="--threads")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 @app.command()
 def run(
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one is resumed)."),
@@ -39,12 +51,16 @@ def run(
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
     device: str = typer.Option("cpu", help="torch device."),
+    threads: int = typer.Option(1, help="CPU threads for torch; 0 keeps torch's default. One thread is the "
+                                "predictable choice on a small or shared CPU (oversubscribed threads stall)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..pipeline import MissingDependency
     from ..pipeline import run as run_pipeline
+
+    _set_threads(threads)
 
     try:
         seed_list = parse_seeds(seeds)
@@ -64,9 +80,12 @@ def adapt_cmd(
     out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run` or `oal calibrate`)."),
     method: str = typer.Option("oal", help="The arm to adapt: a method name or softmax."),
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
+    threads: int = typer.Option(1, help="CPU threads for torch; 0 keeps torch's default. One thread is the "
+                                "predictable choice on a small or shared CPU (oversubscribed threads stall)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; resumable."""
+    _set_threads(threads)
     from ..config import RunConfig
     from ..pipeline import REFERENCE, MissingDependency, Run
     from ..runio import load_json
