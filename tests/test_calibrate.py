@@ -86,7 +86,7 @@ def test_sampled_output_equals_rows_of_reference(method):
 
 def test_batched_equals_sequential_and_improves_on_taylor():
     groups = _groups()
-    cfg = CalibConfig.preset("tiny", dtype="float64", max_steps=30, val_every=10, patience=10)
+    cfg = CalibConfig.preset("tiny", dtype="float64", max_steps=20, val_every=5, patience=10)
     train, val = _data(3), _data(1, seed=1)
     g_b, o_b = calibrate_oal_layer(train, val, groups, cfg, layer=2)
     g_s, o_s = calibrate_oal_layer(train, val, groups, cfg, layer=2, sequential=True)
