@@ -7,7 +7,7 @@ same protocol (global: 3 inits, then OAL: 3 inits; App. B) with the same seed an
 wall time of each, the speedup, and whether they select the same initialisation with the same validation MSE.
 Writes benchmarks/results/calibration.json and calibration.png.
 
-    .venv/bin/python -P benchmarks/calibration.py [--steps 100 --tokens 256 --heads 14]
+    .venv/bin/python -m benchmarks.calibration [--steps 100 --tokens 256 --heads 14]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ layers keep their real state with the token count set to L (the state's size doe
 continues at position L. RoPE's max_position_embeddings is raised to cover 32k. Times are medians over tokens,
 `--threads` torch threads. Writes benchmarks/results/decode.json, decode.png and prints a table.
 
-    .venv/bin/python -P benchmarks/decode.py            # quick: 1k, 4k, 32k
-    .venv/bin/python -P benchmarks/decode.py --full     # 1k, 2k, 4k, 8k, 16k, 32k
+    .venv/bin/python -m benchmarks.decode            # quick: 1k, 4k, 32k
+    .venv/bin/python -m benchmarks.decode --full     # 1k, 2k, 4k, 8k, 16k, 32k
 """
 
 from __future__ import annotations
