@@ -61,7 +61,7 @@ def test_report_references_existing_nonempty_figures(tmp_path):
 
 def test_report_tables(tmp_path):
     text = write_report(_run_dir(tmp_path)).read_text()
-    assert "| OAL | 12.500 | 40.000 |" in text and "| Learned global | 13.250 | 45.000 |" in text
+    assert "| OAL | 12.5000 | 40.0000 |" in text and "| Learned global | 13.2500 | 45.0000 |" in text
     assert "OAL beats the learned global quadratic" in text
     assert "| OAL | 0.1000 | 0.5000 | 0.0500 | 0.7000 |" in text  # Table 2 layout
     # the paper's Table 3 reference group, labelled as such, with its numbers

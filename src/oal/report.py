@@ -299,20 +299,24 @@ def _perplexity(metrics: dict, has_fig: bool) -> list[str]:
             header.append(f"per seed {seeds}")
         rows = []
         for m in _ordered(set(ppl) | set(pre)):
-            cell = _fmt(ppl.get(m), 3)
+            cell = _fmt(ppl.get(m), 4)
             if m in std and len(seeds) > 1:
                 cell += f" ± {std[m]:.3f}"
-            row = [_name(m), cell, _fmt(pre.get(m), 3)]
+            row = [_name(m), cell, _fmt(pre.get(m), 4)]
             if len(seeds) > 1:
-                row.append(", ".join(_fmt(metrics["per_seed"][str(s)]["perplexity"].get(m), 3) for s in seeds))
+                row.append(", ".join(_fmt(metrics["per_seed"][str(s)]["perplexity"].get(m), 4) for s in seeds))
             rows.append(row)
         label = f"This run ({metrics.get('model')}, test split of the run's corpus"
         label += f", mean ± sample std over seeds {seeds})" if len(seeds) > 1 else ")"
         out += [label + ":", "", _table(header, rows), ""]
         if "oal" in ppl and "global" in ppl:
             verdict = "beats" if ppl["oal"] < ppl["global"] else "does NOT beat"
-            out += [f"OAL {verdict} the learned global quadratic in adapted test PPL: {ppl['oal']:.3f} vs "
-                    f"{ppl['global']:.3f}.", ""]
+            rel = 100 * (ppl["global"] - ppl["oal"]) / ppl["global"]
+            line = (f"OAL {verdict} the learned global quadratic in adapted test PPL: {ppl['oal']:.4f} vs "
+                    f"{ppl['global']:.4f} ({rel:+.3f}% relative to global)")
+            if "oal" in std and "global" in std and len(seeds) > 1:
+                line += f"; sample std over seeds {std['oal']:.4f} (OAL) and {std['global']:.4f} (global)"
+            out += [line + ".", ""]
     else:
         out += ["Perplexity was not evaluated in this run.", ""]
     ref = [[_name(m), *(f"{v:.2f}" for v in vals)] for m, vals in PAPER_TABLE3_QWEN.items()]
@@ -341,12 +345,23 @@ def _adaptation(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]:
     return out
 
 
+def _stage_order(name: str, methods: list[str]) -> tuple:
+    base, _, method = name.partition(":")
+    steps = ("setup", "analyze", "calibrate", "fidelity", "perplexity_no_adapt", "adapt", "perplexity", "report")
+    m = methods.index(method) if method in methods else -1
+    group = 1 if base in ("perplexity_no_adapt", "adapt", "perplexity") else (2 if base == "report" else 0)
+    return (group, m,
+            steps.index(base) if base in steps else len(steps), name)
+
+
 def _timing(metrics: dict) -> list[str]:
     el = metrics.get("elapsed_s") or {}
-    rows = [[k, f"{v:.1f}"] for k, v in el.items()]
+    order = sorted(el, key=lambda k: _stage_order(k, metrics.get("methods", [])))
+    rows = [[k, f"{el[k]:.1f}"] for k in order]
     rows.append(["total", f"{sum(el.values()):.1f}"])
-    return ["## Time per stage", "", "Seconds of the run that produced each stage's output (a resumed run keeps "
-            "the time of the original stage).", "", _table(["stage", "seconds"], rows), ""]
+    note = ("Wall-clock seconds of the process that completed each stage (a skipped stage keeps its original "
+            "time; a stage resumed mid-way counts only the resuming process).")
+    return ["## Time per stage", "", note, "", _table(["stage", "seconds"], rows), ""]
 
 
 def figure_references(markdown: str) -> list[str]:
