@@ -47,10 +47,10 @@ def _plan():
             "test": bs("test", 64, 0, 3)}
 
 
-def _cfg(assets, **kw):
+def _cfg(assets, adapt=None, **kw):
     return RunConfig(model=str(assets / "model"), data=str(assets / "corpus.txt"), plan=_plan(),
                      grouping={"n_bootstrap": 50}, calib={"max_steps": 10, "val_every": 5, "patience": 10},
-                     adapt={"steps": 4, "val_every": 2, "ckpt_every": 1}, **kw)
+                     adapt=adapt or {"steps": 4, "val_every": 2, "ckpt_every": 1}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +182,18 @@ def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "run" / "adapter" / "global" / "adapt.json").read_text())["steps"] == 2
     assert "test PPL after adaptation" in res.output
+
+
+def test_all_methods_run_end_to_end(assets, tmp_path):
+    """`--methods all`: every baseline is calibrated (when trainable), converted, adapted and evaluated."""
+    metrics = run_seed(_cfg(assets, methods=["all"], adapt={"steps": 2, "val_every": 2}), tmp_path, progress=False)
+    assert metrics["missing"] == []
+    kernel_methods = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift"]
+    assert set(metrics["fidelity"]) == set(kernel_methods)
+    assert set(metrics["perplexity"]) == set(kernel_methods) | {"softmax"}
+    assert metrics["adapt"]["performer"]["n_kernel_params"] == 0  # fixed random features stay fixed (App. F.1)
+    for m in ("spectraformer", "dijiang", "taylorshift"):
+        assert metrics["adapt"][m]["n_kernel_params"] > 0 and metrics["adapt"][m]["kernel_change"] > 0
+    text = (tmp_path / "report.md").read_text()
+    for name in ("Performer", "SpectraFormer", "DiJiang", "TaylorShift"):
+        assert f"| {name} |" in text
