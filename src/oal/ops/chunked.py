@@ -34,6 +34,7 @@ def _block_step(
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
+    chunk = min(chunk, n)  # a short call (decoding) is one chunk of its own length, no padding
     rep, n_c = n_q // n_kv, -(-n // chunk)
     # zero padding: padded keys have u = 0 (no value, no denominator), padded query rows are dropped
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))

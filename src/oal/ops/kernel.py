@@ -67,6 +67,9 @@ def coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float):
     return a, b, c
 
 
+_GATHER_MAX = 1 << 15  # elements of x below which pair_products gathers instead of slicing
+
+
 def pair_products(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x_r x_t for r <= t in `packed_pairs` order [..., d(d+1)/2].
 
@@ -74,6 +77,9 @@ def pair_products(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     (no autograd) the products are written in place.
     """
     d = x.shape[-1]
+    if x.numel() <= _GATHER_MAX:  # few rows (decoding): one gather beats d small ops
+        r, t, _ = packed_pairs(d, x.device)
+        return torch.mul(x[..., r], x[..., t], out=out)
     if out is None:
         return torch.cat([x[..., r : r + 1] * x[..., r:] for r in range(d)], dim=-1)
     start = 0
