@@ -108,10 +108,10 @@ class Run:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.corpus = data(self.cfg.data)
+            self.corpus = data(self.cfg.data, data_dir=self.cfg.data_dir)
             self.plan = (plan_mod.SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
                          else plan_mod.default_plan(self.cfg.preset))
-            self.blocks = plan_mod.plan_blocks(self.corpus, self.tokenizer, self.plan)
+            self.blocks = plan_mod.plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
             if any(i >= n_layers for i in self.layers):

@@ -44,6 +44,7 @@ def run(
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one is resumed)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
+    data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
     preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
@@ -65,7 +66,7 @@ def run(
     try:
         seed_list = parse_seeds(seeds)
         adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
-        cfg = RunConfig.from_preset(preset, model=model, data=data, methods=parse_methods(methods),
+        cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                     layers=_layers(layers), seed=seed_list[0], device=device, adapt=adapt)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
