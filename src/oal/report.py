@@ -78,6 +78,15 @@ def _carry(curve: list, steps: list[int]) -> list[float]:
     return out
 
 
+def _auto_scale(ax, values, label: str) -> None:
+    """Log scale only when the values span more than a factor 20 (otherwise log ticks are unreadable)."""
+    vals = [v for v in values if v == v and v > 0]
+    log = bool(vals) and max(vals) / min(vals) > 20
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(label + (" (log scale)" if log else ""))
+
+
 def calibration_figure(calibration: dict, path: Path) -> bool:
     """Per method: mean validation MSE over heads and layers against updates, one line per initialisation."""
     methods = [m for m in _ordered(calibration.get("methods", {}))
@@ -92,15 +101,16 @@ def calibration_figure(calibration: dict, path: Path) -> bool:
                 for init, c in head.get("curves", {}).items():
                     if c:
                         curves.setdefault(init, []).append(c)
+        plotted = []
         for init, cs in sorted(curves.items()):
             steps = sorted({int(p[0]) for c in cs for p in c})
             vals = [_carry(c, steps) for c in cs]
             mean = [sum(v[i] for v in vals) / len(vals) for i in range(len(steps))]
             ax.plot(steps, mean, marker="o", ms=3, label=init)
+            plotted += mean
         ax.set_title(f"{_name(m)}: calibration (Eq. 20)")
         ax.set_xlabel("update")
-        ax.set_ylabel("validation output MSE (mean over heads)")
-        ax.set_yscale("log")
+        _auto_scale(ax, plotted, "validation output MSE (mean over heads)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -149,8 +159,7 @@ def perplexity_figure(metrics: dict, path: Path) -> bool:
     ax.bar([i + 0.2 for i in x], [ppl[m] for m in methods], 0.4, yerr=[std.get(m, 0.0) for m in methods],
            label="after LoRA adaptation", color="#3a6ea5")
     ax.set_xticks(list(x), [_name(m) for m in methods], rotation=15)
-    ax.set_ylabel("test perplexity (log scale)")
-    ax.set_yscale("log")
+    _auto_scale(ax, list(ppl.values()) + list(pre.values()), "test perplexity")
     ax.set_title("Test perplexity (App. F.3 protocol)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
