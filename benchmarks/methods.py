@@ -4,8 +4,8 @@ Shape: Qwen2.5-0.5B heads (B=1, Hq=14, Hkv=2, d=dv=64), fp32, no grad, CPU by de
 process one after another (time only; see benchmarks/operator.py for memory). Writes
 benchmarks/results/methods.{json,png} and prints a table of milliseconds and the ratio to SDPA.
 
-    python benchmarks/methods.py                    # N = 256, 1024, 4096
-    python benchmarks/methods.py --lens 512 2048    # custom lengths
+    python -m benchmarks.methods                    # N = 256, 1024, 4096
+    python -m benchmarks.methods --lens 512 2048    # custom lengths
 """
 
 import os
