@@ -417,6 +417,11 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             vals = [per_seed[s]["fidelity"][m][metric] for s in seeds if m in per_seed[s]["fidelity"]]
             if len(vals) == len(seeds):
                 out["fidelity"][m][metric], out["fidelity_std"][m][metric] = _mean_std(vals)
+        layers = first["fidelity"][m].get("per_layer", {})
+        if layers and all("per_layer" in per_seed[s]["fidelity"].get(m, {}) for s in seeds):
+            out["fidelity"][m]["per_layer"] = {
+                layer: {k: statistics.fmean(per_seed[s]["fidelity"][m]["per_layer"][layer][k] for s in seeds)
+                        for k in row} for layer, row in layers.items()}
     out["adapt"] = first.get("adapt", {})  # curves and selection of the first seed (see per_seed for the rest)
     out["elapsed_s"] = {}
     for s in seeds:

@@ -288,7 +288,8 @@ def _fidelity(metrics: dict) -> list[str]:
                 rel = 100 * (g["relmse"] - o["relmse"]) / g["relmse"]
                 rows.append([layer, _fmt(o["relmse"]), _fmt(g["relmse"]), f"{rel:+.1f}%",
                              "yes" if o["relmse"] < g["relmse"] else "no"])
-        out += ["Per layer, OAL against the learned global quadratic (RelMSE before W_o):", "",
+        what = " (mean over seeds)" if len(metrics.get("seeds", [])) > 1 else ""
+        out += [f"Per layer, OAL against the learned global quadratic (RelMSE before W_o{what}):", "",
                 _table(["layer", "OAL", "global", "reduction", "OAL better"], rows), ""]
     ref = [[_name(m), *(f"{v:.3f}" for v in vals)] for m, vals in PAPER_TABLE2_QWEN.items()]
     out += ["Reference, **paper Table 2** (Qwen2.5-0.5B, layers 4/12/20, N = 4096; not comparable in scale with a "
@@ -370,6 +371,8 @@ def _timing(metrics: dict) -> list[str]:
     rows.append(["total", f"{sum(el.values()):.1f}"])
     note = ("Wall-clock seconds of the process that completed each stage (a skipped stage keeps its original "
             "time; a stage resumed mid-way counts only the resuming process).")
+    if metrics.get("seeds"):
+        note += f" Summed over seeds {metrics['seeds']}."
     return ["## Time per stage", "", note, "", _table(["stage", "seconds"], rows), ""]
 
 
