@@ -182,6 +182,9 @@ def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "run" / "adapter" / "global" / "adapt.json").read_text())["steps"] == 2
     assert "test PPL after adaptation" in res.output
+    wide = CliRunner(env={"COLUMNS": "400"})  # keep the error on one line of the rich box
+    res = wide.invoke(app, ["adapt", "--out", str(tmp_path / "run"), "--method", "performer"])
+    assert res.exit_code == 2 and "no calibrated kernels" in res.output
 
 
 def test_all_methods_run_end_to_end(assets, tmp_path):

@@ -113,9 +113,12 @@ def adapt_cmd(
                 raise typer.BadParameter(f"{out} has no calibrated kernels; run `oal run --out {out}` first",
                                          param_hint="--out")
             r.keys["calibrate"] = rec["key"]
+        if method != REFERENCE and not (r.kernel_dir(method) / "kernels.safetensors").is_file():
+            raise typer.BadParameter(f"{out} has no calibrated kernels for {method!r}; run "
+                                     f"`oal run --out {out} --methods ...,{method}` first", param_hint="--method")
         if r.adapt(method):
             r.perplexity(method, adapted=True)
-    except MissingDependency as exc:
+    except (MissingDependency, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     ppl = r.metrics()["perplexity"].get(method)
     console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")
