@@ -15,9 +15,9 @@ import math
 import torch
 from torch import nn
 
-from ._common import check_qkv, compute_dtype, generator_for
-from .base import AttentionMethod, register
-from .features import dense_feature_kernel, feature_attention
+from ._common import compute_dtype, generator_for
+from .base import register
+from .features import FeatureMapMethod
 
 __all__ = ["DiJiangMethod", "dct_matrix"]
 
@@ -31,10 +31,9 @@ def dct_matrix(d: int) -> torch.Tensor:
 
 
 @register
-class DiJiangMethod(AttentionMethod):
+class DiJiangMethod(FeatureMapMethod):
     name = "dijiang"
     stochastic = True  # the fixed inverse-normal diagonal is a random draw
-    supports_state = True
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):
@@ -51,16 +50,3 @@ class DiJiangMethod(AttentionMethod):
         fq = torch.softmax((q.to(dt) * s) @ w.T, dim=-1) * torch.exp(2 * self.theta.to(dt))[None, :, None, :]
         fk = torch.softmax((k.to(dt) * s) @ w.T, dim=-1)  # [B, Hkv, N, d]: shared by the group's query heads
         return fq, fk
-
-    def dense_kernel(self, q, k):
-        check_qkv(self, q, k)
-        return dense_feature_kernel(*self._features(q, k))
-
-    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
-        check_qkv(self, q, k, v)
-        fq, fk = self._features(q, k)
-        res = feature_attention(fq, fk, v, causal=causal, chunk_size=self.chunk_size,
-                                initial_state=initial_state, output_final_state=output_final_state)
-        if output_final_state:
-            return res[0].to(v.dtype), res[1]
-        return res.to(v.dtype)

@@ -16,9 +16,14 @@ query head [B, Hq, N, m] (methods whose key map depends on the query head). Valu
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-__all__ = ["causal_mask", "dense_feature_kernel", "feature_attention"]
+from ._common import check_qkv
+from .base import AttentionMethod
+
+__all__ = ["FeatureMapMethod", "causal_mask", "dense_feature_kernel", "feature_attention"]
 
 
 def causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -94,3 +99,26 @@ def feature_attention(fq, fk, v, *, causal: bool = True, log_keys: bool = False,
     if log_keys:
         state = torch.cat([state, torch.nn.functional.pad(shift.expand(*shift.shape[:-1], 1), (0, dv))], dim=-2)
     return out, state.reshape(bsz, hk, state.shape[-2], dv + 1)
+
+
+class FeatureMapMethod(AttentionMethod):
+    """A method whose kernel is fq . fk: subclasses implement `_features(q, k) -> (fq, fk)` and set `chunk_size`."""
+
+    supports_state = True
+    log_keys: ClassVar[bool] = False  # `_features` returns key log-features (see `feature_attention`)
+
+    def _features(self, q, k):
+        raise NotImplementedError
+
+    def dense_kernel(self, q, k):
+        check_qkv(self, q, k)
+        return dense_feature_kernel(*self._features(q, k))
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        check_qkv(self, q, k, v)
+        fq, fk = self._features(q, k)
+        res = feature_attention(fq, fk, v, causal=causal, log_keys=self.log_keys, chunk_size=self.chunk_size,
+                                initial_state=initial_state, output_final_state=output_final_state)
+        if output_final_state:
+            return res[0].to(v.dtype), res[1]
+        return res.to(v.dtype)

@@ -16,8 +16,8 @@ import math
 import torch
 
 from ._common import check_qkv, compute_dtype, generator_for
-from .base import AttentionMethod, register
-from .features import dense_feature_kernel, feature_attention
+from .base import register
+from .features import FeatureMapMethod, dense_feature_kernel
 
 __all__ = ["PerformerMethod", "orthogonal_gaussian"]
 
@@ -35,10 +35,10 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Ten
 
 
 @register
-class PerformerMethod(AttentionMethod):
+class PerformerMethod(FeatureMapMethod):
     name = "performer"
     stochastic = True
-    supports_state = True
+    log_keys = True  # key features stay in log space until `feature_attention` shifts them causally
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, n_features: int = 250, dtype=torch.float32,
                  chunk_size: int = 64, layer_idx: int = 0, seed: int = 0, **_ignored):
@@ -76,12 +76,3 @@ class PerformerMethod(AttentionMethod):
         # one shift over all keys' tokens and features: a constant per (batch, head), cancels when normalised
         fk = torch.exp(lk - lk.detach().amax(dim=(-2, -1), keepdim=True))
         return dense_feature_kernel(fq, fk)
-
-    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
-        check_qkv(self, q, k, v)
-        fq, lk = self._features(q, k)
-        res = feature_attention(fq, lk, v, causal=causal, log_keys=True, chunk_size=self.chunk_size,
-                                initial_state=initial_state, output_final_state=output_final_state)
-        if output_final_state:
-            return res[0].to(v.dtype), res[1]
-        return res.to(v.dtype)

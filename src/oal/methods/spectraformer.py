@@ -25,9 +25,9 @@ import math
 import torch
 from torch import nn
 
-from ._common import check_qkv, compute_dtype, generator_for
-from .base import AttentionMethod, register
-from .features import dense_feature_kernel, feature_attention
+from ._common import compute_dtype, generator_for
+from .base import register
+from .features import FeatureMapMethod
 
 __all__ = ["SpectraFormerMethod", "hadamard", "oprf_a"]
 
@@ -51,10 +51,9 @@ def oprf_a(z: torch.Tensor, d: int) -> torch.Tensor:
 
 
 @register
-class SpectraFormerMethod(AttentionMethod):
+class SpectraFormerMethod(FeatureMapMethod):
     name = "spectraformer"
     stochastic = True
-    supports_state = True
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):
@@ -96,16 +95,3 @@ class SpectraFormerMethod(AttentionMethod):
         s = self.head_dim ** -0.25  # upstream data normaliser: x = d^-1/4 q
         w = self.projection(dt)
         return self._feature(q.to(dt) * s, w), self._feature(k.to(dt) * s, w)  # keys shared per KV head
-
-    def dense_kernel(self, q, k):
-        check_qkv(self, q, k)
-        return dense_feature_kernel(*self._features(q, k))
-
-    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
-        check_qkv(self, q, k, v)
-        fq, fk = self._features(q, k)
-        res = feature_attention(fq, fk, v, causal=causal, chunk_size=self.chunk_size,
-                                initial_state=initial_state, output_final_state=output_final_state)
-        if output_final_state:
-            return res[0].to(v.dtype), res[1]
-        return res.to(v.dtype)
