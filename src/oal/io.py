@@ -9,7 +9,6 @@ tensor file. Both files are written to a temporary name and renamed into place.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .methods.base import AttentionMethod, build_method
+from .runio import sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "load", "load_kernels", "model_fingerprint", "save_kernels"]
 
@@ -43,14 +43,6 @@ def _atomic_write(path: Path, write) -> None:
 
 def _write_json(path: Path, obj) -> None:
     _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_fingerprint(model: nn.Module) -> dict:
@@ -107,7 +99,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
         "layers": layers,
         "base_model": {"name_or_path": base_model, "revision": revision, "fingerprint": dict(fingerprint or {}),
                        "hashes": dict(model_hashes or {})},
-        "sha256": {KERNELS_FILE: _sha256(tensor_path)},
+        "sha256": {KERNELS_FILE: sha256_file(tensor_path)},
         **({"extra": dict(extra)} if extra else {}),
     }
     meta_path = directory / META_FILE
@@ -130,7 +122,7 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: expected format {FORMAT!r}, got {meta.get('format')!r}")
     want = meta.get("sha256", {}).get(KERNELS_FILE)
-    if want and _sha256(tensor_path) != want:
+    if want and sha256_file(tensor_path) != want:
         raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
     if fingerprint is not None:
         saved = meta["base_model"].get("fingerprint") or {}

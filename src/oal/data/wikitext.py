@@ -7,7 +7,6 @@ text is read. Text protocol (paper App. F.3): the entries of a split joined in s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -15,20 +14,13 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..runio import sha256_file
 from .corpus import SPLITS, Corpus
 
 DATASET_ID = "Salesforce/wikitext"
 REVISION = "b08601e04326c79dfdd32d625aee71d232d685c3"
 CONFIGS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1")
 MANIFEST_NAME = "manifest.json"
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_config(config: str) -> None:
@@ -60,7 +52,7 @@ def write_manifest(data_dir: str | Path, configs: tuple[str, ...] | list[str] | 
         _check_config(config)
         for paths in split_files(data_dir, config).values():
             for p in paths:
-                files[p.relative_to(data_dir).as_posix()] = file_sha256(p)
+                files[p.relative_to(data_dir).as_posix()] = sha256_file(p)
     manifest = {"dataset_id": dataset_id, "revision": revision, "configs": configs, "files": files}
     out = data_dir / MANIFEST_NAME
     tmp = out.with_suffix(".json.tmp")
@@ -94,7 +86,7 @@ def verify_manifest(data_dir: str | Path, config: str, *, dataset_id: str = DATA
             rel = p.relative_to(data_dir).as_posix()
             if rel not in listed:
                 raise ValueError(f"manifest {path}: file {rel} is not listed")
-            actual = file_sha256(p)
+            actual = sha256_file(p)
             if actual != listed[rel]:
                 raise ValueError(f"manifest {path}: SHA256 mismatch for {rel}: file has {actual}, "
                                  f"manifest says {listed[rel]}")

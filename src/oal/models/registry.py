@@ -8,13 +8,13 @@ the pinned Base ones (reproduction notes).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from oal.data.wikitext import hub_reachable
+from oal.runio import sha256_file
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 HASHED_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
@@ -67,11 +67,7 @@ def file_sha256(path: str | Path) -> str:
 @functools.lru_cache(maxsize=256)
 def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
     # keyed on size and mtime so a 1 GB weight file is hashed once per process, yet changes are seen
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def hash_model_dir(path: str | Path) -> dict[str, str]:
