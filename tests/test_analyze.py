@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from _tiny import save_tiny_llama
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oal.analysis import analyze, head_contributions, load_groups, stable_gap_groups
@@ -113,20 +114,8 @@ def test_bad_input(tiny, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A tiny byte-level Llama saved in HF format (what `oal analyze --model PATH` loads).
-
-    Llama rather than Qwen2: transformers' AutoTokenizer replaces the declared ByT5Tokenizer of a qwen2 config by
-    Qwen2Tokenizer (qwen2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS list).
-    """
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_model")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    ByT5Tokenizer(extra_ids=0).save_pretrained(path)
-    return path
+    """A tiny byte-level Llama saved in HF format (what `oal analyze --model PATH` loads)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_model"))
 
 
 def test_cli_end_to_end(tiny_dir, tmp_path, monkeypatch):

@@ -4,37 +4,14 @@ import sys
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from _tiny import FAMILIES, tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from oal.models.capture import SUPPORTED_ARCHITECTURES, attention_module, capture, capture_layer
 
-_COMMON = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
-               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
-FAMILIES = {
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"head_dim": 8}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-}
-
 
 def _model(family, attn="sdpa"):
-    cfg_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    cfg = cfg_cls(**_COMMON, **extra)
-    cfg._attn_implementation = attn
-    return model_cls(cfg).eval()
+    return tiny_model(family, vocab_size=101, attn=attn)
 
 
 def _inputs():

@@ -2,16 +2,7 @@
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from _tiny import FAMILIES, save_tiny_llama, tiny_model
 
 import oal
 from oal.methods import build_method
@@ -19,20 +10,9 @@ from oal.models.capture import capture_layer
 from oal.models.convert import convert, converted_methods, default_layers, kernel_parameters
 from oal.ops.kernel import perturbed_factor
 
-_COMMON = dict(vocab_size=67, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
-               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
-FAMILIES = {
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"head_dim": 8}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-}
-
 
 def _model(family="qwen2"):
-    cfg_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    return model_cls(cfg_cls(**_COMMON, **extra)).eval()
+    return tiny_model(family, vocab_size=67)
 
 
 def _shape(model):
@@ -162,15 +142,7 @@ def test_bad_input():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny byte-level Llama in HF format (loadable by `oal.models.registry.load_model`)."""
-    from transformers import ByT5Tokenizer
-
-    path = tmp_path_factory.mktemp("tiny_model")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    ByT5Tokenizer(extra_ids=0).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_model"))
 
 
 def test_cli_calibrate_evaluate_convert_generate(tiny_dir, tmp_path, monkeypatch):

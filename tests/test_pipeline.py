@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-import torch
+from _tiny import save_tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from typer.testing import CliRunner
@@ -25,11 +25,9 @@ def _byte_tokenizer():
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
-    torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    Qwen2ForCausalLM(cfg).save_pretrained(root / "model")
-    _byte_tokenizer().save_pretrained(root / "model")
+    save_tiny_model(root / "model", Qwen2ForCausalLM, cfg, _byte_tokenizer())
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group"]
     paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))) + "." for _ in range(500)]
