@@ -182,9 +182,13 @@ class Run:
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
 
         def fn():
-            analyze = _require("oal.analysis", "analyze", "issue 4")
+            from .analysis import analysis_inputs, analyze
+
+            # held-out prompts and one long sequence give the App. A.3 stability checks (Fig. 6, Table 4)
+            extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
-                    seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
+                    heldout=extra["heldout"], long_sequence=extra["long_sequence"], seed=self.cfg.seed,
+                    console=self.console, **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
 

@@ -232,10 +232,30 @@ def _analysis(run_dir: Path, figures: list[str]) -> list[str]:
             out.append(f"- mean top-5 contribution concentration: {conc.get('real_top5', float('nan')):.3f} "
                        f"(Gaussian control {conc.get('gaussian_top5', float('nan')):.3f})")
         out.append("")
+        out += _stability(summary)
     if not figures:
         out += ["No analysis figures in this run directory.", ""]
     for f in figures:
         out += [f"![{f}](figures/{f})", ""]
+    return out
+
+
+def _stability(summary: dict) -> list[str]:
+    """App. A.3: calibration vs held-out contributions, and the top-5 dims' share across prefix lengths (Table 4)."""
+    out = []
+    inputs, lengths = summary.get("stability_inputs"), summary.get("stability_lengths")
+    if inputs:
+        rep = inputs["representative"]
+        out += ["Stability across inputs (App. A.3, Fig. 6): Spearman rho between calibration and held-out chi "
+                f"{inputs['mean_spearman']:.3f} on average (minimum {inputs['min_spearman']:.3f}), top-5 overlap "
+                f"{inputs['mean_top5_overlap']:.2f} of 5; representative head: rho {rep['spearman']:.3f}, "
+                f"overlap {rep['top5_overlap']} of 5.", ""]
+    if lengths:
+        rep = lengths["representative"]
+        dims = [f"r = {d}" for d in rep["dims"]]
+        rows = [[str(n)] + [f"{p:.2f}" for p in row] for n, row in zip(lengths["lengths"], rep["percent"], strict=True)]
+        out += ["Stability across sequence lengths (Table 4 layout): normalised contribution (%) of the representative "
+                "head's top-5 dimensions at each prefix length.", "", _table(["length"] + dims, rows), ""]
     return out
 
 
