@@ -46,6 +46,8 @@ def grouping_preset(preset: str) -> dict:
     """`stable_gap_groups` keyword arguments of a preset, from the model registry (App. B per backbone)."""
     from .models.registry import PRESETS as MODEL_PRESETS
 
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(MODEL_PRESETS)}, got {preset!r}")
     p = MODEL_PRESETS[preset]
     return {"tail_fraction": p["alpha"], "min_support": p["gamma"], "min_ratio": p["tau"],
             "min_groups": p["min_groups"], "n_bootstrap": p["n_bootstrap"]}

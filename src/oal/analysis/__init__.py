@@ -13,7 +13,7 @@ from .grouping import (
     stable_gap_groups,
     stable_gap_groups_reference,
 )
-from .inputs import analysis_inputs, preset_grouping
+from .inputs import analysis_inputs
 
 __all__ = [
     "GroupingResult",
@@ -26,7 +26,6 @@ __all__ = [
     "head_contributions",
     "load_groups",
     "prefix_contributions",
-    "preset_grouping",
     "stable_gap_groups",
     "stable_gap_groups_reference",
 ]

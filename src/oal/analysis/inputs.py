@@ -47,14 +47,3 @@ def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: i
         long_sequence=dict(split=fid.split, corpus=fid.corpus, start_token=start, n_tokens=n_long),
     )
     return dict(prompts=prompts, heldout=heldout, long_sequence=long_sequence, meta=meta)
-
-
-def preset_grouping(preset: str) -> dict:
-    """stable_gap_groups keyword arguments of a registry preset (paper App. B settings)."""
-    from ..models.registry import PRESETS
-
-    if preset not in PRESETS:
-        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    p = PRESETS[preset]
-    return dict(tail_fraction=p["alpha"], min_support=p["gamma"], min_ratio=p["tau"], min_groups=p["min_groups"],
-                n_bootstrap=p["n_bootstrap"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail, registry_preset
 from .app import app
 
 
@@ -33,9 +34,9 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
 @app.command("analyze")
 def analyze_cmd(
     out: Path = typer.Option(..., "--out", help="Output directory (groups.json, analysis.json, figures/)."),
-    model: str = typer.Option("default", help="'default' (embedded model), a local HF folder or a pinned hub id."),
-    data: str = typer.Option("builtin", help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path."),
-    data_dir: str = typer.Option(None, help="Local WikiText folder (with manifest) for WikiText corpora."),
+    model: ModelOpt = "default",
+    data: DataOpt = "builtin",
+    data_dir: DataDirOpt = None,
     layers: str = typer.Option(None, help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers."),
     preset: str = typer.Option(None, help="Grouping/data preset (default: detected from the model)."),
     tail_fraction: float = typer.Option(None, help="alpha, candidate tail fraction (default: preset)."),
@@ -48,23 +49,19 @@ def analyze_cmd(
     heldout: int = typer.Option(40, help="Held-out prompts (validation split) for the stability check; 0 skips."),
     long_len: int = typer.Option(None, help="Tokens of the sequence for the length-stability table (Table 4)."),
     batch_size: int = typer.Option(8, help="Prompts per forward pass."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
     from ..analysis import analyze
-    from ..analysis.inputs import analysis_inputs, preset_grouping
+    from ..analysis.inputs import analysis_inputs
+    from ..config import grouping_preset
     from ..data import default_plan, load_corpus
-    from ..models.registry import PRESETS, default_layers, load_model, preset_for
+    from ..models.registry import PRESETS, default_layers
 
     console = Console()
-    try:
-        mdl, tok, provenance = load_model(model, device=device)
-    except (ValueError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from None
-    preset = preset or preset_for(mdl)
-    if preset not in PRESETS:
-        raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
+    mdl, tok, provenance = load_model_or_fail(model, device)
+    preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers
     layer_list = parse_layers(layers, n_layers) if layers else default_layers(mdl)
@@ -87,7 +84,7 @@ def analyze_cmd(
     if heldout > 0 and inputs["heldout"] is None:
         console.print("[yellow]validation split too short for held-out prompts; stability check skipped")
     prompts = inputs["prompts"]
-    kw = preset_grouping(preset)
+    kw = grouping_preset(preset)
     for key, val in (("tail_fraction", tail_fraction), ("min_support", min_support), ("min_ratio", min_ratio),
                      ("min_groups", min_groups), ("n_bootstrap", n_bootstrap)):
         if val is not None:

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ._common import BaseModelOpt, DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail
 from .app import app
 
 _CKPT = Path(".oal") / "calibrate"
@@ -43,15 +44,6 @@ def _parse_layers(spec: str | None, n_layers: int, default: list[int]) -> list[i
     from .analyze import parse_layers
 
     return parse_layers(spec, n_layers)
-
-
-def _load_model(model: str, device: str):
-    from ..models.registry import load_model
-
-    try:
-        return load_model(model, device=device)
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from None
 
 
 def _blocks(tokenizer, mdl, data: str, data_dir: str | None, preset: str | None):
@@ -110,9 +102,9 @@ def _save_layer_checkpoint(out: Path, layer: int, key: str, tensors: dict, repor
 @app.command("calibrate")
 def calibrate_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory holding groups.json (from `oal analyze`)."),
-    model: str = typer.Option("default", help="'default' (embedded model), a local HF folder or a pinned hub id."),
-    data: str = typer.Option("builtin", help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path."),
-    data_dir: str = typer.Option(None, help="Local WikiText folder (with manifest) for WikiText corpora."),
+    model: ModelOpt = "default",
+    data: DataOpt = "builtin",
+    data_dir: DataDirOpt = None,
     layers: str = typer.Option(None, help="'3-20' or '1,4,7' (default: every layer in groups.json)."),
     methods: str = typer.Option("oal,global", help="Comma-separated trainable methods to calibrate."),
     preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
@@ -121,7 +113,7 @@ def calibrate_cmd(
     val_every: int = typer.Option(None, help="Validation interval in updates (override)."),
     patience: int = typer.Option(None, help="Early-stopping patience in updates (override)."),
     seed: int = typer.Option(0, help="Seed of the sampled sequences/positions and perturbed initialisations."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B)."""
     import torch
@@ -141,7 +133,7 @@ def calibrate_cmd(
         groups = load_groups(out) if "oal" in wanted else {}
     except ValueError as exc:
         raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
-    mdl, tok, prov = _load_model(model, device)
+    mdl, tok, prov = load_model_or_fail(model, device)
     n_layers = mdl.config.num_hidden_layers
     from ..models.convert import default_layers
 
@@ -226,13 +218,9 @@ def calibrate_cmd(
 
 def _converted(out: Path, model: str | None, method: str, device: str):
     from ..io import load
-    from ..models.registry import load_model
 
     name = _base_model_name(_kernel_dir(out, method), model)
-    try:
-        mdl, tok, prov = load_model(name, device=device)
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    mdl, tok, prov = load_model_or_fail(name, device)
     try:
         return load(_kernel_dir(out, method), mdl), tok, name
     except ValueError as exc:
@@ -242,10 +230,10 @@ def _converted(out: Path, model: str | None, method: str, device: str):
 @app.command("convert")
 def convert_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels (`oal calibrate`)."),
-    model: str = typer.Option(None, help="Base model (default: the one recorded in kernels.json)."),
+    model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to load (oal, global, ...)."),
     export: Path = typer.Option(None, help="Also write a standalone folder: base model + tokenizer + kernels."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Load the kernels onto the base model, check a forward pass, print the converted layers."""
     import shutil
@@ -287,13 +275,13 @@ def convert_cmd(
 @app.command("evaluate")
 def evaluate_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
-    model: str = typer.Option(None, help="Base model (default: the one recorded in kernels.json)."),
+    model: BaseModelOpt = None,
     data: str = typer.Option("builtin", help="Corpus of the held-out fidelity blocks."),
-    data_dir: str = typer.Option(None, help="Local WikiText folder (with manifest) for WikiText corpora."),
+    data_dir: DataDirOpt = None,
     methods: str = typer.Option("oal,global", help="Comma-separated calibrated methods in DIR."),
     preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
     blocks_limit: int = typer.Option(None, "--blocks", help="Use only the first N fidelity blocks."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json["fidelity"]."""
     from ..evaluate.fidelity import fidelity
@@ -301,7 +289,7 @@ def evaluate_cmd(
 
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     name = _base_model_name(_kernel_dir(out, wanted[0]) if wanted else out, model)
-    mdl, tok, _ = _load_model(name, device)
+    mdl, tok, _ = load_model_or_fail(name, device)
     sets = {}
     for m in wanted:
         try:
@@ -332,10 +320,10 @@ def evaluate_cmd(
 def generate_cmd(
     prompt: str = typer.Argument(..., help="Prompt text."),
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
-    model: str = typer.Option(None, help="Base model (default: the one recorded in kernels.json)."),
+    model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Greedy generation with the converted model (recurrent O(1) state in converted layers)."""
     import torch

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail, registry_preset
 from .app import app
 
 
@@ -14,9 +15,9 @@ from .app import app
 def diagnose_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory (reads groups.json if present; writes "
                              "diagnostics/, figures/group_budget.png, metrics.json['fidelity'])."),
-    model: str = typer.Option("default", help="'default' (embedded model), a local HF folder or a pinned hub id."),
-    data: str = typer.Option("builtin", help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path."),
-    data_dir: str = typer.Option(None, help="Local WikiText folder (with manifest) for WikiText corpora."),
+    model: ModelOpt = "default",
+    data: DataOpt = "builtin",
+    data_dir: DataDirOpt = None,
     layers: str = typer.Option(None, help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers."),
     preset: str = typer.Option(None, help="Data/grouping preset (default: detected from the model)."),
     parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2."),
@@ -27,7 +28,7 @@ def diagnose_cmd(
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
     max_budget: int = typer.Option(16, help="Largest group budget G for Fig. 2(b)."),
     seed: int = typer.Option(0, help="Seed of query positions, controls, Gaussian draws and calibration."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Write the paper's diagnostics for a model into a run directory (resumable per part)."""
     from ..calibrate import CalibConfig
@@ -35,7 +36,7 @@ def diagnose_cmd(
     from ..diagnostics.fidelity_table import TABLE2_METHODS
     from ..diagnostics.retained_error import RetainedErrorConfig
     from ..diagnostics.runner import PARTS, diagnose
-    from ..models.registry import PRESETS, default_layers, load_model, preset_for
+    from ..models.registry import PRESETS, default_layers
     from .analyze import parse_layers
 
     console = Console()
@@ -54,13 +55,8 @@ def diagnose_cmd(
         raise typer.BadParameter(f"expected >= 0, got {controls}", param_hint="--controls")
     if max_budget < 1:
         raise typer.BadParameter(f"expected >= 1, got {max_budget}", param_hint="--max-budget")
-    try:
-        mdl, tok, _prov = load_model(model, device=device)
-    except (ValueError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from None
-    preset = preset or preset_for(mdl)
-    if preset not in PRESETS:
-        raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
+    mdl, tok, _prov = load_model_or_fail(model, device)
+    preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers else default_layers(mdl)
     budget_head = None

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ._common import DeviceOpt
 from .app import app
 
 
@@ -51,7 +52,7 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: DeviceOpt = "cpu",
     threads: int = typer.Option(1, help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                 "predictable choice on a small or shared CPU (oversubscribed threads stall)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
