@@ -11,6 +11,7 @@ ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local
 BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one recorded in kernels.json).")]
 DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
+LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
 
 

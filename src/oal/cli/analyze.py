@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail, registry_preset
+from ._common import DataDirOpt, DataOpt, DeviceOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
 from .app import app
 
 
@@ -37,7 +37,7 @@ def analyze_cmd(
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
     data_dir: DataDirOpt = None,
-    layers: str = typer.Option(None, help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers."),
+    layers: LayersOpt = None,
     preset: str = typer.Option(None, help="Grouping/data preset (default: detected from the model)."),
     tail_fraction: float = typer.Option(None, help="alpha, candidate tail fraction (default: preset)."),
     min_support: float = typer.Option(None, help="gamma, minimum bootstrap support (default: preset)."),

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail, registry_preset
+from ._common import DataDirOpt, DataOpt, DeviceOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
 from .app import app
 
 
@@ -18,7 +18,7 @@ def diagnose_cmd(
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
     data_dir: DataDirOpt = None,
-    layers: str = typer.Option(None, help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers."),
+    layers: LayersOpt = None,
     preset: str = typer.Option(None, help="Data/grouping preset (default: detected from the model)."),
     parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2."),
     methods: str = typer.Option("all", help="Table 2 methods: 'all' or a comma list."),
