@@ -10,14 +10,12 @@ exactly the same model.
 
 Stages call the public functions of the other modules: `oal.models.registry.load_model`, `oal.data`,
 `oal.analysis.analyze`, `oal.calibrate`, `oal.models.convert`, `oal.io.save_kernels/load_kernels`,
-`oal.evaluate.fidelity`, `oal.adapt`, `oal.evaluate.perplexity`, `oal.report`. When one of them is not available,
-the stages that need it are skipped and listed under `metrics.json["missing"]`; nothing is faked.
+`oal.evaluate.fidelity`, `oal.adapt`, `oal.evaluate.perplexity`, `oal.report`.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import shutil
 import statistics
@@ -28,35 +26,35 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .adapt import adapt, load_adapter, save_adapter
+from .analysis import analysis_inputs, analyze, load_groups
+from .calibrate import CalibConfig, LayerData, calibrate_layer, calibrate_oal_layer, global_inits
 from .config import RunConfig
+from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .evaluate.fidelity import fidelity
+from .evaluate.perplexity import block_nll
+from .io import load_kernels, save_kernels
+from .methods import build_method
+from .models.capture import capture_layer
+from .models.convert import convert
+from .models.registry import default_layers, load_model
+from .report import write_report
 from .runio import (
     StageLog,
     Timer,
     atomic_write_json,
     config_hash,
     load_json,
-    sha256_files,
     tensor_hash,
     versions,
 )
 
-__all__ = ["MissingDependency", "Run", "aggregate_seeds", "run", "run_seed", "STAGES"]
+__all__ = ["Run", "aggregate_seeds", "run", "run_seed", "STAGES"]
 
 STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
 NEEDS_GROUPS = ("oal",)
-
-
-class MissingDependency(RuntimeError):
-    """A stage needs a public function that is not (yet) available in this installation."""
-
-
-def _require(module: str, attr: str, issue: str):
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise MissingDependency(f"{module}.{attr} ({issue}) is not available: {exc}") from exc
 
 
 class _Stop(Exception):
@@ -76,7 +74,6 @@ class Run:
         self.stop_after = stop_after
         self.log = StageLog(self.dir)
         self.keys: dict[str, str] = {}
-        self.missing: list[dict] = []
         self.ran: list[str] = []
         self.skipped: list[str] = []
         self._base = None
@@ -84,34 +81,19 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        dtype = getattr(torch, self.cfg.dtype)
-        try:
-            load_model = _require("oal.models.registry", "load_model", "issue 3")
-        except MissingDependency:
-            path = Path(self.cfg.model)
-            if self.cfg.model == "default" or not path.is_dir():
-                raise
-            # a local HF checkpoint still loads without the registry; provenance = hashes of its files
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.cfg.device)
-            tok = AutoTokenizer.from_pretrained(path)
-            return model, tok, {"name_or_path": str(path), "sha256": sha256_files(path), "loader": "transformers"}
-        return load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
+        return load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
 
     def setup(self) -> None:
         """Model, tokenizer, corpus, split plan and token blocks; writes config.json (cheap, always runs)."""
         with Timer() as t:
-            data = _require("oal.data", "load_corpus", "issue 3")
-            plan_mod = importlib.import_module("oal.data")
             self.model, self.tokenizer, self.provenance = self._load_model()
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.corpus = data(self.cfg.data, data_dir=self.cfg.data_dir)
-            self.plan = (plan_mod.SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                         else plan_mod.default_plan(self.cfg.preset))
-            self.blocks = plan_mod.plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+            self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
+            self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
+                         else default_plan(self.cfg.preset))
+            self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
             if any(i >= n_layers for i in self.layers):
@@ -132,10 +114,7 @@ class Run:
         self.log.mark("setup", self.keys["setup"], t.seconds)
 
     def _default_layers(self) -> list[int]:
-        try:
-            return list(_require("oal.models.registry", "default_layers", "issue 3")(self.model))
-        except MissingDependency:
-            return list(_require("oal.models.convert", "default_layers", "issue 5")(self.model))
+        return list(default_layers(self.model))
 
     def base_model(self):
         """A fresh copy of the pristine base model (stages modify models in place)."""
@@ -163,13 +142,8 @@ class Run:
             self.console.print(f"[dim]skip {name}: already done for this configuration[/dim]")
             return True
         self.console.rule(f"[bold]{name}")
-        try:
-            with Timer() as t:
-                fn()
-        except MissingDependency as exc:
-            self.missing.append({"stage": name, "reason": str(exc)})
-            self.console.print(f"[yellow]{name}: skipped, {exc}[/yellow]")
-            return False
+        with Timer() as t:
+            fn()
         self.log.mark(name, key, t.seconds)
         self.ran.append(name)
         if self.stop_after == name:
@@ -182,8 +156,6 @@ class Run:
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
 
         def fn():
-            from .analysis import analysis_inputs, analyze
-
             # held-out prompts and one long sequence give the App. A.3 stability checks (Fig. 6, Table 4)
             extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
@@ -193,8 +165,7 @@ class Run:
         return self.stage("analyze", deps, ["groups.json"], fn)
 
     def _calib_config(self):
-        calib = _require("oal.calibrate", "CalibConfig", "issue 5")
-        return calib(**{**self.cfg.calib, "seed": self.cfg.seed})
+        return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
 
     def kernel_dir(self, method: str) -> Path:
         """OAL's kernels live at the top of DIR (design.md; `oal.load(DIR, model)` reads them), others below."""
@@ -211,20 +182,13 @@ class Run:
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods))
 
     def _capture(self, role: str, layer: int):
-        capture_layer = _require("oal.models.capture", "capture_layer", "issue 4")
-        layer_data = _require("oal.calibrate", "LayerData", "issue 5")
         blocks = self.blocks[role]
-        return layer_data.from_captured([capture_layer(self.model, blocks[i : i + 1], layer)
+        return LayerData.from_captured([capture_layer(self.model, blocks[i : i + 1], layer)
                                          for i in range(blocks.shape[0])])
 
     def _calibrate(self, methods: list[str]) -> None:
-        build_method = _require("oal.methods", "build_method", "issue 2")
-        calibrate_layer = _require("oal.calibrate", "calibrate_layer", "issue 5")
-        calibrate_oal_layer = _require("oal.calibrate", "calibrate_oal_layer", "issue 5")
-        global_inits = _require("oal.calibrate", "global_inits", "issue 5")
-        save_kernels = _require("oal.io", "save_kernels", "issue 5")
         cfg = self._calib_config()
-        groups = _require("oal.analysis", "load_groups", "issue 4")(self.dir) if "oal" in methods else {}
+        groups = load_groups(self.dir) if "oal" in methods else {}
         hq, hkv, d = self.head_shape
         layer_methods: dict[str, dict[int, object]] = {m: {} for m in methods}
         report: dict[str, dict] = {m: {} for m in methods}
@@ -258,7 +222,6 @@ class Run:
         atomic_write_json(self.dir / "calibration.json", {"config": cfg.to_dict(), "methods": report})
 
     def load_methods(self, method: str) -> dict:
-        load_kernels = _require("oal.io", "load_kernels", "issue 5")
         methods, _ = load_kernels(self.kernel_dir(method))
         return methods
 
@@ -269,7 +232,6 @@ class Run:
         deps = {"calibrate": self.keys.get("calibrate"), "methods": methods}
 
         def fn():
-            fidelity = _require("oal.evaluate.fidelity", "fidelity", "issue 5")
             sets = {m: self.load_methods(m) for m in methods}
             res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
@@ -280,7 +242,6 @@ class Run:
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
         model = self.base_model()
         if method != REFERENCE:
-            convert = _require("oal.models.convert", "convert", "issue 5")
             convert(model, self.layers, self.load_methods(method))
         return model
 
@@ -291,8 +252,6 @@ class Run:
         ckpt = self.dir / ".oal" / "checkpoints" / method
 
         def fn():
-            from .adapt import adapt, save_adapter
-
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
             model = self.model_for(method)
@@ -312,9 +271,6 @@ class Run:
         path = self.dir / ".oal" / f"{name.replace(':', '_')}.json"
 
         def fn():
-            from .adapt import load_adapter
-            from .evaluate.perplexity import block_nll
-
             model = self.model_for(method)
             if adapted:
                 model = load_adapter(model, self.dir / "adapter" / method)
@@ -345,7 +301,6 @@ class Run:
                 out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
                                                         "n_kernel_params", "kernel_change")}
         out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
-        out["missing"] = self.missing
         return out
 
 
@@ -366,14 +321,10 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after)
     try:
         r.setup()
-        ok = {"analyze": r.analyze()}
-        ok["calibrate"] = ok["analyze"] and r.calibrate()
-        if ok["calibrate"]:
-            r.fidelity()
+        r.analyze()
+        r.calibrate()
+        r.fidelity()
         for m in cfg.methods:
-            if m != REFERENCE and not ok["calibrate"]:
-                r.missing.append({"stage": f"adapt:{m}", "reason": "calibrated kernels are missing"})
-                continue
             r.perplexity(m, adapted=False)
             if r.adapt(m):
                 r.perplexity(m, adapted=True)
@@ -382,15 +333,9 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     metrics = r.metrics()
     atomic_write_json(r.dir / "metrics.json", metrics)
     with Timer() as t:
-        try:
-            from .report import write_report
-
-            write_report(r.dir, console=r.console)
-        except MissingDependency as exc:
-            r.missing.append({"stage": "report", "reason": str(exc)})
+        write_report(r.dir, console=r.console)
     r.log.mark("report", config_hash(metrics), t.seconds)
     metrics["elapsed_s"]["report"] = round(t.seconds, 3)
-    metrics["missing"] = r.missing
     atomic_write_json(r.dir / "metrics.json", metrics)
     return metrics
 
@@ -431,7 +376,6 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
     for s in seeds:
         for stage, sec in per_seed[s]["elapsed_s"].items():
             out["elapsed_s"][stage] = out["elapsed_s"].get(stage, 0.0) + sec
-    out["missing"] = [dict(m, seed=s) for s in seeds for m in per_seed[s].get("missing", [])]
     return out
 
 
@@ -451,8 +395,6 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
         metrics = aggregate_seeds(per_seed)
         atomic_write_json(out_dir / "config.json", load_json(out_dir / f"seed-{seeds[0]}" / "config.json"))
         atomic_write_json(out_dir / "metrics.json", metrics)
-        from .report import write_report
-
         write_report(out_dir, console=console)
     console.print(summary_table(metrics))
     return metrics

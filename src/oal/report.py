@@ -429,10 +429,6 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     head = f"Seeds: {seeds}" if seeds else f"Seed: {metrics.get('seed')}"
     lines += [f"{head}; methods: {', '.join(metrics.get('methods', []))}; "
               f"converted layers: {metrics.get('converted_layers')}.", ""]
-    missing = metrics.get("missing") or []
-    if missing:
-        lines += ["**Incomplete run.** These stages did not run:", ""]
-        lines += [f"- `{m['stage']}`: {m['reason']}" for m in missing] + [""]
     lines += _provenance(config)
     analysis = _analysis(analysis_dir, analysis_figs)
     if prefix:

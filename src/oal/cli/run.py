@@ -59,7 +59,6 @@ def run(
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
     from ..config import RunConfig, parse_methods, parse_seeds
-    from ..pipeline import MissingDependency
     from ..pipeline import run as run_pipeline
 
     _set_threads(threads)
@@ -71,10 +70,7 @@ def run(
                                     layers=_layers(layers), seed=seed_list[0], device=device, adapt=adapt)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    try:
-        run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
-    except MissingDependency as exc:
-        raise typer.BadParameter(f"cannot start: {exc}") from exc
+    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
 
 
 @app.command("adapt")
@@ -89,7 +85,7 @@ def adapt_cmd(
     """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; resumable."""
     _set_threads(threads)
     from ..config import RunConfig
-    from ..pipeline import REFERENCE, MissingDependency, Run
+    from ..pipeline import REFERENCE, Run
     from ..runio import load_json
 
     cfg_path = out / "config.json"
@@ -119,7 +115,7 @@ def adapt_cmd(
                                      f"`oal run --out {out} --methods ...,{method}` first", param_hint="--method")
         if r.adapt(method):
             r.perplexity(method, adapted=True)
-    except (MissingDependency, ValueError) as exc:
+    except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     ppl = r.metrics()["perplexity"].get(method)
     console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")
