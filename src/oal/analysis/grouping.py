@@ -18,6 +18,7 @@ same replicate draws, so a batched call equals a per-head loop. `stable_gap_grou
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -211,21 +212,25 @@ def stable_gap_groups(
     )
 
 
-def stable_gap_groups_reference(
-    chi_per_prompt: torch.Tensor,
-    tail_fraction: float = 0.25,
-    min_support: float = 0.9,
-    min_ratio: float = 1.5,
-    min_groups: int = 2,
-    n_bootstrap: int = 1000,
-    seed: int = 0,
-    *,
-    eps: float = 1e-12,
-) -> dict:
+def grouping_params(**kwargs) -> dict:
+    """The keyword arguments of `stable_gap_groups`, its defaults filled in: the one place the defaults live."""
+    try:
+        bound = inspect.signature(stable_gap_groups).bind_partial(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"grouping: {exc}; expected the keyword arguments of stable_gap_groups") from exc
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def stable_gap_groups_reference(chi_per_prompt: torch.Tensor, **kwargs) -> dict:
     """Literal per-replicate, per-candidate loop of Appendix B for one head [P, d] (the oracle in tests).
 
-    Returns dict(groups [d], cuts list, ratios list, support list, natural list).
+    Takes the keyword arguments of `stable_gap_groups`. Returns dict(groups [d], cuts list, ratios list, support
+    list, natural list).
     """
+    a = grouping_params(**kwargs)
+    tail_fraction, min_support, min_ratio = a["tail_fraction"], a["min_support"], a["min_ratio"]
+    min_groups, n_bootstrap, seed, eps = a["min_groups"], a["n_bootstrap"], a["seed"], a["eps"]
     _check(chi_per_prompt, tail_fraction, min_support, min_ratio, min_groups, n_bootstrap, eps)
     if chi_per_prompt.dim() != 2:
         raise ValueError("chi_per_prompt: the reference takes one head [P, d]")

@@ -29,7 +29,7 @@ from ..models.capture import Captured, attention_module, capture
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
 from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from .grouping import stable_gap_groups
+from .grouping import grouping_params, stable_gap_groups
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -136,25 +136,22 @@ def analyze(
     heldout=None,
     long_sequence: torch.Tensor | None = None,
     lengths: Sequence[int] | None = None,
-    tail_fraction: float = 0.25,
-    min_support: float = 0.9,
-    min_ratio: float = 1.5,
-    min_groups: int = 2,
-    n_bootstrap: int = 1000,
-    seed: int = 0,
     representative: tuple[int, int] | None = None,
     batch_size: int = 8,
     figures: bool = True,
     console: Console | None = None,
     meta: dict | None = None,
+    **grouping,
 ) -> dict:
     """Group every query head of `layers` from `prompts` (token blocks [P, L] or strings) and write the outputs.
 
     heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
     long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
-    grouping parameters as `stable_gap_groups`; representative: (layer, head) for the single-head figures.
+    **grouping: keyword arguments of `stable_gap_groups`; representative: (layer, head) for the single-head figures.
     Returns the analysis summary (also written to analysis.json).
     """
+    params = grouping_params(**grouping)  # checked before the expensive capture
+    seed = params["seed"]
     console = console or Console()
     out = Path(out_dir)
     (out / "figures").mkdir(parents=True, exist_ok=True)
@@ -198,8 +195,6 @@ def analyze(
 
     chi_pp = torch.stack([calib.chi[i].transpose(0, 1) for i in layers])  # [L, Hq, P, d]
     n_layers, n_heads, _, d = chi_pp.shape
-    params = dict(tail_fraction=tail_fraction, min_support=min_support, min_ratio=min_ratio,
-                  min_groups=min_groups, n_bootstrap=n_bootstrap, seed=seed)
     t1 = time.perf_counter()
     res = stable_gap_groups(chi_pp, **params)  # all heads of all layers in one vectorised call
     t_group = time.perf_counter() - t1
