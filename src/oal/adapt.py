@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from .runio import (
     atomic_write_json,
     config_hash,
     existing_dir,
+    from_known_keys,
     load_json,
     load_safetensors,
     tensor_hash,
@@ -77,11 +78,7 @@ class AdaptConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> AdaptConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"adapt config: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
-        return cls(**d)
+        return from_known_keys(cls, d, "adapt config")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -7,9 +7,10 @@ this dataclass: it comes from `oal.data.default_plan(preset)` and is recorded in
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from .adapt import AdaptConfig
+from .runio import from_known_keys
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
            "parse_seeds"]
@@ -142,8 +143,4 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> RunConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"config: unknown keys {sorted(unknown)}")
-        return cls(**d)
+        return from_known_keys(cls, d, "config")

@@ -8,6 +8,7 @@ killed process leaves either the old file or the new one, never half of one. A s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,15 @@ __all__ = [
     "tensor_hash",
     "versions",
 ]
+
+
+def from_known_keys(cls, d: dict, label: str):
+    """Build dataclass `cls` from dict `d`, refusing keys it does not have (a typo must not pass silently)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{label}: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
+    return cls(**d)
 
 
 def _tmp_path(path: Path) -> Path:
