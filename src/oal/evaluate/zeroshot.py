@@ -5,8 +5,9 @@ candidate's tokens are scored. The score is normalised by the candidate's token 
 the option text's character count without the added space (ARC-E). No chat template, no BOS/EOS.
 
 Examples come from `datasets` (hub ids below, when reachable) or from a local JSON-lines file with the hub's
-field names. A converted model is a plain HF model, so lm-eval's `HFLM(pretrained=model, tokenizer=tok)`
-accepts it as well; this module is the self-contained, offline path.
+field names. A converted model is a plain HF model that can also be handed to lm-eval's
+`HFLM(pretrained=model, tokenizer=tok)` (not exercised by our tests); this module is the self-contained, offline
+path.
 """
 
 from __future__ import annotations
