@@ -13,11 +13,32 @@ only the block inputs and the running state are kept, and the d(d+1)/2-wide feat
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .kernel import key_features, query_features
+from .kernel import feature_dim, key_features, query_features
+
+# Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
+NAN_SCRATCH = False
+
+
+def _scratch(ws: dict | None, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor | None:
+    """A reusable buffer of `shape` (inference only: ws is None under autograd).
+
+    Reusing the blocks' large temporaries avoids fresh allocations, whose first-touch page faults cost about as
+    much as filling them.
+    """
+    if ws is None:
+        return None
+    n = math.prod(shape)
+    buf = ws.get(name)
+    if buf is None or buf.numel() < n:
+        fill = float("nan") if NAN_SCRATCH else 0.0
+        buf = ws[name] = torch.full((n,), fill, dtype=like.dtype, device=like.device)
+    return buf[:n].view(shape)
 
 
 def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -25,7 +46,8 @@ def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _block_step(
-    state, q, k, u, a, b, c, lower, groups, eps: float, scale: float, chunk: int, fresh: bool, need_state: bool
+    state, q, k, u, a, b, c, lower, groups, eps: float, scale: float, chunk: int, fresh: bool, need_state: bool,
+    ws: dict | None = None,
 ):
     """Causal OAL over one block of tokens. Returns (numerator [B, Hq, n, dv+1], state after the block).
 
@@ -44,20 +66,28 @@ def _block_step(
     num, final = 0.0, None
     if not fresh or need_state:
         # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5)
-        d_state = key_features(kb).transpose(-1, -2) @ ub  # [B, nc, Hkv, F, dv+1]
+        psi = key_features(kb, out=_scratch(ws, "psi", (bsz, n_c, n_kv, chunk, feature_dim(d)), q))
+        d_state = psi.transpose(-1, -2) @ ub  # [B, nc, Hkv, F, dv+1]
         incl = torch.cumsum(d_state, dim=1) + state.unsqueeze(1)
         prev = torch.cat([state.unsqueeze(1), incl[:, :-1]], dim=1)
         final = incl[:, -1]
     if not fresh:  # inter-chunk readout (Eq. 6)
-        phi = query_features(qb, a, b, c, scale)  # [B, nc, Hq, C, F]
+        phi = query_features(qb, a, b, c, scale, out=_scratch(ws, "phi", (bsz, n_c, n_q, chunk, feature_dim(d)), q))
         num = phi.view(bsz, n_c, n_kv, rep * chunk, -1) @ prev  # [B, nc, Hkv, rep*C, dv+1]
     # intra-chunk dense kernel (Eq. 7), GQA by grouping query heads per KV head
     w = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     w = w.transpose(1, 2) * scale  # [Hq, G+1, d]
-    qw = qb.unsqueeze(3) * w.unsqueeze(-2)  # [B, nc, Hq, G+1, C, d]
-    z = qw.reshape(bsz, n_c, n_kv, -1, d) @ kb.transpose(-1, -2)  # [B, nc, Hkv, rep*(G+1)*C, C]
-    z = z.view(bsz, n_c, n_q, -1, chunk, chunk) + lower[:, 0, :, None, None]
-    kappa = torch.tril(eps + z.square().sum(dim=3))  # [B, nc, Hq, C, C]
+    n_m = w.shape[1]
+    if ws is None:  # autograd: out-of-place
+        qw = qb.unsqueeze(3) * w.unsqueeze(-2)  # [B, nc, Hq, G+1, C, d]
+        z = qw.reshape(bsz, n_c, n_kv, -1, d) @ kb.transpose(-1, -2)  # [B, nc, Hkv, rep*(G+1)*C, C]
+        sq = (z.view(bsz, n_c, n_q, n_m, chunk, chunk) + lower[:, 0, :, None, None]).square()
+    else:  # inference: the same in reused buffers
+        qw = torch.mul(qb.unsqueeze(3), w.unsqueeze(-2), out=_scratch(ws, "qw", (bsz, n_c, n_q, n_m, chunk, d), q))
+        z = torch.matmul(qw.view(bsz, n_c, n_kv, -1, d), kb.transpose(-1, -2),
+                         out=_scratch(ws, "z", (bsz, n_c, n_kv, rep * n_m * chunk, chunk), q))
+        sq = z.view(bsz, n_c, n_q, n_m, chunk, chunk).add_(lower[:, 0, :, None, None]).square_()
+    kappa = torch.tril(eps + sq.sum(dim=3))  # [B, nc, Hq, C, C]
     num = num + kappa.view(bsz, n_c, n_kv, rep * chunk, chunk) @ ub
     num = num.view(bsz, n_c, n_q, chunk, dv1).transpose(1, 2).reshape(bsz, n_q, n_c * chunk, dv1)
     return num[:, :, :n], final
@@ -93,6 +123,7 @@ def chunked_attention(
     fresh = state_is_zero and n <= DENSE_MAX
     if fresh:
         chunk_size = block = n
+    ws = None if use_ckpt else {}  # scratch buffers shared by the blocks (inference only)
     outs = []
     for start in range(0, n, block):
         sl = slice(start, start + block)
@@ -101,7 +132,7 @@ def chunked_attention(
         if use_ckpt:
             num, state = checkpoint(_block_step, *args, use_reentrant=False)
         else:
-            num, state = _block_step(*args)
+            num, state = _block_step(*args, ws=ws)
         outs.append(num)
     num = torch.cat(outs, dim=2)
     return num[..., :-1] / num[..., -1:], state

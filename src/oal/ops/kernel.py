@@ -89,8 +89,11 @@ def pair_products(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
-def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float):
-    """phi(q) [..., H, N, F] for q [..., H, N, d] with per-head coefficients (Eq. 6, packed symmetric)."""
+def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, out=None):
+    """phi(q) [..., H, N, F] for q [..., H, N, d] with per-head coefficients (Eq. 6, packed symmetric).
+
+    `out`: a buffer to fill (inference only; under autograd a new tensor is built).
+    """
     d = q.shape[-1]
     r, t, mult = packed_pairs(d, q.device)
     c_packed = (c[:, r, t] * mult.to(c.dtype)) * (scale * scale)  # [H, P]
@@ -99,7 +102,8 @@ def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.T
         quad = pair_products(q) * c_packed[:, None, :]
         return torch.cat([const.to(q.dtype), q * (b * scale)[:, None, :], quad], dim=-1)
     # inference: fill one buffer in place, without the temporaries of cat
-    out = torch.empty(*q.shape[:-1], feature_dim(d), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(*q.shape[:-1], feature_dim(d), dtype=q.dtype, device=q.device)
     out[..., 0] = a.view(-1, 1).to(q.dtype)
     torch.mul(q, (b * scale)[:, None, :], out=out[..., 1 : 1 + d])
     quad = pair_products(q, out[..., 1 + d :])
@@ -107,13 +111,14 @@ def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.T
     return out
 
 
-def key_features(k: torch.Tensor) -> torch.Tensor:
+def key_features(k: torch.Tensor, out=None) -> torch.Tensor:
     """psi(k) [..., N, F] = [1, k, k_r k_t (r <= t)]: the keys' side of the state update (Eq. 5)."""
     d = k.shape[-1]
     if torch.is_grad_enabled() and k.requires_grad:
         ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
         return torch.cat([ones, k, pair_products(k)], dim=-1)
-    out = torch.empty(*k.shape[:-1], feature_dim(d), dtype=k.dtype, device=k.device)
+    if out is None:
+        out = torch.empty(*k.shape[:-1], feature_dim(d), dtype=k.dtype, device=k.device)
     out[..., 0] = 1.0
     out[..., 1 : 1 + d] = k
     pair_products(k, out[..., 1 + d :])
