@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .methods.base import AttentionMethod, build_method
-from .runio import sha256_file
+from .runio import atomic_save_safetensors, atomic_write_json, sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "load", "load_kernels", "model_fingerprint", "save_kernels"]
 
@@ -27,22 +26,6 @@ KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
 FORMAT = "oal-kernels/1"
 _INIT_ATTRS = ("eps", "n_groups")  # JSON-able constructor settings read off a method when present
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_json(path: Path, obj) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
 
 
 def model_fingerprint(model: nn.Module) -> dict:
@@ -93,7 +76,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
         fingerprint = fingerprint or model_fingerprint(model)
         base_model = base_model or getattr(model.config, "_name_or_path", None)
     tensor_path = directory / KERNELS_FILE
-    _atomic_write(tensor_path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT})
     meta = {
         "format": FORMAT,
         "layers": layers,
@@ -103,7 +86,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
         **({"extra": dict(extra)} if extra else {}),
     }
     meta_path = directory / META_FILE
-    _write_json(meta_path, meta)
+    atomic_write_json(meta_path, meta)
     return meta_path
 
 

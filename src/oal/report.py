@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .runio import atomic_write_text, load_json  # noqa: E402
+from .runio import atomic_save_figure, atomic_write_text, load_json  # noqa: E402
 
 __all__ = ["PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "DISPLAY", "write_report", "figure_references"]
 
@@ -114,8 +114,7 @@ def calibration_figure(calibration: dict, path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    atomic_save_figure(fig, path, dpi=120)
     return True
 
 
@@ -139,8 +138,7 @@ def adaptation_figure(run_dir: Path, methods: list[str], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    atomic_save_figure(fig, path, dpi=120)
     return True
 
 
@@ -164,8 +162,7 @@ def perplexity_figure(metrics: dict, path: Path) -> bool:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    atomic_save_figure(fig, path, dpi=120)
     return True
 
 

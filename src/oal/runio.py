@@ -61,16 +61,31 @@ def _replace(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write(path: str | Path, write) -> Path:
+    """Call `write(tmp)` on a temporary file beside `path`, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         _replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure as PNG atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", **savefig_kwargs))
+    finally:
+        plt.close(fig)
 
 
 def _jsonable(obj):
@@ -96,16 +111,9 @@ def load_json(path: str | Path):
 
 def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
     """safetensors needs contiguous, non-shared tensors: clone them (they are small: adapters, factors)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    try:
-        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
-                  metadata={k: str(v) for k, v in (metadata or {}).items()})
-        _replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

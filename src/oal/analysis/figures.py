@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from ..runio import atomic_save_figure  # noqa: E402
 
 _COLORS = ["#b0b0b0", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -18,11 +19,7 @@ def _color(g: int) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return atomic_save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def _sorted_bars(ax, head: dict) -> None:

@@ -12,7 +12,6 @@ Writes into `out_dir`:
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..models.capture import Captured, attention_module, capture
+from ..runio import atomic_write_json
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
 from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
@@ -34,12 +34,6 @@ from .grouping import grouping_params, stable_gap_groups
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
 TOP_K = 5
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # atomic: readers never see a half-written file
 
 
 def _batches(prompts, tokenizer, batch_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -232,7 +226,7 @@ def analyze(
                 n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__,
                               python=platform.python_version()))
-    _write_json(out / GROUPS_FILE, dict(format="oal.groups/1", **info, heads=heads_json))
+    atomic_write_json(out / GROUPS_FILE, dict(format="oal.groups/1", **info, heads=heads_json))
 
     li_rep = layers.index(rep[0])
     summary = dict(
@@ -270,7 +264,7 @@ def analyze(
             per_head={str(i): dict(dims=prefix[i][0].tolist(), percent=(100 * prefix[i][1]).transpose(0, 1).tolist())
                       for i in layers},
         )
-    _write_json(out / ANALYSIS_FILE, summary)
+    atomic_write_json(out / ANALYSIS_FILE, summary)
 
     if figures:
         _figures(out / "figures", layers, heads_json, calib, summary, stab, rep, li_rep)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,19 +17,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..runio import atomic_save_safetensors, atomic_write_json
 from ._common import BaseModelOpt, DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail
 from .app import app
 
 _CKPT = Path(".oal") / "calibrate"
-
-
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _kernel_dir(out: Path, method: str) -> Path:
@@ -88,15 +78,8 @@ def _layer_checkpoint(out: Path, layer: int, key: str):
 
 
 def _save_layer_checkpoint(out: Path, layer: int, key: str, tensors: dict, report: dict) -> None:
-    from safetensors.torch import save_file
-
-    path = out / _CKPT / f"layer-{layer}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".layer.", dir=path.parent)
-    os.close(fd)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-    os.replace(tmp, path)
-    _write_json(path.with_suffix(".json"), {"key": key, "report": report})
+    path = atomic_save_safetensors(out / _CKPT / f"layer-{layer}.safetensors", tensors)
+    atomic_write_json(path.with_suffix(".json"), {"key": key, "report": report})
 
 
 @app.command("calibrate")
@@ -198,7 +181,7 @@ def calibrate_cmd(
     for m in wanted:
         save_kernels(per_method[m], _kernel_dir(out, m), base_model=model, revision=prov.get("revision"),
                      model_hashes=prov.get("sha256"), extra={"method": m, "seed": seed, "preset": preset})
-    _write_json(out / "calibration.json", {"config": cfg.to_dict(), "model": model, "layers": layer_list,
+    atomic_write_json(out / "calibration.json", {"config": cfg.to_dict(), "model": model, "layers": layer_list,
                                            "methods": report})
     table = Table(title="calibration: validation MSE (mean over heads)")
     for col in ("layer", *wanted):
@@ -304,7 +287,7 @@ def evaluate_cmd(
     metrics.setdefault("fidelity", {}).update(res)  # merge: other stages add their own keys
     metrics.setdefault("model", name)
     metrics.setdefault("converted_layers", sorted(next(iter(sets.values()))) if sets else [])
-    _write_json(metrics_path, metrics)
+    atomic_write_json(metrics_path, metrics)
     table = Table(title=f"frozen-attention fidelity, {held_out.shape[0]} held-out blocks x {held_out.shape[1]}")
     for col in ("method", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
         table.add_column(col, justify="right")

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..runio import sha256_file
+from ..runio import atomic_write_json, sha256_file
 from .corpus import SPLITS, Corpus
 
 DATASET_ID = "Salesforce/wikitext"
@@ -54,11 +54,7 @@ def write_manifest(data_dir: str | Path, configs: tuple[str, ...] | list[str] | 
             for p in paths:
                 files[p.relative_to(data_dir).as_posix()] = sha256_file(p)
     manifest = {"dataset_id": dataset_id, "revision": revision, "configs": configs, "files": files}
-    out = data_dir / MANIFEST_NAME
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    return out
+    return atomic_write_json(data_dir / MANIFEST_NAME, manifest)
 
 
 def verify_manifest(data_dir: str | Path, config: str, *, dataset_id: str = DATASET_ID,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .tables import save_figure
+from ..runio import atomic_save_figure
 
 __all__ = ["budget_curve", "coefficients_per_head", "plot_budget"]
 
@@ -83,4 +83,4 @@ def plot_budget(result: dict, path: str | Path) -> Path:
     ax.set_title(f"Group budget, layer {result['layer']} head {result['head']}")
     ax.set_xticks(gs)
     fig.tight_layout()
-    return save_figure(fig, path)
+    return atomic_save_figure(fig, path)

@@ -1,12 +1,13 @@
-"""Markdown tables in the paper's layout (Table 1, Table 2) and atomic figure saving."""
+"""Markdown tables in the paper's layout (Table 1, Table 2) and the Table 1 figure."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["METHOD_LABELS", "plot_table1", "save_figure", "table1_markdown", "table2_markdown"]
+from ..runio import atomic_save_figure
+
+__all__ = ["METHOD_LABELS", "plot_table1", "table1_markdown", "table2_markdown"]
 
 METHOD_LABELS = {"performer": "Performer", "spectraformer": "SpectraFormer", "dijiang": "DiJiang",
                  "taylorshift": "TaylorShift", "global": "Learned Global (G = 1)", "oal": "OAL",
@@ -50,22 +51,6 @@ def table2_markdown(fidelity: Mapping[str, dict], title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_figure(fig, path: str | Path) -> Path:
-    """Write a matplotlib figure as PNG to a temporary name, then rename it into place."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def plot_table1(table1: Mapping[str, dict], gaussian: Mapping[str, dict], path: str | Path) -> Path:
     """Per method: the matched-control distribution of R (box), the observed R_S (red) and the Gaussian control
     (grey), in percent."""
@@ -89,4 +74,4 @@ def plot_table1(table1: Mapping[str, dict], gaussian: Mapping[str, dict], path: 
     ax.set_title("Table 1: error retained by approximating S only (box: matched bulk subsets)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return save_figure(fig, path)
+    return atomic_save_figure(fig, path)
