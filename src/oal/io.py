@@ -20,12 +20,17 @@ from torch import nn
 from .methods.base import AttentionMethod, build_method
 from .runio import atomic_save_safetensors, atomic_write_json, sha256_file
 
-__all__ = ["KERNELS_FILE", "META_FILE", "load", "load_kernels", "model_fingerprint", "save_kernels"]
+__all__ = ["KERNELS_FILE", "META_FILE", "kernel_dir", "load", "load_kernels", "model_fingerprint", "save_kernels"]
 
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
 FORMAT = "oal-kernels/1"
 _INIT_ATTRS = ("eps", "n_groups")  # JSON-able constructor settings read off a method when present
+
+
+def kernel_dir(run_dir: str | Path, method: str) -> Path:
+    """Where a run directory keeps `method`'s kernels: OAL's at the top (design.md), the others below."""
+    return Path(run_dir) if method == "oal" else Path(run_dir) / "kernels" / method
 
 
 def model_fingerprint(model: nn.Module) -> dict:

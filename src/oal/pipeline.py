@@ -33,7 +33,7 @@ from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
-from .io import load_kernels, save_kernels
+from .io import kernel_dir, load_kernels, save_kernels
 from .methods import build_method
 from .models.capture import capture_layer
 from .models.convert import convert
@@ -168,8 +168,7 @@ class Run:
         return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
 
     def kernel_dir(self, method: str) -> Path:
-        """OAL's kernels live at the top of DIR (design.md; `oal.load(DIR, model)` reads them), others below."""
-        return self.dir if method == "oal" else self.dir / "kernels" / method
+        return kernel_dir(self.dir, method)
 
     def calibrate(self) -> bool:
         methods = self.kernel_methods

@@ -33,3 +33,29 @@ def registry_preset(preset: str | None, mdl) -> str:
     if preset not in PRESETS:
         raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
     return preset
+
+
+def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
+    """"all", "3-20" (inclusive) or "1,4,7" (mixable: "1,3-5") -> sorted layer list.
+
+    Checked against `n_layers` when the model is known; "all" needs it.
+    """
+    if spec.strip().lower() == "all":
+        if n_layers is None:
+            raise typer.BadParameter("'all' needs the model's layer count here; give a range such as 1-4",
+                                     param_hint="--layers")
+        return list(range(n_layers))
+    out: set[int] = set()
+    try:
+        for part in spec.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        raise typer.BadParameter(f"expected 'all', 'A-B' or 'A,B,C', got {spec!r}", param_hint="--layers") from None
+    if not out or min(out) < 0 or (n_layers is not None and max(out) >= n_layers):
+        raise typer.BadParameter(f"layers must lie in [0, {n_layers}), got {spec!r}", param_hint="--layers")
+    return sorted(out)

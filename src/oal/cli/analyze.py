@@ -7,28 +7,17 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
+from ._common import (
+    DataDirOpt,
+    DataOpt,
+    DeviceOpt,
+    LayersOpt,
+    ModelOpt,
+    load_model_or_fail,
+    parse_layers,
+    registry_preset,
+)
 from .app import app
-
-
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """"all", "3-20" (inclusive) or "1,4,7" (mixable: "1,3-5") -> sorted layer list."""
-    if spec.strip().lower() == "all":
-        return list(range(n_layers))
-    out: set[int] = set()
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                out.update(range(lo, hi + 1))
-            else:
-                out.add(int(part))
-    except ValueError:
-        raise typer.BadParameter(f"expected 'all', 'A-B' or 'A,B,C', got {spec!r}", param_hint="--layers") from None
-    if not out or min(out) < 0 or max(out) >= n_layers:
-        raise typer.BadParameter(f"layers must lie in [0, {n_layers}), got {spec!r}", param_hint="--layers")
-    return sorted(out)
 
 
 @app.command("analyze")

@@ -17,23 +17,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..io import kernel_dir
 from ..runio import atomic_save_safetensors, atomic_write_json
-from ._common import BaseModelOpt, DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail
+from ._common import BaseModelOpt, DataDirOpt, DataOpt, DeviceOpt, ModelOpt, load_model_or_fail, parse_layers
 from .app import app
 
 _CKPT = Path(".oal") / "calibrate"
 
-
-def _kernel_dir(out: Path, method: str) -> Path:
-    return out if method == "oal" else out / "kernels" / method
-
-
-def _parse_layers(spec: str | None, n_layers: int, default: list[int]) -> list[int]:
-    if spec is None:
-        return default
-    from .analyze import parse_layers
-
-    return parse_layers(spec, n_layers)
 
 
 def _blocks(tokenizer, mdl, data: str, data_dir: str | None, preset: str | None):
@@ -120,7 +110,7 @@ def calibrate_cmd(
     n_layers = mdl.config.num_hidden_layers
     from ..models.convert import default_layers
 
-    layer_list = _parse_layers(layers, n_layers, sorted(groups) if groups else default_layers(mdl))
+    layer_list = parse_layers(layers, n_layers) if layers else (sorted(groups) if groups else default_layers(mdl))
     missing = [i for i in layer_list if "oal" in wanted and i not in groups]
     if missing:
         raise typer.BadParameter(f"groups.json has no groups for layers {missing}", param_hint="--layers")
@@ -179,7 +169,7 @@ def calibrate_cmd(
             per_method[m][layer] = method
             report[m][str(layer)] = layer_report[m]
     for m in wanted:
-        save_kernels(per_method[m], _kernel_dir(out, m), base_model=model, revision=prov.get("revision"),
+        save_kernels(per_method[m], kernel_dir(out, m), base_model=model, revision=prov.get("revision"),
                      model_hashes=prov.get("sha256"), extra={"method": m, "seed": seed, "preset": preset})
     atomic_write_json(out / "calibration.json", {"config": cfg.to_dict(), "model": model, "layers": layer_list,
                                            "methods": report})
@@ -202,10 +192,10 @@ def calibrate_cmd(
 def _converted(out: Path, model: str | None, method: str, device: str):
     from ..io import load
 
-    name = _base_model_name(_kernel_dir(out, method), model)
+    name = _base_model_name(kernel_dir(out, method), model)
     mdl, tok, prov = load_model_or_fail(name, device)
     try:
-        return load(_kernel_dir(out, method), mdl), tok, name
+        return load(kernel_dir(out, method), mdl), tok, name
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from None
 
@@ -248,7 +238,7 @@ def convert_cmd(
         base.save_pretrained(export)
         base_tok.save_pretrained(export)
         for f in (KERNELS_FILE, META_FILE):
-            shutil.copy2(_kernel_dir(out, method) / f, export / f)
+            shutil.copy2(kernel_dir(out, method) / f, export / f)
         Console().print(f"exported to {export}: `oal.load('{export}', '{export}')` rebuilds the converted model")
 
 
@@ -271,12 +261,12 @@ def evaluate_cmd(
     from ..io import load_kernels, model_fingerprint
 
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
-    name = _base_model_name(_kernel_dir(out, wanted[0]) if wanted else out, model)
+    name = _base_model_name(kernel_dir(out, wanted[0]) if wanted else out, model)
     mdl, tok, _ = load_model_or_fail(name, device)
     sets = {}
     for m in wanted:
         try:
-            sets[m], _ = load_kernels(_kernel_dir(out, m), fingerprint=model_fingerprint(mdl))
+            sets[m], _ = load_kernels(kernel_dir(out, m), fingerprint=model_fingerprint(mdl))
         except ValueError as exc:
             raise typer.BadParameter(f"{m}: {exc}", param_hint="--methods") from None
     blocks, _, _ = _blocks(tok, mdl, data, data_dir, preset)

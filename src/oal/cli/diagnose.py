@@ -37,7 +37,7 @@ def diagnose_cmd(
     from ..diagnostics.retained_error import RetainedErrorConfig
     from ..diagnostics.runner import PARTS, diagnose
     from ..models.registry import PRESETS, default_layers
-    from .analyze import parse_layers
+    from ._common import parse_layers
 
     console = Console()
     part_list = [p.strip() for p in parts.split(",") if p.strip()]

@@ -7,25 +7,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt
+from ._common import DeviceOpt, parse_layers
 from .app import app
-
-
-def _layers(spec: str | None) -> list[int] | None:
-    if spec is None:
-        return None
-    try:
-        out: list[int] = []
-        for part in spec.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                out += list(range(int(lo), int(hi) + 1))
-            elif part.strip():
-                out.append(int(part))
-        return out
-    except ValueError as exc:
-        raise typer.BadParameter(f"expected layer indices like 1,2,3 or 3-20, got {spec!r}",
-                                 param_hint="--layers") from exc
 
 
 def _set_threads(threads: int | None) -> None:
@@ -67,7 +50,8 @@ def run(
         seed_list = parse_seeds(seeds)
         adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
         cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
-                                    layers=_layers(layers), seed=seed_list[0], device=device, adapt=adapt)
+                                    layers=parse_layers(layers) if layers else None, seed=seed_list[0], device=device,
+                                    adapt=adapt)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
