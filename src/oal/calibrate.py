@@ -35,6 +35,8 @@ from torch import nn
 from .methods.base import AttentionMethod, repeat_kv
 
 __all__ = [
+    "NOT_CALIBRATED",
+    "calibrate_methods",
     "CalibConfig",
     "HeadResult",
     "LayerCalibration",
@@ -523,6 +525,44 @@ def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, 
     oal = build_method("oal", hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer)
     o_res = run(oal, train, val, cfg, oal_inits(g_res.params["factor"], n_groups, cfg), layer=layer)
     return g_res, o_res
+
+
+# calibration.json entry of a method without trainable kernel parameters
+NOT_CALIBRATED = {"elapsed_s": 0.0, "per_head": False, "heads": [], "note": "no trainable kernel parameters"}
+
+
+def calibrate_methods(names: Sequence[str], train: LayerData, val: LayerData, *, layer: int,
+                      groups: torch.Tensor | None = None, cfg: CalibConfig | None = None, seed: int = 0,
+                      ) -> dict[str, tuple[AttentionMethod, LayerCalibration | None]]:
+    """Build and calibrate every method of `names` on one layer's frozen data: the one driver behind `oal run`,
+    `oal calibrate` and `oal diagnose`.
+
+    `oal` needs `groups` [Hq, d]. As in App. B the learned global is calibrated first, and it seeds one of OAL's
+    three starts. A method without trainable parameters is returned as built, with None for its calibration.
+    """
+    from .methods import build_method
+
+    cfg = cfg or CalibConfig()
+    hq, hkv, d = train.q.shape[1], train.k.shape[1], train.q.shape[-1]
+    results: dict[str, LayerCalibration] = {}
+    if "oal" in names:
+        if groups is None:
+            raise ValueError(f"groups: layer {layer} needs groups for 'oal'")
+        results["global"], results["oal"] = calibrate_oal_layer(train, val, groups, cfg, layer=layer)
+    elif "global" in names:
+        glob = build_method("global", hq, hkv, d, layer_idx=layer, seed=seed)
+        results["global"] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
+    out = {}
+    for name in names:
+        kwargs = {"groups": groups, "n_groups": int(groups.max()) + 1} if name == "oal" else {}
+        method = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed, **kwargs)
+        res = results.get(name)
+        if res is None and method.trainable:
+            res = calibrate_layer(method, train, val, cfg, layer=layer)
+        if res is not None:
+            res.apply(method)
+        out[name] = (method.eval(), res)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- from a model

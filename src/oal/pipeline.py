@@ -19,7 +19,6 @@ import copy
 import math
 import shutil
 import statistics
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,14 +27,12 @@ from rich.table import Table
 
 from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
-from .calibrate import CalibConfig, LayerData, calibrate_layer, calibrate_oal_layer, global_inits
+from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .io import kernel_dir, load_kernels, save_kernels
-from .methods import build_method
-from .models.capture import capture_layer
 from .models.convert import convert
 from .models.registry import default_layers, load_model
 from .report import write_report
@@ -121,13 +118,6 @@ class Run:
         return copy.deepcopy(self.model)
 
     @property
-    def head_shape(self) -> tuple[int, int, int]:
-        c = self.model.config
-        n_heads = c.num_attention_heads
-        return n_heads, getattr(c, "num_key_value_heads", n_heads), getattr(c, "head_dim", None) or (
-            c.hidden_size // n_heads)
-
-    @property
     def kernel_methods(self) -> list[str]:
         return [m for m in self.cfg.methods if m != REFERENCE]
 
@@ -181,39 +171,21 @@ class Run:
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods))
 
     def _capture(self, role: str, layer: int):
-        blocks = self.blocks[role]
-        return LayerData.from_captured([capture_layer(self.model, blocks[i : i + 1], layer)
-                                         for i in range(blocks.shape[0])])
+        return capture_layer_data(self.model, self.blocks[role], layer, batch_size=1)
 
     def _calibrate(self, methods: list[str]) -> None:
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
-        hq, hkv, d = self.head_shape
         layer_methods: dict[str, dict[int, object]] = {m: {} for m in methods}
         report: dict[str, dict] = {m: {} for m in methods}
         for layer in self.layers:
             self.console.print(f"calibrate layer {layer}: {', '.join(methods)}")
             train, val = self._capture("calib_train", layer), self._capture("calib_val", layer)
-            results = {}
-            if "oal" in methods:
-                # App. B: the learned global baseline first; its result seeds one of OAL's three starts
-                results["global"], results["oal"] = calibrate_oal_layer(train, val, groups[layer], cfg, layer=layer)
-            elif "global" in methods:
-                glob = build_method("global", hq, hkv, d, layer_idx=layer, seed=self.cfg.seed)
-                results["global"] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
-            for m in methods:
-                kwargs = {"groups": groups[layer], "n_groups": int(groups[layer].max()) + 1} if m == "oal" else {}
-                method = build_method(m, hq, hkv, d, layer_idx=layer, seed=self.cfg.seed, **kwargs)
-                if m not in results and method.trainable:
-                    results[m] = calibrate_layer(method, train, val, cfg, layer=layer)
-                if m in results:
-                    results[m].apply(method)
-                    report[m][str(layer)] = {"elapsed_s": results[m].elapsed_s, "per_head": results[m].per_head,
-                                             "heads": [asdict(h) for h in results[m].heads]}
-                else:
-                    report[m][str(layer)] = {"elapsed_s": 0.0, "per_head": False, "heads": [],
-                                             "note": "no trainable kernel parameters: nothing to calibrate"}
-                layer_methods[m][layer] = method.eval()
+            done = calibrate_methods(methods, train, val, layer=layer, groups=groups.get(layer), cfg=cfg,
+                                     seed=self.cfg.seed)
+            for m, (method, res) in done.items():
+                layer_methods[m][layer] = method
+                report[m][str(layer)] = res.summary() if res is not None else NOT_CALIBRATED
         model_hashes = self.provenance.get("sha256") if isinstance(self.provenance.get("sha256"), dict) else None
         for m in methods:
             save_kernels(layer_methods[m], self.kernel_dir(m), base_model=str(self.cfg.model),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -92,7 +91,7 @@ def calibrate_cmd(
     import torch
 
     from ..analysis import load_groups
-    from ..calibrate import CalibConfig, calibrate_layer, calibrate_oal_layer, capture_layer_data, global_inits
+    from ..calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
     from ..io import save_kernels
     from ..methods import build_method, method_names
     from ..models.convert import _head_shape
@@ -134,25 +133,12 @@ def calibrate_cmd(
                           f"{len(blocks['calib_val'])} blocks, calibrating {', '.join(wanted)}")
             train = capture_layer_data(mdl, blocks["calib_train"].to(device), layer)
             val = capture_layer_data(mdl, blocks["calib_val"].to(device), layer)
-            results = {}
-            if "oal" in wanted:  # App. B: the learned global first; it seeds one of OAL's starts
-                results["global"], results["oal"] = calibrate_oal_layer(train, val, groups[layer], cfg, layer=layer)
-            elif "global" in wanted:
-                glob = build_method("global", hq, hkv, d, layer_idx=layer)
-                results["global"] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
+            done = calibrate_methods(wanted, train, val, layer=layer, groups=groups.get(layer), cfg=cfg, seed=seed)
             tensors, layer_report = {}, {}
-            for m in wanted:
-                if m not in results:
-                    method = build_method(m, hq, hkv, d, layer_idx=layer, seed=seed)
-                    if not method.trainable:
-                        layer_report[m] = {"elapsed_s": 0.0, "per_head": False, "heads": [],
-                                           "note": "no trainable kernel parameters"}
-                        continue
-                    results[m] = calibrate_layer(method, train, val, cfg, layer=layer)
-                res = results[m]
-                tensors.update({f"{m}.{k}": v.detach().cpu() for k, v in res.params.items()})
-                layer_report[m] = {"elapsed_s": res.elapsed_s, "per_head": res.per_head,
-                                   "heads": [asdict(h) for h in res.heads]}
+            for m, (method, res) in done.items():
+                layer_report[m] = res.summary() if res is not None else NOT_CALIBRATED
+                if res is not None:
+                    tensors.update({f"{m}.{k}": v.detach().cpu() for k, v in method.named_parameters()})
             _save_layer_checkpoint(out, layer, key, tensors, layer_report)
             del train, val
         else:

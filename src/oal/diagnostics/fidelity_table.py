@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..methods import build_method
 from .retained_error import SequenceQKV
 
 __all__ = [
@@ -64,11 +63,6 @@ def capture_chi(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_siz
     return {i: torch.cat(v).transpose(0, 1) for i, v in got.items()}
 
 
-def _oal_kwargs(groups: torch.Tensor) -> dict:
-    groups = torch.as_tensor(groups, dtype=torch.long)
-    return {"groups": groups, "n_groups": int(groups.max()) + 1}
-
-
 def calibrate_methods(
     names: Sequence[str],
     train: Mapping[int, object],
@@ -81,39 +75,21 @@ def calibrate_methods(
 ) -> tuple[dict[str, dict[int, torch.nn.Module]], dict]:
     """Build and calibrate every method of `names` for every layer of `train` ({layer: LayerData}).
 
-    Trainable baselines: `oal.calibrate.calibrate_layer` (their own parameters as the single start); `global`
-    and `oal`: `calibrate_oal_layer` (three starts each, OAL seeded by the learned global), needing `groups`.
-    Performer has no trainable parameters and is used as drawn (seed `seed`). Returns ({name: {layer:
-    method}}, {name: {layer: calibration summary}}).
+    Each layer goes through `oal.calibrate.calibrate_methods` (the global first, seeding one of OAL's starts;
+    trainable baselines from their own parameters; Performer used as drawn with seed `seed`); `oal` needs
+    `groups`. Returns ({name: {layer: method}}, {name: {layer: calibration summary}}).
     """
-    from ..calibrate import CalibConfig, calibrate_layer, calibrate_oal_layer
+    from ..calibrate import calibrate_methods as calibrate_layer_methods
 
-    cfg = cfg or CalibConfig()
     methods: dict[str, dict[int, torch.nn.Module]] = {n: {} for n in names}
     summaries: dict[str, dict] = {n: {} for n in names}
     for layer, tr in train.items():
-        hq, hkv, d = tr.q.shape[1], tr.k.shape[1], tr.q.shape[-1]
-        if {"oal", "global"} & set(names):
-            if groups is None or layer not in groups:
-                raise ValueError(f"groups: layer {layer} needs groups for 'oal'/'global'")
-            g_res, o_res = calibrate_oal_layer(tr, val[layer], groups[layer], cfg, layer=layer)
-            for name, res, kw in (("global", g_res, {}), ("oal", o_res, _oal_kwargs(groups[layer]))):
-                if name in names:
-                    methods[name][layer] = res.apply(build_method(name, hq, hkv, d, layer_idx=layer, **kw)).eval()
-                    summaries[name][layer] = res.summary()
-                    if on_done:
-                        on_done(name, layer, summaries[name][layer])
-        for name in names:
-            if name in ("oal", "global"):
-                continue
-            m = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed)
-            if m.trainable:
-                res = calibrate_layer(m, tr, val[layer], cfg, layer=layer)
-                m = res.apply(m)
-                summaries[name][layer] = res.summary()
-            else:
-                summaries[name][layer] = {"layer": layer, "method": name, "calibrated": False}
-            methods[name][layer] = m.eval()
+        g = None if groups is None else groups.get(layer)
+        done = calibrate_layer_methods(names, tr, val[layer], layer=layer, groups=g, cfg=cfg, seed=seed)
+        for name, (method, res) in done.items():
+            methods[name][layer] = method
+            summaries[name][layer] = res.summary() if res is not None else {
+                "layer": layer, "method": name, "calibrated": False}
             if on_done:
                 on_done(name, layer, summaries[name][layer])
     return methods, summaries
