@@ -44,6 +44,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..methods.base import AttentionMethod, build_method, repeat_kv
 from ..ops.kernel import coefficients, packed_pairs
 from .cache import OALStateLayer
+from .registry import default_layers
 
 __all__ = ["convert", "converted_methods", "default_layers", "kernel_parameters", "is_converted"]
 
@@ -70,16 +71,6 @@ def _attention(model: nn.Module, layer: int) -> nn.Module:
     if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         raise ValueError(f"model: layer {layer} has no self_attn with q/k/v/o projections")
     return attn
-
-
-def default_layers(model: nn.Module) -> list[int]:
-    """App. F layer ranges via the model registry when available, else every layer but the first and last."""
-    try:
-        from .registry import default_layers as registry_default
-    except ImportError:
-        n = len(_decoder_layers(model))
-        return list(range(1, n - 1)) if n > 2 else list(range(n))
-    return list(registry_default(model))
 
 
 def _head_shape(model: nn.Module) -> tuple[int, int, int]:
