@@ -100,7 +100,7 @@ def test_training_gradients_reach_kernel_and_projections():
 
 
 def test_peft_lora_trains_with_kernel_parameters():
-    peft = pytest.importorskip("peft")
+    import peft
     model = _model()
     convert(model, [1], {1: _oal_method(model, 1)})
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj",

@@ -153,13 +153,10 @@ def test_prefilled_softmax_cache_is_rejected():
 
 
 def test_embedded_model_generate_with_cache_matches_full_forwards():
-    """On the embedded default model (skipped until it is built): cached decoding == full recompute, batch 2."""
+    """On the embedded default model (shipped with the package): cached decoding == full recompute, batch 2."""
     from oal.models.registry import load_model
 
-    try:
-        model, _, _ = load_model("default")
-    except ValueError as exc:
-        pytest.skip(f"embedded model unavailable: {exc}")
+    model, _, _ = load_model("default")
     from oal.models.convert import default_layers
 
     cfg = model.config

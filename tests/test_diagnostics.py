@@ -206,10 +206,8 @@ def test_cli_diagnose_rejects_bad_options(tmp_path):
 
 def test_table1_on_embedded_model():
     from oal.diagnostics import capture_sequences
-    from oal.models.registry import DEFAULT_MODEL_DIR, load_model
+    from oal.models.registry import load_model
 
-    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip("embedded default model not built yet")
     model, _, _ = load_model("default")
     ids = torch.randint(3, 259, (1, 48), generator=torch.Generator().manual_seed(0))
     data = capture_sequences(model, ids, [1])
