@@ -30,28 +30,6 @@ def _model(family="qwen2", layers=(1,), method="oal"):
     return convert(model, list(layers), methods)
 
 
-@pytest.mark.parametrize("n_new", [1, 3])
-def test_decode_step_matches_operator_recurrent(n_new):
-    """The gather-based decode fast path equals the operator's recurrent backend (fp64, outputs and state)."""
-    from oal.models.convert import decode_step
-    from oal.ops import empty_state, oal_attention
-
-    gen = torch.Generator().manual_seed(5)
-    d, dv, hq, hkv = 7, 5, 6, 2
-    q, k = (torch.randn(2, h, 9, d, generator=gen, dtype=torch.float64) for h in (hq, hkv))
-    v = torch.randn(2, hkv, 9, dv, generator=gen, dtype=torch.float64)
-    groups = torch.randint(0, 3, (hq, d), generator=gen)
-    factor = perturbed_factor(torch.eye(4, dtype=torch.float64).expand(hq, 4, 4).clone(), 0.3, gen)
-    pre = 9 - n_new
-    _, state = oal_attention(q[:, :, :pre], k[:, :, :pre], v[:, :, :pre], groups, factor, output_final_state=True,
-                             initial_state=empty_state(2, hkv, d, dv, dtype=torch.float64))
-    want, want_state = oal_attention(q[:, :, pre:], k[:, :, pre:], v[:, :, pre:], groups, factor,
-                                     backend="recurrent", initial_state=state, output_final_state=True)
-    got, got_state = decode_step(q[:, :, pre:], k[:, :, pre:], v[:, :, pre:], groups, factor, 1e-6, state)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got_state, want_state, rtol=1e-10, atol=1e-12)
-
-
 def _ids(b, n, seed=0):
     return torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(seed))
 

@@ -159,6 +159,20 @@ def test_prefill_then_decode_equals_one_call(causal):
     torch.testing.assert_close(state, full_state, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("n_new", [1, 3, 5])
+def test_auto_continuation_matches_chunked(n_new):
+    """`auto` runs short continuations (decoding) with the token loop: same outputs and state as chunked."""
+    q, k, v, groups, factor = make_inputs(2, 6, 2, 30, 16, 5, 3, seed=9)
+    pre = 30 - n_new
+    _, state = oal_attention(q[:, :, :pre], k[:, :, :pre], v[:, :, :pre], groups, factor, output_final_state=True)
+    new = [t[:, :, pre:] for t in (q, k, v)]
+    got, got_state = oal_attention(*new, groups, factor, initial_state=state, output_final_state=True)
+    want, want_state = oal_attention(*new, groups, factor, initial_state=state, output_final_state=True,
+                                     backend="chunked")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_state, want_state, rtol=0, atol=1e-9)
+
+
 def test_reference_state_matches_chunked():
     q, k, v, groups, factor = make_inputs(1, 2, 1, 20, 16, 4, 2)
     init = oal_attention(q, k, v, groups, factor, output_final_state=True)[1]

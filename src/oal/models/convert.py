@@ -20,8 +20,8 @@ ValueError: the methods' linear-time paths take no per-token key mask, and a pad
 enter every later prefix sum. Padding is read off the 4-D mask transformers passes to attention functions
 (a key no query may see is padding).
 
-Decoding: with a state and at most a few new tokens, OAL layers run `decode_step` (gather-built features, tested
-against the operator's recurrent backend) instead of the chunked path, whose set-up dominates a single token.
+Decoding: a few new tokens on top of a state go through the operator's token loop (`oal_attention`'s `auto`
+picks it), whose per-token cost is a handful of small ops.
 
 Sliding-window models (Mistral): a converted layer attends the full causal prefix (the state cannot slide).
 
@@ -42,7 +42,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..methods.base import AttentionMethod, build_method, repeat_kv
-from ..ops.kernel import coefficients, packed_pairs
 from .cache import OALStateLayer
 from .registry import default_layers
 
@@ -108,53 +107,10 @@ def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
     return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
 
 
-_DECODE_TOKENS = 4  # at most this many new tokens with a state: token loop instead of chunks
-
-
-def decode_step(q, k, v, groups, factor, eps: float, state: torch.Tensor):
-    """Recurrent OAL for a few new tokens (Algorithm 1, Eq. 5-6) with gather-built pair features.
-
-    Same maths as `oal_attention(..., backend="recurrent")` (the reference it is tested against) but with the
-    d(d+1)/2 products x_r x_t taken by one gather instead of d slices: a handful of kernel launches per token,
-    which is what a decode step is made of. q [B, Hq, n, d], k/v [B, Hkv, n, d|dv], state fp32/fp64.
-    Returns (out [B, Hq, n, dv] in q's dtype, new state).
-    """
-    dtype = state.dtype
-    bsz, n_q, n, d = q.shape
-    n_kv = k.shape[1]
-    rep = n_q // n_kv
-    scale = d**-0.5
-    a, b, c = coefficients(factor.to(dtype), groups, eps)
-    r, t, mult = packed_pairs(d, q.device)
-    c_packed = c[:, r, t] * mult.to(dtype) * (scale * scale)  # [Hq, P]
-    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
-    outs = []
-    for i in range(n):
-        k_i, q_i = kf[:, :, i], qf[:, :, i]  # [B, Hkv, d], [B, Hq, d]
-        psi = torch.cat([torch.ones_like(k_i[..., :1]), k_i, k_i[..., r] * k_i[..., t]], dim=-1)  # Eq. 5
-        u = torch.cat([vf[:, :, i], torch.ones_like(vf[:, :, i, :1])], dim=-1)
-        state = state + psi.unsqueeze(-1) * u.unsqueeze(-2)
-        phi = torch.cat([a.expand(bsz, -1).unsqueeze(-1), q_i * (b * scale), q_i[..., r] * q_i[..., t] * c_packed],
-                        dim=-1)  # Eq. 6 query features [B, Hq, F]
-        num = (phi.view(bsz, n_kv, rep, -1) @ state).view(bsz, n_q, -1)
-        outs.append(num[..., :-1] / num[..., -1:])
-    return torch.stack(outs, dim=2).to(q.dtype), state
-
-
 def _run(method, q, k, v, state, want_state):
-    if (want_state and state is not None and q.shape[2] <= _DECODE_TOKENS and _is_oal_family(method)
-            and not torch.is_grad_enabled()):
-        # decoding: a few tokens on top of a state; the chunked path's set-up would dominate
-        return decode_step(q, k, v, method.groups, method.factor, method.eps, state)
     if want_state:
         return method(q, k, v, causal=True, initial_state=state, output_final_state=True)
     return method(q, k, v, causal=True), None
-
-
-def _is_oal_family(method) -> bool:
-    from ..methods.oal import OALMethod
-
-    return isinstance(method, OALMethod)
 
 
 def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):

@@ -14,6 +14,7 @@ from .reference import reference_attention
 __all__ = ["BACKENDS", "feature_dim", "oal_attention", "split_state", "empty_state"]
 
 BACKENDS = ("auto", "reference", "recurrent", "chunked")
+DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on top of an initial state with the token loop
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,8 +112,8 @@ def oal_attention(
     groups = groups.to(q.device)
     coeffs = coefficients(factor, groups, eps)
     state = initial_state.to(dtype) if initial_state is not None else None
-    if backend == "auto":
-        backend = "chunked"
+    if backend == "auto":  # decoding (a few tokens on a state): the token loop has the least set-up
+        backend = "recurrent" if state is not None and q.shape[2] <= DECODE_TOKENS else "chunked"
     if backend == "reference":
         out, final = reference_attention(
             q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, initial_state=state, coeffs=coeffs,
