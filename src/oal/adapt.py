@@ -22,7 +22,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_cosine_schedule_with_warmup
 
 from .evaluate.perplexity import block_nll
-from .methods.base import AttentionMethod
 from .runio import (
     atomic_dir,
     atomic_save_safetensors,
@@ -101,14 +100,11 @@ class AdaptResult:
 
 
 def kernel_parameter_names(model) -> list[str]:
-    """Names of trainable parameters inside attention-method modules (call before LoRA freezes them)."""
-    names = []
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, AttentionMethod):
-            for p_name, p in mod.named_parameters(recurse=True):
-                if p.requires_grad:
-                    names.append(f"{mod_name}.{p_name}" if mod_name else p_name)
-    return names
+    """Names of the converted layers' trainable kernel parameters (call before LoRA freezes them)."""
+    from .models.convert import kernel_parameters
+
+    ids = {id(p) for p in kernel_parameters(model) if p.requires_grad}
+    return [name for name, p in model.named_parameters() if id(p) in ids]
 
 
 def _strip(name: str) -> str:
