@@ -121,8 +121,9 @@ def tiny_dir(tmp_path_factory):
 def test_cli_end_to_end(tiny_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import oal.cli.analyze  # noqa: F401  (registers the command)
-    from oal.cli.app import app
+    from oal.cli import load_commands
+
+    app = load_commands()
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "run"

@@ -150,8 +150,9 @@ def test_cli_calibrate_evaluate_convert_generate(tiny_dir, tmp_path, monkeypatch
 
     from typer.testing import CliRunner
 
-    import oal.cli.convert  # noqa: F401  (registers the commands)
-    from oal.cli.app import app
+    from oal.cli import load_commands
+
+    app = load_commands()
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = CliRunner().invoke

@@ -194,8 +194,9 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
 def test_cli_diagnose_rejects_bad_options(tmp_path):
     from typer.testing import CliRunner
 
-    import oal.cli.diagnose  # noqa: F401  registers the command
-    from oal.cli.app import app
+    from oal.cli import load_commands
+
+    app = load_commands()
 
     runner = CliRunner()
     res = runner.invoke(app, ["diagnose", "--out", str(tmp_path), "--parts", "table9"])

@@ -153,12 +153,9 @@ def test_config_parsing_errors():
 
 
 def test_cli_rejects_bad_methods(tmp_path):
-    import importlib
+    from oal.cli import load_commands
 
-    from oal.cli import _COMMAND_MODULES, app
-
-    for mod in _COMMAND_MODULES:
-        importlib.import_module(f"oal.cli.{mod}")
+    app = load_commands()
     res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--methods", "oal,nope"])
     assert res.exit_code == 2 and "nope" in res.output
     res = CliRunner().invoke(app, ["adapt", "--out", str(tmp_path / "none")])
@@ -166,12 +163,11 @@ def test_cli_rejects_bad_methods(tmp_path):
 
 
 def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
-    import importlib
     import shutil
 
-    from oal.cli import app
+    from oal.cli import load_commands
 
-    importlib.import_module("oal.cli.run")
+    app = load_commands()
     out, _ = full_run
     shutil.copytree(out, tmp_path / "run")
     res = CliRunner().invoke(app, ["adapt", "--out", str(tmp_path / "run"), "--method", "global", "--steps", "2",
@@ -196,3 +192,19 @@ def test_all_methods_run_end_to_end(assets, tmp_path):
     text = (tmp_path / "report.md").read_text()
     for name in ("Performer", "SpectraFormer", "DiJiang", "TaylorShift"):
         assert f"| {name} |" in text
+
+
+def test_cli_conventions():
+    """`oal --version`, `python -m oal`, and --quiet/--verbose are mutually exclusive."""
+    import subprocess
+    import sys
+
+    from oal import __version__
+    from oal.cli import load_commands
+
+    res = CliRunner().invoke(load_commands(), ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"oal {__version__}"
+    res = CliRunner().invoke(load_commands(), ["--quiet", "--verbose", "demo", "--length", "8"])
+    assert res.exit_code == 2 and "--quiet" in res.output
+    out = subprocess.run([sys.executable, "-m", "oal", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"oal {__version__}"

@@ -6,11 +6,16 @@ import importlib
 
 from .app import app
 
-# One module per command group; each adds its commands to `app` on import.
-_COMMAND_MODULES = ("demo", "analyze", "run", "diagnose", "convert")
+# One module per command (or small family of commands); each adds its commands to `app` on import.
+_COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose")
+
+
+def load_commands():
+    """Register every command on `app` and return it (tests invoke it with typer's CliRunner)."""
+    for mod in _COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{mod}")
+    return app
 
 
 def main() -> None:
-    for mod in _COMMAND_MODULES:
-        importlib.import_module(f"{__name__}.{mod}")
-    app()
+    load_commands()(prog_name="oal")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,6 +15,8 @@ DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
+ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
+                                         "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 
 
 def load_model_or_fail(model: str, device: str):
@@ -59,3 +63,52 @@ def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
     if not out or min(out) < 0 or (n_layers is not None and max(out) >= n_layers):
         raise typer.BadParameter(f"layers must lie in [0, {n_layers}), got {spec!r}", param_hint="--layers")
     return sorted(out)
+
+
+def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str | None):
+    """The split plan's token blocks of `data` for `mdl`'s preset; a bad corpus becomes a clean --data error."""
+    from ..data import default_plan, load_corpus, plan_blocks
+    from ..models.registry import preset_for
+
+    preset = preset or preset_for(mdl)
+    try:
+        plan = default_plan(preset)
+        corpus = load_corpus(data, data_dir=data_dir)
+        return plan_blocks(corpus, tokenizer, plan, data_dir=data_dir), plan, preset
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--data") from None
+
+
+def base_model_name(out: Path, model: str | None) -> str:
+    """--model if given, else the base model recorded in DIR/kernels.json, else the embedded default."""
+    if model:
+        return model
+    meta = out / "kernels.json"
+    if meta.is_file():
+        name = json.loads(meta.read_text()).get("base_model", {}).get("name_or_path")
+        if name:
+            return name
+    return "default"
+
+
+def converted_or_fail(out: Path, model: str | None, method: str, device: str):
+    from ..io import kernel_dir, load
+
+    name = base_model_name(kernel_dir(out, method), model)
+    mdl, tok, prov = load_model_or_fail(name, device)
+    try:
+        return load(kernel_dir(out, method), mdl), tok, name
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--out") from None
+
+
+def set_threads(threads: int | None) -> None:
+    """Thread count is a runtime choice, not part of the run's configuration. Reductions may round differently
+    with another count, so resume a killed run with the same --threads for bit-identical results."""
+    if threads is None or threads == 0:
+        return
+    if threads < 0:
+        raise typer.BadParameter(f"expected >= 0, got {threads}", param_hint="--threads")
+    import torch
+
+    torch.set_num_threads(threads)

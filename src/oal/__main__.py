@@ -1,0 +1,5 @@
+"""`python -m oal` is the `oal` command."""
+
+from .cli import main
+
+main()
