@@ -29,7 +29,7 @@ from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
 from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
 from .config import RunConfig
-from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .data import SplitPlan, bind_pretraining, default_plan, load_corpus, plan_blocks
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .io import kernel_dir, load_kernels, save_kernels
@@ -88,8 +88,8 @@ class Run:
             for p in self.model.parameters():
                 p.requires_grad_(False)
             self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
-            self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                         else default_plan(self.cfg.preset))
+            self.plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
+                                         else default_plan(self.cfg.preset), self.provenance, self.corpus)
             self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
