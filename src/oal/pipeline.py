@@ -1,6 +1,7 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> report
+    setup -> analyze -> calibrate -> fidelity (+ attention regime) -> budget -> adapt:<method> -> perplexity:<method>
+    -> report
 
 Each stage has a key: the hash of the configuration it reads and of the keys of the stages it depends on. A stage
 whose key matches the marker in `DIR/.oal/stages.json` and whose outputs exist is skipped, so a killed run
@@ -27,9 +28,11 @@ from rich.table import Table
 
 from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
+from .analysis.regime import REGIME_FILE, attention_regime
 from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
 from .config import RunConfig
 from .data import SplitPlan, bind_pretraining, default_plan, load_corpus, plan_blocks
+from .diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .io import kernel_dir, load_kernels, save_kernels
@@ -48,7 +51,7 @@ from .runio import (
 
 __all__ = ["Run", "aggregate_seeds", "run", "run_seed", "STAGES"]
 
-STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "report")
+STAGES = ("setup", "analyze", "calibrate", "fidelity", "budget", "adapt", "perplexity", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
 NEEDS_GROUPS = ("oal",)
@@ -206,8 +209,20 @@ class Run:
             sets = {m: self.load_methods(m) for m in methods}
             res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
+            # softmax's regime and where the calibrated quadratic kernels sit beyond their vertex (held-out blocks)
+            atomic_write_json(self.dir / REGIME_FILE,
+                              attention_regime(self.model, self.blocks["fidelity"], self.layers, kernels=sets))
 
-        return self.stage("fidelity", deps, [".oal/fidelity.json"], fn)
+        return self.stage("fidelity", deps, [".oal/fidelity.json", REGIME_FILE], fn)
+
+    def budget(self) -> bool:
+        """Fig. 2(b)'s group-budget curve for the first converted layer's head 0, beside App. B's choice."""
+        if "oal" not in self.cfg.methods:
+            return True
+        deps = {"setup": self.keys["setup"], "analyze": self.keys.get("analyze"), "calib": self.cfg.calib,
+                "seed": self.cfg.seed, "budgets": list(RUN_BUDGETS)}
+        return self.stage("budget", deps, [BUDGET_FILE], lambda: run_budget(
+            self.model, self.blocks, self.dir / "groups.json", self.layers[0], 0, self._calib_config(), self.dir))
 
     def model_for(self, method: str):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
@@ -295,6 +310,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
         r.analyze()
         r.calibrate()
         r.fidelity()
+        r.budget()
         for m in cfg.methods:
             r.perplexity(m, adapted=False)
             if r.adapt(m):

@@ -15,6 +15,9 @@ DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
+GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap groups (the paper's protocol); "
+                                          "'budget:G': Fig. 2(b)'s fixed budget of G groups per head, cut at the "
+                                          "G - 1 largest contribution gaps (a departure from the paper).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 
