@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from oal.analysis.regime import PEAKED_MAX_WEIGHT, RegimeAccumulator, attention_regime, regime_verdict
+from oal.analysis.regime import (
+    PEAKED_MAX_WEIGHT,
+    VERTEX_EXCESS,
+    RegimeAccumulator,
+    attention_regime,
+    regime_verdict,
+)
 from oal.methods import build_method
 from oal.models.capture import Captured
 from oal.ops.kernel import perturbed_factor, taylor_factor
@@ -122,7 +128,9 @@ def test_verdict_text():
     v = regime_verdict(peaked)
     assert v["outside_regime"] and "OUTSIDE" in v["text"] and v["peaked"]["1"] == [0, 1, 2]
     spread = {"1": {"max_weight": [0.1, 0.2, PEAKED_MAX_WEIGHT - 0.01],
-                    "kernels": {"global": {"beyond_vertex": [0.0, 0.01, 0.3]}}}}
+                    "kernels": {"global": {"beyond_vertex": [0.5, 0.01, 0.3],  # share alone does not decide
+                                           "kernel_weight_beyond": [0.2, 0.01, 0.4],
+                                           "softmax_weight_beyond": [0.1, 0.0, 0.4 - VERTEX_EXCESS - 0.01]}}}}
     v = regime_verdict(spread)
     assert not v["outside_regime"] and v["outside"]["1"] == [2] and "1 of 3" in v["text"]
     assert "inside" in regime_verdict({"0": {"max_weight": [0.1], "kernels": {}}})["text"]

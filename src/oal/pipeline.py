@@ -210,8 +210,9 @@ class Run:
             res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
             # softmax's regime and where the calibrated quadratic kernels sit beyond their vertex (held-out blocks)
-            atomic_write_json(self.dir / REGIME_FILE,
-                              attention_regime(self.model, self.blocks["fidelity"], self.layers, kernels=sets))
+            regime = attention_regime(self.model, self.blocks["fidelity"], self.layers, kernels=sets)
+            atomic_write_json(self.dir / REGIME_FILE, regime)
+            self.console.print(f"attention regime: this model is {regime['verdict']['text']}")
 
         return self.stage("fidelity", deps, [".oal/fidelity.json", REGIME_FILE], fn)
 

@@ -151,13 +151,14 @@ def _default() -> SplitPlan:
     # Embedded model + builtin corpus, sized so a full `oal run` stays under 6 min on a 2-core CPU. Everything
     # lies in the held-out head of the train split (tokens [0, 161792)), never in the pretraining text:
     #   grouping 40 x 128 tokens = [0, 5120) = 512-blocks 0-9; calib_train 512-blocks 10-17; calib_val 18-19;
-    #   fidelity 20-27; adapt_train 28-283 (256 updates of 512 tokens).
+    #   fidelity 20-27 (tokens up to 14336); adapt_train 256-blocks 56-311 (256 updates of 256 tokens: the
+    #   adaptation dominates oal run's time, three arms of forward + backward through the converted layers).
     return SplitPlan(
         grouping=BlockSet("train", 128, _blocks(0, 40)),
         calib_train=BlockSet("train", 512, _blocks(10, 8)),
         calib_val=BlockSet("train", 512, _blocks(18, 2)),
         fidelity=BlockSet("train", 512, _blocks(20, 8)),
-        adapt_train=BlockSet("train", 512, _blocks(28, 256)),
+        adapt_train=BlockSet("train", 256, _blocks(56, 256)),
         val=BlockSet("validation", 512, _blocks(0, 8)),
         test=BlockSet("test", 512, _blocks(0, 32)),
         notes="embedded default: builtin corpus, held-out prose head of train; reduced sizes for CPU",
