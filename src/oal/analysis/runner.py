@@ -11,7 +11,6 @@ Writes into `out_dir`:
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Sequence
@@ -25,11 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..models.capture import Captured, attention_module, capture
-from ..runio import atomic_write_json
+from ..runio import atomic_write_json, check_out_dir, load_json
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
 from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from .grouping import grouping_params, stable_gap_groups
+from .grouping import check_min_groups, grouping_params, stable_gap_groups
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -147,11 +146,12 @@ def analyze(
     params = grouping_params(**grouping)  # checked before the expensive capture
     seed = params["seed"]
     console = console or Console()
-    out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(out_dir)
     layers = sorted(int(i) for i in layers)
     for i in layers:
         attention_module(model, i)  # validates architecture and layer range with a clear error
+    if layers:
+        check_min_groups(attention_module(model, layers[0]).head_dim, params["tail_fraction"], params["min_groups"])
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers: duplicates in {layers}")
     device = next(model.parameters()).device
@@ -333,10 +333,14 @@ def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
         path = path / GROUPS_FILE
     if not path.is_file():
         raise ValueError(f"path: no {GROUPS_FILE} at {path}")
-    data = json.loads(path.read_text())
-    if data.get("format") != "oal.groups/1":
-        raise ValueError(f"path: {path} is not an oal groups file (format={data.get('format')!r})")
-    return {
-        int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
-        for layer, rows in data["heads"].items()
-    }
+    data = load_json(path)
+    if not isinstance(data, dict) or data.get("format") != "oal.groups/1":
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"path: {path} is not an oal groups file (format={got!r})")
+    try:
+        return {
+            int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
+            for layer, rows in data["heads"].items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: damaged groups record ({type(exc).__name__}: {exc})") from None

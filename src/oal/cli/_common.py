@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -55,13 +54,17 @@ def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
             part = part.strip()
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise typer.BadParameter(f"range {part!r} is empty (expected A-B with A <= B)",
+                                             param_hint="--layers")
                 out.update(range(lo, hi + 1))
             else:
                 out.add(int(part))
     except ValueError:
         raise typer.BadParameter(f"expected 'all', 'A-B' or 'A,B,C', got {spec!r}", param_hint="--layers") from None
     if not out or min(out) < 0 or (n_layers is not None and max(out) >= n_layers):
-        raise typer.BadParameter(f"layers must lie in [0, {n_layers}), got {spec!r}", param_hint="--layers")
+        where = f"[0, {n_layers})" if n_layers is not None else "[0, number of layers)"
+        raise typer.BadParameter(f"layers must lie in {where}, got {spec!r}", param_hint="--layers")
     return sorted(out)
 
 
@@ -81,25 +84,19 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
 
 def base_model_name(out: Path, model: str | None) -> str:
     """--model if given, else the base model recorded in DIR/kernels.json, else the embedded default."""
-    if model:
-        return model
-    meta = out / "kernels.json"
-    if meta.is_file():
-        name = json.loads(meta.read_text()).get("base_model", {}).get("name_or_path")
-        if name:
-            return name
-    return "default"
+    from ..io import recorded_base_model
+
+    return model or recorded_base_model(out) or "default"
 
 
 def converted_or_fail(out: Path, model: str | None, method: str, device: str):
-    from ..io import kernel_dir, load
+    """(converted model, tokenizer, base model name): the kernels of `method` in run directory `out` on their base
+    model (--model, default: the recorded one), which must be the model they were calibrated on."""
+    from ..io import kernel_dir, load_with_tokenizer
 
     name = base_model_name(kernel_dir(out, method), model)
-    mdl, tok, prov = load_model_or_fail(name, device)
-    try:
-        return load(kernel_dir(out, method), mdl), tok, name
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--out") from None
+    mdl, tok, _ = load_with_tokenizer(kernel_dir(out, method), name, device=device)
+    return mdl, tok, name
 
 
 def set_threads(threads: int | None) -> None:

@@ -16,12 +16,12 @@ from .app import app
 
 @app.command()
 def demo(
-    length: int = typer.Option(1024, help="Sequence length N."),
-    heads: int = typer.Option(4, help="Query heads Hq."),
-    kv_heads: int = typer.Option(2, help="Key/value heads Hkv."),
-    head_dim: int = typer.Option(64, help="Head dimension d (= dv)."),
-    n_groups: int = typer.Option(3, help="Groups G per head."),
-    seed: int = typer.Option(0, help="Random seed."),
+    length: int = typer.Option(1024, min=1, help="Sequence length N."),
+    heads: int = typer.Option(4, min=1, help="Query heads Hq."),
+    kv_heads: int = typer.Option(2, min=1, help="Key/value heads Hkv."),
+    head_dim: int = typer.Option(64, min=1, help="Head dimension d (= dv)."),
+    n_groups: int = typer.Option(3, min=1, help="Groups G per head."),
+    seed: int = typer.Option(0, min=0, help="Random seed."),
 ) -> None:
     """Run every backend of the OAL operator on random inputs and compare it with the dense reference."""
     if heads % kv_heads:

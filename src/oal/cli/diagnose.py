@@ -37,9 +37,11 @@ def diagnose_cmd(
     from ..diagnostics.retained_error import RetainedErrorConfig
     from ..diagnostics.runner import PARTS, diagnose
     from ..models.registry import PRESETS, default_layers
+    from ..runio import check_out_dir
     from ._common import parse_layers
 
     console = Console()
+    check_out_dir(out)
     part_list = [p.strip() for p in parts.split(",") if p.strip()]
     if not part_list or set(part_list) - set(PARTS):
         raise typer.BadParameter(f"expected a comma list of {', '.join(PARTS)}, got {parts!r}", param_hint="--parts")
@@ -58,7 +60,7 @@ def diagnose_cmd(
     mdl, tok, _prov = load_model_or_fail(model, device)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
-    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers else default_layers(mdl)
+    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else default_layers(mdl)
     budget_head = None
     if head:
         try:
