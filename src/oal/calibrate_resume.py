@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods
-from .io import kernel_dir, load_kernels, save_kernels
+from .io import kernel_dir, load_kernels, model_fingerprint, save_kernels
 from .runio import atomic_write_json
 
 __all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "calibrate_layers", "write_calibration"]
@@ -101,12 +101,15 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
 
 
 def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,
-                      cfg: CalibConfig, *, base_model: str, provenance: Mapping, extra: Mapping | None = None) -> None:
-    """Each method's kernels (`oal.io.save_kernels`, bound to the base model by `provenance`) and calibration.json."""
+                      cfg: CalibConfig, *, model, base_model: str, provenance: Mapping,
+                      extra: Mapping | None = None) -> None:
+    """Each method's kernels (`oal.io.save_kernels`, bound to the base `model`: its architecture fingerprint and, by
+    `provenance`, the SHA256 of its tensors and files) and calibration.json."""
     out_dir = Path(out_dir)
+    fingerprint = model_fingerprint(model)
     for m, methods in per_method.items():
         save_kernels(dict(methods), kernel_dir(out_dir, m), base_model=base_model, provenance=provenance,
-                     extra={"method": m, **(extra or {})})
+                     fingerprint=fingerprint, extra={"method": m, **(extra or {})})
     layers = sorted({i for methods in per_method.values() for i in methods})
     atomic_write_json(out_dir / "calibration.json", {"config": cfg.to_dict(), "model": base_model, "layers": layers,
                                                      "methods": dict(report)})
@@ -133,5 +136,6 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
     per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
                                           checkpoints=LayerCheckpoints(out_dir, key), progress=progress,
                                           console=console)
-    write_calibration(out_dir, per_method, report, cfg, base_model=base_model, provenance=provenance, extra=extra)
+    write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model, provenance=provenance,
+                      extra=extra)
     return report

@@ -106,6 +106,11 @@ class Run:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
+            self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
+            n_layers = self.model.config.num_hidden_layers
+            if not self.layers or any(i >= n_layers for i in self.layers):
+                raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
+                                 "--layers", "layers")
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
                 self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
@@ -113,11 +118,6 @@ class Run:
                 self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
-            self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
-            n_layers = self.model.config.num_hidden_layers
-            if not self.layers or any(i >= n_layers for i in self.layers):
-                raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
-                                 "--layers", "layers")
         config = {
             "config": self.cfg.to_dict(),
             "converted_layers": self.layers,
@@ -224,8 +224,8 @@ class Run:
             methods, self.layers, lambda i: (self._capture("calib_train", i), self._capture("calib_val", i)),
             groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints, progress=self.progress,
             console=self.console)
-        write_calibration(self.dir, per_method, report, cfg, base_model=str(self.cfg.model), provenance=self.provenance,
-                          extra={"seed": self.cfg.seed})
+        write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
+                          provenance=self.provenance, extra={"seed": self.cfg.seed})
         checkpoints.clear()
 
     def load_methods(self, method: str) -> dict:

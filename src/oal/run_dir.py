@@ -114,13 +114,11 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
             if diff:
                 shown = "; ".join(f"{k}: {_short(a)} recorded, {_short(b)} now" for k, a, b in diff[:6])
                 more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
-                problem = (f"{path} holds a run of another configuration ({shown}{more}); use another --out, or "
-                           "--force to delete its results and start clean")
+                problem = f"{recorded} records a run of another configuration ({shown}{more})"
     else:
         found = [n for n in RUN_ENTRIES if (path / n).exists() and n not in ("figures",)]
         if found:
-            problem = (f"{path} holds results of unknown origin ({', '.join(found)}) without a config.json; use "
-                       "another --out, or --force to delete them and start clean")
+            problem = f"{path} holds results of unknown origin ({', '.join(found)}) without a config.json"
     if problem is None and (path / ".oal" / "stages.json").is_file():
         try:
             StageLog(path)
@@ -128,7 +126,8 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
             problem = str(exc)
     if problem is not None:
         if not force:
-            raise InputError(problem, "--out", "out_dir")
+            raise InputError(f"{problem}; use another --out, or start clean with `oal run --force` (deletes its "
+                             "results)", "--out", "out_dir")
         clear_run(path)
     path.mkdir(parents=True, exist_ok=True)
     clean_tmp(path)

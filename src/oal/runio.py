@@ -125,8 +125,7 @@ def load_json(path: str | Path):
     except FileNotFoundError:
         raise ValueError(f"{path}: file not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: damaged, not valid JSON ({exc}); delete it or rerun with --force to start "
-                         "clean") from None
+        raise ValueError(f"{path}: damaged, not valid JSON ({exc})") from None
 
 
 def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
@@ -276,8 +275,7 @@ class StageLog:
         self.path = self.run_dir / ".oal" / "stages.json"
         self.stages: dict = load_json(self.path) if self.path.exists() else {}
         if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
-            raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records; delete it or rerun "
-                             "with --force to start clean")
+            raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
         self._verified: set[str] = set()
 
     def outputs_hash(self, outputs) -> dict[str, str]:

@@ -87,13 +87,9 @@ def analyze_cmd(
     meta = dict(model=model, provenance=provenance, preset=preset, data=inputs["meta"])
     console.print(f"[bold]oal analyze[/]: {provenance.get('architecture')} '{model}', layers {layer_list}, "
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
-    try:
-        summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
-                          long_sequence=inputs["long_sequence"], seed=seed,
-                          representative=rep, batch_size=batch_size, figures=figures, console=console, meta=meta,
-                          **kw)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
+                      long_sequence=inputs["long_sequence"], seed=seed, representative=rep, batch_size=batch_size,
+                      figures=figures, console=console, meta=meta, **kw)
     conc = summary["concentration"]["mean"]
     line = (f"top-5 share {100 * conc['real_top5']:.1f}% vs Gaussian {100 * conc['gaussian_top5']:.1f}% "
             f"(at real coords {100 * conc['gaussian_at_real_top5']:.1f}%)")

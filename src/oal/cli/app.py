@@ -7,7 +7,6 @@ file, with exit code 2 and no traceback; `oal --debug COMMAND ...` shows the tra
 
 import logging
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -23,7 +22,7 @@ def _bad_input_message(exc: Exception) -> str | None:
     from ..errors import InputError
     from ..models.registry import ModelUnavailableError
 
-    if isinstance(exc, click.ClickException):
+    if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):  # typer's (vendored click) errors
         return exc.format_message()
     if isinstance(exc, InputError) and exc.param:
         return f"Invalid value for '{exc.param}': {exc.message}"
@@ -35,16 +34,16 @@ def _bad_input_message(exc: Exception) -> str | None:
 class _Group(TyperGroup):
     """Runs a command; turns the errors of bad input into one line and exit code 2 (unless --debug)."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort):
+        except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:
             message = None if _STATE["debug"] else _bad_input_message(exc)
             if message is None:
                 raise
-            code = exc.exit_code if isinstance(exc, click.ClickException) else 2
+            code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
             typer.echo(f"Error: {_one_line(message)}", err=True)
             raise typer.Exit(code) from None
 
