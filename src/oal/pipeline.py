@@ -49,6 +49,7 @@ from .runio import (
     Timer,
     atomic_write_json,
     check_out_dir,
+    clean_tmp,
     config_hash,
     load_json,
     sha256_file,
@@ -444,6 +445,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     if len(seeds) == 1:
         metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
     else:
+        clean_tmp(out_dir)
         per_seed = {}
         for s in seeds:
             console.rule(f"[bold]seed {s}")
