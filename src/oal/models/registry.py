@@ -232,7 +232,7 @@ def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
     spec = HUB_MODELS.get(name)
     if revision is None:
         if spec is None:
-            raise ValueError(f"name_or_path: {name!r} is not 'default', a local folder or a pinned hub model "
+            raise _bad_model(f"{name!r} is not 'default', a local folder or a pinned hub model "
                              f"({sorted(HUB_MODELS)}); pass revision= to load another hub model")
         revision = spec["revision"]
     from huggingface_hub import snapshot_download
