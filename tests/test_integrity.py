@@ -518,3 +518,46 @@ def test_temp_files_of_a_kill_are_cleaned(assets, full_run, run_copy):
     metrics = run_seed(_cfg(assets, **CFG), run_copy, progress=False)
     assert not [p for p in stale if p.exists()] and not (run_copy / "adapter" / ".oal.q9.tmp").exists()
     assert _strip_time(metrics) == _strip_time(full_run[1])
+
+
+def test_calibration_resumes_per_layer_bit_identically(tmp_path):
+    """The per-layer checkpoints behind `oal run`'s calibrate stage and `oal calibrate`: a kill after a layer resumes
+    at the next one with the same tensors; a damaged or foreign checkpoint is recalibrated, never trusted."""
+    from test_calibrate import _data, _groups
+
+    from oal.calibrate import CalibConfig
+    from oal.calibrate_resume import LayerCheckpoints, calibrate_layers
+
+    class Kill(Exception):
+        pass
+
+    data = {0: (_data(2, seed=0), _data(1, seed=1)), 2: (_data(2, seed=2), _data(1, seed=3))}
+    kw = dict(groups={0: _groups(0), 2: _groups(1)}, cfg=CalibConfig.preset("tiny", max_steps=6), seed=0,
+              progress=False)
+    ref, _ = calibrate_layers(["oal", "global"], [0, 2], data.__getitem__, **kw)
+
+    def capture(seen, kill=None):
+        def f(layer):
+            if layer == kill:
+                raise Kill
+            seen.append(layer)
+            return data[layer]
+        return f
+
+    def same(got):
+        return all(torch.equal(a, b) for m in ref for i in ref[m]
+                   for a, b in zip(ref[m][i].state_dict().values(), got[m][i].state_dict().values(), strict=True))
+
+    ck = LayerCheckpoints(tmp_path, "key-1")
+    with pytest.raises(Kill):
+        calibrate_layers(["oal", "global"], [0, 2], capture([], kill=2), checkpoints=ck, **kw)
+    seen = []
+    got, _ = calibrate_layers(["oal", "global"], [0, 2], capture(seen), checkpoints=ck, **kw)
+    assert seen == [2] and same(got)
+    _corrupt(tmp_path / ".oal" / "calibrate" / "layer-0" / "oal" / "kernels.safetensors", "flip")
+    seen = []
+    got, _ = calibrate_layers(["oal", "global"], [0, 2], capture(seen), checkpoints=ck, **kw)
+    assert seen == [0] and same(got)
+    seen = []
+    calibrate_layers(["oal", "global"], [0, 2], capture(seen), checkpoints=LayerCheckpoints(tmp_path, "key-2"), **kw)
+    assert seen == [0, 2]
