@@ -240,7 +240,7 @@ def _load_checkpoint(ckpt_dir: Path, params, optimizer, scheduler, key: str):
         opt_state = _read_optimizer(found)
         rng = load_safetensors(found / "rng.safetensors")
         best = load_safetensors(found / "best.safetensors")
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("adaptation checkpoint %s is damaged (%s); starting adaptation over", found, exc)
         return None
     if set(saved) != set(params):

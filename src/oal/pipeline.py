@@ -374,6 +374,8 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, con
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
     config = load_json(cfg_path)
+    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
+        raise ValueError(f"{cfg_path}: damaged, expected a run configuration")
     parent = out_dir.parent / "config.json"
     if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
         raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
