@@ -561,3 +561,18 @@ def test_calibration_resumes_per_layer_bit_identically(tmp_path):
     seen = []
     calibrate_layers(["oal", "global"], [0, 2], capture(seen), checkpoints=LayerCheckpoints(tmp_path, "key-2"), **kw)
     assert seen == [0, 2]
+
+
+def test_multi_seed_rerun_resumes_and_other_seeds_are_refused(assets, tmp_path):
+    cfg = _cfg(assets, methods=["softmax"], adapt={"steps": 2, "val_every": 2})
+    first = run(cfg, tmp_path, [1, 2], progress=False)
+    assert json.loads((tmp_path / "config.json").read_text())["seeds"] == [1, 2]
+    assert set(first["sha256"]) == {"seed-1/metrics.json", "seed-2/metrics.json"}
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("seed-*/adapter/softmax/*")}
+    again = run(cfg, tmp_path, [1, 2], progress=False)  # same seeds and configuration: every stage verified
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert again["perplexity"] == first["perplexity"]
+    before = tree(tmp_path)
+    with pytest.raises(InputError, match=r"over seeds \[1, 2\], not \[1, 3\]"):
+        run(cfg, tmp_path, [1, 3], progress=False)
+    assert tree(tmp_path) == before
