@@ -576,3 +576,13 @@ def test_multi_seed_rerun_resumes_and_other_seeds_are_refused(assets, tmp_path):
     with pytest.raises(InputError, match=r"over seeds \[1, 2\], not \[1, 3\]"):
         run(cfg, tmp_path, [1, 3], progress=False)
     assert tree(tmp_path) == before
+
+
+def test_groups_of_another_model_are_refused(assets, full_run, tmp_path):
+    d = tmp_path / "stage_dir"
+    d.mkdir()
+    shutil.copy(full_run[0] / "groups.json", d / "groups.json")
+    before = tree(d)
+    res = cli("calibrate", "--out", d, "--model", assets / "other", "--data", assets / "corpus.txt")
+    assert_bad_input(res, "groups.json", "differ")
+    assert tree(d) == before

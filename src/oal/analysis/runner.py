@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..models.capture import Captured, attention_module, capture
+from ..models.registry import weights_record
 from ..runio import atomic_write_json, check_out_dir, load_json
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
@@ -225,7 +226,8 @@ def analyze(
     info = dict(meta or {}, layers=layers, n_prompts=n_prompts, prompt_lengths=prompt_lengths, head_dim=d,
                 n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                              python=platform.python_version()))
+                              python=platform.python_version()),
+                base_model=weights_record(model))  # what the groups were computed from (`check_groups_model`)
     atomic_write_json(out / GROUPS_FILE, dict(format="oal.groups/1", **info, heads=heads_json))
 
     li_rep = layers.index(rep[0])
@@ -324,6 +326,19 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
                   "share at the real top-5 dims; Spearman / overlap (of 5): calibration vs held-out chi")
     console.print(f"group-count histogram: {summary['n_groups']['histogram']} "
                   f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
+
+
+def check_groups_model(path: str | Path, model, provenance=None) -> None:
+    """Refuse `model` unless it is the model groups.json was computed from (its tensors; with `provenance` from
+    `load_model` and a groups.json written by `oal analyze`, also the files of its folder)."""
+    from ..models.registry import check_base_model
+
+    path = Path(path)
+    path = path / GROUPS_FILE if path.is_dir() else path
+    data = load_json(path)
+    record = dict(data.get("base_model") or {}) if isinstance(data, dict) else {}
+    files = (data.get("provenance") or {}).get("sha256") if isinstance(data, dict) else None
+    check_base_model({**record, "hashes": files}, model, provenance, where=str(path))
 
 
 def load_groups(path: str | Path) -> dict[int, torch.Tensor]:

@@ -30,7 +30,7 @@ def calibrate_cmd(
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B); resumes per layer."""
-    from ..analysis import load_groups
+    from ..analysis import check_groups_model, load_groups
     from ..calibrate import CalibConfig
     from ..calibrate_resume import calibrate_directory
     from ..methods import method_names
@@ -50,6 +50,8 @@ def calibrate_cmd(
     except ValueError as exc:
         raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
     mdl, tok, prov = load_model_or_fail(model, device)
+    if groups:
+        check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
     layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
         sorted(groups) if groups else default_layers(mdl))
     missing = [i for i in layer_list if "oal" in wanted and i not in groups]

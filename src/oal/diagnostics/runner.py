@@ -58,11 +58,12 @@ def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], 
 
     path = run_dir / "groups.json"
     if path.is_file():
-        from ..analysis import load_groups
+        from ..analysis import check_groups_model, load_groups
 
         data = load_json(path)
         groups = load_groups(path)
         if set(layers) <= set(groups):
+            check_groups_model(path, model)  # groups of another model would give another model's diagnostics
             chi = {int(li): torch.tensor([h["chi"] for h in sorted(rows, key=lambda h: h["head"])],
                                          dtype=torch.float64)
                    for li, rows in data["heads"].items() if int(li) in layers}
