@@ -21,18 +21,20 @@ import shutil
 import statistics
 from pathlib import Path
 
-import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
-from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
+from .calibrate import NOT_CALIBRATED, CalibConfig, LayerData, calibrate_methods
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .io import kernel_dir, load_kernels, save_kernels
+from .models.capture_store import CaptureStore, capture_to_disk
 from .models.convert import convert
 from .models.registry import default_layers, load_model
 from .report import write_report
@@ -78,7 +80,9 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        return load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+        # --device auto -> CUDA when present; the base model in cfg.dtype, kernels/LoRA/calibration in fp32
+        self.device = resolve_device(self.cfg.device)
+        return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def setup(self) -> None:
         """Model, tokenizer, corpus, split plan and token blocks; writes config.json (cheap, always runs)."""
@@ -170,17 +174,29 @@ class Run:
                                           for m in methods]
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods))
 
-    def _capture(self, role: str, layer: int):
-        return capture_layer_data(self.model, self.blocks[role], layer, batch_size=1)
+    def _capture(self) -> CaptureStore:
+        """Every converted layer's q/k/v/out on the calibration blocks, one forward per block (DIR/.oal/capture,
+        reused by a resumed calibration when model, blocks and layers are unchanged; removed when done)."""
+        roles = ("calib_train", "calib_val")
+        key = config_hash({"setup": self.keys["setup"], "layers": self.layers, "roles": roles})
+        with Progress(disable=not self.progress, transient=True) as bar:
+            task = bar.add_task("capture", total=sum(self.blocks[r].shape[0] for r in roles))
+            return capture_to_disk(self.model, {r: self.blocks[r] for r in roles}, self.layers,
+                                   self.dir / ".oal" / "capture", key=key,
+                                   on_batch=lambda _role, n: bar.advance(task, n))
 
     def _calibrate(self, methods: list[str]) -> None:
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
         layer_methods: dict[str, dict[int, object]] = {m: {} for m in methods}
         report: dict[str, dict] = {m: {} for m in methods}
+        with Timer() as t:
+            store = self._capture()
+        capture = {"seconds": round(t.seconds, 3), "layers": len(self.layers), "bytes": store.nbytes(),
+                   "blocks": {r: len(store.files(r, self.layers[0])) for r in store.manifest["roles"]}}
         for layer in self.layers:
             self.console.print(f"calibrate layer {layer}: {', '.join(methods)}")
-            train, val = self._capture("calib_train", layer), self._capture("calib_val", layer)
+            train, val = (LayerData(**store.load(r, layer, self.device)) for r in ("calib_train", "calib_val"))
             done = calibrate_methods(methods, train, val, layer=layer, groups=groups.get(layer), cfg=cfg,
                                      seed=self.cfg.seed)
             for m, (method, res) in done.items():
@@ -190,7 +206,9 @@ class Run:
         for m in methods:
             save_kernels(layer_methods[m], self.kernel_dir(m), base_model=str(self.cfg.model),
                          model_hashes=model_hashes, extra={"method": m, "seed": self.cfg.seed})
-        atomic_write_json(self.dir / "calibration.json", {"config": cfg.to_dict(), "methods": report})
+        atomic_write_json(self.dir / "calibration.json", {"config": cfg.to_dict(), "methods": report,
+                                                          "capture": capture})
+        store.remove()
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
@@ -204,7 +222,8 @@ class Run:
 
         def fn():
             sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
+            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
+                           progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
 
         return self.stage("fidelity", deps, [".oal/fidelity.json"], fn)
@@ -226,6 +245,8 @@ class Run:
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
             model = self.model_for(method)
+            if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
+                enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
                                        self.cfg.adapt_config(), ckpt_dir=ckpt, progress=self.progress,
                                        description=f"adapt {method}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import ThreadsOpt, set_threads
+from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, set_threads
 from .app import app
 
 
@@ -16,10 +16,15 @@ def adapt_cmd(
     out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run` or `oal calibrate`)."),
     method: str = typer.Option("oal", help="The arm to adapt: a method name or softmax."),
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; resumable."""
+    """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; resumable.
+
+    --dtype defaults to the run's own; another dtype than the run was made with is refused.
+    """
     set_threads(threads)
     from ..config import RunConfig
     from ..pipeline import REFERENCE, Run
@@ -32,6 +37,9 @@ def adapt_cmd(
         d = load_json(cfg_path)["config"]
         if steps is not None:
             d["adapt"] = {**d.get("adapt", {}), "steps": steps}
+        if dtype is not None and dtype != d.get("dtype", "float32"):
+            raise ValueError(f"--dtype {dtype}: the run was made with {d.get('dtype', 'float32')}")
+        d["device"] = device
         if method not in d["methods"]:
             d["methods"] = [*d["methods"], method]
         cfg = RunConfig.from_dict(d)

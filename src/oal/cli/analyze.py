@@ -11,6 +11,7 @@ from ._common import (
     DataDirOpt,
     DataOpt,
     DeviceOpt,
+    DtypeOpt,
     LayersOpt,
     ModelOpt,
     load_model_or_fail,
@@ -38,7 +39,8 @@ def analyze_cmd(
     heldout: int = typer.Option(40, help="Held-out prompts (validation split) for the stability check; 0 skips."),
     long_len: int = typer.Option(None, help="Tokens of the sequence for the length-stability table (Table 4)."),
     batch_size: int = typer.Option(8, help="Prompts per forward pass."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
@@ -49,7 +51,7 @@ def analyze_cmd(
     from ..models.registry import PRESETS, default_layers
 
     console = Console()
-    mdl, tok, provenance = load_model_or_fail(model, device)
+    mdl, tok, provenance = load_model_or_fail(model, device, dtype)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers

@@ -12,7 +12,16 @@ from rich.table import Table
 
 from ..io import kernel_dir
 from ..runio import atomic_save_safetensors, atomic_write_json
-from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, blocks_or_fail, load_model_or_fail, parse_layers
+from ._common import (
+    DataDirOpt,
+    DataOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    blocks_or_fail,
+    load_model_or_fail,
+    parse_layers,
+)
 from .app import app
 
 _CKPT = Path(".oal") / "calibrate"
@@ -50,7 +59,8 @@ def calibrate_cmd(
     val_every: int = typer.Option(None, help="Validation interval in updates (override)."),
     patience: int = typer.Option(None, help="Early-stopping patience in updates (override)."),
     seed: int = typer.Option(0, help="Seed of the sampled sequences/positions and perturbed initialisations."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B)."""
     import torch
@@ -70,7 +80,7 @@ def calibrate_cmd(
         groups = load_groups(out) if "oal" in wanted else {}
     except ValueError as exc:
         raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
-    mdl, tok, prov = load_model_or_fail(model, device)
+    mdl, tok, prov = load_model_or_fail(model, device, dtype)
     n_layers = mdl.config.num_hidden_layers
     from ..models.convert import default_layers
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..io import kernel_dir
 from ..runio import atomic_write_json
-from ._common import BaseModelOpt, DataDirOpt, DeviceOpt, base_model_name, blocks_or_fail, load_model_or_fail
+from ._common import BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt, base_model_name, blocks_or_fail, load_model_or_fail
 from .app import app
 
 
@@ -24,7 +24,8 @@ def evaluate_cmd(
     methods: str = typer.Option("oal,global", help="Comma-separated calibrated methods in DIR."),
     preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
     blocks_limit: int = typer.Option(None, "--blocks", help="Use only the first N fidelity blocks."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json["fidelity"]."""
     from ..evaluate.fidelity import fidelity
@@ -32,7 +33,7 @@ def evaluate_cmd(
 
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     name = base_model_name(kernel_dir(out, wanted[0]) if wanted else out, model)
-    mdl, tok, _ = load_model_or_fail(name, device)
+    mdl, tok, _ = load_model_or_fail(name, device, dtype)
     sets = {}
     for m in wanted:
         try:

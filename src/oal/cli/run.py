@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, parse_layers, set_threads
 from .app import app
 
 
@@ -23,7 +23,8 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
@@ -38,7 +39,7 @@ def run(
         adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
         cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                     layers=parse_layers(layers) if layers else None, seed=seed_list[0], device=device,
-                                    adapt=adapt)
+                                    dtype=dtype, adapt=adapt)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
