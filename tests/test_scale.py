@@ -6,11 +6,10 @@ import random
 import pytest
 import torch
 from _tiny import FAMILIES, save_tiny_model, tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from oal.calibrate import capture_layer_data
+from oal.data.byte_tokenizer import byte_tokenizer
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
 from oal.models.capture_store import capture_to_disk, open_store
 
@@ -114,14 +113,6 @@ def test_capture_store_reuse_integrity_and_removal(tmp_path):
 # ----------------------------------------------------------------------------------------------- bf16 end to end
 
 
-def _byte_tokenizer():
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tk.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tk)
-
-
 def _plan():
     def bs(split, length, first, count):
         return {"split": split, "block_len": length, "indices": list(range(first, first + count))}
@@ -150,9 +141,9 @@ def test_whole_pipeline_with_a_bfloat16_base(tmp_path, corpus, family):
     from oal.cli import load_commands
 
     cfg_cls, model_cls, extra = FAMILIES[family]
-    cfg = cfg_cls(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    cfg = cfg_cls(vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, **extra)
-    model_dir = save_tiny_model(tmp_path / "model", model_cls, cfg, _byte_tokenizer())
+    model_dir = save_tiny_model(tmp_path / "model", model_cls, cfg, byte_tokenizer())
     # the CLI path: --dtype and --device reach RunConfig (a tiny custom plan goes through the library below)
     from oal.config import RunConfig
     from oal.pipeline import run_seed
