@@ -249,8 +249,10 @@ def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe_s: float 
     n_layers = len(run.layers)
     paper_test = math.ceil(WT103_TEST_CHARS / chars_per_token / run.blocks["test"].shape[1])
     out["setup"] = rows["setup"]["seconds"] + WT103_CHARS / tokenize_rate
-    if "analyze" in rows:
-        out["analyze"] = rows["analyze"]["seconds"]  # same inputs as the paper (40 x 128, B = 1000, N = 4096)
+    if "analyze" in rows:  # the paper's inputs (40 x 128 prompts, N = 4096); grouping scales with B bootstraps
+        b = run.cfg.grouping.get("n_bootstrap", 1000)
+        grouping_s = load_json(run.dir / "analysis.json").get("timing_s", {}).get("grouping", 0.0)
+        out["analyze"] = rows["analyze"]["seconds"] + grouping_s * max(1000 / b - 1, 0)
     if "calibrate" in rows:
         cal = load_json(run.dir / "calibration.json")
         capture_s = cal.get("capture", {}).get("seconds", 0.0)
@@ -358,42 +360,49 @@ def main(argv=None) -> dict:
                                 layers=_layers(args.layers), seed=args.seed, dtype=args.dtype, device=str(device),
                                 calib=calib, adapt=adapt, grouping=grouping, plan=plan(n, counts))
     run = Run(cfg, out / "run", console=console, progress=True)
+    rows, probe = meter.rows, None
+    report_path = out / "rehearsal.json"
+    earlier = load_json(report_path).get("stages", {}) if report_path.is_file() else {}
+
+    def save(partial: bool) -> dict:
+        result = {
+            "preset": args.preset, "device": str(device), "dtype": args.dtype, "full": args.full, "tiny": args.tiny,
+            "partial": partial, "layers": run.layers, "seq_len": n, "methods": cfg.methods, "counts": counts,
+            "steps": steps, "parameters": sum(p.numel() for p in run.model.parameters()),
+            "threads": torch.get_num_threads(), "stages": rows, "calibration_probe_s": probe,
+            "tokenizer": {"chars_per_token": round(chars_per_token, 3), "chars_per_s": round(tokenize_rate)},
+            "extrapolated_paper_s": extrapolate(rows, run, counts, steps, probe, chars_per_token, tokenize_rate),
+            "peak_rss_mb": max(r["peak_rss_mb"] or 0 for r in rows.values()),
+            "metrics": run.metrics() if not partial else {},
+            "notes": "random weights: perplexities and fidelities are meaningless; costs only. Extrapolation: "
+                     "linear per stage (calibration as an upper bound: no early stopping assumed).",
+        }
+        atomic_write_json(report_path, result)  # after every stage: a killed rehearsal keeps what it measured
+        return result
+
+    def stage(name: str, fn) -> None:
+        skipped = len(run.skipped)
+        with meter(name):
+            fn()
+        if len(run.skipped) > skipped:  # finished by an earlier rehearsal in DIR (resumed): keep its numbers
+            rows[name] = {**earlier.get(name, {"seconds": run.log.stages[name]["elapsed_s"], "peak_rss_mb": None,
+                                               "cuda_peak_mb": None}), "resumed": True}
+        save(partial=True)
+
     with meter("setup"):
         run.setup()
     console.print(f"[bold]{args.preset}[/]: {sum(p.numel() for p in run.model.parameters()) / 1e6:.1f}M parameters, "
                   f"{args.dtype} on {device}, layers {run.layers}, N = {n}, blocks {counts}")
-    with meter("analyze"):
-        run.analyze()
-    with meter("calibrate"):
-        run.calibrate()
-    probe = None
+    stage("analyze", run.analyze)
+    stage("calibrate", run.calibrate)
     if run.kernel_methods and not args.no_probe:
         probe = calibration_probe(run, run.layers[0], args.seed)
-    with meter("fidelity"):
-        run.fidelity()
+    stage("fidelity", run.fidelity)
     for m in cfg.methods:
-        with meter(f"perplexity_no_adapt:{m}"):
-            run.perplexity(m, adapted=False)
-        with meter(f"adapt:{m}"):
-            run.adapt(m)
-        with meter(f"perplexity:{m}"):
-            run.perplexity(m, adapted=True)
-
-    rows = meter.rows
-    paper = extrapolate(rows, run, counts, steps, probe, chars_per_token, tokenize_rate)
-    result = {
-        "preset": args.preset, "device": str(device), "dtype": args.dtype, "full": args.full, "tiny": args.tiny,
-        "layers": run.layers, "seq_len": n, "methods": cfg.methods, "counts": counts, "steps": steps,
-        "parameters": sum(p.numel() for p in run.model.parameters()),
-        "threads": torch.get_num_threads(), "stages": rows, "calibration_probe_s": probe,
-        "tokenizer": {"chars_per_token": round(chars_per_token, 3), "chars_per_s": round(tokenize_rate)},
-        "extrapolated_paper_s": paper,
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in rows.values()),
-        "metrics": run.metrics(),
-        "notes": "random weights: perplexities and fidelities are meaningless; costs only. Extrapolation: linear "
-                 "per stage (calibration as an upper bound: no early stopping assumed).",
-    }
-    atomic_write_json(out / "rehearsal.json", result)
+        stage(f"perplexity_no_adapt:{m}", lambda m=m: run.perplexity(m, adapted=False))
+        stage(f"adapt:{m}", lambda m=m: run.adapt(m))
+        stage(f"perplexity:{m}", lambda m=m: run.perplexity(m, adapted=True))
+    result = save(partial=False)
     console.print(table(result))
     return result
 
@@ -407,7 +416,8 @@ def table(result: dict) -> Table:
         t.add_column(col, justify="right")
     for stage, r in result["stages"].items():
         paper = result["extrapolated_paper_s"].get(stage)
-        t.add_row(stage, f"{r['seconds']:.1f}", f"{r['peak_rss_mb']:.0f}",
+        t.add_row(stage + (" (resumed)" if r.get("resumed") else ""), f"{r['seconds']:.1f}",
+                  "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}",
                   "-" if r["cuda_peak_mb"] is None else f"{r['cuda_peak_mb']:.0f}",
                   "-" if paper is None else f"{paper:.0f}")
     total = sum(v for k, v in result["extrapolated_paper_s"].items() if k != "paper_test_blocks")
