@@ -169,7 +169,7 @@ def split_blocks(tokenizer, data: str, block_len: int) -> dict[str, int]:
 
 
 class Meter:
-    """Wall time, peak RSS and CUDA peak of each `with meter(stage):` block.
+    """Wall time, CPU time (this process, all threads), peak RSS and CUDA peak of each `with meter(stage):` block.
 
     Peak RSS: the kernel's high-water mark (VmHWM), reset at the start of each stage through
     /proc/self/clear_refs; where that is not writable, a 50 ms sampling thread of the current RSS.
@@ -210,7 +210,7 @@ class Meter:
         sampler = None if exact else threading.Thread(target=sample, daemon=True)
         if sampler:
             sampler.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
@@ -221,7 +221,8 @@ class Meter:
             if sampler:
                 sampler.join()
             rss = self._status("VmHWM") if exact else peak[0]
-            self.rows[stage] = {"seconds": round(seconds, 2), "peak_rss_mb": round(rss, 1),
+            self.rows[stage] = {"seconds": round(seconds, 2), "cpu_seconds": round(time.process_time() - c0, 2),
+                                "peak_rss_mb": round(rss, 1),
                                 "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None}
 
 
@@ -237,27 +238,38 @@ def calibration_probe(run: Run, layer: int, seed: int) -> float:
     val = capture_layer_data(run.model, run.blocks["calib_val"].to(run.device), layer, batch_size=1)
     groups = load_groups(run.dir).get(layer) if "oal" in run.cfg.methods else None
     cfg = CalibConfig(max_steps=1, val_every=1, patience=1, seed=seed)
-    t0 = time.perf_counter()
+    clock = time.process_time if run.device.type == "cpu" else time.perf_counter  # as in extrapolate()
+    t0 = clock()
     calibrate_methods(run.kernel_methods, train, val, layer=layer, groups=groups, cfg=cfg, seed=seed)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe_s: float | None, chars_per_token: float,
                 tokenize_rate: float) -> dict:
-    """Each stage's cost at the paper's budget, from the measured stage and a linear cost model per stage."""
+    """Each stage's cost at the paper's budget, from the measured stage and a linear cost model per stage.
+
+    On a CPU the costs are CPU seconds of this process (the wall time of an idle machine at one thread; on a
+    shared machine the wall time mostly measures waiting), on CUDA wall seconds."""
+    cpu = run.device.type == "cpu"
+    # timings recorded inside a stage (calibration.json, analysis.json) are wall seconds: scale them by the stage's
+    # CPU/wall ratio (contention assumed even within a stage)
+    ratio = {k: (r.get("cpu_seconds") or r["seconds"]) / max(r["seconds"], 1e-9) if cpu else 1.0
+             for k, r in rows.items()}
+    rows = {k: {**r, "seconds": r["seconds"] * ratio[k]} for k, r in rows.items()}
     out = {}
     n_layers = len(run.layers)
     paper_test = math.ceil(WT103_TEST_CHARS / chars_per_token / run.blocks["test"].shape[1])
     out["setup"] = rows["setup"]["seconds"] + WT103_CHARS / tokenize_rate
     if "analyze" in rows:  # the paper's inputs (40 x 128 prompts, N = 4096); grouping scales with B bootstraps
         b = run.cfg.grouping.get("n_bootstrap", 1000)
-        grouping_s = load_json(run.dir / "analysis.json").get("timing_s", {}).get("grouping", 0.0)
+        grouping_s = load_json(run.dir / "analysis.json").get("timing_s", {}).get("grouping", 0.0) * ratio["analyze"]
         out["analyze"] = rows["analyze"]["seconds"] + grouping_s * max(1000 / b - 1, 0)
     if "calibrate" in rows:
         cal = load_json(run.dir / "calibration.json")
-        capture_s = cal.get("capture", {}).get("seconds", 0.0)
+        capture_s = cal.get("capture", {}).get("seconds", 0.0) * ratio["calibrate"]
         n_blocks = counts["calib_train"] + counts["calib_val"]
         per_layer = sum(r["elapsed_s"] for m in cal["methods"].values() for r in m.values()) / n_layers
+        per_layer *= ratio["calibrate"]
         s = steps["calib"]
         fixed = probe_s if probe_s is not None else 0.0
         per_step = max(per_layer - fixed, 0.0) / max(s - 1, 1)
@@ -332,9 +344,10 @@ def main(argv=None) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = load_corpus(args.data).splits["train"][:1_000_000]
-    t0 = time.perf_counter()
+    clock = time.process_time if device.type == "cpu" else time.perf_counter  # as in extrapolate()
+    t0 = clock()
     n_tok = len(tok(text, add_special_tokens=False)["input_ids"])
-    tokenize_rate, chars_per_token = len(text) / (time.perf_counter() - t0), len(text) / n_tok
+    tokenize_rate, chars_per_token = len(text) / max(clock() - t0, 1e-6), len(text) / n_tok
 
     n = args.seq_len
     avail = split_blocks(tok, args.data, n)
@@ -412,17 +425,19 @@ def table(result: dict) -> Table:
                     f"N={result['seq_len']}, {len(result['layers'])} converted layers"
                     f"{', full' if result['full'] else ''})")
     t.add_column("stage", no_wrap=True)
-    for col in ("seconds", "peak RSS MB", "CUDA peak MB", "paper budget (extrapolated) s"):
+    for col in ("wall s", "CPU s", "peak RSS MB", "CUDA peak MB", "paper budget (extrapolated) s"):
         t.add_column(col, justify="right")
     for stage, r in result["stages"].items():
         paper = result["extrapolated_paper_s"].get(stage)
         t.add_row(stage + (" (resumed)" if r.get("resumed") else ""), f"{r['seconds']:.1f}",
+                  "-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.1f}",
                   "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}",
                   "-" if r["cuda_peak_mb"] is None else f"{r['cuda_peak_mb']:.0f}",
                   "-" if paper is None else f"{paper:.0f}")
     total = sum(v for k, v in result["extrapolated_paper_s"].items() if k != "paper_test_blocks")
-    t.add_row("total", f"{sum(r['seconds'] for r in result['stages'].values()):.1f}", f"{result['peak_rss_mb']:.0f}",
-              "", f"{total:.0f}")
+    t.add_row("total", f"{sum(r['seconds'] for r in result['stages'].values()):.1f}",
+              f"{sum(r.get('cpu_seconds') or 0 for r in result['stages'].values()):.1f}",
+              f"{result['peak_rss_mb']:.0f}", "", f"{total:.0f}")
     return t
 
 
