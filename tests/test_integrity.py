@@ -371,9 +371,10 @@ STAGE_OUTPUTS = ["config.json", "groups.json", "kernels.safetensors", "kernels.j
 
 
 def _timeless(path: Path):
-    """File content with timing fields dropped (calibration.json records seconds per layer)."""
+    """File content with timing fields dropped (calibration.json records seconds per layer and of the capture)."""
     if path.name == "calibration.json":
         data = json.loads(path.read_text())
+        data.get("capture", {}).pop("seconds", None)
         for per_layer in data["methods"].values():
             for rec in per_layer.values():
                 rec.pop("elapsed_s", None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods
 from .io import kernel_dir, load_kernels, model_fingerprint, save_kernels
 from .runio import atomic_write_json
 
-__all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "calibrate_layers", "write_calibration"]
+__all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "OnePassCapture", "calibrate_layers", "write_calibration"]
 
 log = logging.getLogger("oal")
 CHECKPOINT_DIR = Path(".oal") / "calibrate"
@@ -100,9 +101,50 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
     return per_method, report
 
 
+class OnePassCapture:
+    """`capture(layer)` for `calibrate_layers`: on first use, one forward per calibration block captures every layer
+    of `layers` into a `CaptureStore` under `root` (reused after a kill when `key` matches; see
+    `oal.models.capture_store` for the memory bound); each call then reads one layer's (train, val) back."""
+
+    ROLES = ("calib_train", "calib_val")
+
+    def __init__(self, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int], root: str | Path, key: str,
+                 *, progress: bool = True):
+        self.model, self.blocks, self.layers = model, blocks, list(layers)
+        self.root, self.key, self.progress = Path(root), key, progress
+        self.store = None
+        self.seconds = 0.0
+
+    def __call__(self, layer: int):
+        from .calibrate import LayerData
+        from .models.capture_store import capture_to_disk
+
+        if self.store is None:
+            t0 = time.perf_counter()
+            with Progress(disable=not self.progress, transient=True) as bar:
+                task = bar.add_task("capture", total=sum(self.blocks[r].shape[0] for r in self.ROLES))
+                self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,
+                                             self.root, key=self.key, on_batch=lambda _role, n: bar.advance(task, n))
+            self.seconds = time.perf_counter() - t0
+        device = next(self.model.parameters()).device
+        return tuple(LayerData(**self.store.load(r, layer, device)) for r in self.ROLES)
+
+    def stats(self) -> dict | None:
+        """What calibration.json records of the capture (None when every layer came from a checkpoint)."""
+        if self.store is None:
+            return None
+        return {"seconds": round(self.seconds, 3), "layers": len(self.layers), "bytes": self.store.nbytes(),
+                "blocks": {r: len(self.store.files(r, self.layers[0])) for r in self.ROLES}}
+
+    def remove(self) -> None:
+        if self.store is not None:
+            self.store.remove()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,
                       cfg: CalibConfig, *, model, base_model: str, provenance: Mapping,
-                      extra: Mapping | None = None) -> None:
+                      extra: Mapping | None = None, capture: Mapping | None = None) -> None:
     """Each method's kernels (`oal.io.save_kernels`, bound to the base `model`: its architecture fingerprint and, by
     `provenance`, the SHA256 of its tensors and files) and calibration.json."""
     out_dir = Path(out_dir)
@@ -111,8 +153,10 @@ def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int,
         save_kernels(dict(methods), kernel_dir(out_dir, m), base_model=base_model, provenance=provenance,
                      fingerprint=fingerprint, extra={"method": m, **(extra or {})})
     layers = sorted({i for methods in per_method.values() for i in methods})
-    atomic_write_json(out_dir / "calibration.json", {"config": cfg.to_dict(), "model": base_model, "layers": layers,
-                                                     "methods": dict(report)})
+    record = {"config": cfg.to_dict(), "model": base_model, "layers": layers, "methods": dict(report)}
+    if capture is not None:
+        record["capture"] = dict(capture)
+    atomic_write_json(out_dir / "calibration.json", record)
 
 
 def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
@@ -121,21 +165,18 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
                         console: Console | None = None) -> dict[str, dict]:
     """`oal calibrate`: calibrate `methods` on `layers` of `model` from the plan's calibration blocks into `out_dir`
     (kernels + calibration.json), resuming from per-layer checkpoints of the same inputs. Returns the report."""
-    from .calibrate import capture_layer_data
     from .runio import config_hash, tensor_hash
 
-    device = next(model.parameters()).device
     key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
                        "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                        "blocks": {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val")},
                        "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups}})
 
-    def capture(layer):
-        return tuple(capture_layer_data(model, blocks[r].to(device), layer) for r in ("calib_train", "calib_val"))
-
+    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
+    checkpoints = LayerCheckpoints(out_dir, key)
     per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
-                                          checkpoints=LayerCheckpoints(out_dir, key), progress=progress,
-                                          console=console)
+                                          checkpoints=checkpoints, progress=progress, console=console)
     write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model, provenance=provenance,
-                      extra=extra)
+                      extra=extra, capture=capture.stats())
+    capture.remove()
     return report

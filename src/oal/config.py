@@ -10,6 +10,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 
 from .adapt import AdaptConfig
+from .device import resolve_dtype
 from .runio import from_known_keys
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
@@ -92,7 +93,7 @@ class RunConfig:
     layers: list[int] | None = None  # None: the model family's default conversion range
     seed: int = 42
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # resolved when the run starts (oal.device.resolve_device): a runtime choice, not hashed
     grouping: dict = field(default_factory=dict)
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
@@ -109,8 +110,7 @@ class RunConfig:
             if not all(isinstance(x, int) and x >= 0 for x in self.layers):
                 raise ValueError(f"layers: expected non-negative layer indices, got {self.layers!r}")
             self.layers = sorted(set(self.layers))
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype: expected float32, float64 or bfloat16, got {self.dtype!r}")
+        resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
         for method in self.adapt_overrides:
             self.adapt_config(method)

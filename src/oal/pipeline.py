@@ -26,16 +26,16 @@ import shutil
 import statistics
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
-from .calibrate import CalibConfig, capture_layer_data
-from .calibrate_resume import LayerCheckpoints, calibrate_layers, write_calibration
+from .calibrate import CalibConfig
+from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
 from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
@@ -97,7 +97,9 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        return load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+        # --device auto -> CUDA when present; the base model in cfg.dtype, kernels/LoRA/calibration in fp32
+        self.device = resolve_device(self.cfg.device)
+        return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def setup(self) -> None:
         """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
@@ -213,21 +215,22 @@ class Run:
         inputs = ["groups.json"] if "oal" in methods else []
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
 
-    def _capture(self, role: str, layer: int):
-        return capture_layer_data(self.model, self.blocks[role], layer, batch_size=1)
-
     def _calibrate(self, methods: list[str]) -> None:
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
-        # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer
+        # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
+        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done)
         checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
+        capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
+                                 config_hash({"setup": self.keys["setup"], "layers": self.layers}),
+                                 progress=self.progress)
         per_method, report = calibrate_layers(
-            methods, self.layers, lambda i: (self._capture("calib_train", i), self._capture("calib_val", i)),
-            groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints, progress=self.progress,
-            console=self.console)
+            methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
+            progress=self.progress, console=self.console)
         write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
-                          provenance=self.provenance, extra={"seed": self.cfg.seed})
+                          provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
         checkpoints.clear()
+        capture.remove()
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
@@ -241,7 +244,8 @@ class Run:
 
         def fn():
             sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
+            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
+                           progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
 
         return self.stage("fidelity", deps, [".oal/fidelity.json"], fn,
@@ -263,6 +267,8 @@ class Run:
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
             model = self.model_for(method)
+            if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
+                enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
                                        self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
                                        description=f"adapt {method}")
@@ -363,8 +369,8 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     return metrics
 
 
-def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, console: Console | None = None,
-              progress: bool = True) -> dict:
+def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
+              dtype: str | None = None, console: Console | None = None, progress: bool = True) -> dict:
     """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with another number of updates
     (recorded in config.json as that arm's `adapt_overrides`). Its adapt and perplexity stages rerun when their
     keys changed, and metrics.json and report.md are rewritten, so they describe the adapter now on disk.
@@ -386,6 +392,10 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, con
             raise InputError(f"{out_dir} has no calibrated kernels for {method!r}; run `oal run --out {out_dir} "
                              f"--methods ...,{method}` first", "--method", "method")
         d["methods"] = [*d["methods"], method]
+    if dtype is not None and dtype != d.get("dtype", "float32"):
+        raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")
+    if device is not None:
+        d["device"] = device  # a runtime choice, not part of the run's configuration
     if steps is not None:
         overrides = dict(d.get("adapt_overrides") or {})
         overrides[method] = {**overrides.get(method, {}), "steps": steps}

@@ -13,17 +13,43 @@ BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one re
 DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
-DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
+
+
+def _device_callback(value: str | None) -> str:
+    from ..device import resolve_device
+
+    try:
+        return str(resolve_device(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("device: "), param_hint="--device") from None
+
+
+def _dtype_callback(value: str | None) -> str | None:
+    from ..device import DTYPES
+
+    if value is not None and value not in DTYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(DTYPES)}, got {value!r}", param_hint="--dtype")
+    return value
+
+
+# --device auto resolves to "cuda" when this torch sees a GPU, else "cpu"; a device this build lacks is a clean
+# usage error. --dtype is the base model's dtype; kernels, LoRA and calibration stay float32 (oal.device).
+DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
+                                        help="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:N'.")]
+DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
+                                       help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
+                                       "calibration stay float32).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 
 
-def load_model_or_fail(model: str, device: str):
-    """`load_model(model, device=device)`; a bad name, path or file becomes a clean --model error."""
+def load_model_or_fail(model: str, device: str, dtype: str | None = None):
+    """`load_model(model, device=device, dtype=dtype)`; a bad name, path or file becomes a clean --model error."""
+    from ..device import resolve_dtype
     from ..models.registry import load_model
 
     try:
-        return load_model(model, device=device)
+        return load_model(model, device=device, dtype=resolve_dtype(dtype or "float32"))
     except (ValueError, RuntimeError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
 
@@ -89,13 +115,15 @@ def base_model_name(out: Path, model: str | None) -> str:
     return model or recorded_base_model(out) or "default"
 
 
-def converted_or_fail(out: Path, model: str | None, method: str, device: str):
+def converted_or_fail(out: Path, model: str | None, method: str, device: str, dtype: str | None = None):
     """(converted model, tokenizer, base model name): the kernels of `method` in run directory `out` on their base
     model (--model, default: the recorded one), which must be the model they were calibrated on."""
+    from ..device import resolve_dtype
     from ..io import kernel_dir, load_with_tokenizer
 
     name = base_model_name(kernel_dir(out, method), model)
-    mdl, tok, _ = load_with_tokenizer(kernel_dir(out, method), name, device=device)
+    mdl, tok, _ = load_with_tokenizer(kernel_dir(out, method), name, device=device,
+                                      dtype=resolve_dtype(dtype or "float32"))
     return mdl, tok, name
 
 

@@ -11,6 +11,7 @@ from ._common import (
     DataDirOpt,
     DataOpt,
     DeviceOpt,
+    DtypeOpt,
     LayersOpt,
     ModelOpt,
     load_model_or_fail,
@@ -40,7 +41,8 @@ def analyze_cmd(
     long_len: int = typer.Option(None, min=1, help="Tokens of the sequence for the length-stability table "
                                  "(Table 4)."),
     batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
@@ -55,7 +57,7 @@ def analyze_cmd(
     console = Console()
     check_out_dir(out)
     refuse_run_dir(out, "analysis")
-    mdl, tok, provenance = load_model_or_fail(model, device)
+    mdl, tok, provenance = load_model_or_fail(model, device, dtype)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers

@@ -8,7 +8,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, ModelOpt, blocks_or_fail, load_model_or_fail, parse_layers
+from ._common import (
+    DataDirOpt,
+    DataOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    blocks_or_fail,
+    load_model_or_fail,
+    parse_layers,
+)
 from .app import app
 
 
@@ -26,7 +35,8 @@ def calibrate_cmd(
     val_every: int = typer.Option(None, min=1, help="Validation interval in updates (override)."),
     patience: int = typer.Option(None, min=1, help="Early-stopping patience in updates (override)."),
     seed: int = typer.Option(0, min=0, help="Seed of the sampled sequences/positions and perturbed initialisations."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B); resumes per layer."""
@@ -49,7 +59,7 @@ def calibrate_cmd(
         groups = load_groups(out) if "oal" in wanted else {}
     except ValueError as exc:
         raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
-    mdl, tok, prov = load_model_or_fail(model, device)
+    mdl, tok, prov = load_model_or_fail(model, device, dtype)
     if groups:
         check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
     layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import BaseModelOpt, DataDirOpt, DeviceOpt
+from ._common import BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt
 from .app import app
 
 
@@ -22,7 +22,8 @@ def evaluate_cmd(
                                 "oal,global)."),
     preset: str = typer.Option(None, help="Split-plan preset (default: the run's plan, or detected from the model)."),
     blocks_limit: int = typer.Option(None, "--blocks", min=1, help="Use only the first N fidelity blocks."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json["fidelity"]
     (and report.md, in an `oal run` directory)."""
@@ -31,7 +32,7 @@ def evaluate_cmd(
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
-                            blocks=blocks_limit, device=device, console=console)
+                            blocks=blocks_limit, device=device, dtype=dtype, console=console)
     first = next(iter(res.values()))
     table = Table(title=f"frozen-attention fidelity, {first['n_blocks']} held-out blocks x {first['block_len']}")
     for col in ("method", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import BaseModelOpt, DeviceOpt, converted_or_fail
+from ._common import BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
 from .app import app
 
 
@@ -17,7 +17,8 @@ def generate_cmd(
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Greedy generation with the converted model (recurrent O(1) state in converted layers).
 
@@ -31,7 +32,7 @@ def generate_cmd(
     except UnicodeEncodeError as exc:
         raise typer.BadParameter(f"not valid UTF-8 text ({exc.reason} at character {exc.start})",
                                  param_hint="PROMPT") from None
-    mdl, tok, _ = converted_or_fail(out, model, method, device)
+    mdl, tok, _ = converted_or_fail(out, model, method, device, dtype)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     n_prompt = enc["input_ids"].shape[1]
     if n_prompt == 0:

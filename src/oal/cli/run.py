@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, parse_layers, set_threads
 from .app import app
 
 
@@ -26,7 +26,8 @@ def run(
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
     force: bool = typer.Option(False, "--force", help="If OUT holds a run of another configuration (or layout), "
                                "delete its results and start clean."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
@@ -39,5 +40,5 @@ def run(
     adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
-                                device=device, adapt=adapt)
+                                device=device, dtype=dtype, adapt=adapt)
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)

@@ -19,10 +19,13 @@ __all__ = ["evaluate_fidelity"]
 
 def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None, *, model: str | None = None,
                       data: str | None = None, data_dir: str | None = None, preset: str | None = None,
-                      blocks: int | None = None, device: str = "cpu", progress: bool = True, console=None) -> dict:
+                      blocks: int | None = None, device: str = "cpu", dtype: str | None = None,
+                      progress: bool = True, console=None) -> dict:
     """Fidelity (Table 2 metrics) of `methods`' kernels in `out_dir` on the held-out fidelity blocks (the first
-    `blocks` of them); returns {method: metrics} after merging it into `out_dir`/metrics.json."""
+    `blocks` of them); returns {method: metrics} after merging it into `out_dir`/metrics.json. The base model is
+    loaded in `dtype` (default: the run's own)."""
     from ..data import SplitPlan, default_plan, load_corpus, plan_blocks
+    from ..device import resolve_dtype
     from ..io import check_kernels_base, kernel_dir, load_kernels, model_fingerprint, recorded_base_model
     from ..metrics import update_metrics
     from ..models.registry import load_model, preset_for
@@ -44,7 +47,8 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     if not methods:
         raise InputError("expected at least one calibrated method", "--methods", "methods")
     name = model or recorded_base_model(kernel_dir(out_dir, methods[0])) or "default"
-    mdl, tok, provenance = load_model(name, device=device)
+    dtype = resolve_dtype(dtype or recorded.get("dtype") or "float32")
+    mdl, tok, provenance = load_model(name, device=device, dtype=dtype)
     sets, inputs = {}, {}
     for m in methods:
         kdir = kernel_dir(out_dir, m)
