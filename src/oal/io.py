@@ -141,12 +141,18 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
     return methods, meta
 
 
-def load(directory: str | Path, base_model, **load_kwargs) -> nn.Module:
+def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
     """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
 
     A name/path goes through `oal.models.registry.load_model` (`load_kwargs` passed on) and its file hashes must
     match those recorded at save time. A loaded model is checked by architecture fingerprint only.
+    Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
+    model) and holds everything: `oal.export.load_export(directory, **load_kwargs)` (dtype=, device=).
     """
+    if base_model is None:
+        from .export import load_export
+
+        return load_export(directory, **load_kwargs)
     hashes = None
     if isinstance(base_model, (str, os.PathLike)):
         from .models.registry import load_model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +14,9 @@ DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
+AdapterOpt = Annotated[bool | None, typer.Option(
+    "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
+    "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 
@@ -79,27 +81,16 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
         raise typer.BadParameter(str(exc), param_hint="--data") from None
 
 
-def base_model_name(out: Path, model: str | None) -> str:
-    """--model if given, else the base model recorded in DIR/kernels.json, else the embedded default."""
-    if model:
-        return model
-    meta = out / "kernels.json"
-    if meta.is_file():
-        name = json.loads(meta.read_text()).get("base_model", {}).get("name_or_path")
-        if name:
-            return name
-    return "default"
+def converted_or_fail(out: Path, model: str | None, method: str, device: str, adapter: bool | None = None):
+    """(model, tokenizer, info) of `oal.export.load_converted`; a bad run directory becomes a clean --out error."""
+    from ..export import load_converted
 
-
-def converted_or_fail(out: Path, model: str | None, method: str, device: str):
-    from ..io import kernel_dir, load
-
-    name = base_model_name(kernel_dir(out, method), model)
-    mdl, tok, prov = load_model_or_fail(name, device)
     try:
-        return load(kernel_dir(out, method), mdl), tok, name
+        return load_converted(out, method, adapter, model=model, device=device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from None
+    except (RuntimeError, OSError) as exc:  # the base model cannot be loaded (not cached, unreadable)
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
 
 
 def set_threads(threads: int | None) -> None:

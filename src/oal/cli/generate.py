@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import BaseModelOpt, DeviceOpt, converted_or_fail
+from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, converted_or_fail
 from .app import app
 
 
@@ -17,14 +17,16 @@ def generate_cmd(
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
+    adapter: AdapterOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """Greedy generation with the converted model (recurrent O(1) state in converted layers)."""
+    """Greedy generation with the converted model (recurrent O(1) state in converted layers), adapted when the run
+    has an adapter for the method."""
     import torch
 
     if max_new_tokens < 1:
         raise typer.BadParameter("expected >= 1", param_hint="--max-new-tokens")
-    mdl, tok, _ = converted_or_fail(out, model, method, device)
+    mdl, tok, _ = converted_or_fail(out, model, method, device, adapter)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     if enc["input_ids"].shape[1] == 0:
         raise typer.BadParameter("the prompt encodes to no tokens", param_hint="PROMPT")

@@ -105,3 +105,29 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
             res["per_layer"][str(i)] = row
         out[name] = res
     return out
+
+
+def run_fidelity(run_dir, methods: Sequence[str], held_out, *, adapter: bool | None = None, model: str | None = None,
+                 device: str = "cpu", progress: bool = False) -> dict[str, dict]:
+    """Fidelity of a run directory's converted models, method by method (`oal.export.load_converted`).
+
+    Without an adapter: the calibrated kernels against the base model's softmax attention (Table 2), under
+    "fidelity". With the run's adapter for a method (`adapter` as in load_converted): the trained kernels against
+    the softmax attention of the same LoRA-merged weights, under "fidelity_adapted". `held_out(tokenizer, model)`
+    returns the blocks [B, N] (called once, with the first method's model). Returns {key: {method: metrics}},
+    plus "model" (the base model) and "converted_layers" (of the first method), as metrics.json records them.
+    """
+    from ..export import load_converted, softmax_twin
+    from ..models.convert import converted_methods
+
+    out: dict = {"fidelity": {}, "fidelity_adapted": {}}
+    blocks = None
+    for name in methods:
+        converted, tokenizer, info = load_converted(run_dir, name, adapter, model=model, device=device)
+        if blocks is None:
+            blocks = held_out(tokenizer, converted).to(device)
+            out["model"], out["converted_layers"] = info["base_model"], sorted(converted_methods(converted))
+        teacher = softmax_twin(converted, info["base_model"], device=device)
+        key = "fidelity_adapted" if info["adapter"] else "fidelity"
+        out[key].update(fidelity(teacher, blocks, {name: converted_methods(converted)}, progress=progress))
+    return out
