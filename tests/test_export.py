@@ -206,6 +206,23 @@ def test_merged_peft_model_save_pretrained_keeps_the_kernels(tmp_path):
     assert (logits(reloaded) - softmax).abs().max() > 1e-2
 
 
+def test_the_calls_lm_eval_makes_for_a_folder(exported, run_dir):
+    """What lm-eval's HFLM(pretrained="<dir>") calls (lm_eval/models/huggingface.py), with its keyword arguments;
+    lm-eval itself is not installed here."""
+    from transformers import AutoConfig
+
+    d = str(exported)
+    config = AutoConfig.from_pretrained(d, revision="main", trust_remote_code=False)
+    assert config.model_type == "oal_llama" and config.max_position_embeddings > 0
+    model = AutoModelForCausalLM.from_pretrained(d, revision="main", torch_dtype="auto", trust_remote_code=False,
+                                                 device_map={"": "cpu"})
+    model.eval()
+    model.tie_weights()
+    tok = AutoTokenizer.from_pretrained(d, revision="main", trust_remote_code=False, use_fast=True)
+    ids = torch.tensor([tok.encode("abc def", add_special_tokens=False)])
+    assert torch.equal(logits(model, ids), logits(load_converted(run_dir, "oal")[0], ids))
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 
 
