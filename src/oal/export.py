@@ -15,7 +15,6 @@ the folder (adapter_config.json + adapter_model.safetensors), which transformers
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .io import KERNELS_FILE, META_FILE, kernel_dir
+from .models.pretrained import read_json_object
 from .runio import atomic_dir, load_json, sha256_files
 
 __all__ = ["adapter_dir", "calibrated_methods", "export", "load_converted", "load_export", "save_converted",
@@ -76,10 +76,8 @@ def _run_dtype(run_dir: Path) -> torch.dtype:
     path = run_dir / "config.json"
     name = "float32"
     if path.is_file():
-        try:
-            name = load_json(path).get("config", {}).get("dtype") or name
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            raise ValueError(f"{path}: not a run configuration (invalid JSON)") from None
+        config = read_json_object(path, "the configuration of an `oal run` run directory").get("config")
+        name = (config.get("dtype") if isinstance(config, dict) else None) or name
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{path}: config.dtype: expected a torch dtype name, got {name!r}")
@@ -105,10 +103,8 @@ def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | Non
     run_dir = Path(run_dir)
     kdir = _kernels_or_fail(run_dir, method)
     adir = _adapter_or_none(run_dir, method, adapter)
-    try:
-        name = model or load_json(kdir / META_FILE)["base_model"]["name_or_path"] or "default"
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise ValueError(f"{kdir / META_FILE}: expected kernels metadata with base_model.name_or_path") from None
+    base = read_json_object(kdir / META_FILE, "kernels metadata (oal.save_kernels)").get("base_model")
+    name = model or (base.get("name_or_path") if isinstance(base, dict) else None) or "default"
     mdl = load(kdir, name, dtype=dtype or _run_dtype(run_dir), device=device)  # checks the base model's hashes
     tokenizer = AutoTokenizer.from_pretrained(mdl.config.name_or_path, local_files_only=True)
     if adir is not None:
@@ -187,12 +183,7 @@ def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, devi
 
     directory = Path(directory)
     cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{cfg_path}: missing; expected a converted model folder written by `oal export`")
-    try:
-        model_type = load_json(cfg_path).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise ValueError(f"{cfg_path}: not a model config (invalid JSON)") from None
+    model_type = read_json_object(cfg_path, "the config of a converted model folder (oal export)").get("model_type")
     try:
         family = base_model_type(model_type)
     except ValueError:

@@ -35,7 +35,7 @@ from ..methods.base import AttentionMethod, build_method
 from ..runio import atomic_write_json, sha256_files, versions
 
 __all__ = ["FORMAT", "MANIFEST", "ConvertedModelMixin", "build_methods", "conversion_spec", "converted_class",
-           "make_saveable", "verify_manifest", "write_manifest"]
+           "make_saveable", "read_json_object", "verify_manifest", "write_manifest"]
 
 log = logging.getLogger("oal")
 
@@ -110,22 +110,29 @@ def write_manifest(directory: str | Path, source: dict | None = None) -> Path:
                                                      "versions": versions()})
 
 
+def read_json_object(path: Path, expected: str) -> dict:
+    """The JSON object in `path`; ValueError naming the file when it is missing, not JSON or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; expected {expected}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); expected {expected}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected {expected}, got a JSON {type(data).__name__}")
+    return data
+
+
 def verify_manifest(directory: str | Path) -> dict:
     """Check DIR/oal.json and the hash of every file it lists; ValueError naming the first file that fails."""
     from .registry import file_sha256
 
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"{path}: missing; expected a converted model folder written by `oal export` or by "
-                         "save_pretrained of a converted model")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(f"{path}: expected format {FORMAT!r}, got {got!r}")
+    manifest = read_json_object(path, "the manifest of a converted model folder (written by `oal export` or by "
+                                      "save_pretrained of a converted model)")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: expected format {FORMAT!r}, got {manifest.get('format')!r}")
     files = manifest.get("sha256")
     if not isinstance(files, dict) or "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
         raise ValueError(f"{path}: expected the hashes of config.json and the .safetensors weights")
