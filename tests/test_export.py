@@ -129,6 +129,8 @@ def test_unmerged_export_keeps_the_adapter_separate(run_dir, tmp_path):
     reloaded = oal.load(path)  # transformers attaches the adapter found in the folder
     assert getattr(reloaded, "_hf_peft_config_loaded", False)
     assert torch.equal(logits(reloaded), logits(adapted))
+    with pytest.raises(ValueError, match="would save only its LoRA adapter"):
+        reloaded.save_pretrained(tmp_path / "again")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
