@@ -365,8 +365,12 @@ def test_cli_bad_input_is_one_clean_line(cli, run_dir, tmp_path):
         res = cli(*args)
         assert res.exit_code == 2 and msg in _text(res), (args, res.output)
         assert "Traceback" not in res.output
-    res = cli("export", "--out", run_dir, "--method", "taylorshift", "--no-adapter", "--to", tmp_path / "e")
+    res = cli("export", "--out", run_dir, "--method", "taylorshift", "--no-adapter", "--to", tmp_path / "e",
+              "--dtype", "bfloat16")
     assert res.exit_code == 0 and (tmp_path / "e" / MANIFEST).is_file(), res.output
+    reloaded = oal.load(tmp_path / "e")
+    assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert converted_methods(reloaded)[1].tau.dtype == torch.float32
 
 
 def test_cli_commands_take_the_adapter_by_default(cli, run_dir, tmp_path):

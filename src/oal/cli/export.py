@@ -34,7 +34,7 @@ def export_cmd(
                                "it as a peft adapter in the folder; transformers attaches it on load)."),
     model: BaseModelOpt = None,
     dtype: str = typer.Option(None, help="dtype of the written base weights: float32, float16 or bfloat16 "
-                              "(default: the run's). Kernels stay float32."),
+                              "(default: the run's). Kernels keep their own (float32)."),
 ) -> None:
     """Write the converted model (base weights, conversion, kernels, adapter, tokenizer, SHA256 manifest)."""
     import torch
