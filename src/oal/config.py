@@ -10,7 +10,8 @@ import copy
 from dataclasses import asdict, dataclass, field
 
 from .adapt import AdaptConfig
-from .runio import from_known_keys
+from .data.zeroshot import parse_task_files, parse_tasks
+from .runio import from_known_keys, parse_names
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
            "parse_seeds"]
@@ -56,18 +57,9 @@ def grouping_preset(preset: str) -> dict:
 
 def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
-    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
-    items = [s for s in items if s]
-    if not items:
+    out = parse_names(spec, ALL_METHODS, "methods")
+    if not out:
         raise ValueError("methods: expected a comma-separated list of method names or 'all', got nothing")
-    out: list[str] = []
-    for item in items:
-        for name in (ALL_METHODS if item == "all" else (item,)):
-            if name not in ALL_METHODS:
-                raise ValueError(f"methods: unknown method {name!r}; expected some of {', '.join(ALL_METHODS)} "
-                                 "or 'all'")
-            if name not in out:
-                out.append(name)
     return out
 
 
@@ -100,6 +92,10 @@ class RunConfig:
     eval_batch_size: int = 1
     plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
+    zeroshot_tasks: list[str] | None = None  # PIQA / HellaSwag / ARC-E (App. F.3); None: all three, []: none
+    zeroshot_limit: int | None = None  # first N examples of each task (a quick run, reported as such)
+    zeroshot_dir: str | None = None  # local folder of the pinned zero-shot files (with manifest)
+    zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -112,6 +108,10 @@ class RunConfig:
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"dtype: expected float32, float64 or bfloat16, got {self.dtype!r}")
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
+        self.zeroshot_tasks = parse_tasks(self.zeroshot_tasks)
+        self.zeroshot_files = parse_task_files(self.zeroshot_files)
+        if self.zeroshot_limit is not None and self.zeroshot_limit < 1:
+            raise ValueError(f"zeroshot_limit: expected a positive number of examples, got {self.zeroshot_limit}")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:

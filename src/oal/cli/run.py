@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import DeviceOpt, LimitOpt, TaskFileOpt, TasksOpt, ThreadsOpt, ZeroshotDirOpt, parse_layers, set_threads
 from .app import app
 
 
@@ -23,12 +23,18 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
     steps: int = typer.Option(None, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
+    tasks: TasksOpt = "all",
+    limit: LimitOpt = None,
+    zeroshot_dir: ZeroshotDirOpt = None,
+    task_file: TaskFileOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
+    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line."""
     from ..config import RunConfig, parse_methods, parse_seeds
+    from ..data.zeroshot import parse_task_files
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
@@ -38,7 +44,8 @@ def run(
         adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
         cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                     layers=parse_layers(layers) if layers else None, seed=seed_list[0], device=device,
-                                    adapt=adapt)
+                                    adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit, zeroshot_dir=zeroshot_dir,
+                                    zeroshot_files=parse_task_files(task_file))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
