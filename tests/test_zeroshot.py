@@ -156,6 +156,7 @@ def test_folder_errors(tmp_path):
     pq.write_table(pa.table({"question": ["q"], "answer": ["A"]}), wrong)
     unpinned = {**sources, "arc_easy": dataclasses.replace(sources["arc_easy"], sha256=None)}
     zdata.write_manifest(tmp_path, ["arc_easy"], sources=unpinned)
+    assert set(json.loads((tmp_path / "manifest.json").read_text())["tasks"]) == set(zdata.TASKS)  # others kept
     with pytest.raises(ValueError, match=r"lacks columns \['choices', 'answerKey'\].*allenai/ai2_arc schema"):
         load_task("arc_easy", data_dir=tmp_path, sources=unpinned)
     # write_manifest refuses a file that does not match a published pin

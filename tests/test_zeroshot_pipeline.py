@@ -112,6 +112,12 @@ def test_cli_evaluate_zeroshot_matches_the_stage(zs_run, tmp_path):
     assert res.exit_code == 2 and "unknown task 'mmlu'" in res.output
     res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--limit", "0"])
     assert res.exit_code == 2 and "zeroshot_limit" in res.output
+    res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--zeroshot-dir", str(tmp_path / "no")])
+    assert res.exit_code == 2 and "zeroshot_dir: no such folder" in res.output
+    from oal.config import RunConfig
+
+    assert RunConfig.from_preset("default").zeroshot_limit == 100  # a quick run within the default budget
+    assert RunConfig.from_preset("qwen2.5-0.5b").zeroshot_limit is None  # the paper presets: the full sets
 
 
 def test_cli_evaluate_offline_without_data(zs_run, tmp_path, monkeypatch):

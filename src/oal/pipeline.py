@@ -425,12 +425,12 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
 
 
 def summary_table(metrics: dict) -> Table:
-    """methods x (fidelity, PPL) for the terminal."""
+    """methods x (fidelity, PPL, zero-shot) for the terminal."""
     multi = "perplexity_std" in metrics
-    table = Table(title=f"oal run: {metrics.get('model')} (layers {metrics.get('converted_layers')})")
     tasks = [t for t in DISPLAY_NAMES if any(t in z for z in metrics.get("zeroshot", {}).values())]
-    for col in ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)",
-                *(f"{DISPLAY_NAMES[t]} acc_norm" for t in tasks)):
+    table = Table(title=f"oal run: {metrics.get('model')} (layers {metrics.get('converted_layers')})",
+                  caption="PIQA / HellaSwag / ARC-E: zero-shot acc_norm %" if tasks else None)
+    for col in ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)", *(DISPLAY_NAMES[t] for t in tasks)):
         table.add_column(col, justify="right")
     for m in metrics.get("methods", []):
         f = metrics.get("fidelity", {}).get(m, {})

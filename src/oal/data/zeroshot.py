@@ -155,9 +155,9 @@ def write_manifest(data_dir: str | Path, tasks: list[str] | None = None, *,
     """Record dataset id, revision and SHA256 of each task's file under `data_dir` (atomic write).
 
     A file whose hash is pinned must match the pin. A file without a pinned hash is recorded as found (logged);
-    later reads check it against this record. Fill the folder first, e.g. for PIQA:
-    `huggingface-cli download lighteval/piqa plain_text/validation-00000-of-00001.parquet --repo-type dataset
-    --revision 41782e6bf0ef7de82a2ca8a9feb1dca042837fae --local-dir DIR/piqa`.
+    later reads check it against this record. Entries of other tasks already in the manifest are kept. Fill the
+    folder first, e.g. for PIQA: `hf download lighteval/piqa plain_text/validation-00000-of-00001.parquet
+    --repo-type dataset --revision 41782e6bf0ef7de82a2ca8a9feb1dca042837fae --local-dir DIR/piqa`.
     """
     sources = sources or SOURCES
     data_dir = Path(data_dir)
@@ -165,6 +165,8 @@ def write_manifest(data_dir: str | Path, tasks: list[str] | None = None, *,
     if not tasks:
         raise ValueError(f"data_dir: {data_dir} holds none of the task folders {list(sources)}")
     entries = {}
+    if (data_dir / MANIFEST_NAME).is_file():
+        entries = dict(read_manifest(data_dir, "write_manifest")[1].get("tasks", {}))
     for task in tasks:
         spec = sources[task] if task in sources else _check_task(task)
         path = _local_file(data_dir, task, spec)

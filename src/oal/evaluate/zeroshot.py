@@ -4,7 +4,8 @@ Prompts: PIQA and ARC-E use "Question: {question}\\nAnswer:"; HellaSwag uses "{a
 capitalised}" with title markers replaced by periods and bracketed artifacts removed (endings cleaned the same way).
 Every candidate is prefixed with a space and scored by its conditional log-likelihood given the context; only the
 candidate's tokens are scored. No chat template, no BOS/EOS. Context and candidate are tokenized separately and
-concatenated, so the candidate's token count is that of " " + candidate on its own.
+concatenated, so the candidate's token count is that of " " + candidate on its own (for byte-level BPE tokenizers,
+which split before a space, these are the tokens lm-eval gets by encoding the whole string and splitting it).
 
 Accuracies (in %) per task:
 - `acc`: argmax of the summed log-likelihood;
@@ -14,7 +15,8 @@ Accuracies (in %) per task:
   task. It equals `acc_norm` on ARC-E and differs on PIQA and HellaSwag (characters rather than tokens).
 
 Scoring is batched: the (context, candidate) sequences of many examples are right-padded into one forward with an
-attention mask (converted layers handle right padding, `oal.models.convert`). A converted model is a plain HF model,
+attention mask (converted layers handle right padding, `oal.models.convert`); a pair longer than the model's
+context keeps its last tokens, as lm-eval does. A converted model is a plain HF model,
 so lm-eval's `HFLM(pretrained=model, tokenizer=tok)` scores it too; tests/test_zeroshot_lmeval.py checks that the
 per-candidate log-likelihoods agree.
 """
