@@ -1,7 +1,7 @@
 """The Triton backend against the dense reference (Eq. 7): outputs, final states and gradients.
 
-On a machine without CUDA the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
-when this module is imported); with CUDA (scripts/gpu_check.sh) they run compiled.
+On a machine without CUDA the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py before triton is first imported); with CUDA (scripts/gpu_check.sh) they run compiled.
 OAL_TEST_DEVICE=cpu|cuda overrides the choice. The interpreter is slow, so the shapes are small and chosen to
 cover the cases rather than to form a grid.
 
@@ -24,16 +24,14 @@ import torch
 DEVICE = os.environ.get("OAL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-if DEVICE == "cpu":
-    # Triton binds the interpreter at import time, its own modules included, so the variable must be set before
-    # triton is first imported and stay set. Nothing else in the suite uses triton (no torch.compile).
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("tests/test_triton.py: triton was imported before TRITON_INTERPRET=1 could be set")
-    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")  # in the dev extra on Linux, so CI runs these; other platforms have no wheel
 
 import oal.ops.triton as oal_triton  # noqa: E402
 import oal.ops.triton.function as tfn  # noqa: E402
 from oal.ops import oal_attention  # noqa: E402
+
+if DEVICE == "cpu" and not oal_triton.interpreted():
+    raise RuntimeError("tests/test_triton.py on CPU needs TRITON_INTERPRET=1 before triton is imported (conftest.py)")
 
 F64 = torch.float64
 RTOL = 2e-5
@@ -97,13 +95,14 @@ def check_against_reference(case, *, chunk=None, seg=None, state=False, dtype=to
     return errs
 
 
-# b, hq, hkv, n, d, dv, g; chunk; chunks per scan segment (None: one segment); initial state
+# b, hq, hkv, n, d, dv, g; chunk; chunks per scan segment (None: one segment; rounded down to a power of 4);
+# initial state. N200 at chunk 32 is 7 chunks in 2 segments of 4: a padding chunk and a carry between segments.
 CASES = [
     pytest.param((1, 1, 1, 1, 16, 16, 1), None, None, False, id="N1"),
     pytest.param((1, 2, 1, 17, 16, 16, 3), 16, None, True, id="N17-gqa2-state"),
-    pytest.param((2, 2, 2, 64, 16, 24, 2), 16, 2, False, id="N64-B2-dv24-segments"),
-    pytest.param((1, 7, 1, 200, 16, 16, 6), 32, 2, True, id="N200-gqa7-G6-segments-state"),
-    pytest.param((1, 2, 1, 50, 64, 64, 4), 16, 2, False, id="N50-d64-segments"),
+    pytest.param((2, 2, 2, 64, 16, 24, 2), 16, 1, False, id="N64-B2-dv24-segments"),
+    pytest.param((1, 7, 1, 200, 16, 16, 6), 32, 4, True, id="N200-gqa7-G6-padded-segments-state"),
+    pytest.param((1, 2, 1, 50, 64, 64, 4), 16, 1, False, id="N50-d64-segments"),
     pytest.param((1, 2, 2, 33, 20, 12, 5), 16, 1, True, id="N33-d20-padded-features"),
 ]
 
@@ -149,9 +148,13 @@ def test_prefill_on_triton_then_decode():
 
 
 def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
-    """bf16 at a longer length with outlier dimensions (large kappa): finite, bf16 output, close to fp32 reference.
+    """bf16 at a longer length with an outlier dimension (large kappa): finite, bf16 output, close to fp64.
 
-    bf16 operands carry 8 mantissa bits, so 2e-2 in norm is the expected scale of the error, not a loose bound.
+    On a GPU the dots take bf16 operands and the per-chunk states are stored in bf16. Running this test's inputs
+    through the kernels with bf16 dots emulated in the interpreter gave relative errors of 7e-3 (output), 4e-3 to
+    9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum over all tokens); bf16-rounded inputs alone give 2e-3 to 5e-3.
+    The bounds leave a factor of 2 or more. (Triton's interpreter cannot multiply bf16, so on CPU the kernels use
+    fp32 dots and this test checks the dtype handling and the long-sequence scan.)
     """
     monkeypatch.setattr(tfn, "SEGMENT_CHUNKS", 4)
     n = 1024
@@ -163,8 +166,8 @@ def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
     assert out.dtype == torch.bfloat16
     assert all(bool(torch.isfinite(t).all()) for t in [out, *grads.values()])
     assert rel_err(out, ref) < 2e-2
-    for name in ("q", "k", "v", "factor"):
-        assert rel_err(grads[name], ref_grads[name]) < 5e-2, name
+    for name, tol in (("q", 3e-2), ("k", 3e-2), ("v", 3e-2), ("factor", 6e-2)):
+        assert rel_err(grads[name], ref_grads[name]) < tol, name
 
 
 def test_half_precision_inputs_give_their_dtype():

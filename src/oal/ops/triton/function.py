@@ -137,8 +137,8 @@ def _consts(cfg: Config, kernel: str):
 def _segments(n_chunks: int, programs_per_segment: int, device: torch.device) -> tuple[int, int]:
     """(chunks per segment, segments). Enough programs to fill the device; one segment under the interpreter.
 
-    The segment length is a power of two: it is a compile-time constant of `_state_scan` (a loop bound), so
-    only a few variants are ever compiled.
+    The segment length is a power of four: it is a compile-time constant of `_state_scan` (a loop bound; the
+    interpreter cannot loop to a run-time bound), so few variants are compiled: 1, 4, 16, 64.
     """
     if SEGMENT_CHUNKS is not None:
         seg_len = SEGMENT_CHUNKS
@@ -147,7 +147,7 @@ def _segments(n_chunks: int, programs_per_segment: int, device: torch.device) ->
         seg_len = -(-n_chunks // max(1, target // programs_per_segment))
     else:
         seg_len = n_chunks
-    seg_len = 1 << (max(1, min(seg_len, n_chunks)).bit_length() - 1)  # largest power of two <= it
+    seg_len = 1 << 2 * ((max(1, min(seg_len, n_chunks)).bit_length() - 1) // 2)  # largest power of 4 <= it
     return seg_len, -(-n_chunks // seg_len)
 
 
@@ -176,9 +176,9 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
         K._state_scan[(blocks, n_seg, bsz * n_kv)](
             x, y, nw if nw is not None else y, a, bs, cs, pairs, st, stn, tot, totn,
             carry_t if carry_t is not None else tot, carryn_t if carryn_t is not None else totn,
-            n, n_x, n_seg, lay.d, dv, lay.rows,
-            NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query, STORE=store,
-            HAS_CARRY=carry_t is not None, REVERSE=reverse, **_consts(cfg, "scan"),
+            n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(carry_t is not None),
+            NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query,
+            REVERSE=reverse, **_consts(cfg, "scan"),
         )
 
     if not two_pass:
@@ -262,7 +262,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     n_seg = gtot.shape[1]
     K._bwd_dkv[(n_kv, n_c, bsz)](
         q, k, v, go, dl, ws, l0, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
-        n, n_q, gst.shape[1], n_seg, d, dv, lay.rows, cfg.eps, SEG=seg_len, **consts,
+        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, **consts,
         **_consts(cfg, "dkv")
     )
     grads = _coef_grads(part.sum((0, 1)), cfg, lay)

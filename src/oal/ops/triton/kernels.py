@@ -78,12 +78,12 @@ def _intra_z(q, k, WS, L0, h, m, BD: tl.constexpr, G1: tl.constexpr, DOT_DT: tl.
     return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * G1 + m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["store", "has_carry"])  # run-time flags: one compiled variant serves both
 def _state_scan(
     X, Y, NW, A, BS, CS, PAIRS, ST, STN, TOT, TOTN, CARRY, CARRYN,
-    N, HX, n_seg, d, dv, R,
+    N, HX, n_seg, d, dv, R, store, has_carry,
     NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    QUERY: tl.constexpr, STORE: tl.constexpr, HAS_CARRY: tl.constexpr, REVERSE: tl.constexpr,
+    QUERY: tl.constexpr, REVERSE: tl.constexpr,
     DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Scan of state increments over the chunks of one segment, for one feature block of one KV head.
@@ -91,10 +91,10 @@ def _state_scan(
     Keys mode (QUERY=False, REP=1): X = k, Y = v; the increment of chunk c is psi(K_c)^T [V_c | 1] (Eq. 5).
     Query mode (QUERY=True): X = q, Y = dO / den, NW = -delta, summed over the REP query heads of the KV head:
     phi(Q_c)^T [Y_c | NW_c], the gradient that chunk c's readout sends to its state (Eq. 6, backward).
-    The running value starts at CARRY (one per segment) or zero and ends in TOT; with STORE it is also written
-    before each chunk (exclusive; REVERSE scans from the segment's last chunk, giving suffix sums).
-    SEG (chunks per segment) is a compile-time constant, a power of two (see function._segments). The state
-    tensor holds n_seg * SEG chunks; those past N add nothing.
+    The running value starts at CARRY (one per segment; when `has_carry`) or zero and ends in TOT; with `store`
+    it is also written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
+    SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
+    variants are compiled. The state tensor holds n_seg * SEG chunks; those past N add nothing.
     Grid: (NPAIR + NB + 1 feature blocks, n_seg, B * Hkv).
     """
     D16 = NB * 16
@@ -114,14 +114,14 @@ def _state_scan(
         rows = 1 + D16 + pid_t * 256 + tl.arange(0, 256)
         acc = tl.zeros([256, BV], ACC_DT)
         accn = tl.zeros([16, 16], ACC_DT)
-        if HAS_CARRY:
+        if has_carry:
             acc += _state(CARRY, tot_base, rows, vcol, dv)
             accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [16, 16])
         for i in range(SEG):
             c = seg * SEG + i
             if REVERSE:
                 c = seg * SEG + SEG - 1 - i
-            if STORE:
+            if store:
                 off = st_base + c * R + rows
                 tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(DOT_DT), mask=vmask[None, :])
                 tl.store(STN + off, tl.reshape(accn, [256]))
@@ -146,14 +146,14 @@ def _state_scan(
         rows1 = 1 + I1 * 16 + tl.arange(0, 16)
         acc1 = tl.zeros([16, BV], ACC_DT)
         accn1 = tl.zeros([16], ACC_DT)
-        if HAS_CARRY:
+        if has_carry:
             acc1 += _state(CARRY, tot_base, rows1, vcol, dv)
             accn1 += tl.load(CARRYN + tot_base + rows1)
         for i in range(SEG):
             c1 = seg * SEG + i
             if REVERSE:
                 c1 = seg * SEG + SEG - 1 - i
-            if STORE:
+            if store:
                 off1 = st_base + c1 * R + rows1
                 tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(DOT_DT), mask=vmask[None, :])
                 tl.store(STN + off1, accn1)
@@ -176,14 +176,14 @@ def _state_scan(
         one = tl.arange(0, 1)
         acc0 = tl.zeros([BV], ACC_DT)
         accn0 = tl.zeros([1], ACC_DT)
-        if HAS_CARRY:
+        if has_carry:
             acc0 += tl.load(CARRY + tot_base * dv + vcol, mask=vmask, other=0.0)
             accn0 += tl.load(CARRYN + tot_base + one)
         for i in range(SEG):
             c0 = seg * SEG + i
             if REVERSE:
                 c0 = seg * SEG + SEG - 1 - i
-            if STORE:
+            if store:
                 tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(DOT_DT), mask=vmask)
                 tl.store(STN + st_base + c0 * R + one, accn0)
             tok0 = c0 * C + tl.arange(0, C)
@@ -345,8 +345,8 @@ def _bwd_dq(
 @triton.jit
 def _bwd_dkv(
     Q, K, V, GO, DL, WS, L0, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
-    N, n_q, n_cs, n_seg, d, dv, R, eps,
-    NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+    N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps,
+    NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
     NPAIR: tl.constexpr, G1: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dk and dv of one chunk of one KV head, looping over its query heads (no atomics).
@@ -387,7 +387,7 @@ def _bwd_dkv(
         dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
     # inter-chunk: every later query read these keys through the state; dH_c = local + carry
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
-    cbase = ((b * n_kv + hk) * n_seg + c // SEG).to(tl.int64) * R
+    cbase = ((b * n_kv + hk) * n_seg + c // seg_len).to(tl.int64) * R
     dh0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
     dv_acc += (dh0 + tl.load(CARRY + cbase * dv + vcol, mask=vcol < dv, other=0.0))[None, :]
     for I in range(NB):
