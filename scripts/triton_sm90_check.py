@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
+import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -29,7 +29,7 @@ from oal.ops.triton import function as F
 from oal.ops.triton import kernels as K
 
 MAX_SHARED = 227 * 1024
-D, DV, G1, C, REP = 64, 64, 6, 64, 7
+D, DV, C, REP = 64, 64, 64, 7
 
 
 def compile_one(fn, sig: dict, const: dict, options: dict) -> dict:
@@ -54,8 +54,9 @@ def kernels(dt: str):
     half = dt != "fp32"
     dot = "bf16" if half else "fp32"
     lay = F.layout(D)
-    common = dict(DOT_DT=tl.bfloat16 if half else tl.float32, ACC_DT=tl.float32, PREC=None if half else "ieee",
-                  NB=lay.nb, C=C, BV=DV)
+    cfg = F.Config(1e-6, 6, C, torch.bfloat16 if half else torch.float32, torch.float32)
+    consts = F._consts(cfg, "fwd")  # the dtypes and the dot precision the library compiles with
+    common = dict(DOT_DT=consts["DOT_DT"], ACC_DT=consts["ACC_DT"], PREC=consts["PREC"], NB=lay.nb, C=C, BV=DV)
     x, a = "*" + dt, "*fp32"
     scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST="*" + dot, STN=a, TOT=a, TOTN=a, CARRY=a,
                     CARRYN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
@@ -64,16 +65,17 @@ def kernels(dt: str):
                                                      REVERSE=False), "scan"
     yield "scan query", K._state_scan, dict(scan_sig, Y="*" + dot), dict(common, SEG=16, REP=REP, NPAIR=lay.npair,
                                                                           QUERY=True, REVERSE=True), "scan"
-    big = dict(common, REP=REP, BD=lay.bd, NPAIR=lay.npair, G1=G1)
+    big = dict(common, REP=REP, BD=lay.bd, NPAIR=lay.npair, GMAX=8)
     yield "fwd", K._fwd_out, dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST="*" + dot, STN=a,
                                   O=x, DEN=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32",
-                                  eps="fp32"), big, "fwd"
+                                  eps="fp32", g1="i32"), big, "fwd"
     yield "dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32",
                                 ST="*" + dot, STN=a, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32",
-                                d="i32", dv="i32", R="i32", P="i32"), big, "dq"
-    yield "dkv", K._bwd_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, PAIRS="*i32", ST="*" + dot,
-                                  STN=a, CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32",
-                                  seg_len="i32", n_seg="i32", d="i32", dv="i32", R="i32", eps="fp32"), big, "dkv"
+                                d="i32", dv="i32", R="i32", P="i32", g1="i32"), big, "dq"
+    dkv_sig = dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, PAIRS="*i32", ST="*" + dot, STN=a, CARRY=a,
+                   CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32", seg_len="i32", n_seg="i32", d="i32",
+                   dv="i32", R="i32", eps="fp32", g1="i32")
+    yield "dkv", K._bwd_dkv, dkv_sig, big, "dkv"
 
 
 def main() -> None:
@@ -84,6 +86,7 @@ def main() -> None:
     for dt in args.dtypes.split(","):
         for name, fn, sig, const, key in kernels(dt):
             options = F.LAUNCH[key, dt != "fp32"]
+            prec = const.get("PREC")
             try:
                 r = compile_one(fn, sig, const, options)
             except Exception as err:  # report every kernel, then fail
@@ -92,9 +95,9 @@ def main() -> None:
                 continue
             over = r["shared"] > MAX_SHARED
             bad |= over
-            print(f"{dt:5s} {name:11s} {options} compile {r['s']:5.1f} s  shared {r['shared'] / 1024:6.1f} KB"
-                  f"{' (OVER 227 KB)' if over else ''}  regs {r['regs']}  spill {r['spill']} B  wgmma {r['wgmma']}",
-                  flush=True)
+            print(f"{dt:5s} {name:11s} {options} dots {prec or 'default'}: compile {r['s']:5.1f} s, shared "
+                  f"{r['shared'] / 1024:6.1f} KB{' (OVER 227 KB)' if over else ''}, regs {r['regs']}, spill "
+                  f"{r['spill']} B, wgmma {r['wgmma']}", flush=True)
     sys.exit(1 if bad else 0)
 
 

@@ -30,9 +30,9 @@ CHUNK = 64
 # Chunks per segment of the state scans; None picks it from the device's multiprocessor count. Tests set it to
 # exercise the carry between segments on short sequences.
 SEGMENT_CHUNKS: int | None = None
-# Launch options per (kernel, half precision). Chosen by compiling for sm_90 without a GPU (ptxas -v): 8 warps keep
-# the [C, 256] feature tiles out of local memory, and fewer pipeline stages keep the shared memory of the fp32
-# (CUDA-core) dots under Hopper's 227 KB. Not tuned on a device: see README "GPU".
+# Launch options per (kernel, half precision). Chosen by compiling for sm_90 without a GPU
+# (scripts/triton_sm90_check.py): 8 warps keep the [C, 256] feature tiles mostly in registers, and one pipeline
+# stage keeps the shared memory of the fp32 kernels under Hopper's 227 KB. Not tuned on a device: see README "GPU".
 LAUNCH = {
     ("scan", True): dict(num_warps=8), ("scan", False): dict(num_warps=8, num_stages=1),
     ("fwd", True): dict(num_warps=8), ("fwd", False): dict(num_warps=8, num_stages=1),
@@ -129,9 +129,16 @@ def _tl(dtype: torch.dtype):
 def _consts(cfg: Config, kernel: str):
     """Compile-time arguments shared by all kernels, and the launch options of `kernel`."""
     half = cfg.dot_dtype in (torch.float16, torch.bfloat16)
-    # fp32/fp64 dots exactly ("ieee"), not in tf32: the fp32 path is the accurate one
-    return dict(DOT_DT=_tl(cfg.dot_dtype), ACC_DT=_tl(cfg.acc_dtype), PREC=None if half else "ieee",
+    # fp32 dots as three tf32 products on the tensor cores (tf32x3: about fp32 accuracy; plain tf32 would give
+    # ~3e-4), fp64 exactly; half inputs use bf16 operands with fp32 accumulation (the default)
+    prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
+    return dict(DOT_DT=_tl(cfg.dot_dtype), ACC_DT=_tl(cfg.acc_dtype), PREC=prec,
                 **LAUNCH[kernel, half])
+
+
+def _gmax(n_groups1: int) -> int:
+    """Loop bound over the columns of L: G + 1 rounded up to 8, so one compiled variant serves G <= 7."""
+    return 8 * -(-n_groups1 // 8)
 
 
 def _segments(n_chunks: int, programs_per_segment: int, device: torch.device) -> tuple[int, int]:
@@ -221,8 +228,9 @@ def _forward(q, k, v, a, bs, cs, ws, l0, init, cfg: Config, lay: Layout):
     pairs = _maps(d)[0].to(q.device)
     K._fwd_out[(n_q, n_c, bsz)](
         q, k, v, a, bs, cs, ws, l0, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows, cfg.eps,
+        cfg.n_groups1,
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, triton_next_pow2(dv)), NPAIR=lay.npair,
-        G1=cfg.n_groups1, **_consts(cfg, "fwd"),
+        GMAX=_gmax(cfg.n_groups1), **_consts(cfg, "fwd"),
     )
     return o, den, tot[:, -1], totn[:, -1]
 
@@ -232,7 +240,8 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
     bv = max(16, triton_next_pow2(dv))
-    consts = dict(NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=bv, NPAIR=lay.npair, G1=cfg.n_groups1)
+    consts = dict(NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=bv, NPAIR=lay.npair,
+                  GMAX=_gmax(cfg.n_groups1))
     pairs = _maps(d)[0].to(q.device)
     do = do.to(cfg.acc_dtype)
     go = (do / den[..., None]).to(cfg.dot_dtype).contiguous()  # gradient of the numerator
@@ -244,7 +253,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     dq = torch.empty_like(q)
     K._bwd_dq[(n_q, n_c, bsz)](
         q, k, v, go, dl, bs, cs, ws, l0, pairs, st, stn, dq, part, n, n_q, n_c, st.shape[1], d, dv, lay.rows,
-        n_part, **consts, **_consts(cfg, "dq")
+        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq")
     )
     del st, stn
     # state gradients: chunk c's readout sends phi(Q_c)^T [go, -dl] to every earlier key (reverse scan)
@@ -262,7 +271,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     n_seg = gtot.shape[1]
     K._bwd_dkv[(n_kv, n_c, bsz)](
         q, k, v, go, dl, ws, l0, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
-        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, **consts,
+        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, cfg.n_groups1, **consts,
         **_consts(cfg, "dkv")
     )
     grads = _coef_grads(part.sum((0, 1)), cfg, lay)

@@ -70,12 +70,71 @@ def _scatter(acc, x, I, BD: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _intra_z(q, k, WS, L0, h, m, BD: tl.constexpr, G1: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
+def _scan_step(seg, i, N, SEG: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
+    """The i-th chunk a scan visits in its segment (from the end when REVERSE), its tokens and their mask."""
+    c = seg * SEG + i
+    if REVERSE:
+        c = seg * SEG + SEG - 1 - i
+    tok = c * C + tl.arange(0, C)
+    return c, tok, tok < N
+
+
+@triton.jit
+def _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY: tl.constexpr, ACC_DT: tl.constexpr,
+                 DOT_DT: tl.constexpr):
+    """Y [C, BV] in DOT_DT and the normaliser weight [C]: NW in query mode, 1 for each real token in keys mode."""
+    y = _tile(Y + xh * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+    if QUERY:
+        nw = tl.load(NW + xh * N + tok, mask=tmask, other=0.0)
+    else:
+        nw = tmask.to(ACC_DT)
+    return y, nw
+
+
+@triton.jit
+def _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+              ACC_DT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Chunk c of KV head hk: token indices and mask, column indices, the key pointer, K [C, BD], V [C, BV]."""
+    tok = c * C + tl.arange(0, C)
+    tmask = tok < N
+    dcol = tl.arange(0, BD)
+    vcol = tl.arange(0, BV)
+    kh = K + (b * n_kv + hk).to(tl.int64) * N * d
+    k = _tile(kh, tok, tmask, dcol, d).to(ACC_DT).to(DOT_DT)
+    v = _tile(V + (b * n_kv + hk).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+    return tok, tmask, dcol, vcol, kh, k, v
+
+
+@triton.jit
+def _query_chunk(Q, K, V, N, n_q, d, dv, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                 ACC_DT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Program (query head h, chunk c, batch b) of a per-query-head kernel and its tiles Q (input dtype), K, V."""
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    n_kv = n_q // REP
+    hk = h // REP
+    tok, tmask, dcol, vcol, kh, k, v = _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C, BD, BV, ACC_DT, DOT_DT)
+    qh = Q + (b * n_q + h).to(tl.int64) * N * d
+    return h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, _tile(qh, tok, tmask, dcol, d), k, v
+
+
+@triton.jit
+def _pair_blocks(PAIRS, p, xh, tok, tmask, d, D16, ACC_DT: tl.constexpr):
+    """Block pair p = (I, J): I, J, its state rows, and the two [C, 16] blocks of X (pointer xh)."""
+    I = tl.load(PAIRS + 2 * p)
+    J = tl.load(PAIRS + 2 * p + 1)
+    rows = 1 + D16 + p * 256 + tl.arange(0, 256)
+    return I, J, rows, _block(xh, tok, tmask, I, d).to(ACC_DT), _block(xh, tok, tmask, J, d).to(ACC_DT)
+
+
+@triton.jit
+def _intra_z(q, k, WS, L0, h, m, g1, BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
              PREC: tl.constexpr):
     """z_m(i, j) = L[0, m] + scale sum_r q_ir L[g(r)+1, m] k_jr for one chunk, [C, C] (Eq. 7, one column of L)."""
-    w = tl.load(WS + (h * G1 + m) * BD + tl.arange(0, BD))
+    w = tl.load(WS + (h * g1 + m) * BD + tl.arange(0, BD))
     qw = (q.to(ACC_DT) * w[None, :]).to(DOT_DT)
-    return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * G1 + m)
+    return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * g1 + m)
 
 
 @triton.jit(do_not_specialize=["store", "has_carry"])  # run-time flags: one compiled variant serves both
@@ -118,25 +177,18 @@ def _state_scan(
             acc += _state(CARRY, tot_base, rows, vcol, dv)
             accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [16, 16])
         for i in range(SEG):
-            c = seg * SEG + i
-            if REVERSE:
-                c = seg * SEG + SEG - 1 - i
+            c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off = st_base + c * R + rows
                 tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(DOT_DT), mask=vmask[None, :])
                 tl.store(STN + off, tl.reshape(accn, [256]))
-            tok = c * C + tl.arange(0, C)
-            tmask = tok < N
             for r in range(REP):
                 xh = (b * HX + hk * REP + r).to(tl.int64)
                 f3 = _block(X + xh * N * d, tok, tmask, I, d).to(ACC_DT)[:, :, None]
                 f3 = f3 * _block(X + xh * N * d, tok, tmask, J, d).to(ACC_DT)[:, None, :]
                 if QUERY:
                     f3 = f3 * _pair_coef(CS, hk * REP + r, I, J, D16)[None, :, :]
-                    nw = tl.load(NW + xh * N + tok, mask=tmask, other=0.0)
-                else:
-                    nw = tmask.to(ACC_DT)
-                y = _tile(Y + xh * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+                y, nw = _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
                 acc = tl.dot(tl.trans(_flat(f3.to(DOT_DT), C)), y, acc, input_precision=PREC, out_dtype=ACC_DT)
                 accn += tl.sum(f3 * nw[:, None, None], axis=0)
         tl.store(TOT + (tot_base + rows)[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
@@ -150,24 +202,17 @@ def _state_scan(
             acc1 += _state(CARRY, tot_base, rows1, vcol, dv)
             accn1 += tl.load(CARRYN + tot_base + rows1)
         for i in range(SEG):
-            c1 = seg * SEG + i
-            if REVERSE:
-                c1 = seg * SEG + SEG - 1 - i
+            c1, tok1, tmask1 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off1 = st_base + c1 * R + rows1
                 tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(DOT_DT), mask=vmask[None, :])
                 tl.store(STN + off1, accn1)
-            tok1 = c1 * C + tl.arange(0, C)
-            tmask1 = tok1 < N
             for r in range(REP):
                 xh1 = (b * HX + hk * REP + r).to(tl.int64)
                 f1 = _block(X + xh1 * N * d, tok1, tmask1, I1, d).to(ACC_DT)
                 if QUERY:
                     f1 = f1 * tl.load(BS + (hk * REP + r) * D16 + I1 * 16 + tl.arange(0, 16))[None, :]
-                    nw1 = tl.load(NW + xh1 * N + tok1, mask=tmask1, other=0.0)
-                else:
-                    nw1 = tmask1.to(ACC_DT)
-                y1 = _tile(Y + xh1 * N * dv, tok1, tmask1, vcol, dv).to(ACC_DT).to(DOT_DT)
+                y1, nw1 = _scan_inputs(Y, NW, xh1, tok1, tmask1, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
                 acc1 = tl.dot(tl.trans(f1.to(DOT_DT)), y1, acc1, input_precision=PREC, out_dtype=ACC_DT)
                 accn1 += tl.sum(f1 * nw1[:, None], axis=0)
         tl.store(TOT + (tot_base + rows1)[:, None] * dv + vcol[None, :], acc1, mask=vmask[None, :])
@@ -180,24 +225,18 @@ def _state_scan(
             acc0 += tl.load(CARRY + tot_base * dv + vcol, mask=vmask, other=0.0)
             accn0 += tl.load(CARRYN + tot_base + one)
         for i in range(SEG):
-            c0 = seg * SEG + i
-            if REVERSE:
-                c0 = seg * SEG + SEG - 1 - i
+            c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(DOT_DT), mask=vmask)
                 tl.store(STN + st_base + c0 * R + one, accn0)
-            tok0 = c0 * C + tl.arange(0, C)
-            tmask0 = tok0 < N
             for r in range(REP):
                 xh0 = (b * HX + hk * REP + r).to(tl.int64)
-                y0 = tl.sum(_tile(Y + xh0 * N * dv, tok0, tmask0, vcol, dv).to(ACC_DT), axis=0)
+                y0, nw0 = _scan_inputs(Y, NW, xh0, tok0, tmask0, vcol, N, dv, QUERY, ACC_DT, ACC_DT)
+                coef = 1.0
                 if QUERY:
                     coef = tl.load(A + hk * REP + r)
-                    acc0 += coef * y0
-                    accn0 += coef * tl.sum(tl.load(NW + xh0 * N + tok0, mask=tmask0, other=0.0), axis=0)
-                else:
-                    acc0 += y0
-                    accn0 += tl.sum(tmask0.to(ACC_DT), axis=0)
+                acc0 += coef * tl.sum(y0, axis=0)
+                accn0 += coef * tl.sum(nw0, axis=0)
         tl.store(TOT + tot_base * dv + vcol, acc0, mask=vmask)
         tl.store(TOTN + tot_base + one, accn0)
 
@@ -205,9 +244,9 @@ def _state_scan(
 @triton.jit
 def _fwd_out(
     Q, K, V, A, BS, CS, WS, L0, PAIRS, ST, STN, O, DEN,
-    N, n_q, n_cs, d, dv, R, eps,
+    N, n_q, n_cs, d, dv, R, eps, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    G1: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
 
@@ -215,26 +254,15 @@ def _fwd_out(
     Loops run at run time: unrolled, the compiler keeps every iteration's tiles live and runs out of registers.
     """
     D16 = NB * 16
-    h = tl.program_id(0)
-    c = tl.program_id(1)
-    b = tl.program_id(2)
-    n_kv = n_q // REP
-    hk = h // REP
-    tok = c * C + tl.arange(0, C)
-    tmask = tok < N
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BV)
+    h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
+                                                                          ACC_DT, DOT_DT)
     j16 = tl.arange(0, 16)
-    qh = Q + (b * n_q + h).to(tl.int64) * N * d
-    kh = K + (b * n_kv + hk).to(tl.int64) * N * d
-    q = _tile(qh, tok, tmask, dcol, d)
-    k = _tile(kh, tok, tmask, dcol, d).to(ACC_DT).to(DOT_DT)
-    v = _tile(V + (b * n_kv + hk).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
     # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
     kap = tl.zeros([C, C], ACC_DT) + eps
-    for m in range(G1):
-        z = _intra_z(q, k, WS, L0, h, m, BD, G1, DOT_DT, ACC_DT, PREC)
-        kap += z * z
+    for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
+        if m < g1:
+            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            kap += z * z
     kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
     acc = tl.dot(kap.to(DOT_DT), v, input_precision=PREC, out_dtype=ACC_DT)
     den = tl.sum(kap, axis=1)
@@ -251,10 +279,8 @@ def _fwd_out(
         den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
     den16 = tl.zeros([C, 16], ACC_DT)
     for p in range(NPAIR):
-        pi = tl.load(PAIRS + 2 * p)
-        pj = tl.load(PAIRS + 2 * p + 1)
-        rows2 = 1 + D16 + p * 256 + tl.arange(0, 256)
-        f3 = _block(qh, tok, tmask, pi, d).to(ACC_DT)[:, :, None] * _block(qh, tok, tmask, pj, d).to(ACC_DT)[:, None, :]
+        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
+        f3 = q_i[:, :, None] * q_j[:, None, :]
         f2 = _flat((f3 * _pair_coef(CS, h, pi, pj, D16)[None, :, :]).to(DOT_DT), C)  # rounded, then reshaped
         acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
         # the normaliser column through the tensor cores too, its state broadcast to 16 equal columns
@@ -270,47 +296,38 @@ def _fwd_out(
 @triton.jit
 def _bwd_dq(
     Q, K, V, GO, DL, BS, CS, WS, L0, PAIRS, ST, STN, DQ, PART,
-    N, n_q, n_c, n_cs, d, dv, R, P,
+    N, n_q, n_c, n_cs, d, dv, R, P, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    G1: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dq of one chunk of one query head, and its share of the coefficient gradients.
 
     GO = dO / den is the gradient of the numerator and DL = (dO . o) / den minus that of the normaliser, so
     the gradient of kappa_ij is GO_i . v_j - DL_i and that of phi(q_i) is S_c [GO_i; -DL_i].
-    PART[b, c, h] receives [d(A) | d(BS) (D16) | d(CS) per pair (NPAIR x 256) | d(WS) ((G+1) x BD) | d(L0) (G+1)].
+    PART[b, c, h] receives [d(A) | d(BS) (D16) | d(CS) per pair (NPAIR x 256) | d(WS) (g1 x BD) | d(L0) (g1)],
+    g1 = G + 1.
     Grid (Hq, n_c, B).
     """
     D16 = NB * 16
-    h = tl.program_id(0)
-    c = tl.program_id(1)
-    b = tl.program_id(2)
-    n_kv = n_q // REP
-    hk = h // REP
-    tok = c * C + tl.arange(0, C)
-    tmask = tok < N
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BV)
+    h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
+                                                                          ACC_DT, DOT_DT)
     j16 = tl.arange(0, 16)
-    qh = Q + (b * n_q + h).to(tl.int64) * N * d
     part = PART + ((b * n_c + c) * n_q + h).to(tl.int64) * P
     off_w = 1 + D16 + NPAIR * 256
-    off_l0 = off_w + G1 * BD
-    q = _tile(qh, tok, tmask, dcol, d)
-    k = _tile(K + (b * n_kv + hk).to(tl.int64) * N * d, tok, tmask, dcol, d).to(ACC_DT).to(DOT_DT)
-    v = _tile(V + (b * n_kv + hk).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+    off_l0 = off_w + g1 * BD
     go = _tile(GO + (b * n_q + h).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(DOT_DT)
     dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
     # intra-chunk: dkappa = go . v - dl on the causal triangle, dz_m = 2 z_m dkappa
     dkap = tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None]
     dkap = tl.where(tok[:, None] >= tok[None, :], dkap, 0.0)
     dq = tl.zeros([C, BD], ACC_DT)
-    for m in range(G1):
-        dz = 2.0 * _intra_z(q, k, WS, L0, h, m, BD, G1, DOT_DT, ACC_DT, PREC) * dkap
-        tl.store(part + off_l0 + m, tl.sum(tl.sum(dz, axis=1), axis=0))
-        t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
-        dq += t * tl.load(WS + (h * G1 + m) * BD + dcol)[None, :]
-        tl.store(part + off_w + m * BD + dcol, tl.sum(q.to(ACC_DT) * t, axis=0))
+    for m in range(GMAX):
+        if m < g1:
+            dz = 2.0 * _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            tl.store(part + off_l0 + m, tl.sum(tl.sum(dz, axis=1), axis=0))
+            t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
+            dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]
+            tl.store(part + off_w + m * BD + dcol, tl.sum(q.to(ACC_DT) * t, axis=0))
     # inter-chunk: the gradient of phi(q) is [go, -dl] S_c^T, then through phi (Eq. 6)
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
     s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
@@ -324,11 +341,7 @@ def _bwd_dq(
         dq = _scatter(dq, r1 * tl.load(BS + h * D16 + I * 16 + j16)[None, :], I, BD, PREC)
         tl.store(part + 1 + I * 16 + j16, tl.sum(_block(qh, tok, tmask, I, d).to(ACC_DT) * r1, axis=0))
     for p in range(NPAIR):
-        pi = tl.load(PAIRS + 2 * p)
-        pj = tl.load(PAIRS + 2 * p + 1)
-        rows2 = 1 + D16 + p * 256 + tl.arange(0, 256)
-        q_i = _block(qh, tok, tmask, pi, d).to(ACC_DT)
-        q_j = _block(qh, tok, tmask, pj, d).to(ACC_DT)
+        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
         dphi = tl.dot(go, tl.trans(_state(ST, base, rows2, vcol, dv).to(DOT_DT)), input_precision=PREC,
                       out_dtype=ACC_DT)
         dphi -= dl[:, None] * tl.load(STN + base + rows2)[None, :]
@@ -345,9 +358,9 @@ def _bwd_dq(
 @triton.jit
 def _bwd_dkv(
     Q, K, V, GO, DL, WS, L0, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
-    N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps,
+    N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-    NPAIR: tl.constexpr, G1: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    NPAIR: tl.constexpr, GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dk and dv of one chunk of one KV head, looping over its query heads (no atomics).
 
@@ -359,14 +372,8 @@ def _bwd_dkv(
     c = tl.program_id(1)
     b = tl.program_id(2)
     n_kv = n_q // REP
-    tok = c * C + tl.arange(0, C)
-    tmask = tok < N
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BV)
+    tok, tmask, dcol, vcol, kh, k, v = _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C, BD, BV, ACC_DT, DOT_DT)
     j16 = tl.arange(0, 16)
-    kh = K + (b * n_kv + hk).to(tl.int64) * N * d
-    k = _tile(kh, tok, tmask, dcol, d).to(ACC_DT).to(DOT_DT)
-    v = _tile(V + (b * n_kv + hk).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
     causal = tok[:, None] >= tok[None, :]
     dk = tl.zeros([C, BD], ACC_DT)
     dv_acc = tl.zeros([C, BV], ACC_DT)
@@ -378,11 +385,12 @@ def _bwd_dkv(
         dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
         dkap = tl.where(causal, tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None], 0.0)
         kap = tl.zeros([C, C], ACC_DT) + eps
-        for m in range(G1):
-            z = _intra_z(q, k, WS, L0, h, m, BD, G1, DOT_DT, ACC_DT, PREC)
-            kap += z * z
-            qw = (q.to(ACC_DT) * tl.load(WS + (h * G1 + m) * BD + dcol)[None, :]).to(DOT_DT)
-            dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
+        for m in range(GMAX):
+            if m < g1:
+                z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+                kap += z * z
+                qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
+                dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
         kap = tl.where(causal, kap, 0.0)
         dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
     # inter-chunk: every later query read these keys through the state; dH_c = local + carry
@@ -399,11 +407,7 @@ def _bwd_dkv(
         dpsi += (tl.load(STN + base + rows) + tl.load(CARRYN + cbase + rows))[None, :]
         dk = _scatter(dk, dpsi, I, BD, PREC)
     for p in range(NPAIR):
-        pi = tl.load(PAIRS + 2 * p)
-        pj = tl.load(PAIRS + 2 * p + 1)
-        rows2 = 1 + D16 + p * 256 + tl.arange(0, 256)
-        k_i = _block(kh, tok, tmask, pi, d).to(ACC_DT)
-        k_j = _block(kh, tok, tmask, pj, d).to(ACC_DT)
+        pi, pj, rows2, k_i, k_j = _pair_blocks(PAIRS, p, kh, tok, tmask, d, D16, ACC_DT)
         dh2 = (_state(ST, base, rows2, vcol, dv).to(ACC_DT) + _state(CARRY, cbase, rows2, vcol, dv)).to(DOT_DT)
         psi = _flat((k_i[:, :, None] * k_j[:, None, :]).to(DOT_DT), C)
         dv_acc = tl.dot(psi, dh2, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
