@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..io import kernel_dir
-from ._common import BaseModelOpt, DeviceOpt, converted_or_fail
+from ._common import BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
 from .app import app
 
 
@@ -19,7 +19,8 @@ def convert_cmd(
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to load (oal, global, ...)."),
     export: Path = typer.Option(None, help="Also write a standalone folder: base model + tokenizer + kernels."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Load the kernels onto the base model, check a forward pass, print the converted layers."""
     import shutil
@@ -29,7 +30,7 @@ def convert_cmd(
     from ..io import KERNELS_FILE, META_FILE
     from ..models.convert import converted_methods
 
-    mdl, tok, name = converted_or_fail(out, model, method, device)
+    mdl, tok, name = converted_or_fail(out, model, method, device, dtype)
     ids = torch.randint(0, mdl.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = mdl(ids.to(device)).logits
