@@ -4,7 +4,7 @@
 #
 #   run(command="bash scripts/gpu_check.sh", timeout_s=500)          # no carry needed
 #
-# The parts share a budget of about 7.5 minutes (TESTS_S + BENCH_S + RUN_S below, plus a few seconds); each is
+# The parts share 7.6 minutes at most (env <= 60 s, usually seconds; TESTS_S + BENCH_S + RUN_S below). Each is
 # guarded by `timeout`, logs to $OUT, and a failing part does not stop the next. What comes back in $OUT (8 files
 # at most): summary.txt, env.log, tests.log, bench.log, gpu.json, gpu.png, run.log, run_metrics.json.
 #
@@ -16,13 +16,13 @@
 # --implementation cp --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION` (recipe in the device README), then
 # call run(..., carry=[".whl"]): this script installs .whl/*.whl into /tmp/site first.
 #
-# Outside the device tool, OUT defaults to ./gpu_check_out.
+# Outside the device tool, OUT defaults to benchmarks/results/gpu_check (ignored by git).
 set -u
-OUT="${OUT:-$PWD/gpu_check_out}"
+OUT="${OUT:-$PWD/benchmarks/results/gpu_check}"
 mkdir -p "$OUT"
 TESTS_S="${TESTS_S:-170}"
-BENCH_S="${BENCH_S:-190}"
-RUN_S="${RUN_S:-80}"
+BENCH_S="${BENCH_S:-170}"
+RUN_S="${RUN_S:-100}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 OAL_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
