@@ -47,6 +47,7 @@ def test_default_lengths():
     assert default_lengths(4096) == [1024, 2048, 4096]
     assert default_lengths(32768)[-1] == 32768 and default_lengths(32768)[0] == 1024
     assert default_lengths(512) == [128, 256, 512]
+    assert default_lengths(4096, reserve=10) == [1024, 2048, 4086]  # room for the answer inside the positions
 
 
 def test_bad_input():

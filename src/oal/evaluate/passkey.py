@@ -17,11 +17,12 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "default_lengths", "evaluate_passkey", "make_prompt",
-           "passkey_figure", "score_answer"]
+__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_tokens", "default_lengths", "evaluate_passkey",
+           "make_prompt", "passkey_figure", "passkey_section", "score_answer"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -79,9 +80,10 @@ def score_answer(generated: str, answer: str) -> bool:
     return found is not None and found.group(0) == answer
 
 
-def default_lengths(max_positions: int | None, shortest: int = 1024) -> list[int]:
-    """Powers of two from `shortest` (1k) up to the model's maximum; below 1k, a quarter, half and all of it."""
-    top = int(max_positions or 4096)
+def default_lengths(max_positions: int | None, shortest: int = 1024, reserve: int = 0) -> list[int]:
+    """Powers of two from `shortest` (1k) up to the model's maximum less `reserve` (room for the answer's tokens);
+    below 1k, a quarter, half and all of it."""
+    top = int(max_positions or 4096) - int(reserve)
     if top < shortest:
         return sorted({max(64, top // 4), max(64, top // 2), top})
     out, n = [], shortest
@@ -89,6 +91,11 @@ def default_lengths(max_positions: int | None, shortest: int = 1024) -> list[int
         out.append(n)
         n *= 2
     return out + [top]
+
+
+def answer_tokens(tokenizer, digits: int = 5) -> int:
+    """Tokens generated per prompt: the key's digits plus a little room for a space or punctuation before them."""
+    return len(_ids(tokenizer, " " + "9" * digits)) + 2
 
 
 @torch.no_grad()
@@ -115,7 +122,7 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     if not lengths or not depths:
         raise ValueError("lengths/depths: expected at least one of each")
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    new_tokens = len(_ids(tokenizer, " " + "9" * digits)) + 2
+    new_tokens = answer_tokens(tokenizer, digits)
     if max_pos is not None and max(lengths) + new_tokens > max_pos:
         raise ValueError(f"lengths: {max(lengths)} + {new_tokens} generated tokens exceed the model's "
                          f"{max_pos} positions")
@@ -175,3 +182,26 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
     fig.colorbar(im, ax=axes[0].tolist(), label="accuracy")
     atomic_save_figure(fig, path, dpi=120, bbox_inches="tight")
     return True
+
+
+def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
+    """report.md's passkey section from metrics.json["passkey"] (and figures/passkey.png); `table(header, rows)`
+    renders a markdown table."""
+    pk = metrics.get("passkey") or {}
+    out = ["## Passkey retrieval (long-context recall)", ""]
+    if not pk:
+        return out + ["Not measured in this run (`oal evaluate --out DIR --passkey`).", ""]
+    order = ["softmax"] + [m for m in pk if m != "softmax"]
+    arms = {f"{m} ({v.replace('_', ' ')})": r for m in order if m in pk for v, r in pk[m].items()}
+    lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
+    rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
+             f"{r['mean']:.2f}"] for arm, r in arms.items()]
+    first = next(iter(arms.values()))
+    out += [f"Greedy decoding through the recurrent cache; a {first['digits']}-digit key hidden at depths "
+            f"{', '.join(f'{d:g}' for d in first['depths'])} of the filler, {first['trials']} keys per cell, exact "
+            "match on the first digits generated. Accuracy by context length (tokens), mean over depths. The softmax "
+            "row is what the base model itself can do: a small model that fails there says nothing about the "
+            "conversion.", "", table(["arm", *map(str, lens), "mean"], rows), ""]
+    if passkey_figure(arms, fig_dir / "passkey.png"):
+        out += ["![passkey accuracy by length and depth](figures/passkey.png)", ""]
+    return out
