@@ -3,13 +3,10 @@ exactly K layers converted and listed, kernels of the chosen layers only, the co
 after a kill, and passkey numbers for softmax and every method before and after adaptation."""
 
 import json
-import random
 
 import pytest
 import torch
-from _tiny import save_tiny_model
-from test_pipeline import _byte_tokenizer, _plan
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from test_pipeline import _plan, make_assets
 from typer.testing import CliRunner
 
 from oal.config import RunConfig
@@ -21,15 +18,8 @@ K = 2
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    save_tiny_model(root / "model", Qwen2ForCausalLM, cfg, _byte_tokenizer())
-    rng = random.Random(1)
-    words = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group"]
-    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20)))
-                                                 + "." for _ in range(500)))
-    return root
+    # 4 layers (the paper's rule converts 1-2); 512 positions hold the passkey prompt in byte tokens
+    return make_assets(tmp_path_factory.mktemp("assets"), n_layers=4, max_positions=512, seed=1)
 
 
 def _cfg(assets, **kw):
