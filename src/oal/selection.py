@@ -139,15 +139,16 @@ def selection_figure(sel: dict, path) -> bool:
     from .runio import atomic_save_figure
 
     layers = sel["candidates"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained")
     a.bar([i - 0.2 for i in layers], [sel["scores"]["fidelity"][str(i)] for i in layers], 0.4,
           label="RelMSE post-o")
     a.set_xlabel("layer")
-    a.set_ylabel("frozen-attention RelMSE after W_o")
+    a.set_ylabel("RelMSE after W_o")
     twin = a.twinx()
     twin.bar([i + 0.2 for i in layers], [sel["scores"]["probe"][str(i)] for i in layers], 0.4, color="tab:orange",
              label="swap probe PPL")
-    twin.set_ylabel("val PPL, this layer alone converted")
+    twin.set_ylabel("swap-probe val PPL")
+    a.legend(handles=[*a.get_legend_handles_labels()[0], *twin.get_legend_handles_labels()[0]], fontsize=8)
     a.set_title("per-layer criteria (lower is better)", fontsize=9)
     for name, style in (("criterion", "o-"), ("paper", "s--")):
         pts = sel["curves"].get(name) or []
