@@ -81,11 +81,11 @@ def parse_seeds(spec: str | int | list[int]) -> list[int]:
 
 
 def parse_select(spec) -> dict:
-    """{"k": K, "by": criterion} of layer selection, from such a dict or from 'auto:K' (criterion: fidelity)."""
-    from .selection import CRITERIA, parse_auto
+    """{"k": K, "by": criterion} of layer selection, from such a dict or from 'auto:K' (the default criterion)."""
+    from .selection import CRITERIA, DEFAULT_CRITERION, parse_auto
 
-    d = {"k": parse_auto(spec), "by": "fidelity"} if isinstance(spec, str) else dict(spec)
-    k, by = d.get("k"), d.get("by", "fidelity")
+    d = {"k": parse_auto(spec), "by": DEFAULT_CRITERION} if isinstance(spec, str) else dict(spec)
+    k, by = d.get("k"), d.get("by", DEFAULT_CRITERION)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1 or set(d) - {"k", "by"}:
         raise ValueError(f"select: expected 'auto:K' or {{'k': K >= 1, 'by': ...}}, got {spec!r}")
     if by not in CRITERIA:

@@ -34,7 +34,7 @@ def run(
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "
                                "to calibrate every layer and convert the K best (--select-by)."),
-    select_by: SelectByOpt = "fidelity",
+    select_by: SelectByOpt = "probe",
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
     tasks: TasksOpt = "all",

@@ -17,7 +17,7 @@ def select_layers_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory (as for `oal run`; `oal run --layers auto:K` with the "
                              "same options continues it)."),
     k: int = typer.Option(..., "--k", min=1, help="Number of layers to convert."),
-    by: SelectByOpt = "fidelity",
+    by: SelectByOpt = "probe",
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
