@@ -34,6 +34,7 @@ from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .io import kernel_dir, load_kernels, save_kernels
 from .models.convert import convert
+from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
 from .report import write_report
 from .runio import (
@@ -352,7 +353,13 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
         progress: bool = True) -> dict:
-    """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR."""
+    """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    A local BERT-family encoder folder runs the encoder protocol instead (`oal.encoder_pipeline`)."""
+    if is_encoder_model(cfg.model):
+        from .encoder_pipeline import run_encoder
+
+        return run_encoder(cfg, out_dir, seeds, console=console, progress=progress)
     console = console or Console()
     out_dir = Path(out_dir)
     seeds = seeds or [cfg.seed]
