@@ -15,7 +15,7 @@ def tiny_encoder_config(family: str, attn: str | None = None, **overrides):
     cfg_cls, _ = ENCODERS[family]
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-              pad_token_id=0 if family == "bert" else 1)
+              pad_token_id=0)  # the tokenizer's [PAD] (RoBERTa derives position ids from it)
     cfg = cfg_cls(**{**kw, **overrides})
     if attn is not None:
         cfg._attn_implementation = attn

@@ -426,7 +426,8 @@ def _clip_and_mask(params, stopped, clip_norm, per_head):
 def _prepare(method, inits, train, val, cfg):
     dtype = cfg.torch_dtype
     train, val = train.to(dtype), val.to(dtype)
-    if train.q.shape[1:] != val.q.shape[1:] or train.q.shape[1] != method.n_heads:
+    # sequence lengths may differ (padded encoder passages); heads and head size may not
+    if train.q.shape[1::2] != val.q.shape[1::2] or train.q.shape[1] != method.n_heads:
         raise ValueError(f"train/val: expected {method.n_heads} query heads with matching shapes, got "
                          f"{tuple(train.q.shape)} / {tuple(val.q.shape)}")
     if train.k.shape[1] != method.n_kv_heads:

@@ -98,7 +98,7 @@ class RunConfig:
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
     eval_batch_size: int = 1
-    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
+    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (encoders: a PassagePlan's)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
 
     def __post_init__(self):

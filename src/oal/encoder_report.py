@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
+from .data.passages import PASSAGE_ROLES
 from .report import (
     OWN_FIGURES,
     _analysis,
@@ -39,7 +40,8 @@ def embedding_figure(embedding: dict, path: Path) -> bool:
     if not methods:
         return False
     poolings = list(embedding[methods[0]])
-    fig, axes = plt.subplots(1, len(poolings), figsize=(4.5 * len(poolings), 3.6), squeeze=False)
+    fig = Figure(figsize=(4.5 * len(poolings), 3.6))  # no pyplot: no GUI backend, nothing global
+    axes = fig.subplots(1, len(poolings), squeeze=False)
     for ax, p in zip(axes[0], poolings, strict=True):
         ax.boxplot([embedding[m][p]["per_passage"] for m in methods], tick_labels=[_name(m) for m in methods])
         ax.set_title(f"Embedding agreement: {POOLING_LABEL.get(p, p)}")
@@ -63,7 +65,8 @@ def _provenance(config: dict) -> list[str]:
     plan, passages = config.get("passage_plan", {}), config.get("passages", {})
     rows = [[role, p["split"], f"{p['start']}..{p['start'] + p['count'] - 1}",
              "x".join(map(str, passages.get(role, {}).get("shape", []))),
-             str(passages.get(role, {}).get("real_tokens"))] for role, p in plan.items() if isinstance(p, dict)]
+             str(passages.get(role, {}).get("real_tokens"))] for role, p in
+            ((r, plan[r]) for r in PASSAGE_ROLES if r in plan)]
     if rows:
         out += [f"Passage plan (paragraphs of >= {plan.get('min_words')} words, each tokenised with its special "
                 f"tokens, truncated to {plan.get('max_len')} tokens, right-padded; roles disjoint):", "",

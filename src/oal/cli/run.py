@@ -14,7 +14,8 @@ from .app import app
 @app.command()
 def run(
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one is resumed)."),
-    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
+    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded; "
+                              "a local encoder folder runs the encoder protocol)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
@@ -27,7 +28,12 @@ def run(
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory.
+
+    With --model PATH to a local BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA), the encoder
+    protocol runs instead: non-causal analysis and calibration on padded passages, fidelity and pooled-embedding
+    cosine against the original; no adaptation or perplexity.
+    """
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..pipeline import run as run_pipeline
 

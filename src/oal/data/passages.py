@@ -109,12 +109,13 @@ def plan_passages(corpus: Corpus, plan: PassagePlan) -> dict[str, list[str]]:
 
 
 def tokenize_passages(tokenizer, texts: Sequence[str], max_len: int) -> dict[str, torch.Tensor]:
-    """{"input_ids", "attention_mask"} [P, L]: each passage with its special tokens, truncated to `max_len`,
-    right-padded to the longest."""
+    """{"input_ids", "attention_mask"} [P, L]: each passage with its special tokens, truncated to `max_len` (or the
+    tokenizer's `model_max_length` when shorter), right-padded to the longest."""
     if not texts:
         raise ValueError("texts: expected at least one passage")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: an encoder tokenizer needs a padding token")
+    max_len = min(max_len, getattr(tokenizer, "model_max_length", max_len) or max_len)
     enc = tokenizer(list(texts), padding="longest", truncation=True, max_length=max_len, padding_side="right",
                     return_tensors="pt")
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
