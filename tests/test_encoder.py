@@ -175,6 +175,24 @@ def test_noncausal_calibration_beats_taylor_start_and_val_mse_is_eq20():
                                rtol=1e-4, atol=1e-9)
 
 
+def test_noncausal_padded_calibration_batched_equals_sequential():
+    """The batched program (heads x inits) and the per-head loop agree on padded, non-causal data (float64)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v, out = (torch.randn(3, H, 14, D, generator=g, dtype=torch.float64) for _ in range(4))
+    _, mask = _batch(14, (14, 9, 5))
+    train = LayerData(q, k, v, out, mask=mask, causal=False)
+    val = LayerData(*(t[:2, :, :10] for t in (q, k, v, out)), mask=mask[1:, :10].bool(), causal=False)
+    groups = torch.zeros(H, D, dtype=torch.long)
+    groups[:, :3] = 1
+    cfg = CalibConfig.preset("tiny", dtype="float64", max_steps=12, val_every=4, patience=8, queries=6)
+    batched = calibrate_oal_layer(train, val, groups, cfg)[1]
+    seq = calibrate_oal_layer(train, val, groups, cfg, sequential=True)[1]
+    assert [h.init for h in batched.heads] == [h.init for h in seq.heads]
+    torch.testing.assert_close(torch.tensor([h.val_mse for h in batched.heads]),
+                               torch.tensor([h.val_mse for h in seq.heads]), rtol=1e-9, atol=0)
+    torch.testing.assert_close(batched.params["factor"], seq.params["factor"], rtol=1e-7, atol=1e-9)
+
+
 def _oal_methods(model, seed=0):
     n = len(model.encoder.layer)
     return {i: _oal(seed + i, dtype=torch.float32) for i in range(n)}

@@ -46,8 +46,12 @@ def enc_run(assets, tmp_path_factory):
 
 
 def test_detection(assets):
+    from oal.models.registry import load_model
+
     assert is_encoder_model(assets / "model")
     assert not is_encoder_model("default") and not is_encoder_model(assets / "corpus.txt")
+    with pytest.raises(ValueError, match="is an encoder"):  # the causal-LM loader refuses it clearly
+        load_model(str(assets / "model"))
 
 
 def test_encoder_run_contract(enc_run):

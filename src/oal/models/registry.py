@@ -151,6 +151,11 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
                              "build it with scripts/train_embedded_model.py")
     elif Path(name).is_dir():
         path = Path(name)
+        from .encoder import is_encoder_model
+
+        if is_encoder_model(path):  # AutoModelForCausalLM would bolt a random LM head onto it
+            raise ValueError(f"name_or_path: {name} is an encoder (BERT family): `oal run --model` runs the encoder "
+                             "protocol, and oal.models.encoder.load_encoder loads it")
     elif "/" in name and not Path(name).exists():
         path, rev = _resolve_hub(name, revision)
         source = "hub"
