@@ -82,6 +82,12 @@ def test_noncausal_contributions_match_reference_and_closed_form():
     fast = contribution_scores(q, k, mask=mask, causal=False)
     ref = contribution_scores_reference(q, k, mask=mask, causal=False)
     torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
+    gq_fast, gk_fast = torch.autograd.grad(contribution_scores(q.requires_grad_(), k.requires_grad_(), mask=mask,
+                                                               causal=False).sum(), (q, k))
+    gq_ref, gk_ref = torch.autograd.grad(contribution_scores_reference(q, k, mask=mask, causal=False).sum(), (q, k))
+    torch.testing.assert_close(gq_fast, gq_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gk_fast, gk_ref, rtol=1e-12, atol=1e-12)
+    q, k = q.detach(), k.detach()
     n = 6  # row 0: every pair of its 6 real tokens, Eq. (2) over n^2 pairs
     by_hand = (q[0, :, :n, None, :] * k[0, :, None, :n, :]).abs().sum((1, 2)) / math.sqrt(6) / n**2
     torch.testing.assert_close(fast[0], by_hand, rtol=1e-12, atol=1e-12)
@@ -136,9 +142,15 @@ def test_noncausal_attention_padding_matches_per_row_reference(hkv):
     valid[2, 4:6] = False  # inner padding
     valid[3, 9:] = False  # same pattern as row 0: one batched call
     m = _oal(hkv=hkv)
+    q.requires_grad_()
     got = noncausal_attention(m, q, k, v, valid)
     want = _masked_reference(m, q, k, v, valid)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)  # gradients w.r.t. q and the kernel factor
+    grads = [torch.autograd.grad((out * w).sum(), (q, m.factor)) for out in (got, want)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    got = got.detach()
     assert torch.equal(got[~valid[:, None, :].expand(-1, H, -1)], torch.zeros_like(got[~valid[:, None, :].expand(
         -1, H, -1)])), "padded query positions get zero"
     with pytest.raises(ValueError, match="entirely padding"):

@@ -36,7 +36,7 @@ def _plan():
 
 def _cfg(assets, **kw):
     return RunConfig(model=str(assets / "model"), data=str(assets / "corpus.txt"), plan=_plan(),
-                     grouping={"n_bootstrap": 50}, calib={"max_steps": 20, "val_every": 5, "patience": 10}, **kw)
+                     grouping={"n_bootstrap": 20}, calib={"max_steps": 12, "val_every": 4, "patience": 8}, **kw)
 
 
 @pytest.fixture(scope="module")
