@@ -281,6 +281,7 @@ def test_kernels_roundtrip_and_save_pretrained(tmp_path):
         assert torch.equal(state[f"encoder.layer.{i}.attention.self.oal_method.groups"], m.groups)
 
 
+@torch.no_grad()
 def test_fidelity_noncausal_padded():
     model = tiny_encoder("bert")
     ids, mask = _batch(12, (12, 9, 5), seed=7)
