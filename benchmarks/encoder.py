@@ -48,7 +48,7 @@ def main() -> None:
         raise SystemExit(f"run_dir: {args.run_dir} is not an encoder run (config.json protocol)")
     cfg = config["config"]
     model, tok, _ = load_encoder(cfg["model"])
-    plan = PassagePlan.from_dict(config["passage_plan"])
+    plan = PassagePlan.from_dict(config["split_plan"])
     held = tokenize_passages(tok, plan_passages(load_corpus(cfg["data"], data_dir=cfg["data_dir"]), plan)["heldout"],
                              plan.max_len)
     sets = {m: load_kernels(kernel_dir(args.run_dir, m))[0] for m in ("oal", "global")}

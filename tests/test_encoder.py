@@ -335,3 +335,28 @@ def test_embedding_similarity_and_pooling():
     torch.testing.assert_close(batched["mean"][1], alone["mean"][0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="mode"):
         pool(torch.zeros(1, 2, 3), torch.ones(1, 2), "max")
+
+
+@torch.no_grad()
+def test_capture_store_keeps_padding_and_noncausality(tmp_path):
+    """The one-pass capture store (calibration's) gives the same LayerData as a direct capture: q/k/v/out, the
+    padding mask and causal=False, for every layer of one forward per passage."""
+    from oal.models.capture_store import capture_to_disk, open_store
+
+    model = tiny_encoder("bert")
+    ids, mask = _batch(9, (9, 6, 3), seed=3)
+    store = capture_to_disk(model, {"train": {"input_ids": ids, "attention_mask": mask}}, [0, 2], tmp_path,
+                            key="k")
+    assert not store.causal and open_store(tmp_path, "k") is not None
+    for layer in (0, 2):
+        got = []
+        capture(model, ids, [layer], got.append, mask)
+        want = LayerData.from_captured(got)
+        data = LayerData(**store.load("train", layer), causal=store.causal)
+        assert not data.causal and torch.equal(data.mask, mask.bool())
+        for f in ("q", "k", "v", "out"):
+            torch.testing.assert_close(getattr(data, f), getattr(want, f), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="attention_mask of shape"):
+        capture_to_disk(model, {"train": {"input_ids": ids, "attention_mask": mask[:, :4]}}, [0], tmp_path / "x",
+                        key="k")
+

@@ -10,9 +10,8 @@ from _tiny_encoders import save_tiny_encoder
 from typer.testing import CliRunner
 
 from oal.config import RunConfig
-from oal.encoder_pipeline import run_encoder_seed
 from oal.models.encoder import is_encoder_model
-from oal.pipeline import run
+from oal.pipeline import run, run_seed
 
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group", "token", "layer"]
 
@@ -71,9 +70,9 @@ def test_encoder_run_contract(enc_run):
     assert "adapt" in saved["not_run"] and saved["perplexity"] == {}
     assert set(saved["elapsed_s"]) >= {"setup", "analyze", "calibrate", "fidelity", "embedding", "report"}
     config = json.loads((out / "config.json").read_text())
-    assert config["protocol"] == "encoder" and config["passages"]["heldout"]["shape"][0] == 6
+    assert config["protocol"] == "encoder" and config["blocks"]["heldout"]["shape"][0] == 6
     # roles are padded to their own longest passage: calibration copes with train and val of different lengths
-    assert config["passages"]["calib_train"]["shape"][1] != config["passages"]["calib_val"]["shape"][1]
+    assert config["blocks"]["calib_train"]["shape"][1] != config["blocks"]["calib_val"]["shape"][1]
     assert config["model"]["sha256"]["model.safetensors"]
     groups = json.loads((out / "groups.json").read_text())
     assert len(groups["heads"]["1"]) == 4
@@ -99,12 +98,19 @@ def test_reported_numbers_reproduce_from_files(enc_run, assets):
     assert sim["mean"]["mean"] < 1.0
 
 
+def test_encoder_run_dir_keeps_one_configuration(enc_run, assets):
+    """Provenance binds an encoder run as a decoder run: another configuration in DIR is refused by name."""
+    out, _ = enc_run
+    with pytest.raises(ValueError, match="converted_layers"):
+        run(_cfg(assets, layers=[0]), out, progress=False)
+
+
 def test_encoder_run_resumes(enc_run, assets, tmp_path):
     _, ref = enc_run
     cfg = _cfg(assets)
-    assert run_encoder_seed(cfg, tmp_path, progress=False, stop_after="calibrate") == {}
+    assert run_seed(cfg, tmp_path, progress=False, stop_after="calibrate") == {}
     stamp = (tmp_path / "kernels.safetensors").stat().st_mtime_ns
-    metrics = run_encoder_seed(cfg, tmp_path, progress=False)
+    metrics = run_seed(cfg, tmp_path, progress=False)
     assert (tmp_path / "kernels.safetensors").stat().st_mtime_ns == stamp, "calibration was recomputed"
     strip = lambda m: {k: v for k, v in m.items() if k != "elapsed_s"}  # noqa: E731
     assert strip(metrics) == strip(ref)

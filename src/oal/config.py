@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .adapt import AdaptConfig
-from .runio import from_known_keys
+from .data.zeroshot import parse_task_files, parse_tasks
+from .device import resolve_dtype
+from .runio import from_known_keys, parse_names
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
            "parse_seeds"]
@@ -27,6 +30,9 @@ PRESETS: dict[str, dict] = {
         "data": "builtin",
         "calib": {"max_steps": 400, "val_every": 50, "patience": 150},
         "adapt": {"steps": 256, "val_every": 64, "ckpt_every": 32},
+        # where the hub is reachable: the first 100 examples per zero-shot task keep the budget (reported as a
+        # quick run); the embedded byte-level model is near chance on the full sets anyway
+        "zeroshot_limit": 100,
     },
     "qwen2.5-0.5b": {
         "model": "Qwen/Qwen2.5-0.5B",
@@ -56,31 +62,21 @@ def grouping_preset(preset: str) -> dict:
 
 def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
-    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
-    items = [s for s in items if s]
-    if not items:
+    out = parse_names(spec, ALL_METHODS, "methods")
+    if not out:
         raise ValueError("methods: expected a comma-separated list of method names or 'all', got nothing")
-    out: list[str] = []
-    for item in items:
-        for name in (ALL_METHODS if item == "all" else (item,)):
-            if name not in ALL_METHODS:
-                raise ValueError(f"methods: unknown method {name!r}; expected some of {', '.join(ALL_METHODS)} "
-                                 "or 'all'")
-            if name not in out:
-                out.append(name)
     return out
 
 
 def parse_seeds(spec: str | int | list[int]) -> list[int]:
-    """'42,43,44' -> [42, 43, 44]."""
-    if isinstance(spec, int):
-        return [spec]
+    """'42,43,44' -> [42, 43, 44]: distinct non-negative integers, no empty items."""
+    items = [spec] if isinstance(spec, int) else spec.split(",") if isinstance(spec, str) else list(spec)
     try:
-        seeds = [int(s) for s in spec.split(",") if s.strip()] if isinstance(spec, str) else [int(s) for s in spec]
+        seeds = [int(s) if isinstance(s, int) else int(str(s).strip()) for s in items]
     except ValueError as exc:
         raise ValueError(f"seeds: expected comma-separated integers such as 42,43,44, got {spec!r}") from exc
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds: expected distinct integers, got {spec!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise ValueError(f"seeds: expected distinct non-negative integers, got {spec!r}")
     return seeds
 
 
@@ -93,13 +89,18 @@ class RunConfig:
     layers: list[int] | None = None  # None: the model family's default conversion range
     seed: int = 42
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # resolved when the run starts (oal.device.resolve_device): a runtime choice, not hashed
     grouping: dict = field(default_factory=dict)
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
     eval_batch_size: int = 1
     plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (encoders: a PassagePlan's)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
+    adapt_overrides: dict = field(default_factory=dict)  # method -> adapt settings of that arm only (`oal adapt`)
+    zeroshot_tasks: list[str] | None = None  # PIQA / HellaSwag / ARC-E (App. F.3); None: all three, []: none
+    zeroshot_limit: int | None = None  # first N examples of each task (a quick run, reported as such)
+    zeroshot_dir: str | None = None  # local folder of the pinned zero-shot files (with manifest)
+    zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -109,9 +110,16 @@ class RunConfig:
             if not all(isinstance(x, int) and x >= 0 for x in self.layers):
                 raise ValueError(f"layers: expected non-negative layer indices, got {self.layers!r}")
             self.layers = sorted(set(self.layers))
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype: expected float32, float64 or bfloat16, got {self.dtype!r}")
+        resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
+        for method in self.adapt_overrides:
+            self.adapt_config(method)
+        self.zeroshot_tasks = parse_tasks(self.zeroshot_tasks)
+        self.zeroshot_files = parse_task_files(self.zeroshot_files)
+        if self.zeroshot_limit is not None and self.zeroshot_limit < 1:
+            raise ValueError(f"zeroshot_limit: expected a positive number of examples, got {self.zeroshot_limit}")
+        if self.zeroshot_dir is not None and not Path(self.zeroshot_dir).is_dir():
+            raise ValueError(f"zeroshot_dir: no such folder: {self.zeroshot_dir}")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
@@ -120,17 +128,19 @@ class RunConfig:
             raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
         p = copy.deepcopy(PRESETS[preset])
         base = {"preset": preset, "model": p["model"], "data": p["data"], "grouping": grouping_preset(preset),
-                "calib": p["calib"], "adapt": p["adapt"]}
+                "calib": p["calib"], "adapt": p["adapt"], "zeroshot_limit": p.get("zeroshot_limit")}
         for key in ("grouping", "calib", "adapt"):
             base[key] = {**base[key], **(overrides.pop(key, None) or {})}
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
-    def adapt_config_dict(self) -> dict:
-        return {**self.adapt, "seed": self.adapt.get("seed", self.seed)}
+    def adapt_config_dict(self, method: str | None = None) -> dict:
+        d = {**self.adapt, **(self.adapt_overrides.get(method, {}) if method else {})}
+        return {**d, "seed": d.get("seed", self.seed)}
 
-    def adapt_config(self) -> AdaptConfig:
-        return AdaptConfig.from_dict(self.adapt_config_dict())
+    def adapt_config(self, method: str | None = None) -> AdaptConfig:
+        """The adaptation settings of `method`'s arm (the run's, with that arm's overrides)."""
+        return AdaptConfig.from_dict(self.adapt_config_dict(method))
 
     def with_seed(self, seed: int) -> RunConfig:
         d = self.to_dict()

@@ -62,7 +62,7 @@ def _provenance(config: dict) -> list[str]:
     out += [f"  - {split} SHA256 `{h}`" for split, h in sorted(data.get("sha256", {}).items())]
     out += ["- model files:"] + [f"  - `{f}` SHA256 `{h}`" for f, h in sorted((model.get("sha256") or {}).items())]
     out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(config.get("versions", {}).items())), ""]
-    plan, passages = config.get("passage_plan", {}), config.get("passages", {})
+    plan, passages = config.get("split_plan", {}), config.get("blocks", {})
     rows = [[role, p["split"], f"{p['start']}..{p['start'] + p['count'] - 1}",
              "x".join(map(str, passages.get(role, {}).get("shape", []))),
              str(passages.get(role, {}).get("real_tokens"))] for role, p in

@@ -117,22 +117,29 @@ def noncausal_attention(method, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.stack(rows)
 
 
-def load_encoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_encoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, tokenizer, provenance) of a local encoder folder, loaded with `AutoModel` (the base encoder: heads
-    are dropped; sentence-embedding checkpoints keep their transformer weights at the folder's root)."""
+    are dropped; sentence-embedding checkpoints keep their transformer weights at the folder's root). Weights load
+    from safetensors only; provenance records the SHA256 of the files and of the tensors (`weights_record`)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from .registry import hash_model_dir
+    from .registry import _bad_model, _check_model_folder, _first_line, hash_model_dir, weights_record
 
-    path = Path(path)
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise _bad_model(f"no such encoder folder: {path}")
+    _check_model_folder(path, ENCODER_ARCHITECTURES)
     if not is_encoder_model(path):
-        raise ValueError(f"model: {path} is not a local folder holding a supported encoder "
-                         f"({', '.join(ENCODER_ARCHITECTURES)}) with is_decoder=false")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+        raise _bad_model(f"{path}: config.json sets is_decoder=true; expected an encoder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _bad_model(f"{path}: cannot load the encoder or its tokenizer ({_first_line(exc)})") from exc
+    model = model.to(device).eval()
     provenance = {"model": str(path), "source": "local", "path": str(path.resolve()), "revision": None,
-                  "architecture": type(model).__name__, "dtype": str(dtype).replace("torch.", ""),
-                  "sha256": hash_model_dir(path), "pooling": sentence_pooling(path)}
+                  "architecture": type(model).__name__, "sha256": hash_model_dir(path), **weights_record(model),
+                  "pooling": sentence_pooling(path)}
     return model, tokenizer, provenance
 
 
