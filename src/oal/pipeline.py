@@ -353,8 +353,6 @@ class Run:
 
         return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
-    # ------------------------------------------------------------------------------------------------ metrics
-
     def stages(self, arms: list[str] | None = None) -> None:
         """Every stage after setup, in order; `arms`: see `run_seed`."""
         self.zeroshot_sets()  # fail on a bad data folder now, not after training
@@ -367,6 +365,8 @@ class Run:
             if self.adapt(m, run=active):
                 self.perplexity(m, adapted=True, run=active)
                 self.zeroshot(m, run=active)
+
+    # ------------------------------------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
         """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
