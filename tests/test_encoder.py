@@ -360,3 +360,32 @@ def test_capture_store_keeps_padding_and_noncausality(tmp_path):
         capture_to_disk(model, {"train": {"input_ids": ids, "attention_mask": mask[:, :4]}}, [0], tmp_path / "x",
                         key="k")
 
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_converted_encoder_reloads_through_automodel(tmp_path, family):
+    """save_pretrained of a converted encoder writes an "oal_<family>" folder that AutoModel reloads (after
+    `import oal`) as the converted encoder: same kernels, same outputs with padding; a changed file is refused."""
+    import json
+
+    from transformers import AutoModel
+
+    from oal.models.auto import ENCODER_FAMILIES
+    from oal.models.encoder import ENCODER_ARCHITECTURES
+
+    assert set(ENCODER_FAMILIES) == set(ENCODER_ARCHITECTURES)
+    conv = convert(tiny_encoder(family), [0, 2], {i: _oal(i, dtype=torch.float32) for i in (0, 2)})
+    ids, mask = _batch()
+    want = conv(input_ids=ids, attention_mask=mask).last_hidden_state
+    conv.save_pretrained(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == f"oal_{family}"
+    again = AutoModel.from_pretrained(tmp_path / "m")
+    assert type(again).__name__ == f"OAL{type(tiny_encoder(family)).__name__}" and is_encoder(again)
+    assert sorted(converted_methods(again)) == [0, 2]
+    for i, m in converted_methods(again).items():
+        torch.testing.assert_close(m.factor, converted_methods(conv)[i].factor, rtol=0, atol=0)
+    torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).last_hidden_state, want, rtol=0, atol=0)
+    cfg = tmp_path / "m" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"hidden_act"', '"hidden_act" '))
+    with pytest.raises(ValueError, match="does not match"):
+        AutoModel.from_pretrained(tmp_path / "m")

@@ -98,6 +98,24 @@ def test_reported_numbers_reproduce_from_files(enc_run, assets):
     assert sim["mean"]["mean"] < 1.0
 
 
+def test_export_of_an_encoder_run_reloads(enc_run, assets, tmp_path):
+    """`oal export` of an encoder run: one folder that `oal.load` (AutoModel inside) reloads as the converted
+    encoder, giving the outputs of the run's kernels on the base encoder."""
+    import oal
+    from oal.export import export
+    from oal.models.encoder import load_encoder
+
+    out, _ = enc_run
+    export(out, "oal", tmp_path / "exp", adapter=False)  # encoder runs have no adapter
+    again = oal.load(tmp_path / "exp")
+    ref = oal.load(out, load_encoder(assets / "model")[0])
+    ids = torch.tensor([[2, 7, 9, 11, 3, 0], [2, 8, 3, 0, 0, 0]])
+    mask = (ids != 0).long()
+    assert type(again).__name__ == "OALBertModel"
+    torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               ref(input_ids=ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
+
+
 def test_encoder_run_dir_keeps_one_configuration(enc_run, assets):
     """Provenance binds an encoder run as a decoder run: another configuration in DIR is refused by name."""
     out, _ = enc_run

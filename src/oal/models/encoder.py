@@ -45,7 +45,8 @@ def _config(model_or_config):
 def is_encoder(model_or_config) -> bool:
     """True for a supported BERT-family model (or config) used as an encoder (not `is_decoder`)."""
     cfg = _config(model_or_config)
-    return getattr(cfg, "model_type", None) in ENCODER_ARCHITECTURES and not getattr(cfg, "is_decoder", False)
+    family = getattr(cfg, "oal_family", None) or getattr(cfg, "model_type", None)  # "oal_bert": a converted BERT
+    return family in ENCODER_ARCHITECTURES and not getattr(cfg, "is_decoder", False)
 
 
 def is_encoder_model(name_or_path) -> bool:
