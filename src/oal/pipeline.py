@@ -1,6 +1,11 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> zeroshot:<method> -> report
+    setup -> analyze -> calibrate -> [select] -> fidelity -> adapt:<method> -> perplexity:<method>
+          -> zeroshot:<method> -> [compare:<layers>] -> report
+
+The bracketed stages run with `--layers auto:K` only (oal.selection): every layer is calibrated into candidates/,
+`select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
+the paper's range and the criterion's top layers at the paper's K for the report.
 
 Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
 of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
@@ -41,7 +46,7 @@ from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
-from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
+from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from .models.convert import convert
 from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
@@ -59,13 +64,16 @@ from .runio import (
     tensor_hash,
     versions,
 )
+from .selection import comparison_sets, select_layers
 
-__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "STAGES"]
+__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "run_selection", "STAGES"]
 
 FIDELITY_FILE = ".oal/fidelity.json"
-STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "zeroshot", "report")
+STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "adapt", "perplexity", "zeroshot", "compare", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
+CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
+SELECTION_FILE = "selection.json"
 NEEDS_GROUPS = ("oal",)
 
 
@@ -122,11 +130,17 @@ class Run:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
+            # --layers auto:K: every layer is a candidate (calibrated into candidates/), the K best are converted
+            self.layers = self.cfg.layers if self.cfg.layers is not None else (
+                list(range(n_layers)) if self.cfg.select else self._default_layers())
             if not self.layers or any(i >= n_layers for i in self.layers):
                 raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
                                  "--layers", "layers")
+            if self.cfg.select and self.cfg.select["k"] > len(self.layers):
+                raise InputError(f"expected auto:K with K <= {len(self.layers)} (the candidate layers), got "
+                                 f"auto:{self.cfg.select['k']}", "--layers", "layers")
+            self.calib_root = self.dir / CANDIDATES if self.cfg.select else self.dir
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
                 self.plan, self.blocks = self._plan_blocks()
@@ -135,7 +149,7 @@ class Run:
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.cfg.to_dict(),
-            "converted_layers": self.layers,
+            "converted_layers": self.layers if not self.cfg.select else {**self.cfg.select, "candidates": self.layers},
             "split_plan": self.plan.to_dict(),
             "blocks": self._blocks_record(),
             "model": _jsonable_provenance(self.provenance),
@@ -201,11 +215,12 @@ class Run:
             raise _Stop(name)
         return True
 
-    def kernel_files(self, method: str) -> list[str]:
-        """`method`'s kernel files, relative to the run directory (none for the softmax reference)."""
+    def kernel_files(self, method: str, root: Path | None = None) -> list[str]:
+        """`method`'s kernel files (under `root`: the run directory by default, or candidates/), relative to the run
+        directory (none for the softmax reference)."""
         if method == REFERENCE:
             return []
-        d = self.kernel_dir(method).relative_to(self.dir)
+        d = kernel_dir(root or self.dir, method).relative_to(self.dir)
         return [str(d / KERNELS_FILE), str(d / META_FILE)]
 
     def analyze(self) -> bool:
@@ -235,7 +250,8 @@ class Run:
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
-        outputs = ["calibration.json"] + [f for m in methods for f in self.kernel_files(m)]
+        root = self.calib_root.relative_to(self.dir)
+        outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if "oal" in methods else []
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
 
@@ -251,10 +267,84 @@ class Run:
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
             progress=self.progress, console=self.console)
-        write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
+        write_calibration(self.calib_root, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
                           provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
         checkpoints.clear()
         capture.remove()
+
+    def select(self) -> bool:
+        """`--layers auto:K`: rank the calibrated candidates (oal.selection), write the K best layers' kernels where
+        a run keeps its kernels, and convert only those from here on."""
+        if not self.cfg.select:
+            return True
+        method = "oal" if "oal" in self.kernel_methods else self.kernel_methods[0]
+        deps = {"setup": self.keys["setup"], "select": self.cfg.select, "method": method,
+                "batch": self.cfg.eval_batch_size}
+        path = self.dir / SELECTION_FILE
+
+        def fn():
+            candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+            sel = select_layers(self.model, candidates, **self.cfg.select, fidelity_blocks=self.blocks["calib_val"],
+                                val_blocks=self.blocks["val"], paper_layers=self._default_layers(),
+                                batch_size=self.cfg.eval_batch_size, progress=self.progress)
+            for m in self.kernel_methods:
+                ms, _ = load_kernels(kernel_dir(self.calib_root, m))
+                save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
+                             provenance=self.provenance, fingerprint=model_fingerprint(self.model),
+                             extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
+            atomic_write_json(path, {**sel, "method": method})
+
+        done = self.stage("select", deps, [SELECTION_FILE] + [f for m in self.kernel_methods
+                                                               for f in self.kernel_files(m)], fn,
+                          inputs=[f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)])
+        self.layers = load_json(path)["chosen"]
+        return done
+
+    def compare(self, run: bool = True) -> bool:
+        """`--layers auto:K`: the selection's top paper-K layers against the paper's range, each adapted with the
+        selection's method and measured on the test blocks (a layer set equal to the converted one reuses its arm)."""
+        if not self.cfg.select:
+            return True
+        sel = load_json(self.dir / SELECTION_FILE)
+        method, complete = sel["method"], True
+        for tag, layers in comparison_sets(sel).items():
+            if layers == self.layers:
+                continue
+            deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
+                    "adapt": self.cfg.adapt_config(method).to_dict(), "batch": self.cfg.eval_batch_size}
+            path = self.dir / ".oal" / f"compare_{tag}.json"
+
+            def fn(layers=layers, tag=tag, path=path):
+                candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+                model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
+                before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
+                                      self.cfg.adapt_config(method), ckpt_dir=self.dir / ".oal" / "checkpoints" /
+                                      f"compare-{tag}", progress=self.progress, description=f"adapt {method} {tag}")
+                after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
+                                         "ppl": math.exp(after[0] / after[1])})
+                shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
+
+            complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
+                                   inputs=self.kernel_files(method, self.calib_root), run=run)
+        return complete
+
+    def _selection_metrics(self, valid) -> dict | None:
+        if not (self.cfg.select and valid("select")):
+            return None
+        sel = load_json(self.dir / SELECTION_FILE)
+        comparison = {}
+        for tag, layers in comparison_sets(sel).items():
+            m = sel["method"]
+            if layers == self.layers and valid(f"perplexity:{m}") and valid(f"perplexity_no_adapt:{m}"):
+                ppl = {k: load_json(self.dir / ".oal" / f"{k}_{m}.json")["ppl"]
+                       for k in ("perplexity_no_adapt", "perplexity")}
+                comparison[tag] = {"layers": layers, "ppl_no_adapt": ppl["perplexity_no_adapt"],
+                                   "ppl": ppl["perplexity"]}
+            elif layers != self.layers and valid(f"compare:{tag}"):
+                comparison[tag] = load_json(self.dir / ".oal" / f"compare_{tag}.json")
+        return {**sel, "comparison": comparison}
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
@@ -358,6 +448,7 @@ class Run:
         self.zeroshot_sets()  # fail on a bad data folder now, not after training
         self.analyze()
         self.calibrate()
+        self.select()
         self.fidelity()
         for m in self.cfg.methods:
             active = arms is None or m in arms
@@ -365,6 +456,7 @@ class Run:
             if self.adapt(m, run=active):
                 self.perplexity(m, adapted=True, run=active)
                 self.zeroshot(m, run=active)
+        self.compare(run=arms is None)
 
     # ------------------------------------------------------------------------------------------------ metrics
 
@@ -405,6 +497,9 @@ class Run:
                 merge_metrics(out, m, res["tasks"], res["data"], {})
         if self.zeroshot_skipped:
             out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
+        selection = self._selection_metrics(valid)
+        if selection is not None:
+            out["selection"] = selection
         return out
 
     # ------------------------------------------------------------------------------------------------ reports
@@ -426,6 +521,10 @@ def run_class(cfg: RunConfig) -> type[Run]:
     """The protocol of `cfg.model`: `EncoderRun` for a local BERT-family encoder folder, `Run` otherwise."""
     if is_encoder_model(cfg.model):
         from .encoder_pipeline import EncoderRun
+
+        if cfg.select:
+            raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
+                             "layers")
 
         return EncoderRun
     return Run
@@ -610,3 +709,17 @@ def summary_table(metrics: dict) -> Table:
                       "-" if pre is None else f"{pre:.3f}", cell,
                       *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
     return table
+
+
+def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
+                  force: bool = False) -> dict:
+    """`oal select-layers`: the stages of `oal run --layers auto:K` up to the layer selection (selection.json); `oal
+    run` with the same options continues from there."""
+    if not cfg.select:
+        raise InputError("expected a layer selection such as auto:2", "--k", "select")
+    r = Run(cfg, out_dir, console=console, progress=progress, force=force)
+    r.setup()
+    r.analyze()
+    r.calibrate()
+    r.select()
+    return load_json(r.dir / SELECTION_FILE)

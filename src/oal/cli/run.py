@@ -11,11 +11,12 @@ from ._common import (
     DeviceOpt,
     DtypeOpt,
     LimitOpt,
+    SelectByOpt,
     TaskFileOpt,
     TasksOpt,
     ThreadsOpt,
     ZeroshotDirOpt,
-    parse_layers,
+    layer_selection,
     set_threads,
 )
 from .app import app
@@ -32,7 +33,9 @@ def run(
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
     preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
-    layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
+    layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "
+                               "to calibrate every layer and convert the K best (--select-by)."),
+    select_by: SelectByOpt = "probe",
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
     tasks: TasksOpt = "all",
@@ -60,7 +63,7 @@ def run(
     seed_list = parse_seeds(seeds)
     adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
-                                layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
+                                **layer_selection(layers, select_by), seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file))
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)
