@@ -5,9 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import (
+    BatchSizeOpt,
+    DeviceOpt,
+    DtypeOpt,
+    GradAccumOpt,
+    LoraDropoutOpt,
+    ThreadsOpt,
+    main_console,
+    parse_layers,
+    set_threads,
+)
 from .app import app
 
 
@@ -24,6 +33,9 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
     force: bool = typer.Option(False, "--force", help="If OUT holds a run of another configuration (or layout), "
                                "delete its results and start clean."),
     device: DeviceOpt = "auto",
@@ -31,14 +43,16 @@ def run(
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory.
+    Under torchrun / accelerate launch, calibration and adaptation run on every process (see README)."""
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
     seed_list = parse_seeds(seeds)
-    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
+    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
+                               ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt)
-    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)
