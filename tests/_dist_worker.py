@@ -111,7 +111,8 @@ def run_pipeline(spec: dict) -> None:
 
     from oal.pipeline import run
 
-    run(_cfg(Path(spec["assets"]), adapt=spec["adapt"], methods=spec["methods"]), spec["out"], progress=False)
+    run(_cfg(Path(spec["assets"]), adapt=spec["adapt"], methods=spec["methods"], layers=spec["layers"]), spec["out"],
+        progress=False)
 
 
 def run_cli(spec: dict) -> int:

@@ -33,17 +33,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp: Path, spec: dict, nproc: int = 2, check: bool = True) -> tuple[subprocess.CompletedProcess, list]:
-    """Run the worker in `nproc` processes (torchrun, gloo, a free MASTER_PORT); returns the process and every rank's
-    recorded writes below spec['watch']."""
+LAUNCHERS = {  # -> the command line before the script, for 2 processes on a free port
+    "torchrun": lambda port: ["torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                              "--master_port", str(port)],
+    # accelerate's multi-GPU launcher is torchrun's; without a GPU its processes run on the CPU with gloo
+    "accelerate": lambda port: ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                "--main_process_port", str(port)],
+}
+
+
+def launch(tmp: Path, spec: dict, check: bool = True, launcher: str = "torchrun",
+           ) -> tuple[subprocess.CompletedProcess, list]:
+    """Run the worker in 2 processes (gloo, a free MASTER_PORT); returns the process and every rank's recorded
+    writes below spec['watch']."""
     audit = tmp / f"audit-{_free_port()}"
     audit.mkdir()
     spec_path = audit / "spec.json"
     spec_path.write_text(json.dumps({**spec, "audit": str(audit)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(WORKER.parent)]), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(spec_path)]
+    cmd = [sys.executable, "-m", *LAUNCHERS[launcher](_free_port()), str(WORKER), str(spec_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -181,6 +191,7 @@ def test_two_process_calibration_equals_one_process_exactly(tmp_path):
 
 ADAPT = {"steps": 4, "val_every": 2, "ckpt_every": 1, "lora_dropout": 0.0}
 METHODS = ["oal", "softmax"]
+LAYERS = [0, 1, 2]  # all three: calibration shares them out (2 + 1)
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +206,8 @@ def one_process_run(request, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        metrics = run(_cfg(model_and_corpus, adapt={**ADAPT, "batch_size": 2}, methods=METHODS), out,
-                      progress=False)
+        metrics = run(_cfg(model_and_corpus, adapt={**ADAPT, "batch_size": 2}, methods=METHODS, layers=LAYERS),
+                      out, progress=False)
     finally:
         torch.set_num_threads(threads)
     return model_and_corpus, out, metrics
@@ -212,7 +223,7 @@ def test_oal_run_in_two_processes(one_process_run, tmp_path):
     model_and_corpus, ref, want = one_process_run
     out = tmp_path / "run"
     _, writes = launch(tmp_path, {"mode": "run", "watch": str(out), "out": str(out), "assets": str(model_and_corpus),
-                                  "adapt": {**ADAPT, "batch_size": 1}, "methods": METHODS})
+                                  "adapt": {**ADAPT, "batch_size": 1}, "methods": METHODS, "layers": LAYERS})
     assert writes[0] and not writes[1], writes[1][:5]
     assert files(out) == files(ref)
     for rel in ("groups.json", "kernels.safetensors", ".oal/fidelity.json", ".oal/perplexity_no_adapt_oal.json"):
@@ -221,16 +232,20 @@ def test_oal_run_in_two_processes(one_process_run, tmp_path):
         assert_close(_tensors(out / "adapter" / method), _tensors(ref / "adapter" / method))
     got = json.loads((out / "metrics.json").read_text())
     assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
+    assert got["converted_layers"] == LAYERS
+    capture = json.loads((out / "calibration.json").read_text())["capture"]
+    assert [p["layers"] for p in capture["processes"]] == [2, 1]  # layers 0, 2 and 1 were captured and fitted apart
     assert (got["adapt"]["oal"]["processes"], got["adapt"]["oal"]["global_batch"]) == (2, 2)
     assert (want["adapt"]["oal"]["processes"], want["adapt"]["oal"]["global_batch"]) == (1, 2)
     stages = json.loads((out / ".oal" / "stages.json").read_text())
     assert set(stages) == set(json.loads((ref / ".oal" / "stages.json").read_text()))
 
 
-def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_path):
-    """The acceptance check of issue 13 at test size: `torchrun --nproc_per_node 2 oal adapt --batch-size 1` and
-    `oal adapt --batch-size 2` on copies of a finished run give the same adapter; both record their settings, and the
-    arm they did not touch (trained by one process) keeps its results."""
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_path, launcher):
+    """The acceptance check of issue 13 at test size: `torchrun --nproc_per_node 2 oal adapt --batch-size 1` (or
+    `accelerate launch`) and `oal adapt --batch-size 2` on copies of a finished run give the same adapter; both record
+    their settings, and the arm they did not touch (trained by one process) keeps its results."""
     import shutil
 
     from typer.testing import CliRunner
@@ -243,7 +258,8 @@ def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_p
     shutil.copytree(ref, b)
     args = ["adapt", "--method", "oal", "--steps", "3", "--lora-dropout", "0", "--no-progress"]
     proc, writes = launch(tmp_path, {"mode": "cli", "watch": str(a), "args": [*args, "--out", str(a),
-                                                                              "--batch-size", "1"]})
+                                                                              "--batch-size", "1"]},
+                         launcher=launcher)
     assert "test PPL after adaptation" in proc.stdout and proc.stdout.count("test PPL") == 1  # one process reports
     assert writes[0] and not writes[1], writes[1][:5]
     res = CliRunner().invoke(load_commands(), [*args, "--out", str(b), "--batch-size", "2"])
@@ -262,3 +278,42 @@ def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_p
     assert pa["softmax"] == pb["softmax"] == json.loads((ref / "metrics.json").read_text())["perplexity"]["softmax"]
     assert (a / "adapter" / "softmax" / "adapt.json").read_bytes() == (ref / "adapter" / "softmax" / "adapt.json"
                                                                         ).read_bytes()
+
+
+def test_a_bad_input_stops_every_process_with_one_line(one_process_run, tmp_path):
+    """The main process finds the error (here: an arm without kernels); every process stops with it, one says it."""
+    import shutil
+
+    _, ref, _ = one_process_run
+    shutil.copytree(ref, tmp_path / "run")
+    before = {f: (tmp_path / "run" / f).read_bytes() for f in files(tmp_path / "run")}
+    proc, writes = launch(tmp_path, {"mode": "cli", "watch": str(tmp_path / "run"),
+                                     "args": ["adapt", "--out", str(tmp_path / "run"), "--method", "performer"]},
+                          check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "no calibrated kernels" in errors[0], errors
+    assert f"{SRC}{os.sep}oal" not in proc.stdout + proc.stderr  # no traceback from oal (torchrun reports its own)
+    assert writes == [[], []]
+    assert {f: (tmp_path / "run" / f).read_bytes() for f in files(tmp_path / "run")} == before
+
+
+# ----------------------------------------------------------------------------------------------- in one process
+
+
+def test_sharded_engines_are_refused_before_anything_starts(monkeypatch):
+    from oal.distributed import Ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="ACCELERATE_USE_FSDP"):
+        Ranks("cpu")
+
+
+def test_input_errors_travel_whole_between_processes():
+    """`Ranks.on_main` pickles the main process's error for the others: the CLI option it names survives."""
+    import pickle
+
+    from oal.errors import InputError
+
+    err = pickle.loads(pickle.dumps(InputError("no such arm", "--method")))
+    assert (err.param, err.message, str(err)) == ("--method", "no such arm", "method: no such arm")

@@ -18,6 +18,7 @@ A plain process (no launcher, or a launch of one) is rank 0 of 1, and nothing he
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,10 +29,15 @@ import torch
 __all__ = ["Ranks", "launched", "process_device", "ranks", "training_accelerator"]
 
 T = TypeVar("T")
+log = logging.getLogger("oal")
 
 # The other processes wait at a barrier while the main process runs a single-process stage (perplexity on the test
 # split, analysis); torch's default of 10-30 minutes is too short for the paper's models.
 TIMEOUT = timedelta(hours=6)
+
+
+# what `accelerate launch` sets for the sharded engines oal does not drive (FSDP, DeepSpeed, Megatron-LM)
+SHARDING_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
 
 
 def launched() -> bool:
@@ -62,6 +68,10 @@ class Ranks:
     def __init__(self, device: torch.device | str = "cpu"):
         self.index, self.size, self.state = 0, 1, None
         if launched():
+            unsupported = [k for k in SHARDING_ENV if os.environ.get(k, "false").lower() == "true"]
+            if unsupported:
+                raise ValueError(f"accelerate config: {', '.join(unsupported)} is set, but oal runs plain data "
+                                 "parallelism (every process holds the whole model); use distributed_type: MULTI_GPU")
             self.state = _state(torch.device(device).type == "cpu")
             self.index, self.size = self.state.process_index, self.state.num_processes
 
@@ -155,6 +165,10 @@ def training_accelerator(device: torch.device, grad_accum: int):
     from accelerate import Accelerator
 
     ranks(device)  # the process group, with oal's timeout, before accelerate would start one with its own
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if asked != "no":
+        log.warning("accelerate config: mixed_precision=%s is not used; the base model's precision is oal's --dtype "
+                    "(kernels and LoRA stay float32)", asked)
     acc = Accelerator(cpu=device.type == "cpu", device_placement=False, mixed_precision="no",
                       gradient_accumulation_steps=grad_accum)
     if acc.gradient_accumulation_steps != grad_accum:  # an accelerate config file set its own
