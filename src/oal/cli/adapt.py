@@ -6,16 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import (
-    BatchSizeOpt,
-    DeviceOpt,
-    DtypeOpt,
-    GradAccumOpt,
-    LoraDropoutOpt,
-    ThreadsOpt,
-    main_console,
-    set_threads,
-)
+from ._common import BatchSizeOpt, DeviceOpt, DtypeOpt, GradAccumOpt, LoraDropoutOpt, ThreadsOpt, set_threads
 from .app import app
 
 
@@ -36,6 +27,7 @@ def adapt_cmd(
     are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused. Settings given
     here are recorded in config.json for this arm. Data-parallel under torchrun / accelerate launch (see README)."""
     from ..pipeline import adapt_arm
+    from ._common import main_console
 
     set_threads(threads)
     console = main_console()
