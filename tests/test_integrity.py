@@ -494,19 +494,24 @@ def test_adapt_refreshes_metrics_and_report(assets, full_run, run_copy):
 
 
 def test_evaluate_updates_metrics_and_report_consistently(full_run, run_copy):
-    res = cli("evaluate", "--out", run_copy)  # the run's own model, data and blocks: the pipeline's numbers
+    # the calibrated kernels on the run's own model, data and blocks: the pipeline's numbers
+    res = cli("evaluate", "--out", run_copy, "--no-adapter")
     assert res.exit_code == 0, res.output
     metrics = _load_metrics(run_copy)
     for k in ("mse", "relmse", "mse_post_o", "relmse_post_o"):
         assert metrics["fidelity"]["oal"][k] == pytest.approx(full_run[1]["fidelity"]["oal"][k], rel=1e-12)
     assert metrics["fidelity"]["oal"]["n_blocks"] == 2
-    res = cli("evaluate", "--out", run_copy, "--blocks", "1")
+    res = cli("evaluate", "--out", run_copy, "--blocks", "1")  # default: the adapted model, its own section
     assert res.exit_code == 0, res.output
-    assert _load_metrics(run_copy)["fidelity"]["oal"]["n_blocks"] == 1
+    metrics = _load_metrics(run_copy)
+    assert metrics["fidelity_adapted"]["oal"]["n_blocks"] == 1 and metrics["fidelity"]["oal"]["n_blocks"] == 2
+    assert "adapter/oal/adapter_model.safetensors" in metrics["sha256"]
     # metrics.json whose inputs changed since (here: the adapter) is not merged into
     _corrupt(run_copy / "adapter" / "oal" / "adapt.json", "flip")
     before = tree(run_copy)
-    assert_bad_input(cli("evaluate", "--out", run_copy), "metrics.json", "changed since")
+    assert_bad_input(cli("evaluate", "--out", run_copy, "--no-adapter"), "metrics.json", "changed since")
+    assert tree(run_copy) == before
+    assert_bad_input(cli("evaluate", "--out", run_copy), "adapt.json", "SHA256 does not match")
     assert tree(run_copy) == before
 
 

@@ -71,10 +71,13 @@ def _quiet_peft():
 
 
 def converted_model_sha256(model) -> str:
-    """SHA256 of every tensor of a (converted) model, its kernel tensors included: what an adapter was trained on."""
+    """SHA256 of every tensor of a (converted) model, its kernel tensors included: what an adapter was trained on.
+
+    Floating tensors are hashed as float32, so the same weights loaded in bfloat16/float16 or upcast to float32
+    (both exact) give the same fingerprint, while other weights never do."""
     from .models.registry import state_dict_sha256
 
-    return state_dict_sha256(model, kernels=True)
+    return state_dict_sha256(model, torch.float32, kernels=True)
 
 
 @dataclass

@@ -170,13 +170,19 @@ def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str 
     return m
 
 
-def load(directory: str | Path, base_model, **load_kwargs) -> nn.Module:
+def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
     """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
 
     The base model must be the one the kernels were calibrated on: a loaded model is checked by the SHA256 of its
     tensors (`models.registry.state_dict_sha256`); a name/path goes through `oal.models.registry.load_model`
     (`load_kwargs` passed on) and its folder must also hold exactly the files recorded at save time.
+    Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
+    model) and holds everything: `oal.export.load_export(directory, **load_kwargs)` (dtype=, device=).
     """
+    if base_model is None:
+        from .export import load_export
+
+        return load_export(directory, **load_kwargs)
     if isinstance(base_model, (str, os.PathLike)):
         return load_with_tokenizer(directory, str(base_model), **load_kwargs)[0]
     if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):

@@ -39,6 +39,9 @@ DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
 DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
                                        help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
                                        "calibration stay float32).")]
+AdapterOpt = Annotated[bool | None, typer.Option(
+    "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
+    "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 # Adaptation batch (App. F.2 uses 1 x 1 with dropout 0.05); under torchrun / accelerate launch the global batch of an
@@ -118,23 +121,15 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
         raise typer.BadParameter(str(exc), param_hint="--data") from None
 
 
-def base_model_name(out: Path, model: str | None) -> str:
-    """--model if given, else the base model recorded in DIR/kernels.json, else the embedded default."""
-    from ..io import recorded_base_model
-
-    return model or recorded_base_model(out) or "default"
-
-
-def converted_or_fail(out: Path, model: str | None, method: str, device: str, dtype: str | None = None):
-    """(converted model, tokenizer, base model name): the kernels of `method` in run directory `out` on their base
-    model (--model, default: the recorded one), which must be the model they were calibrated on."""
+def converted_or_fail(out: Path, model: str | None, method: str, device: str, adapter: bool | None = None,
+                      dtype: str | None = None):
+    """(model, tokenizer, info) of `oal.export.load_converted`: the run's base model (checked against the kernels'
+    record), `method`'s kernels and, by default, its adapter; `dtype` defaults to the run's."""
     from ..device import resolve_dtype
-    from ..io import kernel_dir, load_with_tokenizer
+    from ..export import load_converted
 
-    name = base_model_name(kernel_dir(out, method), model)
-    mdl, tok, _ = load_with_tokenizer(kernel_dir(out, method), name, device=device,
-                                      dtype=resolve_dtype(dtype or "float32"))
-    return mdl, tok, name
+    return load_converted(out, method, adapter, model=model, device=device,
+                          dtype=resolve_dtype(dtype) if dtype else None)
 
 
 def main_console():

@@ -1,4 +1,4 @@
-"""`oal evaluate`: frozen-attention fidelity (Table 2) of calibrated kernels into DIR/metrics.json."""
+"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models into DIR/metrics.json."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt
+from ._common import AdapterOpt, BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt
 from .app import app
 
 
@@ -22,21 +22,27 @@ def evaluate_cmd(
                                 "oal,global)."),
     preset: str = typer.Option(None, help="Split-plan preset (default: the run's plan, or detected from the model)."),
     blocks_limit: int = typer.Option(None, "--blocks", min=1, help="Use only the first N fidelity blocks."),
+    adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
 ) -> None:
-    """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json["fidelity"]
-    (and report.md, in an `oal run` directory)."""
+    """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
+    in an `oal run` directory).
+
+    Calibrated kernels on the base model go to metrics.json["fidelity"]; a method with the run's adapter is measured
+    as adapted (trained kernels against the softmax attention of the LoRA-merged weights) into ["fidelity_adapted"].
+    """
     from ..evaluate.run_fidelity import evaluate_fidelity
 
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
-                            blocks=blocks_limit, device=device, dtype=dtype, console=console)
-    first = next(iter(res.values()))
-    table = Table(title=f"frozen-attention fidelity, {first['n_blocks']} held-out blocks x {first['block_len']}")
-    for col in ("method", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
+                            blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
+    table = Table(title="frozen-attention fidelity on the held-out blocks")
+    for col in ("method", "kernels", "blocks", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
         table.add_column(col, justify="right")
-    for m, r in res.items():
-        table.add_row(m, *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
+    for key, kind in (("fidelity", "calibrated"), ("fidelity_adapted", "adapted")):
+        for m, r in res[key].items():
+            table.add_row(m, kind, f"{r['n_blocks']} x {r['block_len']}",
+                          *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
     console.print(table)

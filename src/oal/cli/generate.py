@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
+from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
 from .app import app
 
 
@@ -17,10 +17,12 @@ def generate_cmd(
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
+    adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = None,
 ) -> None:
-    """Greedy generation with the converted model (recurrent O(1) state in converted layers).
+    """Greedy generation with the converted model (recurrent O(1) state in converted layers), adapted when the run
+    has an adapter for the method.
 
     The prompt plus --max-new-tokens must fit the model's maximum positions (max_position_embeddings): a longer
     request is refused, not truncated, so the model never runs on positions it was not trained for.
@@ -32,7 +34,7 @@ def generate_cmd(
     except UnicodeEncodeError as exc:
         raise typer.BadParameter(f"not valid UTF-8 text ({exc.reason} at character {exc.start})",
                                  param_hint="PROMPT") from None
-    mdl, tok, _ = converted_or_fail(out, model, method, device, dtype)
+    mdl, tok, _ = converted_or_fail(out, model, method, device, adapter, dtype)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     n_prompt = enc["input_ids"].shape[1]
     if n_prompt == 0:

@@ -19,16 +19,24 @@ __all__ = ["evaluate_fidelity"]
 
 def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None, *, model: str | None = None,
                       data: str | None = None, data_dir: str | None = None, preset: str | None = None,
-                      blocks: int | None = None, device: str = "cpu", dtype: str | None = None,
-                      progress: bool = True, console=None) -> dict:
+                      blocks: int | None = None, adapter: bool | None = False, device: str = "cpu",
+                      dtype: str | None = None, progress: bool = True, console=None) -> dict:
     """Fidelity (Table 2 metrics) of `methods`' kernels in `out_dir` on the held-out fidelity blocks (the first
-    `blocks` of them); returns {method: metrics} after merging it into `out_dir`/metrics.json. The base model is
-    loaded in `dtype` (default: the run's own)."""
+    `blocks` of them), merged into `out_dir`/metrics.json; returns {"fidelity": {method: metrics},
+    "fidelity_adapted": {method: metrics}}.
+
+    `adapter` as in `oal.export.load_converted` (None: the run's adapter for a method when it has one). Without an
+    adapter the calibrated kernels are compared with the base model's softmax attention (Table 2) under "fidelity";
+    with one, the trained kernels with the softmax attention of the same LoRA-merged weights under
+    "fidelity_adapted". The base model is loaded in `dtype` (default: the run's own).
+    """
     from ..data import SplitPlan, default_plan, load_corpus, plan_blocks
     from ..device import resolve_dtype
-    from ..io import check_kernels_base, kernel_dir, load_kernels, model_fingerprint, recorded_base_model
+    from ..export import load_converted, softmax_twin
+    from ..io import kernel_dir
     from ..metrics import update_metrics
-    from ..models.registry import load_model, preset_for
+    from ..models.convert import converted_methods
+    from ..models.registry import preset_for
     from .fidelity import fidelity
 
     out_dir = Path(out_dir)
@@ -46,34 +54,45 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     methods = list(methods)
     if not methods:
         raise InputError("expected at least one calibrated method", "--methods", "methods")
-    name = model or recorded_base_model(kernel_dir(out_dir, methods[0])) or "default"
     dtype = resolve_dtype(dtype or recorded.get("dtype") or "float32")
-    mdl, tok, provenance = load_model(name, device=device, dtype=dtype)
-    sets, inputs = {}, {}
-    for m in methods:
-        kdir = kernel_dir(out_dir, m)
-        try:
-            sets[m], meta = load_kernels(kdir, fingerprint=model_fingerprint(mdl))
-        except ValueError as exc:
-            raise InputError(f"{m}: {exc}", "--methods", "methods") from exc
-        check_kernels_base(kdir, meta, mdl, provenance)
-        inputs.update(sha256_tree(out_dir, kdir.relative_to(out_dir) / "kernels.safetensors"))
-        inputs.update(sha256_tree(out_dir, kdir.relative_to(out_dir) / "kernels.json"))
     data = data or recorded.get("data") or "builtin"
     data_dir = data_dir or recorded.get("data_dir")
-    try:
-        corpus = load_corpus(data, data_dir=data_dir)
-        if preset is None and run is not None and data == recorded.get("data"):
-            plan = SplitPlan.from_dict(run["split_plan"])  # the run's own held-out blocks
+    res: dict[str, dict] = {"fidelity": {}, "fidelity_adapted": {}}
+    inputs: dict[str, dict[str, str]] = {"fidelity": {}, "fidelity_adapted": {}}
+    base, held_out, name, corpus, layers = None, None, None, None, None
+    for m in methods:
+        # the kernels (and adapter) on their recorded base model, checked against it by tensors and files
+        converted, tok, info = load_converted(out_dir, m, adapter, model=model, dtype=dtype, device=device)
+        if held_out is None:
+            name = info["base_model"]
+            try:
+                corpus = load_corpus(data, data_dir=data_dir)
+                if preset is None and run is not None and data == recorded.get("data"):
+                    plan = SplitPlan.from_dict(run["split_plan"])  # the run's own held-out blocks
+                else:
+                    plan = default_plan(preset or preset_for(converted))
+                held_out = plan_blocks(corpus, tok, plan, data_dir=data_dir)["fidelity"]
+            except (ValueError, OSError) as exc:
+                raise InputError(f"{data}: {exc}", "--data", "data") from exc
+            held_out = (held_out[:blocks] if blocks else held_out).to(device)
+        key = "fidelity_adapted" if info["adapter"] else "fidelity"
+        if info["adapter"]:
+            teacher = softmax_twin(converted, name, device=device)  # the same LoRA-merged weights, softmax attention
         else:
-            plan = default_plan(preset or preset_for(mdl))
-        held_out = plan_blocks(corpus, tok, plan, data_dir=data_dir)["fidelity"]
-    except (ValueError, OSError) as exc:
-        raise InputError(f"{data}: {exc}", "--data", "data") from exc
-    held_out = held_out[:blocks] if blocks else held_out
-    res = fidelity(mdl, held_out.to(device), sets, progress=progress)
-    for r in res.values():
-        r.update({"data": corpus.name, "n_blocks": int(held_out.shape[0]), "block_len": int(held_out.shape[1])})
-    update_metrics(out_dir, {"fidelity": res}, inputs, console=console,
-                   defaults={"model": name, "converted_layers": sorted(next(iter(sets.values())))})
+            base = base if base is not None else softmax_twin(converted, name, device=device)
+            teacher = base
+        res[key].update(fidelity(teacher, held_out, {m: converted_methods(converted)}, progress=progress))
+        kdir = kernel_dir(out_dir, m).relative_to(out_dir)
+        used = [kdir / "kernels.safetensors", kdir / "kernels.json"]
+        if info["adapter"]:
+            used.append(Path(info["adapter"]).resolve().relative_to(out_dir.resolve()))
+        for rel in used:
+            inputs[key].update(sha256_tree(out_dir, rel))
+        layers = layers or sorted(converted_methods(converted))
+        res[key][m].update({"data": corpus.name, "n_blocks": int(held_out.shape[0]),
+                            "block_len": int(held_out.shape[1])})
+    for key in ("fidelity", "fidelity_adapted"):
+        if res[key]:
+            update_metrics(out_dir, {key: res[key]}, inputs[key], console=console,
+                           defaults={"model": name, "converted_layers": layers})
     return res
