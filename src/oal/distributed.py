@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Ranks", "launched", "process_device", "ranks", "training_accelerator"]
+__all__ = ["Ranks", "env_rank", "launched", "process_device", "ranks", "training_accelerator"]
 
 T = TypeVar("T")
 log = logging.getLogger("oal")
@@ -55,9 +55,9 @@ def _state(cpu: bool):
     from accelerate import PartialState
 
     state = PartialState(cpu=cpu, timeout=TIMEOUT)
-    if state._cpu != cpu:
-        raise ValueError(f"device: this process already runs on {'the CPU' if state._cpu else 'CUDA'}; one launch "
-                         "uses one kind of device")
+    if (state.device.type == "cpu") != cpu:
+        raise ValueError(f"device: this process already runs on {state.device.type}; one launch uses one kind of "
+                         "device")
     return state
 
 
