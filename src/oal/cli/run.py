@@ -11,8 +11,12 @@ from ._common import (
     DeviceOpt,
     DtypeOpt,
     GradAccumOpt,
+    LimitOpt,
     LoraDropoutOpt,
+    TaskFileOpt,
+    TasksOpt,
     ThreadsOpt,
+    ZeroshotDirOpt,
     main_console,
     parse_layers,
     set_threads,
@@ -36,6 +40,10 @@ def run(
     batch_size: BatchSizeOpt = None,
     grad_accum: GradAccumOpt = None,
     lora_dropout: LoraDropoutOpt = None,
+    tasks: TasksOpt = "all",
+    limit: LimitOpt = None,
+    zeroshot_dir: ZeroshotDirOpt = None,
+    task_file: TaskFileOpt = None,
     force: bool = typer.Option(False, "--force", help="If OUT holds a run of another configuration (or layout), "
                                "delete its results and start clean."),
     device: DeviceOpt = "auto",
@@ -43,9 +51,11 @@ def run(
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory.
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
+    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line.
     Under torchrun / accelerate launch, calibration and adaptation run on every process (see README)."""
     from ..config import RunConfig, parse_methods, parse_seeds
+    from ..data.zeroshot import parse_task_files
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
@@ -54,5 +64,6 @@ def run(
                                ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
-                                device=device, dtype=dtype, adapt=adapt)
+                                device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
+                                zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file))
     run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)
