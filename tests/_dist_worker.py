@@ -116,8 +116,22 @@ def run_pipeline(spec: dict) -> None:
 
 
 def run_cli(spec: dict) -> int:
+    """The `oal` CLI; the adaptation updates this process runs are recorded in `audit/steps-rank<r>.json`, and with
+    `kill_after` the main process dies right after that update (and its checkpoint), as in `run_adapt`."""
+    import oal.pipeline
     from oal.cli import load_commands
+    from oal.distributed import ranks
 
+    steps: list[int] = []
+    train = oal.pipeline.adapt
+
+    def on_step(step):
+        steps.append(step)
+        Path(spec["audit"], f"steps-rank{ranks().index}.json").write_text(json.dumps(steps))
+        if step == spec.get("kill_after") and ranks().is_main:
+            os._exit(3)
+
+    oal.pipeline.adapt = lambda *args, **kw: train(*args, on_step=on_step, **kw)
     try:
         load_commands()(spec["args"], prog_name="oal")
     except SystemExit as exc:

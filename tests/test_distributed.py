@@ -43,11 +43,11 @@ LAUNCHERS = {  # -> the command line before the script, for 2 processes on a fre
 }
 
 
-def launch(tmp: Path, spec: dict, check: bool = True, launcher: str = "torchrun",
+def launch(tmp: Path, spec: dict, check: bool = True, launcher: str = "torchrun", audit: Path | None = None,
            ) -> tuple[subprocess.CompletedProcess, list]:
     """Run the worker in 2 processes (gloo, a free MASTER_PORT); returns the process and every rank's recorded
-    writes below spec['watch']."""
-    audit = tmp / f"audit-{_free_port()}"
+    writes below spec['watch'] (kept in `audit`, a new folder)."""
+    audit = audit or tmp / f"audit-{_free_port()}"
     audit.mkdir()
     spec_path = audit / "spec.json"
     spec_path.write_text(json.dumps({**spec, "audit": str(audit)}))
@@ -241,11 +241,12 @@ def test_oal_run_in_two_processes(one_process_run, tmp_path):
     assert set(stages) == set(json.loads((ref / ".oal" / "stages.json").read_text()))
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_path, launcher):
-    """The acceptance check of issue 13 at test size: `torchrun --nproc_per_node 2 oal adapt --batch-size 1` (or
-    `accelerate launch`) and `oal adapt --batch-size 2` on copies of a finished run give the same adapter; both record
-    their settings, and the arm they did not touch (trained by one process) keeps its results."""
+CLI_ADAPT = ["adapt", "--method", "oal", "--steps", "3", "--lora-dropout", "0", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def doubled_batch_adapt(one_process_run, tmp_path_factory):
+    """`oal adapt --batch-size 2` in this process, on a copy of the finished one-process run."""
     import shutil
 
     from typer.testing import CliRunner
@@ -253,17 +254,32 @@ def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_p
     from oal.cli import load_commands
 
     _, ref, _ = one_process_run
-    a, b = tmp_path / "a", tmp_path / "b"
-    shutil.copytree(ref, a)
-    shutil.copytree(ref, b)
-    args = ["adapt", "--method", "oal", "--steps", "3", "--lora-dropout", "0", "--no-progress"]
-    proc, writes = launch(tmp_path, {"mode": "cli", "watch": str(a), "args": [*args, "--out", str(a),
+    out = tmp_path_factory.mktemp("doubled") / "run"
+    shutil.copytree(ref, out)
+    res = CliRunner().invoke(load_commands(), [*CLI_ADAPT, "--out", str(out), "--batch-size", "2"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run_dir, to)
+    return to
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, doubled_batch_adapt, tmp_path, launcher):
+    """The acceptance check of issue 13 at test size: `torchrun --nproc_per_node 2 oal adapt --batch-size 1` (or
+    `accelerate launch`) and `oal adapt --batch-size 2` on copies of a finished run give the same adapter; both record
+    their settings, and the arm they did not touch (trained by one process) keeps its results."""
+    _, ref, _ = one_process_run
+    a, b = _copy(ref, tmp_path / "a"), doubled_batch_adapt
+    proc, writes = launch(tmp_path, {"mode": "cli", "watch": str(a), "args": [*CLI_ADAPT, "--out", str(a),
                                                                               "--batch-size", "1"]},
-                         launcher=launcher)
+                          launcher=launcher)
     assert "test PPL after adaptation" in proc.stdout and proc.stdout.count("test PPL") == 1  # one process reports
     assert writes[0] and not writes[1], writes[1][:5]
-    res = CliRunner().invoke(load_commands(), [*args, "--out", str(b), "--batch-size", "2"])
-    assert res.exit_code == 0, res.output
     assert_close(_tensors(a / "adapter" / "oal"), _tensors(b / "adapter" / "oal"))
     assert files(a) == files(b)
     for run_dir, batch, processes in ((a, 1, 2), (b, 2, 1)):
@@ -278,6 +294,28 @@ def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, tmp_p
     assert pa["softmax"] == pb["softmax"] == json.loads((ref / "metrics.json").read_text())["perplexity"]["softmax"]
     assert (a / "adapter" / "softmax" / "adapt.json").read_bytes() == (ref / "adapter" / "softmax" / "adapt.json"
                                                                         ).read_bytes()
+
+
+def test_killed_oal_adapt_launch_resumes_on_every_process(one_process_run, doubled_batch_adapt, tmp_path):
+    """`torchrun ... oal adapt` whose main process dies after update 2 of 3; the same command again: both processes
+    resume from the main process's checkpoint (they run update 3 only), and the adapter equals one process's with the
+    doubled batch, as an uninterrupted launch's does."""
+    _, ref, _ = one_process_run
+    run_dir = _copy(ref, tmp_path / "run")
+    spec = {"mode": "cli", "watch": str(run_dir), "args": [*CLI_ADAPT, "--out", str(run_dir), "--batch-size", "1"]}
+    proc, writes = launch(tmp_path, {**spec, "kill_after": 2}, check=False, audit=tmp_path / "killed")
+    assert proc.returncode != 0 and not writes  # killed: no process got to the end
+    assert json.loads((run_dir / ".oal" / "checkpoints" / "oal" / "state.json").read_text())["step"] == 2
+    stages = [json.loads((d / ".oal" / "stages.json").read_text()) for d in (run_dir, ref)]
+    assert stages[0]["adapt:oal"] == stages[1]["adapt:oal"]  # still the finished run's entry: not marked done
+    _, writes = launch(tmp_path, spec, audit=tmp_path / "resumed")
+    assert writes[0] and not writes[1], writes[1][:5]
+    steps = [json.loads((tmp_path / "resumed" / f"steps-rank{r}.json").read_text()) for r in range(2)]
+    assert steps == [[3], [3]]
+    assert_close(_tensors(run_dir / "adapter" / "oal"), _tensors(doubled_batch_adapt / "adapter" / "oal"))
+    assert files(run_dir) == files(doubled_batch_adapt)  # the checkpoint is gone once the adapter is written
+    got, want = (json.loads((d / "adapter" / "oal" / "adapt.json").read_text()) for d in (run_dir, doubled_batch_adapt))
+    assert _values(got["validation"], "val_nll") == pytest.approx(_values(want["validation"], "val_nll"), rel=1e-6)
 
 
 def test_a_bad_input_stops_every_process_with_one_line(one_process_run, tmp_path):
