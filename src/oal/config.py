@@ -94,7 +94,7 @@ class RunConfig:
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
     eval_batch_size: int = 1
-    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
+    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (encoders: a PassagePlan's)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
     adapt_overrides: dict = field(default_factory=dict)  # method -> adapt settings of that arm only (`oal adapt`)
     zeroshot_tasks: list[str] | None = None  # PIQA / HellaSwag / ARC-E (App. F.3); None: all three, []: none

@@ -48,6 +48,7 @@ from .evaluate.perplexity import block_nll
 from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
 from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from .models.convert import convert
+from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
 from .report import write_report
 from .run_dir import claim_run_dir, multi_seed_layout
@@ -64,8 +65,9 @@ from .runio import (
     versions,
 )
 
-__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_seed", "STAGES"]
+__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "STAGES"]
 
+FIDELITY_FILE = ".oal/fidelity.json"
 STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "zeroshot", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
@@ -77,7 +79,14 @@ class _Stop(Exception):
 
 
 class Run:
-    """One seed's run directory and the lazily loaded model, corpus and token blocks."""
+    """One seed's run directory and the lazily loaded model, corpus and token blocks (the decoder protocol).
+
+    Another protocol (`oal.encoder_pipeline.EncoderRun`) subclasses it and overrides the hooks: `_load_model`,
+    `_plan_blocks`, `_blocks_record`, `_analysis_inputs`, `_fidelity_data`, `stages`, `results`, `report`,
+    `aggregate`, `summary`; setup, the stage mechanism, calibration and provenance stay here.
+    """
+
+    protocol: str | None = None  # recorded in config.json when set (the decoder protocol records none)
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
                  progress: bool = True, stop_after: str | None = None, force: bool = False,
@@ -128,23 +137,23 @@ class Run:
                                  "--layers", "layers")
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
-                self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                             else default_plan(self.cfg.preset))
-                self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+                self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
         config = {
+            **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.cfg.to_dict(),
             "converted_layers": self.layers,
             "split_plan": self.plan.to_dict(),
-            "blocks": {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()},
+            "blocks": self._blocks_record(),
             "model": _jsonable_provenance(self.provenance),
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
         }
         # content, not paths: the same model files and text elsewhere give the same key
-        self.keys["setup"] = config_hash({"converted_layers": self.layers, "split_plan": config["split_plan"],
+        self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),
+                                          "converted_layers": self.layers, "split_plan": config["split_plan"],
                                           "blocks": config["blocks"], "dtype": self.cfg.dtype,
                                           "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                                           "data": self.corpus.sha256})
@@ -156,6 +165,15 @@ class Run:
             self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
 
         self.ranks.on_main(claim)
+
+    def _plan_blocks(self) -> tuple:
+        """(split plan, {role: token blocks [S, N]}) from the corpus."""
+        plan = SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset)
+        return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
+
+    def _blocks_record(self) -> dict:
+        """What config.json records of the blocks (shapes and content hashes; part of the setup key)."""
+        return {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()}
 
     def _default_layers(self) -> list[int]:
         return list(default_layers(self.model))
@@ -215,13 +233,15 @@ class Run:
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
 
         def fn():
-            # held-out prompts and one long sequence give the App. A.3 stability checks (Fig. 6, Table 4)
-            extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
-                    heldout=extra["heldout"], long_sequence=extra["long_sequence"], seed=self.cfg.seed,
-                    console=self.console, **self.cfg.grouping)
+                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
+
+    def _analysis_inputs(self) -> dict:
+        """Held-out prompts and one long sequence: the App. A.3 stability checks (Fig. 6, Table 4)."""
+        extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+        return {"heldout": extra["heldout"], "long_sequence": extra["long_sequence"]}
 
     def _calib_config(self):
         return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
@@ -263,20 +283,26 @@ class Run:
         methods, _ = load_kernels(self.kernel_dir(method))
         return methods
 
-    def fidelity(self) -> bool:
+    def evaluation(self, name: str, path: str, compute) -> bool:
+        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative)."""
         methods = self.kernel_methods
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "methods": methods}
-
-        def fn():
-            sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
-                           progress=self.progress)
-            atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
-
-        return self.stage("fidelity", deps, [".oal/fidelity.json"], fn,
+        return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
                           inputs=[f for m in methods for f in self.kernel_files(m)])
+
+    def fidelity(self) -> bool:
+        def compute(methods):
+            ids, kwargs = self._fidelity_data()
+            return fidelity(self.model, ids, {m: self.load_methods(m) for m in methods}, self.layers,
+                            progress=self.progress, **kwargs)
+
+        return self.evaluation("fidelity", FIDELITY_FILE, compute)
+
+    def _fidelity_data(self) -> tuple:
+        """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
+        return self.blocks["fidelity"].to(self.device), {}
 
     def model_for(self, method: str):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
@@ -362,12 +388,23 @@ class Run:
 
         return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
+    def stages(self, arms: list[str] | None = None) -> None:
+        """Every stage after setup, in order; `arms`: see `run_seed`."""
+        self.zeroshot_sets()  # fail on a bad data folder now, not after training
+        self.analyze()
+        self.calibrate()
+        self.fidelity()
+        for m in self.cfg.methods:
+            active = arms is None or m in arms
+            self.perplexity(m, adapted=False, run=active)
+            if self.adapt(m, run=active):
+                self.perplexity(m, adapted=True, run=active)
+                self.zeroshot(m, run=active)
+
     # ------------------------------------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
-        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
-               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
-               "adapt": {}}
+        """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
         used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
 
         def valid(stage):
@@ -376,9 +413,19 @@ class Run:
                 used.append(stage)
             return ok
 
-        fid = self.dir / ".oal" / "fidelity.json"
+        out = self.results(valid)
+        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
+        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        return out
+
+    def results(self, valid) -> dict:
+        """The numbers of metrics.json, each read from a stage's output when `valid(stage)`."""
+        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
+               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
+               "adapt": {}}
         if valid("fidelity"):
-            out["fidelity"] = load_json(fid)
+            out["fidelity"] = load_json(self.dir / FIDELITY_FILE)
         for m in self.cfg.methods:
             for key, prefix in (("perplexity", "perplexity"), ("perplexity_no_adapt", "perplexity_no_adapt")):
                 if valid(f"{prefix}:{m}"):
@@ -394,10 +441,30 @@ class Run:
                 merge_metrics(out, m, res["tasks"], res["data"], {})
         if self.zeroshot_skipped:
             out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
-        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
-        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
-        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
         return out
+
+    # ------------------------------------------------------------------------------------------------ reports
+
+    @staticmethod
+    def report(run_dir: Path, console: Console) -> None:
+        write_report(run_dir, console=console)
+
+    @staticmethod
+    def aggregate(per_seed: dict[int, dict]) -> dict:
+        return aggregate_seeds(per_seed)
+
+    @staticmethod
+    def summary(metrics: dict) -> Table:
+        return summary_table(metrics)
+
+
+def run_class(cfg: RunConfig) -> type[Run]:
+    """The protocol of `cfg.model`: `EncoderRun` for a local BERT-family encoder folder, `Run` otherwise."""
+    if is_encoder_model(cfg.model):
+        from .encoder_pipeline import EncoderRun
+
+        return EncoderRun
+    return Run
 
 
 def _jsonable_provenance(obj):
@@ -420,20 +487,11 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
     stage outputs, so they describe exactly the files on disk.
     """
-    r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
-            allow_changes=allow_changes)
+    r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
+                       allow_changes=allow_changes)
     try:
         r.setup()
-        r.zeroshot_sets()  # fail on a bad data folder now, not after training
-        r.analyze()
-        r.calibrate()
-        r.fidelity()
-        for m in cfg.methods:
-            active = arms is None or m in arms
-            r.perplexity(m, adapted=False, run=active)
-            if r.adapt(m, run=active):
-                r.perplexity(m, adapted=True, run=active)
-                r.zeroshot(m, run=active)
+        r.stages(arms)
     except _Stop:
         return {}
 
@@ -441,7 +499,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
         metrics = r.metrics()
         atomic_write_json(r.dir / "metrics.json", metrics)
         with Timer() as t:
-            write_report(r.dir, console=r.console)
+            r.report(r.dir, r.console)
         r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
         metrics["elapsed_s"]["report"] = round(t.seconds, 3)
         atomic_write_json(r.dir / "metrics.json", metrics)
@@ -482,6 +540,9 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -
     if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
         raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
                          "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
+    if config.get("protocol") == "encoder":
+        raise InputError(f"{out_dir} is an encoder run; adaptation is implemented for causal LMs only", "--out",
+                         "out_dir")
     d = dict(config["config"])
     if method not in d["methods"]:
         if method != REFERENCE:
@@ -553,11 +614,13 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    A local BERT-family encoder folder runs the encoder protocol (`oal.encoder_pipeline.EncoderRun`).
     """
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(cfg.device))
     console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
     seeds = seeds or [cfg.seed]
+    protocol = run_class(cfg)
     group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
     if len(seeds) == 1:
         metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
@@ -568,20 +631,21 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
             console.rule(f"[bold]seed {s}")
             per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                    force=force)
-        metrics = group.on_main(lambda: _write_aggregate(out_dir, seeds, per_seed, console))
-    console.print(summary_table(metrics))
+        metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
+    console.print(protocol.summary(metrics))
     return metrics
 
 
-def _write_aggregate(out_dir: Path, seeds: list[int], per_seed: dict[int, dict], console: Console) -> dict:
-    """The multi-seed aggregate: metrics.json, config.json and report.md of DIR (main process)."""
-    metrics = aggregate_seeds(per_seed)
+def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
+                     console: Console) -> dict:
+    """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
+    metrics = protocol.aggregate(per_seed)
     metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
                          for s in seeds}
     config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
     atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
     atomic_write_json(out_dir / "metrics.json", metrics)
-    write_report(out_dir, console=console)
+    protocol.report(out_dir, console)
     return metrics
 
 

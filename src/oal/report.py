@@ -502,6 +502,11 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += _zeroshot(metrics)
     lines += _adaptation(adapt_dir, metrics, has_adapt)
     lines += _timing(metrics)
+    return write_markdown(run_dir, lines, console=console)
+
+
+def write_markdown(run_dir: Path, lines: list[str], *, console=None) -> Path:
+    """Write DIR/report.md from `lines`, after checking that every figure it embeds exists and is not empty."""
     text = "\n".join(lines)
     for ref in figure_references(text):
         p = run_dir / ref

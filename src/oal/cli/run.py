@@ -28,7 +28,8 @@ from .app import app
 def run(
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one of the same configuration "
                              "is resumed, another configuration is refused)."),
-    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
+    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded; "
+                              "a local encoder folder runs the encoder protocol)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
@@ -52,8 +53,12 @@ def run(
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
-    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line.
-    Under torchrun / accelerate launch, calibration and adaptation run on every process (see README)."""
+    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line. With --model
+    PATH to a local BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA), the encoder protocol runs
+    instead: non-causal analysis and calibration on padded passages, fidelity and pooled-embedding cosine against
+    the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
+    calibration and adaptation run on every process (see README).
+    """
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..data.zeroshot import parse_task_files
     from ..pipeline import run as run_pipeline
