@@ -24,7 +24,7 @@ import torch
 from rich.table import Table
 
 from .data.passages import PassagePlan, default_passage_plan, plan_passages, tokenize_passages
-from .device import resolve_device, resolve_dtype
+from .device import resolve_dtype
 from .evaluate.embedding import cosine_summary, sentence_embeddings
 from .models.encoder import load_encoder
 from .pipeline import FIDELITY_FILE, Run, _mean_std, aggregate_seeds
@@ -44,8 +44,7 @@ class EncoderRun(Run):
 
     protocol = "encoder"
 
-    def _load_model(self):
-        self.device = resolve_device(self.cfg.device)
+    def _load_model(self):  # self.device: Run's, this process's device under a launch
         return load_encoder(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def _plan_blocks(self) -> tuple:

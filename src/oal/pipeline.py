@@ -18,6 +18,10 @@ A run directory belongs to one configuration (config.json): another configuratio
 keys named, unless `force=True` deletes the old results first. metrics.json records the SHA256 of the files its
 numbers were computed from.
 
+Under `torchrun` / `accelerate launch` every process runs these functions: calibration and adaptation run on all of
+them (`oal.distributed`), every other stage on the main process while the others wait, and only the main process
+reads the stage log and writes the run directory.
+
 Stages call the public functions of the other modules: `oal.models.registry.load_model`, `oal.data`,
 `oal.analysis.analyze`, `oal.calibrate`, `oal.models.convert`, `oal.io.save_kernels/load_kernels`,
 `oal.evaluate.fidelity`, `oal.adapt`, `oal.evaluate.perplexity`, `oal.evaluate.zeroshot`, `oal.report`.
@@ -34,14 +38,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .adapt import adapt, load_adapter, save_adapter
+from .adapt import adapt, adapt_identity, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
 from .calibrate import CalibConfig
 from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
 from .data.zeroshot import DISPLAY_NAMES
-from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
+from .device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
+from .distributed import process_device, ranks
 from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
@@ -102,8 +107,12 @@ class Run:
         """
         self.cfg = cfg
         self.dir = check_out_dir(out_dir)
-        self.console = console or Console()
-        self.progress = progress
+        # --device auto -> CUDA when present (under a launch: this process's GPU)
+        self.device = process_device(self.cfg.device)
+        self.ranks = ranks(self.device)
+        # the other processes of a launch compute but say nothing (the main process reports)
+        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
+        self.progress = progress and self.ranks.is_main
         self.stop_after = stop_after
         self.force = force
         self.allow_changes = tuple(allow_changes)
@@ -118,8 +127,7 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        # --device auto -> CUDA when present; the base model in cfg.dtype, kernels/LoRA/calibration in fp32
-        self.device = resolve_device(self.cfg.device)
+        # the base model in cfg.dtype, kernels/LoRA/calibration in fp32
         return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def setup(self) -> None:
@@ -163,10 +171,14 @@ class Run:
                                           "blocks": config["blocks"], "dtype": self.cfg.dtype,
                                           "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                                           "data": self.corpus.sha256})
-        claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
-        self.log = StageLog(self.dir)
-        atomic_write_json(self.dir / "config.json", config)
-        self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+        def claim():  # the main process only: it alone reads the stage log and writes
+            claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
+            self.log = StageLog(self.dir)
+            atomic_write_json(self.dir / "config.json", config)
+            self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+        self.ranks.on_main(claim)
 
     def _plan_blocks(self) -> tuple:
         """(split plan, {role: token blocks [S, N]}) from the corpus."""
@@ -190,17 +202,24 @@ class Run:
 
     # ------------------------------------------------------------------------------------------------ stages
 
-    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True) -> bool:
+    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True, parallel: bool = False) -> bool:
         """Run `fn()` unless `name` already finished with the same key and its outputs verify; True when complete.
 
         The key hashes `deps` (the configuration the stage reads) and the SHA256 of `inputs` (files of the run
         directory it reads). `outputs` (files or folders) are hashed into the marker. With `run=False` the key is
-        computed and checked but nothing runs (False when the stage is not complete).
+        computed and checked but nothing runs (False when the stage is not complete). Under a launch of several
+        processes the main process decides; `fn` runs on every process when `parallel` (it then writes on the main
+        process only), else on the main process alone.
         """
-        read = self.log.outputs_hash(inputs)
-        key = config_hash({"stage": name, **deps, "inputs": read})
+
+        def check():
+            read = self.log.outputs_hash(inputs)
+            key = config_hash({"stage": name, **deps, "inputs": read})
+            return read, key, self.log.done(name, key)
+
+        read, key, done = self.ranks.on_main(check)
         self.keys[name] = key
-        if self.log.done(name, key):
+        if done:
             self.skipped.append(name)
             self.console.print(f"[dim]skip {name}: already done for this configuration[/dim]")
             return True
@@ -208,8 +227,8 @@ class Run:
             return False
         self.console.rule(f"[bold]{name}")
         with Timer() as t:
-            fn()
-        self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read)
+            fn() if parallel else self.ranks.on_main(fn)
+        self.ranks.on_main(lambda: self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read))
         self.ran.append(name)
         if self.stop_after == name:
             raise _Stop(name)
@@ -253,24 +272,29 @@ class Run:
         root = self.calib_root.relative_to(self.dir)
         outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if "oal" in methods else []
-        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
+        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs, parallel=True)
 
     def _calibrate(self, methods: list[str]) -> None:
+        """On every process of a launch: each calibrates its share of the layers, the main process writes."""
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
         # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
-        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done)
+        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done; the other
+        # processes of a launch capture their layers into a temporary folder outside the run directory)
         checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
         capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
                                  config_hash({"setup": self.keys["setup"], "layers": self.layers}),
                                  progress=self.progress)
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
-            progress=self.progress, console=self.console)
-        write_calibration(self.calib_root, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
-                          provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
-        checkpoints.clear()
+            progress=self.progress, console=self.console, ranks=self.ranks)
+        stats = capture.gathered_stats(self.ranks)
         capture.remove()
+        if self.ranks.is_main:
+            write_calibration(self.calib_root, per_method, report, cfg, model=self.model,
+                              base_model=str(self.cfg.model), provenance=self.provenance,
+                              extra={"seed": self.cfg.seed}, capture=stats)
+            checkpoints.clear()
 
     def select(self) -> bool:
         """`--layers auto:K`: rank the calibrated candidates (oal.selection), write the K best layers' kernels where
@@ -310,8 +334,10 @@ class Run:
         for tag, layers in comparison_sets(sel).items():
             if layers == self.layers:
                 continue
+            processes = self.ranks.size if run else 1
             deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
-                    "adapt": self.cfg.adapt_config(method).to_dict(), "batch": self.cfg.eval_batch_size}
+                    "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                    "batch": self.cfg.eval_batch_size}
             path = self.dir / ".oal" / f"compare_{tag}.json"
 
             def fn(layers=layers, tag=tag, path=path):
@@ -322,12 +348,13 @@ class Run:
                                       self.cfg.adapt_config(method), ckpt_dir=self.dir / ".oal" / "checkpoints" /
                                       f"compare-{tag}", progress=self.progress, description=f"adapt {method} {tag}")
                 after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
-                atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
-                                         "ppl": math.exp(after[0] / after[1])})
-                shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
+                if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
+                    atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
+                                             "ppl": math.exp(after[0] / after[1])})
+                    shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
 
             complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
-                                   inputs=self.kernel_files(method, self.calib_root), run=run)
+                                   inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
         return complete
 
     def _selection_metrics(self, valid) -> dict | None:
@@ -379,7 +406,11 @@ class Run:
         return model
 
     def adapt(self, method: str, run: bool = True) -> bool:
-        deps = {"setup": self.keys["setup"], "adapt": self.cfg.adapt_config(method).to_dict(), "method": method}
+        # the number of processes sets the global batch (batch_size x processes x grad_accum), so it is part of the
+        # key: this launch's for an arm that runs now, the recorded one for an arm that is only checked
+        processes = self.ranks.size if run else self._trained_processes(method)
+        deps = {"setup": self.keys["setup"], "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                "method": method}
         out = self.dir / "adapter" / method
         ckpt = self.dir / ".oal" / "checkpoints" / method
 
@@ -392,11 +423,19 @@ class Run:
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
                                        self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
                                        description=f"adapt {method}")
-            save_adapter(peft_model, out, result)
-            shutil.rmtree(ckpt, ignore_errors=True)
+            if self.ranks.is_main:  # every process holds the same tensors; one writes them
+                save_adapter(peft_model, out, result)
+                shutil.rmtree(ckpt, ignore_errors=True)
 
         return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
-                          run=run)
+                          run=run, parallel=True)
+
+    def _trained_processes(self, method: str) -> int:
+        """How many processes trained `method`'s adapter on disk (its adapt.json; 1 when unknown)."""
+        try:
+            return int(load_json(self.dir / "adapter" / method / "adapt.json").get("processes", 1))
+        except (ValueError, TypeError, AttributeError):
+            return 1
 
     def perplexity(self, method: str, adapted: bool, run: bool = True) -> bool:
         name = f"perplexity:{method}" if adapted else f"perplexity_no_adapt:{method}"
@@ -490,7 +529,8 @@ class Run:
             if valid(f"adapt:{m}"):
                 res = load_json(self.dir / "adapter" / m / "adapt.json")
                 out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
-                                                        "n_kernel_params", "kernel_change")}
+                                                        "n_kernel_params", "kernel_change", "processes",
+                                                        "global_batch") if k in res}
         for m in self.cfg.methods:
             if valid(f"zeroshot:{m}"):
                 res = load_json(self.dir / ".oal" / f"zeroshot_{m}.json")
@@ -557,23 +597,42 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
         r.stages(arms)
     except _Stop:
         return {}
-    metrics = r.metrics()
-    atomic_write_json(r.dir / "metrics.json", metrics)
-    with Timer() as t:
-        r.report(r.dir, r.console)
-    r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
-    metrics["elapsed_s"]["report"] = round(t.seconds, 3)
-    atomic_write_json(r.dir / "metrics.json", metrics)
-    return metrics
+
+    def finish():  # the main process writes; every process returns the same metrics
+        metrics = r.metrics()
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        with Timer() as t:
+            r.report(r.dir, r.console)
+        r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
+        metrics["elapsed_s"]["report"] = round(t.seconds, 3)
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        return metrics
+
+    return r.ranks.on_main(finish)
 
 
 def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
-              dtype: str | None = None, console: Console | None = None, progress: bool = True) -> dict:
-    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with another number of updates
-    (recorded in config.json as that arm's `adapt_overrides`). Its adapt and perplexity stages rerun when their
-    keys changed, and metrics.json and report.md are rewritten, so they describe the adapter now on disk.
-    Returns the new metrics."""
+              dtype: str | None = None, console: Console | None = None, progress: bool = True,
+              batch_size: int | None = None, grad_accum: int | None = None,
+              lora_dropout: float | None = None) -> dict:
+    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with other adaptation settings
+    (`steps`, `batch_size`, `grad_accum`, `lora_dropout`; recorded in config.json as that arm's `adapt_overrides`).
+    Its adapt and perplexity stages rerun when their keys changed, and metrics.json and report.md are rewritten, so
+    they describe the adapter now on disk. Returns the new metrics (on every process of a launch)."""
     out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(device or "auto"))
+    settings = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum),
+                                  ("lora_dropout", lora_dropout)) if v is not None}
+    d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings))
+    if device is not None:
+        d["device"] = device  # a runtime choice, not part of the run's configuration
+    cfg = RunConfig.from_dict(d)
+    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
+                    allow_changes=("config.adapt_overrides", "config.methods"))
+
+
+def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -> dict:
+    """The run configuration of `oal adapt`: the recorded one, with `method`'s arm and its adapt `settings`."""
     cfg_path = out_dir / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
@@ -595,15 +654,12 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, dev
         d["methods"] = [*d["methods"], method]
     if dtype is not None and dtype != d.get("dtype", "float32"):
         raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")
-    if device is not None:
-        d["device"] = device  # a runtime choice, not part of the run's configuration
-    if steps is not None:
+    if settings:
         overrides = dict(d.get("adapt_overrides") or {})
-        overrides[method] = {**overrides.get(method, {}), "steps": steps}
+        overrides[method] = {**overrides.get(method, {}), **settings}
         d["adapt_overrides"] = overrides
-    cfg = RunConfig.from_dict(d)
-    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
-                    allow_changes=("config.adapt_overrides", "config.methods"))
+    RunConfig.from_dict(d)  # a bad setting (e.g. lora_dropout 1.5) fails here, on the main process, for every one
+    return d
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -663,28 +719,36 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
     A local BERT-family encoder folder runs the encoder protocol (`oal.encoder_pipeline.EncoderRun`).
     """
-    console = console or Console()
     out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(cfg.device))
+    console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
     seeds = seeds or [cfg.seed]
     protocol = run_class(cfg)
-    multi_seed_layout(out_dir, seeds, force=force)
+    group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
     if len(seeds) == 1:
         metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
     else:
-        clean_tmp(out_dir)
+        group.on_main(lambda: clean_tmp(out_dir))
         per_seed = {}
         for s in seeds:
             console.rule(f"[bold]seed {s}")
             per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                    force=force)
-        metrics = protocol.aggregate(per_seed)
-        metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
-                             for s in seeds}
-        config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
-        atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
-        atomic_write_json(out_dir / "metrics.json", metrics)
-        protocol.report(out_dir, console)
+        metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
     console.print(protocol.summary(metrics))
+    return metrics
+
+
+def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
+                     console: Console) -> dict:
+    """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
+    metrics = protocol.aggregate(per_seed)
+    metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
+                         for s in seeds}
+    config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
+    atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
+    atomic_write_json(out_dir / "metrics.json", metrics)
+    protocol.report(out_dir, console)
     return metrics
 
 

@@ -360,6 +360,12 @@ def _perplexity(metrics: dict, has_fig: bool) -> list[str]:
     return out
 
 
+def _blocks_per_update(a: dict) -> str:
+    """The global batch, and the processes that shared it (data parallel) when there were several."""
+    n = a.get("processes", 1)
+    return f"{a.get('global_batch', 1)}" + (f" ({n} processes)" if n > 1 else "")
+
+
 def _data_line(task: str, prov: dict) -> str:
     if prov.get("source") == "task_file":
         return (f"- {DISPLAY_NAMES[task]}: local file `{prov.get('path')}` in the {prov.get('schema_of')} schema "
@@ -421,13 +427,13 @@ def _adaptation(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]:
     ad = metrics.get("adapt") or {}
     if not ad:
         return out + ["Adaptation did not run.", ""]
-    rows = [[_name(m), str(a["steps"]), str(a["best_step"]), f"{a['best_val_nll']:.4f}", str(a["n_lora_params"]),
-             str(a["n_kernel_params"]), f"{a['kernel_change']:.4g}"] for m, a in
+    rows = [[_name(m), str(a["steps"]), _blocks_per_update(a), str(a["best_step"]), f"{a['best_val_nll']:.4f}",
+             str(a["n_lora_params"]), str(a["n_kernel_params"]), f"{a['kernel_change']:.4g}"] for m, a in
             ((m, ad[m]) for m in _ordered(ad))]
     if metrics.get("seeds"):
         out += [f"Seed {metrics['seeds'][0]} shown; the other seeds are in metrics.json `per_seed`.", ""]
-    out += [_table(["method", "updates", "selected update", "best validation NLL", "LoRA parameters",
-                    "kernel parameters", "kernel change (L2)"], rows), ""]
+    out += [_table(["method", "updates", "blocks per update", "selected update", "best validation NLL",
+                    "LoRA parameters", "kernel parameters", "kernel change (L2)"], rows), ""]
     if has_fig:
         out += ["![adaptation curves](figures/adaptation_curves.png)", ""]
     return out

@@ -5,18 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from ._common import (
+    BatchSizeOpt,
     DeviceOpt,
     DtypeOpt,
+    GradAccumOpt,
     LimitOpt,
+    LoraDropoutOpt,
     SelectByOpt,
     TaskFileOpt,
     TasksOpt,
     ThreadsOpt,
     ZeroshotDirOpt,
     layer_selection,
+    main_console,
     set_threads,
 )
 from .app import app
@@ -38,6 +41,9 @@ def run(
     select_by: SelectByOpt = "probe",
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
     tasks: TasksOpt = "all",
     limit: LimitOpt = None,
     zeroshot_dir: ZeroshotDirOpt = None,
@@ -53,7 +59,8 @@ def run(
     directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line. With --model
     PATH to a local BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA), the encoder protocol runs
     instead: non-causal analysis and calibration on padded passages, fidelity and pooled-embedding cosine against
-    the original; no adaptation, perplexity or zero-shot.
+    the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
+    calibration and adaptation run on every process (see README).
     """
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..data.zeroshot import parse_task_files
@@ -61,9 +68,10 @@ def run(
 
     set_threads(threads)
     seed_list = parse_seeds(seeds)
-    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
+    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
+                               ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 **layer_selection(layers, select_by), seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file))
-    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)
