@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CLOCK, CLOCK_NAME = time.perf_counter, "wall"  # --clock cpu: process CPU time
 QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                   intermediate_size=4864, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
                   max_position_embeddings=40_000)
@@ -92,17 +93,17 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
     def prefill(n):
         ids = torch.randint(0, vocab, (1, n), generator=gen)
         cache = DynamicCache(config=model.config)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1), cache
+        return CLOCK() - t0, out.logits[:, -1:].argmax(-1), cache
 
     def decode(tok, cache, start, steps):
         times = []
         for i in range(steps):
             pos = torch.tensor([[start + i]])
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             logits = model(tok, past_key_values=cache, use_cache=True, position_ids=pos).logits
-            times.append(time.perf_counter() - t0)
+            times.append(CLOCK() - t0)
             tok = logits[:, -1:].argmax(-1)
         return times
 
@@ -157,10 +158,16 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, robust to a shared machine (needs --threads 1)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        parser.error("--clock cpu: needs --threads 1 (process CPU time counts every thread, spinning included)")
+    global CLOCK, CLOCK_NAME
+    CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
     dtype = getattr(torch, args.dtype)
     if args.child:
         name, variant, length = args.child
@@ -191,7 +198,8 @@ def main() -> None:
         task = progress.add_task("prefill + decode", total=len(jobs))
         for m, n, v in jobs:
             cmd = [sys.executable, "-m", "benchmarks.model", "--child", m, v, str(n), "--decode-tokens",
-                   str(args.decode_tokens), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]
+                   str(args.decode_tokens), "--dtype", args.dtype, "--threads", str(torch.get_num_threads()),
+                   "--clock", args.clock]
             res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             r = rows[-1]
@@ -203,7 +211,8 @@ def main() -> None:
             progress.advance(task)
     summary = []
     for m in models:
-        table = Table(title=f"{m}: softmax (SDPA) vs converted (OAL), {args.dtype}, {torch.get_num_threads()} threads")
+        table = Table(title=f"{m}: softmax (SDPA) vs converted (OAL), {args.dtype}, {torch.get_num_threads()} threads, "
+                            f"{args.clock} clock")
         for col in ("L", "prefill softmax (s)", "prefill OAL (s)", "prefill ratio", "decode softmax (ms)",
                     "decode OAL (ms)", "decode ratio", "peak softmax MiB", "peak OAL MiB", "load"):
             table.add_column(col, justify="right")
@@ -227,7 +236,7 @@ def main() -> None:
     if goals:
         console.print("goals: " + "; ".join(goals))
     atomic_write_json(RESULTS / "model.json", {"rows": rows, "summary": summary, "complete": True,
-                                               "dtype": args.dtype, "torch": torch.__version__})
+                                               "dtype": args.dtype, "torch": torch.__version__, "clock": args.clock})
     _plot(rows, RESULTS / "model.png")
     console.print(f"wrote {RESULTS / 'model.json'} and {RESULTS / 'model.png'}")
 

@@ -4,8 +4,8 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, N = 1k..32
 bf16 features and GEMMs with fp32 accumulation and an fp32 state, against bf16 SDPA). Each (method, N, dtype) runs
 in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the reported memory is the peak above the
 resident inputs. Each OAL child also measures the GEMM rate of its dtype (2048^3) right before its timing, which
-is what "% of GEMM" refers to, and profiles one extra call for the phase split (features, intra-chunk, state,
-readout; torch.profiler ranges in `oal.ops.chunked`). Ratios come from one run; the machine load
+is what "% of GEMM" refers to, and times one extra call for the phase split (features, intra-chunk, state,
+readout: the torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load
 (os.getloadavg) is recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
 
     python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
@@ -31,6 +31,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CLOCK, CLOCK_NAME = time.perf_counter, "wall"  # --clock cpu: process CPU time
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
 PHASES = ("features", "intra", "state", "readout")
 GOALS = {4096: 1.0, 16384: 4.0, 32768: 8.0}  # issue 18: sdpa/oal at least this
@@ -55,27 +56,38 @@ def gemm_gflops(device: str, dtype: torch.dtype, size: int = 2048, reps: int = 5
     a @ b
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         a @ b
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return 2 * size**3 / best / 1e9
 
 
 def _phase_split(call) -> dict:
-    """Seconds per phase of one profiled call (record_function ranges oal.*), plus the call's own time."""
-    from torch.profiler import ProfilerActivity, profile
+    """Seconds per phase of one call: the chunked path's record_function ranges (oal.*), timed with CLOCK."""
+    import contextlib
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
+    import oal.ops.chunked as chunked
+
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def timed(name):
+        t0 = CLOCK()
+        try:
+            yield
+        finally:
+            spent[name.removeprefix("oal.")] += CLOCK() - t0
+
+    real, chunked.record_function = chunked.record_function, timed
+    try:
+        t0 = CLOCK()
         call()
-        total = time.perf_counter() - t0
-    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    split = {p: totals.get(f"oal.{p}", 0.0) for p in PHASES}
-    split["other"] = max(total - sum(split.values()), 0.0)
-    split["total"] = total
-    return split
+        total = CLOCK() - t0
+    finally:
+        chunked.record_function = real
+    return spent | {"other": max(total - sum(spent.values()), 0.0), "total": total}
 
 
 def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
@@ -99,10 +111,10 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
         sync()
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             call()
             sync()
-            times.append(time.perf_counter() - t0)
+            times.append(CLOCK() - t0)
         peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
         if method == "oal":
             row["phases"] = _phase_split(call)
@@ -122,7 +134,8 @@ def oal_flops(n: int) -> float:
 
 
 def _child(args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.operator", *args, "--threads", str(torch.get_num_threads())]
+    cmd = [sys.executable, "-m", "benchmarks.operator", *args, "--threads", str(torch.get_num_threads()),
+           "--clock", CLOCK_NAME]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -205,6 +218,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's own choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, robust to a shared machine (needs --threads 1)")
     parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -217,6 +232,10 @@ def main() -> None:
             parser.error(f"--dtypes: expected float32 or bfloat16, got {dt!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        parser.error("--clock cpu: needs --threads 1 (process CPU time counts every thread, spinning included)")
+    global CLOCK, CLOCK_NAME
+    CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
     if args.child:
         import oal.ops.chunked as chunked
 
@@ -250,7 +269,7 @@ def main() -> None:
     summary = []
     for dt in dtypes:
         table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
-                            f"{torch.get_num_threads()} threads")
+                            f"{torch.get_num_threads()} threads, {CLOCK_NAME} clock")
         for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
                     "% of GEMM", *PHASES, "other", "load"):
             table.add_column(col, justify="right")
@@ -279,7 +298,7 @@ def main() -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
-              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count()}
+              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": CLOCK_NAME}
     atomic_write_json(RESULTS / "operator.json", result)
     _plot(rows, summary, RESULTS / "operator.png")
     console.print(f"wrote {RESULTS / 'operator.json'} and {RESULTS / 'operator.png'}")

@@ -16,12 +16,14 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
 For bf16 inputs the features and GEMMs stay in bf16 (fp32 accumulation inside the GEMM); the running state
 is fp32. Under autograd every block is checkpointed: only the block inputs and the running state are kept,
-and the d(d+1)/2-wide features are recomputed. Inference reuses the blocks' scratch buffers.
+and the d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
+(`clear_workspace` releases them).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -40,20 +42,30 @@ CHUNK = 64  # tokens per chunk (benchmarks/operator.py --sweep measures the alte
 BLOCK_CHUNKS = 8  # chunks per block
 
 
+_WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
+
+
+def clear_workspace() -> None:
+    """Release this thread's scratch buffers (they are kept between calls; see `_scratch`)."""
+    _WORKSPACE.__dict__.clear()
+
+
 def _scratch(ws: dict | None, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
     """A reusable buffer of `shape` (inference only: ws is None under autograd, and then so is the result).
 
-    Reusing the blocks' large temporaries avoids fresh allocations, whose first-touch page faults cost about as
-    much as filling them.
+    Buffers live in a per-thread workspace that is kept between calls: a fresh allocation of the block's
+    temporaries costs first-touch page faults worth about ten times filling them, on every call and every
+    converted layer. `clear_workspace()` releases them. With NAN_SCRATCH every acquisition is NaN-filled.
     """
     if ws is None:
         return None
     n = math.prod(shape)
-    key = (name, dtype)
+    key = (str(device), dtype, name)
     buf = ws.get(key)
     if buf is None or buf.numel() < n:
-        fill = float("nan") if NAN_SCRATCH else 0.0
-        buf = ws[key] = torch.full((n,), fill, dtype=dtype, device=device)
+        buf = ws[key] = torch.empty(n, dtype=dtype, device=device)
+    if NAN_SCRATCH:
+        buf.fill_(float("nan"))
     return buf[:n].view(shape)
 
 
@@ -159,7 +171,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
                 _increments(psi, ug, out=prev[1:])
                 for c in range(1, n_c + 1):
                     prev[c] += prev[c - 1]
-            state = prev[n_c]
+            state = prev[n_c].clone()  # not a view: the next block reuses `prev`
         num = _readout(phi, prev[:n_c], out=_scratch(ws, "num", num_shape, gdt, dev))
         if gdt != sdt:  # bf16 GEMM output; the numerator is summed and divided in the state's dtype
             num = num.to(sdt) if ws is None else _scratch(ws, "num_s", num_shape, sdt, dev).copy_(num)
@@ -226,7 +238,7 @@ def chunked_attention(
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]
     l0 = lower[:, 0, :].reshape(n_kv, 1, rep, -1, 1)  # [Hkv, 1, rep, G+1, 1]
     use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
-    ws = None if use_ckpt else {}  # scratch buffers shared by the blocks (inference only)
+    ws = None if use_ckpt else _WORKSPACE.__dict__  # scratch buffers shared by blocks and calls (inference only)
 
     def run(fn, *args, out=None):
         if use_ckpt:
@@ -261,6 +273,4 @@ def chunked_attention(
     out = torch.cat(outs, dim=2) if out is None else out
     if fresh:
         state = state_of(init) if need_state else None
-    elif not use_ckpt:
-        state = state.clone()  # a view into the scratch buffers
     return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state
