@@ -27,13 +27,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._common import add_timing_args, apply_timing_args, clock, finish_figure, timing_flags
+
 RESULTS = Path(__file__).resolve().parent / "results"
-CLOCK, CLOCK_NAME = time.perf_counter, "wall"  # --clock cpu: process CPU time
 QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                   intermediate_size=4864, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
                   max_position_embeddings=40_000)
@@ -93,17 +93,17 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
     def prefill(n):
         ids = torch.randint(0, vocab, (1, n), generator=gen)
         cache = DynamicCache(config=model.config)
-        t0 = CLOCK()
+        t0 = clock()
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return CLOCK() - t0, out.logits[:, -1:].argmax(-1), cache
+        return clock() - t0, out.logits[:, -1:].argmax(-1), cache
 
     def decode(tok, cache, start, steps):
         times = []
         for i in range(steps):
             pos = torch.tensor([[start + i]])
-            t0 = CLOCK()
+            t0 = clock()
             logits = model(tok, past_key_values=cache, use_cache=True, position_ids=pos).logits
-            times.append(CLOCK() - t0)
+            times.append(clock() - t0)
             tok = logits[:, -1:].argmax(-1)
         return times
 
@@ -128,8 +128,6 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oal.runio import atomic_save_figure
-
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for (model, variant), style in zip(sorted({(r["model"], r["variant"]) for r in rows}), ("o-", "s--") * 4,
                                        strict=False):
@@ -142,12 +140,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     axes[0].set(xlabel="context length", ylabel="prefill time (s)", title="Prefill")
     axes[1].set(xlabel="context length", ylabel="ms per token", title="Decode, per token")
     axes[2].set(xlabel="context length", ylabel="peak RSS above the loaded model (MiB)", title="Peak memory")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("End to end on CPU: converted (OAL) vs softmax (SDPA)")
-    fig.tight_layout()
-    atomic_save_figure(fig, path, dpi=120)
+    finish_figure(fig, axes, "End to end on CPU: converted (OAL) vs softmax (SDPA)", path)
 
 
 def main() -> None:
@@ -157,17 +150,10 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=32768)
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: process CPU time, robust to a shared machine (needs --threads 1)")
+    add_timing_args(parser)
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and torch.get_num_threads() != 1:
-        parser.error("--clock cpu: needs --threads 1 (process CPU time counts every thread, spinning included)")
-    global CLOCK, CLOCK_NAME
-    CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
+    apply_timing_args(parser, args)
     dtype = getattr(torch, args.dtype)
     if args.child:
         name, variant, length = args.child
@@ -198,8 +184,7 @@ def main() -> None:
         task = progress.add_task("prefill + decode", total=len(jobs))
         for m, n, v in jobs:
             cmd = [sys.executable, "-m", "benchmarks.model", "--child", m, v, str(n), "--decode-tokens",
-                   str(args.decode_tokens), "--dtype", args.dtype, "--threads", str(torch.get_num_threads()),
-                   "--clock", args.clock]
+                   str(args.decode_tokens), "--dtype", args.dtype, *timing_flags()]
             res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             r = rows[-1]

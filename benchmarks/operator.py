@@ -25,13 +25,14 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import add_timing_args, apply_timing_args, clock, finish_figure, timing_flags  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-CLOCK, CLOCK_NAME = time.perf_counter, "wall"  # --clock cpu: process CPU time
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
 PHASES = ("features", "intra", "state", "readout")
 GOALS = {4096: 1.0, 16384: 4.0, 32768: 8.0}  # issue 18: sdpa/oal at least this
@@ -56,16 +57,16 @@ def gemm_gflops(device: str, dtype: torch.dtype, size: int = 2048, reps: int = 5
     a @ b
     best = float("inf")
     for _ in range(reps):
-        t0 = CLOCK()
+        t0 = clock()
         a @ b
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, CLOCK() - t0)
+        best = min(best, clock() - t0)
     return 2 * size**3 / best / 1e9
 
 
 def _phase_split(call) -> dict:
-    """Seconds per phase of one call: the chunked path's record_function ranges (oal.*), timed with CLOCK."""
+    """Seconds per phase of one call: the record_function ranges (oal.*) of oal.ops.chunked, on the benchmark clock."""
     import contextlib
 
     import oal.ops.chunked as chunked
@@ -74,17 +75,17 @@ def _phase_split(call) -> dict:
 
     @contextlib.contextmanager
     def timed(name):
-        t0 = CLOCK()
+        t0 = clock()
         try:
             yield
         finally:
-            spent[name.removeprefix("oal.")] += CLOCK() - t0
+            spent[name.removeprefix("oal.")] += clock() - t0
 
     real, chunked.record_function = chunked.record_function, timed
     try:
-        t0 = CLOCK()
+        t0 = clock()
         call()
-        total = CLOCK() - t0
+        total = clock() - t0
     finally:
         chunked.record_function = real
     return spent | {"other": max(total - sum(spent.values()), 0.0), "total": total}
@@ -111,10 +112,10 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
         sync()
         times = []
         for _ in range(repeats):
-            t0 = CLOCK()
+            t0 = clock()
             call()
             sync()
-            times.append(CLOCK() - t0)
+            times.append(clock() - t0)
         peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
         if method == "oal":
             row["phases"] = _phase_split(call)
@@ -134,8 +135,7 @@ def oal_flops(n: int) -> float:
 
 
 def _child(args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.operator", *args, "--threads", str(torch.get_num_threads()),
-           "--clock", CLOCK_NAME]
+    cmd = [sys.executable, "-m", "benchmarks.operator", *args, *timing_flags()]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -174,14 +174,7 @@ def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
     axes[2].set_xticks(range(len(labels)), labels)
     axes[2].set(xlabel="N (left bar fp32, right bar bf16, hatched)", ylabel="% of OAL time",
                 title="Where OAL's time goes")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("B=1, Hq=14, Hkv=2, d=dv=64, G=5, CPU")
-    fig.tight_layout()
-    from oal.runio import atomic_save_figure
-
-    atomic_save_figure(fig, path, dpi=120)
+    finish_figure(fig, axes, "B=1, Hq=14, Hkv=2, d=dv=64, G=5, CPU", path)
 
 
 def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
@@ -217,9 +210,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's own choice)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: process CPU time, robust to a shared machine (needs --threads 1)")
+    add_timing_args(parser)
     parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -230,12 +221,7 @@ def main() -> None:
     for dt in dtypes + [args.dtype]:
         if dt not in ("float32", "bfloat16"):
             parser.error(f"--dtypes: expected float32 or bfloat16, got {dt!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and torch.get_num_threads() != 1:
-        parser.error("--clock cpu: needs --threads 1 (process CPU time counts every thread, spinning included)")
-    global CLOCK, CLOCK_NAME
-    CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
+    apply_timing_args(parser, args)
     if args.child:
         import oal.ops.chunked as chunked
 
@@ -269,7 +255,7 @@ def main() -> None:
     summary = []
     for dt in dtypes:
         table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
-                            f"{torch.get_num_threads()} threads, {CLOCK_NAME} clock")
+                            f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock")
         for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
                     "% of GEMM", *PHASES, "other", "load"):
             table.add_column(col, justify="right")
@@ -293,12 +279,13 @@ def main() -> None:
         console.print(f"{dt}: OAL time(2N)/time(N) = {scaling}")
     goals = [f"{s['dtype']} N={s['n']}: {s['ratio_sdpa_over_oal']:.2f} (goal {s['goal']:g}) "
              f"{'met' if s['ratio_sdpa_over_oal'] >= s['goal'] else 'NOT met'}" for s in summary if s["goal"]]
-    console.print("goals: " + "; ".join(goals))
+    if goals:
+        console.print("goals: " + "; ".join(goals))
     from oal.runio import atomic_write_json
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
-              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": CLOCK_NAME}
+              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME}
     atomic_write_json(RESULTS / "operator.json", result)
     _plot(rows, summary, RESULTS / "operator.png")
     console.print(f"wrote {RESULTS / 'operator.json'} and {RESULTS / 'operator.png'}")

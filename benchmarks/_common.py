@@ -1,0 +1,47 @@
+"""Shared by the benchmarks: thread/clock options and figure finishing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+# The clock every timing uses: wall time, or with --clock cpu the process's CPU time (robust on a shared machine).
+CLOCK, CLOCK_NAME = time.perf_counter, "wall"
+
+
+def add_timing_args(parser) -> None:
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, robust to a shared machine (needs --threads 1)")
+
+
+def apply_timing_args(parser, args) -> None:
+    """Set torch's threads and the module clock from --threads/--clock."""
+    global CLOCK, CLOCK_NAME
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        parser.error("--clock cpu: needs --threads 1 (process CPU time counts every thread, spinning included)")
+    CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
+
+
+def timing_flags() -> list[str]:
+    """The same settings, as arguments for a child process."""
+    return ["--threads", str(torch.get_num_threads()), "--clock", CLOCK_NAME]
+
+
+def clock() -> float:
+    return CLOCK()
+
+
+def finish_figure(fig, axes, title: str, path: Path) -> None:
+    from oal.runio import atomic_save_figure
+
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
