@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -45,3 +46,38 @@ def finish_figure(fig, axes, title: str, path: Path) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)
+
+
+class PeakRSS:
+    """Peak resident memory (MiB) above the level at entry, sampled from /proc/self/statm every `interval` s.
+
+    ru_maxrss cannot be reset, so a peak reached earlier in the process (loading a model) would hide the peak of
+    the section measured; sampling sees the section's own peak (to within the sampling interval).
+    """
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak_mib = interval, 0.0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        import threading
+
+        self._base = self._peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self._peak = max(self._peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._rss())
+        self.peak_mib = (self._peak - self._base) / 2**20

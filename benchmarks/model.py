@@ -11,8 +11,9 @@ not depend on the kernel's values.
 
 For each context length L a fresh subprocess builds the model (same seed, so both variants share weights), warms up,
 then times one prefill of L random tokens (`use_cache=True`, logits of the last position only, as `generate`
-does), then decodes `--decode-tokens` tokens on that cache (median ms per token). Peak memory is the process's
-peak RSS above its size after loading and warm-up. Writes benchmarks/results/model.{json,png}, prints a table.
+does), then decodes `--decode-tokens` tokens on that cache (median ms per token). Peak memory is the peak RSS
+during prefill and decode above the RSS before them (sampled from /proc every 2 ms).
+Writes benchmarks/results/model.{json,png} and prints a table.
 
     python -m benchmarks.model                                  # both models, L = 1k..32k (long: hours on 2 cores)
     python -m benchmarks.model --models qwen --max-len 4096     # quicker
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import add_timing_args, apply_timing_args, clock, finish_figure, timing_flags
+from benchmarks._common import PeakRSS, add_timing_args, apply_timing_args, clock, finish_figure, timing_flags
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
@@ -110,14 +110,13 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
     _, tok, cache = prefill(min(length, 300))  # warm-up: both the dense (short) and the chunked operator paths
     decode(tok, cache, min(length, 300), 2)
     del cache
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     load = os.getloadavg()[0]
-    prefill_s, tok, cache = prefill(length)
-    decode_s = decode(tok, cache, length, decode_tokens)
+    with PeakRSS() as mem:
+        prefill_s, tok, cache = prefill(length)
+        decode_s = decode(tok, cache, length, decode_tokens)
     return {"model": name, "variant": variant, "length": length, "dtype": str(dtype).replace("torch.", ""),
             "prefill_s": prefill_s, "decode_ms": 1e3 * statistics.median(decode_s),
-            "decode_ms_all": [1e3 * t for t in decode_s], "peak_mib": (resource.getrusage(resource.RUSAGE_SELF)
-                                                                        .ru_maxrss - base) / 1024,
+            "decode_ms_all": [1e3 * t for t in decode_s], "peak_mib": mem.peak_mib,
             "load_before": load, "load_after": os.getloadavg()[0], "threads": torch.get_num_threads(),
             "description": desc, "converted_layers": layers if variant == "oal" else []}
 
