@@ -2,11 +2,11 @@
 
 Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, N = 1k..32k, fp32 and bf16 inputs (bf16:
 bf16 features and GEMMs with fp32 accumulation and an fp32 state, against bf16 SDPA). Each (method, N, dtype) runs
-in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the reported memory is the peak above the
-resident inputs. Each OAL child also measures the GEMM rate of its dtype (2048^3) right before its timing, which
-is what "% of GEMM" refers to, and times one extra call for the phase split (features, intra-chunk, state,
-readout: the torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load
-(os.getloadavg) is recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
+in a fresh subprocess; the reported memory is the peak RSS of its first call above the resident inputs (sampled).
+Each OAL child also measures the GEMM rate of its dtype (2048^3) right before its timing, which is what "% of GEMM"
+refers to, and times one extra call for the phase split (features, intra-chunk, state, readout: the
+torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load (os.getloadavg) is
+recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
 
     python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
     python -m benchmarks.operator --max-len 8192 --dtypes float32
@@ -23,14 +23,20 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from benchmarks._common import add_timing_args, apply_timing_args, clock, finish_figure, timing_flags  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    PeakRSS,
+    add_timing_args,
+    apply_timing_args,
+    clock,
+    finish_figure,
+    timing_flags,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
@@ -96,7 +102,6 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
     from oal.ops import oal_attention
 
     q, k, v, groups, factor = _inputs(n, device, dtype)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def call():
         if method == "sdpa":
@@ -108,15 +113,16 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
     with torch.no_grad():
         if method == "oal":  # the GEMM rate of this dtype, measured next to the timing it is compared with
             row["gemm_gflops"] = gemm_gflops(device, dtype)
-        call()  # warm-up
-        sync()
+        with PeakRSS() as mem:
+            call()  # warm-up (and the memory measurement: the first call allocates the workspace)
+            sync()
         times = []
         for _ in range(repeats):
             t0 = clock()
             call()
             sync()
             times.append(clock() - t0)
-        peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+        peak_mib = mem.peak_mib
         if method == "oal":
             row["phases"] = _phase_split(call)
     if device == "cuda":
