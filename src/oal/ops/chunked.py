@@ -15,7 +15,8 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
 For bf16 inputs the features and GEMMs stay in bf16 (fp32 accumulation inside the GEMM); the running state
-is fp32. Under autograd every block is checkpointed: only the block inputs and the running state are kept,
+is fp32. torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than
+the slices above. Under autograd every block is checkpointed: only the block inputs and the running state are kept,
 and the d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
 (`clear_workspace` releases them).
 """
@@ -38,8 +39,11 @@ NAN_SCRATCH = False
 # Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
 # d(d+1)/2-wide query features, and still O(N) memory per query row.
 DENSE_MAX = 256
-CHUNK = 64  # tokens per chunk (benchmarks/operator.py --sweep measures the alternatives)
-BLOCK_CHUNKS = 8  # chunks per block
+# Tokens per chunk and chunks per block, chosen with `benchmarks.operator --sweep 8192` (1 thread, CPU clock):
+# 64 x 8 was best for bf16 (0.49 s; 32 x 16: 0.52 s) and within 7% of the best for fp32 (32 x 16: 0.78 s,
+# 64 x 8: 0.84 s), with half the workspace of 64 x 16; chunks of 128 were 15-25% slower in both.
+CHUNK = 64
+BLOCK_CHUNKS = 8
 
 
 _WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
