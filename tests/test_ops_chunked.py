@@ -62,12 +62,11 @@ def _rel_rms(got, want):
 
 
 def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
-    """bf16 inputs: bf16 features and GEMMs (fp32 accumulation, fp32 state); the error against float64 stays
-    within twice what bf16 SDPA itself gives against float64 on the same inputs."""
+    """bf16 inputs: bf16 features and GEMMs (fp32 accumulation, fp32 state); the error against float64 stays at
+    the level of what bf16 SDPA itself gives against float64 on the same inputs (measured: 1.0-1.1x)."""
     gemm_dtypes = []
     readout = chunked._readout
-    monkeypatch.setattr(chunked, "_readout", lambda phi, s, out=None: gemm_dtypes.append(phi.dtype) or readout(phi, s,
-                                                                                                            out))
+    monkeypatch.setattr(chunked, "_readout", lambda phi, *a: gemm_dtypes.append(phi.dtype) or readout(phi, *a))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 600, 64, generator=gen).bfloat16() for h in (4, 2, 2))
     groups = torch.randint(0, 5, (4, 64), generator=gen)
@@ -78,7 +77,7 @@ def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_err = _rel_rms(sdpa(q, k, v, is_causal=True, enable_gqa=True),
                         sdpa(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True))
-    assert _rel_rms(out, want) <= 2 * sdpa_err
+    assert _rel_rms(out, want) <= 1.25 * sdpa_err, (_rel_rms(out, want), sdpa_err)
 
 
 def test_non_causal_builds_features_a_block_at_a_time(monkeypatch):

@@ -14,10 +14,11 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
 - readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
-For bf16 inputs the features and GEMMs stay in bf16 (fp32 accumulation inside the GEMM); the running state
-is fp32. torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than
-the slices above. Under autograd every block is checkpointed: only the block inputs and the running state are kept,
-and the d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
+For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
+running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32.
+torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
+above. Under autograd every block is checkpointed: only the block inputs and the running state are kept, and the
+d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
 (`clear_workspace` releases them).
 """
 
@@ -103,13 +104,25 @@ def _features(q, k, n_kv: int, n_c: int, chunk: int, ws):
         return features(feat[:, :, :, 1 : 1 + src.shape[3]], dim=3, out=feat)
 
 
-def _query_part(feat, w, ws):
-    """phi = w * psi(q) [nc, B, Hkv, F, rep * C] from the first rep slots of `feat`, in place when ws (Eq. 6)."""
-    rep = w.shape[2]
+def _query_part(feat, w, d: int, ws):
+    """phi = w * psi(q) [nc, B, Hkv, F, rep * C] from the first rep slots of `feat`, in place when ws (Eq. 6).
+
+    For bf16 features also returns the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the
+    state's), from the exact bf16 inputs (see `_readout`); otherwise None.
+    """
+    rep, lin = w.shape[2], 1 + d
     with record_function("oal.features"):
-        w = w.to(feat.dtype)  # a mixed-dtype in-place multiply is several times slower
-        phi = feat[..., :rep, :].mul_(w) if ws is not None else feat[..., :rep, :] * w
-    return phi.flatten(-2)  # rep and C are adjacent: a view
+        phi_lin = None
+        if feat.dtype != w.dtype:
+            phi_lin = (feat[..., :lin, :rep, :].to(w.dtype) * w[:, :lin]).flatten(-2)
+        rows = lin if phi_lin is not None else 0  # bf16: rows 0..d are read from phi_lin only
+        wg = w[:, rows:].to(feat.dtype)  # a mixed-dtype in-place multiply is several times slower
+        if ws is not None:
+            feat[..., rows:, :rep, :].mul_(wg)
+            phi = feat[..., :rep, :]
+        else:
+            phi = torch.cat([feat[..., :rows, :rep, :], feat[..., rows:, :rep, :] * wg], dim=-3)
+    return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
 
 
 def _increments(psi, ub, out=None):
@@ -119,10 +132,27 @@ def _increments(psi, ub, out=None):
     return torch.matmul(psi, ub, out=out)
 
 
-def _readout(phi, states, out=None):
-    """states [nc, B, Hkv, F, dv+1]^T phi [nc, B, Hkv, F, rep*C] -> num^T [nc, B, Hkv, dv+1, rep*C] (Eq. 6)."""
+def _readout(phi, states, ws=None, phi_lin=None):
+    """states [nc, B, Hkv, F, dv+1]^T phi [nc, B, Hkv, F, rep*C] -> num^T [nc, B, Hkv, dv+1, rep*C] (Eq. 6).
+
+    The result is in the states' dtype. With bf16 phi, the quadratic rows are a bf16 GEMM (fp32 accumulation,
+    output rounded to bf16) and the constant and linear rows `phi_lin` an fp32 GEMM, so that the bf16 rounding of
+    the GEMM output only touches the quadratic part: about 1.3x less error, at the level of bf16 SDPA.
+    """
+    shape = phi.shape[:-2] + (states.shape[-1], phi.shape[-1])
+    s_t = states.transpose(-1, -2)
     with record_function("oal.readout"):
-        return torch.matmul(states.transpose(-1, -2).to(phi.dtype), phi, out=out)
+        if phi_lin is None:
+            return torch.matmul(s_t.to(phi.dtype), phi, out=_scratch(ws, "num", shape, phi.dtype, phi.device))
+        lin = phi_lin.shape[-2]
+        low = torch.matmul(s_t[..., lin:].to(phi.dtype), phi[..., lin:, :],
+                           out=_scratch(ws, "num_low", shape, phi.dtype, phi.device))
+        if ws is None:
+            return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
+                                 phi_lin.flatten(0, -3)).view(shape)
+        num = _scratch(ws, "num", shape, states.dtype, phi.device).copy_(low)
+        num.flatten(0, -3).baddbmm_(s_t[..., :lin].flatten(0, -3), phi_lin.flatten(0, -3))
+        return num
 
 
 def _normalise(num_t, n_q: int, out=None):
@@ -163,7 +193,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
         n_m = wz.shape[-2]
         qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
     if not fresh:
-        phi, psi = _query_part(feat, w, ws), feat[..., rep, :]
+        (phi, phi_lin), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
         with record_function("oal.state"):
             # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
             ug = ub if gdt == sdt else ub.to(gdt)
@@ -176,9 +206,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
                 for c in range(1, n_c + 1):
                     prev[c] += prev[c - 1]
             state = prev[n_c].clone()  # not a view: the next block reuses `prev`
-        num = _readout(phi, prev[:n_c], out=_scratch(ws, "num", num_shape, gdt, dev))
-        if gdt != sdt:  # bf16 GEMM output; the numerator is summed and divided in the state's dtype
-            num = num.to(sdt) if ws is None else _scratch(ws, "num_s", num_shape, sdt, dev).copy_(num)
+        num = _readout(phi, prev[:n_c], ws, phi_lin)  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
         kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1).to(sdt)  # [nc, B, Hkv, C, d]
@@ -195,7 +223,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
         kappa = kappa.view(n_c, bsz, n_kv, chunk, rep * chunk)
         ub_t = ub.transpose(-1, -2)
         if num is None:
-            num = torch.matmul(ub_t, kappa, out=_scratch(ws, "num_s", num_shape, sdt, dev))
+            num = torch.matmul(ub_t, kappa, out=_scratch(ws, "num", num_shape, sdt, dev))
         elif ws is not None:
             num.view(-1, dv1, rep * chunk).baddbmm_(ub_t.reshape(-1, dv1, chunk), kappa.view(-1, chunk, rep * chunk))
         else:
@@ -215,11 +243,8 @@ def _key_step(state, k, u, ws=None):
 
 def _query_step(state, q, w, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
-    n_kv = state.shape[1]
-    phi = _query_part(_features(q, None, n_kv, 1, q.shape[2], ws), w, ws)
-    shape = (1, q.shape[0], n_kv, state.shape[-1], phi.shape[-1])
-    num = _readout(phi, state.unsqueeze(0), out=_scratch(ws, "num", shape, phi.dtype, q.device))
-    return _normalise(num.to(state.dtype), q.shape[1], out)
+    phi, phi_lin = _query_part(_features(q, None, state.shape[1], 1, q.shape[2], ws), w, q.shape[-1], ws)
+    return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out)
 
 
 def chunked_attention(
