@@ -109,3 +109,16 @@ def test_non_causal_training_memory_is_not_quadratic_nor_full_features():
     assert q.grad is not None and factor.grad is not None
     n_kv, feats = 2, 1 + 16 + 136
     assert max(sizes) < 512 * feats * n_kv and max(sizes) < 512 * 512
+
+
+def test_workspace_works_in_and_out_of_inference_mode():
+    """The scratch workspace is kept between calls; buffers made under inference_mode must stay usable outside."""
+    chunked.clear_workspace()
+    q, k, v, groups, factor = make(n=300, dtype=torch.float32)
+    with torch.inference_mode():
+        first = oal_attention(q, k, v, groups, factor)
+    with torch.no_grad():
+        second = oal_attention(q, k, v, groups, factor)
+    with torch.inference_mode():
+        third = oal_attention(q, k, v, groups, factor)
+    assert torch.equal(first, second) and torch.equal(second, third)

@@ -68,7 +68,8 @@ def _scratch(ws: dict | None, name: str, shape: tuple, dtype: torch.dtype, devic
     key = (str(device), dtype, name)
     buf = ws.get(key)
     if buf is None or buf.numel() < n:
-        buf = ws[key] = torch.empty(n, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: usable both in and outside inference mode
+            buf = ws[key] = torch.empty(n, dtype=dtype, device=device)
     if NAN_SCRATCH:
         buf.fill_(float("nan"))
     return buf[:n].view(shape)
