@@ -162,7 +162,10 @@ def test_cli_calibrate_evaluate_convert_generate(tiny_dir, tmp_path, monkeypatch
     out.mkdir()
     gen = torch.Generator().manual_seed(0)
     heads = [{"head": h, "groups": torch.randint(0, 2, (8,), generator=gen).tolist()} for h in range(4)]
-    (out / "groups.json").write_text(json.dumps({"format": "oal.groups/1", "heads": {"1": heads}}))
+    from oal.models.registry import load_model, weights_record
+
+    base = weights_record(load_model(tiny_dir)[0])  # groups.json names the model it was computed from
+    (out / "groups.json").write_text(json.dumps({"format": "oal.groups/1", "heads": {"1": heads}, "base_model": base}))
     (out / "metrics.json").write_text(json.dumps({"perplexity": {"softmax": 1.5}}))
     args = ["calibrate", "--out", str(out), "--model", str(tiny_dir), "--max-steps", "4", "--val-every", "2",
             "--patience", "2"]

@@ -12,6 +12,7 @@ from oal.io import KERNELS_FILE, META_FILE, load_kernels
 from oal.methods import build_method
 from oal.models.convert import converted_methods
 from oal.ops.kernel import perturbed_factor
+from oal.runio import sha256_file
 
 
 def _base(hidden=32, heads=4):
@@ -66,7 +67,7 @@ def test_mismatched_shapes_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="SHA256"):
         load_kernels(tmp_path)
     meta = json.loads((tmp_path / META_FILE).read_text())
-    meta["sha256"] = {}
+    meta["sha256"] = {KERNELS_FILE: sha256_file(tmp_path / KERNELS_FILE)}  # a consistent record of a bad file
     (tmp_path / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="does not fit"):
         load_kernels(tmp_path)

@@ -5,14 +5,21 @@ converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, Taylo
 their calibrated start; groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
 clip 1.0, batch 1. Validation NLL every `val_every` updates on fixed blocks picks the checkpoint (never test).
 
-Exact resume: a checkpoint holds trainable tensors, the best tensors so far, the optimizer (torch.save, read back
-with weights_only=True), the scheduler, the RNG state and the step. The block order is a pure function of the
-seed, so a resumed run replays exactly the updates an uninterrupted one makes.
+Exact resume: a checkpoint holds trainable tensors, the best tensors so far, the optimizer state (its tensors in
+safetensors, the rest in JSON: no pickle), the scheduler, the RNG state and the step, with the SHA256 of each file
+in state.json (a damaged checkpoint is reported and adaptation starts over). The block order is a pure function of
+the seed, so a resumed run replays exactly the updates an uninterrupted one makes.
+
+A saved adapter records the SHA256 of each of its files and of the converted model it was trained on
+(`oal_adapter.json`); `load_adapter` checks both before use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,13 +38,36 @@ from .runio import (
     from_known_keys,
     load_json,
     load_safetensors,
+    sha256_file,
     tensor_hash,
 )
 
-__all__ = ["AdaptConfig", "AdaptResult", "adapt", "kernel_parameter_names", "load_adapter", "save_adapter",
-           "wrap_lora"]
+__all__ = ["AdaptConfig", "AdaptResult", "adapt", "check_adapter", "converted_model_sha256", "kernel_parameter_names",
+           "load_adapter", "save_adapter", "wrap_lora"]
 
 _PEFT_PREFIX = "base_model.model."
+ADAPTER_MANIFEST = "oal_adapter.json"
+ADAPTER_FORMAT = "oal-adapter/1"
+log = logging.getLogger("oal")
+
+
+@contextlib.contextmanager
+def _quiet_peft():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model (a FutureWarning that
+    says nothing to our users); silence that one warning where it arises."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def converted_model_sha256(model) -> str:
+    """SHA256 of every tensor of a (converted) model, its kernel tensors included: what an adapter was trained on.
+
+    Floating tensors are hashed as float32, so the same weights loaded in bfloat16/float16 or upcast to float32
+    (both exact) give the same fingerprint, while other weights never do."""
+    from .models.registry import state_dict_sha256
+
+    return state_dict_sha256(model, torch.float32, kernels=True)
 
 
 @dataclass
@@ -92,6 +122,7 @@ class AdaptResult:
     n_kernel_params: int
     kernel_change: float  # |theta_final - theta_calibrated| over kernel parameters (0 when none train)
     kernel_names: list[str] = field(default_factory=list)  # trained kernel parameters (names without peft prefix)
+    base_sha256: str = ""  # converted_model_sha256 of the model before adaptation (what the adapter is bound to)
     history: list[dict] = field(default_factory=list)  # per update: step, loss, lr
     validation: list[dict] = field(default_factory=list)  # step, val_nll
 
@@ -119,7 +150,8 @@ def wrap_lora(model, cfg: AdaptConfig):
     torch.manual_seed(cfg.seed)  # LoRA A initialisation
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, lora)
+    with _quiet_peft():
+        peft_model = get_peft_model(model, lora)
     for name, p in peft_model.named_parameters():
         if _strip(name) in kernel_names:
             p.requires_grad_(True)
@@ -154,33 +186,76 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def _save_optimizer(folder: Path, optimizer) -> None:
+    """The optimizer's state_dict without pickle: its tensors in safetensors, everything else in JSON."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v
+            else:
+                scalars.setdefault(str(idx), {})[k] = v
+    if tensors:
+        atomic_save_safetensors(folder / "optimizer.safetensors", tensors)
+    atomic_write_json(folder / "optimizer.json", {"param_groups": sd["param_groups"], "scalars": scalars,
+                                                  "state": {str(i): sorted(st) for i, st in sd["state"].items()}})
+
+
+def _read_optimizer(folder: Path) -> dict:
+    """The optimizer state_dict `_save_optimizer` wrote (tuples such as betas restored)."""
+    meta = load_json(folder / "optimizer.json")
+    tensors = load_safetensors(folder / "optimizer.safetensors") if meta["state"] else {}
+    state = {}
+    for idx, keys in meta["state"].items():
+        scalars = meta["scalars"].get(idx, {})
+        state[int(idx)] = {k: tensors[f"{idx}.{k}"] if f"{idx}.{k}" in tensors else scalars[k] for k in keys}
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
 def _save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: dict) -> None:
     with atomic_dir(ckpt_dir) as tmp:
         atomic_save_safetensors(tmp / "trainable.safetensors", {n: p.data for n, p in params.items()})
         atomic_save_safetensors(tmp / "best.safetensors", best)
         atomic_save_safetensors(tmp / "rng.safetensors", _rng_state())
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        atomic_write_json(tmp / "state.json", {**state, "scheduler": scheduler.state_dict()})
+        _save_optimizer(tmp, optimizer)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / "state.json", {**state, "scheduler": scheduler.state_dict(), "sha256": files})
 
 
 def _load_checkpoint(ckpt_dir: Path, params, optimizer, scheduler, key: str):
-    ckpt_dir = existing_dir(ckpt_dir)
-    if ckpt_dir is None or not (ckpt_dir / "state.json").exists():
+    """Restore the saved state of the same configuration; None when there is none, it is of another configuration,
+    or it is damaged (reported; adaptation then starts over). Everything is read and checked before anything is
+    restored."""
+    found = existing_dir(ckpt_dir)
+    if found is None or not (found / "state.json").exists():
         return None
-    state_path = ckpt_dir / "state.json"
-    state = load_json(state_path)
-    if state.get("key") != key:
-        return None  # another configuration: start over rather than mix runs
-    saved = load_safetensors(ckpt_dir / "trainable.safetensors")
+    try:
+        state = load_json(found / "state.json")
+        if state.get("key") != key:
+            return None  # another configuration: start over rather than mix runs
+        bad = sorted(f for f, h in state.get("sha256", {}).items()
+                     if not (found / f).is_file() or sha256_file(found / f) != h)
+        if bad or not state.get("sha256"):
+            raise ValueError(f"{', '.join(bad) or 'state.json'} changed since it was written")
+        saved = load_safetensors(found / "trainable.safetensors")
+        opt_state = _read_optimizer(found)
+        rng = load_safetensors(found / "rng.safetensors")
+        best = load_safetensors(found / "best.safetensors")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("adaptation checkpoint %s is damaged (%s); starting adaptation over", found, exc)
+        return None
     if set(saved) != set(params):
         return None
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(saved[n])
-    optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+    optimizer.load_state_dict(opt_state)
     scheduler.load_state_dict(state.pop("scheduler"))
-    _set_rng_state(load_safetensors(ckpt_dir / "rng.safetensors"))
-    state["best"] = load_safetensors(ckpt_dir / "best.safetensors")
+    _set_rng_state(rng)
+    state.pop("sha256", None)
+    state["best"] = best
     return state
 
 
@@ -214,6 +289,7 @@ def adapt(
         if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
             got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
             raise ValueError(f"{name}: expected a non-empty integer tensor [n_blocks, L >= 2], got {got}")
+    base_sha256 = converted_model_sha256(model)
     peft_model, kernel_names = wrap_lora(model, cfg)
     params = _trainable(peft_model)
     kernel_set = set(kernel_names)
@@ -224,7 +300,8 @@ def adapt(
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(cfg.warmup_frac * cfg.steps)), cfg.steps)
     order = _block_order(train_blocks.shape[0], cfg.steps, cfg.seed)
     key = config_hash({"cfg": cfg.to_dict(), "train": tensor_hash(train_blocks), "val": tensor_hash(val_blocks),
-                       "params": sorted(params), "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}})
+                       "params": sorted(params), "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()},
+                       "base": base_sha256})
 
     state = {"key": key, "step": 0, "best_step": -1, "best_val_nll": math.inf, "history": [], "validation": []}
     best = {n: p.detach().clone() for n, p in params.items()}
@@ -278,7 +355,7 @@ def adapt(
         best_step=state["best_step"], best_val_nll=state["best_val_nll"], steps=state["step"],
         n_lora_params=sum(p.numel() for n, p in params.items() if _strip(n) not in kernel_set),
         n_kernel_params=sum(v.numel() for v in kernel_start.values()), kernel_change=change,
-        kernel_names=kernel_names,
+        kernel_names=kernel_names, base_sha256=base_sha256,
         history=state["history"], validation=state["validation"],
     )
     peft_model.eval()
@@ -286,9 +363,15 @@ def adapt(
 
 
 def save_adapter(peft_model, out_dir: str | Path, result: AdaptResult | None = None,
-                 kernel_names: list[str] | None = None) -> Path:
-    """DIR/adapter/: peft `save_pretrained` + `kernel_params.safetensors` (trained kernel tensors) + adapt.json."""
+                 kernel_names: list[str] | None = None, *, base_sha256: str | None = None) -> Path:
+    """DIR/adapter/: peft `save_pretrained` + `kernel_params.safetensors` (trained kernel tensors) + adapt.json, and
+    `oal_adapter.json` with the SHA256 of each file and of the converted model it was trained on (`base_sha256`,
+    default: `result.base_sha256`)."""
     out_dir = Path(out_dir)
+    base_sha256 = base_sha256 or (result.base_sha256 if result is not None else None)
+    if not base_sha256:
+        raise ValueError("base_sha256: expected the converted_model_sha256 of the model before adaptation (or an "
+                         "AdaptResult that holds it); an adapter must record what it was trained on")
     if kernel_names is None:
         kernel_names = result.kernel_names if result is not None else [
             _strip(n) for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
@@ -299,16 +382,49 @@ def save_adapter(peft_model, out_dir: str | Path, result: AdaptResult | None = N
             atomic_save_safetensors(tmp / "kernel_params.safetensors", {n: named[n].data for n in kernel_names})
         if result is not None:
             atomic_write_json(tmp / "adapt.json", result.to_dict())
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / ADAPTER_MANIFEST, {
+            "format": ADAPTER_FORMAT, "sha256": files,
+            "base": {"state_dict_sha256": base_sha256}})
     return out_dir
 
 
+def check_adapter(adapter_dir: str | Path, model=None) -> dict:
+    """Check a saved adapter before use: every file it recorded has its SHA256 and, given `model` (converted, not
+    yet adapted), that model is the one it was trained on. Returns the manifest; ValueError naming the file."""
+    adapter_dir = Path(adapter_dir)
+    manifest_path = adapter_dir / ADAPTER_MANIFEST
+    if not (adapter_dir / "adapter_config.json").exists():
+        raise ValueError(f"adapter_dir: {adapter_dir} has no adapter_config.json (not a saved adapter)")
+    if not manifest_path.is_file():
+        raise ValueError(f"adapter_dir: {adapter_dir} has no {ADAPTER_MANIFEST} (no record of its files' hashes); "
+                         "adapt again with this version of oal")
+    manifest = load_json(manifest_path)
+    if not isinstance(manifest, dict) or manifest.get("format") != ADAPTER_FORMAT or "sha256" not in manifest:
+        raise ValueError(f"{manifest_path}: expected format {ADAPTER_FORMAT!r} with file hashes")
+    for name, want in sorted(manifest["sha256"].items()):
+        f = adapter_dir / name
+        if not f.is_file():
+            raise ValueError(f"{f}: missing (recorded in {manifest_path})")
+        if sha256_file(f) != want:
+            raise ValueError(f"{f}: SHA256 does not match {manifest_path} (file changed or truncated)")
+    if model is not None:
+        base = manifest.get("base") or {}
+        have = converted_model_sha256(model)
+        if have != base.get("state_dict_sha256"):
+            raise ValueError(f"adapter_dir: the adapter in {adapter_dir} was trained on another model (sha256 "
+                             f"{str(base.get('state_dict_sha256'))[:12]}) than the one given (sha256 {have[:12]}): "
+                             "other base weights or other kernels")
+    return manifest
+
+
 def load_adapter(model, adapter_dir: str | Path):
-    """Attach a saved LoRA adapter to `model` (already converted, if it was) and load its trained kernel tensors."""
+    """Attach a saved LoRA adapter to `model` (already converted, if it was) and load its trained kernel tensors,
+    after `check_adapter` (file hashes, and that `model` is the model the adapter was trained on)."""
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter_config.json").exists():
-        raise ValueError(f"adapter_dir: {adapter_dir} has no adapter_config.json (not a saved adapter)")
+    check_adapter(adapter_dir, model)
     kernel_path = adapter_dir / "kernel_params.safetensors"
     kernels = load_safetensors(kernel_path) if kernel_path.exists() else {}
     named = dict(model.named_parameters())
@@ -321,6 +437,7 @@ def load_adapter(model, adapter_dir: str | Path):
             if named[n].shape != t.shape:
                 raise ValueError(f"adapter_dir: {n} has shape {tuple(t.shape)}, model has {tuple(named[n].shape)}")
             named[n].copy_(t)
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    with _quiet_peft():
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     peft_model.eval()
     return peft_model

@@ -587,15 +587,21 @@ def calibrate_model(model, train_ids: torch.Tensor, val_ids: torch.Tensor, group
 
     `on_layer(layer, global, oal)` is called after each layer (e.g. to checkpoint).
     """
+    import tempfile
+
     from rich.progress import Progress
+
+    from .models.capture_store import capture_to_disk
 
     cfg = cfg or CalibConfig()
     out = {}
-    with Progress(disable=not progress) as bar:
+    device = next(model.parameters()).device
+    with Progress(disable=not progress) as bar, tempfile.TemporaryDirectory(prefix="oal-capture-") as tmp:
+        # one forward per block for all layers (not one per layer), each layer's data streamed to its own files
+        store = capture_to_disk(model, {"train": train_ids, "val": val_ids}, sorted(groups), tmp, key="calibrate")
         task = bar.add_task("calibrating", total=len(groups))
         for layer in sorted(groups):
-            train = capture_layer_data(model, train_ids, layer)
-            val = capture_layer_data(model, val_ids, layer)
+            train, val = (LayerData(**store.load(r, layer, device)) for r in ("train", "val"))
             out[layer] = calibrate_oal_layer(train, val, groups[layer], cfg, layer=layer, eps=eps)
             if on_layer is not None:
                 on_layer(layer, *out[layer])

@@ -10,6 +10,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 
 from .adapt import AdaptConfig
+from .device import resolve_dtype
 from .runio import from_known_keys
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
@@ -72,15 +73,14 @@ def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
 
 
 def parse_seeds(spec: str | int | list[int]) -> list[int]:
-    """'42,43,44' -> [42, 43, 44]."""
-    if isinstance(spec, int):
-        return [spec]
+    """'42,43,44' -> [42, 43, 44]: distinct non-negative integers, no empty items."""
+    items = [spec] if isinstance(spec, int) else spec.split(",") if isinstance(spec, str) else list(spec)
     try:
-        seeds = [int(s) for s in spec.split(",") if s.strip()] if isinstance(spec, str) else [int(s) for s in spec]
+        seeds = [int(s) if isinstance(s, int) else int(str(s).strip()) for s in items]
     except ValueError as exc:
         raise ValueError(f"seeds: expected comma-separated integers such as 42,43,44, got {spec!r}") from exc
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds: expected distinct integers, got {spec!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise ValueError(f"seeds: expected distinct non-negative integers, got {spec!r}")
     return seeds
 
 
@@ -93,13 +93,14 @@ class RunConfig:
     layers: list[int] | None = None  # None: the model family's default conversion range
     seed: int = 42
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # resolved when the run starts (oal.device.resolve_device): a runtime choice, not hashed
     grouping: dict = field(default_factory=dict)
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
     eval_batch_size: int = 1
     plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
+    adapt_overrides: dict = field(default_factory=dict)  # method -> adapt settings of that arm only (`oal adapt`)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -109,9 +110,10 @@ class RunConfig:
             if not all(isinstance(x, int) and x >= 0 for x in self.layers):
                 raise ValueError(f"layers: expected non-negative layer indices, got {self.layers!r}")
             self.layers = sorted(set(self.layers))
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype: expected float32, float64 or bfloat16, got {self.dtype!r}")
+        resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
+        for method in self.adapt_overrides:
+            self.adapt_config(method)
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
@@ -126,11 +128,13 @@ class RunConfig:
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
-    def adapt_config_dict(self) -> dict:
-        return {**self.adapt, "seed": self.adapt.get("seed", self.seed)}
+    def adapt_config_dict(self, method: str | None = None) -> dict:
+        d = {**self.adapt, **(self.adapt_overrides.get(method, {}) if method else {})}
+        return {**d, "seed": d.get("seed", self.seed)}
 
-    def adapt_config(self) -> AdaptConfig:
-        return AdaptConfig.from_dict(self.adapt_config_dict())
+    def adapt_config(self, method: str | None = None) -> AdaptConfig:
+        """The adaptation settings of `method`'s arm (the run's, with that arm's overrides)."""
+        return AdaptConfig.from_dict(self.adapt_config_dict(method))
 
     def with_seed(self, seed: int) -> RunConfig:
         d = self.to_dict()

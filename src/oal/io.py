@@ -3,24 +3,25 @@
 kernels.safetensors holds every parameter and buffer of each converted layer's method under
 `layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
 to rebuild and to refuse a wrong base model: per layer the method name, (Hq, Hkv, d) and constructor settings
-(eps, n_groups), the base model's id, revision, architecture fingerprint and file hashes, and the SHA256 of the
-tensor file. Both files are written to a temporary name and renamed into place.
+(eps, n_groups), the base model's id, revision, architecture fingerprint, file hashes and the SHA256 of its
+tensors (`state_dict_sha256`, with the dtype it was computed in), and the SHA256 of the tensor file. Both files are
+written to a temporary name and renamed into place. `load` checks the base model against that record: a model
+object by its tensors, a name/path by its tensors and by every file of its folder.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from safetensors.torch import load_file
 from torch import nn
 
 from .methods.base import AttentionMethod, build_method
-from .runio import atomic_save_safetensors, atomic_write_json, sha256_file
+from .runio import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, sha256_file
 
-__all__ = ["KERNELS_FILE", "META_FILE", "kernel_dir", "load", "load_kernels", "model_fingerprint", "save_kernels"]
+__all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load", "load_kernels",
+           "load_with_tokenizer", "model_fingerprint", "recorded_base_model", "save_kernels"]
 
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
@@ -61,12 +62,20 @@ def _methods_of(model_or_methods) -> tuple[dict[int, AttentionMethod], nn.Module
 
 def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | None = None,
                  revision: str | None = None, model_hashes: Mapping[str, str] | None = None,
-                 fingerprint: Mapping | None = None, extra: Mapping | None = None) -> Path:
+                 fingerprint: Mapping | None = None, extra: Mapping | None = None,
+                 provenance: Mapping | None = None) -> Path:
     """Write the kernels of a converted model (or a dict layer -> method) to `directory`; returns the JSON path.
 
-    `base_model`/`revision`/`model_hashes` identify the base model (defaults: `config._name_or_path`).
+    `base_model`/`revision`/`model_hashes` identify the base model (defaults: `config._name_or_path`). With a
+    model, its tensors are fingerprinted here; with a dict of methods, pass `provenance` (what `load_model`
+    returns for the base model: file hashes, `state_dict_sha256`, dtype), or `oal.load` will refuse the kernels.
     """
+    from .models.registry import weights_record
+
     methods, model = _methods_of(model_or_methods)
+    provenance = dict(provenance or {})
+    model_hashes = model_hashes or provenance.get("sha256")
+    revision = revision or provenance.get("revision")
     directory = Path(directory)
     tensors, layers = {}, {}
     for i, m in sorted(methods.items()):
@@ -77,16 +86,18 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
             "seed": getattr(m, "seed", 0),
             "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))},
         }
+    content = {k: provenance[k] for k in ("state_dict_sha256", "dtype") if provenance.get(k)}
     if model is not None:
         fingerprint = fingerprint or model_fingerprint(model)
         base_model = base_model or getattr(model.config, "_name_or_path", None)
+        content = weights_record(model)
     tensor_path = directory / KERNELS_FILE
     atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT})
     meta = {
         "format": FORMAT,
         "layers": layers,
         "base_model": {"name_or_path": base_model, "revision": revision, "fingerprint": dict(fingerprint or {}),
-                       "hashes": dict(model_hashes or {})},
+                       "hashes": dict(model_hashes or {}), **content},
         "sha256": {KERNELS_FILE: sha256_file(tensor_path)},
         **({"extra": dict(extra)} if extra else {}),
     }
@@ -106,11 +117,16 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
     meta_path, tensor_path = directory / META_FILE, directory / KERNELS_FILE
     if not meta_path.is_file() or not tensor_path.is_file():
         raise ValueError(f"directory: expected {META_FILE} and {KERNELS_FILE} in {directory}")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: expected format {FORMAT!r}, got {meta.get('format')!r}")
-    want = meta.get("sha256", {}).get(KERNELS_FILE)
-    if want and sha256_file(tensor_path) != want:
+    meta = load_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{meta_path}: expected format {FORMAT!r}, got {got!r}")
+    if not isinstance(meta.get("layers"), dict) or not isinstance(meta.get("base_model"), dict):
+        raise ValueError(f"{meta_path}: damaged, expected 'layers' and 'base_model' records")
+    want = (meta.get("sha256") or {}).get(KERNELS_FILE)
+    if not want:
+        raise ValueError(f"{meta_path}: records no SHA256 of {KERNELS_FILE}; cannot check it")
+    if sha256_file(tensor_path) != want:
         raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
     if fingerprint is not None:
         saved = meta["base_model"].get("fingerprint") or {}
@@ -118,9 +134,11 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         if diff:
             details = ", ".join(f"{k}: file {a!r} vs model {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"base_model: kernels in {directory} were made for another model ({details})")
-    tensors = load_file(str(tensor_path))
+    tensors = load_safetensors(tensor_path)
     methods = {}
     for key, info in meta["layers"].items():
+        if not str(key).isdigit() or not isinstance(info, dict) or "method" not in info:
+            raise ValueError(f"{meta_path}: damaged layer record {key!r}")
         i = int(key)
         prefix = f"layers.{i}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -141,29 +159,62 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
     return methods, meta
 
 
-def load(directory: str | Path, base_model, **load_kwargs) -> nn.Module:
+def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
     """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
 
-    A name/path goes through `oal.models.registry.load_model` (`load_kwargs` passed on) and its file hashes must
-    match those recorded at save time. A loaded model is checked by architecture fingerprint only.
+    The base model must be the one the kernels were calibrated on: a loaded model is checked by the SHA256 of its
+    tensors (`models.registry.state_dict_sha256`); a name/path goes through `oal.models.registry.load_model`
+    (`load_kwargs` passed on) and its folder must also hold exactly the files recorded at save time.
+    Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
+    model) and holds everything: `oal.export.load_export(directory, **load_kwargs)` (dtype=, device=).
     """
-    hashes = None
-    if isinstance(base_model, (str, os.PathLike)):
-        from .models.registry import load_model
+    if base_model is None:
+        from .export import load_export
 
-        base_model, _, provenance = load_model(str(base_model), **load_kwargs)
-        hashes = provenance.get("sha256")
+        return load_export(directory, **load_kwargs)
+    if isinstance(base_model, (str, os.PathLike)):
+        return load_with_tokenizer(directory, str(base_model), **load_kwargs)[0]
     if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
         raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
+    return _convert_checked(directory, base_model, None)
+
+
+def recorded_base_model(directory: str | Path) -> str | None:
+    """The base model's name/path recorded in `directory`/kernels.json (None when there is no kernels.json)."""
+    meta_path = Path(directory) / META_FILE
+    if not meta_path.is_file():
+        return None
+    meta = load_json(meta_path)
+    base = meta.get("base_model") if isinstance(meta, dict) else None
+    if not isinstance(base, dict):
+        raise ValueError(f"{meta_path}: damaged, expected a 'base_model' record")
+    return base.get("name_or_path")
+
+
+def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):
+    """(converted model, tokenizer, provenance): the base model `base_model` (default: the one recorded in
+    kernels.json) loaded by `load_model`, checked against the record (tensors and files), then converted."""
+    from .models.registry import load_model
+
+    name = base_model or recorded_base_model(directory) or "default"
+    model, tokenizer, provenance = load_model(name, **load_kwargs)
+    return _convert_checked(directory, model, provenance), tokenizer, provenance
+
+
+def _convert_checked(directory, base_model: nn.Module, provenance: Mapping | None) -> nn.Module:
     methods, meta = load_kernels(directory, fingerprint=model_fingerprint(base_model))
-    saved = meta["base_model"].get("hashes") or {}
-    if hashes and saved:  # weights files present on both sides: they must be the same files
-        differ = sorted(f for f in set(saved) & set(hashes) if saved[f] != hashes[f])
-        if differ:
-            raise ValueError(f"base_model: its files {differ} differ from those the kernels were calibrated on")
+    check_kernels_base(directory, meta, base_model, provenance)
     n_layers = model_fingerprint(base_model)["num_hidden_layers"]
     if any(i >= n_layers for i in methods):
         raise ValueError(f"base_model: kernel layers {sorted(methods)} exceed its {n_layers} layers")
     from .models.convert import convert
 
     return convert(base_model, sorted(methods), methods)
+
+
+def check_kernels_base(directory: str | Path, meta: Mapping, model: nn.Module, provenance: Mapping | None = None,
+                       ) -> None:
+    """Refuse `model` unless it is the base model the kernels in `directory` (metadata `meta`) were made for."""
+    from .models.registry import check_base_model
+
+    check_base_model(meta["base_model"], model, provenance, where=str(Path(directory) / META_FILE))

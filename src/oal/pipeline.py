@@ -2,11 +2,16 @@
 
     setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> report
 
-Each stage has a key: the hash of the configuration it reads and of the keys of the stages it depends on. A stage
-whose key matches the marker in `DIR/.oal/stages.json` and whose outputs exist is skipped, so a killed run
-continues where it stopped (adaptation itself also resumes mid-way from its checkpoint). Evaluation always
-rebuilds the model from the files on disk (kernels + adapter), so a resumed run and an uninterrupted one measure
-exactly the same model.
+Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
+of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
+SHA256 recorded there is skipped, so a killed run continues where it stopped (calibration resumes per layer and
+adaptation mid-way from their checkpoints); a damaged output is reported and its stage recomputed, and every stage
+that read it follows, since its input hashes changed. Evaluation always rebuilds the model from the files on disk
+(kernels + adapter), so a resumed run and an uninterrupted one measure exactly the same model.
+
+A run directory belongs to one configuration (config.json): another configuration is refused with the differing
+keys named, unless `force=True` deletes the old results first. metrics.json records the SHA256 of the files its
+numbers were computed from.
 
 Stages call the public functions of the other modules: `oal.models.registry.load_model`, `oal.data`,
 `oal.analysis.analyze`, `oal.calibrate`, `oal.models.convert`, `oal.io.save_kernels/load_kernels`,
@@ -21,32 +26,38 @@ import shutil
 import statistics
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from .adapt import adapt, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
-from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods, capture_layer_data
+from .calibrate import CalibConfig
+from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
+from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
-from .io import kernel_dir, load_kernels, save_kernels
+from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from .models.convert import convert
 from .models.registry import default_layers, load_model
 from .report import write_report
+from .run_dir import claim_run_dir, multi_seed_layout
 from .runio import (
     StageLog,
     Timer,
     atomic_write_json,
+    check_out_dir,
+    clean_tmp,
     config_hash,
     load_json,
+    sha256_file,
     tensor_hash,
     versions,
 )
 
-__all__ = ["Run", "aggregate_seeds", "run", "run_seed", "STAGES"]
+__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_seed", "STAGES"]
 
 STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
@@ -62,14 +73,22 @@ class Run:
     """One seed's run directory and the lazily loaded model, corpus and token blocks."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
-                 progress: bool = True, stop_after: str | None = None):
+                 progress: bool = True, stop_after: str | None = None, force: bool = False,
+                 allow_changes: tuple[str, ...] = ()):
+        """Nothing is written before `setup()` has loaded and checked the model, the data and the directory.
+
+        force: delete the results of another configuration found in `out_dir` and start clean;
+        allow_changes: configuration keys (dotted prefixes) that may differ from the recorded ones (the commands
+        that change part of a run, e.g. `oal adapt`).
+        """
         self.cfg = cfg
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = check_out_dir(out_dir)
         self.console = console or Console()
         self.progress = progress
         self.stop_after = stop_after
-        self.log = StageLog(self.dir)
+        self.force = force
+        self.allow_changes = tuple(allow_changes)
+        self.log: StageLog | None = None
         self.keys: dict[str, str] = {}
         self.ran: list[str] = []
         self.skipped: list[str] = []
@@ -78,23 +97,30 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        return load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype), device=self.cfg.device)
+        # --device auto -> CUDA when present; the base model in cfg.dtype, kernels/LoRA/calibration in fp32
+        self.device = resolve_device(self.cfg.device)
+        return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def setup(self) -> None:
-        """Model, tokenizer, corpus, split plan and token blocks; writes config.json (cheap, always runs)."""
+        """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
+        writes config.json (cheap, always runs). Every bad input fails here, before anything is written."""
         with Timer() as t:
             self.model, self.tokenizer, self.provenance = self._load_model()
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
-            self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                         else default_plan(self.cfg.preset))
-            self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
-            if any(i >= n_layers for i in self.layers):
-                raise ValueError(f"layers: {self.layers} out of range for a model with {n_layers} layers")
+            if not self.layers or any(i >= n_layers for i in self.layers):
+                raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
+                                 "--layers", "layers")
+            try:
+                self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
+                self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
+                             else default_plan(self.cfg.preset))
+                self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+            except (ValueError, OSError) as exc:
+                raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
         config = {
             "config": self.cfg.to_dict(),
             "converted_layers": self.layers,
@@ -105,10 +131,15 @@ class Run:
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
         }
-        self.keys["setup"] = config_hash({k: config[k] for k in ("converted_layers", "split_plan", "blocks", "model",
-                                                                "data")} | {"dtype": self.cfg.dtype})
+        # content, not paths: the same model files and text elsewhere give the same key
+        self.keys["setup"] = config_hash({"converted_layers": self.layers, "split_plan": config["split_plan"],
+                                          "blocks": config["blocks"], "dtype": self.cfg.dtype,
+                                          "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
+                                          "data": self.corpus.sha256})
+        claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
+        self.log = StageLog(self.dir)
         atomic_write_json(self.dir / "config.json", config)
-        self.log.mark("setup", self.keys["setup"], t.seconds)
+        self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
 
     def _default_layers(self) -> list[int]:
         return list(default_layers(self.model))
@@ -123,22 +154,37 @@ class Run:
 
     # ------------------------------------------------------------------------------------------------ stages
 
-    def stage(self, name: str, deps: dict, outputs, fn) -> bool:
-        """Run `fn()` unless `name` already finished with the same key; True when the stage is complete."""
-        key = config_hash({"stage": name, **deps})
+    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True) -> bool:
+        """Run `fn()` unless `name` already finished with the same key and its outputs verify; True when complete.
+
+        The key hashes `deps` (the configuration the stage reads) and the SHA256 of `inputs` (files of the run
+        directory it reads). `outputs` (files or folders) are hashed into the marker. With `run=False` the key is
+        computed and checked but nothing runs (False when the stage is not complete).
+        """
+        read = self.log.outputs_hash(inputs)
+        key = config_hash({"stage": name, **deps, "inputs": read})
         self.keys[name] = key
-        if self.log.done(name, key, outputs):
+        if self.log.done(name, key):
             self.skipped.append(name)
             self.console.print(f"[dim]skip {name}: already done for this configuration[/dim]")
             return True
+        if not run:
+            return False
         self.console.rule(f"[bold]{name}")
         with Timer() as t:
             fn()
-        self.log.mark(name, key, t.seconds)
+        self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read)
         self.ran.append(name)
         if self.stop_after == name:
             raise _Stop(name)
         return True
+
+    def kernel_files(self, method: str) -> list[str]:
+        """`method`'s kernel files, relative to the run directory (none for the softmax reference)."""
+        if method == REFERENCE:
+            return []
+        d = self.kernel_dir(method).relative_to(self.dir)
+        return [str(d / KERNELS_FILE), str(d / META_FILE)]
 
     def analyze(self) -> bool:
         if not any(m in NEEDS_GROUPS for m in self.cfg.methods):
@@ -164,33 +210,27 @@ class Run:
         methods = self.kernel_methods
         if not methods:
             return True
-        deps = {"setup": self.keys["setup"], "analyze": self.keys.get("analyze"), "calib": self.cfg.calib,
-                "methods": methods, "seed": self.cfg.seed}
-        outputs = ["calibration.json"] + [str((self.kernel_dir(m) / "kernels.safetensors").relative_to(self.dir))
-                                          for m in methods]
-        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods))
-
-    def _capture(self, role: str, layer: int):
-        return capture_layer_data(self.model, self.blocks[role], layer, batch_size=1)
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
+        outputs = ["calibration.json"] + [f for m in methods for f in self.kernel_files(m)]
+        inputs = ["groups.json"] if "oal" in methods else []
+        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
 
     def _calibrate(self, methods: list[str]) -> None:
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
-        layer_methods: dict[str, dict[int, object]] = {m: {} for m in methods}
-        report: dict[str, dict] = {m: {} for m in methods}
-        for layer in self.layers:
-            self.console.print(f"calibrate layer {layer}: {', '.join(methods)}")
-            train, val = self._capture("calib_train", layer), self._capture("calib_val", layer)
-            done = calibrate_methods(methods, train, val, layer=layer, groups=groups.get(layer), cfg=cfg,
-                                     seed=self.cfg.seed)
-            for m, (method, res) in done.items():
-                layer_methods[m][layer] = method
-                report[m][str(layer)] = res.summary() if res is not None else NOT_CALIBRATED
-        model_hashes = self.provenance.get("sha256") if isinstance(self.provenance.get("sha256"), dict) else None
-        for m in methods:
-            save_kernels(layer_methods[m], self.kernel_dir(m), base_model=str(self.cfg.model),
-                         model_hashes=model_hashes, extra={"method": m, "seed": self.cfg.seed})
-        atomic_write_json(self.dir / "calibration.json", {"config": cfg.to_dict(), "methods": report})
+        # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
+        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done)
+        checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
+        capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
+                                 config_hash({"setup": self.keys["setup"], "layers": self.layers}),
+                                 progress=self.progress)
+        per_method, report = calibrate_layers(
+            methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
+            progress=self.progress, console=self.console)
+        write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
+                          provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
+        checkpoints.clear()
+        capture.remove()
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
@@ -200,14 +240,16 @@ class Run:
         methods = self.kernel_methods
         if not methods:
             return True
-        deps = {"calibrate": self.keys.get("calibrate"), "methods": methods}
+        deps = {"setup": self.keys["setup"], "methods": methods}
 
         def fn():
             sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"], sets, self.layers, progress=self.progress)
+            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
+                           progress=self.progress)
             atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
 
-        return self.stage("fidelity", deps, [".oal/fidelity.json"], fn)
+        return self.stage("fidelity", deps, [".oal/fidelity.json"], fn,
+                          inputs=[f for m in methods for f in self.kernel_files(m)])
 
     def model_for(self, method: str):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
@@ -216,9 +258,8 @@ class Run:
             convert(model, self.layers, self.load_methods(method))
         return model
 
-    def adapt(self, method: str) -> bool:
-        deps = {"setup": self.keys["setup"], "calibrate": None if method == REFERENCE else self.keys.get("calibrate"),
-                "adapt": self.cfg.adapt_config().to_dict(), "method": method}
+    def adapt(self, method: str, run: bool = True) -> bool:
+        deps = {"setup": self.keys["setup"], "adapt": self.cfg.adapt_config(method).to_dict(), "method": method}
         out = self.dir / "adapter" / method
         ckpt = self.dir / ".oal" / "checkpoints" / method
 
@@ -226,19 +267,21 @@ class Run:
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
             model = self.model_for(method)
+            if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
+                enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
-                                       self.cfg.adapt_config(), ckpt_dir=ckpt, progress=self.progress,
+                                       self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
                                        description=f"adapt {method}")
             save_adapter(peft_model, out, result)
             shutil.rmtree(ckpt, ignore_errors=True)
 
-        return self.stage(f"adapt:{method}", deps, [f"adapter/{method}/adapter_config.json"], fn)
+        return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
+                          run=run)
 
-    def perplexity(self, method: str, adapted: bool) -> bool:
+    def perplexity(self, method: str, adapted: bool, run: bool = True) -> bool:
         name = f"perplexity:{method}" if adapted else f"perplexity_no_adapt:{method}"
-        deps = {"setup": self.keys["setup"], "calibrate": None if method == REFERENCE else self.keys.get("calibrate"),
-                "adapt": self.keys.get(f"adapt:{method}") if adapted else None, "method": method,
-                "batch": self.cfg.eval_batch_size}
+        deps = {"setup": self.keys["setup"], "method": method, "batch": self.cfg.eval_batch_size}
+        inputs = self.kernel_files(method) + ([f"adapter/{method}"] if adapted else [])
         path = self.dir / ".oal" / f"{name.replace(':', '_')}.json"
 
         def fn():
@@ -249,7 +292,7 @@ class Run:
                                      progress=self.progress, description=name)
             atomic_write_json(path, {"nll_sum": total, "tokens": count, "ppl": math.exp(total / count)})
 
-        return self.stage(name, deps, [str(path.relative_to(self.dir))], fn)
+        return self.stage(name, deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
     # ------------------------------------------------------------------------------------------------ metrics
 
@@ -257,20 +300,27 @@ class Run:
         out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
                "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
                "adapt": {}}
+        used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
+
+        def valid(stage):
+            ok = stage in self.keys and self.log.done(stage, self.keys[stage])
+            if ok:
+                used.append(stage)
+            return ok
+
         fid = self.dir / ".oal" / "fidelity.json"
-        if fid.exists() and "fidelity" in self.keys:
+        if valid("fidelity"):
             out["fidelity"] = load_json(fid)
         for m in self.cfg.methods:
             for key, prefix in (("perplexity", "perplexity"), ("perplexity_no_adapt", "perplexity_no_adapt")):
-                p = self.dir / ".oal" / f"{prefix}_{m}.json"
-                if p.exists() and f"{prefix}:{m}" in self.keys and self.log.done(f"{prefix}:{m}",
-                                                                                 self.keys[f"{prefix}:{m}"]):
-                    out[key][m] = load_json(p)["ppl"]
-            a = self.dir / "adapter" / m / "adapt.json"
-            if a.exists():
-                res = load_json(a)
+                if valid(f"{prefix}:{m}"):
+                    out[key][m] = load_json(self.dir / ".oal" / f"{prefix}_{m}.json")["ppl"]
+            if valid(f"adapt:{m}"):
+                res = load_json(self.dir / "adapter" / m / "adapt.json")
                 out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
                                                         "n_kernel_params", "kernel_change")}
+        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
         out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
         return out
 
@@ -287,28 +337,72 @@ def _jsonable_provenance(obj):
 
 
 def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
-             stop_after: str | None = None) -> dict:
-    """All stages for one seed; returns metrics.json's content."""
-    r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after)
+             stop_after: str | None = None, force: bool = False, arms: list[str] | None = None,
+             allow_changes: tuple[str, ...] = ()) -> dict:
+    """All stages for one seed; returns metrics.json's content.
+
+    `arms`: run the adapt/perplexity stages of these methods only (the others are reported when their recorded
+    outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
+    stage outputs, so they describe exactly the files on disk.
+    """
+    r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
+            allow_changes=allow_changes)
     try:
         r.setup()
         r.analyze()
         r.calibrate()
         r.fidelity()
         for m in cfg.methods:
-            r.perplexity(m, adapted=False)
-            if r.adapt(m):
-                r.perplexity(m, adapted=True)
+            active = arms is None or m in arms
+            r.perplexity(m, adapted=False, run=active)
+            if r.adapt(m, run=active):
+                r.perplexity(m, adapted=True, run=active)
     except _Stop:
         return {}
     metrics = r.metrics()
     atomic_write_json(r.dir / "metrics.json", metrics)
     with Timer() as t:
         write_report(r.dir, console=r.console)
-    r.log.mark("report", config_hash(metrics), t.seconds)
+    r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
     metrics["elapsed_s"]["report"] = round(t.seconds, 3)
     atomic_write_json(r.dir / "metrics.json", metrics)
     return metrics
+
+
+def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
+              dtype: str | None = None, console: Console | None = None, progress: bool = True) -> dict:
+    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with another number of updates
+    (recorded in config.json as that arm's `adapt_overrides`). Its adapt and perplexity stages rerun when their
+    keys changed, and metrics.json and report.md are rewritten, so they describe the adapter now on disk.
+    Returns the new metrics."""
+    out_dir = check_out_dir(out_dir)
+    cfg_path = out_dir / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
+    config = load_json(cfg_path)
+    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
+        raise ValueError(f"{cfg_path}: damaged, expected a run configuration")
+    parent = out_dir.parent / "config.json"
+    if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
+        raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
+                         "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
+    d = dict(config["config"])
+    if method not in d["methods"]:
+        if method != REFERENCE:
+            raise InputError(f"{out_dir} has no calibrated kernels for {method!r}; run `oal run --out {out_dir} "
+                             f"--methods ...,{method}` first", "--method", "method")
+        d["methods"] = [*d["methods"], method]
+    if dtype is not None and dtype != d.get("dtype", "float32"):
+        raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")
+    if device is not None:
+        d["device"] = device  # a runtime choice, not part of the run's configuration
+    if steps is not None:
+        overrides = dict(d.get("adapt_overrides") or {})
+        overrides[method] = {**overrides.get(method, {}), "steps": steps}
+        d["adapt_overrides"] = overrides
+    cfg = RunConfig.from_dict(d)
+    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
+                    allow_changes=("config.adapt_overrides", "config.methods"))
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -351,20 +445,29 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
 
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
-        progress: bool = True) -> dict:
-    """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR."""
+        progress: bool = True, force: bool = False) -> dict:
+    """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    """
     console = console or Console()
-    out_dir = Path(out_dir)
+    out_dir = check_out_dir(out_dir)
     seeds = seeds or [cfg.seed]
+    multi_seed_layout(out_dir, seeds, force=force)
     if len(seeds) == 1:
-        metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress)
+        metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
     else:
+        clean_tmp(out_dir)
         per_seed = {}
         for s in seeds:
             console.rule(f"[bold]seed {s}")
-            per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress)
+            per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
+                                   force=force)
         metrics = aggregate_seeds(per_seed)
-        atomic_write_json(out_dir / "config.json", load_json(out_dir / f"seed-{seeds[0]}" / "config.json"))
+        metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
+                             for s in seeds}
+        config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
+        atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
         atomic_write_json(out_dir / "metrics.json", metrics)
         write_report(out_dir, console=console)
     console.print(summary_table(metrics))

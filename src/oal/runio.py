@@ -1,8 +1,11 @@
 """Run-directory I/O: atomic writes, config hashes, stage-done markers and provenance.
 
 Every file of a run directory is written to a temporary name in the same folder and renamed into place, so a
-killed process leaves either the old file or the new one, never half of one. A stage records a marker
-(`DIR/.oal/stages.json`) with the hash of everything it read; a rerun with the same hash skips it.
+killed process leaves either the old file or the new one, never half of one (`clean_tmp` removes the temporary
+names a kill leaves behind). A stage records a marker (`DIR/.oal/stages.json`) with the hash of everything it read
+(its key) and the SHA256 of every file it wrote; a rerun skips it only when the key matches *and* those files still
+hash the same, so a damaged output is recomputed rather than trusted. Readers of JSON and safetensors files raise a
+ValueError that names the file.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -24,21 +28,29 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import InputError
+
 __all__ = [
     "atomic_dir",
     "atomic_save_safetensors",
     "atomic_write_json",
     "atomic_write_text",
+    "check_out_dir",
+    "clean_tmp",
     "config_hash",
     "existing_dir",
     "load_json",
     "load_safetensors",
     "sha256_file",
     "sha256_files",
+    "sha256_tree",
     "StageLog",
     "tensor_hash",
     "versions",
 ]
+
+
+log = logging.getLogger("oal")
 
 
 def from_known_keys(cls, d: dict, label: str):
@@ -106,7 +118,14 @@ def atomic_write_json(path: str | Path, obj) -> Path:
 
 
 def load_json(path: str | Path):
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """Parse a JSON file; a missing, unreadable or damaged file is a ValueError naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: damaged, not valid JSON ({exc})") from None
 
 
 def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
@@ -117,7 +136,15 @@ def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], 
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """Read a safetensors file; a missing, truncated or damaged file is a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: damaged or truncated safetensors file ({exc})") from None
 
 
 @contextlib.contextmanager
@@ -179,6 +206,50 @@ def sha256_files(folder: str | Path, suffixes=(".safetensors", ".json", ".txt", 
             if p.is_file() and p.suffix in suffixes}
 
 
+def sha256_tree(root: str | Path, rel: str | Path) -> dict[str, str]:
+    """SHA256 of `root/rel` (a file), or of every file below it (a folder), keyed by path relative to `root`.
+
+    A missing path gives {} (so a removed output shows up as a difference).
+    """
+    root = Path(root)
+    path = root / rel
+    if path.is_file():
+        return {str(Path(rel)): sha256_file(path)}
+    if path.is_dir():
+        return {str(p.relative_to(root)): sha256_file(p) for p in sorted(path.rglob("*"))
+                if p.is_file() and not p.name.endswith(".tmp")}
+    return {}
+
+
+def clean_tmp(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary files and folders (`.NAME.*.tmp`) a killed process left below `run_dir`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = sorted((p for p in run_dir.rglob(".*.tmp")), key=lambda p: len(p.parts), reverse=True)
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temporary file(s) left by an interrupted run in %s", len(stale), run_dir)
+    return stale
+
+
+def check_out_dir(path: str | Path, param: str = "--out") -> Path:
+    """`path` is usable as an output folder: not an existing file, and not below one. Creates nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} is an existing file; expected a directory", param)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{parent} is a file, so {path} cannot be created below it", param)
+            break
+    return path
+
+
 def versions() -> dict[str, str]:
     """Versions of the interpreter and of the libraries whose numerics the results depend on."""
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
@@ -193,28 +264,60 @@ def versions() -> dict[str, str]:
 
 
 class StageLog:
-    """Stage-done markers in `DIR/.oal/stages.json`: stage -> {key, elapsed_s, finished}.
+    """Stage-done markers in `DIR/.oal/stages.json`: stage -> {key, outputs, sha256, inputs, elapsed_s, finished}.
 
-    `done(stage, key)` is True only when the stage finished with the same key and its outputs still exist.
+    `done(stage, key)` is True only when the stage finished with the same key (the hash of its configuration and
+    of the files it read) and every file it wrote still has the SHA256 recorded when it finished.
     """
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / ".oal" / "stages.json"
         self.stages: dict = load_json(self.path) if self.path.exists() else {}
+        if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
+            raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
+        self._verified: set[str] = set()
 
-    def done(self, stage: str, key: str, outputs=()) -> bool:
+    def outputs_hash(self, outputs) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for o in outputs:
+            out.update(sha256_tree(self.run_dir, o))
+        return out
+
+    def damaged(self, stage: str) -> list[str]:
+        """Recorded outputs of `stage` that are missing or whose SHA256 changed (all of them without a record)."""
+        rec = self.stages.get(stage) or {}
+        want = rec.get("sha256")
+        if not isinstance(want, dict) or not want:
+            return [str(o) for o in rec.get("outputs", [])] or ["(no recorded outputs)"]
+        have = self.outputs_hash(rec.get("outputs", []))
+        return sorted(f for f in set(want) | set(have) if want.get(f) != have.get(f))
+
+    def done(self, stage: str, key: str) -> bool:
         rec = self.stages.get(stage)
         if rec is None or rec.get("key") != key:
             return False
-        return all((self.run_dir / o).exists() for o in outputs)
+        if stage in self._verified:
+            return True
+        bad = self.damaged(stage)
+        if bad:
+            log.warning("stage %s: %s changed or missing since it finished (SHA256 differs from %s); recomputing",
+                        stage, ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""), self.path)
+            return False
+        self._verified.add(stage)
+        return True
 
-    def mark(self, stage: str, key: str, elapsed_s: float, **extra) -> None:
-        self.stages[stage] = {"key": key, "elapsed_s": round(float(elapsed_s), 3),
+    def mark(self, stage: str, key: str, elapsed_s: float, outputs=(), inputs: dict | None = None, **extra) -> None:
+        outputs = [str(o) for o in outputs]
+        self.stages[stage] = {"key": key, "outputs": outputs, "sha256": self.outputs_hash(outputs),
+                              **({"inputs": inputs} if inputs else {}),
+                              "elapsed_s": round(float(elapsed_s), 3),
                               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
+        self._verified.add(stage)
         atomic_write_json(self.path, self.stages)
 
     def forget(self, stage: str) -> None:
+        self._verified.discard(stage)
         if self.stages.pop(stage, None) is not None:
             atomic_write_json(self.path, self.stages)
 

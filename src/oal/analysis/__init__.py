@@ -20,6 +20,7 @@ __all__ = [
     "analysis_inputs",
     "analyze",
     "candidate_cuts",
+    "check_groups_model",
     "contribution_scores",
     "contribution_scores_reference",
     "fixed_budget_groups",
@@ -33,7 +34,7 @@ __all__ = [
 
 def __getattr__(name):
     # analyze pulls in transformers and matplotlib; import it only when asked for
-    if name in ("analyze", "load_groups"):
+    if name in ("analyze", "check_groups_model", "load_groups"):
         import importlib
 
         return getattr(importlib.import_module(f"{__name__}.runner"), name)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
+
 _CHUNK_ELEMENTS = 1 << 22  # bootstrap working set per chunk of heads (float64 elements), bounds memory
 
 
@@ -98,10 +100,19 @@ def _check(chi_per_prompt, tail_fraction, min_support, min_ratio, min_groups, n_
         raise ValueError(f"min_ratio: expected a finite tau > 0, got {min_ratio}")
     if not isinstance(min_groups, int) or min_groups < 1:
         raise ValueError(f"min_groups: expected an int >= 1, got {min_groups}")
+    check_min_groups(d, tail_fraction, min_groups)
     if not isinstance(n_bootstrap, int) or n_bootstrap < 1:
         raise ValueError(f"n_bootstrap: expected an int >= 1, got {n_bootstrap}")
     if not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
+
+
+def check_min_groups(d: int, tail_fraction: float, min_groups: int) -> None:
+    """G_min can be reached only with the candidate cuts there are: at most len(candidates) + 1 groups."""
+    most = len(candidate_cuts(d, tail_fraction)) + 1
+    if min_groups > most:
+        raise InputError(f"expected at most {most} for head dim d={d} and tail_fraction={tail_fraction} "
+                         f"({most - 1} candidate cuts), got {min_groups}", "--min-groups", "min_groups")
 
 
 def candidate_cuts(d: int, tail_fraction: float) -> torch.Tensor:

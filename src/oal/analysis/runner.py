@@ -11,7 +11,6 @@ Writes into `out_dir`:
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Sequence
@@ -25,11 +24,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..models.capture import Captured, attention_module, capture
-from ..runio import atomic_write_json
+from ..models.registry import weights_record
+from ..runio import atomic_write_json, check_out_dir, load_json
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
 from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from .grouping import grouping_params, stable_gap_groups
+from .grouping import check_min_groups, grouping_params, stable_gap_groups
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -147,11 +147,12 @@ def analyze(
     params = grouping_params(**grouping)  # checked before the expensive capture
     seed = params["seed"]
     console = console or Console()
-    out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(out_dir)
     layers = sorted(int(i) for i in layers)
     for i in layers:
         attention_module(model, i)  # validates architecture and layer range with a clear error
+    if layers:
+        check_min_groups(attention_module(model, layers[0]).head_dim, params["tail_fraction"], params["min_groups"])
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers: duplicates in {layers}")
     device = next(model.parameters()).device
@@ -225,7 +226,8 @@ def analyze(
     info = dict(meta or {}, layers=layers, n_prompts=n_prompts, prompt_lengths=prompt_lengths, head_dim=d,
                 n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                              python=platform.python_version()))
+                              python=platform.python_version()),
+                base_model=weights_record(model))  # what the groups were computed from (`check_groups_model`)
     atomic_write_json(out / GROUPS_FILE, dict(format="oal.groups/1", **info, heads=heads_json))
 
     li_rep = layers.index(rep[0])
@@ -326,6 +328,19 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
                   f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
 
 
+def check_groups_model(path: str | Path, model, provenance=None) -> None:
+    """Refuse `model` unless it is the model groups.json was computed from (its tensors; with `provenance` from
+    `load_model` and a groups.json written by `oal analyze`, also the files of its folder)."""
+    from ..models.registry import check_base_model
+
+    path = Path(path)
+    path = path / GROUPS_FILE if path.is_dir() else path
+    data = load_json(path)
+    record = dict(data.get("base_model") or {}) if isinstance(data, dict) else {}
+    files = (data.get("provenance") or {}).get("sha256") if isinstance(data, dict) else None
+    check_base_model({**record, "hashes": files}, model, provenance, where=str(path))
+
+
 def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
     """Read groups.json (or a directory containing it) -> {layer: LongTensor [Hq, d]}."""
     path = Path(path)
@@ -333,10 +348,14 @@ def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
         path = path / GROUPS_FILE
     if not path.is_file():
         raise ValueError(f"path: no {GROUPS_FILE} at {path}")
-    data = json.loads(path.read_text())
-    if data.get("format") != "oal.groups/1":
-        raise ValueError(f"path: {path} is not an oal groups file (format={data.get('format')!r})")
-    return {
-        int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
-        for layer, rows in data["heads"].items()
-    }
+    data = load_json(path)
+    if not isinstance(data, dict) or data.get("format") != "oal.groups/1":
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"path: {path} is not an oal groups file (format={got!r})")
+    try:
+        return {
+            int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
+            for layer, rows in data["heads"].items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: damaged groups record ({type(exc).__name__}: {exc})") from None

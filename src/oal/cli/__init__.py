@@ -7,7 +7,8 @@ import importlib
 from .app import app
 
 # One module per command (or small family of commands); each adds its commands to `app` on import.
-_COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose")
+_COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose",
+                  "export")
 
 
 def load_commands():

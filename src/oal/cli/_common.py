@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -14,17 +13,46 @@ BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one re
 DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
-DeviceOpt = Annotated[str, typer.Option(help="torch device.")]
+
+
+def _device_callback(value: str | None) -> str:
+    from ..device import resolve_device
+
+    try:
+        return str(resolve_device(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("device: "), param_hint="--device") from None
+
+
+def _dtype_callback(value: str | None) -> str | None:
+    from ..device import DTYPES
+
+    if value is not None and value not in DTYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(DTYPES)}, got {value!r}", param_hint="--dtype")
+    return value
+
+
+# --device auto resolves to "cuda" when this torch sees a GPU, else "cpu"; a device this build lacks is a clean
+# usage error. --dtype is the base model's dtype; kernels, LoRA and calibration stay float32 (oal.device).
+DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
+                                        help="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:N'.")]
+DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
+                                       help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
+                                       "calibration stay float32).")]
+AdapterOpt = Annotated[bool | None, typer.Option(
+    "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
+    "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
 
 
-def load_model_or_fail(model: str, device: str):
-    """`load_model(model, device=device)`; a bad name, path or file becomes a clean --model error."""
+def load_model_or_fail(model: str, device: str, dtype: str | None = None):
+    """`load_model(model, device=device, dtype=dtype)`; a bad name, path or file becomes a clean --model error."""
+    from ..device import resolve_dtype
     from ..models.registry import load_model
 
     try:
-        return load_model(model, device=device)
+        return load_model(model, device=device, dtype=resolve_dtype(dtype or "float32"))
     except (ValueError, RuntimeError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
 
@@ -55,13 +83,17 @@ def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
             part = part.strip()
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise typer.BadParameter(f"range {part!r} is empty (expected A-B with A <= B)",
+                                             param_hint="--layers")
                 out.update(range(lo, hi + 1))
             else:
                 out.add(int(part))
     except ValueError:
         raise typer.BadParameter(f"expected 'all', 'A-B' or 'A,B,C', got {spec!r}", param_hint="--layers") from None
     if not out or min(out) < 0 or (n_layers is not None and max(out) >= n_layers):
-        raise typer.BadParameter(f"layers must lie in [0, {n_layers}), got {spec!r}", param_hint="--layers")
+        where = f"[0, {n_layers})" if n_layers is not None else "[0, number of layers)"
+        raise typer.BadParameter(f"layers must lie in {where}, got {spec!r}", param_hint="--layers")
     return sorted(out)
 
 
@@ -79,27 +111,15 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
         raise typer.BadParameter(str(exc), param_hint="--data") from None
 
 
-def base_model_name(out: Path, model: str | None) -> str:
-    """--model if given, else the base model recorded in DIR/kernels.json, else the embedded default."""
-    if model:
-        return model
-    meta = out / "kernels.json"
-    if meta.is_file():
-        name = json.loads(meta.read_text()).get("base_model", {}).get("name_or_path")
-        if name:
-            return name
-    return "default"
+def converted_or_fail(out: Path, model: str | None, method: str, device: str, adapter: bool | None = None,
+                      dtype: str | None = None):
+    """(model, tokenizer, info) of `oal.export.load_converted`: the run's base model (checked against the kernels'
+    record), `method`'s kernels and, by default, its adapter; `dtype` defaults to the run's."""
+    from ..device import resolve_dtype
+    from ..export import load_converted
 
-
-def converted_or_fail(out: Path, model: str | None, method: str, device: str):
-    from ..io import kernel_dir, load
-
-    name = base_model_name(kernel_dir(out, method), model)
-    mdl, tok, prov = load_model_or_fail(name, device)
-    try:
-        return load(kernel_dir(out, method), mdl), tok, name
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--out") from None
+    return load_converted(out, method, adapter, model=model, device=device,
+                          dtype=resolve_dtype(dtype) if dtype else None)
 
 
 def set_threads(threads: int | None) -> None:

@@ -11,6 +11,7 @@ from ._common import (
     DataDirOpt,
     DataOpt,
     DeviceOpt,
+    DtypeOpt,
     LayersOpt,
     ModelOpt,
     load_model_or_fail,
@@ -31,14 +32,17 @@ def analyze_cmd(
     tail_fraction: float = typer.Option(None, help="alpha, candidate tail fraction (default: preset)."),
     min_support: float = typer.Option(None, help="gamma, minimum bootstrap support (default: preset)."),
     min_ratio: float = typer.Option(None, help="tau, minimum gap ratio (default: preset)."),
-    min_groups: int = typer.Option(None, help="G_min, minimum groups per head (default: preset)."),
-    n_bootstrap: int = typer.Option(None, help="B, bootstrap replicates (default: preset)."),
-    seed: int = typer.Option(0, help="Seed of the bootstrap and the Gaussian controls."),
+    min_groups: int = typer.Option(None, min=1, help="G_min, minimum groups per head (default: preset)."),
+    n_bootstrap: int = typer.Option(None, min=1, help="B, bootstrap replicates (default: preset)."),
+    seed: int = typer.Option(0, min=0, help="Seed of the bootstrap and the Gaussian controls."),
     head: str = typer.Option(None, help="Representative head 'LAYER:HEAD' for single-head figures."),
-    heldout: int = typer.Option(40, help="Held-out prompts (validation split) for the stability check; 0 skips."),
-    long_len: int = typer.Option(None, help="Tokens of the sequence for the length-stability table (Table 4)."),
-    batch_size: int = typer.Option(8, help="Prompts per forward pass."),
-    device: DeviceOpt = "cpu",
+    heldout: int = typer.Option(40, min=0, help="Held-out prompts (validation split) for the stability check; "
+                                "0 skips."),
+    long_len: int = typer.Option(None, min=1, help="Tokens of the sequence for the length-stability table "
+                                 "(Table 4)."),
+    batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
@@ -47,13 +51,17 @@ def analyze_cmd(
     from ..config import grouping_preset
     from ..data import default_plan, load_corpus
     from ..models.registry import PRESETS, default_layers
+    from ..run_dir import refuse_run_dir
+    from ..runio import check_out_dir
 
     console = Console()
-    mdl, tok, provenance = load_model_or_fail(model, device)
+    check_out_dir(out)
+    refuse_run_dir(out, "analysis")
+    mdl, tok, provenance = load_model_or_fail(model, device, dtype)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers
-    layer_list = parse_layers(layers, n_layers) if layers else default_layers(mdl)
+    layer_list = parse_layers(layers, n_layers) if layers is not None else default_layers(mdl)
     rep = None
     if head:
         parts = head.split(":")
@@ -81,13 +89,9 @@ def analyze_cmd(
     meta = dict(model=model, provenance=provenance, preset=preset, data=inputs["meta"])
     console.print(f"[bold]oal analyze[/]: {provenance.get('architecture')} '{model}', layers {layer_list}, "
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
-    try:
-        summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
-                          long_sequence=inputs["long_sequence"], seed=seed,
-                          representative=rep, batch_size=batch_size, figures=figures, console=console, meta=meta,
-                          **kw)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
+                      long_sequence=inputs["long_sequence"], seed=seed, representative=rep, batch_size=batch_size,
+                      figures=figures, console=console, meta=meta, **kw)
     conc = summary["concentration"]["mean"]
     line = (f"top-5 share {100 * conc['real_top5']:.1f}% vs Gaussian {100 * conc['gaussian_top5']:.1f}% "
             f"(at real coords {100 * conc['gaussian_at_real_top5']:.1f}%)")

@@ -1,11 +1,56 @@
-"""The typer application shared by every command module, and the options every command has."""
+"""The typer application shared by every command module, and the options every command has.
+
+Errors: bad input anywhere below a command (a `ValueError`, such as the library's `InputError`, an `OSError`, a
+model that cannot be fetched, or a click usage error) is printed as one line, `Error: ...`, naming the argument or
+file, with exit code 2 and no traceback; `oal --debug COMMAND ...` shows the traceback instead.
+"""
 
 import logging
 
 import typer
+from typer.core import TyperGroup
+
+_STATE = {"debug": False}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _bad_input_message(exc: Exception) -> str | None:
+    """The one-line message of an error of bad input, or None for anything else (a bug: keep its traceback)."""
+    from ..errors import InputError
+    from ..models.registry import ModelUnavailableError
+
+    if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):  # typer's (vendored click) errors
+        return exc.format_message()
+    if isinstance(exc, InputError) and exc.param:
+        return f"Invalid value for '{exc.param}': {exc.message}"
+    if isinstance(exc, (ValueError, OSError, ModelUnavailableError)):
+        return str(exc)
+    return None
+
+
+class _Group(TyperGroup):
+    """Runs a command; turns the errors of bad input into one line and exit code 2 (unless --debug)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            message = None if _STATE["debug"] else _bad_input_message(exc)
+            if message is None:
+                raise
+            code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
+            typer.echo(f"Error: {_one_line(message)}", err=True)
+            raise typer.Exit(code) from None
+
 
 app = typer.Typer(
     name="oal",
+    cls=_Group,
     help="Outlier-Aware Attention Linearization: convert a causal LM's softmax attention into a positive "
     "grouped quadratic kernel that runs in linear time.",
     no_args_is_help=True,
@@ -41,8 +86,10 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug messages too."),
+    debug: bool = typer.Option(False, "--debug", help="On an error, show the full traceback (default: one line)."),
 ) -> None:
     """Outlier-Aware Attention Linearization (OAL)."""
+    _STATE["debug"] = debug
     if quiet and verbose:
         raise typer.BadParameter("choose one of --quiet and --verbose", param_hint="--quiet")
     setup_logging(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)

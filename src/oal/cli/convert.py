@@ -1,4 +1,4 @@
-"""`oal convert`: load calibrated kernels onto the base model, check a forward pass, optionally export."""
+"""`oal convert`: load a run's converted model (adapted when the run has an adapter), check it, optionally export."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..io import kernel_dir
-from ._common import BaseModelOpt, DeviceOpt, converted_or_fail
+from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
 from .app import app
+from .export import export_or_fail
 
 
 @app.command("convert")
@@ -18,24 +18,24 @@ def convert_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels (`oal calibrate`)."),
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to load (oal, global, ...)."),
-    export: Path = typer.Option(None, help="Also write a standalone folder: base model + tokenizer + kernels."),
-    device: DeviceOpt = "cpu",
+    adapter: AdapterOpt = None,
+    export: Path = typer.Option(None, help="Also write the converted model as one folder, as `oal export` does."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
 ) -> None:
-    """Load the kernels onto the base model, check a forward pass, print the converted layers."""
-    import shutil
-
+    """Load the converted model, check a forward pass, print the converted layers."""
     import torch
 
-    from ..io import KERNELS_FILE, META_FILE
     from ..models.convert import converted_methods
 
-    mdl, tok, name = converted_or_fail(out, model, method, device)
+    mdl, tok, info = converted_or_fail(out, model, method, device, adapter, dtype)
     ids = torch.randint(0, mdl.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = mdl(ids.to(device)).logits
     if not bool(torch.isfinite(logits).all()):
         raise typer.BadParameter("the converted model produced non-finite logits", param_hint="--out")
-    table = Table(title=f"{name}: converted layers ({method})")
+    table = Table(title=f"{info['base_model']}: converted layers ({method}, "
+                        f"{'adapted' if info['adapter'] else 'calibrated kernels'})")
     for col in ("layer", "method", "groups per head", "kernel params"):
         table.add_column(col, justify="right")
     for i, m in converted_methods(mdl).items():
@@ -44,12 +44,4 @@ def convert_cmd(
         table.add_row(str(i), m.name, g, str(sum(p.numel() for p in m.parameters())))
     Console().print(table)
     if export is not None:
-        from ..models.registry import load_model
-
-        base, base_tok, _ = load_model(name)
-        export.mkdir(parents=True, exist_ok=True)
-        base.save_pretrained(export)
-        base_tok.save_pretrained(export)
-        for f in (KERNELS_FILE, META_FILE):
-            shutil.copy2(kernel_dir(out, method) / f, export / f)
-        Console().print(f"exported to {export}: `oal.load('{export}', '{export}')` rebuilds the converted model")
+        export_or_fail(out, method, export, adapter=info["adapter"] is not None, model=model)

@@ -11,28 +11,32 @@ from rich.table import Table
 
 from ..ops import oal_attention
 from ..ops.kernel import perturbed_factor, taylor_factor
+from ._common import DeviceOpt, DtypeOpt
 from .app import app
 
 
 @app.command()
 def demo(
-    length: int = typer.Option(1024, help="Sequence length N."),
-    heads: int = typer.Option(4, help="Query heads Hq."),
-    kv_heads: int = typer.Option(2, help="Key/value heads Hkv."),
-    head_dim: int = typer.Option(64, help="Head dimension d (= dv)."),
-    n_groups: int = typer.Option(3, help="Groups G per head."),
-    seed: int = typer.Option(0, help="Random seed."),
+    length: int = typer.Option(1024, min=1, help="Sequence length N."),
+    heads: int = typer.Option(4, min=1, help="Query heads Hq."),
+    kv_heads: int = typer.Option(2, min=1, help="Key/value heads Hkv."),
+    head_dim: int = typer.Option(64, min=1, help="Head dimension d (= dv)."),
+    n_groups: int = typer.Option(3, min=1, help="Groups G per head."),
+    seed: int = typer.Option(0, min=0, help="Random seed."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Run every backend of the OAL operator on random inputs and compare it with the dense reference."""
     if heads % kv_heads:
         raise typer.BadParameter(f"must divide --heads={heads}", param_hint="--kv-heads")
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, heads, length, head_dim, generator=gen)
-    k = torch.randn(1, kv_heads, length, head_dim, generator=gen)
-    v = torch.randn(1, kv_heads, length, head_dim, generator=gen)
-    groups = torch.randint(0, n_groups, (heads, head_dim), generator=gen)
-    factor = perturbed_factor(taylor_factor(heads, n_groups), 0.1, generator=gen)
-    table = Table(title=f"OAL operator, N={length}, Hq={heads}, Hkv={kv_heads}, d={head_dim}, G={n_groups}")
+    # inputs in --dtype on --device (as a converted model's q/k/v); the factor stays float32 (oal.device)
+    q, k, v = (torch.randn(1, h, length, head_dim, generator=gen).to(device, getattr(torch, dtype))
+               for h in (heads, kv_heads, kv_heads))
+    groups = torch.randint(0, n_groups, (heads, head_dim), generator=gen).to(device)
+    factor = perturbed_factor(taylor_factor(heads, n_groups), 0.1, generator=gen).to(device)
+    table = Table(title=f"OAL operator, N={length}, Hq={heads}, Hkv={kv_heads}, d={head_dim}, G={n_groups}, "
+                  f"{dtype} on {device}")
     for col in ("backend", "time (ms)", "max |out - reference|"):
         table.add_column(col, justify="right")
     ref = None
@@ -41,7 +45,9 @@ def demo(
             continue
         t0 = time.perf_counter()
         out = oal_attention(q, k, v, groups, factor, backend=backend)
+        if q.is_cuda:
+            torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - t0)
         ref = out if ref is None else ref
-        table.add_row(backend, f"{ms:.1f}", f"{(out - ref).abs().max().item():.2e}")
+        table.add_row(backend, f"{ms:.1f}", f"{(out.float() - ref.float()).abs().max().item():.2e}")
     Console().print(table)

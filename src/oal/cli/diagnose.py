@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
+from ._common import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
 from .app import app
 
 
@@ -28,7 +28,8 @@ def diagnose_cmd(
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
     max_budget: int = typer.Option(16, help="Largest group budget G for Fig. 2(b)."),
     seed: int = typer.Option(0, help="Seed of query positions, controls, Gaussian draws and calibration."),
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
 ) -> None:
     """Write the paper's diagnostics for a model into a run directory (resumable per part)."""
     from ..calibrate import CalibConfig
@@ -37,9 +38,11 @@ def diagnose_cmd(
     from ..diagnostics.retained_error import RetainedErrorConfig
     from ..diagnostics.runner import PARTS, diagnose
     from ..models.registry import PRESETS, default_layers
+    from ..runio import check_out_dir
     from ._common import parse_layers
 
     console = Console()
+    check_out_dir(out)
     part_list = [p.strip() for p in parts.split(",") if p.strip()]
     if not part_list or set(part_list) - set(PARTS):
         raise typer.BadParameter(f"expected a comma list of {', '.join(PARTS)}, got {parts!r}", param_hint="--parts")
@@ -55,10 +58,10 @@ def diagnose_cmd(
         raise typer.BadParameter(f"expected >= 0, got {controls}", param_hint="--controls")
     if max_budget < 1:
         raise typer.BadParameter(f"expected >= 1, got {max_budget}", param_hint="--max-budget")
-    mdl, tok, _prov = load_model_or_fail(model, device)
+    mdl, tok, _prov = load_model_or_fail(model, device, dtype)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
-    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers else default_layers(mdl)
+    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else default_layers(mdl)
     budget_head = None
     if head:
         try:

@@ -1,17 +1,14 @@
-"""`oal evaluate`: frozen-attention fidelity (Table 2) of calibrated kernels into DIR/metrics.json."""
+"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models into DIR/metrics.json."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..io import kernel_dir
-from ..runio import atomic_write_json
-from ._common import BaseModelOpt, DataDirOpt, DeviceOpt, base_model_name, blocks_or_fail, load_model_or_fail
+from ._common import AdapterOpt, BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt
 from .app import app
 
 
@@ -19,38 +16,33 @@ from .app import app
 def evaluate_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
     model: BaseModelOpt = None,
-    data: str = typer.Option("builtin", help="Corpus of the held-out fidelity blocks."),
+    data: str = typer.Option(None, help="Corpus of the held-out fidelity blocks (default: the run's, or builtin)."),
     data_dir: DataDirOpt = None,
-    methods: str = typer.Option("oal,global", help="Comma-separated calibrated methods in DIR."),
-    preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
-    blocks_limit: int = typer.Option(None, "--blocks", help="Use only the first N fidelity blocks."),
-    device: DeviceOpt = "cpu",
+    methods: str = typer.Option(None, help="Comma-separated calibrated methods in DIR (default: the run's, or "
+                                "oal,global)."),
+    preset: str = typer.Option(None, help="Split-plan preset (default: the run's plan, or detected from the model)."),
+    blocks_limit: int = typer.Option(None, "--blocks", min=1, help="Use only the first N fidelity blocks."),
+    adapter: AdapterOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
 ) -> None:
-    """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json["fidelity"]."""
-    from ..evaluate.fidelity import fidelity
-    from ..io import load_kernels, model_fingerprint
+    """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
+    in an `oal run` directory).
 
-    wanted = [m.strip() for m in methods.split(",") if m.strip()]
-    name = base_model_name(kernel_dir(out, wanted[0]) if wanted else out, model)
-    mdl, tok, _ = load_model_or_fail(name, device)
-    sets = {}
-    for m in wanted:
-        try:
-            sets[m], _ = load_kernels(kernel_dir(out, m), fingerprint=model_fingerprint(mdl))
-        except ValueError as exc:
-            raise typer.BadParameter(f"{m}: {exc}", param_hint="--methods") from None
-    blocks, _, _ = blocks_or_fail(tok, mdl, data, data_dir, preset)
-    held_out = blocks["fidelity"][:blocks_limit] if blocks_limit else blocks["fidelity"]
-    res = fidelity(mdl, held_out.to(device), sets, progress=True)
-    metrics_path = out / "metrics.json"
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
-    metrics.setdefault("fidelity", {}).update(res)  # merge: other stages add their own keys
-    metrics.setdefault("model", name)
-    metrics.setdefault("converted_layers", sorted(next(iter(sets.values()))) if sets else [])
-    atomic_write_json(metrics_path, metrics)
-    table = Table(title=f"frozen-attention fidelity, {held_out.shape[0]} held-out blocks x {held_out.shape[1]}")
-    for col in ("method", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
+    Calibrated kernels on the base model go to metrics.json["fidelity"]; a method with the run's adapter is measured
+    as adapted (trained kernels against the softmax attention of the LoRA-merged weights) into ["fidelity_adapted"].
+    """
+    from ..evaluate.run_fidelity import evaluate_fidelity
+
+    wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
+    console = Console()
+    res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
+                            blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
+    table = Table(title="frozen-attention fidelity on the held-out blocks")
+    for col in ("method", "kernels", "blocks", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
         table.add_column(col, justify="right")
-    for m, r in res.items():
-        table.add_row(m, *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
-    Console().print(table)
+    for key, kind in (("fidelity", "calibrated"), ("fidelity_adapted", "adapted")):
+        for m, r in res[key].items():
+            table.add_row(m, kind, f"{r['n_blocks']} x {r['block_len']}",
+                          *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
+    console.print(table)

@@ -6,29 +6,45 @@ from pathlib import Path
 
 import typer
 
-from ._common import BaseModelOpt, DeviceOpt, converted_or_fail
+from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
 from .app import app
 
 
 @app.command("generate")
 def generate_cmd(
-    prompt: str = typer.Argument(..., help="Prompt text."),
+    prompt: str = typer.Argument(..., help="Prompt text (UTF-8)."),
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
-    device: DeviceOpt = "cpu",
+    max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
+    adapter: AdapterOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
 ) -> None:
-    """Greedy generation with the converted model (recurrent O(1) state in converted layers)."""
+    """Greedy generation with the converted model (recurrent O(1) state in converted layers), adapted when the run
+    has an adapter for the method.
+
+    The prompt plus --max-new-tokens must fit the model's maximum positions (max_position_embeddings): a longer
+    request is refused, not truncated, so the model never runs on positions it was not trained for.
+    """
     import torch
 
-    if max_new_tokens < 1:
-        raise typer.BadParameter("expected >= 1", param_hint="--max-new-tokens")
-    mdl, tok, _ = converted_or_fail(out, model, method, device)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise typer.BadParameter(f"not valid UTF-8 text ({exc.reason} at character {exc.start})",
+                                 param_hint="PROMPT") from None
+    mdl, tok, _ = converted_or_fail(out, model, method, device, adapter, dtype)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
-    if enc["input_ids"].shape[1] == 0:
+    n_prompt = enc["input_ids"].shape[1]
+    if n_prompt == 0:
         raise typer.BadParameter("the prompt encodes to no tokens", param_hint="PROMPT")
+    max_pos = getattr(mdl.config, "max_position_embeddings", None)
+    if max_pos is not None and n_prompt + max_new_tokens > max_pos:
+        raise typer.BadParameter(f"the prompt is {n_prompt} tokens; with --max-new-tokens {max_new_tokens} that "
+                                 f"exceeds the model's {max_pos} positions (max_position_embeddings): shorten the "
+                                 "prompt or lower --max-new-tokens", param_hint="PROMPT")
     with torch.no_grad():
         seq = mdl.generate(**{k: v.to(device) for k, v in enc.items()}, max_new_tokens=max_new_tokens,
                            do_sample=False, use_cache=True, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-    typer.echo(prompt + tok.decode(seq[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    typer.echo(prompt + tok.decode(seq[0, n_prompt:], skip_special_tokens=True))

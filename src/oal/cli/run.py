@@ -7,13 +7,14 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, parse_layers, set_threads
 from .app import app
 
 
 @app.command()
 def run(
-    out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one is resumed)."),
+    out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one of the same configuration "
+                             "is resumed, another configuration is refused)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
@@ -21,9 +22,12 @@ def run(
     preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
-    steps: int = typer.Option(None, help="Override the number of adaptation updates."),
-    val_every: int = typer.Option(None, help="Override the validation interval (updates)."),
-    device: DeviceOpt = "cpu",
+    steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
+    val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    force: bool = typer.Option(False, "--force", help="If OUT holds a run of another configuration (or layout), "
+                               "delete its results and start clean."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
@@ -32,13 +36,9 @@ def run(
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
-
-    try:
-        seed_list = parse_seeds(seeds)
-        adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
-        cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
-                                    layers=parse_layers(layers) if layers else None, seed=seed_list[0], device=device,
-                                    adapt=adapt)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress)
+    seed_list = parse_seeds(seeds)
+    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
+    cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
+                                layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
+                                device=device, dtype=dtype, adapt=adapt)
+    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)

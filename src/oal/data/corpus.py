@@ -117,9 +117,12 @@ def builtin_corpus() -> Corpus:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"name_or_path: {path} is not UTF-8 text ({exc})") from exc
+    if "\x00" in text:  # valid UTF-8 can still be a binary file
+        raise ValueError(f"name_or_path: {path} is binary (it holds NUL bytes), not text")
+    return text
 
 
 def local_corpus(path: str | Path) -> Corpus:

@@ -4,6 +4,7 @@ DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian contro
                                           DIR/figures/retained_error.png
 DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png
 DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
+                                          (not in an `oal run` directory: its metrics are its own kernels')
 DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
 
 A part whose JSON already holds the same settings is skipped, so a killed run resumes at the next part.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ..runio import atomic_write_json, atomic_write_text
+from ..runio import atomic_write_json, atomic_write_text, load_json
 from .budget import budget_curve, plot_budget
 from .fidelity_table import TABLE2_METHODS, calibrate_methods, capture_chi, capture_layer_data, capture_sequences
 from .fidelity_table import table2 as run_table2
@@ -31,6 +33,7 @@ from .tables import plot_table1, table1_markdown, table2_markdown
 
 __all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
 
+log = logging.getLogger("oal")
 TABLE1_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift")
 PARTS = ("table1", "budget", "table2")
 
@@ -41,8 +44,8 @@ def _key(obj) -> str:
 
 def _done(path: Path, key: str):
     if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("settings_key") == key:
+        data = load_json(path)
+        if isinstance(data, dict) and data.get("settings_key") == key:
             return data
     return None
 
@@ -55,11 +58,12 @@ def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], 
 
     path = run_dir / "groups.json"
     if path.is_file():
-        from ..analysis import load_groups
+        from ..analysis import check_groups_model, load_groups
 
-        data = json.loads(path.read_text())
+        data = load_json(path)
         groups = load_groups(path)
         if set(layers) <= set(groups):
+            check_groups_model(path, model)  # groups of another model would give another model's diagnostics
             chi = {int(li): torch.tensor([h["chi"] for h in sorted(rows, key=lambda h: h["head"])],
                                          dtype=torch.float64)
                    for li, rows in data["heads"].items() if int(li) in layers}
@@ -185,9 +189,16 @@ def diagnose(
 
 
 def _merge_metrics(path: Path, fidelity: dict) -> None:
-    """metrics.json["fidelity"][method] = {mse, relmse, mse_post_o, relmse_post_o}; other keys untouched."""
-    metrics = json.loads(path.read_text()) if path.is_file() else {}
-    metrics.setdefault("fidelity", {})
-    for name, r in fidelity.items():
-        metrics["fidelity"][name] = {k: r[k] for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")}
-    atomic_write_json(path, metrics)
+    """metrics.json["fidelity"][method] = {mse, relmse, mse_post_o, relmse_post_o}; other keys untouched.
+
+    Not in an `oal run` directory: its metrics describe its own kernels, and Table 2's are calibrated here."""
+    from ..metrics import update_metrics
+    from ..run_dir import is_run_dir
+
+    if is_run_dir(path.parent):
+        log.info("Table 2 kept in diagnostics/table2.json: %s is an `oal run` directory whose metrics.json "
+                 "describes its own kernels", path.parent)
+        return
+    update_metrics(path.parent, {"fidelity": {name: {k: r[k] for k in ("mse", "relmse", "mse_post_o",
+                                                                         "relmse_post_o")}
+                                              for name, r in fidelity.items()}}, {})

@@ -250,7 +250,9 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
         if not getattr(attn, _HOOKS_ATTR, None):
             setattr(attn, _HOOKS_ATTR, (attn.register_forward_pre_hook(_pre_hook, with_kwargs=True),
                                         attn.register_forward_hook(_post_hook, with_kwargs=True)))
-    return model
+    from .pretrained import make_saveable  # so that its save_pretrained writes the converted form
+
+    return make_saveable(model)
 
 
 def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:

@@ -1,0 +1,182 @@
+"""Layer-by-layer calibration with per-layer checkpoints: the one resume mechanism behind `oal run`'s calibrate
+stage and `oal calibrate`.
+
+Each finished layer is saved to `DIR/.oal/calibrate/layer-<i>/<method>/` in the kernel format of `oal.io` (so it
+carries the SHA256 of its tensors) together with the key of the calibration it belongs to. A rerun with the same
+key reuses the layers that verify and recomputes the others (a damaged checkpoint is reported, never trusted).
+The math is `oal.calibrate.calibrate_methods`; this module only orders, checkpoints and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .calibrate import NOT_CALIBRATED, CalibConfig, calibrate_methods
+from .io import kernel_dir, load_kernels, model_fingerprint, save_kernels
+from .runio import atomic_write_json
+
+__all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "OnePassCapture", "calibrate_layers", "write_calibration"]
+
+log = logging.getLogger("oal")
+CHECKPOINT_DIR = Path(".oal") / "calibrate"
+
+
+class LayerCheckpoints:
+    """Finished layers of one calibration (identified by `key`) under `run_dir/.oal/calibrate/`."""
+
+    def __init__(self, run_dir: str | Path, key: str):
+        self.root = Path(run_dir) / CHECKPOINT_DIR
+        self.key = key
+
+    def _dir(self, layer: int, method: str) -> Path:
+        return self.root / f"layer-{layer}" / method
+
+    def load(self, layer: int, methods: Sequence[str]) -> dict[str, tuple[object, dict]] | None:
+        """{method: (AttentionMethod, calibration summary)} of a finished layer, or None (absent, stale, damaged)."""
+        out = {}
+        for m in methods:
+            d = self._dir(layer, m)
+            if not (d / "kernels.json").is_file():
+                return None
+            try:
+                loaded, meta = load_kernels(d)
+            except ValueError as exc:
+                log.warning("calibration checkpoint of layer %d (%s) is damaged (%s); recalibrating it", layer, m, exc)
+                return None
+            extra = meta.get("extra") or {}
+            if extra.get("key") != self.key or layer not in loaded:
+                return None  # another calibration's checkpoint: recompute rather than mix
+            out[m] = (loaded[layer], extra["report"])
+        return out
+
+    def save(self, layer: int, done: Mapping[str, tuple[object, dict]]) -> None:
+        for m, (method, report) in done.items():
+            save_kernels({layer: method}, self._dir(layer, m), extra={"key": self.key, "report": report})
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Callable[[int], tuple], *,
+                     groups: Mapping[int, torch.Tensor], cfg: CalibConfig, seed: int,
+                     checkpoints: LayerCheckpoints | None = None, progress: bool = True,
+                     console: Console | None = None) -> tuple[dict[str, dict[int, object]], dict[str, dict]]:
+    """Calibrate `methods` on every layer of `layers`, resuming from `checkpoints`.
+
+    `capture(layer)` returns the frozen (train, val) `LayerData` of a layer; it is called only for layers that are
+    not checkpointed. Returns ({method: {layer: AttentionMethod}}, {method: {str(layer): summary}}).
+    """
+    console = console or Console()
+    per_method: dict[str, dict[int, object]] = {m: {} for m in methods}
+    report: dict[str, dict] = {m: {} for m in methods}
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        task = bar.add_task(f"calibrate {', '.join(methods)}", total=len(layers))
+        for layer in layers:
+            done = checkpoints.load(layer, methods) if checkpoints is not None else None
+            if done is None:
+                bar.update(task, description=f"calibrate layer {layer}: {', '.join(methods)}")
+                train, val = capture(layer)
+                fitted = calibrate_methods(methods, train, val, layer=layer, groups=groups.get(layer), cfg=cfg,
+                                           seed=seed)
+                done = {m: (method, res.summary() if res is not None else NOT_CALIBRATED)
+                        for m, (method, res) in fitted.items()}
+                del train, val
+                if checkpoints is not None:
+                    checkpoints.save(layer, done)
+            else:
+                log.info("layer %d: calibrated earlier (checkpoint verified), reusing", layer)
+            for m, (method, summary) in done.items():
+                per_method[m][layer] = method
+                report[m][str(layer)] = summary
+            bar.advance(task)
+    return per_method, report
+
+
+class OnePassCapture:
+    """`capture(layer)` for `calibrate_layers`: on first use, one forward per calibration block captures every layer
+    of `layers` into a `CaptureStore` under `root` (reused after a kill when `key` matches; see
+    `oal.models.capture_store` for the memory bound); each call then reads one layer's (train, val) back."""
+
+    ROLES = ("calib_train", "calib_val")
+
+    def __init__(self, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int], root: str | Path, key: str,
+                 *, progress: bool = True):
+        self.model, self.blocks, self.layers = model, blocks, list(layers)
+        self.root, self.key, self.progress = Path(root), key, progress
+        self.store = None
+        self.seconds = 0.0
+
+    def __call__(self, layer: int):
+        from .calibrate import LayerData
+        from .models.capture_store import capture_to_disk
+
+        if self.store is None:
+            t0 = time.perf_counter()
+            with Progress(disable=not self.progress, transient=True) as bar:
+                task = bar.add_task("capture", total=sum(self.blocks[r].shape[0] for r in self.ROLES))
+                self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,
+                                             self.root, key=self.key, on_batch=lambda _role, n: bar.advance(task, n))
+            self.seconds = time.perf_counter() - t0
+        device = next(self.model.parameters()).device
+        return tuple(LayerData(**self.store.load(r, layer, device)) for r in self.ROLES)
+
+    def stats(self) -> dict | None:
+        """What calibration.json records of the capture (None when every layer came from a checkpoint)."""
+        if self.store is None:
+            return None
+        return {"seconds": round(self.seconds, 3), "layers": len(self.layers), "bytes": self.store.nbytes(),
+                "blocks": {r: len(self.store.files(r, self.layers[0])) for r in self.ROLES}}
+
+    def remove(self) -> None:
+        if self.store is not None:
+            self.store.remove()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,
+                      cfg: CalibConfig, *, model, base_model: str, provenance: Mapping,
+                      extra: Mapping | None = None, capture: Mapping | None = None) -> None:
+    """Each method's kernels (`oal.io.save_kernels`, bound to the base `model`: its architecture fingerprint and, by
+    `provenance`, the SHA256 of its tensors and files) and calibration.json."""
+    out_dir = Path(out_dir)
+    fingerprint = model_fingerprint(model)
+    for m, methods in per_method.items():
+        save_kernels(dict(methods), kernel_dir(out_dir, m), base_model=base_model, provenance=provenance,
+                     fingerprint=fingerprint, extra={"method": m, **(extra or {})})
+    layers = sorted({i for methods in per_method.values() for i in methods})
+    record = {"config": cfg.to_dict(), "model": base_model, "layers": layers, "methods": dict(report)}
+    if capture is not None:
+        record["capture"] = dict(capture)
+    atomic_write_json(out_dir / "calibration.json", record)
+
+
+def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
+                        methods: Sequence[str], *, groups: Mapping[int, torch.Tensor], cfg: CalibConfig, seed: int,
+                        base_model: str, provenance: Mapping, extra: Mapping | None = None, progress: bool = True,
+                        console: Console | None = None) -> dict[str, dict]:
+    """`oal calibrate`: calibrate `methods` on `layers` of `model` from the plan's calibration blocks into `out_dir`
+    (kernels + calibration.json), resuming from per-layer checkpoints of the same inputs. Returns the report."""
+    from .runio import config_hash, tensor_hash
+
+    key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
+                       "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
+                       "blocks": {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val")},
+                       "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups}})
+
+    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
+    checkpoints = LayerCheckpoints(out_dir, key)
+    per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
+                                          checkpoints=checkpoints, progress=progress, console=console)
+    write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model, provenance=provenance,
+                      extra=extra, capture=capture.stats())
+    capture.remove()
+    return report

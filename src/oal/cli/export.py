@@ -1,0 +1,45 @@
+"""`oal export`: a run's converted model, with its adapter, as one folder that transformers and oal.load reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ._common import BaseModelOpt
+from .app import app
+
+
+def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
+    """`oal.export.export`; bad input becomes a clean error on the option it concerns."""
+    from ..export import export
+
+    try:
+        path = export(out, method, to, **kwargs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--to" if str(exc).startswith("to:") else "--out") from None
+    typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "
+               f"AutoModelForCausalLM.from_pretrained('{path}') after `import oal`")
+    return path
+
+
+@app.command("export")
+def export_cmd(
+    out: Path = typer.Option(..., "--out", help="Run directory (`oal run`)."),
+    method: str = typer.Option("oal", help="Which converted model: oal, global, performer, ..."),
+    to: Path = typer.Option(..., "--to", help="Folder to write (created; an earlier export there is replaced)."),
+    adapter: bool = typer.Option(True, "--adapter/--no-adapter", help="Include the run's LoRA adapter and trained "
+                                 "kernels (--no-adapter: the calibrated kernels alone)."),
+    merge: bool = typer.Option(True, "--merge/--no-merge", help="Merge LoRA into the base weights (--no-merge: keep "
+                               "it as a peft adapter in the folder; transformers attaches it on load)."),
+    model: BaseModelOpt = None,
+    dtype: str = typer.Option(None, help="dtype of the written base weights: float32, float16 or bfloat16 "
+                              "(default: the run's). Kernels keep their own (float32)."),
+) -> None:
+    """Write the converted model (base weights, conversion, kernels, adapter, tokenizer, SHA256 manifest)."""
+    import torch
+
+    if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
+        raise typer.BadParameter(f"expected float32, float16 or bfloat16, got {dtype!r}", param_hint="--dtype")
+    export_or_fail(out, method, to, adapter=adapter, merge=merge, model=model,
+                   dtype=getattr(torch, dtype) if dtype else None)

@@ -1,0 +1,86 @@
+"""Device and dtype choice for every command that runs a model (design.md "Scale and devices").
+
+`resolve_device("auto")` is CUDA when this torch build sees a GPU, else the CPU; an explicit device that this
+torch build lacks (`cuda` on a CPU-only wheel, `cuda:3` on a one-GPU machine, `mps` off Apple) is a one-line
+ValueError, never a traceback from deep inside a model load.
+
+Mixed precision (how `--dtype` is applied): the base model's weights and activations are in `--dtype`; everything
+the method owns stays in float32, by explicit casts rather than autocast:
+- kernel parameters (OAL factors, baselines' parameters) are built in float32 and `convert` moves them to the
+  model's device without changing their dtype; the operator (`oal.ops.oal_attention`) casts q/k/v to float32 on
+  entry, accumulates its prefix states in float32 and casts the output back to the model's dtype;
+- calibration captures q/k/v/outputs in the model's dtype and `oal.calibrate` upcasts them to float32 before
+  fitting (`CalibConfig.dtype`);
+- LoRA adapters are float32: peft's `autocast_adapter_dtype` (on by default) keeps adapter weights in float32 on a
+  bfloat16/float16 base and casts their input to float32;
+- losses and perplexities are computed from float32 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPES", "checkpoint_layers", "enable_layer_checkpointing", "resolve_device", "resolve_dtype"]
+
+# --dtype choices for the base model (float64 is accepted by the library for exactness tests)
+DTYPES = ("float32", "bfloat16", "float16")
+_LIBRARY_DTYPES = (*DTYPES, "float64")
+
+
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps' -> a torch.device this build can use."""
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    spec = "auto" if spec is None else str(spec).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {spec!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU"
+            raise ValueError(f"device: {spec!r} requested but this torch ({torch.__version__}) is {build}; "
+                             "use --device cpu or auto")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device: {spec!r} requested but only {n} CUDA device(s) are visible")
+        return dev
+    if dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"device: {spec!r} requested but MPS is not available in this torch build/machine")
+        return dev
+    raise ValueError(f"device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {spec!r}")
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (| 'float64', library only) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        name = str(name).replace("torch.", "")
+    if name not in _LIBRARY_DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+# Training blocks at least this long recompute each decoder layer in the backward pass (activation checkpointing)
+# on the CPU, where memory is the limit: at N=4096 the stored activations of a 24-layer model are several GB.
+CHECKPOINT_MIN_TOKENS = 2048
+
+
+def checkpoint_layers(device: torch.device | str, block_len: int) -> bool:
+    """Whether adaptation should checkpoint the decoder layers: long blocks on a CPU (not CUDA, whose memory the
+    paper's presets fit without it, and where recomputation would cost a third more time)."""
+    return torch.device(device).type == "cpu" and block_len >= CHECKPOINT_MIN_TOKENS
+
+
+def enable_layer_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass (transformers' activation checkpointing, non-reentrant,
+    so frozen inputs need no grad and dropout masks are replayed exactly)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:  # transformers before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
