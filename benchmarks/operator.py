@@ -131,13 +131,14 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
                   "load_after": os.getloadavg()[0]}
 
 
-def oal_flops(n: int) -> float:
+def oal_flops(n: int, dtype: str = "float32") -> float:
     """Useful floating-point operations of the chunked path: readout, state update, intra-chunk GEMMs."""
-    from oal.ops.chunked import CHUNK
+    from oal.ops.chunked import default_chunk
 
     d, hq, hkv, g = SHAPE["d"], SHAPE["hq"], SHAPE["hkv"], SHAPE["g"]
     feat, dv1 = 1 + d + d * (d + 1) // 2, d + 1
-    return 2.0 * n * (hq * feat * dv1 + hkv * feat * dv1 + hq * CHUNK * ((g + 1) * d + dv1))
+    chunk = default_chunk(getattr(torch, dtype))  # the intra-chunk work grows with the chunk
+    return 2.0 * n * (hq * feat * dv1 + hkv * feat * dv1 + hq * chunk * ((g + 1) * d + dv1))
 
 
 def _child(args: list[str]) -> dict:
@@ -199,7 +200,7 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
     for col in ("dtype", "chunk", "chunks/block", "time (s)", "% of GEMM", "peak MiB", "load"):
         table.add_column(col, justify="right")
     for r in rows:
-        share = 100 * oal_flops(n) / r["time_s"] / 1e9 / r["gemm_gflops"]
+        share = 100 * oal_flops(n, r["dtype"]) / r["time_s"] / 1e9 / r["gemm_gflops"]
         table.add_row(r["dtype"], str(r["chunk"]), str(r["block_chunks"]), f"{r['time_s']:.3f}", f"{share:.0f}%",
                       f"{r['peak_mib']:.0f}", f"{r['load_before']:.1f}")
     Console(width=160).print(table)
@@ -232,9 +233,9 @@ def main() -> None:
         import oal.ops.chunked as chunked
 
         if args.chunk:
-            chunked.CHUNK = args.chunk
+            chunked.CHUNK = chunked.CHUNK_BF16 = args.chunk
         if args.block_chunks:
-            chunked.BLOCK_CHUNKS = args.block_chunks
+            chunked.BLOCK = chunked.default_chunk(getattr(torch, args.dtype)) * args.block_chunks
         row = _measure(args.child[0], int(args.child[1]), args.repeats, args.device, getattr(torch, args.dtype))
         print(json.dumps(row))
         return
@@ -268,7 +269,7 @@ def main() -> None:
         for n in lengths:
             s = next(r for r in rows if r["method"] == "sdpa" and r["n"] == n and r["dtype"] == dt)
             o = next(r for r in rows if r["method"] == "oal" and r["n"] == n and r["dtype"] == dt)
-            gfs = oal_flops(n) / o["time_s"] / 1e9
+            gfs = oal_flops(n, dt) / o["time_s"] / 1e9
             total = o["phases"]["total"]
             share = {p: o["phases"][p] / total for p in (*PHASES, "other")}
             summary.append({"n": n, "dtype": dt, "ratio_sdpa_over_oal": s["time_s"] / o["time_s"], "oal_gflops": gfs,

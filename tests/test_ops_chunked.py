@@ -37,7 +37,7 @@ def test_feature_major_features_equal_token_major():
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_and_chunk_sizes_match_reference(monkeypatch, chunk, blocks, causal):
     """Any chunk size and chunks per block, a partial last block, an initial state: outputs, states, gradients."""
-    monkeypatch.setattr(chunked, "BLOCK_CHUNKS", blocks)
+    monkeypatch.setattr(chunked, "BLOCK", chunk * blocks)
     monkeypatch.setattr(chunked, "NAN_SCRATCH", True)
     init = oal_attention(*make(n=37, seed=1), output_final_state=True)[1]
     q, k, v, groups, factor = make(n=261, requires_grad=True)
@@ -82,7 +82,7 @@ def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
 
 def test_non_causal_builds_features_a_block_at_a_time(monkeypatch):
     """Issue 17: the non-causal path never builds the key features of the whole sequence at once."""
-    monkeypatch.setattr(chunked, "BLOCK_CHUNKS", 2)
+    monkeypatch.setattr(chunked, "BLOCK", 64)
     widths = []
     real = chunked.features
 

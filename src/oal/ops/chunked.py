@@ -40,11 +40,15 @@ NAN_SCRATCH = False
 # Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
 # d(d+1)/2-wide query features, and still O(N) memory per query row.
 DENSE_MAX = 256
-# Tokens per chunk and chunks per block, chosen with `benchmarks.operator --sweep 8192` (1 thread, CPU clock):
-# 64 x 8 was best for bf16 (0.49 s; 32 x 16: 0.52 s) and within 7% of the best for fp32 (32 x 16: 0.78 s,
-# 64 x 8: 0.84 s), with half the workspace of 64 x 16; chunks of 128 were 15-25% slower in both.
-CHUNK = 64
-BLOCK_CHUNKS = 8
+# Tokens per chunk (fp32/fp64, bf16) and per block, chosen by measurement (1 thread, CPU clock): at N=16384, fp32
+# chunks of 32 were 3.6% faster than 64 (intra-chunk work halves, prefix states double; 3 interleaved runs); in
+# bf16, 64 beat 32 by 7% at N=8192 (`benchmarks.operator --sweep 8192`), and chunks of 128 were 15-25% slower in
+# both. Blocks of 512 tokens: larger ones were no faster and need a larger workspace.
+CHUNK, CHUNK_BF16, BLOCK = 32, 64, 512
+
+
+def default_chunk(dtype: torch.dtype) -> int:
+    return CHUNK_BF16 if dtype == torch.bfloat16 else CHUNK
 
 
 _WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
@@ -258,8 +262,8 @@ def chunked_attention(
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_q // n_kv
-    chunk = min(chunk_size or CHUNK, max(n, 1))  # a short call (decoding) is one chunk of its own length
-    block = chunk * (block_chunks or BLOCK_CHUNKS)
+    chunk = min(chunk_size or default_chunk(dtype), max(n, 1))  # a short call (decoding) is one chunk
+    block = chunk * (block_chunks or max(BLOCK // chunk, 1))
     u = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w = query_coefficients(*coeffs, scale).view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
