@@ -91,12 +91,44 @@ def test_left_padding_matches_unpadded_rows():
     torch.testing.assert_close(sc[1], sc_b[0], rtol=1e-4, atol=1e-5)
 
 
-def test_right_padding_is_a_clear_error():
+@pytest.mark.parametrize("method", ["oal", "performer"])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_right_padding_matches_unpadded_rows(method, use_cache):
+    """Right padding (what scorers use): real positions equal each row run alone, padded positions are zero in the
+    converted layer, with or without a cache (a cache's state covers the real tokens only)."""
+    model = _model(layers=(0, 1), method=method).double()
+    lengths = (11, 5, 8)
+    rows = [_ids(1, n, seed=s) for s, n in enumerate(lengths)]
+    batch = torch.cat([torch.nn.functional.pad(r, (0, 11 - r.shape[1])) for r in rows])
+    mask = (torch.arange(11)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        got = model(batch, attention_mask=mask, use_cache=use_cache).logits
+        for b, r in enumerate(rows):
+            torch.testing.assert_close(got[b, : r.shape[1]], model(r, use_cache=use_cache).logits[0],
+                                       rtol=1e-9, atol=1e-9)
+
+
+def test_padded_queries_get_zero_output():
+    model = _model(layers=(1,))
+    seen = {}
+    attn = model.model.layers[1].self_attn
+    attn.register_forward_hook(lambda mod, args, out: seen.setdefault("out", out[0]))
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=False)
+    o_bias = attn.o_proj.bias if attn.o_proj.bias is not None else 0.0
+    torch.testing.assert_close(seen["out"][1, 4:], torch.zeros_like(seen["out"][1, 4:]) + o_bias)
+    assert seen["out"][1, :4].abs().sum() > 0
+
+
+def test_inner_padding_is_a_clear_error():
     model = _model()
     ids = _ids(2, 8)
     mask = torch.ones_like(ids)
-    mask[1, -2:] = 0
-    with pytest.raises(ValueError, match="left padding"), torch.no_grad():
+    mask[1, 3] = 0
+    with pytest.raises(ValueError, match="left or right padding"), torch.no_grad():
         model(ids, attention_mask=mask)
 
 

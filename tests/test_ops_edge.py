@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -75,8 +77,18 @@ def test_bad_chunk_size_is_refused(chunk_size):
         oal_attention(q, k, v, groups, factor, backend="chunked", chunk_size=chunk_size)
 
 
+def _triton_runs_here() -> bool:
+    import oal.ops.triton as oal_triton
+
+    return oal_triton.available() and (torch.cuda.is_available() or oal_triton.interpreted())
+
+
+# triton (under the interpreter on CPU, see conftest.py) gets the same rescaling before its kernels
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(not _triton_runs_here(), reason="triton cannot run here"))
+
+
 @pytest.mark.parametrize("q_scale,k_scale", [(1e10, 1.0), (1.0, 1e10), (1e10, 1e10), (1e15, 1e3)])
-@pytest.mark.parametrize("backend", ["reference", "recurrent", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "recurrent", "chunked", TRITON])
 def test_huge_scores_are_rescaled_exactly(q_scale, k_scale, backend):
     """q/k scaled by 1e10 overflowed float32 (all-NaN output); the exact rescaling of Eq. 7 keeps them finite."""
     q, k, v, groups, factor = make(n=40)
@@ -109,3 +121,23 @@ def test_tensors_on_another_device_are_refused(name):
     kw[name] = kw[name].to("meta")
     with pytest.raises(ValueError, match=rf"^{name}: expected a tensor on q's device cpu, got meta"):
         oal_attention(kw["q"], kw["k"], kw["v"], kw["groups"], kw["factor"], initial_state=kw["initial_state"])
+
+
+def test_auto_picks_triton_only_for_causal_cuda_inputs(monkeypatch):
+    """`auto`: the Triton kernels for causal CUDA tensors when triton is installed; chunked on CPU."""
+    import oal.ops as ops
+    import oal.ops.triton as oal_triton
+
+    # a stand-in for a CUDA tensor (only its device, shape and dtype are read), so the choice is tested without a GPU
+    cuda = SimpleNamespace(device=torch.device("cuda"), shape=(1, 2, 9, 16), dtype=torch.float32)
+    monkeypatch.setattr(oal_triton, "available", lambda: True)
+    assert ops._auto_triton(cuda, cuda, True)
+    assert not ops._auto_triton(cuda, cuda, False)  # the kernels are causal
+    assert not ops._auto_triton(SimpleNamespace(**{**vars(cuda), "dtype": F64}), cuda, True)  # fp64: torch paths
+    q, k, v, groups, factor = make()
+    assert not ops._auto_triton(q, v, True)  # CPU tensors
+    calls = []
+    chunked = ops.chunked_attention
+    monkeypatch.setattr(ops, "chunked_attention", lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
+    oal_attention(q, k, v, groups, factor)
+    assert calls == [1]

@@ -46,6 +46,7 @@ def _plan():
 
 
 def _cfg(assets, adapt=None, **kw):
+    kw.setdefault("zeroshot_tasks", [])  # zero-shot has its own tests (test_zeroshot_pipeline.py); no hub access here
     return RunConfig(model=str(assets / "model"), data=str(assets / "corpus.txt"), plan=_plan(),
                      grouping={"n_bootstrap": 50}, calib={"max_steps": 10, "val_every": 5, "patience": 10},
                      adapt=adapt or {"steps": 4, "val_every": 2, "ckpt_every": 1}, **kw)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .adapt import AdaptConfig
+from .data.zeroshot import parse_task_files, parse_tasks
 from .device import resolve_dtype
-from .runio import from_known_keys
+from .runio import from_known_keys, parse_names
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
            "parse_seeds"]
@@ -28,6 +30,9 @@ PRESETS: dict[str, dict] = {
         "data": "builtin",
         "calib": {"max_steps": 400, "val_every": 50, "patience": 150},
         "adapt": {"steps": 256, "val_every": 64, "ckpt_every": 32},
+        # where the hub is reachable: the first 100 examples per zero-shot task keep the budget (reported as a
+        # quick run); the embedded byte-level model is near chance on the full sets anyway
+        "zeroshot_limit": 100,
     },
     "qwen2.5-0.5b": {
         "model": "Qwen/Qwen2.5-0.5B",
@@ -57,18 +62,9 @@ def grouping_preset(preset: str) -> dict:
 
 def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
-    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
-    items = [s for s in items if s]
-    if not items:
+    out = parse_names(spec, ALL_METHODS, "methods")
+    if not out:
         raise ValueError("methods: expected a comma-separated list of method names or 'all', got nothing")
-    out: list[str] = []
-    for item in items:
-        for name in (ALL_METHODS if item == "all" else (item,)):
-            if name not in ALL_METHODS:
-                raise ValueError(f"methods: unknown method {name!r}; expected some of {', '.join(ALL_METHODS)} "
-                                 "or 'all'")
-            if name not in out:
-                out.append(name)
     return out
 
 
@@ -101,6 +97,10 @@ class RunConfig:
     plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
     adapt_overrides: dict = field(default_factory=dict)  # method -> adapt settings of that arm only (`oal adapt`)
+    zeroshot_tasks: list[str] | None = None  # PIQA / HellaSwag / ARC-E (App. F.3); None: all three, []: none
+    zeroshot_limit: int | None = None  # first N examples of each task (a quick run, reported as such)
+    zeroshot_dir: str | None = None  # local folder of the pinned zero-shot files (with manifest)
+    zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -114,6 +114,12 @@ class RunConfig:
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
         for method in self.adapt_overrides:
             self.adapt_config(method)
+        self.zeroshot_tasks = parse_tasks(self.zeroshot_tasks)
+        self.zeroshot_files = parse_task_files(self.zeroshot_files)
+        if self.zeroshot_limit is not None and self.zeroshot_limit < 1:
+            raise ValueError(f"zeroshot_limit: expected a positive number of examples, got {self.zeroshot_limit}")
+        if self.zeroshot_dir is not None and not Path(self.zeroshot_dir).is_dir():
+            raise ValueError(f"zeroshot_dir: no such folder: {self.zeroshot_dir}")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
@@ -122,7 +128,7 @@ class RunConfig:
             raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
         p = copy.deepcopy(PRESETS[preset])
         base = {"preset": preset, "model": p["model"], "data": p["data"], "grouping": grouping_preset(preset),
-                "calib": p["calib"], "adapt": p["adapt"]}
+                "calib": p["calib"], "adapt": p["adapt"], "zeroshot_limit": p.get("zeroshot_limit")}
         for key in ("grouping", "calib", "adapt"):
             base[key] = {**base[key], **(overrides.pop(key, None) or {})}
         base.update({k: v for k, v in overrides.items() if v is not None})

@@ -125,6 +125,34 @@ def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | Non
     return mdl, tokenizer, info
 
 
+def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, model: str | None = None,
+             dtype: torch.dtype | None = None, device: str = "cpu"):
+    """One arm of a run as `load_converted` returns it; for the softmax reference arm (no kernels), the run's base
+    model, checked against the record in its config.json, with the run's adapter for it (LoRA merged)."""
+    if method != "softmax":
+        return load_converted(run_dir, method, adapter, model=model, dtype=dtype, device=device)
+    from .adapt import load_adapter
+    from .models.registry import check_base_model, load_model
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    record = read_json_object(config_path, "the configuration of an `oal run` run directory").get("model")
+    if not isinstance(record, dict) or not record.get("state_dict_sha256"):
+        raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
+    name = model or record.get("model") or "default"
+    mdl, tokenizer, provenance = load_model(name, dtype=dtype or _run_dtype(run_dir), device=device)
+    check_base_model({"name_or_path": record.get("model"), "state_dict_sha256": record["state_dict_sha256"],
+                      "dtype": record.get("dtype"), "hashes": record.get("sha256")}, mdl, provenance,
+                     where=str(config_path))
+    adir = _adapter_or_none(run_dir, method, adapter)
+    if adir is not None:
+        mdl = load_adapter(mdl, adir).merge_and_unload()
+    log.info("%s: using softmax %s", run_dir, f"with its LoRA adapter from {adir}" if adir else "(no adapter)")
+    info = {"method": method, "base_model": name, "kernels": None, "adapter": str(adir) if adir else None,
+            "merged": adir is not None}
+    return mdl.eval(), tokenizer, info
+
+
 def _writable_target(to: Path) -> None:
     """Refuse to replace a folder that is not an export: `atomic_dir` swaps the whole folder."""
     from .models.pretrained import MANIFEST

@@ -1,6 +1,6 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> report
+    setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> zeroshot:<method> -> report
 
 Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
 of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
@@ -15,7 +15,7 @@ numbers were computed from.
 
 Stages call the public functions of the other modules: `oal.models.registry.load_model`, `oal.data`,
 `oal.analysis.analyze`, `oal.calibrate`, `oal.models.convert`, `oal.io.save_kernels/load_kernels`,
-`oal.evaluate.fidelity`, `oal.adapt`, `oal.evaluate.perplexity`, `oal.report`.
+`oal.evaluate.fidelity`, `oal.adapt`, `oal.evaluate.perplexity`, `oal.evaluate.zeroshot`, `oal.report`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ from .calibrate import CalibConfig
 from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from .config import RunConfig
 from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .data.zeroshot import DISPLAY_NAMES
 from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
 from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
+from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
 from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from .models.convert import convert
 from .models.registry import default_layers, load_model
@@ -59,7 +61,7 @@ from .runio import (
 
 __all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_seed", "STAGES"]
 
-STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "report")
+STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "zeroshot", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
 NEEDS_GROUPS = ("oal",)
@@ -93,6 +95,8 @@ class Run:
         self.ran: list[str] = []
         self.skipped: list[str] = []
         self._base = None
+        self._zeroshot = None
+        self.zeroshot_skipped: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------------ loading
 
@@ -294,6 +298,35 @@ class Run:
 
         return self.stage(name, deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
+    def zeroshot_sets(self) -> dict:
+        """The selected zero-shot tasks' examples (loaded once). A task whose data is unavailable is skipped with
+        one line saying how to provide it; a bad folder or file raises ValueError here, before any training."""
+        if self._zeroshot is None:
+            self._zeroshot, self.zeroshot_skipped = load_tasks(
+                self.cfg.zeroshot_tasks, data_dir=self.cfg.zeroshot_dir, task_files=self.cfg.zeroshot_files,
+                limit=self.cfg.zeroshot_limit)
+            for reason in self.zeroshot_skipped.values():
+                self.console.print(f"[yellow]skip zero-shot {reason}[/yellow]")
+        return self._zeroshot
+
+    def zeroshot(self, method: str, run: bool = True) -> bool:
+        """PIQA / HellaSwag / ARC-E (App. F.3) on the selected (adapted) checkpoint of `method`."""
+        sets = self.zeroshot_sets()
+        if not sets:
+            return True
+        data = {t: {k: v for k, v in prov.items() if k != "path"} for t, (_, prov) in sets.items()}
+        deps = {"setup": self.keys["setup"], "method": method, "data": data}
+        inputs = self.kernel_files(method) + [f"adapter/{method}"]
+        path = self.dir / ".oal" / f"zeroshot_{method}.json"
+
+        def fn():
+            model = load_adapter(self.model_for(method), self.dir / "adapter" / method)
+            res = evaluate_tasks(model, self.tokenizer, sets, progress=self.progress,
+                                 description=f"zeroshot:{method}")
+            atomic_write_json(path, {"tasks": res, "data": {t: prov for t, (_, prov) in sets.items()}})
+
+        return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
+
     # ------------------------------------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
@@ -319,6 +352,12 @@ class Run:
                 res = load_json(self.dir / "adapter" / m / "adapt.json")
                 out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
                                                         "n_kernel_params", "kernel_change")}
+        for m in self.cfg.methods:
+            if valid(f"zeroshot:{m}"):
+                res = load_json(self.dir / ".oal" / f"zeroshot_{m}.json")
+                merge_metrics(out, m, res["tasks"], res["data"], {})
+        if self.zeroshot_skipped:
+            out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
         out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
         out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
         out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
@@ -349,6 +388,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
             allow_changes=allow_changes)
     try:
         r.setup()
+        r.zeroshot_sets()  # fail on a bad data folder now, not after training
         r.analyze()
         r.calibrate()
         r.fidelity()
@@ -357,6 +397,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
             r.perplexity(m, adapted=False, run=active)
             if r.adapt(m, run=active):
                 r.perplexity(m, adapted=True, run=active)
+                r.zeroshot(m, run=active)
     except _Stop:
         return {}
     metrics = r.metrics()
@@ -436,6 +477,17 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             out["fidelity"][m]["per_layer"] = {
                 layer: {k: statistics.fmean(per_seed[s]["fidelity"][m]["per_layer"][layer][k] for s in seeds)
                         for k in row} for layer, row in layers.items()}
+    for m, tasks in first.get("zeroshot", {}).items():
+        for t, row in tasks.items():
+            per = [per_seed[s].get("zeroshot", {}).get(m, {}).get(t) for s in seeds]
+            if all(per):
+                mean_std = {k: _mean_std([p[k] for p in per]) for k in row if k != "n"}
+                out.setdefault("zeroshot", {}).setdefault(m, {})[t] = {k: v[0] for k, v in mean_std.items()} | {
+                    "n": row["n"]}
+                out.setdefault("zeroshot_std", {}).setdefault(m, {})[t] = {k: v[1] for k, v in mean_std.items()}
+    for key in ("zeroshot_data", "zeroshot_skipped"):
+        if key in first:
+            out[key] = first[key]
     out["adapt"] = first.get("adapt", {})  # curves and selection of the first seed (see per_seed for the rest)
     out["elapsed_s"] = {}
     for s in seeds:
@@ -475,10 +527,12 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
 
 
 def summary_table(metrics: dict) -> Table:
-    """methods x (fidelity, PPL) for the terminal."""
+    """methods x (fidelity, PPL, zero-shot) for the terminal."""
     multi = "perplexity_std" in metrics
-    table = Table(title=f"oal run: {metrics.get('model')} (layers {metrics.get('converted_layers')})")
-    for col in ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)"):
+    tasks = [t for t in DISPLAY_NAMES if any(t in z for z in metrics.get("zeroshot", {}).values())]
+    table = Table(title=f"oal run: {metrics.get('model')} (layers {metrics.get('converted_layers')})",
+                  caption="PIQA / HellaSwag / ARC-E: zero-shot acc_norm %" if tasks else None)
+    for col in ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)", *(DISPLAY_NAMES[t] for t in tasks)):
         table.add_column(col, justify="right")
     for m in metrics.get("methods", []):
         f = metrics.get("fidelity", {}).get(m, {})
@@ -487,7 +541,9 @@ def summary_table(metrics: dict) -> Table:
         if multi and ppl is not None:
             cell += f" ± {metrics['perplexity_std'][m]:.3f}"
         pre = metrics.get("perplexity_no_adapt", {}).get(m)
+        z = metrics.get("zeroshot", {}).get(m, {})
         table.add_row(m, f"{f['relmse']:.4f}" if "relmse" in f else "-",
                       f"{f['relmse_post_o']:.4f}" if "relmse_post_o" in f else "-",
-                      "-" if pre is None else f"{pre:.3f}", cell)
+                      "-" if pre is None else f"{pre:.3f}", cell,
+                      *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
     return table

@@ -2,7 +2,7 @@
 
 Sections: configuration and provenance (versions, hashes, splits), the analysis figures, calibration curves, the
 fidelity table (paper Table 2 layout), the perplexity table (paper Table 3 layout, with the paper's Qwen2.5-0.5B
-numbers as a labelled reference group), adaptation curves and time per stage.
+numbers as a labelled reference group), Table 3's zero-shot columns, adaptation curves and time per stage.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .data.zeroshot import DISPLAY_NAMES  # noqa: E402
 from .runio import atomic_save_figure, atomic_write_text, load_json  # noqa: E402
 
 __all__ = ["PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "DISPLAY", "write_report", "figure_references"]
@@ -355,6 +356,62 @@ def _perplexity(metrics: dict, has_fig: bool) -> list[str]:
     return out
 
 
+def _data_line(task: str, prov: dict) -> str:
+    if prov.get("source") == "task_file":
+        return (f"- {DISPLAY_NAMES[task]}: local file `{prov.get('path')}` in the {prov.get('schema_of')} schema "
+                f"(unverified; SHA256 `{prov.get('sha256')}`), {prov.get('rows')} rows")
+    pin = "matches the pinned hash" if prov.get("sha256_pinned") else \
+        "no published hash to pin: recorded, then checked against the folder's manifest"
+    return (f"- {DISPLAY_NAMES[task]}: `{prov.get('dataset_id')}` {prov.get('split')} at revision "
+            f"`{prov.get('revision')}`, `{prov.get('file')}` from {prov.get('source')} (SHA256 `{prov.get('sha256')}`, "
+            f"{pin}), {prov.get('rows')} rows")
+
+
+def _zeroshot(metrics: dict) -> list[str]:
+    out = ["## Zero-shot accuracy (paper Table 3 columns; App. F.3)", ""]
+    zs, std = metrics.get("zeroshot") or {}, metrics.get("zeroshot_std") or {}
+    skipped = metrics.get("zeroshot_skipped") or {}
+    data = metrics.get("zeroshot_data") or {}
+    tasks = [t for t in DISPLAY_NAMES if any(t in z for z in zs.values())]
+    if not zs:
+        out += ["Zero-shot accuracy was not evaluated in this run; the PIQA, HellaSwag and ARC-E columns are missing."]
+        out += [f"- {DISPLAY_NAMES.get(t, t)}: {why}" for t, why in skipped.items()] + [""]
+        return out
+    multi = len(metrics.get("seeds", [])) > 1
+
+    def cell(m, t, key="acc_norm"):
+        row = zs.get(m, {}).get(t)
+        if row is None:
+            return "-"
+        s = f"{row[key]:.2f}"
+        return s + (f" ± {std[m][t][key]:.2f}" if multi and t in std.get(m, {}) else "")
+
+    ppl = metrics.get("perplexity") or {}
+    rows = [[_name(m), _fmt(ppl.get(m), 4), *(cell(m, t) if t in tasks else "-" for t in DISPLAY_NAMES)]
+            for m in _ordered(zs)]
+    what = f", mean ± sample std over seeds {metrics['seeds']}" if multi else ""
+    out += [f"This run ({metrics.get('model')}{what}): test PPL after adaptation and zero-shot normalised accuracy "
+            "(%; the paper's normalisation: log-likelihood per candidate token for PIQA and HellaSwag, per option "
+            "character for ARC-E), on the selected adapted checkpoint:", "",
+            _table(["Method", "PPL (LoRA)", *DISPLAY_NAMES.values()], rows), ""]
+    missing = [t for t in DISPLAY_NAMES if t not in tasks]
+    if missing:
+        out += ["Missing columns: " + "; ".join(
+            f"{DISPLAY_NAMES[t]} ({skipped.get(t, 'not selected (--tasks)')})" for t in missing) + ".", ""]
+    limits = {t: data[t]["limit"] for t in tasks if data.get(t, {}).get("limit")}
+    if limits:
+        out += ["**Quick run**: only the first " + ", ".join(f"{n} {DISPLAY_NAMES[t]}" for t, n in limits.items())
+                + " examples (`--limit`); these numbers are not comparable with the paper's full sets.", ""]
+    out += ["Data:", "", *(_data_line(t, data[t]) for t in tasks if t in data), ""]
+    detail = [[_name(m), DISPLAY_NAMES[t], cell(m, t, "acc"), cell(m, t), cell(m, t, "acc_norm_lmeval"),
+               str(zs[m][t]["n"])] for m in _ordered(zs) for t in tasks if t in zs[m]]
+    out += ["Per task (%): `acc` ranks candidates by summed log-likelihood; `acc_norm` is the paper's normalisation; "
+            "`acc_norm (lm-eval)` is lm-eval's, which divides by the option's character count for every task (the "
+            "same as the paper's on ARC-E, characters instead of tokens on PIQA and HellaSwag).", "",
+            _table(["Method", "task", "acc", "acc_norm (paper)", "acc_norm (lm-eval)", "n"], detail), ""]
+    return out
+
+
 def _adaptation(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]:
     out = ["## Adaptation (App. F.2)", ""]
     ad = metrics.get("adapt") or {}
@@ -374,9 +431,10 @@ def _adaptation(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]:
 
 def _stage_order(name: str, methods: list[str]) -> tuple:
     base, _, method = name.partition(":")
-    steps = ("setup", "analyze", "calibrate", "fidelity", "perplexity_no_adapt", "adapt", "perplexity", "report")
+    steps = ("setup", "analyze", "calibrate", "fidelity", "perplexity_no_adapt", "adapt", "perplexity", "zeroshot",
+             "report")
     m = methods.index(method) if method in methods else -1
-    group = 1 if base in ("perplexity_no_adapt", "adapt", "perplexity") else (2 if base == "report" else 0)
+    group = 1 if base in ("perplexity_no_adapt", "adapt", "perplexity", "zeroshot") else (2 if base == "report" else 0)
     return (group, m,
             steps.index(base) if base in steps else len(steps), name)
 
@@ -435,6 +493,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += _calibration(calibration, has_cal)
     lines += _fidelity(metrics)
     lines += _perplexity(metrics, has_ppl)
+    lines += _zeroshot(metrics)
     lines += _adaptation(adapt_dir, metrics, has_adapt)
     lines += _timing(metrics)
     text = "\n".join(lines)

@@ -23,8 +23,12 @@ log = logging.getLogger("oal")
 # What `oal run` writes into a run directory (design.md); `clear_run` deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "groups.json", "analysis.json", "kernels.safetensors", "kernels.json",
                "calibration.json", "metrics.json", "report.md", "kernels", "adapter", "figures", ".oal")
-# Configuration keys that do not change the numbers' meaning: where things run and where local files live.
-RUNTIME_KEYS = ("device", "data_dir", "model")
+# Configuration keys that do not change the numbers' meaning: where things run and where local files live (their
+# content is verified by hash: the model here, the data in the stages that read it).
+RUNTIME_KEYS = ("device", "data_dir", "model", "zeroshot_dir")
+# Configuration keys of the last evaluations only: changing them on a finished run reruns just the stages that read
+# them (their keys hold the data's hashes) and metrics.json is rebuilt from the stages that verify.
+EVALUATION_KEYS = ("config.zeroshot_tasks", "config.zeroshot_limit", "config.zeroshot_files")
 
 
 def identity(config: dict) -> dict:
@@ -96,7 +100,8 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
     """Make `path` the run directory of `config` (the config.json about to be written) or refuse.
 
     Refused (InputError on --out) unless `force`: a config.json of another configuration (keys outside `allow`
-    differ), a damaged config.json, or run results without a config.json. With `force` those results are deleted.
+    and EVALUATION_KEYS differ), a damaged config.json, or run results without a config.json. With `force` those
+    results are deleted.
     Temporary files left by a killed run are removed.
     """
     path = Path(path)
@@ -110,7 +115,7 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
         except ValueError as exc:
             problem = f"{exc}"
         else:
-            diff = [d for d in config_diff(old, config) if not d[0].startswith(allow or ("\0",))]
+            diff = [d for d in config_diff(old, config) if not d[0].startswith((*allow, *EVALUATION_KEYS))]
             if diff:
                 shown = "; ".join(f"{k}: {_short(a)} recorded, {_short(b)} now" for k, a, b in diff[:6])
                 more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""

@@ -62,6 +62,20 @@ def from_known_keys(cls, d: dict, label: str):
     return cls(**d)
 
 
+def parse_names(spec: str | list | tuple, known: tuple[str, ...], label: str) -> list[str]:
+    """'a,b' (or a list) -> ['a', 'b'] in order, without repeats; 'all' stands for every name in `known`."""
+    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    out: list[str] = []
+    for item in (i for i in items if i):
+        for name in (known if item == "all" else (item,)):
+            if name not in known:
+                raise ValueError(f"{label}: unknown {label.rstrip('s')} {name!r}; expected some of {', '.join(known)} "
+                                 "or 'all'")
+            if name not in out:
+                out.append(name)
+    return out
+
+
 def _tmp_path(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

@@ -44,6 +44,15 @@ AdapterOpt = Annotated[bool | None, typer.Option(
     "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
+# zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
+TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]
+LimitOpt = Annotated[int, typer.Option(help="Only the first N examples of each zero-shot task (a quick run; the "
+                                       "report says so).")]
+ZeroshotDirOpt = Annotated[str, typer.Option(help="Local folder of the pinned zero-shot files: DIR/<task>/<file in "
+                                             "the hub repo> plus manifest.json (oal.data.zeroshot.write_manifest).")]
+TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local JSON-lines file in the dataset's own "
+                                                "schema instead of the pinned set (unverified; its SHA256 is "
+                                                "recorded). Repeat for several tasks.")]
 
 
 def load_model_or_fail(model: str, device: str, dtype: str | None = None):

@@ -1,4 +1,5 @@
-"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models into DIR/metrics.json."""
+"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models, or with --zeroshot the zero-shot
+PIQA / HellaSwag / ARC-E accuracies (Table 3, App. F.3) of its arms, into DIR/metrics.json."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import AdapterOpt, BaseModelOpt, DataDirOpt, DeviceOpt, DtypeOpt
+from ._common import (
+    AdapterOpt,
+    BaseModelOpt,
+    DataDirOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LimitOpt,
+    TaskFileOpt,
+    TasksOpt,
+    ZeroshotDirOpt,
+)
 from .app import app
 
 
@@ -18,24 +29,33 @@ def evaluate_cmd(
     model: BaseModelOpt = None,
     data: str = typer.Option(None, help="Corpus of the held-out fidelity blocks (default: the run's, or builtin)."),
     data_dir: DataDirOpt = None,
-    methods: str = typer.Option(None, help="Comma-separated calibrated methods in DIR (default: the run's, or "
-                                "oal,global)."),
+    methods: str = typer.Option(None, help="Comma-separated methods in DIR (default: the run's; fidelity: its "
+                                "calibrated ones, or oal,global)."),
     preset: str = typer.Option(None, help="Split-plan preset (default: the run's plan, or detected from the model)."),
     blocks_limit: int = typer.Option(None, "--blocks", min=1, help="Use only the first N fidelity blocks."),
+    zeroshot: bool = typer.Option(False, "--zeroshot", help="Zero-shot accuracies instead of fidelity, on each "
+                                  "method's model (base + kernels + DIR/adapter/<method> unless --no-adapter)."),
+    tasks: TasksOpt = "all",
+    task_file: TaskFileOpt = None,
+    zeroshot_dir: ZeroshotDirOpt = None,
+    limit: LimitOpt = None,
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
-    in an `oal run` directory).
+    in an `oal run` directory); with --zeroshot: PIQA / HellaSwag / ARC-E (App. F.3) -> metrics.json["zeroshot"].
 
     Calibrated kernels on the base model go to metrics.json["fidelity"]; a method with the run's adapter is measured
     as adapted (trained kernels against the softmax attention of the LoRA-merged weights) into ["fidelity_adapted"].
     """
-    from ..evaluate.run_fidelity import evaluate_fidelity
-
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
+    if zeroshot:
+        _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console)
+        return
+    from ..evaluate.run_fidelity import evaluate_fidelity
+
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
                             blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
     table = Table(title="frozen-attention fidelity on the held-out blocks")
@@ -45,4 +65,29 @@ def evaluate_cmd(
         for m, r in res[key].items():
             table.add_row(m, kind, f"{r['n_blocks']} x {r['block_len']}",
                           *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
+    console.print(table)
+
+
+def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
+              console) -> None:
+    from ..data.zeroshot import DISPLAY_NAMES, parse_task_files
+    from ..device import resolve_dtype
+    from ..evaluate.run_zeroshot import evaluate_zeroshot
+    from ..runio import load_json
+
+    if methods is None:
+        config = out / "config.json"
+        methods = (load_json(config).get("config", {}).get("methods") if config.is_file() else None) or ["oal"]
+    scores = evaluate_zeroshot(out, methods, model=model, tasks=tasks, task_files=parse_task_files(task_file),
+                               zeroshot_dir=zeroshot_dir, limit=limit, adapter=adapter, device=device,
+                               dtype=resolve_dtype(dtype) if dtype else None, console=console)
+    if not scores:  # nothing to score: metrics.json records why the columns are missing; say so by the exit code
+        raise typer.Exit(code=1)
+    table = Table(title="zero-shot accuracy (%; acc_norm: the paper's normalisation)")
+    for col in ("method", "task", "acc", "acc_norm", "acc_norm (lm-eval)", "n"):
+        table.add_column(col, justify="right")
+    for m, res in scores.items():
+        for t, r in res.items():
+            table.add_row(m, DISPLAY_NAMES[t], *(f"{r[k]:.2f}" for k in ("acc", "acc_norm", "acc_norm_lmeval")),
+                          str(r["n"]))
     console.print(table)

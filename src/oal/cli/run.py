@@ -7,7 +7,17 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, parse_layers, set_threads
+from ._common import (
+    DeviceOpt,
+    DtypeOpt,
+    LimitOpt,
+    TaskFileOpt,
+    TasksOpt,
+    ThreadsOpt,
+    ZeroshotDirOpt,
+    parse_layers,
+    set_threads,
+)
 from .app import app
 
 
@@ -24,6 +34,10 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    tasks: TasksOpt = "all",
+    limit: LimitOpt = None,
+    zeroshot_dir: ZeroshotDirOpt = None,
+    task_file: TaskFileOpt = None,
     force: bool = typer.Option(False, "--force", help="If OUT holds a run of another configuration (or layout), "
                                "delete its results and start clean."),
     device: DeviceOpt = "auto",
@@ -31,8 +45,10 @@ def run(
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate -> report, writing the run directory."""
+    """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
+    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line."""
     from ..config import RunConfig, parse_methods, parse_seeds
+    from ..data.zeroshot import parse_task_files
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
@@ -40,5 +56,6 @@ def run(
     adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
-                                device=device, dtype=dtype, adapt=adapt)
+                                device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
+                                zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file))
     run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)

@@ -57,19 +57,27 @@ def write_manifest(data_dir: str | Path, configs: tuple[str, ...] | list[str] | 
     return atomic_write_json(data_dir / MANIFEST_NAME, manifest)
 
 
+def read_manifest(data_dir: Path, writer: str) -> tuple[Path, dict]:
+    """DIR/manifest.json and its content; ValueError when it is missing (saying which function writes it) or bad."""
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise ValueError(f"data_dir: {data_dir} has no {MANIFEST_NAME}; create it from a verified download with "
+                         f"{writer}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"data_dir: {path} is not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ValueError(f"data_dir: {path} is not a manifest (expected a JSON object)")
+    return path, manifest
+
+
 def verify_manifest(data_dir: str | Path, config: str, *, dataset_id: str = DATASET_ID,
                     revision: str = REVISION) -> dict:
     """Check id, revision, config and the SHA256 of each file of `config`; return the manifest. ValueError if not."""
     _check_config(config)
     data_dir = Path(data_dir)
-    path = data_dir / MANIFEST_NAME
-    if not path.is_file():
-        raise ValueError(f"data_dir: {data_dir} has no {MANIFEST_NAME}; create it from a verified download with "
-                         "oal.data.wikitext.write_manifest")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"data_dir: {path} is not valid JSON ({exc})") from exc
+    path, manifest = read_manifest(data_dir, "oal.data.wikitext.write_manifest")
     if manifest.get("dataset_id") != dataset_id:
         raise ValueError(f"manifest {path}: dataset_id is {manifest.get('dataset_id')!r}, expected {dataset_id!r}")
     if manifest.get("revision") != revision:

@@ -13,12 +13,14 @@ and, on first use, replaces that layer's empty slot with an `OALStateLayer`, so 
 O(1) recurrent state for converted layers (prefill through the method's forward, i.e. the chunked operator for OAL,
 then one token at a time) and the usual K/V cache for softmax layers.
 
-Padding: left padding (what batched `generate` uses) is supported: each row's padded prefix is cut off before the
-method runs (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
-normaliser, and padded query positions get a zero output. Right or inner padding in a converted layer raises
-ValueError: the methods' linear-time paths take no per-token key mask, and a padded key inside the sequence would
-enter every later prefix sum. Padding is read off the 4-D mask transformers passes to attention functions
-(a key no query may see is padding).
+Padding: left padding (what batched `generate` uses) and right padding (what log-likelihood scorers use) are
+supported; padding between real tokens raises ValueError (the methods' linear-time paths take no per-token key
+mask, and a padded key inside the sequence would enter every later prefix sum). Right padding without a cache runs
+the batch at once: under causal attention a right-padded key comes after every real token of its row, so no real
+query ever sees it. Otherwise (left padding, or any padding while a cache is kept) each row's real tokens are cut
+out and run alone (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
+normaliser: a cached state covers real tokens only. Padded query positions get a zero output either way. Padding
+is read off the 4-D mask transformers passes to attention functions (a key no query may see is padding).
 
 Decoding: a few new tokens on top of a state go through the operator's token loop (`oal_attention`'s `auto`
 picks it), whose per-token cost is a handful of small ops.
@@ -113,6 +115,19 @@ def _run(method, q, k, v, state, want_state):
     return method(q, k, v, causal=True), None
 
 
+def _real_spans(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the [start, stop) of its real tokens; ValueError for padding between real tokens or an empty row."""
+    n_real = valid.sum(1)
+    if bool((n_real == 0).any()):
+        raise ValueError("attention_mask: a row of the batch is entirely padding")
+    start = valid.int().argmax(1)  # first real token
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    if not bool(((pos >= start[:, None]) & (pos < (start + n_real)[:, None]) == valid).all()):
+        raise ValueError("attention_mask: converted layers support left or right padding only (padding tokens "
+                         "must come before or after every real token of the row, not between them)")
+    return start, start + n_real
+
+
 def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
     want = layer is not None
     state = layer.state if want else None
@@ -120,23 +135,26 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
     if valid is None or bool(valid.all()):
         out, state = _run(method, q, k, v, state, want)
     else:
-        n_pad = (~valid).sum(1)
-        outs, states = [], []
-        for b in range(q.shape[0]):
-            p = int(n_pad[b])
-            if bool(valid[b, :p].any()) or not bool(valid[b, p:].all()):
-                raise ValueError("attention_mask: converted layers support left padding only (padding tokens "
-                                 "must come before every real token of the row)")
-            if p == n:
-                raise ValueError("attention_mask: a row of the batch is entirely padding")
-            if p and state is not None and layer.seen > n:
-                raise ValueError("attention_mask: padding after earlier tokens is not supported in converted layers")
-            st = None if state is None else state[b : b + 1]
-            o, st = _run(method, q[b : b + 1, :, p:], k[b : b + 1, :, p:], v[b : b + 1, :, p:], st, want)
-            outs.append(torch.nn.functional.pad(o, (0, 0, p, 0)))  # padded queries: zero output
-            states.append(st)
-        out = torch.cat(outs)
-        state = torch.cat(states) if want else None
+        start, stop = _real_spans(valid)
+        if not want and not bool(start.any()):
+            # right padding only and no state to keep: causal attention never lets a real query see a key that
+            # comes after every real token of its row, so the whole batch runs at once
+            out, _ = _run(method, q, k, v, None, False)
+            out = out.masked_fill(~valid[:, None, :, None], 0.0)  # padded queries: zero output
+        else:
+            outs, states = [], []
+            for b in range(q.shape[0]):
+                s0, s1 = int(start[b]), int(stop[b])
+                if s0 and state is not None and layer.seen > n:
+                    raise ValueError("attention_mask: padding after earlier tokens is not supported in converted "
+                                     "layers")
+                st = None if state is None else state[b : b + 1]
+                o, st = _run(method, q[b : b + 1, :, s0:s1], k[b : b + 1, :, s0:s1], v[b : b + 1, :, s0:s1], st,
+                             want)
+                outs.append(torch.nn.functional.pad(o, (0, 0, s0, n - s1)))  # padded queries: zero output
+                states.append(st)
+            out = torch.cat(outs)
+            state = torch.cat(states) if want else None
     if want:
         layer.state = state
     return out

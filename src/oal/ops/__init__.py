@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -13,8 +14,25 @@ from .reference import reference_attention
 
 __all__ = ["BACKENDS", "feature_dim", "oal_attention", "split_state", "empty_state"]
 
-BACKENDS = ("auto", "reference", "recurrent", "chunked")
+BACKENDS = ("auto", "reference", "recurrent", "chunked", "triton")
 DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on top of an initial state with the token loop
+
+
+log = logging.getLogger("oal")
+
+
+def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """`auto` on CUDA: the Triton kernels when installed (causal), else the torch paths with a one-time warning."""
+    if q.device.type != "cuda" or not causal:
+        return False
+    from . import triton as oal_triton
+
+    if oal_triton.available():
+        return oal_triton.unsupported(q, v) is None
+    if not getattr(_auto_triton, "warned", False):
+        _auto_triton.warned = True
+        log.warning("triton is not installed, CUDA attention runs the chunked torch path; %s", oal_triton.INSTALL_HINT)
+    return False
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,6 +160,7 @@ def oal_attention(
     [Hq, G+1, G+1] (lower triangle read). Returns out [B, Hq, N, dv] in q's dtype, and the final state
     [B, Hkv, 1 + d + d(d+1)/2, dv + 1] when `output_final_state`. `initial_state` continues a sequence.
     `chunk_size` (chunked backend): tokens per chunk; None picks it, and short fresh sequences run as one chunk.
+    For `triton` (causal only; non-causal runs `chunked`) it is a power of two >= 16, 64 by default.
     """
     qmax, kmax = _check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)
     out_dtype = q.dtype
@@ -149,6 +168,15 @@ def oal_attention(
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, factor, eps, scale = _rescaled(q, qmax, kmax, factor.to(dtype), eps, scale, dtype)
+    if backend == "triton" and not causal:  # the kernels are causal; the torch path serves the rest
+        backend = "chunked"
+    if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal)):
+        from .triton import triton_attention  # optional dependency, imported on use
+
+        out, final = triton_attention(
+            q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state, chunk_size=chunk_size
+        )
+        return (out, final) if output_final_state else out
     coeffs = coefficients(factor, groups, eps)
     state = initial_state.to(dtype) if initial_state is not None else None
     if backend == "auto":  # decoding (a few tokens on a state): the token loop has the least set-up

@@ -1,0 +1,61 @@
+"""Zero-shot PIQA / HellaSwag / ARC-E (Table 3, App. F.3) of a run directory's arms, merged into its metrics.json
+(`oal evaluate --zeroshot`).
+
+Each arm is loaded as `oal.export.load_arm` does (the recorded base model, checked; the kernels; the run's adapter
+by default), scored by `oal.evaluate.zeroshot.evaluate_tasks`, and merged through `oal.metrics.update_metrics` with
+the SHA256 of the run files it read. A task whose data is not available is skipped with one line and recorded
+under `zeroshot_skipped`: never a made-up number.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import InputError
+from ..runio import sha256_tree
+
+__all__ = ["evaluate_zeroshot"]
+
+log = logging.getLogger("oal")
+
+
+def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None, tasks=None,
+                      task_files: dict | None = None, zeroshot_dir: str | None = None, limit: int | None = None,
+                      adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
+                      console=None) -> dict[str, dict]:
+    """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
+    from ..export import load_arm
+    from ..io import KERNELS_FILE, META_FILE, kernel_dir
+    from ..metrics import read_metrics, update_metrics
+    from .zeroshot import evaluate_tasks, load_tasks, merge_metrics
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
+    if not methods:
+        raise InputError("expected at least one method", "--methods", "methods")
+    sets, skipped = load_tasks(tasks, data_dir=zeroshot_dir, task_files=task_files, limit=limit)
+    for reason in skipped.values():
+        log.warning("skip zero-shot %s", reason)
+    provenance = {t: prov for t, (_, prov) in sets.items()}
+    scores: dict[str, dict] = {}
+    for m in methods if sets else ():
+        model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
+        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}")
+        kdir = None if m == "softmax" else kernel_dir(out_dir, m).relative_to(out_dir)
+        used = [] if kdir is None else [kdir / KERNELS_FILE, kdir / META_FILE]
+        if info["adapter"]:
+            used.append(Path(info["adapter"]).resolve().relative_to(out_dir.resolve()))
+        inputs = {k: v for rel in used for k, v in sha256_tree(out_dir, rel).items()}
+        # zeroshot.<m>.<task> per task (earlier tasks of the method kept), zeroshot_data, zeroshot_skipped
+        current = read_metrics(out_dir)
+        merged = merge_metrics({"zeroshot": {m: dict(current.get("zeroshot", {}).get(m, {}))},
+                                "zeroshot_skipped": current.get("zeroshot_skipped", {})},
+                               m, scores[m], provenance, skipped)
+        update_metrics(out_dir, {k: merged[k] for k in ("zeroshot", "zeroshot_data") if k in merged}, inputs,
+                       console=console)
+    if not scores:
+        update_metrics(out_dir, {"zeroshot_skipped": skipped}, {}, console=console)
+    return scores

@@ -1,0 +1,63 @@
+"""GPU kernels for OAL attention in Triton (optional: the `gpu` extra).
+
+Importing this package does not import triton; `triton_attention` does, on first use. Under TRITON_INTERPRET=1
+(set before this package's kernels are first imported) the kernels run on CPU tensors through Triton's
+interpreter, which is how the tests exercise them without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+__all__ = ["available", "interpreted", "triton_attention", "unsupported"]
+
+INSTALL_HINT = "install the gpu extra: pip install 'oal[gpu]'"
+
+
+def available() -> bool:
+    """Whether triton can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 when they were defined)."""
+    if f"{__name__}.kernels" not in sys.modules:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from .function import interpreted as defined_interpreted
+
+    return defined_interpreted()
+
+
+def unsupported(q, v) -> str | None:
+    """Why the kernels cannot take these inputs (None when they can); `auto` then runs the torch path."""
+    if q.shape[-1] > 128 or v.shape[-1] > 128:
+        return f"q/v: the triton backend supports d, dv <= 128, got d={q.shape[-1]}, dv={v.shape[-1]}"
+    if q.dtype == torch.float64 and q.device.type == "cuda":  # fp64 pair tiles exceed Hopper's shared memory
+        return "q: the triton backend takes bf16, fp16 or fp32 on CUDA (fp64 runs on backend='chunked')"
+    return None
+
+
+def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None):
+    """Causal OAL attention on the Triton kernels. Inputs validated by `oal_attention` (`_check`).
+
+    Returns (out [B, Hq, N, dv] in q's dtype, final state [B, Hkv, F, dv+1] in fp32, fp64 for fp64 inputs).
+    """
+    if not available():
+        raise ValueError(f"backend: 'triton' needs the triton package; {INSTALL_HINT}")
+    if q.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"backend: 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1), got device {q.device}"
+        )
+    reason = unsupported(q, v)
+    if reason:
+        raise ValueError(reason)
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"chunk_size: the triton backend needs a power of two >= 16, got {chunk_size}")
+    from .function import triton_forward
+
+    return triton_forward(q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state,
+                          chunk_size=chunk_size)

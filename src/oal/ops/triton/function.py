@@ -1,0 +1,353 @@
+"""Host side of the Triton operator: coefficient tensors, state layouts, launches and the autograd Function.
+
+Forward (causal):
+  1. state scan: per-chunk prefix states of every KV head (`_state_scan`, keys mode). The sequence is split into
+     segments so that enough programs run when B * Hkv is small: a first pass sums each segment, torch turns
+     the sums into each segment's carry-in, a second pass starts from it and stores the state before each chunk.
+  2. output: intra-chunk Eq. 7 plus the readout of the chunk's prefix state (`_fwd_out`).
+Backward: the states are recomputed (1.), the output gradient is divided by the normaliser, `_bwd_dq` gives dq
+and the coefficient gradients, a reverse scan in query mode gives each chunk's state gradient, and `_bwd_dkv`
+gives dk and dv. Coefficient gradients flow back to the factor through torch (`coefficients`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from ..kernel import coefficients, feature_dim
+from . import kernels as K
+
+
+def interpreted() -> bool:
+    """Whether the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(K._fwd_out).__name__ == "InterpretedFunction"
+
+# Tokens per chunk: Hopper's tensor-core MMAs want M >= 64 (gpu-notes).
+CHUNK = 64
+# Chunks per segment of the state scans; None picks it from the device's multiprocessor count. Tests set it to
+# exercise the carry between segments on short sequences.
+SEGMENT_CHUNKS: int | None = None
+# Launch options per (kernel, half precision). Chosen by compiling for sm_90 without a GPU
+# (scripts/triton_sm90_check.py): 8 warps keep the [C, 256] feature tiles mostly in registers, and one pipeline
+# stage keeps the shared memory of the fp32 kernels under Hopper's 227 KB. Not tuned on a device: see README "GPU".
+LAUNCH = {
+    ("scan", True): dict(num_warps=8), ("scan", False): dict(num_warps=8, num_stages=1),
+    ("fwd", True): dict(num_warps=8), ("fwd", False): dict(num_warps=8, num_stages=1),
+    ("dq", True): dict(num_warps=8, num_stages=2), ("dq", False): dict(num_warps=8, num_stages=1),
+    ("dkv", True): dict(num_warps=8, num_stages=2), ("dkv", False): dict(num_warps=8, num_stages=1),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    d: int
+    d16: int  # d rounded up to the feature block width
+    nb: int  # feature blocks
+    npair: int  # block pairs I <= J
+    rows: int  # R: 1 + d16 + 256 * npair
+    bd: int  # power-of-two tile width >= d
+
+
+@cache
+def layout(d: int) -> Layout:
+    nb = -(-d // K.BLK)
+    npair = nb * (nb + 1) // 2
+    return Layout(d, nb * K.BLK, nb, npair, 1 + nb * K.BLK + 256 * npair, max(16, triton_next_pow2(d)))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@cache
+def _maps(d: int):
+    """(pairs [NPAIR, 2] int32, block row -> packed feature index or -1 [R], packed index -> block row [F])."""
+    lay = layout(d)
+    pairs = [(i, j) for i in range(lay.nb) for j in range(i, lay.nb)]
+    to_packed = [-1] * lay.rows
+    to_block = [0] * feature_dim(d)
+    to_packed[0] = 0
+    for r in range(d):
+        to_packed[1 + r] = 1 + r
+        to_block[1 + r] = 1 + r
+
+    def packed(r, t):  # row-major upper triangle, as kernel.packed_pairs
+        return 1 + d + r * d - r * (r - 1) // 2 + (t - r)
+
+    for p, (i, j) in enumerate(pairs):
+        for f in range(256):
+            r, t = i * 16 + f // 16, j * 16 + f % 16
+            if r < d and t < d:
+                row = 1 + lay.d16 + 256 * p + f
+                to_packed[row] = packed(min(r, t), max(r, t))
+                if r <= t:
+                    to_block[packed(r, t)] = row
+    return torch.tensor(pairs, dtype=torch.int32), torch.tensor(to_packed), torch.tensor(to_block)
+
+
+def state_to_blocks(state: torch.Tensor, d: int):
+    """Packed state [B, Hkv, F, dv+1] -> (block layout [B*Hkv, R, dv], normaliser [B*Hkv, R]); differentiable."""
+    _, to_packed, _ = _maps(d)
+    to_packed = to_packed.to(state.device)
+    valid = (to_packed >= 0).to(state.dtype)[:, None]
+    blk = state.flatten(0, 1)[:, to_packed.clamp_min(0)] * valid
+    return blk[..., :-1].contiguous(), blk[..., -1].contiguous()
+
+
+def blocks_to_state(blk: torch.Tensor, blkn: torch.Tensor, batch: int, d: int):
+    """Inverse of `state_to_blocks`: [B*Hkv, R, dv], [B*Hkv, R] -> [B, Hkv, F, dv+1]."""
+    _, _, to_block = _maps(d)
+    to_block = to_block.to(blk.device)
+    full = torch.cat([blk, blkn[..., None]], dim=-1)[:, to_block]
+    return full.view(batch, -1, *full.shape[1:])
+
+
+@dataclass(frozen=True)
+class Config:
+    eps: float
+    n_groups1: int  # G + 1
+    chunk: int
+    dot_dtype: torch.dtype
+    acc_dtype: torch.dtype
+
+
+_TL = {}
+
+
+def _tl(dtype: torch.dtype):
+    if not _TL:
+        import triton.language as tl
+
+        _TL.update({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                    torch.float64: tl.float64})
+    return _TL[dtype]
+
+
+def _consts(cfg: Config, kernel: str):
+    """Compile-time arguments shared by all kernels, and the launch options of `kernel`."""
+    half = cfg.dot_dtype in (torch.float16, torch.bfloat16)
+    # fp32 dots as three tf32 products on the tensor cores (tf32x3: about fp32 accuracy; plain tf32 would give
+    # ~3e-4), fp64 exactly; half inputs use bf16 operands with fp32 accumulation (the default)
+    prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
+    return dict(DOT_DT=_tl(cfg.dot_dtype), ACC_DT=_tl(cfg.acc_dtype), PREC=prec,
+                **LAUNCH[kernel, half])
+
+
+def _gmax(n_groups1: int) -> int:
+    """Loop bound over the columns of L: G + 1 rounded up to 8, so one compiled variant serves G <= 7."""
+    return 8 * -(-n_groups1 // 8)
+
+
+def _segments(n_chunks: int, programs_per_segment: int, device: torch.device) -> tuple[int, int]:
+    """(chunks per segment, segments). Enough programs to fill the device; one segment under the interpreter.
+
+    The segment length is a power of four: it is a compile-time constant of `_state_scan` (a loop bound; the
+    interpreter cannot loop to a run-time bound), so few variants are compiled: 1, 4, 16, 64.
+    """
+    if SEGMENT_CHUNKS is not None:
+        seg_len = SEGMENT_CHUNKS
+    elif device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        seg_len = -(-n_chunks // max(1, target // programs_per_segment))
+    else:
+        seg_len = n_chunks
+    seg_len = 1 << 2 * ((max(1, min(seg_len, n_chunks)).bit_length() - 1) // 2)  # largest power of 4 <= it
+    return seg_len, -(-n_chunks // seg_len)
+
+
+def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, reverse: bool, carry, two_pass):
+    """Run `_state_scan`. Returns (per-chunk states [B*Hkv, n_cs, R, dv], normaliser, segment ends, seg_len).
+
+    n_cs = segments x chunks per segment >= the number of chunks; the chunks past the sequence are empty.
+
+    two_pass: the per-chunk states include everything before the segment (forward); otherwise they are local to
+    their segment and the consumer adds the carry (backward).
+    """
+    bsz, n_x, n, _ = x.shape
+    dv = y.shape[-1]
+    n_c = -(-n // cfg.chunk)
+    blocks = lay.npair + lay.nb + 1
+    seg_len, n_seg = _segments(n_c, blocks * bsz * n_kv, x.device)
+    st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=cfg.dot_dtype, device=x.device)
+    stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dtype=cfg.acc_dtype, device=x.device)
+    tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
+    totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
+    a, bs, cs = coefs
+    pairs = _maps(lay.d)[0].to(x.device)
+    bv = max(16, triton_next_pow2(dv))
+
+    def launch(store, carry_t, carryn_t):
+        K._state_scan[(blocks, n_seg, bsz * n_kv)](
+            x, y, nw if nw is not None else y, a, bs, cs, pairs, st, stn, tot, totn,
+            carry_t if carry_t is not None else tot, carryn_t if carryn_t is not None else totn,
+            n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(carry_t is not None),
+            NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query,
+            REVERSE=reverse, **_consts(cfg, "scan"),
+        )
+
+    if not two_pass:
+        launch(True, None, None)
+        return st, stn, tot, totn, seg_len
+    seg_carry = carry
+    if n_seg > 1:  # pass 1: segment sums, then each segment's carry-in (exclusive prefix over segments)
+        launch(False, None, None)
+        ex, exn = torch.cumsum(tot, 1) - tot, torch.cumsum(totn, 1) - totn
+        if carry is not None:
+            ex, exn = ex + carry[0][:, None], exn + carry[1][:, None]
+        seg_carry = (ex.contiguous(), exn.contiguous())
+    elif carry is not None:
+        seg_carry = (carry[0][:, None].contiguous(), carry[1][:, None].contiguous())
+    launch(True, *(seg_carry if seg_carry is not None else (None, None)))
+    return st, stn, tot, totn, seg_len
+
+
+def _params(factor, groups, eps, scale, lay: Layout, acc_dtype):
+    """Per-head coefficient tensors read by the kernels, differentiable in `factor` (Section 4.3)."""
+    factor = factor.to(acc_dtype)
+    a, b, c = coefficients(factor, groups, eps)
+    pad = lay.d16 - lay.d
+    bs = torch.nn.functional.pad(b * scale, (0, pad))
+    cs = torch.nn.functional.pad(c * scale * scale, (0, pad, 0, pad))
+    lower = torch.tril(factor)
+    w = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
+    ws = torch.nn.functional.pad(w.transpose(1, 2) * scale, (0, lay.bd - lay.d))  # [Hq, G+1, BD]
+    return a.contiguous(), bs.contiguous(), cs.contiguous(), ws.contiguous(), lower[:, 0, :].contiguous()
+
+
+def _forward(q, k, v, a, bs, cs, ws, l0, init, cfg: Config, lay: Layout):
+    bsz, n_q, n, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    n_c = -(-n // cfg.chunk)
+    st, stn, tot, totn, _ = _scan(k, v, None, (a, bs, cs), cfg, lay, n_kv, query=False, reverse=False,
+                                  carry=init, two_pass=True)
+    o = torch.empty(bsz, n_q, n, dv, dtype=q.dtype, device=q.device)
+    den = torch.empty(bsz, n_q, n, dtype=cfg.acc_dtype, device=q.device)
+    pairs = _maps(d)[0].to(q.device)
+    K._fwd_out[(n_q, n_c, bsz)](
+        q, k, v, a, bs, cs, ws, l0, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows, cfg.eps,
+        cfg.n_groups1,
+        NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, triton_next_pow2(dv)), NPAIR=lay.npair,
+        GMAX=_gmax(cfg.n_groups1), **_consts(cfg, "fwd"),
+    )
+    return o, den, tot[:, -1], totn[:, -1]
+
+
+def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, lay: Layout):
+    bsz, n_q, n, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    n_c = -(-n // cfg.chunk)
+    bv = max(16, triton_next_pow2(dv))
+    consts = dict(NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=bv, NPAIR=lay.npair,
+                  GMAX=_gmax(cfg.n_groups1))
+    pairs = _maps(d)[0].to(q.device)
+    do = do.to(cfg.acc_dtype)
+    go = (do / den[..., None]).to(cfg.dot_dtype).contiguous()  # gradient of the numerator
+    dl = ((do * o.to(cfg.acc_dtype)).sum(-1) / den).contiguous()  # minus the gradient of the normaliser
+    st, stn, *_ = _scan(k, v, None, (a, bs, cs), cfg, lay, n_kv, query=False, reverse=False, carry=init,
+                        two_pass=True)
+    n_part = 1 + lay.d16 + 256 * lay.npair + cfg.n_groups1 * lay.bd + cfg.n_groups1
+    part = torch.empty(bsz, n_c, n_q, n_part, dtype=cfg.acc_dtype, device=q.device)
+    dq = torch.empty_like(q)
+    K._bwd_dq[(n_q, n_c, bsz)](
+        q, k, v, go, dl, bs, cs, ws, l0, pairs, st, stn, dq, part, n, n_q, n_c, st.shape[1], d, dv, lay.rows,
+        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq")
+    )
+    del st, stn
+    # state gradients: chunk c's readout sends phi(Q_c)^T [go, -dl] to every earlier key (reverse scan)
+    gst, gstn, gtot, gtotn, seg_len = _scan(q, go, -dl, (a, bs, cs), cfg, lay, n_kv, query=True, reverse=True,
+                                            carry=None, two_pass=False)
+    # carry into segment s: the later segments' sums plus the gradient of the final state
+    carry = torch.flip(torch.cumsum(torch.flip(gtot, [1]), 1), [1]) - gtot
+    carryn = torch.flip(torch.cumsum(torch.flip(gtotn, [1]), 1), [1]) - gtotn
+    if dfin is not None:
+        carry, carryn = carry + dfin[0][:, None], carryn + dfin[1][:, None]
+    dinit = None
+    if init is not None:
+        dinit = (carry[:, 0] + gtot[:, 0], carryn[:, 0] + gtotn[:, 0])
+    dk, dv_ = torch.empty_like(k), torch.empty_like(v)
+    n_seg = gtot.shape[1]
+    K._bwd_dkv[(n_kv, n_c, bsz)](
+        q, k, v, go, dl, ws, l0, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
+        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, cfg.n_groups1, **consts,
+        **_consts(cfg, "dkv")
+    )
+    grads = _coef_grads(part.sum((0, 1)), cfg, lay)
+    return dq, dk, dv_, grads, dinit
+
+
+def _coef_grads(part: torch.Tensor, cfg: Config, lay: Layout):
+    """Split the summed partials [Hq, P] into gradients shaped like (a, bs, cs, ws, l0)."""
+    n_q, g1 = part.shape[0], cfg.n_groups1
+    sizes = [1, lay.d16, 256 * lay.npair, g1 * lay.bd, g1]
+    da, dbs, dcs_blocks, dws, dl0 = torch.split(part, sizes, dim=1)
+    pairs = _maps(lay.d)[0].long()
+    f = torch.arange(256)
+    rr = (pairs[:, :1] * 16 + f // 16).reshape(-1).to(part.device)
+    tt = (pairs[:, 1:] * 16 + f % 16).reshape(-1).to(part.device)
+    dcs = part.new_zeros(n_q, lay.d16, lay.d16)
+    dcs[:, rr, tt] = dcs_blocks
+    dws = dws.reshape(n_q, g1, lay.bd)
+    return da[:, 0], dbs, dcs, dws, dl0
+
+
+class OALTriton(torch.autograd.Function):
+    """Causal OAL attention on the Triton kernels; gradients for q, k, v, the coefficients and the initial state."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, bs, cs, ws, l0, init_blk, init_n, cfg: Config):
+        lay = layout(q.shape[-1])
+        init = (init_blk, init_n) if init_blk is not None else None
+        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, init, cfg, lay)
+        ctx.save_for_backward(q, k, v, a, bs, cs, ws, l0, init_blk, init_n, o, den)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return o, fin, finn
+
+    @staticmethod
+    def backward(ctx, do, dfin, dfinn):
+        q, k, v, a, bs, cs, ws, l0, init_blk, init_n, o, den = ctx.saved_tensors
+        cfg = ctx.cfg
+        lay = layout(q.shape[-1])
+        init = (init_blk, init_n) if init_blk is not None else None
+        if do is None:
+            do = torch.zeros_like(o)
+        dfinal = None
+        if dfin is not None or dfinn is not None:  # the final state was used: its gradient reaches every key
+            shape = (q.shape[0] * k.shape[1], lay.rows)
+            dfin = dfin if dfin is not None else o.new_zeros(*shape, v.shape[-1], dtype=cfg.acc_dtype)
+            dfinn = dfinn if dfinn is not None else o.new_zeros(*shape, dtype=cfg.acc_dtype)
+            dfinal = (dfin.to(cfg.acc_dtype), dfinn.to(cfg.acc_dtype))
+        dq, dk, dv, (da, dbs, dcs, dws, dl0), dinit = _backward(
+            q, k, v, a, bs, cs, ws, l0, init, o, den, do.contiguous(), dfinal, cfg, lay
+        )
+        di, din = dinit if dinit is not None else (None, None)
+        return dq, dk, dv, da, dbs, dcs, dws, dl0, di, din, None
+
+
+def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_size=None):
+    """Causal OAL on validated inputs in their own dtype. Returns (out [B,Hq,N,dv], final state [B,Hkv,F,dv+1])."""
+    bsz, n_q, n, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dot = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.bfloat16  # fp16 sums overflow: use bf16
+    if dot == torch.bfloat16 and interpreted():
+        dot = torch.float32  # Triton's interpreter multiplies bf16 as raw bits; the GPU check covers bf16 dots
+    lay = layout(d)
+    chunk = chunk_size or CHUNK
+    cfg = Config(float(eps), factor.shape[-1], chunk, dot, acc)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    groups = groups.to(q.device)
+    a, bs, cs, ws, l0 = _params(factor.to(q.device), groups, eps, scale, lay, acc)
+    init_blk = init_n = None
+    if initial_state is not None:
+        init_blk, init_n = state_to_blocks(initial_state.to(acc), d)
+    if n == 0 or bsz == 0:
+        out = q.new_zeros(bsz, n_q, n, dv)
+        fin = initial_state.to(acc) if initial_state is not None else q.new_zeros(bsz, n_kv, feature_dim(d), dv + 1,
+                                                                                  dtype=acc)
+        return out, fin
+    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, init_blk, init_n, cfg)
+    return o, blocks_to_state(fin, finn, bsz, d)

@@ -1,0 +1,422 @@
+"""Triton kernels of OAL attention (paper Eq. 5-7, App. D), forward and backward.
+
+Layout of the state of one KV head in these kernels ("block layout", R rows x dv columns, plus a separate
+normaliser column of R entries, which is the state's last column dv+1 of the packed contract):
+
+    row 0                       H0 (sum of u_j)
+    rows 1 .. D16               H1 (sum of k_jr u_j), d padded to D16 = 16 * NB with zeros
+    rows 1 + D16 + 256 p + f    H2 for the block pair p = (I, J), I <= J, of 16-wide feature blocks,
+                                f = 16 r + t  ->  sum of k_j(16I+r) k_j(16J+t) u_j
+
+The diagonal pairs (I, I) hold both (r, t) and (t, r), so the quadratic readout sums every ordered pair of a
+diagonal block once and every pair of an off-diagonal block twice (multiplicity 2, folded into the
+coefficients). Features are formed in registers one pair at a time and fed to `tl.dot`; they never go to HBM.
+
+Per query head h the coefficients come in as A[h] = a (eps included), BS[h, r] = scale b_r,
+CS[h, r, t] = scale^2 C_rt, and for the dense intra-chunk kernel WS[h, m, r] = scale L[g(r)+1, m],
+L0[h, m] = L[0, m], with kappa = eps + sum_m (L0[m] + (q * WS[m]) . k)^2 (Eq. 7).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLK = 16  # feature block width: a block pair is 16 x 16 = 256 features, tl.dot's smallest K is 16
+
+
+# Inputs reach the dot type through fp32: fp16 inputs use bf16 dots (fp16 sums of states overflow), and Triton's
+# interpreter has no direct fp16 -> bf16 cast.
+@triton.jit
+def _tile(ptr, tok, tmask, col, width):
+    """Rows `tok`, columns `col` of a row-major [tokens, width] tensor; zero past N and past `width`."""
+    return tl.load(ptr + tok[:, None] * width + col[None, :], mask=tmask[:, None] & (col[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _block(ptr, tok, tmask, I, d):
+    """Feature block I: columns 16 I .. 16 I + 15 of a [tokens, d] tensor, [C, 16]."""
+    return _tile(ptr, tok, tmask, I * 16 + tl.arange(0, 16), d)
+
+
+@triton.jit
+def _state(ST, base, rows, vcol, dv):
+    """Rows of a state in block layout ([R, dv] per chunk, row-major) as [len(rows), BV]."""
+    return tl.load(ST + (base + rows)[:, None] * dv + vcol[None, :], mask=(vcol < dv)[None, :], other=0.0)
+
+
+@triton.jit
+def _pair_coef(CS, h, I, J, D16):
+    """scale^2 C_rt of block pair (I, J) as [16, 16], times the multiplicity 2 off the diagonal."""
+    r = tl.arange(0, 16)
+    cs = tl.load(CS + h * D16 * D16 + (I * 16 + r[:, None]) * D16 + J * 16 + r[None, :])
+    return cs * tl.where(I < J, 2.0, 1.0)
+
+
+@triton.jit
+def _flat(x3, C: tl.constexpr):
+    """[C, 16, 16] -> [C, 256], column f = 16 r + t."""
+    return tl.reshape(x3, [C, 256])
+
+
+@triton.jit
+def _scatter(acc, x, I, BD: tl.constexpr, PREC: tl.constexpr):
+    """acc[:, 16 I : 16 I + 16] += x for acc [C, BD], x [C, 16] fp32.
+
+    A dot with a 0/1 placement matrix: a register tile cannot be indexed by a run-time block number.
+    """
+    place = (tl.arange(0, BD)[None, :] == I * 16 + tl.arange(0, 16)[:, None]).to(x.dtype)
+    return tl.dot(x, place, acc, input_precision=PREC, out_dtype=acc.dtype)
+
+
+@triton.jit
+def _scan_step(seg, i, N, SEG: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
+    """The i-th chunk a scan visits in its segment (from the end when REVERSE), its tokens and their mask."""
+    c = seg * SEG + i
+    if REVERSE:
+        c = seg * SEG + SEG - 1 - i
+    tok = c * C + tl.arange(0, C)
+    return c, tok, tok < N
+
+
+@triton.jit
+def _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY: tl.constexpr, ACC_DT: tl.constexpr,
+                 DOT_DT: tl.constexpr):
+    """Y [C, BV] in DOT_DT and the normaliser weight [C]: NW in query mode, 1 for each real token in keys mode."""
+    y = _tile(Y + xh * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+    if QUERY:
+        nw = tl.load(NW + xh * N + tok, mask=tmask, other=0.0)
+    else:
+        nw = tmask.to(ACC_DT)
+    return y, nw
+
+
+@triton.jit
+def _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+              ACC_DT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Chunk c of KV head hk: token indices and mask, column indices, the key pointer, K [C, BD], V [C, BV]."""
+    tok = c * C + tl.arange(0, C)
+    tmask = tok < N
+    dcol = tl.arange(0, BD)
+    vcol = tl.arange(0, BV)
+    kh = K + (b * n_kv + hk).to(tl.int64) * N * d
+    k = _tile(kh, tok, tmask, dcol, d).to(ACC_DT).to(DOT_DT)
+    v = _tile(V + (b * n_kv + hk).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(ACC_DT).to(DOT_DT)
+    return tok, tmask, dcol, vcol, kh, k, v
+
+
+@triton.jit
+def _query_chunk(Q, K, V, N, n_q, d, dv, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                 ACC_DT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Program (query head h, chunk c, batch b) of a per-query-head kernel and its tiles Q (input dtype), K, V."""
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    n_kv = n_q // REP
+    hk = h // REP
+    tok, tmask, dcol, vcol, kh, k, v = _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C, BD, BV, ACC_DT, DOT_DT)
+    qh = Q + (b * n_q + h).to(tl.int64) * N * d
+    return h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, _tile(qh, tok, tmask, dcol, d), k, v
+
+
+@triton.jit
+def _pair_blocks(PAIRS, p, xh, tok, tmask, d, D16, ACC_DT: tl.constexpr):
+    """Block pair p = (I, J): I, J, its state rows, and the two [C, 16] blocks of X (pointer xh)."""
+    I = tl.load(PAIRS + 2 * p)
+    J = tl.load(PAIRS + 2 * p + 1)
+    rows = 1 + D16 + p * 256 + tl.arange(0, 256)
+    return I, J, rows, _block(xh, tok, tmask, I, d).to(ACC_DT), _block(xh, tok, tmask, J, d).to(ACC_DT)
+
+
+@triton.jit
+def _intra_z(q, k, WS, L0, h, m, g1, BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
+             PREC: tl.constexpr):
+    """z_m(i, j) = L[0, m] + scale sum_r q_ir L[g(r)+1, m] k_jr for one chunk, [C, C] (Eq. 7, one column of L)."""
+    w = tl.load(WS + (h * g1 + m) * BD + tl.arange(0, BD))
+    qw = (q.to(ACC_DT) * w[None, :]).to(DOT_DT)
+    return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * g1 + m)
+
+
+@triton.jit(do_not_specialize=["store", "has_carry"])  # run-time flags: one compiled variant serves both
+def _state_scan(
+    X, Y, NW, A, BS, CS, PAIRS, ST, STN, TOT, TOTN, CARRY, CARRYN,
+    N, HX, n_seg, d, dv, R, store, has_carry,
+    NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
+    QUERY: tl.constexpr, REVERSE: tl.constexpr,
+    DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Scan of state increments over the chunks of one segment, for one feature block of one KV head.
+
+    Keys mode (QUERY=False, REP=1): X = k, Y = v; the increment of chunk c is psi(K_c)^T [V_c | 1] (Eq. 5).
+    Query mode (QUERY=True): X = q, Y = dO / den, NW = -delta, summed over the REP query heads of the KV head:
+    phi(Q_c)^T [Y_c | NW_c], the gradient that chunk c's readout sends to its state (Eq. 6, backward).
+    The running value starts at CARRY (one per segment; when `has_carry`) or zero and ends in TOT; with `store`
+    it is also written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
+    SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
+    variants are compiled. The state tensor holds n_seg * SEG chunks; those past N add nothing.
+    Grid: (NPAIR + NB + 1 feature blocks, n_seg, B * Hkv).
+    """
+    D16 = NB * 16
+    pid_t = tl.program_id(0)
+    seg = tl.program_id(1)
+    bh = tl.program_id(2)
+    n_kv = HX // REP
+    b = bh // n_kv
+    hk = bh % n_kv
+    vcol = tl.arange(0, BV)
+    vmask = vcol < dv
+    st_base = bh.to(tl.int64) * (n_seg * SEG) * R
+    tot_base = (bh * n_seg + seg).to(tl.int64) * R
+    if pid_t < NPAIR:  # H2, one block pair
+        I = tl.load(PAIRS + 2 * pid_t)
+        J = tl.load(PAIRS + 2 * pid_t + 1)
+        rows = 1 + D16 + pid_t * 256 + tl.arange(0, 256)
+        acc = tl.zeros([256, BV], ACC_DT)
+        accn = tl.zeros([16, 16], ACC_DT)
+        if has_carry:
+            acc += _state(CARRY, tot_base, rows, vcol, dv)
+            accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [16, 16])
+        for i in range(SEG):
+            c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
+            if store:
+                off = st_base + c * R + rows
+                tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(DOT_DT), mask=vmask[None, :])
+                tl.store(STN + off, tl.reshape(accn, [256]))
+            for r in range(REP):
+                xh = (b * HX + hk * REP + r).to(tl.int64)
+                f3 = _block(X + xh * N * d, tok, tmask, I, d).to(ACC_DT)[:, :, None]
+                f3 = f3 * _block(X + xh * N * d, tok, tmask, J, d).to(ACC_DT)[:, None, :]
+                if QUERY:
+                    f3 = f3 * _pair_coef(CS, hk * REP + r, I, J, D16)[None, :, :]
+                y, nw = _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
+                acc = tl.dot(tl.trans(_flat(f3.to(DOT_DT), C)), y, acc, input_precision=PREC, out_dtype=ACC_DT)
+                accn += tl.sum(f3 * nw[:, None, None], axis=0)
+        tl.store(TOT + (tot_base + rows)[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
+        tl.store(TOTN + tot_base + rows, tl.reshape(accn, [256]))
+    elif pid_t < NPAIR + NB:  # H1, one 16-wide block
+        I1 = pid_t - NPAIR
+        rows1 = 1 + I1 * 16 + tl.arange(0, 16)
+        acc1 = tl.zeros([16, BV], ACC_DT)
+        accn1 = tl.zeros([16], ACC_DT)
+        if has_carry:
+            acc1 += _state(CARRY, tot_base, rows1, vcol, dv)
+            accn1 += tl.load(CARRYN + tot_base + rows1)
+        for i in range(SEG):
+            c1, tok1, tmask1 = _scan_step(seg, i, N, SEG, C, REVERSE)
+            if store:
+                off1 = st_base + c1 * R + rows1
+                tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(DOT_DT), mask=vmask[None, :])
+                tl.store(STN + off1, accn1)
+            for r in range(REP):
+                xh1 = (b * HX + hk * REP + r).to(tl.int64)
+                f1 = _block(X + xh1 * N * d, tok1, tmask1, I1, d).to(ACC_DT)
+                if QUERY:
+                    f1 = f1 * tl.load(BS + (hk * REP + r) * D16 + I1 * 16 + tl.arange(0, 16))[None, :]
+                y1, nw1 = _scan_inputs(Y, NW, xh1, tok1, tmask1, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
+                acc1 = tl.dot(tl.trans(f1.to(DOT_DT)), y1, acc1, input_precision=PREC, out_dtype=ACC_DT)
+                accn1 += tl.sum(f1 * nw1[:, None], axis=0)
+        tl.store(TOT + (tot_base + rows1)[:, None] * dv + vcol[None, :], acc1, mask=vmask[None, :])
+        tl.store(TOTN + tot_base + rows1, accn1)
+    else:  # H0
+        one = tl.arange(0, 1)
+        acc0 = tl.zeros([BV], ACC_DT)
+        accn0 = tl.zeros([1], ACC_DT)
+        if has_carry:
+            acc0 += tl.load(CARRY + tot_base * dv + vcol, mask=vmask, other=0.0)
+            accn0 += tl.load(CARRYN + tot_base + one)
+        for i in range(SEG):
+            c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
+            if store:
+                tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(DOT_DT), mask=vmask)
+                tl.store(STN + st_base + c0 * R + one, accn0)
+            for r in range(REP):
+                xh0 = (b * HX + hk * REP + r).to(tl.int64)
+                y0, nw0 = _scan_inputs(Y, NW, xh0, tok0, tmask0, vcol, N, dv, QUERY, ACC_DT, ACC_DT)
+                coef = 1.0
+                if QUERY:
+                    coef = tl.load(A + hk * REP + r)
+                acc0 += coef * tl.sum(y0, axis=0)
+                accn0 += coef * tl.sum(nw0, axis=0)
+        tl.store(TOT + tot_base * dv + vcol, acc0, mask=vmask)
+        tl.store(TOTN + tot_base + one, accn0)
+
+
+@triton.jit
+def _fwd_out(
+    Q, K, V, A, BS, CS, WS, L0, PAIRS, ST, STN, O, DEN,
+    N, n_q, n_cs, d, dv, R, eps, g1,
+    NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
+    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
+
+    Grid (Hq, n_c, B): the query heads of a KV head are adjacent, so K, V and the chunk's state come from L2.
+    Loops run at run time: unrolled, the compiler keeps every iteration's tiles live and runs out of registers.
+    """
+    D16 = NB * 16
+    h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
+                                                                          ACC_DT, DOT_DT)
+    j16 = tl.arange(0, 16)
+    # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
+    kap = tl.zeros([C, C], ACC_DT) + eps
+    for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
+        if m < g1:
+            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            kap += z * z
+    kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
+    acc = tl.dot(kap.to(DOT_DT), v, input_precision=PREC, out_dtype=ACC_DT)
+    den = tl.sum(kap, axis=1)
+    # inter-chunk: phi(q) . S_c, one feature block at a time (Eq. 6); S_c holds every earlier chunk
+    base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
+    a = tl.load(A + h)
+    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
+    den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    for I in range(NB):
+        rows = 1 + I * 16 + j16
+        f1 = _block(qh, tok, tmask, I, d).to(ACC_DT) * tl.load(BS + h * D16 + I * 16 + j16)[None, :]
+        acc = tl.dot(f1.to(DOT_DT), _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
+                     out_dtype=ACC_DT)
+        den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
+    den16 = tl.zeros([C, 16], ACC_DT)
+    for p in range(NPAIR):
+        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
+        f3 = q_i[:, :, None] * q_j[:, None, :]
+        f2 = _flat((f3 * _pair_coef(CS, h, pi, pj, D16)[None, :, :]).to(DOT_DT), C)  # rounded, then reshaped
+        acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
+        # the normaliser column through the tensor cores too, its state broadcast to 16 equal columns
+        sn = tl.broadcast_to(tl.load(STN + base + rows2).to(DOT_DT)[:, None], [256, 16])
+        den16 = tl.dot(f2, sn, den16, input_precision=PREC, out_dtype=ACC_DT)
+    den += tl.sum(den16, axis=1) / 16.0
+    out = acc / tl.where(tmask, den, 1.0)[:, None]
+    tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :],
+             out.to(O.dtype.element_ty), mask=tmask[:, None] & (vcol < dv)[None, :])
+    tl.store(DEN + (b * n_q + h).to(tl.int64) * N + tok, den, mask=tmask)
+
+
+@triton.jit
+def _bwd_dq(
+    Q, K, V, GO, DL, BS, CS, WS, L0, PAIRS, ST, STN, DQ, PART,
+    N, n_q, n_c, n_cs, d, dv, R, P, g1,
+    NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
+    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dq of one chunk of one query head, and its share of the coefficient gradients.
+
+    GO = dO / den is the gradient of the numerator and DL = (dO . o) / den minus that of the normaliser, so
+    the gradient of kappa_ij is GO_i . v_j - DL_i and that of phi(q_i) is S_c [GO_i; -DL_i].
+    PART[b, c, h] receives [d(A) | d(BS) (D16) | d(CS) per pair (NPAIR x 256) | d(WS) (g1 x BD) | d(L0) (g1)],
+    g1 = G + 1.
+    Grid (Hq, n_c, B).
+    """
+    D16 = NB * 16
+    h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
+                                                                          ACC_DT, DOT_DT)
+    j16 = tl.arange(0, 16)
+    part = PART + ((b * n_c + c) * n_q + h).to(tl.int64) * P
+    off_w = 1 + D16 + NPAIR * 256
+    off_l0 = off_w + g1 * BD
+    go = _tile(GO + (b * n_q + h).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(DOT_DT)
+    dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
+    # intra-chunk: dkappa = go . v - dl on the causal triangle, dz_m = 2 z_m dkappa
+    dkap = tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None]
+    dkap = tl.where(tok[:, None] >= tok[None, :], dkap, 0.0)
+    dq = tl.zeros([C, BD], ACC_DT)
+    for m in range(GMAX):
+        if m < g1:
+            dz = 2.0 * _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            tl.store(part + off_l0 + m, tl.sum(tl.sum(dz, axis=1), axis=0))
+            t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
+            dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]
+            tl.store(part + off_w + m * BD + dcol, tl.sum(q.to(ACC_DT) * t, axis=0))
+    # inter-chunk: the gradient of phi(q) is [go, -dl] S_c^T, then through phi (Eq. 6)
+    base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
+    s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
+    r0 = tl.sum(go.to(ACC_DT) * s0[None, :], axis=1) - dl * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    tl.store(part, tl.sum(r0, axis=0))
+    for I in range(NB):
+        rows = 1 + I * 16 + j16
+        r1 = tl.dot(go, tl.trans(_state(ST, base, rows, vcol, dv).to(DOT_DT)), input_precision=PREC,
+                    out_dtype=ACC_DT)
+        r1 -= dl[:, None] * tl.load(STN + base + rows)[None, :]
+        dq = _scatter(dq, r1 * tl.load(BS + h * D16 + I * 16 + j16)[None, :], I, BD, PREC)
+        tl.store(part + 1 + I * 16 + j16, tl.sum(_block(qh, tok, tmask, I, d).to(ACC_DT) * r1, axis=0))
+    for p in range(NPAIR):
+        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
+        dphi = tl.dot(go, tl.trans(_state(ST, base, rows2, vcol, dv).to(DOT_DT)), input_precision=PREC,
+                      out_dtype=ACC_DT)
+        dphi -= dl[:, None] * tl.load(STN + base + rows2)[None, :]
+        d3 = tl.reshape(dphi, [C, 16, 16])
+        dcs = tl.sum(q_i[:, :, None] * q_j[:, None, :] * d3, axis=0) * tl.where(pi < pj, 2.0, 1.0)
+        tl.store(part + 1 + D16 + p * 256 + tl.arange(0, 256), tl.reshape(dcs, [256]))
+        d3 = d3 * _pair_coef(CS, h, pi, pj, D16)[None, :, :]
+        dq = _scatter(dq, tl.sum(d3 * q_j[:, None, :], axis=2), pi, BD, PREC)
+        dq = _scatter(dq, tl.sum(d3 * q_i[:, :, None], axis=1), pj, BD, PREC)
+    tl.store(DQ + (b * n_q + h).to(tl.int64) * N * d + tok[:, None] * d + dcol[None, :], dq.to(DQ.dtype.element_ty),
+             mask=tmask[:, None] & (dcol < d)[None, :])
+
+
+@triton.jit
+def _bwd_dkv(
+    Q, K, V, GO, DL, WS, L0, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
+    N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps, g1,
+    NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+    NPAIR: tl.constexpr, GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dk and dv of one chunk of one KV head, looping over its query heads (no atomics).
+
+    ST/STN hold the state gradient from the later chunks of the same segment and CARRY/CARRYN the one from later
+    segments and from the final state. Grid (Hkv, n_c, B).
+    """
+    D16 = NB * 16
+    hk = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    n_kv = n_q // REP
+    tok, tmask, dcol, vcol, kh, k, v = _kv_chunk(K, V, b, hk, n_kv, c, N, d, dv, C, BD, BV, ACC_DT, DOT_DT)
+    j16 = tl.arange(0, 16)
+    causal = tok[:, None] >= tok[None, :]
+    dk = tl.zeros([C, BD], ACC_DT)
+    dv_acc = tl.zeros([C, BV], ACC_DT)
+    # intra-chunk, one query head at a time
+    for r in range(REP):
+        h = hk * REP + r
+        q = _tile(Q + (b * n_q + h).to(tl.int64) * N * d, tok, tmask, dcol, d)
+        go = _tile(GO + (b * n_q + h).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(DOT_DT)
+        dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
+        dkap = tl.where(causal, tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None], 0.0)
+        kap = tl.zeros([C, C], ACC_DT) + eps
+        for m in range(GMAX):
+            if m < g1:
+                z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+                kap += z * z
+                qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
+                dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
+        kap = tl.where(causal, kap, 0.0)
+        dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
+    # inter-chunk: every later query read these keys through the state; dH_c = local + carry
+    base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
+    cbase = ((b * n_kv + hk) * n_seg + c // seg_len).to(tl.int64) * R
+    dh0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
+    dv_acc += (dh0 + tl.load(CARRY + cbase * dv + vcol, mask=vcol < dv, other=0.0))[None, :]
+    for I in range(NB):
+        rows = 1 + I * 16 + j16
+        dh1 = (_state(ST, base, rows, vcol, dv).to(ACC_DT) + _state(CARRY, cbase, rows, vcol, dv)).to(DOT_DT)
+        dv_acc = tl.dot(_block(kh, tok, tmask, I, d).to(ACC_DT).to(DOT_DT), dh1, dv_acc, input_precision=PREC,
+                        out_dtype=ACC_DT)
+        dpsi = tl.dot(v, tl.trans(dh1), input_precision=PREC, out_dtype=ACC_DT)
+        dpsi += (tl.load(STN + base + rows) + tl.load(CARRYN + cbase + rows))[None, :]
+        dk = _scatter(dk, dpsi, I, BD, PREC)
+    for p in range(NPAIR):
+        pi, pj, rows2, k_i, k_j = _pair_blocks(PAIRS, p, kh, tok, tmask, d, D16, ACC_DT)
+        dh2 = (_state(ST, base, rows2, vcol, dv).to(ACC_DT) + _state(CARRY, cbase, rows2, vcol, dv)).to(DOT_DT)
+        psi = _flat((k_i[:, :, None] * k_j[:, None, :]).to(DOT_DT), C)
+        dv_acc = tl.dot(psi, dh2, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
+        dpsi2 = tl.dot(v, tl.trans(dh2), input_precision=PREC, out_dtype=ACC_DT)
+        dpsi2 += (tl.load(STN + base + rows2) + tl.load(CARRYN + cbase + rows2))[None, :]
+        d3 = tl.reshape(dpsi2, [C, 16, 16])
+        dk = _scatter(dk, tl.sum(d3 * k_j[:, None, :], axis=2), pi, BD, PREC)
+        dk = _scatter(dk, tl.sum(d3 * k_i[:, :, None], axis=1), pj, BD, PREC)
+    tl.store(DK + (b * n_kv + hk).to(tl.int64) * N * d + tok[:, None] * d + dcol[None, :], dk.to(DK.dtype.element_ty),
+             mask=tmask[:, None] & (dcol < d)[None, :])
+    tl.store(DV + (b * n_kv + hk).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :],
+             dv_acc.to(DV.dtype.element_ty), mask=tmask[:, None] & (vcol < dv)[None, :])

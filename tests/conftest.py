@@ -1,0 +1,19 @@
+"""Test session setup.
+
+Triton binds its CPU interpreter when it is first imported (its own modules included), and transformers'
+modeling files import triton, so TRITON_INTERPRET=1 must be set before any test module is collected for
+tests/test_triton.py to run the kernels on CPU tensors. Only without CUDA (or with OAL_TEST_DEVICE=cpu); nothing
+else in the suite runs triton code.
+"""
+
+import os
+
+if os.environ.get("OAL_TEST_DEVICE") != "cuda":
+    # The interpreter multiplies tiles with numpy; on a small shared CPU, two BLAS threads per tiny matmul
+    # stall each other (seen here: 35 ms instead of 0.06 ms). Set before numpy is first imported.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (does not import triton)
+
+if (os.environ.get("OAL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
