@@ -28,6 +28,31 @@ def apply_timing_args(parser, args) -> None:
     CLOCK, CLOCK_NAME = (time.process_time if args.clock == "cpu" else time.perf_counter), args.clock
 
 
+def add_length_args(parser) -> None:
+    parser.add_argument("--min-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=32768)
+    parser.add_argument("--lengths", help="comma-separated lengths instead of min-len..max-len doubling")
+
+
+def lengths_from(parser, args) -> list[int]:
+    """The lengths to run: --lengths, or min-len doubling up to max-len."""
+    if args.lengths:
+        try:
+            lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
+        except ValueError:
+            parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
+        if not lengths or lengths[0] < 1:
+            parser.error(f"--lengths: expected positive integers, got {args.lengths!r}")
+        return lengths
+    if args.min_len < 1 or args.max_len < args.min_len:
+        parser.error("--min-len/--max-len: expected 1 <= min-len <= max-len")
+    lengths, n = [], args.min_len
+    while n <= args.max_len:
+        lengths.append(n)
+        n *= 2
+    return lengths
+
+
 def timing_flags() -> list[str]:
     """The same settings, as arguments for a child process."""
     return ["--threads", str(torch.get_num_threads()), "--clock", CLOCK_NAME]

@@ -10,6 +10,7 @@ recorded with every row. Writes benchmarks/results/operator.{json,png} and print
 
     python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
     python -m benchmarks.operator --max-len 8192 --dtypes float32
+    python -m benchmarks.operator --lengths 1024,4096,16384,32768 --threads 1 --clock cpu   # a shared machine
     python -m benchmarks.operator --sweep 8192           # chunk size x chunks per block, OAL only
 """
 
@@ -31,10 +32,12 @@ import torch  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     PeakRSS,
+    add_length_args,
     add_timing_args,
     apply_timing_args,
     clock,
     finish_figure,
+    lengths_from,
     timing_flags,
 )
 
@@ -212,8 +215,7 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--min-len", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=32768)
+    add_length_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -246,10 +248,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    lengths, n = [], args.min_len
-    while n <= args.max_len:
-        lengths.append(n)
-        n *= 2
+    lengths = lengths_from(parser, args)
     rows = []
     for dt in dtypes:
         for n in lengths:
