@@ -18,10 +18,10 @@ Composed rows (`--compose-from N`, for L >= N, when the whole model at L does no
 two-layer model of the same shape (layer 0 softmax, layer 1 converted) runs the same prefill and decode, every
 decoder layer is timed by forward hooks, and each full model's time is composed as (everything outside the
 layers) + (its softmax layers) x t(layer 0) + (its converted layers) x t(layer 1). Layers of one kind have the
-same shape and work, so this sums measured parts; `--compose-from` at a length that is also measured whole
-(`--check-compose`) prints how far composition is from the whole-model measurement. Composed rows report the
-cache size (K/V and states of all layers, exact) but no peak RSS.
-Writes benchmarks/results/model.{json,png} and prints a table.
+same shape and work, so this sums measured parts; `--check-compose` also composes at the longest whole-model
+length and prints composed/measured. Composed rows report the cache size (K/V and states of all layers, exact)
+but no peak RSS, and the table is followed by the per-layer prefill and decode times (softmax vs converted layer).
+Writes benchmarks/results/model.{json,png} (or `--out`) and prints a table.
 
     python -m benchmarks.model                                  # both models, L = 1k..32k (long: hours on 2 cores)
     python -m benchmarks.model --models qwen --max-len 4096     # quicker
@@ -40,16 +40,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import (
-    PeakRSS,
-    add_length_args,
-    add_timing_args,
-    apply_timing_args,
-    clock,
-    finish_figure,
-    lengths_from,
-    timing_flags,
-)
+from benchmarks import _common as bench
+from benchmarks._common import PeakRSS, clock
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
@@ -190,6 +182,9 @@ def _composed(row: dict, spent: list[list[float]], nbytes: dict[int, int], name:
             "decode_ms": statistics.median(decode_all), "decode_ms_all": decode_all,
             "cache_mib": (n_soft * nbytes[0] + n_oal * nbytes[1]) / 2**20,
             "layer_prefill_s": {"softmax": soft_pre, "oal": conv_pre, "outside": outside_pre},
+            "layer_decode_ms": {"softmax": 1e3 * statistics.median(spent[0][1:]),
+                                "oal": 1e3 * statistics.median(spent[1][1:]),
+                                "outside": 1e3 * statistics.median(steps)},
             "converted_layers": converted if variant == "oal" else [],
         })
     return out
@@ -202,27 +197,29 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for (model, variant), style in zip(sorted({(r["model"], r["variant"]) for r in rows if r["variant"] != "mixed"}),
-                                       ("o-", "s--") * 4, strict=False):
+    series = sorted({(r["model"], r["variant"]) for r in rows if r["variant"] != "mixed"})
+    for i, ((model, variant), style) in enumerate(zip(series, ("o-", "s--") * 4, strict=False)):
         best = {}  # one point per length: the whole-model row when there is one
         for r in rows:
             if (r["model"], r["variant"]) == (model, variant) and (r["length"] not in best or not r["composed"]):
                 best[r["length"]] = r
         xs = sorted(best)
         label = f"{model} {variant}"
-        axes[0].loglog(xs, [best[x]["prefill_s"] for x in xs], style, label=label, base=2)
-        axes[1].semilogx(xs, [best[x]["decode_ms"] for x in xs], style, label=label, base=2)
+        axes[0].loglog(xs, [best[x]["prefill_s"] for x in xs], style, color=f"C{i}", label=label, base=2)
+        axes[1].semilogx(xs, [best[x]["decode_ms"] for x in xs], style, color=f"C{i}", label=label, base=2)
         peak = [x for x in xs if best[x]["peak_mib"] is not None]
-        axes[2].semilogx(peak, [best[x]["peak_mib"] for x in peak], style, label=f"{label} peak RSS", base=2)
-        axes[2].semilogx(xs, [best[x]["cache_mib"] for x in xs], style[0] + ":", label=f"{label} cache", base=2)
+        axes[2].semilogx(peak, [best[x]["peak_mib"] for x in peak], style, color=f"C{i}", label=f"{label} peak RSS",
+                         base=2)
+        axes[2].semilogx(xs, [best[x]["cache_mib"] for x in xs], style[0] + ":", color=f"C{i}", alpha=0.6,
+                         label=f"{label} cache", base=2)
         composed = [x for x in xs if best[x]["composed"]]
         for ax, key in ((axes[0], "prefill_s"), (axes[1], "decode_ms")):
             ax.plot(composed, [best[x][key] for x in composed], "kx", markersize=9)
     axes[0].set(xlabel="context length", ylabel="prefill time (s)", title="Prefill")
     axes[1].set(xlabel="context length", ylabel="ms per token", title="Decode, per token")
     axes[2].set(xlabel="context length", ylabel="MiB", title="Peak RSS above the loaded model; cache size")
-    finish_figure(fig, axes, "End to end on CPU: converted (OAL) vs softmax (SDPA); x: composed from layer timings",
-                  path)
+    title = "End to end on CPU: converted (OAL) vs softmax (SDPA); x: composed from layer timings"
+    bench.finish_figure(fig, axes, title, path)
 
 
 def _jobs(models: list[str], lengths: list[int], compose_from: int | None, check: bool) -> list[tuple]:
@@ -265,6 +262,11 @@ def _summary(rows: list[dict], models: list[str], lengths: list[int], console, t
         console.print(table)
     if any(r["composed"] for r in summary):
         console.print("* composed from per-layer timings of a two-layer model of the same shape (see --help)")
+    for r in (r for r in rows if r["composed"] and r["variant"] == "oal"):
+        ms, pre = r["layer_decode_ms"], r["layer_prefill_s"]
+        console.print(f"per layer, {r['model']} L={r['length']}: prefill softmax {pre['softmax']:.2f} s, "
+                      f"converted {pre['oal']:.2f} s; decode softmax {ms['softmax']:.2f} ms, "
+                      f"converted {ms['oal']:.2f} ms, outside the layers {ms['outside']:.1f} ms")
     for r in (r for r in rows if r["composed"]):  # --check-compose: a length measured both ways
         key = (r["model"], r["length"], r["variant"])
         whole = next((w for w in rows if not w["composed"] and (w["model"], w["length"], w["variant"]) == key), None)
@@ -278,17 +280,18 @@ def _summary(rows: list[dict], models: list[str], lengths: list[int], console, t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen,default", help="comma-separated: qwen, default")
-    add_length_args(parser)
+    bench.add_length_args(parser)
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--compose-from", type=int, metavar="L",
                         help="qwen lengths >= L: compose the models from a timed two-layer model (see above)")
     parser.add_argument("--check-compose", action="store_true",
                         help="also compose at the longest whole-model length, and print composed/measured")
-    add_timing_args(parser)
+    parser.add_argument("--out", type=Path, default=RESULTS / "model.json", help="JSON path (the PNG goes beside it)")
+    bench.add_timing_args(parser)
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    apply_timing_args(parser, args)
+    bench.apply_timing_args(parser, args)
     dtype = getattr(torch, args.dtype)
     if args.child:
         name, variant, length = args.child
@@ -300,7 +303,7 @@ def main() -> None:
             parser.error(f"--models: expected qwen or default, got {m!r}")
     if args.decode_tokens < 1:
         parser.error(f"--decode-tokens: expected at least 1, got {args.decode_tokens}")
-    lengths = lengths_from(parser, args)
+    lengths = bench.lengths_from(parser, args)
 
     from rich.console import Console
     from rich.progress import Progress
@@ -309,13 +312,13 @@ def main() -> None:
 
     console = Console(width=170)
     rows = []
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     jobs = _jobs(models, lengths, args.compose_from, args.check_compose)
     with Progress(console=console) as progress:
         task = progress.add_task("prefill + decode", total=len(jobs))
         for m, n, v in jobs:
             cmd = [sys.executable, "-m", "benchmarks.model", "--child", m, v, str(n), "--decode-tokens",
-                   str(args.decode_tokens), "--dtype", args.dtype, *timing_flags()]
+                   str(args.decode_tokens), "--dtype", args.dtype, *bench.timing_flags()]
             res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
             got = json.loads(res.stdout.strip().splitlines()[-1])
             for r in got if isinstance(got, list) else [got]:
@@ -324,7 +327,7 @@ def main() -> None:
                                        f"prefill {r['prefill_s']:.2f} s, decode {r['decode_ms']:.1f} ms/token, "
                                        f"cache {r['cache_mib']:.0f} MiB (load {r['load_before']:.1f})")
             # partial results survive an interrupted run
-            atomic_write_json(RESULTS / "model.json", {"rows": rows, "complete": False})
+            atomic_write_json(args.out, {"rows": rows, "complete": False})
             progress.advance(task)
     title = f"{args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock"
     summary = _summary(rows, models, lengths, console, title)
@@ -337,10 +340,10 @@ def main() -> None:
                          f"{'met' if got >= goal else 'NOT met'}")
     if goals:
         console.print("goals: " + "; ".join(goals))
-    atomic_write_json(RESULTS / "model.json", {"rows": rows, "summary": summary, "complete": True,
-                                               "dtype": args.dtype, "torch": torch.__version__, "clock": args.clock})
-    _plot(rows, RESULTS / "model.png")
-    console.print(f"wrote {RESULTS / 'model.json'} and {RESULTS / 'model.png'}")
+    atomic_write_json(args.out, {"rows": rows, "summary": summary, "complete": True, "dtype": args.dtype,
+                                 "torch": torch.__version__, "clock": args.clock})
+    _plot(rows, args.out.with_suffix(".png"))
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
