@@ -108,7 +108,8 @@ class OnePassCapture:
 
     ROLES = ("calib_train", "calib_val")
 
-    def __init__(self, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int], root: str | Path, key: str,
+    def __init__(self, model, blocks: Mapping[str, torch.Tensor | Mapping[str, torch.Tensor]], layers: Sequence[int],
+                 root: str | Path, key: str,
                  *, progress: bool = True):
         self.model, self.blocks, self.layers = model, blocks, list(layers)
         self.root, self.key, self.progress = Path(root), key, progress
@@ -117,17 +118,18 @@ class OnePassCapture:
 
     def __call__(self, layer: int):
         from .calibrate import LayerData
-        from .models.capture_store import capture_to_disk
+        from .models.capture_store import block_ids, capture_to_disk
 
         if self.store is None:
             t0 = time.perf_counter()
             with Progress(disable=not self.progress, transient=True) as bar:
-                task = bar.add_task("capture", total=sum(self.blocks[r].shape[0] for r in self.ROLES))
+                total = sum(block_ids(r, self.blocks[r])[0].shape[0] for r in self.ROLES)
+                task = bar.add_task("capture", total=total)
                 self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,
                                              self.root, key=self.key, on_batch=lambda _role, n: bar.advance(task, n))
             self.seconds = time.perf_counter() - t0
         device = next(self.model.parameters()).device
-        return tuple(LayerData(**self.store.load(r, layer, device)) for r in self.ROLES)
+        return tuple(LayerData(**self.store.load(r, layer, device), causal=self.store.causal) for r in self.ROLES)
 
     def stats(self) -> dict | None:
         """What calibration.json records of the capture (None when every layer came from a checkpoint)."""

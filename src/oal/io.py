@@ -193,11 +193,13 @@ def recorded_base_model(directory: str | Path) -> str | None:
 
 def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):
     """(converted model, tokenizer, provenance): the base model `base_model` (default: the one recorded in
-    kernels.json) loaded by `load_model`, checked against the record (tensors and files), then converted."""
+    kernels.json) loaded by `load_model` (a local encoder folder: `models.encoder.load_encoder`), checked against
+    the record (tensors and files), then converted."""
+    from .models.encoder import is_encoder_model, load_encoder
     from .models.registry import load_model
 
     name = base_model or recorded_base_model(directory) or "default"
-    model, tokenizer, provenance = load_model(name, **load_kwargs)
+    model, tokenizer, provenance = (load_encoder if is_encoder_model(name) else load_model)(name, **load_kwargs)
     return _convert_checked(directory, model, provenance), tokenizer, provenance
 
 

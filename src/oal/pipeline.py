@@ -1,6 +1,11 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> fidelity -> adapt:<method> -> perplexity:<method> -> zeroshot:<method> -> report
+    setup -> analyze -> calibrate -> [select] -> fidelity -> adapt:<method> -> perplexity:<method>
+          -> zeroshot:<method> -> [compare:<layers>] -> report
+
+The bracketed stages run with `--layers auto:K` only (oal.selection): every layer is calibrated into candidates/,
+`select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
+the paper's range and the criterion's top layers at the paper's K for the report.
 
 Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
 of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
@@ -41,8 +46,9 @@ from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
-from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
+from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from .models.convert import convert
+from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
 from .report import write_report
 from .run_dir import claim_run_dir, multi_seed_layout
@@ -58,12 +64,16 @@ from .runio import (
     tensor_hash,
     versions,
 )
+from .selection import comparison_sets, select_layers
 
-__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_seed", "STAGES"]
+__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "run_selection", "STAGES"]
 
-STAGES = ("setup", "analyze", "calibrate", "fidelity", "adapt", "perplexity", "zeroshot", "report")
+FIDELITY_FILE = ".oal/fidelity.json"
+STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "adapt", "perplexity", "zeroshot", "compare", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
+CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
+SELECTION_FILE = "selection.json"
 NEEDS_GROUPS = ("oal",)
 
 
@@ -72,7 +82,14 @@ class _Stop(Exception):
 
 
 class Run:
-    """One seed's run directory and the lazily loaded model, corpus and token blocks."""
+    """One seed's run directory and the lazily loaded model, corpus and token blocks (the decoder protocol).
+
+    Another protocol (`oal.encoder_pipeline.EncoderRun`) subclasses it and overrides the hooks: `_load_model`,
+    `_plan_blocks`, `_blocks_record`, `_analysis_inputs`, `_fidelity_data`, `stages`, `results`, `report`,
+    `aggregate`, `summary`; setup, the stage mechanism, calibration and provenance stay here.
+    """
+
+    protocol: str | None = None  # recorded in config.json when set (the decoder protocol records none)
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
                  progress: bool = True, stop_after: str | None = None, force: bool = False,
@@ -113,30 +130,36 @@ class Run:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
+            # --layers auto:K: every layer is a candidate (calibrated into candidates/), the K best are converted
+            self.layers = self.cfg.layers if self.cfg.layers is not None else (
+                list(range(n_layers)) if self.cfg.select else self._default_layers())
             if not self.layers or any(i >= n_layers for i in self.layers):
                 raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
                                  "--layers", "layers")
+            if self.cfg.select and self.cfg.select["k"] > len(self.layers):
+                raise InputError(f"expected auto:K with K <= {len(self.layers)} (the candidate layers), got "
+                                 f"auto:{self.cfg.select['k']}", "--layers", "layers")
+            self.calib_root = self.dir / CANDIDATES if self.cfg.select else self.dir
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
-                self.plan = (SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                             else default_plan(self.cfg.preset))
-                self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+                self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
         config = {
+            **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.cfg.to_dict(),
-            "converted_layers": self.layers,
+            "converted_layers": self.layers if not self.cfg.select else {**self.cfg.select, "candidates": self.layers},
             "split_plan": self.plan.to_dict(),
-            "blocks": {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()},
+            "blocks": self._blocks_record(),
             "model": _jsonable_provenance(self.provenance),
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
         }
         # content, not paths: the same model files and text elsewhere give the same key
-        self.keys["setup"] = config_hash({"converted_layers": self.layers, "split_plan": config["split_plan"],
+        self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),
+                                          "converted_layers": self.layers, "split_plan": config["split_plan"],
                                           "blocks": config["blocks"], "dtype": self.cfg.dtype,
                                           "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                                           "data": self.corpus.sha256})
@@ -144,6 +167,15 @@ class Run:
         self.log = StageLog(self.dir)
         atomic_write_json(self.dir / "config.json", config)
         self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+    def _plan_blocks(self) -> tuple:
+        """(split plan, {role: token blocks [S, N]}) from the corpus."""
+        plan = SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset)
+        return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
+
+    def _blocks_record(self) -> dict:
+        """What config.json records of the blocks (shapes and content hashes; part of the setup key)."""
+        return {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()}
 
     def _default_layers(self) -> list[int]:
         return list(default_layers(self.model))
@@ -183,11 +215,12 @@ class Run:
             raise _Stop(name)
         return True
 
-    def kernel_files(self, method: str) -> list[str]:
-        """`method`'s kernel files, relative to the run directory (none for the softmax reference)."""
+    def kernel_files(self, method: str, root: Path | None = None) -> list[str]:
+        """`method`'s kernel files (under `root`: the run directory by default, or candidates/), relative to the run
+        directory (none for the softmax reference)."""
         if method == REFERENCE:
             return []
-        d = self.kernel_dir(method).relative_to(self.dir)
+        d = kernel_dir(root or self.dir, method).relative_to(self.dir)
         return [str(d / KERNELS_FILE), str(d / META_FILE)]
 
     def analyze(self) -> bool:
@@ -196,13 +229,15 @@ class Run:
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
 
         def fn():
-            # held-out prompts and one long sequence give the App. A.3 stability checks (Fig. 6, Table 4)
-            extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
-                    heldout=extra["heldout"], long_sequence=extra["long_sequence"], seed=self.cfg.seed,
-                    console=self.console, **self.cfg.grouping)
+                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
+
+    def _analysis_inputs(self) -> dict:
+        """Held-out prompts and one long sequence: the App. A.3 stability checks (Fig. 6, Table 4)."""
+        extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+        return {"heldout": extra["heldout"], "long_sequence": extra["long_sequence"]}
 
     def _calib_config(self):
         return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
@@ -215,7 +250,8 @@ class Run:
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
-        outputs = ["calibration.json"] + [f for m in methods for f in self.kernel_files(m)]
+        root = self.calib_root.relative_to(self.dir)
+        outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if "oal" in methods else []
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
 
@@ -231,29 +267,109 @@ class Run:
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
             progress=self.progress, console=self.console)
-        write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
+        write_calibration(self.calib_root, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
                           provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
         checkpoints.clear()
         capture.remove()
+
+    def select(self) -> bool:
+        """`--layers auto:K`: rank the calibrated candidates (oal.selection), write the K best layers' kernels where
+        a run keeps its kernels, and convert only those from here on."""
+        if not self.cfg.select:
+            return True
+        method = "oal" if "oal" in self.kernel_methods else self.kernel_methods[0]
+        deps = {"setup": self.keys["setup"], "select": self.cfg.select, "method": method,
+                "batch": self.cfg.eval_batch_size}
+        path = self.dir / SELECTION_FILE
+
+        def fn():
+            candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+            sel = select_layers(self.model, candidates, **self.cfg.select, fidelity_blocks=self.blocks["calib_val"],
+                                val_blocks=self.blocks["val"], paper_layers=self._default_layers(),
+                                batch_size=self.cfg.eval_batch_size, progress=self.progress)
+            for m in self.kernel_methods:
+                ms, _ = load_kernels(kernel_dir(self.calib_root, m))
+                save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
+                             provenance=self.provenance, fingerprint=model_fingerprint(self.model),
+                             extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
+            atomic_write_json(path, {**sel, "method": method})
+
+        done = self.stage("select", deps, [SELECTION_FILE] + [f for m in self.kernel_methods
+                                                               for f in self.kernel_files(m)], fn,
+                          inputs=[f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)])
+        self.layers = load_json(path)["chosen"]
+        return done
+
+    def compare(self, run: bool = True) -> bool:
+        """`--layers auto:K`: the selection's top paper-K layers against the paper's range, each adapted with the
+        selection's method and measured on the test blocks (a layer set equal to the converted one reuses its arm)."""
+        if not self.cfg.select:
+            return True
+        sel = load_json(self.dir / SELECTION_FILE)
+        method, complete = sel["method"], True
+        for tag, layers in comparison_sets(sel).items():
+            if layers == self.layers:
+                continue
+            deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
+                    "adapt": self.cfg.adapt_config(method).to_dict(), "batch": self.cfg.eval_batch_size}
+            path = self.dir / ".oal" / f"compare_{tag}.json"
+
+            def fn(layers=layers, tag=tag, path=path):
+                candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+                model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
+                before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
+                                      self.cfg.adapt_config(method), ckpt_dir=self.dir / ".oal" / "checkpoints" /
+                                      f"compare-{tag}", progress=self.progress, description=f"adapt {method} {tag}")
+                after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
+                                         "ppl": math.exp(after[0] / after[1])})
+                shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
+
+            complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
+                                   inputs=self.kernel_files(method, self.calib_root), run=run)
+        return complete
+
+    def _selection_metrics(self, valid) -> dict | None:
+        if not (self.cfg.select and valid("select")):
+            return None
+        sel = load_json(self.dir / SELECTION_FILE)
+        comparison = {}
+        for tag, layers in comparison_sets(sel).items():
+            m = sel["method"]
+            if layers == self.layers and valid(f"perplexity:{m}") and valid(f"perplexity_no_adapt:{m}"):
+                ppl = {k: load_json(self.dir / ".oal" / f"{k}_{m}.json")["ppl"]
+                       for k in ("perplexity_no_adapt", "perplexity")}
+                comparison[tag] = {"layers": layers, "ppl_no_adapt": ppl["perplexity_no_adapt"],
+                                   "ppl": ppl["perplexity"]}
+            elif layers != self.layers and valid(f"compare:{tag}"):
+                comparison[tag] = load_json(self.dir / ".oal" / f"compare_{tag}.json")
+        return {**sel, "comparison": comparison}
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
         return methods
 
-    def fidelity(self) -> bool:
+    def evaluation(self, name: str, path: str, compute) -> bool:
+        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative)."""
         methods = self.kernel_methods
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "methods": methods}
-
-        def fn():
-            sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
-                           progress=self.progress)
-            atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
-
-        return self.stage("fidelity", deps, [".oal/fidelity.json"], fn,
+        return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
                           inputs=[f for m in methods for f in self.kernel_files(m)])
+
+    def fidelity(self) -> bool:
+        def compute(methods):
+            ids, kwargs = self._fidelity_data()
+            return fidelity(self.model, ids, {m: self.load_methods(m) for m in methods}, self.layers,
+                            progress=self.progress, **kwargs)
+
+        return self.evaluation("fidelity", FIDELITY_FILE, compute)
+
+    def _fidelity_data(self) -> tuple:
+        """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
+        return self.blocks["fidelity"].to(self.device), {}
 
     def model_for(self, method: str):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
@@ -327,12 +443,25 @@ class Run:
 
         return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
+    def stages(self, arms: list[str] | None = None) -> None:
+        """Every stage after setup, in order; `arms`: see `run_seed`."""
+        self.zeroshot_sets()  # fail on a bad data folder now, not after training
+        self.analyze()
+        self.calibrate()
+        self.select()
+        self.fidelity()
+        for m in self.cfg.methods:
+            active = arms is None or m in arms
+            self.perplexity(m, adapted=False, run=active)
+            if self.adapt(m, run=active):
+                self.perplexity(m, adapted=True, run=active)
+                self.zeroshot(m, run=active)
+        self.compare(run=arms is None)
+
     # ------------------------------------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
-        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
-               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
-               "adapt": {}}
+        """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
         used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
 
         def valid(stage):
@@ -341,9 +470,19 @@ class Run:
                 used.append(stage)
             return ok
 
-        fid = self.dir / ".oal" / "fidelity.json"
+        out = self.results(valid)
+        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
+        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        return out
+
+    def results(self, valid) -> dict:
+        """The numbers of metrics.json, each read from a stage's output when `valid(stage)`."""
+        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
+               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
+               "adapt": {}}
         if valid("fidelity"):
-            out["fidelity"] = load_json(fid)
+            out["fidelity"] = load_json(self.dir / FIDELITY_FILE)
         for m in self.cfg.methods:
             for key, prefix in (("perplexity", "perplexity"), ("perplexity_no_adapt", "perplexity_no_adapt")):
                 if valid(f"{prefix}:{m}"):
@@ -358,10 +497,37 @@ class Run:
                 merge_metrics(out, m, res["tasks"], res["data"], {})
         if self.zeroshot_skipped:
             out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
-        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
-        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
-        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        selection = self._selection_metrics(valid)
+        if selection is not None:
+            out["selection"] = selection
         return out
+
+    # ------------------------------------------------------------------------------------------------ reports
+
+    @staticmethod
+    def report(run_dir: Path, console: Console) -> None:
+        write_report(run_dir, console=console)
+
+    @staticmethod
+    def aggregate(per_seed: dict[int, dict]) -> dict:
+        return aggregate_seeds(per_seed)
+
+    @staticmethod
+    def summary(metrics: dict) -> Table:
+        return summary_table(metrics)
+
+
+def run_class(cfg: RunConfig) -> type[Run]:
+    """The protocol of `cfg.model`: `EncoderRun` for a local BERT-family encoder folder, `Run` otherwise."""
+    if is_encoder_model(cfg.model):
+        from .encoder_pipeline import EncoderRun
+
+        if cfg.select:
+            raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
+                             "layers")
+
+        return EncoderRun
+    return Run
 
 
 def _jsonable_provenance(obj):
@@ -384,26 +550,17 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
     stage outputs, so they describe exactly the files on disk.
     """
-    r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
-            allow_changes=allow_changes)
+    r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
+                       allow_changes=allow_changes)
     try:
         r.setup()
-        r.zeroshot_sets()  # fail on a bad data folder now, not after training
-        r.analyze()
-        r.calibrate()
-        r.fidelity()
-        for m in cfg.methods:
-            active = arms is None or m in arms
-            r.perplexity(m, adapted=False, run=active)
-            if r.adapt(m, run=active):
-                r.perplexity(m, adapted=True, run=active)
-                r.zeroshot(m, run=active)
+        r.stages(arms)
     except _Stop:
         return {}
     metrics = r.metrics()
     atomic_write_json(r.dir / "metrics.json", metrics)
     with Timer() as t:
-        write_report(r.dir, console=r.console)
+        r.report(r.dir, r.console)
     r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
     metrics["elapsed_s"]["report"] = round(t.seconds, 3)
     atomic_write_json(r.dir / "metrics.json", metrics)
@@ -427,6 +584,9 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, dev
     if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
         raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
                          "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
+    if config.get("protocol") == "encoder":
+        raise InputError(f"{out_dir} is an encoder run; adaptation is implemented for causal LMs only", "--out",
+                         "out_dir")
     d = dict(config["config"])
     if method not in d["methods"]:
         if method != REFERENCE:
@@ -501,10 +661,12 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    A local BERT-family encoder folder runs the encoder protocol (`oal.encoder_pipeline.EncoderRun`).
     """
     console = console or Console()
     out_dir = check_out_dir(out_dir)
     seeds = seeds or [cfg.seed]
+    protocol = run_class(cfg)
     multi_seed_layout(out_dir, seeds, force=force)
     if len(seeds) == 1:
         metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
@@ -515,14 +677,14 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
             console.rule(f"[bold]seed {s}")
             per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                    force=force)
-        metrics = aggregate_seeds(per_seed)
+        metrics = protocol.aggregate(per_seed)
         metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
                              for s in seeds}
         config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
         atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
         atomic_write_json(out_dir / "metrics.json", metrics)
-        write_report(out_dir, console=console)
-    console.print(summary_table(metrics))
+        protocol.report(out_dir, console)
+    console.print(protocol.summary(metrics))
     return metrics
 
 
@@ -547,3 +709,17 @@ def summary_table(metrics: dict) -> Table:
                       "-" if pre is None else f"{pre:.3f}", cell,
                       *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
     return table
+
+
+def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
+                  force: bool = False) -> dict:
+    """`oal select-layers`: the stages of `oal run --layers auto:K` up to the layer selection (selection.json); `oal
+    run` with the same options continues from there."""
+    if not cfg.select:
+        raise InputError("expected a layer selection such as auto:2", "--k", "select")
+    r = Run(cfg, out_dir, console=console, progress=progress, force=force)
+    r.setup()
+    r.analyze()
+    r.calibrate()
+    r.select()
+    return load_json(r.dir / SELECTION_FILE)

@@ -2,7 +2,8 @@
 
 Sections: configuration and provenance (versions, hashes, splits), the analysis figures, calibration curves, the
 fidelity table (paper Table 2 layout), the perplexity table (paper Table 3 layout, with the paper's Qwen2.5-0.5B
-numbers as a labelled reference group), Table 3's zero-shot columns, adaptation curves and time per stage.
+numbers as a labelled reference group), Table 3's zero-shot columns, passkey retrieval, layer selection, adaptation
+curves and time per stage.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .data.zeroshot import DISPLAY_NAMES  # noqa: E402
+from .evaluate.passkey import passkey_section  # noqa: E402
 from .runio import atomic_save_figure, atomic_write_text, load_json  # noqa: E402
+from .selection import selection_section  # noqa: E402
 
 __all__ = ["PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "DISPLAY", "write_report", "figure_references"]
 
@@ -43,7 +46,8 @@ PAPER_TABLE2_QWEN = {
     "oal": (0.078, 0.432, 0.031, 0.595),
 }
 
-OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png")
+OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "passkey.png",
+               "layer_selection.png")
 
 
 def _load(path: Path):
@@ -467,7 +471,8 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     config = _load(run_dir / "config.json") or {}
     fig_dir = run_dir / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    calibration = _load(run_dir / "calibration.json")
+    # --layers auto:K keeps every candidate layer's calibration in candidates/
+    calibration = _load(run_dir / "calibration.json") or _load(run_dir / "candidates" / "calibration.json")
     if calibration is None and metrics.get("seeds"):
         calibration = _load(run_dir / f"seed-{metrics['seeds'][0]}" / "calibration.json")
     has_cal = bool(calibration) and calibration_figure(calibration, fig_dir / "calibration_curves.png")
@@ -494,8 +499,15 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += _fidelity(metrics)
     lines += _perplexity(metrics, has_ppl)
     lines += _zeroshot(metrics)
+    lines += selection_section(metrics, fig_dir, _table)
+    lines += passkey_section(metrics, fig_dir, _table)
     lines += _adaptation(adapt_dir, metrics, has_adapt)
     lines += _timing(metrics)
+    return write_markdown(run_dir, lines, console=console)
+
+
+def write_markdown(run_dir: Path, lines: list[str], *, console=None) -> Path:
+    """Write DIR/report.md from `lines`, after checking that every figure it embeds exists and is not empty."""
     text = "\n".join(lines)
     for ref in figure_references(text):
         p = run_dir / ref

@@ -76,6 +76,25 @@ def registry_preset(preset: str | None, mdl) -> str:
     return preset
 
 
+SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
+                                          "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
+
+
+def layer_selection(spec: str | None, by: str, by_option: str = "--select-by") -> dict:
+    """RunConfig's `layers` and `select` from --layers ('auto:K' selects, anything else is a fixed list)."""
+    from ..selection import CRITERIA, parse_auto
+
+    if by not in CRITERIA:
+        raise typer.BadParameter(f"expected one of {', '.join(CRITERIA)}, got {by!r}", param_hint=by_option)
+    try:
+        k = parse_auto(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("layers: "), param_hint="--layers") from None
+    if k is not None:
+        return {"layers": None, "select": {"k": k, "by": by}}
+    return {"layers": parse_layers(spec) if spec is not None else None}
+
+
 def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
     """"all", "3-20" (inclusive) or "1,4,7" (mixable: "1,3-5") -> sorted layer list.
 
