@@ -1,11 +1,17 @@
-"""Causal forward time and peak memory of chunked OAL against SDPA (issue: operator benchmark).
+"""Causal forward time, peak memory and per-phase split of chunked OAL against SDPA, in fp32 and bf16.
 
-Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, fp32, N = 1k..32k.
-Each (method, N) runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own; the reported memory is
-the peak above the resident inputs. Writes benchmarks/results/operator.{json,png} and prints a table.
+Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, N = 1k..32k, fp32 and bf16 inputs (bf16:
+bf16 features and GEMMs with fp32 accumulation and an fp32 state, against bf16 SDPA). Each (method, N, dtype) runs
+in a fresh subprocess; the reported memory is the peak RSS of its first call above the resident inputs (sampled).
+Each OAL child also measures the GEMM rate of its dtype (2048^3) right before its timing, which is what "% of GEMM"
+refers to, and times one extra call for the phase split (features, intra-chunk, state, readout: the
+torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load (os.getloadavg) is
+recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
 
-    python -m benchmarks.operator                 # N = 1k..32k
-    python -m benchmarks.operator --max-len 8192  # quicker
+    python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
+    python -m benchmarks.operator --max-len 8192 --dtypes float32
+    python -m benchmarks.operator --lengths 1024,4096,16384,32768 --threads 1 --clock cpu   # a shared machine
+    python -m benchmarks.operator --sweep 8192           # chunk size x chunks per block, OAL only
 """
 
 import os
@@ -18,18 +24,30 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import subprocess  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    PeakRSS,
+    add_length_args,
+    add_timing_args,
+    apply_timing_args,
+    clock,
+    finish_figure,
+    lengths_from,
+    timing_flags,
+)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
+PHASES = ("features", "intra", "state", "readout")
+GOALS = {4096: 1.0, 16384: 4.0, 32768: 8.0}  # issue 18: sdpa/oal at least this
 
 
-def _inputs(n: int, device: str):
+def _inputs(n: int, device: str, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, SHAPE["hq"], n, SHAPE["d"], generator=gen)
     k = torch.randn(1, SHAPE["hkv"], n, SHAPE["d"], generator=gen)
@@ -38,15 +56,55 @@ def _inputs(n: int, device: str):
     from oal.ops.kernel import perturbed_factor, taylor_factor
 
     factor = perturbed_factor(taylor_factor(SHAPE["hq"], SHAPE["g"]), 0.1, generator=gen)
-    return [t.to(device) for t in (q, k, v, groups, factor)]
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return q, k, v, groups.to(device), factor.to(device)
 
 
-def _measure(method: str, n: int, repeats: int, device: str) -> dict:
+def gemm_gflops(device: str, dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, clock() - t0)
+    return 2 * size**3 / best / 1e9
+
+
+def _phase_split(call) -> dict:
+    """Seconds per phase of one call: the record_function ranges (oal.*) of oal.ops.chunked, on the benchmark clock."""
+    import contextlib
+
+    import oal.ops.chunked as chunked
+
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def timed(name):
+        t0 = clock()
+        try:
+            yield
+        finally:
+            spent[name.removeprefix("oal.")] += clock() - t0
+
+    real, chunked.record_function = chunked.record_function, timed
+    try:
+        t0 = clock()
+        call()
+        total = clock() - t0
+    finally:
+        chunked.record_function = real
+    return spent | {"other": max(total - sum(spent.values()), 0.0), "total": total}
+
+
+def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
     """Runs inside the child process: time one method at one length."""
     from oal.ops import oal_attention
 
-    q, k, v, groups, factor = _inputs(n, device)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    q, k, v, groups, factor = _inputs(n, device, dtype)
 
     def call():
         if method == "sdpa":
@@ -54,118 +112,188 @@ def _measure(method: str, n: int, repeats: int, device: str) -> dict:
         return oal_attention(q, k, v, groups, factor, backend="chunked")
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    row = {"method": method, "n": n, "dtype": str(dtype).replace("torch.", ""), "load_before": os.getloadavg()[0]}
     with torch.no_grad():
-        call()  # warm-up
-        sync()
+        if method == "oal":  # the GEMM rate of this dtype, measured next to the timing it is compared with
+            row["gemm_gflops"] = gemm_gflops(device, dtype)
+        with PeakRSS() as mem:
+            call()  # warm-up (and the memory measurement: the first call allocates the workspace)
+            sync()
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
             sync()
-            times.append(time.perf_counter() - t0)
-    peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+            times.append(clock() - t0)
+        peak_mib = mem.peak_mib
+        if method == "oal":
+            row["phases"] = _phase_split(call)
     if device == "cuda":
         peak_mib = torch.cuda.max_memory_allocated() / 2**20
-    return {"method": method, "n": n, "time_s": min(times), "mean_s": sum(times) / len(times), "peak_mib": peak_mib}
+    return row | {"time_s": min(times), "mean_s": sum(times) / len(times), "peak_mib": peak_mib,
+                  "load_after": os.getloadavg()[0]}
 
 
-def oal_flops(n: int, chunk: int = 64) -> float:
+def oal_flops(n: int, dtype: str = "float32") -> float:
     """Useful floating-point operations of the chunked path: readout, state update, intra-chunk GEMMs."""
+    from oal.ops.chunked import default_chunk
+
     d, hq, hkv, g = SHAPE["d"], SHAPE["hq"], SHAPE["hkv"], SHAPE["g"]
     feat, dv1 = 1 + d + d * (d + 1) // 2, d + 1
+    chunk = default_chunk(getattr(torch, dtype))  # the intra-chunk work grows with the chunk
     return 2.0 * n * (hq * feat * dv1 + hkv * feat * dv1 + hq * chunk * ((g + 1) * d + dv1))
 
 
-def gemm_gflops(device: str) -> float:
-    a = torch.randn(2048, 2048, device=device)
-    b = torch.randn(2048, 2048, device=device)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 5 * 2 * 2048**3 / (time.perf_counter() - t0) / 1e9
+def _child(args: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.operator", *args, *timing_flags()]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for method, label in (("sdpa", "SDPA (causal, GQA)"), ("oal", "OAL chunked (G=5)")):
-        pts = sorted((r["n"], r["time_s"], r["peak_mib"]) for r in rows if r["method"] == method)
-        axes[0].loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=label, base=2)
-        axes[1].semilogx([p[0] for p in pts], [p[2] for p in pts], "o-", label=label, base=2)
+    dtypes = sorted({r["dtype"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for dt in dtypes:
+        for method, style in (("sdpa", "s--"), ("oal", "o-")):
+            pts = sorted((r["n"], r["time_s"]) for r in rows if r["method"] == method and r["dtype"] == dt)
+            axes[0].loglog(*zip(*pts, strict=True), style, label=f"{'SDPA' if method == 'sdpa' else 'OAL'} {dt}",
+                           base=2)
+        pts = sorted((s["n"], s["ratio_sdpa_over_oal"]) for s in summary if s["dtype"] == dt)
+        axes[1].semilogx(*zip(*pts, strict=True), "o-", label=dt, base=2)
+    goal_n = sorted(GOALS)
+    axes[1].semilogx(goal_n, [GOALS[n] for n in goal_n], "k*", markersize=10, label="issue 18 goal", base=2)
     axes[0].set(xlabel="sequence length N", ylabel="forward time (s)", title="Causal forward time")
-    axes[1].set(xlabel="sequence length N", ylabel="peak memory above inputs (MiB)", title="Peak memory")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle("B=1, Hq=14, Hkv=2, d=dv=64, fp32")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    axes[1].set(xlabel="sequence length N", ylabel="SDPA time / OAL time", title="Speed-up over SDPA")
+    labels, bottoms = [], None
+    width = 0.4
+    for j, dt in enumerate(dtypes):
+        ss = sorted((s for s in summary if s["dtype"] == dt), key=lambda s: s["n"])
+        xs = [i + (j - 0.5) * width for i in range(len(ss))]
+        bottoms = [0.0] * len(ss)
+        for p, color in zip((*PHASES, "other"), ("C0", "C1", "C2", "C3", "C7"), strict=True):
+            vals = [100 * s["phase_share"][p] for s in ss]
+            axes[2].bar(xs, vals, width * 0.95, bottom=bottoms, color=color, label=p if j == 0 else None,
+                        hatch="//" if dt == "bfloat16" else None)
+            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        labels = [str(s["n"]) for s in ss]
+    axes[2].set_xticks(range(len(labels)), labels)
+    axes[2].set(xlabel="N (left bar fp32, right bar bf16, hatched)", ylabel="% of OAL time",
+                title="Where OAL's time goes")
+    finish_figure(fig, axes, "B=1, Hq=14, Hkv=2, d=dv=64, G=5, CPU", path)
+
+
+def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = []
+    for dt in dtypes:
+        for chunk in (32, 64, 128):
+            for blocks in (2, 4, 8, 16):
+                row = _child(["--child", "oal", str(n), "--dtype", dt, "--repeats", str(repeats), "--device", device,
+                              "--chunk", str(chunk), "--block-chunks", str(blocks)])
+                rows.append(row | {"chunk": chunk, "block_chunks": blocks})
+                print(f"  {dt} chunk={chunk} blocks={blocks}: {row['time_s']:.3f} s", file=sys.stderr)
+    table = Table(title=f"OAL chunked, N={n}: chunk size x chunks per block")
+    for col in ("dtype", "chunk", "chunks/block", "time (s)", "% of GEMM", "peak MiB", "load"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        share = 100 * oal_flops(n, r["dtype"]) / r["time_s"] / 1e9 / r["gemm_gflops"]
+        table.add_row(r["dtype"], str(r["chunk"]), str(r["block_chunks"]), f"{r['time_s']:.3f}", f"{share:.0f}%",
+                      f"{r['peak_mib']:.0f}", f"{r['load_before']:.1f}")
+    Console(width=160).print(table)
+    from oal.runio import atomic_write_json
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / "operator_sweep.json", {"n": n, "rows": rows, "torch": torch.__version__})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--min-len", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=32768)
+    add_length_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_timing_args(parser)
+    parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--block-chunks", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dt in dtypes + [args.dtype]:
+        if dt not in ("float32", "bfloat16"):
+            parser.error(f"--dtypes: expected float32 or bfloat16, got {dt!r}")
+    apply_timing_args(parser, args)
     if args.child:
-        print(json.dumps(_measure(args.child[0], int(args.child[1]), args.repeats, args.device)))
+        import oal.ops.chunked as chunked
+
+        if args.chunk:
+            chunked.CHUNK = chunked.CHUNK_BF16 = args.chunk
+        if args.block_chunks:
+            chunked.BLOCK = chunked.default_chunk(getattr(torch, args.dtype)) * args.block_chunks
+        row = _measure(args.child[0], int(args.child[1]), args.repeats, args.device, getattr(torch, args.dtype))
+        print(json.dumps(row))
+        return
+    if args.sweep:
+        _sweep(args.sweep, args.repeats, args.device, dtypes)
         return
 
     from rich.console import Console
     from rich.table import Table
 
-    lengths, n = [], args.min_len
-    while n <= args.max_len:
-        lengths.append(n)
-        n *= 2
+    lengths = lengths_from(parser, args)
     rows = []
-    for n in lengths:
-        for method in ("sdpa", "oal"):
-            cmd = [sys.executable, "-m", "benchmarks.operator", "--child", method, str(n), "--repeats",
-                   str(args.repeats), "--device", args.device]
-            root = Path(__file__).resolve().parent.parent
-            res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root)
-            out = res.stdout.strip().splitlines()[-1]
-            rows.append(json.loads(out))
-            print(f"  {method:5s} N={n:6d} {rows[-1]['time_s']:.3f} s", file=sys.stderr)
-    gemm = gemm_gflops(args.device)
-    table = Table(title=f"OAL chunked vs SDPA, causal forward, {args.device}, {torch.get_num_threads()} threads")
-    for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "% of GEMM"):
-        table.add_column(col, justify="right")
+    for dt in dtypes:
+        for n in lengths:
+            for method in ("sdpa", "oal"):
+                rows.append(_child(["--child", method, str(n), "--dtype", dt, "--repeats", str(args.repeats),
+                                    "--device", args.device]))
+                print(f"  {dt} {method:5s} N={n:6d} {rows[-1]['time_s']:.3f} s (load {rows[-1]['load_before']:.1f})",
+                      file=sys.stderr)
+    console = Console(width=160)
     summary = []
-    for n in lengths:
-        s = next(r for r in rows if r["method"] == "sdpa" and r["n"] == n)
-        o = next(r for r in rows if r["method"] == "oal" and r["n"] == n)
-        gfs = oal_flops(n) / o["time_s"] / 1e9
-        summary.append({"n": n, "ratio_sdpa_over_oal": s["time_s"] / o["time_s"], "oal_gflops": gfs})
-        table.add_row(str(n), f"{s['time_s']:.3f}", f"{o['time_s']:.3f}", f"{s['time_s'] / o['time_s']:.2f}",
-                      f"{s['peak_mib']:.0f}", f"{o['peak_mib']:.0f}", f"{gfs:.1f}", f"{100 * gfs / gemm:.0f}%")
-    console = Console()
-    console.print(table)
-    oal_t = {r["n"]: r["time_s"] for r in rows if r["method"] == "oal"}
-    scaling = {f"time({2 * n})/time({n})": oal_t[2 * n] / oal_t[n] for n in lengths if 2 * n in oal_t}
-    console.print(f"fp32 GEMM (2048^3): {gemm:.1f} GFLOP/s; OAL scaling: "
-                  + ", ".join(f"{k} = {v:.2f}" for k, v in scaling.items()))
+    for dt in dtypes:
+        table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
+                            f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock")
+        for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
+                    "% of GEMM", *PHASES, "other", "load"):
+            table.add_column(col, justify="right")
+        for n in lengths:
+            s = next(r for r in rows if r["method"] == "sdpa" and r["n"] == n and r["dtype"] == dt)
+            o = next(r for r in rows if r["method"] == "oal" and r["n"] == n and r["dtype"] == dt)
+            gfs = oal_flops(n, dt) / o["time_s"] / 1e9
+            total = o["phases"]["total"]
+            share = {p: o["phases"][p] / total for p in (*PHASES, "other")}
+            summary.append({"n": n, "dtype": dt, "ratio_sdpa_over_oal": s["time_s"] / o["time_s"], "oal_gflops": gfs,
+                            "gemm_gflops": o["gemm_gflops"], "pct_of_gemm": 100 * gfs / o["gemm_gflops"],
+                            "phase_share": share, "goal": GOALS.get(n),
+                            "load": max(s["load_before"], o["load_before"], s["load_after"], o["load_after"])})
+            table.add_row(str(n), f"{s['time_s']:.3f}", f"{o['time_s']:.3f}", f"{s['time_s'] / o['time_s']:.2f}",
+                          f"{s['peak_mib']:.0f}", f"{o['peak_mib']:.0f}", f"{gfs:.0f}", f"{o['gemm_gflops']:.0f}",
+                          f"{summary[-1]['pct_of_gemm']:.0f}%", *(f"{100 * share[p]:.0f}%" for p in (*PHASES, "other")),
+                          f"{summary[-1]['load']:.1f}")
+        console.print(table)
+        oal_t = {r["n"]: r["time_s"] for r in rows if r["method"] == "oal" and r["dtype"] == dt}
+        scaling = ", ".join(f"{oal_t[2 * n] / oal_t[n]:.2f}" for n in lengths if 2 * n in oal_t)
+        console.print(f"{dt}: OAL time(2N)/time(N) = {scaling}")
+    goals = [f"{s['dtype']} N={s['n']}: {s['ratio_sdpa_over_oal']:.2f} (goal {s['goal']:g}) "
+             f"{'met' if s['ratio_sdpa_over_oal'] >= s['goal'] else 'NOT met'}" for s in summary if s["goal"]]
+    if goals:
+        console.print("goals: " + "; ".join(goals))
+    from oal.runio import atomic_write_json
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"shape": SHAPE | {"dtype": "float32", "B": 1}, "device": args.device,
-              "threads": torch.get_num_threads(), "gemm_gflops": gemm, "rows": rows, "summary": summary,
-              "scaling": scaling, "torch": torch.__version__}
-    tmp = RESULTS / "operator.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, RESULTS / "operator.json")
-    _plot(rows, RESULTS / "operator.png")
+    result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
+              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME}
+    atomic_write_json(RESULTS / "operator.json", result)
+    _plot(rows, summary, RESULTS / "operator.png")
     console.print(f"wrote {RESULTS / 'operator.json'} and {RESULTS / 'operator.png'}")
 
 

@@ -1,14 +1,23 @@
-"""Joint LoRA + kernel adaptation (paper App. F.2), resumable after a kill.
+"""Joint LoRA + kernel adaptation (paper App. F.2), resumable after a kill, data-parallel across processes.
 
 LoRA (peft) on q/k/v/o of every layer, softmax layers included; the backbone stays frozen. Kernel parameters of
 converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, TaylorShift tau) train jointly from
 their calibrated start; groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
 clip 1.0, batch 1. Validation NLL every `val_every` updates on fixed blocks picks the checkpoint (never test).
 
+Several processes (`torchrun`, `accelerate launch`; see `oal.distributed`) compute what one process computes: an
+update takes the next `batch_size x processes x grad_accum` blocks (the global batch) of one block order that does
+not depend on the number of processes; process r takes its `batch_size` blocks of each micro-batch, DDP averages
+the gradients (blocks have equal length, so the mean of the per-process mean losses is the global-batch mean),
+gradients are clipped by their global norm, and the validation NLL is summed over the processes' shares of the
+validation blocks, the same number on every process. So N processes with batch b equal one process with batch N*b,
+up to the order of floating-point reductions (with `lora_dropout=0`: dropout masks are drawn per process).
+
 Exact resume: a checkpoint holds trainable tensors, the best tensors so far, the optimizer state (its tensors in
-safetensors, the rest in JSON: no pickle), the scheduler, the RNG state and the step, with the SHA256 of each file
-in state.json (a damaged checkpoint is reported and adaptation starts over). The block order is a pure function of
-the seed, so a resumed run replays exactly the updates an uninterrupted one makes.
+safetensors, the rest in JSON: no pickle), the scheduler, every process's RNG state and the step, with the SHA256 of
+each file in state.json (a damaged checkpoint is reported and adaptation starts over). The block order is a pure
+function of the seed, so a resumed run replays exactly the updates an uninterrupted one makes. Only the main process
+writes checkpoints; on resume it reads and checks them and hands the same state to every process.
 
 A saved adapter records the SHA256 of each of its files and of the converted model it was trained on
 (`oal_adapter.json`); `load_adapter` checks both before use.
@@ -28,6 +37,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import get_cosine_schedule_with_warmup
 
+from .distributed import Ranks, ranks, training_accelerator
 from .evaluate.perplexity import block_nll
 from .runio import (
     atomic_dir,
@@ -42,8 +52,8 @@ from .runio import (
     tensor_hash,
 )
 
-__all__ = ["AdaptConfig", "AdaptResult", "adapt", "check_adapter", "converted_model_sha256", "kernel_parameter_names",
-           "load_adapter", "save_adapter", "wrap_lora"]
+__all__ = ["AdaptConfig", "AdaptResult", "adapt", "adapt_identity", "check_adapter", "converted_model_sha256",
+           "kernel_parameter_names", "load_adapter", "save_adapter", "wrap_lora"]
 
 _PEFT_PREFIX = "base_model.model."
 ADAPTER_MANIFEST = "oal_adapter.json"
@@ -72,7 +82,10 @@ def converted_model_sha256(model) -> str:
 
 @dataclass
 class AdaptConfig:
-    """App. F.2 defaults; `steps`/`val_every` are the paper's 512/128 (presets shrink them for the CPU)."""
+    """App. F.2 defaults; `steps`/`val_every` are the paper's 512/128 (presets shrink them for the CPU).
+
+    `batch_size` blocks per process and micro-batch, `grad_accum` micro-batches per update: an update averages
+    batch_size x processes x grad_accum blocks (the paper: 1 x 1 x 1)."""
 
     steps: int = 512
     lr: float = 5e-4
@@ -89,11 +102,13 @@ class AdaptConfig:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     train_kernel: bool = True
     seed: int = 42
+    batch_size: int = 1
+    grad_accum: int = 1
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
         self.target_modules = tuple(self.target_modules)
-        for name in ("steps", "val_every", "ckpt_every", "lora_r"):
+        for name in ("steps", "val_every", "ckpt_every", "lora_r", "batch_size", "grad_accum"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -113,6 +128,18 @@ class AdaptConfig:
         return asdict(self)
 
 
+# Settings that arrived with data parallelism, at the values that change nothing (the paper's protocol).
+_NEUTRAL = {"batch_size": 1, "grad_accum": 1}
+
+
+def adapt_identity(cfg: AdaptConfig, processes: int = 1) -> dict:
+    """What adaptation results depend on: the settings, and the number of processes (it sets the global batch).
+    batch_size 1, grad_accum 1 and one process are left out, so that run directories and checkpoints made before
+    these settings existed stay valid: they compute exactly what those did."""
+    d = {k: v for k, v in cfg.to_dict().items() if not (k in _NEUTRAL and v == _NEUTRAL[k])}
+    return d if processes == 1 else {**d, "processes": processes}
+
+
 @dataclass
 class AdaptResult:
     best_step: int
@@ -123,8 +150,10 @@ class AdaptResult:
     kernel_change: float  # |theta_final - theta_calibrated| over kernel parameters (0 when none train)
     kernel_names: list[str] = field(default_factory=list)  # trained kernel parameters (names without peft prefix)
     base_sha256: str = ""  # converted_model_sha256 of the model before adaptation (what the adapter is bound to)
-    history: list[dict] = field(default_factory=list)  # per update: step, loss, lr
+    history: list[dict] = field(default_factory=list)  # per update: step, loss (global-batch mean), lr
     validation: list[dict] = field(default_factory=list)  # step, val_nll
+    processes: int = 1  # processes that trained it (data parallel)
+    global_batch: int = 1  # blocks per update: batch_size x processes x grad_accum
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -221,20 +250,27 @@ def _read_optimizer(folder: Path) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: dict) -> None:
+def _rng_name(rank: int, name: str) -> str:
+    """Key of a process's RNG state in rng.safetensors (the main process's under the names one process uses)."""
+    return name if rank == 0 else f"rank{rank}.{name}"
+
+
+def _save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: dict, rngs: list[dict]) -> None:
+    """Main process only. `rngs`: every process's RNG state, in rank order."""
     with atomic_dir(ckpt_dir) as tmp:
         atomic_save_safetensors(tmp / "trainable.safetensors", {n: p.data for n, p in params.items()})
         atomic_save_safetensors(tmp / "best.safetensors", best)
-        atomic_save_safetensors(tmp / "rng.safetensors", _rng_state())
+        atomic_save_safetensors(tmp / "rng.safetensors", {_rng_name(r, k): v for r, rng in enumerate(rngs)
+                                                          for k, v in rng.items()})
         _save_optimizer(tmp, optimizer)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_json(tmp / "state.json", {**state, "scheduler": scheduler.state_dict(), "sha256": files})
 
 
-def _load_checkpoint(ckpt_dir: Path, params, optimizer, scheduler, key: str):
-    """Restore the saved state of the same configuration; None when there is none, it is of another configuration,
-    or it is damaged (reported; adaptation then starts over). Everything is read and checked before anything is
-    restored."""
+def _read_checkpoint(ckpt_dir: Path, key: str, names: set[str], processes: int) -> dict | None:
+    """The saved state of the same configuration (and number of processes); None when there is none, it is of
+    another configuration, or it is damaged (reported; adaptation then starts over). Everything is read and checked
+    here, before anything is restored."""
     found = existing_dir(ckpt_dir)
     if found is None or not (found / "state.json").exists():
         return None
@@ -250,20 +286,42 @@ def _load_checkpoint(ckpt_dir: Path, params, optimizer, scheduler, key: str):
         opt_state = _read_optimizer(found)
         rng = load_safetensors(found / "rng.safetensors")
         best = load_safetensors(found / "best.safetensors")
+        rngs = [{k: rng[_rng_name(r, k)] for k in {n.split(".")[-1] for n in rng} if _rng_name(r, k) in rng}
+                for r in range(processes)]
+        if not all(rngs):
+            raise ValueError(f"rng.safetensors lacks the RNG state of some of {processes} processes")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("adaptation checkpoint %s is damaged (%s); starting adaptation over", found, exc)
         return None
-    if set(saved) != set(params):
+    if set(saved) != names:
         return None
+    state.pop("sha256", None)
+    return {"state": state, "trainable": saved, "optimizer": opt_state, "rngs": rngs, "best": best}
+
+
+def _restore(saved: dict, params, optimizer, scheduler, rank: int) -> tuple[dict, dict]:
+    """Load what `_read_checkpoint` read into this process's tensors, optimizer, scheduler and RNG; returns the
+    loop state and the best tensors so far."""
     with torch.no_grad():
         for n, p in params.items():
-            p.copy_(saved[n])
-    optimizer.load_state_dict(opt_state)
+            p.copy_(saved["trainable"][n])
+    optimizer.load_state_dict(saved["optimizer"])
+    state = dict(saved["state"])
     scheduler.load_state_dict(state.pop("scheduler"))
-    _set_rng_state(rng)
-    state.pop("sha256", None)
-    state["best"] = best
-    return state
+    _set_rng_state(saved["rngs"][rank])
+    return state, saved["best"]
+
+
+def _validation_nll(model, val_blocks: torch.Tensor, group: Ranks) -> float:
+    """Mean next-token NLL over `val_blocks`. Each process scores its share (blocks r, r + N, ...) and the sums are
+    added up, so every process gets the same number (one process: `block_nll` over all blocks)."""
+    if group.size == 1:
+        total, count = block_nll(model, val_blocks)
+        return total / count
+    share = val_blocks[group.index::group.size]
+    total, count = block_nll(model, share) if share.shape[0] else (0.0, 0)
+    summed = group.sum(torch.tensor([total, float(count)], dtype=torch.float64))
+    return summed[0].item() / summed[1].item()
 
 
 def _progress(enabled: bool) -> Progress:
@@ -290,6 +348,9 @@ def adapt(
     Returns (peft_model with the best checkpoint loaded, AdaptResult). With `ckpt_dir`, checkpoints are written
     every `cfg.ckpt_every` updates and at each validation, and an existing checkpoint of the same configuration
     is resumed. `on_step(step)` is called after each completed update (tests use it to simulate a kill).
+
+    Under a launch of several processes, every process calls it with the same arguments (see the module docstring);
+    all of them return the same tensors, and only the main process writes `ckpt_dir`.
     """
     cfg = cfg or AdaptConfig()
     for name, blocks in (("train_blocks", train_blocks), ("val_blocks", val_blocks)):
@@ -302,58 +363,72 @@ def adapt(
     kernel_set = set(kernel_names)
     kernel_start = {n: p.detach().clone() for n, p in params.items() if _strip(n) in kernel_set}
     device = next(peft_model.parameters()).device
+    acc = training_accelerator(device, cfg.grad_accum)
+    group = ranks(device)
     optimizer = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(cfg.warmup_frac * cfg.steps)), cfg.steps)
-    order = _block_order(train_blocks.shape[0], cfg.steps, cfg.seed)
-    key = config_hash({"cfg": cfg.to_dict(), "train": tensor_hash(train_blocks), "val": tensor_hash(val_blocks),
-                       "params": sorted(params), "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()},
-                       "base": base_sha256})
+    # DDP across the processes of a launch (one process: the model as it is); the scheduler is ours, stepped once
+    # per update (accelerate's would step once per process)
+    train_model, optimizer = acc.prepare(peft_model, optimizer)
+    per_update = cfg.batch_size * group.size * cfg.grad_accum  # the global batch
+    order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
+    key = config_hash({"cfg": adapt_identity(cfg, group.size), "train": tensor_hash(train_blocks),
+                       "val": tensor_hash(val_blocks), "params": sorted(params),
+                       "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256})
 
     state = {"key": key, "step": 0, "best_step": -1, "best_val_nll": math.inf, "history": [], "validation": []}
     best = {n: p.detach().clone() for n, p in params.items()}
-    torch.manual_seed(cfg.seed + 1)  # dropout stream
+    torch.manual_seed(cfg.seed + 1 + group.index)  # dropout stream, one per process
     ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else None
-    if ckpt_dir is not None:
-        resumed = _load_checkpoint(ckpt_dir, params, optimizer, scheduler, key)
-        if resumed is not None:
-            best = resumed.pop("best")
-            state = resumed
+    if ckpt_dir is not None:  # the main process reads and checks the checkpoint; every process restores the same one
+        saved = group.on_main(lambda: _read_checkpoint(ckpt_dir, key, set(params), group.size))
+        if saved is not None:
+            state, best = _restore(saved, params, optimizer, scheduler, group.index)
 
-    peft_model.train()
-    with _progress(progress) as bar:
+    train_model.train()
+    with _progress(progress and group.is_main) as bar:
         last_val = state["validation"][-1]["val_nll"] if state["validation"] else None
         task = bar.add_task(description, total=cfg.steps, completed=state["step"], loss="-",
                             val=f"{last_val:.4f}" if last_val is not None else "-", visible=progress)
         while state["step"] < cfg.steps:
-            ids = train_blocks[order[state["step"]]].unsqueeze(0).to(device)
-            loss = peft_model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
+            first = state["step"] * per_update
+            losses = []
+            for micro in range(cfg.grad_accum):  # this process's batch_size blocks of each micro-batch
+                start = first + (micro * group.size + group.index) * cfg.batch_size
+                ids = train_blocks[order[start : start + cfg.batch_size]].to(device)
+                with acc.accumulate(train_model):  # gradients are averaged across processes on the last one
+                    loss = train_model(input_ids=ids, labels=ids).loss
+                    acc.backward(loss)  # divided by grad_accum
+                losses.append(loss.detach())
+            acc.clip_grad_norm_(list(params.values()), cfg.grad_clip)  # the gradients are global by now
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            loss = float(acc.reduce(torch.stack(losses).mean(), reduction="mean"))  # over the global batch
             state["step"] += 1
             step = state["step"]
-            state["history"].append({"step": step, "loss": float(loss.detach()), "lr": lr})
-            if not math.isfinite(float(loss.detach())):
+            state["history"].append({"step": step, "loss": loss, "lr": lr})
+            if not math.isfinite(loss):
                 raise FloatingPointError(f"adapt: non-finite training loss at update {step}")
             validate = step % cfg.val_every == 0 or step == cfg.steps
             if validate:
-                total, count = block_nll(peft_model, val_blocks)
-                val_nll = total / count
+                val_nll = _validation_nll(peft_model, val_blocks, group)
                 state["validation"].append({"step": step, "val_nll": val_nll})
                 if val_nll < state["best_val_nll"]:
                     state["best_val_nll"], state["best_step"] = val_nll, step
                     best = {n: p.detach().clone() for n, p in params.items()}
                 bar.update(task, val=f"{val_nll:.4f}")
-            bar.update(task, advance=1, loss=f"{float(loss.detach()):.4f}")
+            bar.update(task, advance=1, loss=f"{loss:.4f}")
             if ckpt_dir is not None and (validate or step % cfg.ckpt_every == 0):
-                _save_checkpoint(ckpt_dir, params, best, optimizer, scheduler, state)
+                rngs = group.gather(_rng_state())
+                if group.is_main:
+                    _save_checkpoint(ckpt_dir, params, best, optimizer, scheduler, state, rngs)
             if on_step is not None:
                 on_step(step)
 
+    acc.free_memory()  # drop accelerate's references to the model (the DDP wrapper and its gradient hooks)
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(best[n])
@@ -363,7 +438,7 @@ def adapt(
         n_lora_params=sum(p.numel() for n, p in params.items() if _strip(n) not in kernel_set),
         n_kernel_params=_count_kernel_params(model) if kernel_start else 0, kernel_change=change,
         kernel_names=kernel_names, base_sha256=base_sha256,
-        history=state["history"], validation=state["validation"],
+        history=state["history"], validation=state["validation"], processes=group.size, global_batch=per_update,
     )
     peft_model.eval()
     return peft_model, result

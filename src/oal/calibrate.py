@@ -17,6 +17,10 @@ clipping is per head, and each head keeps its own best
 checkpoint and early-stopping clock ("stopped" heads get zero gradients). `calibrate_layer_sequential` runs the
 same loop one head at a time; with the same seed both give the same per-head trajectories.
 
+Encoders: with `LayerData.causal=False` every query sees every real key (Eq. 20 without the causal mask), and
+`LayerData.mask` keeps padding out: padded keys get zero weight, and only real query positions are sampled and
+scored.
+
 Generic over methods: a tensor (parameter or buffer) whose first dimension equals the method's `n_heads` is
 taken to be per query head and is sliced/tiled along that dimension; any other trainable parameter is shared by
 the layer, in which case the layer is one selection unit and only a single initialisation is allowed.
@@ -97,12 +101,15 @@ class CalibConfig:
 
 @dataclass
 class LayerData:
-    """Frozen attention tensors of S sequences: q [S, Hq, N, d], k/v [S, Hkv, N, d|dv], out [S, Hq, N, dv]."""
+    """Frozen attention tensors of S sequences: q [S, Hq, N, d], k/v [S, Hkv, N, d|dv], out [S, Hq, N, dv];
+    mask [S, N] (True = real token; None = no padding); causal=False for encoders (all real keys visible)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
+    mask: torch.Tensor | None = None
+    causal: bool = True
 
     @classmethod
     def from_captured(cls, items) -> LayerData:
@@ -111,7 +118,14 @@ class LayerData:
         if not items:
             raise ValueError("items: expected at least one captured sequence")
         cat = [torch.cat([getattr(c, n) for c in items]) for n in ("q", "k", "v", "out")]
-        return cls(*cat)
+        causal = {getattr(c, "causal", True) for c in items}
+        if len(causal) > 1:
+            raise ValueError("items: causal and non-causal captures cannot be mixed")
+        masks = [getattr(c, "attention_mask", getattr(c, "mask", None)) for c in items]
+        mask = None if all(m is None for m in masks) else torch.cat([
+            torch.ones(c.q.shape[0], c.q.shape[2], dtype=torch.bool, device=c.q.device) if m is None else m.bool()
+            for c, m in zip(items, masks, strict=True)])
+        return cls(*cat, mask=mask, causal=causal.pop())
 
     def __post_init__(self):
         s, hq, n, d = self.q.shape
@@ -119,13 +133,21 @@ class LayerData:
             raise ValueError(f"k: expected [{s}, Hkv, {n}, {d}] with Hq % Hkv == 0, got {tuple(self.k.shape)}")
         if self.v.shape[:3] != self.k.shape[:3] or self.out.shape != (s, hq, n, self.v.shape[-1]):
             raise ValueError(f"v/out: shapes {tuple(self.v.shape)} / {tuple(self.out.shape)} do not match q/k")
+        if self.mask is not None:
+            if self.mask.shape != (s, n):
+                raise ValueError(f"mask: expected shape [{s}, {n}], got {tuple(self.mask.shape)}")
+            self.mask = self.mask.bool()
+            if not bool(self.mask.any(1).all()):
+                raise ValueError("mask: every sequence needs at least one real token")
 
     def to(self, dtype) -> LayerData:
-        return LayerData(*(t.to(dtype) for t in (self.q, self.k, self.v, self.out)))
+        return LayerData(*(t.to(dtype) for t in (self.q, self.k, self.v, self.out)), mask=self.mask,
+                         causal=self.causal)
 
     def head(self, h: int, rep: int) -> LayerData:
         kv = h // rep
-        return LayerData(self.q[:, h : h + 1], self.k[:, kv : kv + 1], self.v[:, kv : kv + 1], self.out[:, h : h + 1])
+        return LayerData(self.q[:, h : h + 1], self.k[:, kv : kv + 1], self.v[:, kv : kv + 1], self.out[:, h : h + 1],
+                         mask=self.mask, causal=self.causal)
 
 
 @dataclass
@@ -260,19 +282,26 @@ def _oal_dense_kernel(method, q, k, n_copies: int = 1):
     return kappa.transpose(1, 2).reshape(bsz, n_copies * heads, n, m)
 
 
-def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1):
+def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1, *,
+                         causal: bool = True, key_mask: torch.Tensor | None = None):
     """Normalised causal output at query `positions` [n] only: q [B, H, N, d] -> [B, I*H, n, dv].
 
     Each selected query i attends keys j <= i of the causal prefix; no N x N matrix is formed. With
     `n_copies` = I > 1 the method holds I stacked copies of the H heads (one per initialisation).
+    `causal=False` (encoders): every key is visible; `key_mask` [B, N] (True = real token) drops padded keys.
     """
-    m = int(positions.max()) + 1
+    m = int(positions.max()) + 1 if causal else k.shape[2]
     qs, ks = q[:, :, positions], k[:, :, :m]
     if _is_oal(method):
         w = _oal_dense_kernel(method, qs, ks, n_copies)
     else:
         w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1))
-    mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
+    if causal:
+        mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
+    else:
+        mask = torch.ones(1, m, dtype=torch.bool, device=q.device)
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :m].bool()  # [B, 1, n, m]
     w = w.masked_fill(~mask, 0.0).to(v.dtype)
     bsz, heads, n = qs.shape[:3]
     vr = repeat_kv(v[:, :, :m], heads // v.shape[1]).unsqueeze(1)  # [B, 1, H, m, dv]
@@ -284,20 +313,27 @@ def _val_mse(method, data: LayerData, n_copies: int = 1, query_chunk: int = 256)
     """Per-head validation MSE [I*H] of the causal output on all positions of all validation sequences.
 
     OAL-family methods use the dense kernel when it is cheaper than the linear path (N*G*d < F*(dv+1), F the
-    state rows); otherwise (and for every other method) the method's own linear-time forward runs.
+    state rows); otherwise (and for every other method) the method's own linear-time forward runs. Non-causal or
+    padded data (encoders, short sequences) always take the dense path, over real query positions only.
     """
     n, d, dv = data.q.shape[2], data.q.shape[3], data.v.shape[3]
     target = data.out.repeat(1, n_copies, 1, 1)
     with torch.no_grad():
-        if _is_oal(method) and n * (method.factor.shape[-1] - 1) * d < (1 + d + d * (d + 1) // 2) * (dv + 1):
-            err = 0
+        dense = not data.causal or data.mask is not None
+        cheap = _is_oal(method) and n * (method.factor.shape[-1] - 1) * d < (1 + d + d * (d + 1) // 2) * (dv + 1)
+        if dense or cheap:
+            err, count = 0, 0
             for s in range(data.q.shape[0]):
                 qs, ks, vs = data.q[s : s + 1], data.k[s : s + 1], data.v[s : s + 1]
-                for start in range(0, n, query_chunk):
-                    pos = torch.arange(start, min(start + query_chunk, n), device=qs.device)
-                    pred = sampled_dense_output(method, qs, ks, vs, pos, n_copies)
+                key_mask = None if data.mask is None else data.mask[s : s + 1]
+                real = torch.arange(n, device=qs.device) if key_mask is None else key_mask[0].nonzero().flatten()
+                for start in range(0, real.numel(), query_chunk):
+                    pos = real[start : start + query_chunk]
+                    pred = sampled_dense_output(method, qs, ks, vs, pos, n_copies, causal=data.causal,
+                                                key_mask=key_mask)
                     err = err + (pred - target[s : s + 1, :, pos]).square().sum(dim=(0, 2, 3))
-            return err / (data.q.shape[0] * n * dv)
+                count += real.numel()
+            return err / (count * dv)
         q, k, v = (t.repeat(1, n_copies, 1, 1) for t in (data.q, data.k, data.v))
         out = method(q, k, v, causal=True)
         return (out.to(target.dtype) - target).square().mean(dim=(0, 2, 3))
@@ -337,9 +373,14 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     train_count = 0
     for step in range(1, cfg.max_steps + 1):
         s = int(torch.randint(n_seq, (1,), generator=gen))
-        pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values
+        key_mask = None if train.mask is None else train.mask[s : s + 1]
+        if key_mask is None:
+            pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values
+        else:  # real tokens only
+            real = key_mask[0].nonzero().flatten()
+            pos = real[torch.randperm(real.numel(), generator=gen)[:n_q].to(real.device)].sort().values
         pred = sampled_dense_output(method, train.q[s : s + 1], train.k[s : s + 1], train.v[s : s + 1], pos,
-                                    n_copies)
+                                    n_copies, causal=train.causal, key_mask=key_mask)
         target = train.out[s : s + 1, :, pos].repeat(1, n_copies, 1, 1)
         sq = (pred - target).square()
         # Eq. 20 on the sampled queries: 1/2 sum_i ||y_i(L) - y_i^softmax||^2 per head (a sum over queries and
@@ -403,7 +444,8 @@ def _clip_and_mask(params, stopped, clip_norm, per_head):
 def _prepare(method, inits, train, val, cfg):
     dtype = cfg.torch_dtype
     train, val = train.to(dtype), val.to(dtype)
-    if train.q.shape[1:] != val.q.shape[1:] or train.q.shape[1] != method.n_heads:
+    # sequence lengths may differ (padded encoder passages); heads and head size may not
+    if train.q.shape[1::2] != val.q.shape[1::2] or train.q.shape[1] != method.n_heads:
         raise ValueError(f"train/val: expected {method.n_heads} query heads with matching shapes, got "
                          f"{tuple(train.q.shape)} / {tuple(val.q.shape)}")
     if train.k.shape[1] != method.n_kv_heads:

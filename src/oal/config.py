@@ -80,6 +80,19 @@ def parse_seeds(spec: str | int | list[int]) -> list[int]:
     return seeds
 
 
+def parse_select(spec) -> dict:
+    """{"k": K, "by": criterion} of layer selection, from such a dict or from 'auto:K' (the default criterion)."""
+    from .selection import CRITERIA, DEFAULT_CRITERION, parse_auto
+
+    d = {"k": parse_auto(spec), "by": DEFAULT_CRITERION} if isinstance(spec, str) else dict(spec)
+    k, by = d.get("k"), d.get("by", DEFAULT_CRITERION)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or set(d) - {"k", "by"}:
+        raise ValueError(f"select: expected 'auto:K' or {{'k': K >= 1, 'by': ...}}, got {spec!r}")
+    if by not in CRITERIA:
+        raise ValueError(f"select: expected a criterion among {', '.join(CRITERIA)}, got {by!r}")
+    return {"k": k, "by": by}
+
+
 @dataclass
 class RunConfig:
     model: str = "default"
@@ -94,13 +107,14 @@ class RunConfig:
     calib: dict = field(default_factory=dict)
     adapt: dict = field(default_factory=dict)
     eval_batch_size: int = 1
-    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (tests, custom data)
+    plan: dict | None = None  # a SplitPlan.to_dict() replacing the preset's split plan (encoders: a PassagePlan's)
     data_dir: str | None = None  # local WikiText folder (with manifest) for the paper presets
     adapt_overrides: dict = field(default_factory=dict)  # method -> adapt settings of that arm only (`oal adapt`)
     zeroshot_tasks: list[str] | None = None  # PIQA / HellaSwag / ARC-E (App. F.3); None: all three, []: none
     zeroshot_limit: int | None = None  # first N examples of each task (a quick run, reported as such)
     zeroshot_dir: str | None = None  # local folder of the pinned zero-shot files (with manifest)
     zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
+    select: dict | None = None  # `--layers auto:K`: {"k": K, "by": "fidelity" | "probe"} (oal.selection)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -110,6 +124,8 @@ class RunConfig:
             if not all(isinstance(x, int) and x >= 0 for x in self.layers):
                 raise ValueError(f"layers: expected non-negative layer indices, got {self.layers!r}")
             self.layers = sorted(set(self.layers))
+        if self.select is not None:
+            self.select = parse_select(self.select)
         resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
         for method in self.adapt_overrides:

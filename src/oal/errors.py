@@ -14,6 +14,9 @@ class InputError(ValueError):
     """Bad input. str(): "arg: message" (the library argument); `param`: the CLI option ("--model"), if any."""
 
     def __init__(self, message: str, param: str | None = None, arg: str | None = None):
-        self.message, self.param = message, param
+        self.message, self.param, self.arg = message, param, arg
         arg = arg or (param.lstrip("-").replace("-", "_") if param else None)
         super().__init__(f"{arg}: {message}" if arg else message)
+
+    def __reduce__(self):  # pickled whole (not just str()) when it travels between processes (oal.distributed)
+        return type(self), (self.message, self.param, self.arg)

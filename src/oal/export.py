@@ -229,10 +229,13 @@ def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, devi
                          "load an unconverted model with transformers, or its run with oal.load(run_dir, model)"
                          ) from None
     register_model(family)  # families outside models.auto.FAMILIES too
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
+    from .models.auto import ENCODER_FAMILIES
+
+    auto = AutoModel if family in ENCODER_FAMILIES else AutoModelForCausalLM  # encoders: the base encoder
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **kwargs).to(device).eval()
+    return auto.from_pretrained(directory, local_files_only=True, **kwargs).to(device).eval()
 
 
 def softmax_twin(model, base_model: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):

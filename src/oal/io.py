@@ -21,7 +21,8 @@ from .methods.base import AttentionMethod, build_method
 from .runio import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load", "load_kernels",
-           "load_with_tokenizer", "model_fingerprint", "recorded_base_model", "save_kernels"]
+           "load_with_tokenizer", "method_from_record", "method_record", "model_fingerprint", "recorded_base_model",
+           "save_kernels"]
 
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
@@ -79,13 +80,8 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
     directory = Path(directory)
     tensors, layers = {}, {}
     for i, m in sorted(methods.items()):
-        for name, t in m.state_dict().items():  # persistent tensors only, as load_state_dict expects
-            tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
-        layers[str(i)] = {
-            "method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
-            "seed": getattr(m, "seed", 0),
-            "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))},
-        }
+        layers[str(i)], state = method_record(m)
+        tensors.update({f"layers.{i}.{name}": t for name, t in state.items()})
     content = {k: provenance[k] for k in ("state_dict_sha256", "dtype") if provenance.get(k)}
     if model is not None:
         fingerprint = fingerprint or model_fingerprint(model)
@@ -142,21 +138,36 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         i = int(key)
         prefix = f"layers.{i}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        kwargs = dict(info.get("init", {}))
-        if "groups" in state and info["method"] == "oal":
-            kwargs["groups"] = state["groups"]
-        m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=i,
-                         seed=info.get("seed", 0), **kwargs)
-        own = m.state_dict()
-        bad = {k: (tuple(v.shape), tuple(own[k].shape))
-               for k, v in state.items() if k in own and v.shape != own[k].shape}
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if bad or missing or unexpected:
-            raise ValueError(f"{tensor_path}: layer {i} ({info['method']}) does not fit: shapes {bad}, "
-                             f"missing {missing}, unexpected {unexpected}")
-        m.load_state_dict(state)
-        methods[i] = m
+        methods[i] = method_from_record(i, info, state, where=str(tensor_path))
     return methods, meta
+
+
+def method_record(m: AttentionMethod) -> tuple[dict, dict]:
+    """(constructor record, persistent tensors on the CPU): what `method_from_record` rebuilds `m` from, in a
+    kernels file or in another process."""
+    state = {name: t.detach().to("cpu").contiguous() for name, t in m.state_dict().items()}
+    info = {"method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+            "seed": getattr(m, "seed", 0),
+            "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))}}
+    return info, state
+
+
+def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str = "state") -> AttentionMethod:
+    """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
+    fit it."""
+    kwargs = dict(info.get("init", {}))
+    if "groups" in state and info["method"] == "oal":
+        kwargs["groups"] = state["groups"]
+    m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
+                     seed=info.get("seed", 0), **kwargs)
+    own = m.state_dict()
+    bad = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if bad or missing or unexpected:
+        raise ValueError(f"{where}: layer {layer} ({info['method']}) does not fit: shapes {bad}, "
+                         f"missing {missing}, unexpected {unexpected}")
+    m.load_state_dict(dict(state))
+    return m
 
 
 def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
@@ -193,11 +204,13 @@ def recorded_base_model(directory: str | Path) -> str | None:
 
 def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):
     """(converted model, tokenizer, provenance): the base model `base_model` (default: the one recorded in
-    kernels.json) loaded by `load_model`, checked against the record (tensors and files), then converted."""
+    kernels.json) loaded by `load_model` (a local encoder folder: `models.encoder.load_encoder`), checked against
+    the record (tensors and files), then converted."""
+    from .models.encoder import is_encoder_model, load_encoder
     from .models.registry import load_model
 
     name = base_model or recorded_base_model(directory) or "default"
-    model, tokenizer, provenance = load_model(name, **load_kwargs)
+    model, tokenizer, provenance = (load_encoder if is_encoder_model(name) else load_model)(name, **load_kwargs)
     return _convert_checked(directory, model, provenance), tokenizer, provenance
 
 

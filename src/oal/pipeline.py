@@ -1,7 +1,13 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> fidelity (+ attention regime) -> budget -> adapt:<method> -> perplexity:<method>
-    -> zeroshot:<method> -> report
+    setup -> analyze -> calibrate -> [select] -> fidelity -> regime -> budget -> adapt:<method> -> perplexity:<method>
+          -> zeroshot:<method> -> [compare:<layers>] -> report
+
+The bracketed stages run with `--layers auto:K` only (oal.selection): every layer is calibrated into candidates/,
+`select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
+the paper's range and the criterion's top layers at the paper's K for the report. `regime` measures softmax's
+attention regime and where the calibrated kernels sit beyond their vertex; `budget` draws Fig. 2(b)'s group-budget
+curve beside App. B's choice.
 
 Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
 of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
@@ -13,6 +19,10 @@ that read it follows, since its input hashes changed. Evaluation always rebuilds
 A run directory belongs to one configuration (config.json): another configuration is refused with the differing
 keys named, unless `force=True` deletes the old results first. metrics.json records the SHA256 of the files its
 numbers were computed from.
+
+Under `torchrun` / `accelerate launch` every process runs these functions: calibration and adaptation run on all of
+them (`oal.distributed`), every other stage on the main process while the others wait, and only the main process
+reads the stage log and writes the run directory.
 
 Stages call the public functions of the other modules: `oal.models.registry.load_model`, `oal.data`,
 `oal.analysis.analyze`, `oal.calibrate`, `oal.models.convert`, `oal.io.save_kernels/load_kernels`,
@@ -30,7 +40,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .adapt import adapt, load_adapter, save_adapter
+from .adapt import adapt, adapt_identity, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
 from .analysis.regime import REGIME_FILE, attention_regime
 from .calibrate import CalibConfig
@@ -38,14 +48,16 @@ from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers
 from .config import RunConfig
 from .data import SplitPlan, bind_pretraining, default_plan, load_corpus, plan_blocks
 from .data.zeroshot import DISPLAY_NAMES
-from .device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
+from .device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
 from .diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
+from .distributed import process_device, ranks
 from .errors import InputError
 from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
-from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
+from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from .models.convert import convert
+from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
 from .report import write_report
 from .run_dir import claim_run_dir, multi_seed_layout
@@ -61,12 +73,17 @@ from .runio import (
     tensor_hash,
     versions,
 )
+from .selection import comparison_sets, select_layers
 
-__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_seed", "STAGES"]
+__all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "run_selection", "STAGES"]
 
-STAGES = ("setup", "analyze", "calibrate", "fidelity", "budget", "adapt", "perplexity", "zeroshot", "report")
+FIDELITY_FILE = ".oal/fidelity.json"
+STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "regime", "budget", "adapt", "perplexity", "zeroshot",
+          "compare", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
+CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
+SELECTION_FILE = "selection.json"
 NEEDS_GROUPS = ("oal",)
 
 
@@ -75,7 +92,14 @@ class _Stop(Exception):
 
 
 class Run:
-    """One seed's run directory and the lazily loaded model, corpus and token blocks."""
+    """One seed's run directory and the lazily loaded model, corpus and token blocks (the decoder protocol).
+
+    Another protocol (`oal.encoder_pipeline.EncoderRun`) subclasses it and overrides the hooks: `_load_model`,
+    `_plan_blocks`, `_blocks_record`, `_analysis_inputs`, `_fidelity_data`, `stages`, `results`, `report`,
+    `aggregate`, `summary`; setup, the stage mechanism, calibration and provenance stay here.
+    """
+
+    protocol: str | None = None  # recorded in config.json when set (the decoder protocol records none)
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
                  progress: bool = True, stop_after: str | None = None, force: bool = False,
@@ -88,8 +112,12 @@ class Run:
         """
         self.cfg = cfg
         self.dir = check_out_dir(out_dir)
-        self.console = console or Console()
-        self.progress = progress
+        # --device auto -> CUDA when present (under a launch: this process's GPU)
+        self.device = process_device(self.cfg.device)
+        self.ranks = ranks(self.device)
+        # the other processes of a launch compute but say nothing (the main process reports)
+        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
+        self.progress = progress and self.ranks.is_main
         self.stop_after = stop_after
         self.force = force
         self.allow_changes = tuple(allow_changes)
@@ -104,8 +132,7 @@ class Run:
     # ------------------------------------------------------------------------------------------------ loading
 
     def _load_model(self):
-        # --device auto -> CUDA when present; the base model in cfg.dtype, kernels/LoRA/calibration in fp32
-        self.device = resolve_device(self.cfg.device)
+        # the base model in cfg.dtype, kernels/LoRA/calibration in fp32
         return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
 
     def setup(self) -> None:
@@ -116,37 +143,57 @@ class Run:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.layers = self.cfg.layers if self.cfg.layers is not None else self._default_layers()
             n_layers = self.model.config.num_hidden_layers
+            # --layers auto:K: every layer is a candidate (calibrated into candidates/), the K best are converted
+            self.layers = self.cfg.layers if self.cfg.layers is not None else (
+                list(range(n_layers)) if self.cfg.select else self._default_layers())
             if not self.layers or any(i >= n_layers for i in self.layers):
                 raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
                                  "--layers", "layers")
+            if self.cfg.select and self.cfg.select["k"] > len(self.layers):
+                raise InputError(f"expected auto:K with K <= {len(self.layers)} (the candidate layers), got "
+                                 f"auto:{self.cfg.select['k']}", "--layers", "layers")
+            self.calib_root = self.dir / CANDIDATES if self.cfg.select else self.dir
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
-                self.plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan
-                                             else default_plan(self.cfg.preset), self.provenance, self.corpus)
-                self.blocks = plan_blocks(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+                self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
         config = {
+            **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.cfg.to_dict(),
-            "converted_layers": self.layers,
+            "converted_layers": self.layers if not self.cfg.select else {**self.cfg.select, "candidates": self.layers},
             "split_plan": self.plan.to_dict(),
-            "blocks": {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()},
+            "blocks": self._blocks_record(),
             "model": _jsonable_provenance(self.provenance),
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
         }
         # content, not paths: the same model files and text elsewhere give the same key
-        self.keys["setup"] = config_hash({"converted_layers": self.layers, "split_plan": config["split_plan"],
+        self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),
+                                          "converted_layers": self.layers, "split_plan": config["split_plan"],
                                           "blocks": config["blocks"], "dtype": self.cfg.dtype,
                                           "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                                           "data": self.corpus.sha256})
-        claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
-        self.log = StageLog(self.dir)
-        atomic_write_json(self.dir / "config.json", config)
-        self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+        def claim():  # the main process only: it alone reads the stage log and writes
+            claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
+            self.log = StageLog(self.dir)
+            atomic_write_json(self.dir / "config.json", config)
+            self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+        self.ranks.on_main(claim)
+
+    def _plan_blocks(self) -> tuple:
+        """(split plan, {role: token blocks [S, N]}) from the corpus."""
+        plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset),
+                                self.provenance, self.corpus)
+        return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
+
+    def _blocks_record(self) -> dict:
+        """What config.json records of the blocks (shapes and content hashes; part of the setup key)."""
+        return {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()}
 
     def _default_layers(self) -> list[int]:
         return list(default_layers(self.model))
@@ -161,17 +208,24 @@ class Run:
 
     # ------------------------------------------------------------------------------------------------ stages
 
-    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True) -> bool:
+    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True, parallel: bool = False) -> bool:
         """Run `fn()` unless `name` already finished with the same key and its outputs verify; True when complete.
 
         The key hashes `deps` (the configuration the stage reads) and the SHA256 of `inputs` (files of the run
         directory it reads). `outputs` (files or folders) are hashed into the marker. With `run=False` the key is
-        computed and checked but nothing runs (False when the stage is not complete).
+        computed and checked but nothing runs (False when the stage is not complete). Under a launch of several
+        processes the main process decides; `fn` runs on every process when `parallel` (it then writes on the main
+        process only), else on the main process alone.
         """
-        read = self.log.outputs_hash(inputs)
-        key = config_hash({"stage": name, **deps, "inputs": read})
+
+        def check():
+            read = self.log.outputs_hash(inputs)
+            key = config_hash({"stage": name, **deps, "inputs": read})
+            return read, key, self.log.done(name, key)
+
+        read, key, done = self.ranks.on_main(check)
         self.keys[name] = key
-        if self.log.done(name, key):
+        if done:
             self.skipped.append(name)
             self.console.print(f"[dim]skip {name}: already done for this configuration[/dim]")
             return True
@@ -179,18 +233,19 @@ class Run:
             return False
         self.console.rule(f"[bold]{name}")
         with Timer() as t:
-            fn()
-        self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read)
+            fn() if parallel else self.ranks.on_main(fn)
+        self.ranks.on_main(lambda: self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read))
         self.ran.append(name)
         if self.stop_after == name:
             raise _Stop(name)
         return True
 
-    def kernel_files(self, method: str) -> list[str]:
-        """`method`'s kernel files, relative to the run directory (none for the softmax reference)."""
+    def kernel_files(self, method: str, root: Path | None = None) -> list[str]:
+        """`method`'s kernel files (under `root`: the run directory by default, or candidates/), relative to the run
+        directory (none for the softmax reference)."""
         if method == REFERENCE:
             return []
-        d = self.kernel_dir(method).relative_to(self.dir)
+        d = kernel_dir(root or self.dir, method).relative_to(self.dir)
         return [str(d / KERNELS_FILE), str(d / META_FILE)]
 
     def analyze(self) -> bool:
@@ -199,13 +254,15 @@ class Run:
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
 
         def fn():
-            # held-out prompts and one long sequence give the App. A.3 stability checks (Fig. 6, Table 4)
-            extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
-                    heldout=extra["heldout"], long_sequence=extra["long_sequence"], seed=self.cfg.seed,
-                    console=self.console, **self.cfg.grouping)
+                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
+
+    def _analysis_inputs(self) -> dict:
+        """Held-out prompts and one long sequence: the App. A.3 stability checks (Fig. 6, Table 4)."""
+        extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+        return {"heldout": extra["heldout"], "long_sequence": extra["long_sequence"]}
 
     def _calib_config(self):
         return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
@@ -218,49 +275,145 @@ class Run:
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
-        outputs = ["calibration.json"] + [f for m in methods for f in self.kernel_files(m)]
+        root = self.calib_root.relative_to(self.dir)
+        outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if "oal" in methods else []
-        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs)
+        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs, parallel=True)
 
     def _calibrate(self, methods: list[str]) -> None:
+        """On every process of a launch: each calibrates its share of the layers, the main process writes."""
         cfg = self._calib_config()
         groups = load_groups(self.dir) if "oal" in methods else {}
         # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
-        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done)
+        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done; the other
+        # processes of a launch capture their layers into a temporary folder outside the run directory)
         checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
         capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
                                  config_hash({"setup": self.keys["setup"], "layers": self.layers}),
                                  progress=self.progress)
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
-            progress=self.progress, console=self.console)
-        write_calibration(self.dir, per_method, report, cfg, model=self.model, base_model=str(self.cfg.model),
-                          provenance=self.provenance, extra={"seed": self.cfg.seed}, capture=capture.stats())
-        checkpoints.clear()
+            progress=self.progress, console=self.console, ranks=self.ranks)
+        stats = capture.gathered_stats(self.ranks)
         capture.remove()
+        if self.ranks.is_main:
+            write_calibration(self.calib_root, per_method, report, cfg, model=self.model,
+                              base_model=str(self.cfg.model), provenance=self.provenance,
+                              extra={"seed": self.cfg.seed}, capture=stats)
+            checkpoints.clear()
+
+    def select(self) -> bool:
+        """`--layers auto:K`: rank the calibrated candidates (oal.selection), write the K best layers' kernels where
+        a run keeps its kernels, and convert only those from here on."""
+        if not self.cfg.select:
+            return True
+        method = "oal" if "oal" in self.kernel_methods else self.kernel_methods[0]
+        deps = {"setup": self.keys["setup"], "select": self.cfg.select, "method": method,
+                "batch": self.cfg.eval_batch_size}
+        path = self.dir / SELECTION_FILE
+
+        def fn():
+            candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+            sel = select_layers(self.model, candidates, **self.cfg.select, fidelity_blocks=self.blocks["calib_val"],
+                                val_blocks=self.blocks["val"], paper_layers=self._default_layers(),
+                                batch_size=self.cfg.eval_batch_size, progress=self.progress)
+            for m in self.kernel_methods:
+                ms, _ = load_kernels(kernel_dir(self.calib_root, m))
+                save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
+                             provenance=self.provenance, fingerprint=model_fingerprint(self.model),
+                             extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
+            atomic_write_json(path, {**sel, "method": method})
+
+        done = self.stage("select", deps, [SELECTION_FILE] + [f for m in self.kernel_methods
+                                                               for f in self.kernel_files(m)], fn,
+                          inputs=[f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)])
+        self.layers = load_json(path)["chosen"]
+        return done
+
+    def compare(self, run: bool = True) -> bool:
+        """`--layers auto:K`: the selection's top paper-K layers against the paper's range, each adapted with the
+        selection's method and measured on the test blocks (a layer set equal to the converted one reuses its arm)."""
+        if not self.cfg.select:
+            return True
+        sel = load_json(self.dir / SELECTION_FILE)
+        method, complete = sel["method"], True
+        for tag, layers in comparison_sets(sel).items():
+            if layers == self.layers:
+                continue
+            processes = self.ranks.size if run else 1
+            deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
+                    "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                    "batch": self.cfg.eval_batch_size}
+            path = self.dir / ".oal" / f"compare_{tag}.json"
+
+            def fn(layers=layers, tag=tag, path=path):
+                candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+                model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
+                before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
+                                      self.cfg.adapt_config(method), ckpt_dir=self.dir / ".oal" / "checkpoints" /
+                                      f"compare-{tag}", progress=self.progress, description=f"adapt {method} {tag}")
+                after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
+                    atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
+                                             "ppl": math.exp(after[0] / after[1])})
+                    shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
+
+            complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
+                                   inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
+        return complete
+
+    def _selection_metrics(self, valid) -> dict | None:
+        if not (self.cfg.select and valid("select")):
+            return None
+        sel = load_json(self.dir / SELECTION_FILE)
+        comparison = {}
+        for tag, layers in comparison_sets(sel).items():
+            m = sel["method"]
+            if layers == self.layers and valid(f"perplexity:{m}") and valid(f"perplexity_no_adapt:{m}"):
+                ppl = {k: load_json(self.dir / ".oal" / f"{k}_{m}.json")["ppl"]
+                       for k in ("perplexity_no_adapt", "perplexity")}
+                comparison[tag] = {"layers": layers, "ppl_no_adapt": ppl["perplexity_no_adapt"],
+                                   "ppl": ppl["perplexity"]}
+            elif layers != self.layers and valid(f"compare:{tag}"):
+                comparison[tag] = load_json(self.dir / ".oal" / f"compare_{tag}.json")
+        return {**sel, "comparison": comparison}
 
     def load_methods(self, method: str) -> dict:
         methods, _ = load_kernels(self.kernel_dir(method))
         return methods
 
-    def fidelity(self) -> bool:
+    def evaluation(self, name: str, path: str, compute) -> bool:
+        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative)."""
         methods = self.kernel_methods
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "methods": methods}
-
-        def fn():
-            sets = {m: self.load_methods(m) for m in methods}
-            res = fidelity(self.model, self.blocks["fidelity"].to(self.device), sets, self.layers,
-                           progress=self.progress)
-            atomic_write_json(self.dir / ".oal" / "fidelity.json", res)
-            # softmax's regime and where the calibrated quadratic kernels sit beyond their vertex (held-out blocks)
-            regime = attention_regime(self.model, self.blocks["fidelity"].to(self.device), self.layers, kernels=sets)
-            atomic_write_json(self.dir / REGIME_FILE, regime)
-            self.console.print(f"attention regime: this model is {regime['verdict']['text']}")
-
-        return self.stage("fidelity", deps, [".oal/fidelity.json", REGIME_FILE], fn,
+        return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
                           inputs=[f for m in methods for f in self.kernel_files(m)])
+
+    def fidelity(self) -> bool:
+        def compute(methods):
+            ids, kwargs = self._fidelity_data()
+            return fidelity(self.model, ids, {m: self.load_methods(m) for m in methods}, self.layers,
+                            progress=self.progress, **kwargs)
+
+        return self.evaluation("fidelity", FIDELITY_FILE, compute)
+
+    def _fidelity_data(self) -> tuple:
+        """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
+        return self.blocks["fidelity"].to(self.device), {}
+
+    def regime(self) -> bool:
+        """Softmax's attention regime on the held-out fidelity blocks, and where the calibrated quadratic kernels sit
+        beyond their vertex (regime.json)."""
+        def compute(methods):
+            res = attention_regime(self.model, self.blocks["fidelity"].to(self.device), self.layers,
+                                   kernels={m: self.load_methods(m) for m in methods})
+            self.console.print(f"attention regime: this model is {res['verdict']['text']}")
+            return res
+
+        return self.evaluation("regime", REGIME_FILE, compute)
 
     def budget(self) -> bool:
         """Fig. 2(b)'s group-budget curve for the first converted layer's head 0, beside App. B's choice."""
@@ -280,7 +433,11 @@ class Run:
         return model
 
     def adapt(self, method: str, run: bool = True) -> bool:
-        deps = {"setup": self.keys["setup"], "adapt": self.cfg.adapt_config(method).to_dict(), "method": method}
+        # the number of processes sets the global batch (batch_size x processes x grad_accum), so it is part of the
+        # key: this launch's for an arm that runs now, the recorded one for an arm that is only checked
+        processes = self.ranks.size if run else self._trained_processes(method)
+        deps = {"setup": self.keys["setup"], "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                "method": method}
         out = self.dir / "adapter" / method
         ckpt = self.dir / ".oal" / "checkpoints" / method
 
@@ -293,11 +450,19 @@ class Run:
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
                                        self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
                                        description=f"adapt {method}")
-            save_adapter(peft_model, out, result)
-            shutil.rmtree(ckpt, ignore_errors=True)
+            if self.ranks.is_main:  # every process holds the same tensors; one writes them
+                save_adapter(peft_model, out, result)
+                shutil.rmtree(ckpt, ignore_errors=True)
 
         return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
-                          run=run)
+                          run=run, parallel=True)
+
+    def _trained_processes(self, method: str) -> int:
+        """How many processes trained `method`'s adapter on disk (its adapt.json; 1 when unknown)."""
+        try:
+            return int(load_json(self.dir / "adapter" / method / "adapt.json").get("processes", 1))
+        except (ValueError, TypeError, AttributeError):
+            return 1
 
     def perplexity(self, method: str, adapted: bool, run: bool = True) -> bool:
         name = f"perplexity:{method}" if adapted else f"perplexity_no_adapt:{method}"
@@ -344,12 +509,27 @@ class Run:
 
         return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 
+    def stages(self, arms: list[str] | None = None) -> None:
+        """Every stage after setup, in order; `arms`: see `run_seed`."""
+        self.zeroshot_sets()  # fail on a bad data folder now, not after training
+        self.analyze()
+        self.calibrate()
+        self.select()
+        self.fidelity()
+        self.regime()
+        self.budget()
+        for m in self.cfg.methods:
+            active = arms is None or m in arms
+            self.perplexity(m, adapted=False, run=active)
+            if self.adapt(m, run=active):
+                self.perplexity(m, adapted=True, run=active)
+                self.zeroshot(m, run=active)
+        self.compare(run=arms is None)
+
     # ------------------------------------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict:
-        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
-               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
-               "adapt": {}}
+        """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
         used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
 
         def valid(stage):
@@ -358,9 +538,19 @@ class Run:
                 used.append(stage)
             return ok
 
-        fid = self.dir / ".oal" / "fidelity.json"
+        out = self.results(valid)
+        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
+        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        return out
+
+    def results(self, valid) -> dict:
+        """The numbers of metrics.json, each read from a stage's output when `valid(stage)`."""
+        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
+               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
+               "adapt": {}}
         if valid("fidelity"):
-            out["fidelity"] = load_json(fid)
+            out["fidelity"] = load_json(self.dir / FIDELITY_FILE)
         for m in self.cfg.methods:
             for key, prefix in (("perplexity", "perplexity"), ("perplexity_no_adapt", "perplexity_no_adapt")):
                 if valid(f"{prefix}:{m}"):
@@ -368,17 +558,45 @@ class Run:
             if valid(f"adapt:{m}"):
                 res = load_json(self.dir / "adapter" / m / "adapt.json")
                 out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
-                                                        "n_kernel_params", "kernel_change")}
+                                                        "n_kernel_params", "kernel_change", "processes",
+                                                        "global_batch") if k in res}
         for m in self.cfg.methods:
             if valid(f"zeroshot:{m}"):
                 res = load_json(self.dir / ".oal" / f"zeroshot_{m}.json")
                 merge_metrics(out, m, res["tasks"], res["data"], {})
         if self.zeroshot_skipped:
             out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
-        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
-        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
-        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        selection = self._selection_metrics(valid)
+        if selection is not None:
+            out["selection"] = selection
         return out
+
+    # ------------------------------------------------------------------------------------------------ reports
+
+    @staticmethod
+    def report(run_dir: Path, console: Console) -> None:
+        write_report(run_dir, console=console)
+
+    @staticmethod
+    def aggregate(per_seed: dict[int, dict]) -> dict:
+        return aggregate_seeds(per_seed)
+
+    @staticmethod
+    def summary(metrics: dict) -> Table:
+        return summary_table(metrics)
+
+
+def run_class(cfg: RunConfig) -> type[Run]:
+    """The protocol of `cfg.model`: `EncoderRun` for a local BERT-family encoder folder, `Run` otherwise."""
+    if is_encoder_model(cfg.model):
+        from .encoder_pipeline import EncoderRun
+
+        if cfg.select:
+            raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
+                             "layers")
+
+        return EncoderRun
+    return Run
 
 
 def _jsonable_provenance(obj):
@@ -401,40 +619,49 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
     stage outputs, so they describe exactly the files on disk.
     """
-    r = Run(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
-            allow_changes=allow_changes)
+    r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
+                       allow_changes=allow_changes)
     try:
         r.setup()
-        r.zeroshot_sets()  # fail on a bad data folder now, not after training
-        r.analyze()
-        r.calibrate()
-        r.fidelity()
-        r.budget()
-        for m in cfg.methods:
-            active = arms is None or m in arms
-            r.perplexity(m, adapted=False, run=active)
-            if r.adapt(m, run=active):
-                r.perplexity(m, adapted=True, run=active)
-                r.zeroshot(m, run=active)
+        r.stages(arms)
     except _Stop:
         return {}
-    metrics = r.metrics()
-    atomic_write_json(r.dir / "metrics.json", metrics)
-    with Timer() as t:
-        write_report(r.dir, console=r.console)
-    r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
-    metrics["elapsed_s"]["report"] = round(t.seconds, 3)
-    atomic_write_json(r.dir / "metrics.json", metrics)
-    return metrics
+
+    def finish():  # the main process writes; every process returns the same metrics
+        metrics = r.metrics()
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        with Timer() as t:
+            r.report(r.dir, r.console)
+        r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
+        metrics["elapsed_s"]["report"] = round(t.seconds, 3)
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        return metrics
+
+    return r.ranks.on_main(finish)
 
 
 def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
-              dtype: str | None = None, console: Console | None = None, progress: bool = True) -> dict:
-    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with another number of updates
-    (recorded in config.json as that arm's `adapt_overrides`). Its adapt and perplexity stages rerun when their
-    keys changed, and metrics.json and report.md are rewritten, so they describe the adapter now on disk.
-    Returns the new metrics."""
+              dtype: str | None = None, console: Console | None = None, progress: bool = True,
+              batch_size: int | None = None, grad_accum: int | None = None,
+              lora_dropout: float | None = None) -> dict:
+    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with other adaptation settings
+    (`steps`, `batch_size`, `grad_accum`, `lora_dropout`; recorded in config.json as that arm's `adapt_overrides`).
+    Its adapt and perplexity stages rerun when their keys changed, and metrics.json and report.md are rewritten, so
+    they describe the adapter now on disk. Returns the new metrics (on every process of a launch)."""
     out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(device or "auto"))
+    settings = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum),
+                                  ("lora_dropout", lora_dropout)) if v is not None}
+    d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings))
+    if device is not None:
+        d["device"] = device  # a runtime choice, not part of the run's configuration
+    cfg = RunConfig.from_dict(d)
+    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
+                    allow_changes=("config.adapt_overrides", "config.methods"))
+
+
+def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -> dict:
+    """The run configuration of `oal adapt`: the recorded one, with `method`'s arm and its adapt `settings`."""
     cfg_path = out_dir / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
@@ -445,6 +672,9 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, dev
     if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
         raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
                          "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
+    if config.get("protocol") == "encoder":
+        raise InputError(f"{out_dir} is an encoder run; adaptation is implemented for causal LMs only", "--out",
+                         "out_dir")
     d = dict(config["config"])
     if method not in d["methods"]:
         if method != REFERENCE:
@@ -453,15 +683,12 @@ def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, dev
         d["methods"] = [*d["methods"], method]
     if dtype is not None and dtype != d.get("dtype", "float32"):
         raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")
-    if device is not None:
-        d["device"] = device  # a runtime choice, not part of the run's configuration
-    if steps is not None:
+    if settings:
         overrides = dict(d.get("adapt_overrides") or {})
-        overrides[method] = {**overrides.get(method, {}), "steps": steps}
+        overrides[method] = {**overrides.get(method, {}), **settings}
         d["adapt_overrides"] = overrides
-    cfg = RunConfig.from_dict(d)
-    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
-                    allow_changes=("config.adapt_overrides", "config.methods"))
+    RunConfig.from_dict(d)  # a bad setting (e.g. lora_dropout 1.5) fails here, on the main process, for every one
+    return d
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -519,28 +746,38 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    A local BERT-family encoder folder runs the encoder protocol (`oal.encoder_pipeline.EncoderRun`).
     """
-    console = console or Console()
     out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(cfg.device))
+    console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
     seeds = seeds or [cfg.seed]
-    multi_seed_layout(out_dir, seeds, force=force)
+    protocol = run_class(cfg)
+    group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
     if len(seeds) == 1:
         metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
     else:
-        clean_tmp(out_dir)
+        group.on_main(lambda: clean_tmp(out_dir))
         per_seed = {}
         for s in seeds:
             console.rule(f"[bold]seed {s}")
             per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                    force=force)
-        metrics = aggregate_seeds(per_seed)
-        metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
-                             for s in seeds}
-        config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
-        atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
-        atomic_write_json(out_dir / "metrics.json", metrics)
-        write_report(out_dir, console=console)
-    console.print(summary_table(metrics))
+        metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
+    console.print(protocol.summary(metrics))
+    return metrics
+
+
+def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
+                     console: Console) -> dict:
+    """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
+    metrics = protocol.aggregate(per_seed)
+    metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
+                         for s in seeds}
+    config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
+    atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
+    atomic_write_json(out_dir / "metrics.json", metrics)
+    protocol.report(out_dir, console)
     return metrics
 
 
@@ -565,3 +802,17 @@ def summary_table(metrics: dict) -> Table:
                       "-" if pre is None else f"{pre:.3f}", cell,
                       *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
     return table
+
+
+def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
+                  force: bool = False) -> dict:
+    """`oal select-layers`: the stages of `oal run --layers auto:K` up to the layer selection (selection.json); `oal
+    run` with the same options continues from there."""
+    if not cfg.select:
+        raise InputError("expected a layer selection such as auto:2", "--k", "select")
+    r = Run(cfg, out_dir, console=console, progress=progress, force=force)
+    r.setup()
+    r.analyze()
+    r.calibrate()
+    r.select()
+    return load_json(r.dir / SELECTION_FILE)

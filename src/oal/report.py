@@ -2,7 +2,8 @@
 
 Sections: configuration and provenance (versions, hashes, splits), the analysis figures, calibration curves, the
 fidelity table (paper Table 2 layout), the perplexity table (paper Table 3 layout, with the paper's Qwen2.5-0.5B
-numbers as a labelled reference group), Table 3's zero-shot columns, adaptation curves and time per stage.
+numbers as a labelled reference group), Table 3's zero-shot columns, passkey retrieval, layer selection, adaptation
+curves and time per stage.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .data.zeroshot import DISPLAY_NAMES  # noqa: E402
+from .evaluate.passkey import passkey_section  # noqa: E402
 from .runio import atomic_save_figure, atomic_write_text, load_json  # noqa: E402
+from .selection import selection_section  # noqa: E402
 
 __all__ = ["PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "DISPLAY", "write_report", "figure_references"]
 
@@ -43,7 +46,8 @@ PAPER_TABLE2_QWEN = {
     "oal": (0.078, 0.432, 0.031, 0.595),
 }
 
-OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png")
+OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png", "passkey.png",
+               "layer_selection.png")
 
 
 def _load(path: Path):
@@ -380,6 +384,12 @@ def _perplexity(metrics: dict, has_fig: bool) -> list[str]:
     return out
 
 
+def _blocks_per_update(a: dict) -> str:
+    """The global batch, and the processes that shared it (data parallel) when there were several."""
+    n = a.get("processes", 1)
+    return f"{a.get('global_batch', 1)}" + (f" ({n} processes)" if n > 1 else "")
+
+
 def _data_line(task: str, prov: dict) -> str:
     if prov.get("source") == "task_file":
         return (f"- {DISPLAY_NAMES[task]}: local file `{prov.get('path')}` in the {prov.get('schema_of')} schema "
@@ -441,13 +451,13 @@ def _adaptation(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]:
     ad = metrics.get("adapt") or {}
     if not ad:
         return out + ["Adaptation did not run.", ""]
-    rows = [[_name(m), str(a["steps"]), str(a["best_step"]), f"{a['best_val_nll']:.4f}", str(a["n_lora_params"]),
-             str(a["n_kernel_params"]), f"{a['kernel_change']:.4g}"] for m, a in
+    rows = [[_name(m), str(a["steps"]), _blocks_per_update(a), str(a["best_step"]), f"{a['best_val_nll']:.4f}",
+             str(a["n_lora_params"]), str(a["n_kernel_params"]), f"{a['kernel_change']:.4g}"] for m, a in
             ((m, ad[m]) for m in _ordered(ad))]
     if metrics.get("seeds"):
         out += [f"Seed {metrics['seeds'][0]} shown; the other seeds are in metrics.json `per_seed`.", ""]
-    out += [_table(["method", "updates", "selected update", "best validation NLL", "LoRA parameters",
-                    "kernel parameters", "kernel change (L2)"], rows), ""]
+    out += [_table(["method", "updates", "blocks per update", "selected update", "best validation NLL",
+                    "LoRA parameters", "kernel parameters", "kernel change (L2)"], rows), ""]
     if has_fig:
         out += ["![adaptation curves](figures/adaptation_curves.png)", ""]
     return out
@@ -491,7 +501,8 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     config = _load(run_dir / "config.json") or {}
     fig_dir = run_dir / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    calibration = _load(run_dir / "calibration.json")
+    # --layers auto:K keeps every candidate layer's calibration in candidates/
+    calibration = _load(run_dir / "calibration.json") or _load(run_dir / "candidates" / "calibration.json")
     if calibration is None and metrics.get("seeds"):
         calibration = _load(run_dir / f"seed-{metrics['seeds'][0]}" / "calibration.json")
     has_cal = bool(calibration) and calibration_figure(calibration, fig_dir / "calibration_curves.png")
@@ -519,8 +530,15 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += _regime_and_budget(adapt_dir, prefix)
     lines += _perplexity(metrics, has_ppl)
     lines += _zeroshot(metrics)
+    lines += selection_section(metrics, fig_dir, _table)
+    lines += passkey_section(metrics, fig_dir, _table)
     lines += _adaptation(adapt_dir, metrics, has_adapt)
     lines += _timing(metrics)
+    return write_markdown(run_dir, lines, console=console)
+
+
+def write_markdown(run_dir: Path, lines: list[str], *, console=None) -> Path:
+    """Write DIR/report.md from `lines`, after checking that every figure it embeds exists and is not empty."""
     text = "\n".join(lines)
     for ref in figure_references(text):
         p = run_dir / ref

@@ -3,6 +3,9 @@
 chi_{p,r} = 1/|Omega_p| * sum_{j <= i} |q_{p,i,r} k_{p,j,r}| / sqrt(d): the mean absolute contribution of
 dimension r to the attention logits over causal pairs of one prompt. Since |q_ir k_jr| = |q_ir| |k_jr|, the sum
 over j <= i is |q_ir| times a prefix sum of |k_r|, so the cost is O(N d) time and memory instead of O(N^2 d).
+
+Encoders (`causal=False`): Omega_p is every pair (i, j) of real tokens, and the sum factorises into
+(sum_i |q_ir|) (sum_j |k_jr|) over n^2 pairs.
 """
 
 from __future__ import annotations
@@ -27,18 +30,21 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> No
         raise ValueError("q, k: non-finite values")
 
 
-def _n_pairs(n_valid: torch.Tensor) -> torch.Tensor:
+def _n_pairs(n_valid: torch.Tensor, causal: bool = True) -> torch.Tensor:
     if (n_valid <= 0).any():
         raise ValueError("mask: every sequence needs at least one valid token")
-    return n_valid * (n_valid + 1) / 2  # |Omega_p| = n(n+1)/2 causal pairs
+    # |Omega_p| = n(n+1)/2 causal pairs, n^2 pairs without the causal mask
+    return n_valid * (n_valid + 1) / 2 if causal else n_valid * n_valid
 
 
 def contribution_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *, mask: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Eq. (2) for one prompt: q [..., N, d], k [..., N, d] (GQA already mapped) -> chi [..., d].
 
     `mask` [..., N] (1/True = real token) restricts the causal pairs to real tokens (padding on either side).
+    `causal=False` (encoders) takes every pair of real tokens instead of j <= i.
     `scale` defaults to 1/sqrt(d). Computed in float32 (float64 for float64 inputs). Differentiable.
     """
     _check_qk(q, k, mask)
@@ -51,21 +57,26 @@ def contribution_scores(
         m = mask.to(dt)
         aq, ak = aq * m[..., None], ak * m[..., None]
         n = m.sum(-1)[..., None]
+    if not causal:  # sum over all (i, j) of |q_ir| |k_jr| = (sum_i |q_ir|) (sum_j |k_jr|)
+        return aq.sum(-2) * ak.sum(-2) * scale / _n_pairs(n, causal)
     kcum = ak.cumsum(-2)  # sum_{j <= i} |k_jr|
     total = (aq * kcum).sum(-2)  # sum_{j <= i} |q_ir| |k_jr|
     return total * scale / _n_pairs(n)
 
 
 def contribution_scores_reference(
-    q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *, mask: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Brute-force O(N^2 d) Eq. (2): forms every causal pair explicitly. The oracle for the fast path."""
+    """Brute-force O(N^2 d) Eq. (2): forms every causal (or, `causal=False`, every) pair explicitly. The oracle
+    for the fast path."""
     _check_qk(q, k, mask)
     dt = _acc_dtype(q)
     n_tok, d = q.shape[-2:]
     scale = d**-0.5 if scale is None else scale
     pair = (q.to(dt)[..., :, None, :] * k.to(dt)[..., None, :, :]).abs() * scale  # [..., i, j, d]
-    keep = torch.ones(n_tok, n_tok, dtype=torch.bool, device=q.device).tril()
+    keep = torch.ones(n_tok, n_tok, dtype=torch.bool, device=q.device)
+    keep = keep.tril() if causal else keep
     if mask is not None:
         valid = mask.bool()
         keep = keep & valid[..., :, None] & valid[..., None, :]
@@ -74,11 +85,13 @@ def contribution_scores_reference(
 
 
 def head_contributions(
-    q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, scale: float | None = None,
+    *, causal: bool = True,
 ) -> torch.Tensor:
     """Per-prompt chi for every query head: q [B, Hq, N, d], k [B, Hkv, N, d] -> [B, Hq, d].
 
-    Query head h uses KV head h // (Hq // Hkv) (HF repeat_kv). `attention_mask` [B, N] is the padding mask.
+    Query head h uses KV head h // (Hq // Hkv) (HF repeat_kv). `attention_mask` [B, N] is the padding mask;
+    `causal=False` for encoders (all pairs of real tokens).
     The KV prefix sums are formed once per KV head and broadcast over its query group (no repeat copy).
     """
     if q.dim() != 4 or k.dim() != 4:
@@ -91,7 +104,7 @@ def head_contributions(
     qg = q.reshape(b, hkv, g, n, d)
     kg = k[:, :, None]  # broadcast over the g query heads of each KV head
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
-    return contribution_scores(qg, kg.expand(b, hkv, g, n, d), scale, mask=mask).reshape(b, hq, d)
+    return contribution_scores(qg, kg.expand(b, hkv, g, n, d), scale, mask=mask, causal=causal).reshape(b, hq, d)
 
 
 def prefix_contributions(

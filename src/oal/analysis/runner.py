@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..models.capture import Captured, attention_module, capture
+from ..models.encoder import is_encoder
 from ..models.registry import weights_record
 from ..runio import atomic_write_json, check_out_dir, load_json
 from . import figures as figs
@@ -38,7 +39,14 @@ TOP_K = 5
 
 
 def _batches(prompts, tokenizer, batch_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Token blocks [P, L] (no padding) or a list of strings (tokenised without BOS/EOS, right-padded)."""
+    """Token blocks [P, L] (no padding), a list of strings (tokenised without BOS/EOS, right-padded), or a tokenised
+    batch {"input_ids": [P, L], "attention_mask": [P, L]} (e.g. encoder passages with their special tokens)."""
+    if isinstance(prompts, Mapping):
+        ids, mask = prompts.get("input_ids"), prompts.get("attention_mask")
+        if not torch.is_tensor(ids) or ids.dim() != 2 or mask is None or mask.shape != ids.shape:
+            raise ValueError("prompts: expected input_ids and an attention_mask of the same shape [P, L]")
+        return [(ids[i : i + batch_size].to(device), mask[i : i + batch_size].to(device))
+                for i in range(0, ids.shape[0], batch_size)]
     if torch.is_tensor(prompts):
         if prompts.dim() != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0:
             raise ValueError(f"prompts: expected token ids [P, L] with P, L >= 1, got {tuple(prompts.shape)}")
@@ -77,7 +85,7 @@ class _Collector:
 
     def __call__(self, c: Captured) -> None:
         b = c.q.shape[0]
-        chi = head_contributions(c.q, c.k, c.attention_mask).to("cpu", torch.float64)  # Eq. (2) per prompt
+        chi = head_contributions(c.q, c.k, c.attention_mask, causal=c.causal).to("cpu", torch.float64)  # Eq. (2)
         if c.layer not in self.chi:
             self.chi[c.layer] = torch.zeros(self.n_prompts, *chi.shape[1:], dtype=torch.float64)
             self.abs_q[c.layer] = torch.zeros(c.q.shape[1], c.q.shape[-1], dtype=torch.float64)
@@ -166,7 +174,9 @@ def analyze(
     for i in layers:
         attention_module(model, i)  # validates architecture and layer range with a clear error
     if layers:
-        check_min_groups(attention_module(model, layers[0]).head_dim, params["tail_fraction"], params["min_groups"])
+        attn = attention_module(model, layers[0])
+        head_dim = getattr(attn, "head_dim", None) or attn.attention_head_size  # the latter: BERT-family encoders
+        check_min_groups(head_dim, params["tail_fraction"], params["min_groups"])
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers: duplicates in {layers}")
     device = next(model.parameters()).device
@@ -179,6 +189,8 @@ def analyze(
     rep = representative if representative is not None else (layers[0], 0)
     if rep[0] not in layers or not 0 <= rep[1] < model.config.num_attention_heads:
         raise ValueError(f"representative: expected (layer in {layers}, head < Hq), got {rep}")
+    if long_sequence is not None and is_encoder(model):
+        raise ValueError("long_sequence: the prefix-length check (Table 4) needs causal attention; encoders have none")
     if long_sequence is not None:
         long_sequence = long_sequence.reshape(-1).to(device)
         lengths = list(lengths) if lengths is not None else _default_lengths(long_sequence.numel())

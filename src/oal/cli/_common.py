@@ -47,6 +47,14 @@ AdapterOpt = Annotated[bool | None, typer.Option(
     "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
                                          "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
+# Adaptation batch (App. F.2 uses 1 x 1 with dropout 0.05); under torchrun / accelerate launch the global batch of an
+# update is batch size x processes x grad accum.
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Adaptation blocks per process and micro-batch (default: "
+                                           "1; an update averages batch size x processes x grad accum blocks).")]
+GradAccumOpt = Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per adaptation update (default: "
+                                           "1).")]
+LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
+                                               "several processes reproduce one process exactly).")]
 # zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
 TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]
 LimitOpt = Annotated[int, typer.Option(help="Only the first N examples of each zero-shot task (a quick run; the "
@@ -59,12 +67,14 @@ TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local J
 
 
 def load_model_or_fail(model: str, device: str, dtype: str | None = None):
-    """`load_model(model, device=device, dtype=dtype)`; a bad name, path or file becomes a clean --model error."""
+    """`load_model(model, device=device, dtype=dtype)`; a bad name, path or file becomes a clean --model error.
+    Under a launch of several processes on CUDA each process loads it on its own GPU."""
     from ..device import resolve_dtype
+    from ..distributed import process_device
     from ..models.registry import load_model
 
     try:
-        return load_model(model, device=device, dtype=resolve_dtype(dtype or "float32"))
+        return load_model(model, device=process_device(device), dtype=resolve_dtype(dtype or "float32"))
     except (ValueError, RuntimeError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
 
@@ -77,6 +87,25 @@ def registry_preset(preset: str | None, mdl) -> str:
     if preset not in PRESETS:
         raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
     return preset
+
+
+SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
+                                          "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
+
+
+def layer_selection(spec: str | None, by: str, by_option: str = "--select-by") -> dict:
+    """RunConfig's `layers` and `select` from --layers ('auto:K' selects, anything else is a fixed list)."""
+    from ..selection import CRITERIA, parse_auto
+
+    if by not in CRITERIA:
+        raise typer.BadParameter(f"expected one of {', '.join(CRITERIA)}, got {by!r}", param_hint=by_option)
+    try:
+        k = parse_auto(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("layers: "), param_hint="--layers") from None
+    if k is not None:
+        return {"layers": None, "select": {"k": k, "by": by}}
+    return {"layers": parse_layers(spec) if spec is not None else None}
 
 
 def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:
@@ -132,6 +161,15 @@ def converted_or_fail(out: Path, model: str | None, method: str, device: str, ad
 
     return load_converted(out, method, adapter, model=model, device=device,
                           dtype=resolve_dtype(dtype) if dtype else None)
+
+
+def main_console():
+    """A rich console that prints on the main process of a launch only (the other processes compute silently)."""
+    from rich.console import Console
+
+    from ..distributed import env_rank
+
+    return Console(quiet=env_rank() != 0)
 
 
 def set_threads(threads: int | None) -> None:

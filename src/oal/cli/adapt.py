@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from ._common import DeviceOpt, DtypeOpt, ThreadsOpt, set_threads
+from ._common import BatchSizeOpt, DeviceOpt, DtypeOpt, GradAccumOpt, LoraDropoutOpt, ThreadsOpt, set_threads
 from .app import app
 
 
@@ -16,17 +15,22 @@ def adapt_cmd(
     out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run`)."),
     method: str = typer.Option("oal", help="The arm to adapt: a calibrated method of the run, or softmax."),
     steps: int = typer.Option(None, min=1, help="Adaptation updates for this arm (recorded in config.json)."),
+    batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; metrics.json and report.md
-    are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused."""
+    are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused. Settings given
+    here are recorded in config.json for this arm. Data-parallel under torchrun / accelerate launch (see README)."""
     from ..pipeline import adapt_arm
+    from ._common import main_console
 
     set_threads(threads)
-    console = Console()
-    ppl = adapt_arm(out, method, steps=steps, device=device, dtype=dtype, console=console,
-                    progress=progress)["perplexity"].get(method)
+    console = main_console()
+    ppl = adapt_arm(out, method, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lora_dropout=lora_dropout,
+                    device=device, dtype=dtype, console=console, progress=progress)["perplexity"].get(method)
     console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")

@@ -44,7 +44,10 @@ class _Group(TyperGroup):
             if message is None:
                 raise
             code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
-            typer.echo(f"Error: {_one_line(message)}", err=True)
+            from ..distributed import env_rank
+
+            if env_rank() == 0:  # every process of a launch gets the main one's error; one of them says it
+                typer.echo(f"Error: {_one_line(message)}", err=True)
             raise typer.Exit(code) from None
 
 
@@ -73,7 +76,9 @@ def setup_logging(level: int) -> None:
 
     log = logging.getLogger("oal")
     log.handlers[:] = [RichHandler(show_path=False, show_time=False, markup=False)]
-    log.setLevel(level)
+    from ..distributed import env_rank
+
+    log.setLevel(level if env_rank() == 0 else max(level, logging.ERROR))  # a launch's other processes: errors only
     log.propagate = False
     import transformers
 

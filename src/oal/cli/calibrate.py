@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ._common import (
@@ -16,6 +15,7 @@ from ._common import (
     ModelOpt,
     blocks_or_fail,
     load_model_or_fail,
+    main_console,
     parse_layers,
 )
 from .app import app
@@ -48,7 +48,7 @@ def calibrate_cmd(
     from ..run_dir import refuse_run_dir
     from ..runio import check_out_dir
 
-    console = Console()
+    console = main_console()  # under torchrun the processes share the layers out; the main one reports
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in method_names()]
     if not wanted or unknown:

@@ -1,5 +1,6 @@
-"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models, or with --zeroshot the zero-shot
-PIQA / HellaSwag / ARC-E accuracies (Table 3, App. F.3) of its arms, into DIR/metrics.json."""
+"""`oal evaluate`: frozen-attention fidelity (Table 2) of a run's converted models, with --zeroshot the zero-shot
+PIQA / HellaSwag / ARC-E accuracies (Table 3, App. F.3) of its arms, or with --passkey their passkey retrieval,
+into DIR/metrics.json."""
 
 from __future__ import annotations
 
@@ -42,15 +43,28 @@ def evaluate_cmd(
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval instead of fidelity: greedy recall of a "
+                                 "number hidden at several depths, for softmax and every method, before and after "
+                                 "adaptation (--no-adapter / --adapter: one of the two only)."),
+    lengths: str = typer.Option(None, help="--passkey: comma-separated context lengths in tokens (default: powers "
+                                "of two from 1k to the model's maximum)."),
+    depths: str = typer.Option(None, help="--passkey: comma-separated needle depths in [0, 1] (default: "
+                               "0,0.25,0.5,0.75,1)."),
+    trials: int = typer.Option(4, min=1, help="--passkey: prompts (keys) per length and depth."),
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
-    in an `oal run` directory); with --zeroshot: PIQA / HellaSwag / ARC-E (App. F.3) -> metrics.json["zeroshot"].
+    in an `oal run` directory); with --zeroshot: PIQA / HellaSwag / ARC-E (App. F.3) -> metrics.json["zeroshot"];
+    with --passkey: passkey retrieval accuracy by context length and depth -> metrics.json["passkey"].
 
     Calibrated kernels on the base model go to metrics.json["fidelity"]; a method with the run's adapter is measured
     as adapted (trained kernels against the softmax attention of the LoRA-merged weights) into ["fidelity_adapted"].
     """
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
+    if passkey:
+        _passkey(out, model, wanted, _numbers(lengths, int, "--lengths"), _numbers(depths, float, "--depths"),
+                 trials, adapter, device, dtype, console)
+        return
     if zeroshot:
         _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console)
         return
@@ -68,16 +82,49 @@ def evaluate_cmd(
     console.print(table)
 
 
+def _numbers(text: str | None, kind, option: str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
+
+
+def _run_methods(out: Path, methods, fallback: list[str]) -> list[str]:
+    from ..runio import load_json
+
+    if methods is not None:
+        return methods
+    config = out / "config.json"
+    return (load_json(config).get("config", {}).get("methods") if config.is_file() else None) or fallback
+
+
+def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console) -> None:
+    from ..device import resolve_dtype
+    from ..evaluate.run_passkey import evaluate_passkey_run
+
+    res = evaluate_passkey_run(out, _run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
+                               depths=depths, trials=trials, adapter=adapter, device=device,
+                               dtype=resolve_dtype(dtype) if dtype else None, console=console)
+    table = Table(title="passkey retrieval accuracy by context length (greedy, exact match)")
+    rows = [(m, v, r) for m, arms in res.items() for v, r in arms.items()]
+    lens = sorted({int(n) for _, _, r in rows for n in r["by_length"]})
+    for col in ("method", "model", *map(str, lens), "mean"):
+        table.add_column(col, justify="right")
+    for m, v, r in rows:
+        table.add_row(m, v.replace("_", " "), *(f"{r['by_length'].get(str(n), float('nan')):.2f}" for n in lens),
+                      f"{r['mean']:.2f}")
+    console.print(table)
+
+
 def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
               console) -> None:
     from ..data.zeroshot import DISPLAY_NAMES, parse_task_files
     from ..device import resolve_dtype
     from ..evaluate.run_zeroshot import evaluate_zeroshot
-    from ..runio import load_json
 
-    if methods is None:
-        config = out / "config.json"
-        methods = (load_json(config).get("config", {}).get("methods") if config.is_file() else None) or ["oal"]
+    methods = _run_methods(out, methods, ["oal"])
     scores = evaluate_zeroshot(out, methods, model=model, tasks=tasks, task_files=parse_task_files(task_file),
                                zeroshot_dir=zeroshot_dir, limit=limit, adapter=adapter, device=device,
                                dtype=resolve_dtype(dtype) if dtype else None, console=console)

@@ -19,7 +19,7 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--to" if str(exc).startswith("to:") else "--out") from None
     typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "
-               f"AutoModelForCausalLM.from_pretrained('{path}') after `import oal`")
+               f"AutoModelForCausalLM.from_pretrained('{path}') (an encoder: AutoModel) after `import oal`")
     return path
 
 

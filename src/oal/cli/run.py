@@ -5,18 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from ._common import (
+    BatchSizeOpt,
     DeviceOpt,
     DtypeOpt,
+    GradAccumOpt,
     GroupingOpt,
     LimitOpt,
+    LoraDropoutOpt,
+    SelectByOpt,
     TaskFileOpt,
     TasksOpt,
     ThreadsOpt,
     ZeroshotDirOpt,
-    parse_layers,
+    layer_selection,
+    main_console,
     set_threads,
 )
 from .app import app
@@ -26,16 +30,22 @@ from .app import app
 def run(
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one of the same configuration "
                              "is resumed, another configuration is refused)."),
-    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
+    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded; "
+                              "a local encoder folder runs the encoder protocol)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
     preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
-    layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range)."),
+    layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "
+                               "to calibrate every layer and convert the K best (--select-by)."),
+    select_by: SelectByOpt = "probe",
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
     grouping: GroupingOpt = "app-b",
+    batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
     tasks: TasksOpt = "all",
     limit: LimitOpt = None,
     zeroshot_dir: ZeroshotDirOpt = None,
@@ -48,7 +58,12 @@ def run(
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
-    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line."""
+    directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line. With --model
+    PATH to a local BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA), the encoder protocol runs
+    instead: non-causal analysis and calibration on padded passages, fidelity and pooled-embedding cosine against
+    the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
+    calibration and adaptation run on every process (see README).
+    """
     from ..analysis import parse_grouping
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..data.zeroshot import parse_task_files
@@ -60,10 +75,11 @@ def run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--grouping") from None
     seed_list = parse_seeds(seeds)
-    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every)) if v is not None}
+    adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
+                               ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
-                                layers=parse_layers(layers) if layers is not None else None, seed=seed_list[0],
+                                **layer_selection(layers, select_by), seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
                                 grouping=procedure)
-    run_pipeline(cfg, out, seed_list, console=Console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)

@@ -5,8 +5,11 @@ the conversion under `config.oal`, and `architectures: ["OALQwen2ForCausalLM"]`,
 LM whose __init__ converts the recorded layers (`models.pretrained`). Plain transformers does not know these model
 types, so loading such a folder without `oal` fails loudly instead of silently returning softmax attention.
 
-`import oal` registers them with AutoConfig / AutoModelForCausalLM without importing transformers (which would
-make `import oal`, and every `oal` command, pay for torch): `install()` puts an import hook in front of
+Encoders (BERT family, `models.encoder`) are saved as "oal_bert" (etc.) the same way and reload through
+`AutoModel`, which gives the converted base encoder ("OALBertModel").
+
+`import oal` registers them with AutoConfig / AutoModelForCausalLM / AutoModel without importing transformers
+(which would make `import oal`, and every `oal` command, pay for torch): `install()` puts an import hook in front of
 transformers' modules, and once an import that loaded transformers' `configuration_auto` has finished (the
 outermost transformers import returned, so no transformers module is half imported), it registers the config
 types, which need only the families' configuration modules, and removes itself. The model class of a family is
@@ -19,11 +22,13 @@ from __future__ import annotations
 import _thread  # threading.local without threading's imports
 import sys
 
-__all__ = ["FAMILIES", "PREFIX", "base_model_type", "install", "register_config", "register_model"]
+__all__ = ["ENCODER_FAMILIES", "FAMILIES", "PREFIX", "base_model_type", "install", "register_config", "register_model"]
 
 # Registered on import: the families `models.capture.SUPPORTED_ARCHITECTURES` lists (a test keeps the two equal).
 # Other families are registered on demand (`oal.convert` / `oal.load` call `register_model` for theirs).
 FAMILIES = ("qwen2", "llama", "mistral", "qwen3")
+# The encoders of `models.encoder.ENCODER_ARCHITECTURES` (a test keeps the two equal): registered with AutoModel.
+ENCODER_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 PREFIX = "oal_"
 _CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 
@@ -63,20 +68,23 @@ def register_config(family: str) -> type:
 
 
 def register_model(family: str) -> type:
-    """The converted causal-LM class of `family` (built and registered with AutoModelForCausalLM once)."""
+    """The converted causal-LM class of `family` (built and registered with AutoModelForCausalLM once); for an
+    encoder family, the converted base encoder (registered with AutoModel)."""
     if family in _model_classes:
         return _model_classes[family]
     config_cls = register_config(family)
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
     from .pretrained import converted_class
 
     base_config = config_cls.__mro__[1]
-    if base_config not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"model_type: transformers has no causal LM for {family!r}")
-    cls = converted_class(MODEL_FOR_CAUSAL_LM_MAPPING[base_config])
-    AutoModelForCausalLM.register(config_cls, cls, exist_ok=True)
+    auto, mapping, what = ((AutoModel, MODEL_MAPPING, "base model") if family in ENCODER_FAMILIES
+                           else (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING, "causal LM"))
+    if base_config not in mapping:
+        raise ValueError(f"model_type: transformers has no {what} for {family!r}")
+    cls = converted_class(mapping[base_config])
+    auto.register(config_cls, cls, exist_ok=True)
     _model_classes[family] = cls
     return cls
 
@@ -89,7 +97,7 @@ def _register_configs() -> None:
     if _finder is not None:
         sys.meta_path.remove(_finder)
         _finder = None
-    for family in FAMILIES:
+    for family in FAMILIES + ENCODER_FAMILIES:
         try:
             register_config(family)
         except Exception as exc:  # never break the user's import of transformers; loading then fails loudly

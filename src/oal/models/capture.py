@@ -1,10 +1,13 @@
-"""Capture post-RoPE q/k/v and the per-head attention output of chosen layers of an HF causal LM.
+"""Capture post-RoPE q/k/v and the per-head attention output of chosen layers of an HF causal LM or encoder.
 
 How it works: transformers 5 routes every attention call through `AttentionInterface`, passing the module, the
 post-RoPE query `[B, Hq, N, d]`, the (not repeated) key/value `[B, Hkv, N, d]`, the mask built for the model's
 attention implementation and `scaling`. We register a wrapper implementation (one per original implementation,
 with the original's mask function), switch the model to it for the duration of a `with` block, call the original
 function unchanged and hand what it saw to a callback. The model's output is bit-identical to a plain forward.
+
+Encoders (BERT family, `models.encoder`): the same wrapper sees their post-projection q/k/v (no RoPE) and the
+per-head output before `attention.output.dense`; `Captured.causal` is False for them.
 
 Streaming: the callback runs inside the forward pass, one layer at a time; nothing is kept after it returns, so
 the caller decides what to reduce (scores, sampled rows) and memory never holds all layers' tensors at once.
@@ -23,6 +26,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import encoder
 
 # model_type -> causal-LM class name. These families expose `model.model.layers[i].self_attn` and call the
 # attention function through AttentionInterface with post-RoPE q/k and native GQA k/v.
@@ -43,7 +48,8 @@ class Captured:
     q: [B, Hq, N, d] post-RoPE queries (unscaled); k: [B, Hkv, N, d] post-RoPE keys; v: [B, Hkv, N, dv];
     out: [B, Hq, N, dv] softmax attention output per head, before o_proj;
     attention_mask: the caller's 2-D padding mask [B, N] (1 = real token) or None;
-    scaling: the softmax scale the model used (1/sqrt(d) for the supported families).
+    scaling: the softmax scale the model used (1/sqrt(d) for the supported families);
+    causal: False for encoders (every query sees every real key).
     """
 
     layer: int
@@ -53,6 +59,7 @@ class Captured:
     out: torch.Tensor
     attention_mask: torch.Tensor | None
     scaling: float
+    causal: bool = True
 
 
 @dataclass
@@ -72,23 +79,36 @@ _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("oal_
 
 
 def check_supported(model: nn.Module) -> None:
-    """Raise ValueError unless `model` is one of the supported causal-LM families."""
+    """Raise ValueError unless `model` is one of the supported causal-LM families or encoders."""
+    if encoder.is_encoder(model):
+        encoder.encoder_layers(model)
+        return
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES or not hasattr(getattr(model, "model", None), "layers"):
         supported = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
         raise ValueError(
             f"model: unsupported architecture {type(model).__name__} (model_type={model_type!r}); "
-            f"supported: {supported}"
+            f"supported: {supported}; encoders: {', '.join(encoder.ENCODER_ARCHITECTURES)}"
         )
 
 
 def attention_module(model: nn.Module, layer: int) -> nn.Module:
-    """The HF attention module (`self_attn`, with q_proj/k_proj/v_proj/o_proj) of decoder layer `layer`."""
+    """The HF attention module (`self_attn`, with q_proj/k_proj/v_proj/o_proj) of decoder layer `layer`
+    (of an encoder: `attention.self`)."""
     check_supported(model)
+    if encoder.is_encoder(model):
+        return encoder.attention_module(model, layer)
     layers = model.model.layers
     if not isinstance(layer, int) or not 0 <= layer < len(layers):
         raise ValueError(f"layer: expected an int in [0, {len(layers)}), got {layer!r}")
     return layers[layer].self_attn
+
+
+def output_projection(model: nn.Module, layer: int) -> nn.Linear:
+    """The output projection W_o of layer `layer` (`o_proj`; for encoders `attention.output.dense`)."""
+    if encoder.is_encoder(model):
+        return encoder.output_projection(model, layer)
+    return attention_module(model, layer).o_proj
 
 
 def _original_function(module: nn.Module, impl: str) -> Callable:
@@ -114,6 +134,7 @@ def _make_wrapper(impl: str) -> Callable:
                     out=attn_output.detach().transpose(1, 2),
                     attention_mask=session.attention_mask,
                     scaling=float(scaling),
+                    causal=bool(getattr(module, "is_causal", True)),
                 )
             )
             if session.stop_after_last and layer == session.last_layer:
@@ -153,7 +174,7 @@ def capturing(model: nn.Module) -> Iterator[None]:
 
 
 def _check_layers(model: nn.Module, layers: Sequence[int]) -> list[int]:
-    n_layers = len(model.model.layers)
+    n_layers = len(encoder.encoder_layers(model) if encoder.is_encoder(model) else model.model.layers)
     layers = list(layers)
     if not layers or any(not isinstance(i, int) or not 0 <= i < n_layers for i in layers):
         raise ValueError(f"layers: expected a non-empty list of ints in [0, {n_layers}), got {layers!r}")

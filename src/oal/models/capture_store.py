@@ -5,11 +5,12 @@ block. Capturing layer by layer (a forward cut after each layer) costs sum_i (i+
 depth; here each block batch runs once, up to the deepest requested layer, and `oal.models.capture` hands over
 the layers one at a time inside that forward. Each layer's tensors go straight to their own safetensors file
 
-    ROOT/<role>/layer-<i>/<first block>.safetensors   (q, k, v, out in the model's dtype)
+    ROOT/<role>/layer-<i>/<first block>.safetensors   (q, k, v, out in the model's dtype; mask for padded input)
 
 written atomically and recorded with its SHA256 in ROOT/manifest.json, which also holds a key (model, blocks,
-layers). A later `open_store` with the same key reuses the files (a killed calibration resumes without capturing
-again); `load` checks each file's hash before reading it, and `remove` deletes everything once calibration is done.
+layers) and whether the attention was causal (encoders: not). A later `open_store` with the same key reuses the
+files (a killed calibration resumes without capturing again); `load` checks each file's hash before reading it, and
+`remove` deletes everything once calibration is done.
 
 Memory bound. While capturing, nothing outlives the layer callback: the extra memory is one layer's tensors for
 one batch of blocks, (2 Hq + 2 Hkv) * N * d elements (Qwen2.5-0.5B, N = 4096, bf16: 16.8 MB per block), next to
@@ -32,7 +33,7 @@ import torch
 from ..runio import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, sha256_file
 from .capture import Captured, capture
 
-__all__ = ["CaptureStore", "capture_to_disk", "open_store"]
+__all__ = ["CaptureStore", "block_ids", "capture_to_disk", "open_store"]
 
 FIELDS = ("q", "k", "v", "out")
 MANIFEST = "manifest.json"
@@ -49,6 +50,11 @@ class CaptureStore:
     def key(self) -> str:
         return self.manifest["key"]
 
+    @property
+    def causal(self) -> bool:
+        """False when the captured attention was non-causal (encoders)."""
+        return bool(self.manifest.get("causal", True))
+
     def files(self, role: str, layer: int) -> list[str]:
         try:
             return self.manifest["roles"][role][str(layer)]
@@ -56,8 +62,8 @@ class CaptureStore:
             raise ValueError(f"capture: no data for role {role!r}, layer {layer} in {self.root}") from None
 
     def load(self, role: str, layer: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """{q, k, v, out} of `layer` for every block of `role`, concatenated in block order on `device` (each
-        file's hash is checked before it is read)."""
+        """{q, k, v, out} (and `mask` [S, N], True = real token, when the blocks were padded) of `layer` for every
+        block of `role`, concatenated in block order on `device` (each file's hash is checked before it is read)."""
         parts = []
         for rel in self.files(role, layer):
             path = self.root / rel
@@ -66,7 +72,8 @@ class CaptureStore:
                 raise ValueError(f"capture: {path} is missing or does not match its recorded SHA256; "
                                  "delete the capture folder to capture again")
             parts.append(load_safetensors(path))
-        return {f: torch.cat([p[f] for p in parts]).to(device) for f in FIELDS}
+        fields = FIELDS + (("mask",) if "mask" in parts[0] else ())
+        return {f: torch.cat([p[f] for p in parts]).to(device) for f in fields}
 
     def nbytes(self) -> int:
         """Bytes on disk of all capture files."""
@@ -91,11 +98,25 @@ def open_store(root: str | Path, key: str) -> CaptureStore | None:
     return CaptureStore(root, manifest)
 
 
-def capture_to_disk(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int], root: str | Path, *,
-                    key: str, batch_size: int = 1,
+def block_ids(role: str, blocks) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids [S, N], attention_mask [S, N] or None) of one role: token blocks, or tokenised padded passages
+    {"input_ids", "attention_mask"} (encoders)."""
+    ids, mask = (blocks.get("input_ids"), blocks.get("attention_mask")) if isinstance(blocks, Mapping) else (blocks,
+                                                                                                               None)
+    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[0] == 0:
+        raise ValueError(f"blocks[{role!r}]: expected a non-empty LongTensor [S, N] (or input_ids and "
+                         f"attention_mask), got {tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__}")
+    if mask is not None and (not torch.is_tensor(mask) or mask.shape != ids.shape):
+        raise ValueError(f"blocks[{role!r}]: expected an attention_mask of shape {tuple(ids.shape)}")
+    return ids, mask
+
+
+def capture_to_disk(model, blocks: Mapping[str, torch.Tensor | Mapping[str, torch.Tensor]], layers: Sequence[int],
+                    root: str | Path, *, key: str, batch_size: int = 1,
                     on_batch: Callable[[str, int], None] | None = None) -> CaptureStore:
-    """Capture `layers` of `model` on the token blocks of each role ({role: LongTensor [S, N]}) in one forward
-    per batch of blocks, streaming every layer's q/k/v/out to its own file under `root`.
+    """Capture `layers` of `model` on the token blocks of each role ({role: LongTensor [S, N]}, or {role:
+    {"input_ids", "attention_mask"}} for padded passages) in one forward per batch of blocks, streaming every
+    layer's q/k/v/out (and the padding mask) to its own file under `root`.
 
     An existing store with the same `key` and intact files is reused as is. `on_batch(role, n_blocks)` is called
     after each forward (progress bars).
@@ -108,22 +129,25 @@ def capture_to_disk(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[
     layers = sorted(int(i) for i in layers)
     device = next(model.parameters()).device
     manifest: dict = {"key": key, "layers": layers, "roles": {}, "sha256": {}}
-    for role, ids in blocks.items():
-        if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[0] == 0:
-            raise ValueError(f"blocks[{role!r}]: expected a non-empty LongTensor [S, N], got "
-                             f"{tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__}")
+    for role, data in blocks.items():
+        ids, mask = block_ids(role, data)
         files: dict[str, list[str]] = {str(i): [] for i in layers}
         manifest["roles"][role] = files
         for start in range(0, ids.shape[0], batch_size):
 
             def write(c: Captured, role=role, start=start, files=files) -> None:
                 rel = f"{role}/layer-{c.layer}/{start:06d}.safetensors"
-                atomic_save_safetensors(root / rel, {f: getattr(c, f) for f in FIELDS})
+                tensors = {f: getattr(c, f) for f in FIELDS}
+                if c.attention_mask is not None:
+                    tensors["mask"] = c.attention_mask.bool()
+                atomic_save_safetensors(root / rel, tensors)
+                manifest["causal"] = bool(c.causal)
                 manifest["sha256"][rel] = sha256_file(root / rel)
                 files[str(c.layer)].append(rel)
 
             with torch.no_grad():
-                capture(model, ids[start : start + batch_size].to(device), layers, write, stop_after_last=True)
+                part = None if mask is None else mask[start : start + batch_size].to(device)
+                capture(model, ids[start : start + batch_size].to(device), layers, write, part, stop_after_last=True)
             if on_batch is not None:
                 on_batch(role, min(batch_size, ids.shape[0] - start))
     atomic_write_json(root / MANIFEST, manifest)  # last: a store without its manifest is never reused

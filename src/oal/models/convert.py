@@ -25,6 +25,10 @@ is read off the 4-D mask transformers passes to attention functions (a key no qu
 Decoding: a few new tokens on top of a state go through the operator's token loop (`oal_attention`'s `auto`
 picks it), whose per-token cost is a handful of small ops.
 
+Encoders (BERT family, `models.encoder`): the same functions convert `encoder.layer[i].attention.self`; their
+converted layers run the method non-causally (`module.is_causal` is False), padded keys kept out of the state and
+the normaliser (`models.encoder.noncausal_attention`).
+
 Sliding-window models (Mistral): a converted layer attends the full causal prefix (the state cannot slide).
 
 Use with peft: call `convert` first, then `get_peft_model`; peft freezes non-LoRA weights, so re-enable the kernel
@@ -44,6 +48,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..methods.base import AttentionMethod, build_method, repeat_kv
+from . import encoder
 from .cache import OALStateLayer
 from .registry import default_layers
 
@@ -57,6 +62,8 @@ _HOOKS_ATTR = "_oal_hook_handles"
 
 
 def _decoder_layers(model: nn.Module):
+    if encoder.is_encoder(model):
+        return encoder.encoder_layers(model)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "config"):
@@ -65,6 +72,8 @@ def _decoder_layers(model: nn.Module):
 
 
 def _attention(model: nn.Module, layer: int) -> nn.Module:
+    if encoder.is_encoder(model):
+        return encoder.attention_module(model, layer)
     layers = _decoder_layers(model)
     if not isinstance(layer, int) or not 0 <= layer < len(layers):
         raise ValueError(f"layers: expected ints in [0, {len(layers)}), got {layer!r}")
@@ -163,7 +172,9 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
 def _converted_forward(module, query, key, value, attention_mask):
     method: AttentionMethod = module.oal_method
     layer = getattr(module, "_oal_cache_layer", None)
-    if layer is not None and not layer.stateful:
+    if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
+        out = encoder.noncausal_attention(method, query, key, value, _key_validity(attention_mask, key.shape[-2]))
+    elif layer is not None and not layer.stateful:
         out = _dense_with_mask(method, query, key, value, attention_mask)
     else:
         out = _stateful(method, query, key, value, _key_validity(attention_mask, key.shape[-2]), layer)
@@ -277,7 +288,8 @@ def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:
     """layer index -> method for every converted layer of `model` (empty when none)."""
     out = {}
     for i, layer in enumerate(_decoder_layers(model)):
-        m = getattr(getattr(layer, "self_attn", None), "oal_method", None)
+        attn = encoder.attention_module(model, i) if encoder.is_encoder(model) else getattr(layer, "self_attn", None)
+        m = getattr(attn, "oal_method", None)
         if m is not None:
             out[i] = m
     return out

@@ -171,18 +171,20 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _check_model_folder(path: Path) -> None:
-    """A loadable HF folder: config.json, a supported architecture, safetensors weights (never pickle)."""
+def _check_model_folder(path: Path, architectures: Mapping[str, str] | None = None) -> None:
+    """A loadable HF folder: config.json, a supported architecture (model_type -> class name; default: the causal
+    LMs of `models.capture`), safetensors weights (never pickle)."""
     if not (path / "config.json").is_file():
         raise _bad_model(f"{path} is not a Hugging Face model folder (no config.json)")
     cfg = load_json(path / "config.json")
-    from .capture import SUPPORTED_ARCHITECTURES
+    if architectures is None:
+        from .capture import SUPPORTED_ARCHITECTURES as architectures
 
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in architectures:
         archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or ["?"]
         raise _bad_model(f"{path}: unsupported architecture {archs[0]} (model_type={model_type!r}); supported: "
-                         f"{', '.join(f'{v} ({k})' for k, v in SUPPORTED_ARCHITECTURES.items())}")
+                         f"{', '.join(f'{v} ({k})' for k, v in architectures.items())}")
     files = [p.name for p in path.iterdir() if p.is_file()]
     if not any(f.endswith(".safetensors") for f in files):
         pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
@@ -274,6 +276,11 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
                              "build it with scripts/train_embedded_model.py")
     elif Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
+        from .encoder import is_encoder_model
+
+        if is_encoder_model(path):  # AutoModelForCausalLM would bolt a random LM head onto it
+            raise _bad_model(f"{name} is an encoder (BERT family): `oal run --model` runs the encoder protocol, "
+                             "and oal.models.encoder.load_encoder loads it")
     elif Path(name).exists():
         raise _bad_model(f"{name} is a file; expected 'default', a model folder or a hub id")
     elif "/" in name and not _looks_like_path(name):

@@ -50,7 +50,7 @@ def split_state(state: torch.Tensor, d: int):
     return state[..., 0, :], state[..., 1 : 1 + d, :], state[..., 1 + d :, :]
 
 
-def _check(q, k, v, groups, factor, eps, scale, initial_state, backend):
+def _check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -58,6 +58,8 @@ def _check(q, k, v, groups, factor, eps, scale, initial_state, backend):
         if not t.is_floating_point():
             raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
     bsz, n_q, n, d = q.shape
+    if d == 0:
+        raise ValueError("q: expected a head dimension d >= 1, got d = 0")
     if k.shape[0] != bsz or k.shape[2] != n or k.shape[3] != d:
         raise ValueError(f"k: expected shape [{bsz}, Hkv, {n}, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
     n_kv = k.shape[1]
@@ -79,24 +81,62 @@ def _check(q, k, v, groups, factor, eps, scale, initial_state, backend):
         raise ValueError(f"groups: expected an integer tensor of shape [Hq={n_q}, d={d}], got {got}")
     if groups.is_floating_point() or groups.is_complex() or groups.dtype == torch.bool:
         raise ValueError(f"groups: expected an integer dtype, got {groups.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state: expected a tensor or None, got {type(initial_state).__name__}")
+    for name, t in (("k", k), ("v", v), ("groups", groups), ("factor", factor), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
     if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= n_groups):
         raise ValueError(
             f"groups: ids must lie in [0, G={n_groups}), got range [{int(groups.min())}, {int(groups.max())}]"
         )
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("factor", factor)):
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: contains NaN or Inf values")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive integer or None, got {chunk_size!r}")
     if initial_state is not None:
         want = (bsz, n_kv, feature_dim(d), v.shape[-1] + 1)
-        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
-            got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state)
-            raise ValueError(f"initial_state: expected shape {list(want)}, got {got}")
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state: expected shape {list(want)}, got {tuple(initial_state.shape)}")
+    mags = {name: _max_abs(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("factor", factor))}
+    if initial_state is not None:
+        _max_abs("initial_state", initial_state)
+    return mags["q"], mags["k"]
+
+
+def _max_abs(name: str, t: torch.Tensor) -> float:
+    """max |t|, or a ValueError naming `name` if t holds NaN or Inf (one pass: aminmax propagates NaN)."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = (float(x) for x in torch.aminmax(t.detach()))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"{name}: contains NaN or Inf values")
+    return max(-lo, hi)
+
+
+def _rescaled(q, qmax: float, kmax: float, factor, eps: float, scale: float, dtype: torch.dtype):
+    """(q, factor, eps, scale) with which `dtype` evaluates the kernel without overflow (max |q|, max |k| given).
+
+    kappa / lam = eps / lam + |L'^T [1, s / sqrt(lam)]|^2 with L' = L whose row 0 is divided by sqrt(lam)
+    (Eq. 7), and the output num / den does not change when every kappa is divided by lam. So scores too large
+    for `dtype` (bound s_max beyond max^(1/4), where the readout's s^2-sized terms could overflow) are evaluated
+    exactly with lam = s_max^2: q / max|q| and scale 1 / (d max|k|), which keeps the query features near 1
+    and the state (raw keys, by contract) unchanged. Keys whose own products k_r k_t overflow are refused.
+    """
+    info = torch.finfo(dtype)
+    if kmax * kmax > info.max / 1e6:  # the state holds the raw products k_r k_t
+        raise ValueError(f"k: values up to {kmax:.3g} overflow the {dtype} state (k_r k_t); use float64")
+    d = q.shape[-1]
+    s_max = abs(scale) * d * qmax * kmax  # |s| <= scale d max|q| max|k|
+    if s_max <= info.max**0.25:
+        return q, factor, eps, scale
+    row0 = torch.ones(factor.shape[-1], 1, dtype=factor.dtype, device=factor.device)
+    row0[0] = 1.0 / s_max
+    return q / qmax, factor * row0, eps / s_max**2, math.copysign(1.0 / (d * kmax), scale)
 
 
 def oal_attention(
@@ -122,27 +162,30 @@ def oal_attention(
     `chunk_size` (chunked backend): tokens per chunk; None picks it, and short fresh sequences run as one chunk.
     For `triton` (causal only; non-causal runs `chunked`) it is a power of two >= 16, 64 by default.
     """
-    _check(q, k, v, groups, factor, eps, scale, initial_state, backend)
+    qmax, kmax = _check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)
+    out_dtype = q.dtype
+    dtype = _compute_dtype(q.dtype)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q, factor, eps, scale = _rescaled(q, qmax, kmax, factor.to(dtype), eps, scale, dtype)
     if backend == "triton" and not causal:  # the kernels are causal; the torch path serves the rest
         backend = "chunked"
     if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal)):
         from .triton import triton_attention  # optional dependency, imported on use
 
         out, final = triton_attention(
-            q, k, v, groups, factor, eps=eps, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-            initial_state=initial_state, chunk_size=chunk_size,
+            q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state, chunk_size=chunk_size
         )
         return (out, final) if output_final_state else out
-    out_dtype = q.dtype
-    dtype = _compute_dtype(q.dtype)
-    q, k, v, factor = (t.to(dtype) for t in (q, k, v, factor))
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    groups = groups.to(q.device)
     coeffs = coefficients(factor, groups, eps)
     state = initial_state.to(dtype) if initial_state is not None else None
     if backend == "auto":  # decoding (a few tokens on a state): the token loop has the least set-up
         backend = "recurrent" if state is not None and q.shape[2] <= DECODE_TOKENS else "chunked"
+    if q.numel() == 0 or k.numel() == 0:  # N = 0 or B = 0: an empty result (and the state unchanged)
+        backend = "reference"
+    # bf16 inputs keep bf16 features and GEMMs (fp32 accumulation inside the GEMM); states stay in `dtype`
+    low = backend == "chunked" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    q, k, v = (t.to(torch.bfloat16 if low else dtype) for t in (q, k, v))
     if backend == "reference":
         out, final = reference_attention(
             q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, initial_state=state, coeffs=coeffs,
@@ -157,8 +200,14 @@ def oal_attention(
         else:
             out, final = chunked_attention(
                 q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
-                state_is_zero=fresh and chunk_size is None, need_state=output_final_state,
-                chunk_size=chunk_size or 64,
+                state_is_zero=fresh and chunk_size is None, need_state=output_final_state, chunk_size=chunk_size,
             )
+    try:  # never a silent NaN: the inputs were finite, so say why
+        _max_abs("out", out)
+    except ValueError:
+        if eps == 0:
+            raise ValueError("eps: with eps=0 the kernel vanished for every visible key of some query (0/0); "
+                             "use eps > 0") from None
+        raise ValueError(f"q/k/factor: the kernel overflowed {dtype}; use float64 inputs") from None
     out = out.to(out_dtype)
     return (out, final) if output_final_state else out

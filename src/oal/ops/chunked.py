@@ -4,40 +4,78 @@ For chunk c with queries Q_c and the state S_{c-1} = sum_{j before c} psi(k_j)^T
 
     num_c = phi(Q_c) S_{c-1}  +  tril(kappa(Q_c, K_c)) U_c          (Eq. 5-6 across chunks, Eq. 7 inside)
 
-The intra-chunk kernel uses z_m(i, j) = L_0m + scale * (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so
-kappa = eps + sum_m z_m^2 costs (G+1) small GEMMs against the shared KV-head keys (no repeat of K/V).
-Chunks are processed a block at a time: the per-chunk state increments of a block are one batched GEMM and a
-cumulative sum, so Python overhead is per block, not per chunk. Under autograd every block is checkpointed:
-only the block inputs and the running state are kept, and the d(d+1)/2-wide features are recomputed.
+Chunks are processed a block at a time, so that Python overhead is per block, not per chunk. Everything is
+computed transposed (num^T = S^T phi^T), which lets one feature-major buffer serve every GEMM without a copy:
+- features: per chunk and KV head one [F, slots * C] buffer, slots = the KV head's query heads and its keys.
+  In this layout each pair block x_r * x[r:] is one contiguous stretch, and each query head's coefficients are
+  one in-place multiply (phi = w * psi, Eq. 6);
+- state: the chunks' increments psi(K_c)^T U_c are one batched GEMM, written after the initial state and
+  summed in place (exclusive prefix sum, Eq. 5);
+- readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
+- intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
+  z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
+For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
+running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32.
+torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
+above. Under autograd every block is checkpointed: only the block inputs and the running state are kept, and the
+d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
+(`clear_workspace` releases them).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .kernel import feature_dim, key_features, query_features
+from .kernel import feature_dim, features, query_coefficients
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
 NAN_SCRATCH = False
 
+# Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
+# d(d+1)/2-wide query features, and still O(N) memory per query row.
+DENSE_MAX = 256
+# Tokens per chunk (fp32/fp64, bf16) and per block, chosen by measurement (1 thread, CPU clock): at N=16384, fp32
+# chunks of 32 were 3.6% faster than 64 (intra-chunk work halves, prefix states double; 3 interleaved runs); in
+# bf16, 64 beat 32 by 7% at N=8192 (`benchmarks.operator --sweep 8192`), and chunks of 128 were 15-25% slower in
+# both. Blocks of 512 tokens: larger ones were no faster and need a larger workspace.
+CHUNK, CHUNK_BF16, BLOCK = 32, 64, 512
 
-def _scratch(ws: dict | None, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor | None:
-    """A reusable buffer of `shape` (inference only: ws is None under autograd).
 
-    Reusing the blocks' large temporaries avoids fresh allocations, whose first-touch page faults cost about as
-    much as filling them.
+def default_chunk(dtype: torch.dtype) -> int:
+    return CHUNK_BF16 if dtype == torch.bfloat16 else CHUNK
+
+
+_WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
+
+
+def clear_workspace() -> None:
+    """Release this thread's scratch buffers (they are kept between calls; see `_scratch`)."""
+    _WORKSPACE.__dict__.clear()
+
+
+def _scratch(ws: dict | None, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """A reusable buffer of `shape` (inference only: ws is None under autograd, and then so is the result).
+
+    Buffers live in a per-thread workspace that is kept between calls: a fresh allocation of the block's
+    temporaries costs first-touch page faults worth about ten times filling them, on every call and every
+    converted layer. `clear_workspace()` releases them. With NAN_SCRATCH every acquisition is NaN-filled.
     """
     if ws is None:
         return None
     n = math.prod(shape)
-    buf = ws.get(name)
+    key = (str(device), dtype, name)
+    buf = ws.get(key)
     if buf is None or buf.numel() < n:
-        fill = float("nan") if NAN_SCRATCH else 0.0
-        buf = ws[name] = torch.full((n,), fill, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):  # a normal tensor: usable both in and outside inference mode
+            buf = ws[key] = torch.empty(n, dtype=dtype, device=device)
+    if NAN_SCRATCH:
+        buf.fill_(float("nan"))
     return buf[:n].view(shape)
 
 
@@ -45,94 +83,228 @@ def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[2] == n else F.pad(x, (0, 0, 0, n - x.shape[2]))
 
 
-def _block_step(
-    state, q, k, u, a, b, c, lower, groups, eps: float, scale: float, chunk: int, fresh: bool, need_state: bool,
-    ws: dict | None = None,
-):
-    """Causal OAL over one block of tokens. Returns (numerator [B, Hq, n, dv+1], state after the block).
+def _slots(x: torch.Tensor, n_kv: int, n_c: int, chunk: int) -> torch.Tensor:
+    """x [B, Hkv * s, nc * C, d] -> the view [nc, B, Hkv, d, s, C] (head kv * s + i in slot i)."""
+    bsz, heads, _, d = x.shape
+    return x.view(bsz, n_kv, heads // n_kv, n_c, chunk, d).permute(3, 0, 1, 5, 2, 4)
 
-    `fresh`: the block is one chunk starting from a zero state, so the state readout is skipped; then the final
-    state is only built when `need_state`.
+
+def _features(q, k, n_kv: int, n_c: int, chunk: int, ws):
+    """Feature-major psi of one block's queries and keys: [nc, B, Hkv, F, slots, C] (Eq. 5).
+
+    q [B, Hq, nc*C, d] (query head kv*rep + s in slot s) and k [B, Hkv, nc*C, d] (the last slot); either may
+    be None. Rows 1..d hold q and k themselves, feature-major.
+    """
+    parts = [_slots(t, n_kv, n_c, chunk) for t in (q, k) if t is not None]
+    src = parts[0]
+    with record_function("oal.features"):
+        shape = src.shape[:3] + (feature_dim(src.shape[3]), sum(p.shape[4] for p in parts), chunk)
+        feat = _scratch(ws, "feat", shape, src.dtype, src.device)
+        if feat is None:  # autograd: out of place
+            return features(torch.cat(parts, dim=4), dim=3)
+        start = 0
+        for part in parts:
+            feat[:, :, :, 1 : 1 + part.shape[3], start : start + part.shape[4]] = part
+            start += part.shape[4]
+        return features(feat[:, :, :, 1 : 1 + src.shape[3]], dim=3, out=feat)
+
+
+def _query_part(feat, w, d: int, ws):
+    """phi = w * psi(q) [nc, B, Hkv, F, rep * C] from the first rep slots of `feat`, in place when ws (Eq. 6).
+
+    For bf16 features also returns the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the
+    state's), from the exact bf16 inputs (see `_readout`); otherwise None.
+    """
+    rep, lin = w.shape[2], 1 + d
+    with record_function("oal.features"):
+        phi_lin = None
+        if feat.dtype != w.dtype:
+            phi_lin = (feat[..., :lin, :rep, :].to(w.dtype) * w[:, :lin]).flatten(-2)
+        rows = lin if phi_lin is not None else 0  # bf16: rows 0..d are read from phi_lin only
+        wg = w[:, rows:].to(feat.dtype)  # a mixed-dtype in-place multiply is several times slower
+        if ws is not None:
+            feat[..., rows:, :rep, :].mul_(wg)
+            phi = feat[..., :rep, :]
+        else:
+            phi = torch.cat([feat[..., :rows, :rep, :], feat[..., rows:, :rep, :] * wg], dim=-3)
+    return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
+
+
+def _increments(psi, ub, out=None):
+    """psi [nc, B, Hkv, F, C] and ub [nc, B, Hkv, C, dv+1] -> psi(K_c)^T U_c [nc, B, Hkv, F, dv+1] (Eq. 5)."""
+    if out is not None and out.dtype != ub.dtype:  # bf16 GEMM into the fp32 state
+        return out.copy_(torch.matmul(psi, ub))
+    return torch.matmul(psi, ub, out=out)
+
+
+def _readout(phi, states, ws=None, phi_lin=None):
+    """states [nc, B, Hkv, F, dv+1]^T phi [nc, B, Hkv, F, rep*C] -> num^T [nc, B, Hkv, dv+1, rep*C] (Eq. 6).
+
+    The result is in the states' dtype. With bf16 phi, the quadratic rows are a bf16 GEMM (fp32 accumulation,
+    output rounded to bf16) and the constant and linear rows `phi_lin` an fp32 GEMM, so that the bf16 rounding of
+    the GEMM output only touches the quadratic part: about 1.3x less error, at the level of bf16 SDPA.
+    """
+    shape = phi.shape[:-2] + (states.shape[-1], phi.shape[-1])
+    s_t = states.transpose(-1, -2)
+    with record_function("oal.readout"):
+        if phi_lin is None:
+            return torch.matmul(s_t.to(phi.dtype), phi, out=_scratch(ws, "num", shape, phi.dtype, phi.device))
+        lin = phi_lin.shape[-2]
+        low = torch.matmul(s_t[..., lin:].to(phi.dtype), phi[..., lin:, :],
+                           out=_scratch(ws, "num_low", shape, phi.dtype, phi.device))
+        if ws is None:
+            return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
+                                 phi_lin.flatten(0, -3)).view(shape)
+        num = _scratch(ws, "num", shape, states.dtype, phi.device).copy_(low)
+        num.flatten(0, -3).baddbmm_(s_t[..., :lin].flatten(0, -3), phi_lin.flatten(0, -3))
+        return num
+
+
+def _normalise(num_t, n_q: int, out=None):
+    """num^T [nc, B, Hkv, dv+1, rep*C] -> out [B, Hq, nc*C, dv] = numerator / denominator (written into `out`)."""
+    n_c, bsz, n_kv, dv1, cols = num_t.shape
+    rep = n_q // n_kv
+    num_t = num_t.view(n_c, bsz, n_kv, dv1, rep, cols // rep)
+    res = None if out is None else _slots(out, n_kv, n_c, cols // rep)
+    res = torch.div(num_t[:, :, :, :-1], num_t[:, :, :, -1:], out=res)
+    return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, dv1 - 1)
+
+
+def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, out=None, ws=None):
+    """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
+
+    m is the block length rounded up to whole chunks (the caller drops padded rows). `fresh`: the block is one
+    chunk starting from a zero state, so the state readout is skipped and no state is built. The features and
+    their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
+    the state's dtype.
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
-    chunk = min(chunk, n)  # a short call (decoding) is one chunk of its own length, no padding
     rep, n_c = n_q // n_kv, -(-n // chunk)
+    gdt, sdt, dev = q.dtype, state.dtype, q.device
     # zero padding: padded keys have u = 0 (no value, no denominator), padded query rows are dropped
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
-    qb = q.view(bsz, n_q, n_c, chunk, d).transpose(1, 2).contiguous()  # [B, nc, Hq, C, d]
-    kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2)  # [B, nc, Hkv, C, d]
-    ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2)
-    num, final = 0.0, None
-    if not fresh or need_state:
-        # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5)
-        psi = key_features(kb, out=_scratch(ws, "psi", (bsz, n_c, n_kv, chunk, feature_dim(d)), q))
-        d_state = psi.transpose(-1, -2) @ ub  # [B, nc, Hkv, F, dv+1]
-        incl = torch.cumsum(d_state, dim=1) + state.unsqueeze(1)
-        prev = torch.cat([state.unsqueeze(1), incl[:, :-1]], dim=1)
-        final = incl[:, -1]
-    if not fresh:  # inter-chunk readout (Eq. 6)
-        phi = query_features(qb, a, b, c, scale, out=_scratch(ws, "phi", (bsz, n_c, n_q, chunk, feature_dim(d)), q))
-        num = phi.view(bsz, n_c, n_kv, rep * chunk, -1) @ prev  # [B, nc, Hkv, rep*C, dv+1]
-    # intra-chunk dense kernel (Eq. 7), GQA by grouping query heads per KV head
-    w = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
-    w = w.transpose(1, 2) * scale  # [Hq, G+1, d]
-    n_m = w.shape[1]
-    if ws is None:  # autograd: out-of-place
-        qw = qb.unsqueeze(3) * w.unsqueeze(-2)  # [B, nc, Hq, G+1, C, d]
-        z = qw.reshape(bsz, n_c, n_kv, -1, d) @ kb.transpose(-1, -2)  # [B, nc, Hkv, rep*(G+1)*C, C]
-        sq = (z.view(bsz, n_c, n_q, n_m, chunk, chunk) + lower[:, 0, :, None, None]).square()
-    else:  # inference: the same in reused buffers
-        qw = torch.mul(qb.unsqueeze(3), w.unsqueeze(-2), out=_scratch(ws, "qw", (bsz, n_c, n_q, n_m, chunk, d), q))
-        z = torch.matmul(qw.view(bsz, n_c, n_kv, -1, d), kb.transpose(-1, -2),
-                         out=_scratch(ws, "z", (bsz, n_c, n_kv, rep * n_m * chunk, chunk), q))
-        sq = z.view(bsz, n_c, n_q, n_m, chunk, chunk).add_(lower[:, 0, :, None, None]).square_()
-    kappa = torch.tril(eps + sq.sum(dim=3))  # [B, nc, Hq, C, C]
-    num = num + kappa.view(bsz, n_c, n_kv, rep * chunk, chunk) @ ub
-    num = num.view(bsz, n_c, n_q, chunk, dv1).transpose(1, 2).reshape(bsz, n_q, n_c * chunk, dv1)
-    return num[:, :, :n], final
+    ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
+    ub = ub.to(sdt).contiguous()
+    num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
+    num = None
+    if fresh:  # queries feature-major, as the intra-chunk GEMM wants them
+        xq = _slots(q, n_kv, n_c, chunk)
+        xq = xq.contiguous() if ws is None else _scratch(ws, "xq", xq.shape, gdt, dev).copy_(xq)
+    else:
+        feat = _features(q, k, n_kv, n_c, chunk, ws)
+        xq = feat[:, :, :, 1 : 1 + d, :rep]
+    with record_function("oal.intra"):
+        n_m = wz.shape[-2]
+        qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
+    if not fresh:
+        (phi, phi_lin), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
+        with record_function("oal.state"):
+            # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
+            ug = ub if gdt == sdt else ub.to(gdt)
+            prev = _scratch(ws, "prev", (n_c + 1,) + tuple(state.shape), sdt, dev)
+            if prev is None:
+                prev = torch.cat([state.unsqueeze(0), _increments(psi, ug).to(sdt)]).cumsum(0)
+            else:
+                prev[0] = state
+                _increments(psi, ug, out=prev[1:])
+                for c in range(1, n_c + 1):
+                    prev[c] += prev[c - 1]
+            state = prev[n_c].clone()  # not a view: the next block reuses `prev`
+        num = _readout(phi, prev[:n_c], ws, phi_lin)  # in the state's dtype, also for bf16 GEMMs
+    # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
+    with record_function("oal.intra"):
+        kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1).to(sdt)  # [nc, B, Hkv, C, d]
+        z = torch.matmul(kb, qw.reshape(n_c, bsz, n_kv, d, -1),
+                         out=_scratch(ws, "z", (n_c, bsz, n_kv, chunk, rep * n_m * chunk), sdt, dev))
+        z = z.view(n_c, bsz, n_kv, chunk, rep, n_m, chunk)
+        sq = z.add_(l0).square_() if ws is not None else (z + l0).square()
+        kappa = torch.sum(sq, dim=5, out=_scratch(ws, "kappa", (n_c, bsz, n_kv, chunk, rep, chunk), sdt, dev))
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_().unsqueeze(1)  # key j <= query i
+        if ws is not None:
+            kappa = kappa.add_(eps).mul_(causal)
+        else:
+            kappa = (kappa + eps) * causal
+        kappa = kappa.view(n_c, bsz, n_kv, chunk, rep * chunk)
+        ub_t = ub.transpose(-1, -2)
+        if num is None:
+            num = torch.matmul(ub_t, kappa, out=_scratch(ws, "num", num_shape, sdt, dev))
+        elif ws is not None:
+            num.view(-1, dv1, rep * chunk).baddbmm_(ub_t.reshape(-1, dv1, chunk), kappa.view(-1, chunk, rep * chunk))
+        else:
+            num = num + ub_t @ kappa
+    if fresh:  # the state of a fresh block is only wanted at the end (output_final_state)
+        state = None
+    return _normalise(num, n_q, out), state
 
 
-# Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
-# d(d+1)/2-wide query features, and still O(N) memory per query row.
-DENSE_MAX = 256
+def _key_step(state, k, u, ws=None):
+    """Non-causal pass 1: state + psi(K)^T U over one block of keys (Eq. 5)."""
+    psi = _features(None, k, k.shape[1], 1, k.shape[2], ws)[..., 0, :]
+    ub = u.to(k.dtype).unsqueeze(0)
+    with record_function("oal.state"):
+        return state + _increments(psi, ub)[0].to(state.dtype)
+
+
+def _query_step(state, q, w, out=None, ws=None):
+    """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
+    phi, phi_lin = _query_part(_features(q, None, state.shape[1], 1, q.shape[2], ws), w, q.shape[-1], ws)
+    return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out)
 
 
 def chunked_attention(
     q, k, v, groups, factor, coeffs, *, eps, scale, causal, state, state_is_zero=False, need_state=True,
-    chunk_size=64, block_chunks=8,
+    chunk_size=None, block_chunks=None,
 ):
-    """Returns (out, final_state). Inputs already validated and upcast; `state` is the initial state."""
-    a, b, c = coeffs
+    """Returns (out, final_state). Inputs already validated; q, k, v in the GEMM dtype (the state's, or bf16)
+    and `state` (the initial state) in the state dtype."""
+    dtype = q.dtype
+    bsz, n_q, n, d = q.shape
+    n_kv = k.shape[1]
+    rep = n_q // n_kv
+    chunk = min(chunk_size or default_chunk(dtype), max(n, 1))  # a short call (decoding) is one chunk
+    block = chunk * (block_chunks or max(BLOCK // chunk, 1))
     u = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    bsz, n_q, n, _ = q.shape
-    rep = n_q // k.shape[1]
-    block = chunk_size * block_chunks
-    if not causal:
-        # every key is visible: one state over all keys, then one readout per block of queries
-        state = state + key_features(k).transpose(-1, -2) @ u
+    # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
+    w = query_coefficients(*coeffs, scale).view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
+    lower = torch.tril(factor)
+    wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
+    wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]
+    l0 = lower[:, 0, :].reshape(n_kv, 1, rep, -1, 1)  # [Hkv, 1, rep, G+1, 1]
+    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
+    ws = None if use_ckpt else _WORKSPACE.__dict__  # scratch buffers shared by blocks and calls (inference only)
+
+    def run(fn, *args, out=None):
+        if use_ckpt:
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args, out=out, ws=ws) if out is not None else fn(*args, ws=ws)
+
+    def state_of(state):  # the state after all keys, a block at a time
+        for start in range(0, n, block):
+            sl = slice(start, start + block)
+            state = run(_key_step, state, k[:, :, sl], u[:, :, sl])
+        return state
+
+    if not causal:  # every key is visible: the state over all keys, then one readout per block of queries
+        state = state_of(state)
+        out = None if use_ckpt else torch.empty(bsz, n_q, n, v.shape[-1], dtype=dtype, device=q.device)
         outs = []
         for start in range(0, n, block):
-            phi = query_features(q[:, :, start : start + block], a, b, c, scale)
-            m = phi.shape[2]
-            outs.append((phi.view(bsz, n_q // rep, rep * m, -1) @ state).view(bsz, n_q, m, -1))
-        num = torch.cat(outs, dim=2)
-        return num[..., :-1] / num[..., -1:], state
-    lower = torch.tril(factor)
-    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
+            sl = slice(start, start + block)
+            outs.append(run(_query_step, state, q[:, :, sl], w, out=None if out is None else out[:, :, sl]))
+        return (torch.cat(outs, dim=2) if out is None else out), state
     fresh = state_is_zero and n <= DENSE_MAX
     if fresh:
-        chunk_size = block = n
-    ws = None if use_ckpt else {}  # scratch buffers shared by the blocks (inference only)
-    outs = []
+        chunk = block = n
+    padded = -(-n // chunk) * chunk
+    out = None if use_ckpt else torch.empty(bsz, n_q, padded, v.shape[-1], dtype=dtype, device=q.device)
+    outs, init = [], state
     for start in range(0, n, block):
         sl = slice(start, start + block)
-        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], a, b, c, lower, groups, eps, scale, chunk_size)
-        args += (fresh, need_state)
-        if use_ckpt:
-            num, state = checkpoint(_block_step, *args, use_reentrant=False)
-        else:
-            num, state = _block_step(*args, ws=ws)
-        outs.append(num)
-    num = torch.cat(outs, dim=2)
-    return num[..., :-1] / num[..., -1:], state
+        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], w, wz, l0, eps, chunk, fresh)
+        o, state = run(_block_step, *args, out=None if out is None else out[:, :, start : start + block])
+        outs.append(o)
+    out = torch.cat(outs, dim=2) if out is None else out
+    if fresh:
+        state = state_of(init) if need_state else None
+    return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state

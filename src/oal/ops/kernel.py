@@ -19,11 +19,13 @@ __all__ = [
     "coefficients",
     "factor_to_matrix",
     "feature_dim",
+    "features",
     "global_embedded_factor",
     "key_features",
     "packed_pairs",
     "pair_products",
     "perturbed_factor",
+    "query_coefficients",
     "query_features",
     "taylor_factor",
 ]
@@ -89,39 +91,65 @@ def pair_products(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
+def query_coefficients(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float) -> torch.Tensor:
+    """w [H, F] with phi(q) = w * psi(q): the per-head weights [a, scale b_r, scale^2 m_rt C_rt] (Eq. 6).
+
+    m_rt is the multiplicity of the packed pair (1 on the diagonal, 2 off it), so that the packed sum over
+    r <= t equals the full sum over r, t.
+    """
+    r, t, mult = packed_pairs(b.shape[-1], b.device)
+    quad = c[:, r, t] * mult.to(c.dtype) * (scale * scale)
+    return torch.cat([a[:, None].to(b.dtype), b * scale, quad], dim=1)
+
+
 def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, out=None):
     """phi(q) [..., H, N, F] for q [..., H, N, d] with per-head coefficients (Eq. 6, packed symmetric).
 
     `out`: a buffer to fill (inference only; under autograd a new tensor is built).
     """
-    d = q.shape[-1]
-    r, t, mult = packed_pairs(d, q.device)
-    c_packed = (c[:, r, t] * mult.to(c.dtype)) * (scale * scale)  # [H, P]
-    if torch.is_grad_enabled() and (q.requires_grad or c.requires_grad or b.requires_grad):
-        const = a.view(-1, 1, 1).expand(*q.shape[:-1], 1)
-        quad = pair_products(q) * c_packed[:, None, :]
-        return torch.cat([const.to(q.dtype), q * (b * scale)[:, None, :], quad], dim=-1)
-    # inference: fill one buffer in place, without the temporaries of cat
-    if out is None:
-        out = torch.empty(*q.shape[:-1], feature_dim(d), dtype=q.dtype, device=q.device)
-    out[..., 0] = a.view(-1, 1).to(q.dtype)
-    torch.mul(q, (b * scale)[:, None, :], out=out[..., 1 : 1 + d])
-    quad = pair_products(q, out[..., 1 + d :])
-    quad.mul_(c_packed[:, None, :])
-    return out
+    w = query_coefficients(a, b, c, scale)[:, None, :].to(q.dtype)  # [H, 1, F]
+    if torch.is_grad_enabled() and (q.requires_grad or w.requires_grad):
+        return key_features(q) * w
+    return key_features(q, out=out).mul_(w)
 
 
 def key_features(k: torch.Tensor, out=None) -> torch.Tensor:
     """psi(k) [..., N, F] = [1, k, k_r k_t (r <= t)]: the keys' side of the state update (Eq. 5)."""
-    d = k.shape[-1]
-    if torch.is_grad_enabled() and k.requires_grad:
-        ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
-        return torch.cat([ones, k, pair_products(k)], dim=-1)
+    return features(k, dim=-1, out=out)
+
+
+def features(x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """psi(x) = [1, x, x_r x_t (r <= t)] built along `dim` (of size d; the result has F there).
+
+    Along the last dim (token-major) the pair products come from `pair_products`. Along an outer dim
+    (feature-major) every pair block x_r * x[r:] is one long contiguous stretch, the cheapest layout to build,
+    which the GEMMs then read without a copy. With `out` (inference) the result is written in place; x may
+    already be the view out.narrow(dim, 1, d), and is then not copied.
+    """
+    dim = dim % x.dim()
+    d = x.shape[dim]
+    last = dim == x.dim() - 1
+    if torch.is_grad_enabled() and x.requires_grad:
+        ones = torch.ones_like(x.narrow(dim, 0, 1))
+        if last:
+            return torch.cat([ones, x, pair_products(x)], dim=dim)
+        pairs = [x.narrow(dim, r, 1) * x.narrow(dim, r, d - r) for r in range(d)]
+        return torch.cat([ones, x, *pairs], dim=dim)
     if out is None:
-        out = torch.empty(*k.shape[:-1], feature_dim(d), dtype=k.dtype, device=k.device)
-    out[..., 0] = 1.0
-    out[..., 1 : 1 + d] = k
-    pair_products(k, out[..., 1 + d :])
+        shape = list(x.shape)
+        shape[dim] = feature_dim(d)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out.narrow(dim, 0, 1).fill_(1.0)
+    lin = out.narrow(dim, 1, d)
+    if lin.data_ptr() != x.data_ptr() or lin.stride() != x.stride():
+        lin.copy_(x)
+    if last:
+        pair_products(x, out.narrow(dim, 1 + d, d * (d + 1) // 2))
+        return out
+    start = 1 + d
+    for r in range(d):
+        torch.mul(x.narrow(dim, r, 1), x.narrow(dim, r, d - r), out=out.narrow(dim, start, d - r))
+        start += d - r
     return out
 
 

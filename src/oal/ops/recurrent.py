@@ -11,12 +11,18 @@ import torch
 from .kernel import key_features, query_features
 
 
+def _update(state, k_t, v_t):
+    """state + psi(k_t)^T [v_t; 1] (Eq. 5, lines 7-9 of Algorithm 1) in one pass over the state."""
+    u_t = torch.cat([v_t, torch.ones_like(v_t[..., :1])], dim=-1)
+    psi = key_features(k_t).transpose(-1, -2)  # [B, Hkv, F, 1]
+    return torch.baddbmm(state.flatten(0, 1), psi.flatten(0, 1), u_t.flatten(0, 1)).view_as(state)
+
+
 def recurrent_step(state, q_t, k_t, v_t, coeffs, scale):
     """One token: update the state with (k_t, v_t), then read out for q_t. Shapes [B, H, 1, *]."""
     a, b, c = coeffs
     rep = q_t.shape[1] // k_t.shape[1]
-    u_t = torch.cat([v_t, torch.ones_like(v_t[..., :1])], dim=-1)
-    state = state + key_features(k_t).transpose(-1, -2) @ u_t  # Eq. 5, lines 7-9 of Algorithm 1
+    state = _update(state, k_t, v_t)
     phi = query_features(q_t, a, b, c, scale)  # [B, Hq, 1, F]
     bsz, n_q = phi.shape[:2]
     phi = phi.view(bsz, n_q // rep, rep, phi.shape[-1])
@@ -35,8 +41,7 @@ def recurrent_attention(q, k, v, coeffs, *, scale, causal, state):
         num = torch.cat(outs, dim=2)
     else:
         for i in range(k.shape[2]):
-            u_i = torch.cat([v[:, :, i : i + 1], torch.ones_like(v[:, :, i : i + 1, :1])], dim=-1)
-            state = state + key_features(k[:, :, i : i + 1]).transpose(-1, -2) @ u_i
+            state = _update(state, k[:, :, i : i + 1], v[:, :, i : i + 1])
         a, b, c = coeffs
         rep = q.shape[1] // k.shape[1]
         phi = query_features(q, a, b, c, scale)

@@ -1,0 +1,81 @@
+"""Encoder run: what calibration bought. Taylor start vs learned global vs OAL on the run's held-out passages.
+
+Reads an encoder run directory (`oal run --model ENCODER_DIR --out RUN`), rebuilds the base encoder, the passages
+and the calibrated kernels from its files, and adds the uncalibrated start: the second-order Taylor kernel
+1 + s + s^2/2 (G = 1), which is also OAL's Taylor start on any groups. For each it reports frozen-attention fidelity
+(Eq. 21-22, non-causal, padding masked) and the cosine of mean- and [CLS]-pooled embeddings against the original.
+Writes benchmarks/results/encoder_<model folder name>.json.
+
+    .venv/bin/python -m benchmarks.encoder RUN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+
+from oal.data import load_corpus
+from oal.data.passages import PassagePlan, plan_passages, tokenize_passages
+from oal.evaluate.embedding import embedding_similarity
+from oal.evaluate.fidelity import fidelity
+from oal.io import kernel_dir, load_kernels
+from oal.methods import build_method
+from oal.models.convert import convert
+from oal.models.encoder import load_encoder
+from oal.ops.kernel import taylor_factor
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def taylor_start(calibrated: dict) -> dict:
+    """layer -> the Taylor kernel eps + 1 + s + s^2/2 (G = 1); OAL's Taylor start on any groups is the same kernel."""
+    return {layer: build_method("global", m.n_heads, m.n_kv_heads, m.head_dim, factor=taylor_factor(m.n_heads, 1),
+                                layer_idx=layer) for layer, m in calibrated.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    args = ap.parse_args()
+    config = json.loads((args.run_dir / "config.json").read_text())
+    if config.get("protocol") != "encoder":
+        raise SystemExit(f"run_dir: {args.run_dir} is not an encoder run (config.json protocol)")
+    cfg = config["config"]
+    model, tok, _ = load_encoder(cfg["model"])
+    plan = PassagePlan.from_dict(config["split_plan"])
+    held = tokenize_passages(tok, plan_passages(load_corpus(cfg["data"], data_dir=cfg["data_dir"]), plan)["heldout"],
+                             plan.max_len)
+    sets = {m: load_kernels(kernel_dir(args.run_dir, m))[0] for m in ("oal", "global")}
+    sets = {"taylor": taylor_start(sets["oal"]), **sets}
+    layers = config["converted_layers"]
+    fid = fidelity(model, held["input_ids"], sets, layers, batch_size=8, attention_mask=held["attention_mask"])
+    result = {"model": cfg["model"], "layers": layers, "passages": int(held["input_ids"].shape[0]), "methods": {}}
+    table = Table(title=f"{Path(cfg['model']).name}: layers {layers}, {result['passages']} held-out passages")
+    for col in ("kernel", "RelMSE", "RelMSE post-o", "cos mean-pool (mean / min)", "cos [CLS] (mean / min)"):
+        table.add_column(col, justify="right")
+    for name, methods in sets.items():
+        conv = convert(load_encoder(cfg["model"])[0], layers, methods)
+        emb = embedding_similarity(model, conv, held, batch_size=8)
+        f = fid[name]
+        result["methods"][name] = {"relmse": f["relmse"], "relmse_post_o": f["relmse_post_o"], "mse": f["mse"],
+                                   "per_layer_relmse": {k: v["relmse"] for k, v in f["per_layer"].items()},
+                                   "cosine": {p: {k: e[k] for k in ("mean", "min", "p05")} for p, e in emb.items()}}
+        table.add_row(name, f"{f['relmse']:.4f}", f"{f['relmse_post_o']:.4f}",
+                      *(f"{emb[p]['mean']:.4f} / {emb[p]['min']:.4f}" for p in ("mean", "cls")))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"encoder_{Path(cfg['model']).name}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    Console().print(table)
+    Console().print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    transformers.utils.logging.disable_progress_bar()
+    with torch.no_grad():
+        main()

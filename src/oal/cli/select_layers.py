@@ -1,0 +1,52 @@
+"""`oal select-layers`: calibrate every layer, rank by fidelity and by the one-layer swap probe, print the choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ._common import DeviceOpt, DtypeOpt, SelectByOpt, ThreadsOpt, layer_selection, set_threads
+from .app import app
+
+
+@app.command("select-layers")
+def select_layers_cmd(
+    out: Path = typer.Option(..., "--out", help="Run directory (as for `oal run`; `oal run --layers auto:K` with the "
+                             "same options continues it)."),
+    k: int = typer.Option(..., "--k", min=1, help="Number of layers to convert."),
+    by: SelectByOpt = "probe",
+    model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
+    data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
+    data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
+    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods (calibrated on every layer)."),
+    preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
+    seed: int = typer.Option(42, help="Seed."),
+    force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    threads: ThreadsOpt = 1,
+    progress: bool = typer.Option(True, help="Show progress bars."),
+) -> None:
+    """Calibrate every layer, rank the layers by frozen-attention RelMSE after W_o and by the swap probe (validation
+    perplexity with that layer alone converted, no training), and write DIR/selection.json with the K best by
+    --by and the perplexity curves. Beyond the paper, which fixes a middle range."""
+    from ..config import RunConfig, parse_methods
+    from ..pipeline import run_selection
+
+    set_threads(threads)
+    cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
+                                **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
+    console = Console()
+    sel = run_selection(cfg, out, console=console, progress=progress, force=force)
+    table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "
+                        f"(paper range {sel['paper_layers']})")
+    for col in ("layer", "RelMSE post-o", "swap-probe PPL", "rank (fidelity)", "rank (probe)", "converted"):
+        table.add_column(col, justify="right")
+    for i in sel["candidates"]:
+        table.add_row(str(i), f"{sel['scores']['fidelity'][str(i)]:.4f}", f"{sel['scores']['probe'][str(i)]:.3f}",
+                      str(sel["order"]["fidelity"].index(i) + 1), str(sel["order"]["probe"].index(i) + 1),
+                      "yes" if i in sel["chosen"] else "")
+    console.print(table)

@@ -1,0 +1,146 @@
+"""`oal run --model PATH` on a tiny BERT folder: detection, the encoder protocol end to end, resume."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from _tiny_encoders import save_tiny_encoder
+from typer.testing import CliRunner
+
+from oal.config import RunConfig
+from oal.models.encoder import is_encoder_model
+from oal.pipeline import run, run_seed
+
+WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group", "token", "layer"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("enc_assets")
+    save_tiny_encoder(root / "model", WORDS)
+    rng = random.Random(0)
+    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 50))) + "." for _ in range(900)]
+    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
+    return root
+
+
+def _plan():
+    return {"grouping": {"split": "train", "start": 0, "count": 12},
+            "calib_train": {"split": "train", "start": 12, "count": 8},
+            "calib_val": {"split": "train", "start": 20, "count": 4},
+            "heldout": {"split": "test", "start": 0, "count": 6}, "max_len": 64}
+
+
+def _cfg(assets, **kw):
+    return RunConfig(model=str(assets / "model"), data=str(assets / "corpus.txt"), plan=_plan(),
+                     grouping={"n_bootstrap": 20}, calib={"max_steps": 12, "val_every": 4, "patience": 8}, **kw)
+
+
+@pytest.fixture(scope="module")
+def enc_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("enc_run")
+    return out, run(_cfg(assets), out, progress=False)
+
+
+def test_detection(assets):
+    from oal.models.registry import load_model
+
+    assert is_encoder_model(assets / "model")
+    assert not is_encoder_model("default") and not is_encoder_model(assets / "corpus.txt")
+    with pytest.raises(ValueError, match="is an encoder"):  # the causal-LM loader refuses it clearly
+        load_model(str(assets / "model"))
+
+
+def test_encoder_run_contract(enc_run):
+    out, metrics = enc_run
+    for f in ("config.json", "groups.json", "analysis.json", "kernels.safetensors", "calibration.json",
+              "kernels/global/kernels.safetensors", "metrics.json", "report.md", "figures/embedding_cosine.png",
+              "figures/calibration_curves.png"):
+        assert (out / f).is_file(), f
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["protocol"] == "encoder" and saved["converted_layers"] == [1]
+    for m in ("oal", "global"):
+        f = saved["fidelity"][m]
+        assert 0 < f["relmse"] < 1 and 0 < f["relmse_post_o"] and set(f["per_layer"]) == {"1"}
+        for p in ("mean", "cls"):
+            e = saved["embedding"][m][p]
+            assert e["n"] == 6 and 0.5 < e["min"] <= e["mean"] < 1.0
+    assert "adapt" in saved["not_run"] and saved["perplexity"] == {}
+    assert set(saved["elapsed_s"]) >= {"setup", "analyze", "calibrate", "fidelity", "embedding", "report"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["protocol"] == "encoder" and config["blocks"]["heldout"]["shape"][0] == 6
+    # roles are padded to their own longest passage: calibration copes with train and val of different lengths
+    assert config["blocks"]["calib_train"]["shape"][1] != config["blocks"]["calib_val"]["shape"][1]
+    assert config["model"]["sha256"]["model.safetensors"]
+    groups = json.loads((out / "groups.json").read_text())
+    assert len(groups["heads"]["1"]) == 4
+    report = (out / "report.md").read_text()
+    assert "Embedding agreement" in report and "Not run for encoders" in report and "adaptation" in report
+
+
+def test_reported_numbers_reproduce_from_files(enc_run, assets):
+    """The run directory alone (kernels on the base encoder) reproduces the reported embedding cosine."""
+    import oal
+    from oal.data import load_corpus
+    from oal.data.passages import PassagePlan, plan_passages, tokenize_passages
+    from oal.evaluate.embedding import embedding_similarity
+    from oal.models.encoder import load_encoder
+
+    out, metrics = enc_run
+    base, tok, _ = load_encoder(assets / "model")
+    plan = PassagePlan.from_dict(_plan())
+    held = tokenize_passages(tok, plan_passages(load_corpus(str(assets / "corpus.txt")), plan)["heldout"], 64)
+    conv, _, _ = load_encoder(assets / "model")
+    sim = embedding_similarity(base, oal.load(out, conv), held, batch_size=8)
+    assert sim["mean"]["mean"] == pytest.approx(metrics["embedding"]["oal"]["mean"]["mean"], rel=1e-9)
+    assert sim["mean"]["mean"] < 1.0
+
+
+def test_export_of_an_encoder_run_reloads(enc_run, assets, tmp_path):
+    """`oal export` of an encoder run: one folder that `oal.load` (AutoModel inside) reloads as the converted
+    encoder, giving the outputs of the run's kernels on the base encoder."""
+    import oal
+    from oal.export import export
+    from oal.models.encoder import load_encoder
+
+    out, _ = enc_run
+    export(out, "oal", tmp_path / "exp", adapter=False)  # encoder runs have no adapter
+    again = oal.load(tmp_path / "exp")
+    ref = oal.load(out, load_encoder(assets / "model")[0])
+    ids = torch.tensor([[2, 7, 9, 11, 3, 0], [2, 8, 3, 0, 0, 0]])
+    mask = (ids != 0).long()
+    assert type(again).__name__ == "OALBertModel"
+    torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               ref(input_ids=ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
+
+
+def test_encoder_run_dir_keeps_one_configuration(enc_run, assets):
+    """Provenance binds an encoder run as a decoder run: another configuration in DIR is refused by name."""
+    out, _ = enc_run
+    with pytest.raises(ValueError, match="converted_layers"):
+        run(_cfg(assets, layers=[0]), out, progress=False)
+
+
+def test_encoder_run_resumes(enc_run, assets, tmp_path):
+    _, ref = enc_run
+    cfg = _cfg(assets)
+    assert run_seed(cfg, tmp_path, progress=False, stop_after="calibrate") == {}
+    stamp = (tmp_path / "kernels.safetensors").stat().st_mtime_ns
+    metrics = run_seed(cfg, tmp_path, progress=False)
+    assert (tmp_path / "kernels.safetensors").stat().st_mtime_ns == stamp, "calibration was recomputed"
+    strip = lambda m: {k: v for k, v in m.items() if k != "elapsed_s"}  # noqa: E731
+    assert strip(metrics) == strip(ref)
+
+
+def test_cli_run_dispatches_to_encoder(assets, tmp_path):
+    from oal.cli import load_commands
+
+    args = ["run", "--model", str(assets / "model"), "--data", str(assets / "corpus.txt"), "--methods", "global",
+            "--out", str(tmp_path), "--no-progress"]
+    res = CliRunner().invoke(load_commands(), args)
+    assert res.exit_code == 0, res.output
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["protocol"] == "encoder" and math.isfinite(saved["fidelity"]["global"]["relmse"])
+    assert torch.tensor(saved["embedding"]["global"]["mean"]["per_passage"]).numel() == 32  # default plan
