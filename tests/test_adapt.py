@@ -61,7 +61,9 @@ def test_kernel_parameters_train_jointly_and_groups_stay_fixed():
     assert kernel_parameter_names(model) == ["model.layers.1.self_attn.oal_method.factor"]
     factor0, groups0 = method.factor.detach().clone(), method.groups.clone()
     peft_model, res = adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG), progress=False)
-    assert res.n_kernel_params == factor0.numel() and res.kernel_change > 0
+    # the paper's count: (G+1)(G+2)/2 lower-triangle entries per head, not the padded (G+1)^2 factor
+    expected = sum((g + 1) * (g + 2) // 2 for g in (int(torch.unique(row).numel()) for row in groups0))
+    assert res.n_kernel_params == expected < factor0.numel() and res.kernel_change > 0
     assert not torch.equal(method.factor.detach(), factor0)
     assert torch.equal(method.groups, groups0)
 

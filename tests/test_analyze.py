@@ -7,7 +7,14 @@ import torch
 from _tiny import save_tiny_llama
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oal.analysis import analyze, head_contributions, load_groups, stable_gap_groups
+from oal.analysis import (
+    analyze,
+    fixed_budget_groups,
+    head_contributions,
+    load_groups,
+    parse_grouping,
+    stable_gap_groups,
+)
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
 from oal.models.capture import capture
 
@@ -99,6 +106,42 @@ def test_statistics():
     assert g.mean().item() == pytest.approx(2 / torch.pi / 4, rel=0.05)
 
 
+def test_budget_grouping_records_app_b_beside_it(tiny, tmp_path):
+    ids = torch.randint(0, 64, (6, 20), generator=torch.Generator().manual_seed(3))
+    summary = analyze(tiny, None, ids, [0, 1], tmp_path, n_bootstrap=30, budget=3, figures=False)
+    data = json.loads((tmp_path / "groups.json").read_text())
+    assert data["procedure"] == summary["procedure"] == "budget:3"
+    app_b = stable_gap_groups(torch.stack([head_contributions(c.q, c.k).double().transpose(0, 1) for c in _cap(
+        tiny, ids, [0, 1])]), n_bootstrap=30)
+    for li, layer in enumerate(("0", "1")):
+        for h in data["heads"][layer]:
+            chi = torch.tensor(h["chi"], dtype=torch.float64)
+            assert h["groups"] == fixed_budget_groups(chi, 3).tolist() and h["n_groups"] == 3
+            assert len(h["cuts"]) == 2 and h["fallback_cuts"] == []
+            sorted_ids = [h["groups"][r] for r in h["order"]]
+            assert [k for k in range(1, 8) if sorted_ids[k] != sorted_ids[k - 1]] == h["cuts"]
+            assert h["app_b"]["groups"] == app_b.groups[li, h["head"]].tolist()  # App. B kept as evidence
+        assert torch.equal(load_groups(tmp_path)[int(layer)], torch.tensor([h["groups"] for h in data["heads"][layer]]))
+    assert summary["n_groups"]["histogram"] == {"3": 8} and "app_b_histogram" in summary["n_groups"]
+    assert set(summary["regime"]["layers"]) == {"0", "1"} and summary["regime"]["verdict"]["text"]
+    with pytest.raises(ValueError, match="budget"):
+        analyze(tiny, None, ids, [0], tmp_path, n_bootstrap=30, budget=0)
+
+
+def _cap(model, ids, layers):
+    got = []
+    with torch.no_grad():
+        capture(model, ids, layers, got.append)
+    return sorted(got, key=lambda c: c.layer)
+
+
+def test_parse_grouping():
+    assert parse_grouping("app-b") == {} and parse_grouping("budget:4") == {"budget": 4}
+    for bad in ("budget:0", "budget:x", "gaps", "budget"):
+        with pytest.raises(ValueError, match="grouping"):
+            parse_grouping(bad)
+
+
 def test_bad_input(tiny, tmp_path):
     with pytest.raises(ValueError, match="prompts"):
         analyze(tiny, None, torch.zeros(0, 5, dtype=torch.long), [0], tmp_path)
@@ -138,7 +181,9 @@ def test_cli_end_to_end(tiny_dir, tmp_path, monkeypatch):
     assert data["grouping"]["n_bootstrap"] == 30 and data["grouping"]["tail_fraction"] == 0.25
     analysis = json.loads((out / "analysis.json").read_text())
     assert analysis["stability_inputs"]["n_heldout"] == 6
-    assert analysis["stability_lengths"]["lengths"][-1] == 256
+    assert analysis["stability_lengths"]["lengths"][-1] == 512  # the default plan's fidelity block length
     assert "top-5 share" in result.output
     bad = CliRunner().invoke(app, ["analyze", "--model", str(tiny_dir), "--out", str(out), "--layers", "5"])
     assert bad.exit_code != 0 and "--layers" in bad.output
+    bad = CliRunner().invoke(app, ["analyze", "--model", str(tiny_dir), "--out", str(out), "--grouping", "gaps"])
+    assert bad.exit_code == 2 and "--grouping" in bad.output

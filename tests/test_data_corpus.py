@@ -11,7 +11,15 @@ from transformers import ByT5Tokenizer
 
 import oal.data as data
 from oal.data import Corpus, load_corpus, token_blocks
-from oal.data.corpus import builtin_text, normalize_whitespace, sha256_text, split_text
+from oal.data.corpus import (
+    MIN_REPEAT,
+    _docstrings_and_code,
+    builtin_layout,
+    normalize_whitespace,
+    sha256_text,
+    split_text,
+    stdlib_files,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +35,53 @@ def byte_tok():
 def test_builtin_is_deterministic_and_hashed(builtin):
     again = data.builtin_corpus()
     assert again.splits == builtin.splits
-    assert builtin_text() == "\n\n".join(builtin.splits.values())  # recomputed from scratch
+    lay = builtin_layout()  # recomputed from scratch
+    assert lay["splits"] == builtin.splits and lay["pretrain_start"] == builtin.meta["pretrain_start_char"]
     assert builtin.fingerprint() == again.fingerprint()
     for s in ("train", "validation", "test"):
         assert builtin.sha256[s] == sha256_text(builtin.splits[s])
-        assert len(builtin.splits[s]) > 10_000
+        assert len(builtin.splits[s]) > 50_000
+    assert builtin.meta["licence"] == "PSF-2.0"
 
 
-def test_builtin_split_fractions_and_whitespace(builtin):
-    sizes = {s: len(t) for s, t in builtin.splits.items()}
-    total = sum(sizes.values())
-    assert 0.88 < sizes["train"] / total < 0.92
-    assert 0.03 < sizes["test"] / total < 0.07
+def test_builtin_heldout_prose_is_disjoint_from_pretraining(builtin):
+    """Grouping/calibration/adaptation (the head of train), validation and test are whole prose units that the
+    pretraining text (the rest of train) does not contain: no docstring or topic paragraph appears in both."""
+    lay = builtin_layout()
+    units = lay["units"]
+    held = units["heldout_train"] + units["validation"] + units["test"]
+    assert not set(held) & set(units["pretrain"])
+    assert all(u.startswith(("topic:", "doc:")) for u in held)  # prose only; code is pretraining text
+    assert any(u.startswith("code:") for u in units["pretrain"])
+    start = builtin.meta["pretrain_start_char"]
+    pretrain = builtin.splits["train"][start:]
+    assert sha256_text(pretrain) == builtin.meta["pretrain_sha256"]
+
+    def paragraphs(text):
+        return {p for p in text.split("\n\n") if len(p) >= MIN_REPEAT}
+
+    parts = [paragraphs(t) for t in (builtin.splits["train"][:start], builtin.splits["validation"],
+                                     builtin.splits["test"], pretrain)]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not parts[i] & parts[j], (i, j)
+    assert len(builtin.splits["validation"]) < start and len(builtin.splits["test"]) < start < len(pretrain)
+
+
+def test_builtin_whitespace_and_files(builtin):
     for text in builtin.splits.values():
         assert "\t" not in text and "\n\n\n" not in text
         assert all(line == line.rstrip() for line in text.split("\n"))
+    names = {f.name for f in stdlib_files()}
+    assert "argparse.py" in names and "site.py" not in names
+    assert not any(part in {"test", "tests", "idlelib", "encodings"} for f in stdlib_files() for part in f.parts[-3:-1])
+
+
+def test_docstrings_removed_from_code():
+    src = 'def f(x):\n    """Doc line.\n\n    More."""\n    return x  # keep me\n\nclass C:\n    "one-liner"\n'
+    docs, code = _docstrings_and_code(src)
+    assert docs == ["Doc line.\n\nMore.", "one-liner"]
+    assert "Doc line" not in code and "one-liner" not in code and "return x  # keep me" in code
 
 
 def test_split_text_cuts_at_paragraphs():

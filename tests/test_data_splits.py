@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from oal.data import ROLES, BlockSet, SplitPlan, default_plan, load_corpus, plan_blocks, token_blocks
+from oal.data import (
+    ROLES,
+    BlockSet,
+    Corpus,
+    SplitPlan,
+    bind_pretraining,
+    default_plan,
+    encode,
+    load_corpus,
+    plan_blocks,
+    token_blocks,
+)
 from oal.data.byte_tokenizer import byte_tokenizer
-from oal.data.splits import PLAN_PRESETS
+from oal.data.splits import DEFAULT_PRETRAIN_START_BLOCK, PLAN_PRESETS, PRETRAIN, encode_prefix
 
 
 def _plan(**over):
+    pretrain = over.pop("pretrain", None)
     roles = dict(
         grouping=BlockSet("train", 128, list(range(0, 4))),
         calib_train=BlockSet("train", 256, [2, 3]),
@@ -22,7 +35,7 @@ def _plan(**over):
         test=BlockSet("test", 256, [0], through_end=True),
     )
     roles.update(over)
-    return SplitPlan(**roles)
+    return SplitPlan(**roles, pretrain=pretrain)
 
 
 @pytest.mark.parametrize("preset", sorted(PLAN_PRESETS))
@@ -80,12 +93,58 @@ def test_plan_blocks_default_plan_on_builtin():
     plan = default_plan()
     blocks = plan_blocks(corpus, tok, plan)
     assert blocks["grouping"].shape == (40, 128)
-    assert blocks["calib_train"].shape == (8, 256) and blocks["calib_val"].shape == (2, 256)
-    assert blocks["fidelity"].shape == (8, 256) and blocks["val"].shape == (8, 256)
-    assert blocks["test"].shape == (32, 256) and blocks["adapt_train"].shape[0] > 100
-    train = token_blocks(tok, corpus.splits["train"], 256)
-    assert (blocks["calib_train"] == train[20:28]).all()
-    assert (blocks["adapt_train"] == train[38:]).all()
-    assert (blocks["grouping"].reshape(-1) == train[:20].reshape(-1)).all()
-    test = token_blocks(tok, corpus.splits["test"], 256)
+    assert blocks["calib_train"].shape == (8, 512) and blocks["calib_val"].shape == (2, 512)
+    assert blocks["fidelity"].shape == (8, 512) and blocks["val"].shape == (8, 512)
+    assert blocks["test"].shape == (32, 512) and blocks["adapt_train"].shape == (256, 256)
+    assert PRETRAIN not in blocks  # the pretraining range is checked, never materialised
+    train = token_blocks(tok, corpus.splits["train"], 512)
+    assert (blocks["calib_train"] == train[10:18]).all()
+    assert (blocks["adapt_train"].reshape(-1) == train[28:156].reshape(-1)).all()
+    assert (blocks["grouping"].reshape(-1) == train[:10].reshape(-1)).all()
+    test = token_blocks(tok, corpus.splits["test"], 512)
     assert (blocks["test"] == test[:32]).all()
+
+
+def test_default_plan_keeps_every_role_off_the_pretraining_text():
+    plan = default_plan()
+    assert plan.pretrain == BlockSet("train", 512, [DEFAULT_PRETRAIN_START_BLOCK], through_end=True)
+    last = max(hi for bs in plan.roles().values() if bs.split == "train" for _, hi in bs.token_ranges())
+    assert last <= plan.pretrain.token_ranges()[0][0]
+    with pytest.raises(ValueError, match="'adapt_train' and 'pretrain'"):
+        _plan(adapt_train=BlockSet("train", 256, [7], through_end=True), pretrain=BlockSet("train", 512, [100],
+                                                                                           through_end=True))
+    with pytest.raises(ValueError, match="'grouping' and 'pretrain'"):
+        SplitPlan(**{**plan.roles(), "grouping": BlockSet("train", 128, [4 * DEFAULT_PRETRAIN_START_BLOCK + 1])},
+                  pretrain=plan.pretrain)
+
+
+def test_bind_pretraining_uses_the_models_record(tmp_path):
+    rec = {"split": "train", "block_len": 64, "first_block": 40, "through_end": True}  # from token 2560
+    (tmp_path / "training_summary.json").write_text(json.dumps({"pretrain": rec}))
+    prov = {"source": "package", "path": str(tmp_path)}
+    builtin = Corpus("builtin", {"train": "a", "validation": "b", "test": "c"})
+    bound = bind_pretraining(_plan(adapt_train=BlockSet("train", 256, [7])), prov, builtin)
+    assert bound.pretrain == BlockSet("train", 64, [40], through_end=True)
+    with pytest.raises(ValueError, match="'adapt_train' and 'pretrain'"):  # 256-blocks 7.. to the end
+        bind_pretraining(_plan(), prov, builtin)
+    other = Corpus("mine", {"train": "a", "validation": "b", "test": "c"})
+    assert bind_pretraining(_plan(), prov, other).pretrain is None  # another corpus: nothing to bind
+    assert bind_pretraining(_plan(), {"source": "local", "path": str(tmp_path)}, builtin).pretrain is None
+
+
+def test_encode_prefix_matches_full_encoding():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "\n\n".join(f"Paragraph {i}: the value (x{i}).\n  indented, code = f({i}) # note" for i in range(400))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    full = encode(tok, text)
+    for n in (10, 500, 2000):
+        got = encode_prefix(tok, text, n)
+        assert len(got) >= n and got == full[: len(got)]
+    assert encode_prefix(tok, text, math.inf) == full
+    assert encode_prefix(tok, text, 10 * len(full)) == full  # more than there is: the whole text

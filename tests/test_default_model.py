@@ -1,5 +1,6 @@
-"""The embedded default model: ships in the package, loads offline, is a GQA Qwen2 with head_dim 64, and beats
-the unigram baseline by the quality bar on held-out test blocks."""
+"""The embedded default model: ships in the package, loads offline, is a GQA Qwen2 with head_dim 64 and a BPE
+tokenizer, was pretrained only on the text the default plan reserves for it, and beats the unigram baseline by the
+quality bar on held-out test blocks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from oal.data import default_plan, encode, load_corpus, plan_blocks
+from oal.data import bind_pretraining, default_plan, encode, load_corpus, plan_blocks
 from oal.data.byte_tokenizer import byte_offset
 from oal.models.registry import DEFAULT_MODEL_DIR, default_layers, load_model
 
@@ -26,7 +27,8 @@ def loaded():
 
 def test_files_shipped_small_and_half_precision():
     weights = DEFAULT_MODEL_DIR / "model.safetensors"
-    assert weights.stat().st_size <= 16_000_000
+    assert weights.stat().st_size <= 32_000_000
+    assert (DEFAULT_MODEL_DIR / "tokenizer.json").stat().st_size <= 1_000_000
     with safe_open(str(weights), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"F16"}
@@ -50,9 +52,30 @@ def test_architecture_and_provenance(loaded):
 
 def test_tokenizer_loads_with_autotokenizer(loaded):
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
-    assert byte_offset(tok) == 3 and len(tok) == loaded[0].config.vocab_size
-    text = "def f(x):\n    return x  # caf\u00e9"
-    assert tok.decode(encode(tok, text)) == text
+    assert len(tok) == loaded[0].config.vocab_size and byte_offset(tok) is None  # subword BPE, not bytes
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<pad>", "</s>", "<unk>"]
+    text = "def f(x):\n    return x  # caf\u00e9 </s>"
+    ids = encode(tok, text)
+    assert tok.decode(ids) == text and len(ids) < len(text.encode()) / 2  # merges: well under a token per byte
+    summary = json.loads((DEFAULT_MODEL_DIR / "training_summary.json").read_text())
+    assert summary["tokenizer"]["vocab"] == len(tok) and summary["config"]["context"] >= 512
+
+
+def test_pretraining_range_is_the_plans_and_disjoint_from_every_role(loaded):
+    """The model was pretrained on exactly the default plan's `pretrain` range of this corpus, and every role the
+    pipeline uses lies outside it (check_disjoint); the recorded token hash matches this machine's tokens."""
+    model, tok, prov = loaded
+    summary = json.loads((DEFAULT_MODEL_DIR / "training_summary.json").read_text())
+    rec, plan = summary["pretrain"], default_plan()
+    assert (rec["split"], rec["block_len"], rec["first_block"]) == (plan.pretrain.split, plan.pretrain.block_len,
+                                                                    plan.pretrain.indices[0])
+    assert plan.pretrain.through_end and rec["heldout_head_tokens"] <= rec["token_start"]
+    corpus = load_corpus("builtin")
+    assert bind_pretraining(plan, prov, corpus).pretrain == plan.pretrain
+    if corpus.fingerprint() == summary["corpus"]["fingerprint"]:  # same Python version as the training machine
+        assert corpus.meta["pretrain_sha256"] == rec["sha256_text"]
+        ids = torch.tensor(encode(tok, corpus.splits["train"]), dtype=torch.long)[rec["token_start"]:]
+        assert hashlib.sha256(ids.numpy().tobytes()).hexdigest() == rec["sha256_tokens"]
 
 
 def test_beats_unigram_on_test_blocks(loaded):
@@ -62,7 +85,9 @@ def test_beats_unigram_on_test_blocks(loaded):
     with torch.no_grad():
         logits = model(input_ids=test).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), test[:, 1:].reshape(-1))
-    counts = torch.bincount(torch.tensor(encode(tok, corpus.splits["train"])), minlength=len(tok)).double() + 1
+    start = json.loads((DEFAULT_MODEL_DIR / "training_summary.json").read_text())["pretrain"]["token_start"]
+    train = torch.tensor(encode(tok, corpus.splits["train"]))[start:]  # the unigram is fit on the pretraining text
+    counts = torch.bincount(train, minlength=len(tok)).double() + 1
     unigram_nll = -torch.log(counts / counts.sum())[test[:, 1:]].mean()
     assert math.exp(float(nll)) <= math.exp(float(unigram_nll)) / 3
 

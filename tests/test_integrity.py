@@ -454,8 +454,8 @@ def test_single_and_multi_seed_layouts_do_not_mix(assets, run_copy, tmp_path):
 
 
 def test_cli_reports_differing_keys(assets, run_copy, tmp_path):
-    big = tmp_path / "big.txt"  # large enough for the default preset's split plan
-    big.write_text((assets / "corpus.txt").read_text() * 6)
+    big = tmp_path / "big.txt"  # large enough for the default preset's split plan (32 test blocks of 512)
+    big.write_text((assets / "corpus.txt").read_text() * 10)
     before = tree(run_copy)
     res = cli("run", "--out", run_copy, "--model", assets / "model", "--data", big, "--layers", "1-2", "--methods",
               "oal,softmax", "--no-progress")

@@ -200,7 +200,21 @@ def test_compute_dtype_configurable(name):
     m64 = build_method(name, 4, 2, D, layer_idx=1, dtype=torch.float64)
     with torch.no_grad():
         out = m64(q.float(), k.float(), v.float())
-        low = build_method(name, 4, 2, D, layer_idx=1)(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        low = build_method(name, 4, 2, D, layer_idx=1, dtype=torch.float32)(q.bfloat16(), k.bfloat16(),
+                                                                            v.bfloat16())
     assert out.dtype == torch.float32 and low.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(low).all()
+
+
+def test_paper_compute_dtypes_by_default():
+    # App. E / F.1: Performer and SpectraFormer features and prefix sums in FP64, DiJiang in FP32
+    assert build_method("performer", 4, 2, D).dtype == torch.float64
+    assert build_method("spectraformer", 4, 2, D).dtype == torch.float64
+    assert build_method("dijiang", 4, 2, D).dtype == torch.float32
+    q, k, v = (t.float() for t in _qkv(4, 2, 25, seed=14))
+    exact = build_method("performer", 4, 2, D).double()(q.double(), k.double(), v.double())
+    with torch.no_grad():
+        out = build_method("performer", 4, 2, D)(q, k, v)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)

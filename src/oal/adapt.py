@@ -167,6 +167,13 @@ def kernel_parameter_names(model) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) in ids]
 
 
+def _count_kernel_params(model) -> int:
+    """Trained kernel coefficients of the converted layers, as the paper counts them (no padding)."""
+    from .models.convert import converted_methods
+
+    return sum(m.n_kernel_params for m in converted_methods(model).values())
+
+
 def _strip(name: str) -> str:
     return name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
 
@@ -429,7 +436,7 @@ def adapt(
     result = AdaptResult(
         best_step=state["best_step"], best_val_nll=state["best_val_nll"], steps=state["step"],
         n_lora_params=sum(p.numel() for n, p in params.items() if _strip(n) not in kernel_set),
-        n_kernel_params=sum(v.numel() for v in kernel_start.values()), kernel_change=change,
+        n_kernel_params=_count_kernel_params(model) if kernel_start else 0, kernel_change=change,
         kernel_names=kernel_names, base_sha256=base_sha256,
         history=state["history"], validation=state["validation"], processes=group.size, global_batch=per_update,
     )

@@ -1,11 +1,13 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> [select] -> fidelity -> adapt:<method> -> perplexity:<method>
+    setup -> analyze -> calibrate -> [select] -> fidelity -> regime -> budget -> adapt:<method> -> perplexity:<method>
           -> zeroshot:<method> -> [compare:<layers>] -> report
 
 The bracketed stages run with `--layers auto:K` only (oal.selection): every layer is calibrated into candidates/,
 `select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
-the paper's range and the criterion's top layers at the paper's K for the report.
+the paper's range and the criterion's top layers at the paper's K for the report. `regime` measures softmax's
+attention regime and where the calibrated kernels sit beyond their vertex; `budget` draws Fig. 2(b)'s group-budget
+curve beside App. B's choice.
 
 Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
 of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
@@ -40,12 +42,14 @@ from rich.table import Table
 
 from .adapt import adapt, adapt_identity, load_adapter, save_adapter
 from .analysis import analysis_inputs, analyze, load_groups
+from .analysis.regime import REGIME_FILE, attention_regime
 from .calibrate import CalibConfig
 from .calibrate_resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from .config import RunConfig
-from .data import SplitPlan, default_plan, load_corpus, plan_blocks
+from .data import SplitPlan, bind_pretraining, default_plan, load_corpus, plan_blocks
 from .data.zeroshot import DISPLAY_NAMES
 from .device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
+from .diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from .distributed import process_device, ranks
 from .errors import InputError
 from .evaluate.fidelity import fidelity
@@ -74,7 +78,8 @@ from .selection import comparison_sets, select_layers
 __all__ = ["Run", "adapt_arm", "aggregate_seeds", "run", "run_class", "run_seed", "run_selection", "STAGES"]
 
 FIDELITY_FILE = ".oal/fidelity.json"
-STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "adapt", "perplexity", "zeroshot", "compare", "report")
+STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "regime", "budget", "adapt", "perplexity", "zeroshot",
+          "compare", "report")
 # Methods without an approximation (the reference arm) and methods that need stable-gap groups.
 REFERENCE = "softmax"
 CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
@@ -182,7 +187,8 @@ class Run:
 
     def _plan_blocks(self) -> tuple:
         """(split plan, {role: token blocks [S, N]}) from the corpus."""
-        plan = SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset)
+        plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset),
+                                self.provenance, self.corpus)
         return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
 
     def _blocks_record(self) -> dict:
@@ -398,6 +404,27 @@ class Run:
         """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
         return self.blocks["fidelity"].to(self.device), {}
 
+    def regime(self) -> bool:
+        """Softmax's attention regime on the held-out fidelity blocks, and where the calibrated quadratic kernels sit
+        beyond their vertex (regime.json)."""
+        def compute(methods):
+            res = attention_regime(self.model, self.blocks["fidelity"].to(self.device), self.layers,
+                                   kernels={m: self.load_methods(m) for m in methods})
+            self.console.print(f"attention regime: this model is {res['verdict']['text']}")
+            return res
+
+        return self.evaluation("regime", REGIME_FILE, compute)
+
+    def budget(self) -> bool:
+        """Fig. 2(b)'s group-budget curve for the first converted layer's head 0, beside App. B's choice."""
+        if "oal" not in self.cfg.methods:
+            return True
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "seed": self.cfg.seed,
+                "budgets": list(RUN_BUDGETS)}
+        return self.stage("budget", deps, [BUDGET_FILE], lambda: run_budget(
+            self.model, self.blocks, self.dir / "groups.json", self.layers[0], 0, self._calib_config(), self.dir),
+            inputs=["groups.json"])
+
     def model_for(self, method: str):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
         model = self.base_model()
@@ -489,6 +516,8 @@ class Run:
         self.calibrate()
         self.select()
         self.fidelity()
+        self.regime()
+        self.budget()
         for m in self.cfg.methods:
             active = arms is None or m in arms
             self.perplexity(m, adapted=False, run=active)

@@ -46,7 +46,7 @@ PAPER_TABLE2_QWEN = {
     "oal": (0.078, 0.432, 0.031, 0.595),
 }
 
-OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "passkey.png",
+OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png", "passkey.png",
                "layer_selection.png")
 
 
@@ -230,6 +230,9 @@ def _analysis(run_dir: Path, figures: list[str]) -> list[str]:
         conc = summary.get("concentration", {}).get("mean", {})
         out.append(f"- group-count histogram over heads: {ng.get('histogram')} "
                    f"(isotropic Gaussian control: {ng.get('gaussian_histogram')})")
+        if summary.get("procedure", "app_b") != "app_b":
+            out.append(f"- groups used: `{summary['procedure']}`, Fig. 2(b)'s fixed budget per head, a departure "
+                       f"from the paper's App. B protocol (App. B would give {ng.get('app_b_histogram')})")
         if conc:
             out.append(f"- mean top-5 contribution concentration: {conc.get('real_top5', float('nan')):.3f} "
                        f"(Gaussian control {conc.get('gaussian_top5', float('nan')):.3f})")
@@ -261,6 +264,26 @@ def _stability(summary: dict) -> list[str]:
     return out
 
 
+def _regime_and_budget(run_dir: Path, prefix: str) -> list[str]:
+    """The attention regime (oal.analysis.regime) and the group-budget curve beside App. B (Fig. 2(b))."""
+    from .analysis.regime import REGIME_FILE, regime_markdown
+    from .diagnostics.budget import BUDGET_FILE, budget_markdown
+
+    out = []
+    regime, analysis = _load(run_dir / REGIME_FILE), _load(run_dir / "analysis.json")
+    if regime or (analysis and "regime" in analysis):
+        where = ("on the held-out fidelity blocks, with the calibrated kernels" if regime
+                 else "on the grouping prompts (before calibration)")
+        out += ["## Attention regime: can a quadratic kernel follow this softmax?", ""]
+        out += regime_markdown(regime or analysis["regime"], where)
+    budget = _load(run_dir / BUDGET_FILE)
+    if budget:
+        out += ["## Group budget beside App. B (Fig. 2(b))", "", *budget_markdown(budget)]
+        if (run_dir / "figures" / "group_budget.png").is_file():
+            out += [f"![group budget]({prefix}figures/group_budget.png)", ""]
+    return out
+
+
 def _calibration(calibration: dict | None, has_fig: bool) -> list[str]:
     out = ["## Calibration (Eq. 20, App. B)", ""]
     if not calibration:
@@ -274,9 +297,10 @@ def _calibration(calibration: dict | None, has_fig: bool) -> list[str]:
         chosen: dict[str, int] = {}
         for h in heads:
             chosen[h["init"]] = chosen.get(h["init"], 0) + 1
-        mean = sum(h["val_mse"] for h in heads) / len(heads)
+        finite = [h["val_mse"] for h in heads if h["val_mse"] is not None]  # null: no finite validation MSE
+        mean = f"{sum(finite) / len(finite):.5f}" if finite else "-"
         inits = ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))
-        rows.append([_name(m), str(len(heads)), f"{mean:.5f}", inits])
+        rows.append([_name(m), str(len(heads)), mean, inits])
     out += [_table(["method", "units (heads or layers)", "mean validation MSE", "chosen initialisation"], rows), ""]
     if has_fig:
         out += ["![calibration curves](figures/calibration_curves.png)", ""]
@@ -503,6 +527,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += analysis
     lines += _calibration(calibration, has_cal)
     lines += _fidelity(metrics)
+    lines += _regime_and_budget(adapt_dir, prefix)
     lines += _perplexity(metrics, has_ppl)
     lines += _zeroshot(metrics)
     lines += selection_section(metrics, fig_dir, _table)

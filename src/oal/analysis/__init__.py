@@ -10,6 +10,7 @@ from .grouping import (
     GroupingResult,
     candidate_cuts,
     fixed_budget_groups,
+    parse_grouping,
     stable_gap_groups,
     stable_gap_groups_reference,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "fixed_budget_groups",
     "head_contributions",
     "load_groups",
+    "parse_grouping",
     "prefix_contributions",
     "stable_gap_groups",
     "stable_gap_groups_reference",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -237,7 +238,9 @@ def stable_gap_groups_reference(chi_per_prompt: torch.Tensor, **kwargs) -> dict:
     """Literal per-replicate, per-candidate loop of Appendix B for one head [P, d] (the oracle in tests).
 
     Takes the keyword arguments of `stable_gap_groups`. Returns dict(groups [d], cuts list, ratios list, support
-    list, natural list).
+    list, natural list). The bootstrap draw is its own (Python's `random`, P prompt indices with replacement per
+    replicate), not the fast path's: the two agree up to Monte Carlo error, so a mistake in the fast path's
+    sampling (without replacement, wrong weights) shows up as a difference instead of being shared.
     """
     a = grouping_params(**kwargs)
     tail_fraction, min_support, min_ratio = a["tail_fraction"], a["min_support"], a["min_ratio"]
@@ -252,11 +255,11 @@ def stable_gap_groups_reference(chi_per_prompt: torch.Tensor, **kwargs) -> dict:
     m = math.ceil(tail_fraction * d)
     cands = list(range(max(1, d - m), d))
     rho = [float(chi[order[k]]) / max(float(chi[order[k - 1]]), eps) for k in cands]
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(p, (n_bootstrap, p), generator=gen)
+    rng = random.Random(seed)
     hits = [0] * len(cands)
-    for b in range(n_bootstrap):
-        chi_b = chi_pp[idx[b]].mean(0)  # repeated prompts counted with their multiplicity
+    for _ in range(n_bootstrap):
+        draw = [rng.randrange(p) for _ in range(p)]  # I_b: P prompts drawn with replacement
+        chi_b = chi_pp[draw].mean(0)  # repeated prompts counted with their multiplicity
         for c, k in enumerate(cands):
             low = max(float(chi_b[r]) for r in order[:k])
             high = min(float(chi_b[r]) for r in order[k:])
@@ -293,3 +296,16 @@ def fixed_budget_groups(chi: torch.Tensor, n_groups: int, *, eps: float = 1e-12)
     top = torch.sort(ratio, dim=-1, descending=True, stable=True).indices[:, : n_groups - 1]
     selected = torch.zeros(flat.shape[0], d - 1, dtype=torch.bool).scatter_(1, top, True)
     return _groups_from_cuts(order, cand, selected).reshape(chi.shape)
+
+
+def parse_grouping(spec: str) -> dict:
+    """`--grouping`: "app-b" (App. B stable-gap groups, the paper's protocol) -> {}; "budget:G" -> {"budget": G},
+    Fig. 2(b)'s fixed budget (the G - 1 largest adjacent gaps of each head's sorted profile), a departure from the
+    paper, which converts with App. B's groups."""
+    text = str(spec).strip().lower()
+    if text in ("app-b", "app_b", "appb", "stable-gap"):
+        return {}
+    name, _, value = text.partition(":")
+    if name == "budget" and value.strip().isdigit() and int(value) >= 1:
+        return {"budget": int(value)}
+    raise ValueError(f"grouping: expected 'app-b' or 'budget:G' with an integer G >= 1, got {spec!r}")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def _stream(corpus, tokenizer, blockset, data_dir):
-    from ..data import encode, load_corpus
+def _stream(corpus, tokenizer, blockset, data_dir, n_tokens: float = math.inf):
+    """The corpus of `blockset` and its split's token ids, at least the first `n_tokens` of them."""
+    from ..data import load_corpus
+    from ..data.splits import encode_prefix
 
     c = corpus if blockset.corpus is None else load_corpus(blockset.corpus, data_dir=data_dir)
-    return c, encode(tokenizer, c.splits[blockset.split])
+    return c, encode_prefix(tokenizer, c.splits[blockset.split], n_tokens)
 
 
 def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: int | None = None,
@@ -26,7 +30,8 @@ def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: i
     from ..data import token_blocks
 
     grp = plan.grouping
-    gcorpus, stream = _stream(corpus, tokenizer, grp, data_dir)
+    reach = math.inf if grp.through_end else (max(grp.indices) + 1) * grp.block_len
+    gcorpus, stream = _stream(corpus, tokenizer, grp, data_dir, reach)
     idx = grp.resolve(len(stream) // grp.block_len)
     prompts = torch.tensor([stream[i * grp.block_len : (i + 1) * grp.block_len] for i in idx], dtype=torch.long)
     heldout = None
@@ -34,9 +39,9 @@ def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: i
         heldout = token_blocks(tokenizer, gcorpus.splits["validation"], grp.block_len)[:n_heldout]
         heldout = heldout if heldout.shape[0] > 0 else None
     fid = plan.fidelity
-    _, fstream = _stream(corpus, tokenizer, fid, data_dir)
     n_long = long_len or (fid.block_len if max_len is None else min(fid.block_len, max_len))
     start = min(fid.indices) * fid.block_len
+    _, fstream = _stream(corpus, tokenizer, fid, data_dir, start + n_long)
     long_sequence = torch.tensor(fstream[start : start + n_long], dtype=torch.long)
     if long_sequence.numel() < n_long:
         raise ValueError(f"long_len: split {fid.split!r} has only {long_sequence.numel()} tokens from token {start}")

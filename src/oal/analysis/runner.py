@@ -30,7 +30,8 @@ from ..runio import atomic_write_json, check_out_dir, load_json
 from . import figures as figs
 from .contributions import head_contributions, prefix_contributions
 from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from .grouping import check_min_groups, grouping_params, stable_gap_groups
+from .grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
+from .regime import RegimeAccumulator
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -99,10 +100,16 @@ class _Collector:
             self.offset += b
 
 
-def _run_capture(model, batches, layers, n_prompts, progress, task) -> _Collector:
+def _run_capture(model, batches, layers, n_prompts, progress, task, regime=None) -> _Collector:
     col = _Collector(layers, n_prompts)
+
+    def on_layer(c: Captured) -> None:
+        col(c)
+        if regime is not None:
+            regime(c)
+
     for ids, mask in batches:
-        capture(model, ids, layers, col, mask, stop_after_last=True)
+        capture(model, ids, layers, on_layer, mask, stop_after_last=True)
         progress.advance(task, ids.shape[0])
     return col
 
@@ -143,6 +150,7 @@ def analyze(
     figures: bool = True,
     console: Console | None = None,
     meta: dict | None = None,
+    budget: int | None = None,
     **grouping,
 ) -> dict:
     """Group every query head of `layers` from `prompts` (token blocks [P, L] or strings) and write the outputs.
@@ -150,9 +158,15 @@ def analyze(
     heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
     long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
     **grouping: keyword arguments of `stable_gap_groups`; representative: (layer, head) for the single-head figures.
+    budget: G for the fixed-budget procedure of Fig. 2(b) (`fixed_budget_groups`: the G - 1 largest adjacent gaps
+    of the sorted profile) instead of App. B's stable-gap groups -- a departure from the paper's protocol, which
+    uses App. B for conversion; the App. B result is still computed and recorded beside it.
+    Also records the attention regime of the prompts (`oal.analysis.regime`) in analysis.json["regime"].
     Returns the analysis summary (also written to analysis.json).
     """
     params = grouping_params(**grouping)  # checked before the expensive capture
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget: expected a group budget G >= 1, got {budget!r}")
     seed = params["seed"]
     console = console or Console()
     out = check_out_dir(out_dir)
@@ -187,7 +201,8 @@ def analyze(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with torch.no_grad(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("capture: calibration prompts", total=n_prompts)
-        calib = _run_capture(model, batches, layers, n_prompts, progress, task)
+        regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)))
+        calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime)
         held = None
         if held_batches is not None:
             n_held = sum(b[0].shape[0] for b in held_batches)
@@ -204,6 +219,8 @@ def analyze(
     n_layers, n_heads, _, d = chi_pp.shape
     t1 = time.perf_counter()
     res = stable_gap_groups(chi_pp, **params)  # all heads of all layers in one vectorised call
+    used = res.groups if budget is None else fixed_budget_groups(res.chi, min(budget, d))  # [L, Hq, d]
+    n_used = used.amax(-1) + 1
     t_group = time.perf_counter() - t1
     chi = res.chi  # [L, Hq, d]
     top_dims = chi.topk(TOP_K, dim=-1).indices
@@ -227,16 +244,25 @@ def analyze(
         rows = []
         for h in range(n_heads):
             r = res[li, h]
-            rows.append(dict(
+            row = dict(
                 head=h, kv_head=h // (n_heads // calib.abs_k[layer].shape[0]), n_groups=r.n_groups,
                 groups=r.groups.tolist(), chi=r.chi.tolist(), order=r.order.tolist(), cuts=r.cuts,
                 fallback_cuts=r.fallback, candidates=r.candidates.tolist(), rho=r.ratios.tolist(),
                 support=r.support.tolist(), natural=r.natural.tolist(), top5=top_dims[li, h].tolist(),
                 top5_concentration=float(real_top[li, h]),
-            ))
+            )
+            if budget is not None:  # the groups used are the budget's; App. B's stay as evidence
+                g = used[li, h]
+                row.update(app_b=dict(n_groups=r.n_groups, groups=r.groups.tolist(), cuts=r.cuts,
+                                      fallback_cuts=r.fallback),
+                           n_groups=int(n_used[li, h]), groups=g.tolist(), fallback_cuts=[],
+                           cuts=[int(k) for k in range(1, d) if g[r.order[k]] != g[r.order[k - 1]]])
+            rows.append(row)
         heads_json[str(layer)] = rows
+    procedure = "app_b" if budget is None else f"budget:{budget}"
     info = dict(meta or {}, layers=layers, n_prompts=n_prompts, prompt_lengths=prompt_lengths, head_dim=d,
                 n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
+                procedure=procedure,
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__,
                               python=platform.python_version()),
                 base_model=weights_record(model))  # what the groups were computed from (`check_groups_model`)
@@ -247,8 +273,10 @@ def analyze(
         info,
         representative=dict(layer=rep[0], head=rep[1]),
         timing_s=dict(capture=t_capture, grouping=t_group),
+        regime=regime.summary(),
         n_groups=dict(
-            per_head=res.n_groups.tolist(), histogram=_histogram(res.n_groups),
+            per_head=n_used.tolist(), histogram=_histogram(n_used),
+            app_b_per_head=res.n_groups.tolist(), app_b_histogram=_histogram(res.n_groups),
             natural_only_fraction=float((res.selected == res.natural).all(-1).double().mean()),
             gaussian_histogram=_histogram(g_res.n_groups),
         ),
@@ -338,6 +366,10 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
                   "share at the real top-5 dims; Spearman / overlap (of 5): calibration vs held-out chi")
     console.print(f"group-count histogram: {summary['n_groups']['histogram']} "
                   f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
+    if summary["procedure"] != "app_b":
+        console.print(f"groups used: {summary['procedure']} (Fig. 2(b)'s fixed budget, a departure from App. B; "
+                      f"App. B would give {summary['n_groups']['app_b_histogram']})")
+    console.print(f"attention regime on these prompts: {summary['regime']['verdict']['text']}")
 
 
 def check_groups_model(path: str | Path, model, provenance=None) -> None:

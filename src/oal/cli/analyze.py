@@ -12,6 +12,7 @@ from ._common import (
     DataOpt,
     DeviceOpt,
     DtypeOpt,
+    GroupingOpt,
     LayersOpt,
     ModelOpt,
     load_model_or_fail,
@@ -34,6 +35,7 @@ def analyze_cmd(
     min_ratio: float = typer.Option(None, help="tau, minimum gap ratio (default: preset)."),
     min_groups: int = typer.Option(None, min=1, help="G_min, minimum groups per head (default: preset)."),
     n_bootstrap: int = typer.Option(None, min=1, help="B, bootstrap replicates (default: preset)."),
+    grouping: GroupingOpt = "app-b",
     seed: int = typer.Option(0, min=0, help="Seed of the bootstrap and the Gaussian controls."),
     head: str = typer.Option(None, help="Representative head 'LAYER:HEAD' for single-head figures."),
     heldout: int = typer.Option(40, min=0, help="Held-out prompts (validation split) for the stability check; "
@@ -46,7 +48,7 @@ def analyze_cmd(
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
-    from ..analysis import analyze
+    from ..analysis import analyze, parse_grouping
     from ..analysis.inputs import analysis_inputs
     from ..config import grouping_preset
     from ..data import default_plan, load_corpus
@@ -55,6 +57,10 @@ def analyze_cmd(
     from ..runio import check_out_dir
 
     console = Console()
+    try:
+        procedure = parse_grouping(grouping)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--grouping") from None
     check_out_dir(out)
     refuse_run_dir(out, "analysis")
     mdl, tok, provenance = load_model_or_fail(model, device, dtype)
@@ -86,6 +92,7 @@ def analyze_cmd(
                      ("min_groups", min_groups), ("n_bootstrap", n_bootstrap)):
         if val is not None:
             kw[key] = val
+    kw.update(procedure)
     meta = dict(model=model, provenance=provenance, preset=preset, data=inputs["meta"])
     console.print(f"[bold]oal analyze[/]: {provenance.get('architecture')} '{model}', layers {layer_list}, "
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")

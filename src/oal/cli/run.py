@@ -11,6 +11,7 @@ from ._common import (
     DeviceOpt,
     DtypeOpt,
     GradAccumOpt,
+    GroupingOpt,
     LimitOpt,
     LoraDropoutOpt,
     SelectByOpt,
@@ -41,6 +42,7 @@ def run(
     select_by: SelectByOpt = "probe",
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    grouping: GroupingOpt = "app-b",
     batch_size: BatchSizeOpt = None,
     grad_accum: GradAccumOpt = None,
     lora_dropout: LoraDropoutOpt = None,
@@ -62,16 +64,22 @@ def run(
     the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
     calibration and adaptation run on every process (see README).
     """
+    from ..analysis import parse_grouping
     from ..config import RunConfig, parse_methods, parse_seeds
     from ..data.zeroshot import parse_task_files
     from ..pipeline import run as run_pipeline
 
     set_threads(threads)
+    try:
+        procedure = parse_grouping(grouping)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--grouping") from None
     seed_list = parse_seeds(seeds)
     adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
                                ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 **layer_selection(layers, select_by), seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
-                                zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file))
+                                zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
+                                grouping=procedure)
     run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from .blocks import encode, token_blocks
 from .corpus import SPLITS, Corpus, builtin_corpus, local_corpus
-from .splits import ROLES, BlockSet, SplitPlan, default_plan, plan_blocks
+from .splits import ROLES, BlockSet, SplitPlan, bind_pretraining, default_plan, plan_blocks
 from .wikitext import CONFIGS as WIKITEXT_CONFIGS
 from .wikitext import MANIFEST_NAME, load_wikitext
 
 __all__ = ["Corpus", "BlockSet", "SplitPlan", "ROLES", "SPLITS", "load_corpus", "token_blocks", "encode",
-           "default_plan", "plan_blocks", "builtin_corpus", "local_corpus", "load_wikitext", "WIKITEXT_CONFIGS"]
+           "bind_pretraining", "default_plan", "plan_blocks", "builtin_corpus", "local_corpus", "load_wikitext",
+           "WIKITEXT_CONFIGS"]
 
 log = logging.getLogger("oal")
 _TRAINING_SUMMARY = Path(__file__).resolve().parents[1] / "assets" / "default_model" / "training_summary.json"

@@ -1,8 +1,10 @@
 """Text corpora with train/validation/test splits: the offline `builtin` corpus and local text files.
 
-The `builtin` corpus is assembled at run time from documentation every CPython install carries
-(`pydoc_data.topics` and the docstrings of the top-level standard-library modules), so no third-party text is
-committed to the repository and every machine can build it offline.
+The `builtin` corpus is assembled at run time from what every CPython install carries: `pydoc_data.topics`, the
+docstrings of the standard-library modules and their source code (PSF License), so no third-party text is
+committed to the repository and every machine with the same Python version builds the same text offline. Its
+train split starts with held-out prose (the text `oal run` groups, calibrates, evaluates and adapts on); the
+embedded model was pretrained only on the rest of train (see `builtin_layout` and `oal.data.splits`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import re
 import sys
 import sysconfig
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,47 +75,162 @@ def split_text(text: str, fractions: tuple[float, float, float] = DEFAULT_FRACTI
     return {k: v.strip("\n") for k, v in parts.items()}
 
 
-def _stdlib_docstrings() -> list[str]:
-    """Docstrings of the top-level stdlib modules, parsed (not imported: no side effects), in a fixed order."""
+# The standard-library files of the builtin corpus: every `.py` file under the stdlib folder except test suites,
+# packages that Linux distributions ship separately or patch (so the text is the same on every install of one
+# Python version), generated tables (encodings) and machine-specific files.
+STDLIB_EXCLUDED_DIRS = frozenset({
+    "site-packages", "test", "tests", "idle_test", "__pycache__", "lib-dynload", "idlelib", "tkinter", "turtledemo",
+    "lib2to3", "distutils", "ensurepip", "venv", "encodings", "pydoc_data"})
+STDLIB_EXCLUDED_FILES = frozenset({"site.py", "sysconfig.py"})
+# Shares of the prose (pydoc topics + docstrings, in characters) held out from pretraining: the head of the
+# train split (grouping, calibration, fidelity and adaptation text), validation and test. The rest of the prose
+# and all of the code are the embedded model's pretraining text.
+HELDOUT_FRACTIONS = {"train": 0.30, "validation": 0.05, "test": 0.05}
+MIN_REPEAT = 32  # paragraphs at least this long occur once in the whole builtin corpus
+BUILTIN_SOURCE = ("CPython standard library (PSF License): pydoc_data.topics, the docstrings of the stdlib modules "
+                  "and their source code with the docstrings removed")
+
+
+def stdlib_files() -> list[Path]:
+    """The stdlib `.py` files of the builtin corpus, in sorted path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs: list[str] = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in STDLIB_EXCLUDED_DIRS or p.startswith("config-") for p in rel.parts[:-1]):
             continue
-        for node in ast.walk(tree):  # breadth-first, deterministic for a given file
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and doc.strip():
+        if rel.name in STDLIB_EXCLUDED_FILES or rel.name.startswith("_sysconfigdata"):
+            continue
+        out.append(path)
+    return out
+
+
+def _docstrings_and_code(source: str) -> tuple[list[str], str]:
+    """(docstrings in ast.walk order, the source with every docstring's lines removed); parsed, never imported."""
+    tree = ast.parse(source)
+    docs, drop = [], set()
+    for node in ast.walk(tree):  # breadth-first, deterministic for a given file
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc is not None:
+                expr = node.body[0]
+                drop.update(range(expr.lineno, expr.end_lineno + 1))
+                if doc.strip():
                     docs.append(doc)
-    return docs
+    code = "\n".join(line for i, line in enumerate(source.split("\n"), 1) if i not in drop)
+    return docs, code
 
 
-def builtin_text() -> str:
-    """The full normalised text of the builtin corpus: pydoc topics (sorted by key), then stdlib docstrings."""
+def _stable_rank(key: str) -> str:
+    return hashlib.sha256(f"oal-builtin/{key}".encode()).hexdigest()
+
+
+def builtin_units() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(prose units, code units) of the builtin corpus as (id, normalised text).
+
+    Prose: one unit per pydoc topic ("topic:<key>") and per stdlib file ("doc:<path>": its docstrings, each kept
+    only at its first occurrence in path order, so no docstring appears in two units). Code: one unit per file
+    ("code:<path>"), the source with the docstrings removed.
+    """
     import pydoc_data.topics as topics
 
-    docs = [topics.topics[key] for key in sorted(topics.topics)] + _stdlib_docstrings()
-    docs = [normalize_whitespace(d) for d in docs]
-    return "\n\n".join(d for d in docs if d)
+    prose = [(f"topic:{key}", normalize_whitespace(topics.topics[key])) for key in sorted(topics.topics)]
+    code, seen = [], set()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib_files():
+        try:
+            with tokenize.open(path) as f:  # honours coding cookies
+                source = f.read()
+            docs, stripped = _docstrings_and_code(source)
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        rel = path.relative_to(root).as_posix()
+        fresh = []
+        for d in (normalize_whitespace(d) for d in docs):
+            if d and d not in seen:
+                seen.add(d)
+                fresh.append(d)
+        if fresh:
+            prose.append((f"doc:{rel}", "\n\n".join(fresh)))
+        stripped = normalize_whitespace(stripped)
+        if stripped:
+            code.append((f"code:{rel}", stripped))
+    return [(k, t) for k, t in prose if t], code
+
+
+def _drop_repeats(units: list[tuple[str, str]], seen: set[str]) -> list[tuple[str, str]]:
+    """Units without the paragraphs (of at least MIN_REPEAT characters) already in `seen`, which gains the rest.
+
+    pydoc topics repeat whole sections of one another and docstrings repeat boilerplate, so without this a
+    held-out paragraph could also sit in the pretraining text."""
+    out = []
+    for uid, text in units:
+        kept = []
+        for par in text.split("\n\n"):
+            if len(par) >= MIN_REPEAT and par in seen:
+                continue
+            seen.add(par)
+            kept.append(par)
+        if kept:
+            out.append((uid, "\n\n".join(kept)))
+    return out
+
+
+def builtin_layout() -> dict:
+    """The builtin corpus, split: prose units in a fixed pseudo-random order (by a hash of their id) go to the
+    held-out head of train, validation and test by `HELDOUT_FRACTIONS`; the remaining prose and all the code
+    form the pretraining text, which follows the held-out head in the train split. A paragraph that occurs more
+    than once is kept only in the first of test, validation, held-out head, pretraining.
+
+    Returns {"splits": {train, validation, test}, "pretrain_start": character offset of the pretraining text in
+    train, "units": {part: [unit ids]}}.
+    """
+    prose, code = builtin_units()
+    prose = sorted(prose, key=lambda u: _stable_rank(u[0]))
+    total = sum(len(t) for _, t in prose)
+    parts: dict[str, list[tuple[str, str]]] = {"heldout_train": [], "validation": [], "test": []}
+    done = 0
+    for name, split in (("heldout_train", "train"), ("validation", "validation"), ("test", "test")):
+        size = 0
+        while done < len(prose) and size < HELDOUT_FRACTIONS[split] * total:
+            parts[name].append(prose[done])
+            size += len(prose[done][1])
+            done += 1
+    parts["pretrain"] = prose[done:] + code
+    seen: set[str] = set()
+    for name in ("test", "validation", "heldout_train", "pretrain"):  # earlier parts keep a repeated paragraph
+        parts[name] = _drop_repeats(parts[name], seen)
+
+    def join(units):
+        return "\n\n".join(t for _, t in units)
+
+    head, pretrain = join(parts["heldout_train"]), join(parts["pretrain"])
+    return {"splits": {"train": f"{head}\n\n{pretrain}", "validation": join(parts["validation"]),
+                       "test": join(parts["test"])},
+            "pretrain_start": len(head) + 2,
+            "units": {k: [u for u, _ in v] for k, v in parts.items()}}
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_text_cached() -> str:
-    return builtin_text()  # deterministic per interpreter, so computing it once per process is enough
+def _builtin_layout_cached() -> dict:
+    return builtin_layout()  # deterministic per interpreter, so computing it once per process is enough
 
 
 def builtin_corpus() -> Corpus:
-    text = _builtin_text_cached()
+    """Python's own documentation and source (see `builtin_layout`); meta records where pretraining text starts."""
+    lay = _builtin_layout_cached()
+    pretrain = lay["splits"]["train"][lay["pretrain_start"]:]
     meta = {
-        "source": "pydoc_data.topics + top-level stdlib docstrings",
+        "source": BUILTIN_SOURCE,
+        "licence": "PSF-2.0",
         "python_version": sys.version.split()[0],
-        "fractions": list(DEFAULT_FRACTIONS),
-        "chars": len(text),
-        "sha256_full": sha256_text(text),
+        "heldout_fractions": dict(HELDOUT_FRACTIONS),
+        "chars": {s: len(t) for s, t in lay["splits"].items()},
+        "pretrain_start_char": lay["pretrain_start"],
+        "pretrain_sha256": sha256_text(pretrain),
+        "units": {k: len(v) for k, v in lay["units"].items()},
     }
-    return Corpus("builtin", split_text(text), meta=meta)
+    return Corpus("builtin", dict(lay["splits"]), meta=meta)
 
 
 def _read_text(path: Path) -> str:

@@ -3,12 +3,19 @@
 A `BlockSet` names blocks of one split of one corpus: block `i` covers tokens `[i * block_len, (i+1) * block_len)`
 of that split's token stream. Roles with different block lengths are compared on these token ranges, so
 `check_disjoint` catches a 128-token grouping prompt that overlaps a 256-token calibration block.
+
+A plan may also name the text its model was pretrained on (`pretrain`, the embedded default's only): it is never
+materialised as blocks, but `check_disjoint` keeps every role off it, so nothing the pipeline groups, calibrates,
+evaluates or adapts on was seen in pretraining.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -16,6 +23,7 @@ from .blocks import encode
 from .corpus import SPLITS, Corpus
 
 ROLES = ("grouping", "calib_train", "calib_val", "fidelity", "adapt_train", "val", "test")
+PRETRAIN = "pretrain"
 
 
 @dataclass
@@ -71,7 +79,8 @@ class BlockSet:
 
 @dataclass
 class SplitPlan:
-    """One BlockSet per role. All roles on the same corpus split must cover disjoint token ranges."""
+    """One BlockSet per role. All roles on the same corpus split must cover disjoint token ranges, and none may
+    touch `pretrain` (the model's pretraining text, when the plan knows it)."""
 
     grouping: BlockSet
     calib_train: BlockSet
@@ -81,6 +90,7 @@ class SplitPlan:
     val: BlockSet
     test: BlockSet
     notes: str = field(default="", compare=False)
+    pretrain: BlockSet | None = None
 
     def __post_init__(self) -> None:
         self.check_disjoint()
@@ -91,6 +101,8 @@ class SplitPlan:
     def to_dict(self) -> dict:
         d = {r: asdict(b) for r, b in self.roles().items()}
         d["notes"] = self.notes
+        if self.pretrain is not None:
+            d[PRETRAIN] = asdict(self.pretrain)
         return d
 
     @classmethod
@@ -99,12 +111,19 @@ class SplitPlan:
         if missing:
             raise ValueError(f"plan: missing roles {missing}")
         names = {f.name for f in fields(BlockSet)}
-        return cls(**{r: BlockSet(**{k: v for k, v in d[r].items() if k in names}) for r in ROLES},
-                   notes=d.get("notes", ""))
+
+        def block_set(x: Mapping) -> BlockSet:
+            return BlockSet(**{k: v for k, v in x.items() if k in names})
+
+        return cls(**{r: block_set(d[r]) for r in ROLES}, notes=d.get("notes", ""),
+                   pretrain=block_set(d[PRETRAIN]) if d.get(PRETRAIN) else None)
 
     def check_disjoint(self) -> None:
-        """ValueError naming the first pair of roles whose token ranges overlap on the same corpus split."""
+        """ValueError naming the first pair of roles (or a role and `pretrain`) whose token ranges overlap on the
+        same corpus split."""
         roles = list(self.roles().items())
+        if self.pretrain is not None:
+            roles.append((PRETRAIN, self.pretrain))
         for a in range(len(roles)):
             for b in range(a + 1, len(roles)):
                 (ra, sa), (rb, sb) = roles[a], roles[b]
@@ -122,20 +141,28 @@ def _blocks(first: int, count: int) -> list[int]:
     return list(range(first, first + count))
 
 
+# The embedded model's pretraining text: the builtin train split from this token on (its tokenizer), i.e. the part
+# after the held-out prose head (oal.data.corpus.builtin_layout; the head is 161,779 tokens on Python 3.11.7).
+# scripts/train_embedded_model.py trains on exactly this range and records it in training_summary.json.
+DEFAULT_PRETRAIN_START_BLOCK = 316  # x 512 tokens = token 161,792
+
+
 def _default() -> SplitPlan:
-    # Embedded model + builtin corpus, sized so a full `oal run` fits ~10 min on a 2-core CPU.
-    # Train-split token layout (notes seed: grouping first, then calibration, later blocks for adaptation):
-    #   grouping 40 x 128 tokens = tokens [0, 5120) = 256-blocks 0-19; calib_train 20-27; calib_val 28-29;
-    #   fidelity 30-37; adapt_train 38 to the end of train.
+    # Embedded model + builtin corpus, sized so a full `oal run` stays under 6 min on a 2-core CPU. Everything
+    # lies in the held-out head of the train split (tokens [0, 161792)), never in the pretraining text:
+    #   grouping 40 x 128 tokens = [0, 5120) = 512-blocks 0-9; calib_train 512-blocks 10-17; calib_val 18-19;
+    #   fidelity 20-27 (tokens up to 14336); adapt_train 256-blocks 56-311 (256 updates of 256 tokens: the
+    #   adaptation dominates oal run's time, three arms of forward + backward through the converted layers).
     return SplitPlan(
         grouping=BlockSet("train", 128, _blocks(0, 40)),
-        calib_train=BlockSet("train", 256, _blocks(20, 8)),
-        calib_val=BlockSet("train", 256, _blocks(28, 2)),
-        fidelity=BlockSet("train", 256, _blocks(30, 8)),
-        adapt_train=BlockSet("train", 256, [38], through_end=True),
-        val=BlockSet("validation", 256, _blocks(0, 8)),
-        test=BlockSet("test", 256, _blocks(0, 32)),
-        notes="embedded default: builtin corpus, reduced sizes for CPU",
+        calib_train=BlockSet("train", 512, _blocks(10, 8)),
+        calib_val=BlockSet("train", 512, _blocks(18, 2)),
+        fidelity=BlockSet("train", 512, _blocks(20, 8)),
+        adapt_train=BlockSet("train", 256, _blocks(56, 256)),
+        val=BlockSet("validation", 512, _blocks(0, 8)),
+        test=BlockSet("test", 512, _blocks(0, 32)),
+        notes="embedded default: builtin corpus, held-out prose head of train; reduced sizes for CPU",
+        pretrain=BlockSet("train", 512, [DEFAULT_PRETRAIN_START_BLOCK], through_end=True),
     )
 
 
@@ -174,7 +201,8 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
     """LongTensor [n, block_len] of token blocks for every role of `plan`.
 
     `corpus` is the run's corpus (roles with `corpus=None`), or a mapping from corpus name to Corpus. Roles naming
-    another corpus load it with `load_corpus(name, data_dir=data_dir)`. Each split is tokenised once.
+    another corpus load it with `load_corpus(name, data_dir=data_dir)`. Each split is tokenised once, and only as
+    far as its roles reach (see `encode_prefix`).
     """
     from . import load_corpus
 
@@ -184,6 +212,10 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
     else:
         corpora.update(corpus)
     plan.check_disjoint()
+    reach: dict[tuple, float] = {}  # tokens each (corpus, split) must provide
+    for bs in plan.roles().values():
+        end = math.inf if bs.through_end else (max(bs.indices, default=-1) + 1) * bs.block_len
+        reach[(bs.corpus, bs.split)] = max(reach.get((bs.corpus, bs.split), 0), end)
     streams: dict[tuple, list[int]] = {}
     out: dict[str, torch.Tensor] = {}
     for role, bs in plan.roles().items():
@@ -194,10 +226,48 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
         c = corpora[bs.corpus]
         key = (id(c), bs.split)
         if key not in streams:
-            streams[key] = encode(tokenizer, c.splits[bs.split])
+            streams[key] = encode_prefix(tokenizer, c.splits[bs.split], reach[(bs.corpus, bs.split)])
         ids = streams[key]
         n_blocks = len(ids) // bs.block_len
         idx = bs.resolve(n_blocks)
         flat = torch.tensor(ids[: n_blocks * bs.block_len], dtype=torch.long).reshape(n_blocks, bs.block_len)
         out[role] = flat[idx] if idx else flat[:0]
     return out
+
+
+def bind_pretraining(plan: SplitPlan, provenance: Mapping, corpus: Corpus) -> SplitPlan:
+    """`plan` with the embedded model's recorded pretraining range (training_summary.json) as `pretrain` when the
+    model is the packaged default and the corpus is builtin, so `check_disjoint` refuses any role -- a custom plan
+    included -- that reaches into text the model was trained on. Other models and corpora: `plan` unchanged."""
+    summary = Path(str(provenance.get("path", ""))) / "training_summary.json"
+    if provenance.get("source") != "package" or corpus.name != "builtin" or not summary.is_file():
+        return plan
+    rec = json.loads(summary.read_text()).get("pretrain")
+    if not rec:
+        return plan
+    pre = BlockSet(rec["split"], rec["block_len"], [rec["first_block"]], through_end=True)
+    if plan.pretrain is not None and plan.pretrain != pre:
+        raise ValueError(f"plan: its pretrain range {plan.pretrain} differs from the one the embedded model was "
+                         f"trained on ({pre}, {summary})")
+    return replace(plan, pretrain=pre)  # __post_init__ checks every role against it
+
+
+PREFIX_MARGIN = 64  # tokens dropped at the end of an encoded prefix (the last pieces may differ from the full text's)
+
+
+def encode_prefix(tokenizer, text: str, n_tokens: float) -> list[int]:
+    """Token ids of `text` whose first `n_tokens` equal `encode(tokenizer, text)`'s (all of them when n is inf or
+    the text is short). Encodes growing prefixes cut at a paragraph break: tokenisers split text into pieces at
+    whitespace, so only the last few pieces before the cut can differ from the full encoding, and PREFIX_MARGIN
+    tokens are dropped there. Saves encoding all of a long split (the builtin train split is ~8 MB) for a few
+    blocks at its head."""
+    chars = max(4096, 8 * int(min(n_tokens, len(text))))
+    while math.isfinite(n_tokens) and chars < len(text):
+        cut = text.find("\n\n", chars)
+        if cut < 0:
+            break
+        ids = encode(tokenizer, text[:cut])
+        if len(ids) >= n_tokens + PREFIX_MARGIN:
+            return ids[: len(ids) - PREFIX_MARGIN]
+        chars *= 2
+    return encode(tokenizer, text)

@@ -16,7 +16,10 @@ import torch
 
 from ..runio import atomic_save_figure
 
-__all__ = ["budget_curve", "coefficients_per_head", "plot_budget"]
+__all__ = ["RUN_BUDGETS", "budget_curve", "budget_markdown", "coefficients_per_head", "plot_budget", "run_budget"]
+
+BUDGET_FILE = "budget.json"
+RUN_BUDGETS = (1, 2, 3, 4, 6, 8)  # the curve `oal run` draws for its representative head
 
 
 def coefficients_per_head(n_groups: int) -> int:
@@ -64,8 +67,52 @@ def budget_curve(train, val, heldout, chi: torch.Tensor, head: int, budgets: Seq
     return {"layer": layer, "head": head, "points": points, "calibration": cfg.to_dict()}
 
 
+def run_budget(model, blocks: dict, groups_file: str | Path, layer: int, head: int, cfg, out_dir: str | Path,
+               budgets: Sequence[int] = RUN_BUDGETS) -> dict:
+    """`oal run`'s group-budget curve: Fig. 2(b) for one head (calibration on the plan's calib_train / calib_val
+    blocks, held-out MSE on its fidelity blocks), with the G App. B chose for that head and the G the run used.
+    Writes DIR/budget.json and DIR/figures/group_budget.png; returns the result."""
+    from ..calibrate import capture_layer_data
+    from ..runio import atomic_write_json, load_json
+
+    data = load_json(groups_file)
+    row = next(h for h in data["heads"][str(layer)] if h["head"] == head)
+    train, val, held = (capture_layer_data(model, blocks[r], layer, batch_size=1)
+                        for r in ("calib_train", "calib_val", "fidelity"))
+    res = budget_curve(train, val, held, torch.tensor(row["chi"], dtype=torch.float64), head, budgets, cfg,
+                       layer=layer)
+    res["app_b_groups"] = row.get("app_b", row)["n_groups"]
+    res["run_groups"] = row["n_groups"]
+    res["procedure"] = data.get("procedure", "app_b")
+    atomic_write_json(Path(out_dir) / BUDGET_FILE, res)
+    plot_budget(res, Path(out_dir) / "figures" / "group_budget.png")
+    return res
+
+
+def budget_markdown(res: dict) -> list[str]:
+    """The report's group-budget section: held-out MSE per budget G beside App. B's choice for the same head."""
+    pts = res["points"]
+    best = min(pts, key=lambda p: p["heldout_mse"])
+    rows = []
+    for p in pts:
+        marks = [m for m, g in (("App. B", res.get("app_b_groups")), ("this run", res.get("run_groups")))
+                 if g == p["G"]]
+        rows.append(f"| {p['G']} | {p['coefficients']} | {p['heldout_mse']:.6f} | {p['val_mse']:.6f} | "
+                    f"{', '.join(marks)} |")
+    out = [f"Fig. 2(b) procedure on layer {res['layer']}, head {res['head']}: the G - 1 largest gaps of the sorted "
+           "contribution profile become group boundaries, each budget is calibrated by the run's protocol, and the "
+           "held-out (fidelity-block) output MSE is pooled over tokens and dims. App. B chose "
+           f"G = {res.get('app_b_groups')} for this head; the best budget on the curve is G = {best['G']}.", "",
+           "| G | coefficients / head | held-out MSE | validation MSE | |", "|---|---|---|---|---|", *rows, ""]
+    if res.get("procedure", "app_b") != "app_b":
+        out += [f"This run converted with `--grouping {res['procedure']}`: a fixed budget per head instead of "
+                "App. B's stable-gap groups, a departure from the paper's protocol.", ""]
+    return out
+
+
 def plot_budget(result: dict, path: str | Path) -> Path:
-    """Fig. 2(b)-style PNG: held-out MSE (left axis) and coefficients per head (right axis) vs G."""
+    """Fig. 2(b)-style PNG: held-out MSE (left axis) and coefficients per head (right axis) vs G; App. B's G for
+    the head (and the run's, when it used a fixed budget) marked when the result records them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +127,11 @@ def plot_budget(result: dict, path: str | Path) -> Path:
     ax2 = ax.twinx()
     ax2.plot(gs, [p["coefficients"] for p in pts], "s--", color="tab:orange", label="coefficients / head")
     ax2.set_ylabel("trainable coefficients per head", color="tab:orange")
+    for label, key, style in (("App. B choice", "app_b_groups", ":"), ("this run", "run_groups", "-.")):
+        g = result.get(key)
+        if g is not None and (key == "app_b_groups" or g != result.get("app_b_groups")):
+            ax.axvline(g, color="gray", ls=style, lw=1, label=f"{label} (G = {g})")
+    ax.legend(fontsize=7, loc="upper right")
     ax.set_title(f"Group budget, layer {result['layer']} head {result['head']}")
     ax.set_xticks(gs)
     fig.tight_layout()

@@ -79,6 +79,11 @@ class AttentionMethod(nn.Module):
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
+    @property
+    def n_kernel_params(self) -> int:
+        """Trainable kernel coefficients as the paper counts them (App. D, F.1); here every trainable entry."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
     def dense_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Unnormalised kernel weights [B, Hq, N, M] between queries q [B, Hq, N, d] and keys k [B, Hkv, M, d]."""
         raise NotImplementedError

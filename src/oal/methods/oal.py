@@ -50,6 +50,15 @@ class OALMethod(AttentionMethod):
     def n_groups(self) -> int:
         return self.factor.shape[-1] - 1
 
+    @property
+    def n_kernel_params(self) -> int:
+        """(G_h + 1)(G_h + 2) / 2 entries of the lower triangle of L per head, G_h the groups head h uses (App. D);
+        the factor tensor is padded to the layer's largest G, and padded or unused rows have no effect."""
+        if not self.factor.requires_grad:
+            return 0
+        used = [int(torch.unique(g).numel()) for g in self.groups]
+        return sum((g + 1) * (g + 2) // 2 for g in used)
+
     def dense_kernel(self, q, k):
         return dense_kernel(
             q, k, self.groups, self.factor.to(q.dtype), eps=self.eps, scale=1.0 / math.sqrt(q.shape[-1])

@@ -7,6 +7,8 @@ Stabilisation: query log-features are shifted by their per-token max (a per-quer
 normalisation); key log-features by a max over tokens and features. In the linear path that key max is a
 running max over the causal prefix (see features.py), so no query sees a future key through it.
 The 1/sqrt(m) factor cancels in the normalised ratio and is dropped.
+Features and causal prefix sums are computed in fp64 by default (App. E, F.1); the output is cast back to the
+input dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class PerformerMethod(FeatureMapMethod):
     stochastic = True
     log_keys = True  # key features stay in log space until `feature_attention` shifts them causally
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, n_features: int = 250, dtype=torch.float32,
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, n_features: int = 250, dtype=torch.float64,
                  chunk_size: int = 64, layer_idx: int = 0, seed: int = 0, **_ignored):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         if n_features < 1:

@@ -16,6 +16,7 @@ subtracted and 1e-4 added (upstream's stabilisation; for keys it changes the ker
 
 Features: m = p + 1 (65 for d = 64): the p FastFood rows plus the zero-frequency row w = 0. This is our
 reading of App. F.1's "65 positive features for d = 64" with one FastFood block (3d parameters).
+Features and causal prefix sums are computed in fp64 by default, the trainable vectors stay fp32 (App. E, F.1).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class SpectraFormerMethod(FeatureMapMethod):
     name = "spectraformer"
     stochastic = True
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float64, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.dtype, self.chunk_size = dtype, chunk_size
