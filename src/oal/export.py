@@ -23,10 +23,10 @@ import torch
 
 from .io import KERNELS_FILE, META_FILE, kernel_dir
 from .models.pretrained import read_json_object
-from .runio import atomic_dir, load_json, sha256_files
+from .runio import atomic_dir, load_json, sha256_files, sha256_tree
 
-__all__ = ["adapter_dir", "calibrated_methods", "export", "load_converted", "load_export", "save_converted",
-           "softmax_twin"]
+__all__ = ["adapter_dir", "arm_inputs", "calibrated_methods", "export", "load_converted", "load_export",
+           "save_converted", "softmax_twin"]
 
 log = logging.getLogger("oal")
 
@@ -151,6 +151,16 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
     info = {"method": method, "base_model": name, "kernels": None, "adapter": str(adir) if adir else None,
             "merged": adir is not None}
     return mdl.eval(), tokenizer, info
+
+
+def arm_inputs(run_dir: str | Path, method: str, adapter: str | Path | None) -> dict[str, str]:
+    """SHA256 of the run files an arm is built from (`method`'s kernels unless softmax, and the adapter folder
+    `adapter` when one was used), keyed by path relative to the run directory: what metrics.json records."""
+    run_dir = Path(run_dir)
+    used = [] if method == "softmax" else [kernel_dir(run_dir, method) / f for f in (KERNELS_FILE, META_FILE)]
+    if adapter is not None:
+        used.append(Path(adapter))
+    return {k: v for p in used for k, v in sha256_tree(run_dir, p.resolve().relative_to(run_dir.resolve())).items()}
 
 
 def _writable_target(to: Path) -> None:

@@ -313,12 +313,12 @@ class Run:
         path = self.dir / SELECTION_FILE
 
         def fn():
-            candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
-            sel = select_layers(self.model, candidates, **self.cfg.select, fidelity_blocks=self.blocks["calib_val"],
-                                val_blocks=self.blocks["val"], paper_layers=self._default_layers(),
-                                batch_size=self.cfg.eval_batch_size, progress=self.progress)
-            for m in self.kernel_methods:
-                ms, _ = load_kernels(kernel_dir(self.calib_root, m))
+            candidates = {m: load_kernels(kernel_dir(self.calib_root, m))[0] for m in self.kernel_methods}
+            sel = select_layers(self.model, candidates[method], **self.cfg.select,
+                                fidelity_blocks=self.blocks["calib_val"], val_blocks=self.blocks["val"],
+                                paper_layers=self._default_layers(), batch_size=self.cfg.eval_batch_size,
+                                progress=self.progress)
+            for m, ms in candidates.items():
                 save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
                              provenance=self.provenance, fingerprint=model_fingerprint(self.model),
                              extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
@@ -350,31 +350,31 @@ class Run:
                 candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
                 model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
                 before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                ckpt = self.dir / ".oal" / "checkpoints" / f"compare-{tag}"
                 peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
-                                      self.cfg.adapt_config(method), ckpt_dir=self.dir / ".oal" / "checkpoints" /
-                                      f"compare-{tag}", progress=self.progress, description=f"adapt {method} {tag}")
+                                      self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
+                                      description=f"adapt {method} {tag}")
                 after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
                 if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
                     atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
                                              "ppl": math.exp(after[0] / after[1])})
-                    shutil.rmtree(self.dir / ".oal" / "checkpoints" / f"compare-{tag}", ignore_errors=True)
+                    shutil.rmtree(ckpt, ignore_errors=True)
 
             complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
                                    inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
         return complete
 
-    def _selection_metrics(self, valid) -> dict | None:
+    def _selection_metrics(self, valid, results: dict) -> dict | None:
+        """selection.json with the comparison at the paper's K; a layer set equal to the converted one takes its
+        arm's perplexities from `results` (this run's metrics, already read from the stage outputs)."""
         if not (self.cfg.select and valid("select")):
             return None
         sel = load_json(self.dir / SELECTION_FILE)
-        comparison = {}
+        m, comparison = sel["method"], {}
         for tag, layers in comparison_sets(sel).items():
-            m = sel["method"]
-            if layers == self.layers and valid(f"perplexity:{m}") and valid(f"perplexity_no_adapt:{m}"):
-                ppl = {k: load_json(self.dir / ".oal" / f"{k}_{m}.json")["ppl"]
-                       for k in ("perplexity_no_adapt", "perplexity")}
-                comparison[tag] = {"layers": layers, "ppl_no_adapt": ppl["perplexity_no_adapt"],
-                                   "ppl": ppl["perplexity"]}
+            if layers == self.layers and m in results["perplexity"] and m in results["perplexity_no_adapt"]:
+                comparison[tag] = {"layers": layers, "ppl_no_adapt": results["perplexity_no_adapt"][m],
+                                   "ppl": results["perplexity"][m]}
             elif layers != self.layers and valid(f"compare:{tag}"):
                 comparison[tag] = load_json(self.dir / ".oal" / f"compare_{tag}.json")
         return {**sel, "comparison": comparison}
@@ -566,7 +566,7 @@ class Run:
                 merge_metrics(out, m, res["tasks"], res["data"], {})
         if self.zeroshot_skipped:
             out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
-        selection = self._selection_metrics(valid)
+        selection = self._selection_metrics(valid, out)
         if selection is not None:
             out["selection"] = selection
         return out

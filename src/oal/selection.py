@@ -22,8 +22,8 @@ from torch import nn
 from .evaluate.perplexity import block_nll
 from .models.convert import convert
 
-__all__ = ["CRITERIA", "DEFAULT_CRITERION", "comparison_sets", "conversion_curve", "parse_auto", "rank_layers",
-           "select_layers", "selection_section", "swap_probe"]
+__all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "parse_auto",
+           "rank_layers", "select_layers", "selection_rows", "selection_section", "swap_probe"]
 
 CRITERIA = ("fidelity", "probe")
 # The probe by default, as measured on the embedded default (`oal run --layers auto:2`): RelMSE after W_o ranks
@@ -169,6 +169,18 @@ def selection_figure(sel: dict, path) -> bool:
     return True
 
 
+SELECTION_COLUMNS = ["layer", "RelMSE post-o", "swap-probe PPL", "rank (fidelity)", "rank (probe)", "converted",
+                     "paper range"]
+
+
+def selection_rows(sel: dict) -> list[list[str]]:
+    """One row of SELECTION_COLUMNS per candidate layer of a selection record (report and terminal)."""
+    return [[str(i), f"{sel['scores']['fidelity'][str(i)]:.4f}", f"{sel['scores']['probe'][str(i)]:.3f}",
+             str(sel["order"]["fidelity"].index(i) + 1), str(sel["order"]["probe"].index(i) + 1),
+             "yes" if i in sel["chosen"] else "", "yes" if i in sel["paper_layers"] else ""]
+            for i in sel["candidates"]]
+
+
 def selection_section(metrics: dict, fig_dir, table) -> list[str]:
     """report.md's layer-selection section from metrics.json["selection"] (absent for a fixed layer range)."""
     sel = metrics.get("selection")
@@ -182,12 +194,7 @@ def selection_section(metrics: dict, fig_dir, table) -> list[str]:
            f"{sel['paper_layers']} (K = {sel['paper_k']}). The two criteria agree on "
            f"{sel['agreement']:.0%} of the top {sel['k']}. Selection uses validation data only; the test blocks "
            "are untouched.", ""]
-    rows = [[str(i), f"{sel['scores']['fidelity'][str(i)]:.4f}", f"{sel['scores']['probe'][str(i)]:.3f}",
-             str(sel["order"]["fidelity"].index(i) + 1), str(sel["order"]["probe"].index(i) + 1),
-             "yes" if i in sel["chosen"] else "", "yes" if i in sel["paper_layers"] else ""]
-            for i in sel["candidates"]]
-    out += [table(["layer", "RelMSE post-o", "swap-probe PPL", "rank (fidelity)", "rank (probe)", "converted",
-                   "paper range"], rows), ""]
+    out += [table(SELECTION_COLUMNS, selection_rows(sel)), ""]
     if selection_figure(sel, fig_dir / "layer_selection.png"):
         out += ["![layer selection](figures/layer_selection.png)", ""]
     comp = sel.get("comparison") or {}

@@ -102,19 +102,18 @@ def _run_methods(out: Path, methods, fallback: list[str]) -> list[str]:
 
 def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console) -> None:
     from ..device import resolve_dtype
+    from ..evaluate.passkey import passkey_table
     from ..evaluate.run_passkey import evaluate_passkey_run
 
     res = evaluate_passkey_run(out, _run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
                                depths=depths, trials=trials, adapter=adapter, device=device,
                                dtype=resolve_dtype(dtype) if dtype else None, console=console)
+    _, header, rows = passkey_table(res)
     table = Table(title="passkey retrieval accuracy by context length (greedy, exact match)")
-    rows = [(m, v, r) for m, arms in res.items() for v, r in arms.items()]
-    lens = sorted({int(n) for _, _, r in rows for n in r["by_length"]})
-    for col in ("method", "model", *map(str, lens), "mean"):
+    for col in header:
         table.add_column(col, justify="right")
-    for m, v, r in rows:
-        table.add_row(m, v.replace("_", " "), *(f"{r['by_length'].get(str(n), float('nan')):.2f}" for n in lens),
-                      f"{r['mean']:.2f}")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 

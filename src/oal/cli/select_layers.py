@@ -35,6 +35,7 @@ def select_layers_cmd(
     --by and the perplexity curves. Beyond the paper, which fixes a middle range."""
     from ..config import RunConfig, parse_methods
     from ..pipeline import run_selection
+    from ..selection import SELECTION_COLUMNS, selection_rows
 
     set_threads(threads)
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
@@ -43,10 +44,8 @@ def select_layers_cmd(
     sel = run_selection(cfg, out, console=console, progress=progress, force=force)
     table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "
                         f"(paper range {sel['paper_layers']})")
-    for col in ("layer", "RelMSE post-o", "swap-probe PPL", "rank (fidelity)", "rank (probe)", "converted"):
+    for col in SELECTION_COLUMNS:
         table.add_column(col, justify="right")
-    for i in sel["candidates"]:
-        table.add_row(str(i), f"{sel['scores']['fidelity'][str(i)]:.4f}", f"{sel['scores']['probe'][str(i)]:.3f}",
-                      str(sel["order"]["fidelity"].index(i) + 1), str(sel["order"]["probe"].index(i) + 1),
-                      "yes" if i in sel["chosen"] else "")
+    for row in selection_rows(sel):
+        table.add_row(*row)
     console.print(table)

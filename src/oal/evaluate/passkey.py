@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_tokens", "default_lengths", "evaluate_passkey",
-           "make_prompt", "passkey_figure", "passkey_section", "score_answer"]
+           "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "score_answer"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -184,6 +184,17 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
     return True
 
 
+def passkey_table(pk: dict) -> tuple[dict[str, dict], list[str], list[list[str]]]:
+    """({arm label: result}, header, rows) of metrics.json["passkey"]: accuracy by context length and the mean, one
+    row per arm ("<method> (no adapt|adapted)", softmax first), for the report and the terminal."""
+    order = ["softmax"] + [m for m in pk if m != "softmax"]
+    arms = {f"{m} ({v.replace('_', ' ')})": r for m in order if m in pk for v, r in pk[m].items()}
+    lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
+    rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
+             f"{r['mean']:.2f}"] for arm, r in arms.items()]
+    return arms, ["arm", *map(str, lens), "mean"], rows
+
+
 def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
     """report.md's passkey section from metrics.json["passkey"] (and figures/passkey.png); `table(header, rows)`
     renders a markdown table."""
@@ -191,17 +202,13 @@ def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
     out = ["## Passkey retrieval (long-context recall)", ""]
     if not pk:
         return out + ["Not measured in this run (`oal evaluate --out DIR --passkey`).", ""]
-    order = ["softmax"] + [m for m in pk if m != "softmax"]
-    arms = {f"{m} ({v.replace('_', ' ')})": r for m in order if m in pk for v, r in pk[m].items()}
-    lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
-    rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
-             f"{r['mean']:.2f}"] for arm, r in arms.items()]
+    arms, header, rows = passkey_table(pk)
     first = next(iter(arms.values()))
     out += [f"Greedy decoding through the recurrent cache; a {first['digits']}-digit key hidden at depths "
             f"{', '.join(f'{d:g}' for d in first['depths'])} of the filler, {first['trials']} keys per cell, exact "
             "match on the first digits generated. Accuracy by context length (tokens), mean over depths. The softmax "
             "row is what the base model itself can do: a small model that fails there says nothing about the "
-            "conversion.", "", table(["arm", *map(str, lens), "mean"], rows), ""]
+            "conversion.", "", table(header, rows), ""]
     if passkey_figure(arms, fig_dir / "passkey.png"):
         out += ["![passkey accuracy by length and depth](figures/passkey.png)", ""]
     return out

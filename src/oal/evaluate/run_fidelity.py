@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from ..runio import load_json, sha256_tree
+from ..runio import load_json
 
 __all__ = ["evaluate_fidelity"]
 
@@ -32,8 +32,7 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     """
     from ..data import SplitPlan, default_plan, load_corpus, plan_blocks
     from ..device import resolve_dtype
-    from ..export import load_converted, softmax_twin
-    from ..io import kernel_dir
+    from ..export import arm_inputs, load_converted, softmax_twin
     from ..metrics import update_metrics
     from ..models.convert import converted_methods
     from ..models.registry import preset_for
@@ -82,12 +81,7 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
             base = base if base is not None else softmax_twin(converted, name, device=device)
             teacher = base
         res[key].update(fidelity(teacher, held_out, {m: converted_methods(converted)}, progress=progress))
-        kdir = kernel_dir(out_dir, m).relative_to(out_dir)
-        used = [kdir / "kernels.safetensors", kdir / "kernels.json"]
-        if info["adapter"]:
-            used.append(Path(info["adapter"]).resolve().relative_to(out_dir.resolve()))
-        for rel in used:
-            inputs[key].update(sha256_tree(out_dir, rel))
+        inputs[key].update(arm_inputs(out_dir, m, info["adapter"]))
         layers = layers or sorted(converted_methods(converted))
         res[key][m].update({"data": corpus.name, "n_blocks": int(held_out.shape[0]),
                             "block_len": int(held_out.shape[1])})

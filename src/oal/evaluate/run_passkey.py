@@ -14,22 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from ..runio import atomic_write_json, config_hash, load_json, sha256_tree
+from ..runio import atomic_write_json, config_hash, load_json
 
 __all__ = ["evaluate_passkey_run"]
 
 log = logging.getLogger("oal")
-
-
-def _inputs(out_dir: Path, method: str, adapted: bool) -> dict[str, str]:
-    from ..export import adapter_dir
-    from ..io import KERNELS_FILE, META_FILE, kernel_dir
-
-    used = [] if method == "softmax" else [kernel_dir(out_dir, method) / KERNELS_FILE,
-                                          kernel_dir(out_dir, method) / META_FILE]
-    if adapted:
-        used.append(adapter_dir(out_dir, method))
-    return {k: v for p in used for k, v in sha256_tree(out_dir, Path(p).relative_to(out_dir)).items()}
 
 
 def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None,
@@ -38,7 +27,7 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
                          dtype=None, progress: bool = True, console=None) -> dict[str, dict]:
     """{method: {"no_adapt": result, "adapted": result}} (a variant is absent when it cannot be built: no adapter in
     the run, or `adapter` False/True asking for one of them only); `result` as `evaluate_passkey` returns it."""
-    from ..export import adapter_dir, load_arm
+    from ..export import adapter_dir, arm_inputs, load_arm
     from ..metrics import update_metrics
     from .passkey import DEPTHS, answer_tokens, default_lengths, evaluate_passkey
 
@@ -50,6 +39,9 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
     if trials < 1:
         raise InputError(f"expected trials >= 1, got {trials}", "--trials", "trials")
     cache = out_dir / ".oal" / "passkey"
+    # the requested settings (lengths None: the model's default lengths) make each arm's cache key with its files
+    settings = {"lengths": list(lengths) if lengths else None, "depths": list(depths or DEPTHS), "trials": trials,
+                "seed": seed}
     results: dict[str, dict] = {}
     for m in methods:
         has_adapter = (adapter_dir(out_dir, m) / "adapter_config.json").is_file()
@@ -60,18 +52,19 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
         inputs: dict[str, str] = {}
         for variant in variants:
             adapted = variant == "adapted"
-            used = _inputs(out_dir, m, adapted)
+            used = arm_inputs(out_dir, m, adapter_dir(out_dir, m) if adapted else None)
             inputs.update(used)
-            arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
-            max_pos = getattr(arm.config, "max_position_embeddings", None)
-            lens = list(lengths) if lengths else default_lengths(max_pos, reserve=answer_tokens(tok))
-            settings = {"lengths": lens, "depths": list(depths or DEPTHS), "trials": trials, "seed": seed}
+            # checked before the arm is loaded, so a resumed evaluation does not load the arms it already measured
             key = config_hash({**settings, "inputs": used, "device": str(device), "dtype": str(dtype)})
             path = cache / f"{m}_{variant}.json"
-            if path.is_file() and load_json(path).get("key") == key:
+            cached = load_json(path) if path.is_file() else {}
+            if cached.get("key") == key:
                 log.info("passkey %s (%s): already measured for these settings and files", m, variant)
-                results.setdefault(m, {})[variant] = load_json(path)["result"]
+                results.setdefault(m, {})[variant] = cached["result"]
                 continue
+            arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
+            max_pos = getattr(arm.config, "max_position_embeddings", None)
+            lens = settings["lengths"] or default_lengths(max_pos, reserve=answer_tokens(tok))
             res = evaluate_passkey(arm, tok, lengths=lens, depths=settings["depths"], trials=trials, seed=seed,
                                    progress=progress, description=f"passkey:{m} ({variant})")
             atomic_write_json(path, {"key": key, "result": res})

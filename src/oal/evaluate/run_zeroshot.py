@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InputError
-from ..runio import sha256_tree
 
 __all__ = ["evaluate_zeroshot"]
 
@@ -26,8 +25,7 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
                       adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
                       console=None) -> dict[str, dict]:
     """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
-    from ..export import load_arm
-    from ..io import KERNELS_FILE, META_FILE, kernel_dir
+    from ..export import arm_inputs, load_arm
     from ..metrics import read_metrics, update_metrics
     from .zeroshot import evaluate_tasks, load_tasks, merge_metrics
 
@@ -44,11 +42,7 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
     for m in methods if sets else ():
         model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
         scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}")
-        kdir = None if m == "softmax" else kernel_dir(out_dir, m).relative_to(out_dir)
-        used = [] if kdir is None else [kdir / KERNELS_FILE, kdir / META_FILE]
-        if info["adapter"]:
-            used.append(Path(info["adapter"]).resolve().relative_to(out_dir.resolve()))
-        inputs = {k: v for rel in used for k, v in sha256_tree(out_dir, rel).items()}
+        inputs = arm_inputs(out_dir, m, info["adapter"])
         # zeroshot.<m>.<task> per task (earlier tasks of the method kept), zeroshot_data, zeroshot_skipped
         current = read_metrics(out_dir)
         merged = merge_metrics({"zeroshot": {m: dict(current.get("zeroshot", {}).get(m, {}))},
