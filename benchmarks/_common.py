@@ -63,7 +63,7 @@ def clock() -> float:
 
 
 def finish_figure(fig, axes, title: str, path: Path) -> None:
-    from oal.runio import atomic_save_figure
+    from oal.rundir.files import atomic_save_figure
 
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from oal.calibrate import CalibConfig, LayerData, calibrate_oal_layer  # noqa: E402
+from oal.calibration.data import CalibConfig, LayerData
+from oal.calibration.fit import calibrate_oal_layer  # noqa: E402
 from oal.methods import build_method  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,10 +1,11 @@
 """Benchmark: calibration capture, one pass for all converted layers vs one forward per layer, against depth.
 
 The Qwen2.5-0.5B architecture (random weights, bfloat16), converted layers 3..2+L for L in 2, 4, 8, 18, a few
-calibration blocks of N tokens. Per-layer capture (`oal.calibrate.capture_layer_data` once per layer, each forward
-cut after its layer) runs sum_i (i+1) layer forwards, quadratic in depth; `oal.models.capture_store.capture_to_disk`
-runs one forward per block up to the deepest layer and streams every layer to disk, linear in depth. Both give the
-same tensors bit for bit (checked here on the first layer). Writes benchmarks/results/capture.json and capture.png.
+calibration blocks of N tokens. Per-layer capture (`oal.calibration.model.capture_layer_data` once per layer, each
+forward cut after its layer) runs sum_i (i+1) layer forwards, quadratic in depth;
+`oal.models.capture_store.capture_to_disk` runs one forward per block up to the deepest layer and streams every
+layer to disk, linear in depth. Both give the same tensors bit for bit (checked here on the first layer). Writes
+benchmarks/results/capture.json and capture.png.
 
     .venv/bin/python -P benchmarks/capture.py [--seq-len 512 --blocks 2]
 """
@@ -26,9 +27,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
-from oal.calibrate import capture_layer_data  # noqa: E402
+from oal.calibration.model import capture_layer_data  # noqa: E402
 from oal.models.capture_store import capture_to_disk  # noqa: E402
-from oal.runio import atomic_save_figure, atomic_write_json  # noqa: E402
+from oal.rundir.files import atomic_save_figure, atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Qwen2.5-0.5B's config.json values (as in scripts/scale_rehearsal.py), vocabulary cut: capture stops before the head

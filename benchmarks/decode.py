@@ -34,7 +34,8 @@ from rich.table import Table  # noqa: E402
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from oal.models.cache import OALStateLayer, state_nbytes  # noqa: E402
-from oal.models.convert import convert, default_layers  # noqa: E402
+from oal.models.convert import convert
+from oal.models.registry import default_layers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POS = 40_000

@@ -20,11 +20,11 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
+from oal.calibration.kernels import kernel_dir, load_kernels
 from oal.data import load_corpus
 from oal.data.passages import PassagePlan, plan_passages, tokenize_passages
 from oal.evaluate.embedding import embedding_similarity
 from oal.evaluate.fidelity import fidelity
-from oal.io import kernel_dir, load_kernels
 from oal.methods import build_method
 from oal.models.convert import convert
 from oal.models.encoder import load_encoder

@@ -130,7 +130,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oal.runio import atomic_save_figure
+    from oal.rundir.files import atomic_save_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for method in METHODS:
@@ -203,7 +203,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from oal.runio import atomic_write_json, versions
+    from oal.rundir.files import atomic_write_json
+    from oal.rundir.hashes import versions
 
     console = Console()
     lengths = [1 << p for p in range(max(0, math.ceil(math.log2(args.min_len))), 17) if

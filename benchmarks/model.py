@@ -73,7 +73,8 @@ def build(name: str, variant: str, dtype: torch.dtype, n_layers: int | None = No
     two-layer model of the same shape whose layer 0 is softmax and layer 1 converted, for composed rows)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from oal.models.convert import convert, default_layers
+    from oal.models.convert import convert
+    from oal.models.registry import default_layers
 
     torch.manual_seed(0)
     if name == "qwen":
@@ -95,7 +96,7 @@ def build(name: str, variant: str, dtype: torch.dtype, n_layers: int | None = No
 
 def _layer_clock(model) -> list[list[float]]:
     """Forward hooks on every decoder layer: the seconds of each layer's calls, appended per call."""
-    from oal.models.convert import _decoder_layers
+    from oal.models.attention import _decoder_layers
 
     spent: list[list[float]] = []
     for i, layer in enumerate(_decoder_layers(model)):
@@ -308,7 +309,7 @@ def main() -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from oal.runio import atomic_write_json
+    from oal.rundir.files import atomic_write_json
 
     console = Console(width=170)
     rows = []

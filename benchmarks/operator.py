@@ -207,7 +207,7 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
         table.add_row(r["dtype"], str(r["chunk"]), str(r["block_chunks"]), f"{r['time_s']:.3f}", f"{share:.0f}%",
                       f"{r['peak_mib']:.0f}", f"{r['load_before']:.1f}")
     Console(width=160).print(table)
-    from oal.runio import atomic_write_json
+    from oal.rundir.files import atomic_write_json
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / "operator_sweep.json", {"n": n, "rows": rows, "torch": torch.__version__})
@@ -287,7 +287,7 @@ def main() -> None:
              f"{'met' if s['ratio_sdpa_over_oal'] >= s['goal'] else 'NOT met'}" for s in summary if s["goal"]]
     if goals:
         console.print("goals: " + "; ".join(goals))
-    from oal.runio import atomic_write_json
+    from oal.rundir.files import atomic_write_json
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,

@@ -8,7 +8,7 @@ Llama architecture (vocabulary 128,256) the same BPE is cut at its first 128,000
 is still a closed BPE) plus 256 special tokens: the embedding and LM-head shapes are Llama's exactly, the
 segmentation is Qwen's, not Llama 3's (whose tiktoken file ships with the gated checkpoint only).
 
-It runs `oal.pipeline.Run` stage by stage with the paper's layer ranges, sequence length N = 4096 and head
+It runs `oal.pipeline.decoder.Run` stage by stage with the paper's layer ranges, sequence length N = 4096 and head
 counts, at reduced block and step counts (or the paper's with --full), and writes DIR/rehearsal.json: per stage
 the wall time, peak RSS (MB) and CUDA peak (MB), and an extrapolation of each stage to the paper's budget.
 Weights are random, so the perplexities and fidelities it prints mean nothing; only costs are measured.
@@ -32,12 +32,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from oal.calibrate import CalibConfig, calibrate_methods, capture_layer_data
-from oal.config import RunConfig
+from oal.calibration.data import CalibConfig
+from oal.calibration.fit import calibrate_methods
+from oal.calibration.model import capture_layer_data
 from oal.data import load_corpus
 from oal.device import resolve_device
-from oal.pipeline import Run
-from oal.runio import atomic_write_json, load_json
+from oal.pipeline.config import RunConfig
+from oal.pipeline.decoder import Run
+from oal.rundir.files import atomic_write_json, load_json
 
 # Config values of the Base checkpoints, from their config.json files:
 #   https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/060db6499f32faf8b98477b0a26969ef7d8b9987/config.json
@@ -323,7 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _layers(spec: str | None) -> list[int] | None:
     if spec is None:
         return None
-    from oal.cli._common import parse_layers
+    from oal.pipeline.inputs import parse_layers
 
     return parse_layers(spec)
 

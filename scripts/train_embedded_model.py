@@ -499,9 +499,9 @@ def qk_structure(model, tokenizer, seed: int = 0) -> dict:
     from oal.analysis import head_contributions, stable_gap_groups
     from oal.analysis.controls import gaussian_chi, topk_concentration
     from oal.analysis.regime import attention_regime
-    from oal.config import grouping_preset
     from oal.data import default_plan, load_corpus, plan_blocks
     from oal.models.capture import capture
+    from oal.pipeline.config import grouping_preset
 
     blocks = plan_blocks(load_corpus("builtin"), tokenizer, default_plan())
     prompts = blocks["grouping"]
@@ -558,8 +558,8 @@ def _kept_section(card: Path, heading: str) -> str:
 
 def write_card(out: Path) -> None:
     """MODEL_CARD.md from training_summary.json plus a fresh QK-structure and attention-regime measurement."""
-    from oal.config import grouping_preset
     from oal.models.registry import load_model
+    from oal.pipeline.config import grouping_preset
 
     grp = grouping_preset("default")
     summary = json.loads((out / "training_summary.json").read_text())

@@ -63,7 +63,7 @@ def calibration_inputs():
     """A tiny 3-layer GQA model, its calibration blocks and random groups for every layer."""
     from _tiny import tiny_model
 
-    from oal.calibrate import CalibConfig
+    from oal.calibration.data import CalibConfig
 
     gen = torch.Generator().manual_seed(0)
     blocks = {"calib_train": torch.randint(0, VOCAB, (2, 24), generator=gen),
@@ -78,8 +78,9 @@ def calibration_inputs():
 
 
 def run_adapt(spec: dict) -> None:
-    from oal.adapt import AdaptConfig, adapt
-    from oal.distributed import ranks
+    from oal.adaptation.config import AdaptConfig
+    from oal.adaptation.train import adapt
+    from oal.launch import ranks
 
     kill = spec.get("kill_after")
 
@@ -99,7 +100,7 @@ def run_adapt(spec: dict) -> None:
 
 
 def run_calibrate(spec: dict) -> None:
-    from oal.calibrate_resume import calibrate_directory
+    from oal.calibration.resume import calibrate_directory
 
     model, blocks, layers, methods, kw = calibration_inputs()
     calibrate_directory(spec["out"], model, blocks, layers, methods, **kw)
@@ -109,7 +110,7 @@ def run_pipeline(spec: dict) -> None:
     """`oal run` (the library call behind it; the CLI has no option for test_pipeline's tiny split plan)."""
     from test_pipeline import _cfg
 
-    from oal.pipeline import run
+    from oal.pipeline.runs import run
 
     run(_cfg(Path(spec["assets"]), adapt=spec["adapt"], methods=spec["methods"], layers=spec["layers"]), spec["out"],
         progress=False)
@@ -118,12 +119,12 @@ def run_pipeline(spec: dict) -> None:
 def run_cli(spec: dict) -> int:
     """The `oal` CLI; the adaptation updates this process runs are recorded in `audit/steps-rank<r>.json`, and with
     `kill_after` the main process dies right after that update (and its checkpoint), as in `run_adapt`."""
-    import oal.pipeline
+    import oal.pipeline.decoder
     from oal.cli import load_commands
-    from oal.distributed import ranks
+    from oal.launch import ranks
 
     steps: list[int] = []
-    train = oal.pipeline.adapt
+    train = oal.pipeline.decoder.adapt
 
     def on_step(step):
         steps.append(step)
@@ -131,7 +132,7 @@ def run_cli(spec: dict) -> int:
         if step == spec.get("kill_after") and ranks().is_main:
             os._exit(3)
 
-    oal.pipeline.adapt = lambda *args, **kw: train(*args, on_step=on_step, **kw)
+    oal.pipeline.decoder.adapt = lambda *args, **kw: train(*args, on_step=on_step, **kw)
     try:
         load_commands()(spec["args"], prog_name="oal")
     except SystemExit as exc:

@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oal.adapt import AdaptConfig, adapt, kernel_parameter_names, load_adapter, save_adapter
+from oal.adaptation.adapter import load_adapter, save_adapter
+from oal.adaptation.config import AdaptConfig
+from oal.adaptation.train import adapt, kernel_parameter_names
 from oal.methods import build_method
 from oal.methods.base import AttentionMethod
 from oal.models.convert import convert as convert_model

@@ -4,18 +4,16 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oal.calibrate import (
-    CalibConfig,
-    LayerData,
+from oal.calibration.data import CalibConfig, LayerData
+from oal.calibration.fit import (
     _oal_dense_kernel,
     calibrate_layer,
     calibrate_layer_sequential,
-    calibrate_model,
     calibrate_oal_layer,
-    capture_layer_data,
     oal_inits,
     sampled_dense_output,
 )
+from oal.calibration.model import calibrate_model, capture_layer_data
 from oal.methods import build_method
 from oal.ops.kernel import perturbed_factor
 
@@ -58,7 +56,7 @@ def test_vectorised_dense_kernel_matches_reference_outputs_and_grads():
 
 def test_stacked_initialisations_share_scores_exactly():
     """Three stacked copies (initialisations) of the heads: shared s_bar, per-copy L, equal to per-copy reference."""
-    from oal.calibrate import _fold, _val_mse
+    from oal.calibration.fit import _fold, _val_mse
 
     groups = _groups()
     copies = [_oal(groups, seed=s) for s in range(3)]
@@ -201,7 +199,7 @@ def test_oal_beats_global_on_planted_heterogeneous_heads():
 def test_loss_is_the_eq20_sum_over_sampled_queries(monkeypatch):
     """The first update's gradient (before clipping) is that of 1/2 sum_i ||y_i(L) - y_i^softmax||^2 over the
     sampled queries of the sampled sequence, per head (Eq. 20), recomputed here through the dense reference."""
-    import oal.calibrate as calibrate
+    import oal.calibration.fit as calibrate
 
     train, val = _data(3, n_tok=40, seed=5), _data(1, n_tok=40, seed=6)
     groups = _groups(2)

@@ -7,7 +7,8 @@ import torch
 from _tiny import FAMILIES, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from oal.models.capture import SUPPORTED_ARCHITECTURES, attention_module, capture, capture_layer
+from oal.models.capture import attention_module, capture, capture_layer
+from oal.models.families import SUPPORTED_ARCHITECTURES
 
 
 def _model(family, attn="sdpa"):

@@ -6,8 +6,10 @@ from _tiny import FAMILIES, save_tiny_llama, tiny_model
 
 import oal
 from oal.methods import build_method
+from oal.models.attention import converted_methods, kernel_parameters
 from oal.models.capture import capture_layer
-from oal.models.convert import convert, converted_methods, default_layers, kernel_parameters
+from oal.models.convert import convert
+from oal.models.registry import default_layers
 from oal.ops.kernel import perturbed_factor
 
 
@@ -162,7 +164,8 @@ def test_cli_calibrate_evaluate_convert_generate(tiny_dir, tmp_path, monkeypatch
     out.mkdir()
     gen = torch.Generator().manual_seed(0)
     heads = [{"head": h, "groups": torch.randint(0, 2, (8,), generator=gen).tolist()} for h in range(4)]
-    from oal.models.registry import load_model, weights_record
+    from oal.models.provenance import weights_record
+    from oal.models.registry import load_model
 
     base = weights_record(load_model(tiny_dir)[0])  # groups.json names the model it was computed from
     (out / "groups.json").write_text(json.dumps({"format": "oal.groups/1", "heads": {"1": heads}, "base_model": base}))

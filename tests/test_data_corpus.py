@@ -10,6 +10,7 @@ import torch
 from transformers import ByT5Tokenizer
 
 import oal.data as data
+import oal.data.sources as sources
 from oal.data import Corpus, load_corpus, token_blocks
 from oal.data.corpus import (
     MIN_REPEAT,
@@ -147,13 +148,13 @@ def test_byte_tokenizer_fast_path_matches_tokenizer():
 def test_warns_once_when_builtin_differs(tmp_path, monkeypatch, caplog, builtin):
     summary = tmp_path / "training_summary.json"
     summary.write_text(json.dumps({"corpus": {"fingerprint": "0" * 64, "python_version": "0.0"}}))
-    monkeypatch.setattr(data, "_TRAINING_SUMMARY", summary)
+    monkeypatch.setattr(sources, "_TRAINING_SUMMARY", summary)
     with caplog.at_level(logging.WARNING, logger="oal"):
-        data._warn_if_builtin_differs(builtin)
+        sources._warn_if_builtin_differs(builtin)
     assert len(caplog.records) == 1 and "differs" in caplog.records[0].getMessage()
     assert builtin.meta["matches_default_model"] is False
     summary.write_text(json.dumps({"corpus": {"fingerprint": builtin.fingerprint()}}))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="oal"):
-        data._warn_if_builtin_differs(builtin)
+        sources._warn_if_builtin_differs(builtin)
     assert not caplog.records and builtin.meta["matches_default_model"] is True

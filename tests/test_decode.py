@@ -167,7 +167,7 @@ def test_embedded_model_generate_with_cache_matches_full_forwards():
     from oal.models.registry import load_model
 
     model, _, _ = load_model("default")
-    from oal.models.convert import default_layers
+    from oal.models.registry import default_layers
 
     cfg = model.config
     gen = torch.Generator().manual_seed(3)

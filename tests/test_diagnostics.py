@@ -158,7 +158,7 @@ def test_budget_coefficients():
 def test_diagnose_end_to_end_and_resume(tmp_path):
     import json
 
-    from oal.calibrate import CalibConfig
+    from oal.calibration.data import CalibConfig
     from oal.diagnostics import diagnose
 
     model = _tiny_model()

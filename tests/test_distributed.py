@@ -20,7 +20,8 @@ from _dist_worker import adapt_inputs, calibration_inputs
 from safetensors.torch import load_file
 from test_pipeline import assets  # noqa: F401  (the fixture: tiny model and corpus of `oal run`)
 
-from oal.adapt import AdaptConfig, adapt
+from oal.adaptation.config import AdaptConfig
+from oal.adaptation.train import adapt
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 SRC = Path(__file__).parents[1] / "src"
@@ -163,7 +164,7 @@ def test_grad_accum_equals_the_bigger_batch():
 
 
 def test_two_process_calibration_equals_one_process_exactly(tmp_path):
-    from oal.calibrate_resume import calibrate_directory
+    from oal.calibration.resume import calibrate_directory
 
     model, blocks, layers, methods, kw = calibration_inputs()
     threads = torch.get_num_threads()
@@ -199,7 +200,7 @@ def one_process_run(request, tmp_path_factory):
     """`oal run` on test_pipeline's tiny model (OAL and softmax arms) in one process, with batch 2."""
     from test_pipeline import _cfg
 
-    from oal.pipeline import run
+    from oal.pipeline.runs import run
 
     model_and_corpus = request.getfixturevalue("assets")
     out = tmp_path_factory.mktemp("one") / "run"
@@ -339,7 +340,7 @@ def test_a_bad_input_stops_every_process_with_one_line(one_process_run, tmp_path
 
 
 def test_sharded_engines_are_refused_before_anything_starts(monkeypatch):
-    from oal.distributed import Ranks
+    from oal.launch import Ranks
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -9,12 +9,14 @@ from _tiny_encoders import tiny_encoder
 
 import oal
 from oal.analysis import contribution_scores, contribution_scores_reference, head_contributions
-from oal.calibrate import CalibConfig, LayerData, calibrate_oal_layer, sampled_dense_output
+from oal.calibration.data import CalibConfig, LayerData
+from oal.calibration.fit import calibrate_oal_layer, sampled_dense_output
 from oal.evaluate.embedding import embedding_similarity, pool, sentence_embeddings
 from oal.evaluate.fidelity import fidelity
 from oal.methods import build_method
+from oal.models.attention import converted_methods, kernel_parameters
 from oal.models.capture import attention_module, capture, output_projection
-from oal.models.convert import convert, converted_methods, kernel_parameters
+from oal.models.convert import convert
 from oal.models.encoder import is_encoder, noncausal_attention
 
 H, D = 4, 8
@@ -371,7 +373,7 @@ def test_converted_encoder_reloads_through_automodel(tmp_path, family):
     from transformers import AutoModel
 
     from oal.models.auto import ENCODER_FAMILIES
-    from oal.models.encoder import ENCODER_ARCHITECTURES
+    from oal.models.families import ENCODER_ARCHITECTURES
 
     assert set(ENCODER_FAMILIES) == set(ENCODER_ARCHITECTURES)
     conv = convert(tiny_encoder(family), [0, 2], {i: _oal(i, dtype=torch.float32) for i in (0, 2)})

@@ -9,9 +9,9 @@ import torch
 from _tiny_encoders import save_tiny_encoder
 from typer.testing import CliRunner
 
-from oal.config import RunConfig
 from oal.models.encoder import is_encoder_model
-from oal.pipeline import run, run_seed
+from oal.pipeline.config import RunConfig
+from oal.pipeline.runs import run, run_seed
 
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group", "token", "layer"]
 
@@ -102,7 +102,7 @@ def test_export_of_an_encoder_run_reloads(enc_run, assets, tmp_path):
     """`oal export` of an encoder run: one folder that `oal.load` (AutoModel inside) reloads as the converted
     encoder, giving the outputs of the run's kernels on the base encoder."""
     import oal
-    from oal.export import export
+    from oal.artefact.export import export
     from oal.models.encoder import load_encoder
 
     out, _ = enc_run

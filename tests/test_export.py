@@ -19,11 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 import oal
-from oal.adapt import AdaptConfig, converted_model_sha256, save_adapter, wrap_lora
-from oal.export import adapter_dir, calibrated_methods, export, load_converted
-from oal.io import kernel_dir, save_kernels
+from oal.adaptation.adapter import converted_model_sha256, save_adapter
+from oal.adaptation.config import AdaptConfig
+from oal.adaptation.train import wrap_lora
+from oal.artefact.arms import adapter_dir, calibrated_methods, load_converted
+from oal.artefact.export import export
+from oal.calibration.kernels import kernel_dir, save_kernels
 from oal.methods import build_method
-from oal.models.convert import convert, converted_methods
+from oal.models.attention import converted_methods
+from oal.models.convert import convert
 from oal.models.pretrained import MANIFEST
 from oal.models.registry import load_model
 
@@ -287,7 +291,7 @@ def test_import_oal_stays_light():
 
 def test_registered_families_are_the_supported_ones():
     from oal.models.auto import FAMILIES
-    from oal.models.capture import SUPPORTED_ARCHITECTURES
+    from oal.models.families import SUPPORTED_ARCHITECTURES
 
     assert set(FAMILIES) == set(SUPPORTED_ARCHITECTURES)
 

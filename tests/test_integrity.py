@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import oal
 from oal.cli import load_commands
 from oal.errors import InputError
-from oal.pipeline import run, run_seed
+from oal.pipeline.runs import run, run_seed
 
 CFG = dict(methods=["oal", "softmax"])
 
@@ -302,7 +302,7 @@ def test_every_weight_file_must_match(assets, run_copy, tmp_path):
 def test_adapter_is_checked(assets, run_copy):
     from safetensors.torch import load_file, save_file
 
-    from oal.adapt import load_adapter
+    from oal.adaptation.adapter import load_adapter
     from oal.models.registry import load_model
 
     f = run_copy / "adapter" / "oal" / "adapter_model.safetensors"
@@ -326,7 +326,8 @@ def test_adaptation_checkpoint_has_no_pickle_and_damage_restarts(tmp_path):
     from test_adapt import CFG as ADAPT_CFG
     from test_adapt import _blocks, _tiny_model
 
-    from oal.adapt import AdaptConfig, adapt
+    from oal.adaptation.config import AdaptConfig
+    from oal.adaptation.train import adapt
 
     class Kill(Exception):
         pass
@@ -407,7 +408,7 @@ def test_corrupted_stage_output_is_recomputed_or_refused(name, how, assets, full
 
 def test_finished_run_with_truncated_outputs_is_not_skipped(assets, run_copy):
     """Issue 15 #4: `oal run` used to skip every stage of a finished run whose kernels/groups were truncated."""
-    from oal.runio import StageLog
+    from oal.rundir.stages import StageLog
 
     _corrupt(run_copy / "kernels.safetensors", "truncate")
     _corrupt(run_copy / "groups.json", "truncate")
@@ -467,7 +468,7 @@ def test_cli_reports_differing_keys(assets, run_copy, tmp_path):
 
 
 def _ppl_from_files(assets, out, method):
-    from oal.adapt import load_adapter
+    from oal.adaptation.adapter import load_adapter
     from oal.data import SplitPlan, load_corpus, plan_blocks
     from oal.evaluate.perplexity import perplexity
     from oal.models.registry import load_model
@@ -531,8 +532,8 @@ def test_calibration_resumes_per_layer_bit_identically(tmp_path):
     at the next one with the same tensors; a damaged or foreign checkpoint is recalibrated, never trusted."""
     from test_calibrate import _data, _groups
 
-    from oal.calibrate import CalibConfig
-    from oal.calibrate_resume import LayerCheckpoints, calibrate_layers
+    from oal.calibration.data import CalibConfig
+    from oal.calibration.resume import LayerCheckpoints, calibrate_layers
 
     class Kill(Exception):
         pass

@@ -8,11 +8,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import oal
-from oal.io import KERNELS_FILE, META_FILE, load_kernels
+from oal.calibration.kernels import KERNELS_FILE, META_FILE, load_kernels
 from oal.methods import build_method
-from oal.models.convert import converted_methods
+from oal.models.attention import converted_methods
 from oal.ops.kernel import perturbed_factor
-from oal.runio import sha256_file
+from oal.rundir.hashes import sha256_file
 
 
 def _base(hidden=32, heads=4):

@@ -35,7 +35,8 @@ def test_decode_with_state_matches_full_forward(name):
 
 @pytest.mark.parametrize("name", ["spectraformer", "dijiang", "taylorshift"])
 def test_gradients_reach_method_parameters(name):
-    from oal.models.convert import convert, converted_methods
+    from oal.models.attention import converted_methods
+    from oal.models.convert import convert
 
     model = convert(_model(), [1, 2], name)
     ids = torch.randint(0, 61, (1, 11), generator=torch.Generator().manual_seed(2))

@@ -10,8 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from typer.testing import CliRunner
 
-from oal.config import RunConfig, parse_methods, parse_seeds
-from oal.pipeline import aggregate_seeds, run, run_seed
+from oal.pipeline.aggregate import aggregate_seeds
+from oal.pipeline.config import RunConfig, parse_methods, parse_seeds
+from oal.pipeline.runs import run, run_seed
 
 
 def _byte_tokenizer():
@@ -120,7 +121,7 @@ def test_unadapted_softmax_perplexity_is_the_base_models(full_run, assets):
 def test_perplexity_matches_model_rebuilt_from_files(full_run, assets):
     """The run directory alone reproduces the reported number: kernels + adapter on the base model."""
     import oal
-    from oal.adapt import load_adapter
+    from oal.adaptation.adapter import load_adapter
     from oal.data import SplitPlan, load_corpus, plan_blocks
     from oal.evaluate.perplexity import perplexity
     from oal.models.registry import load_model

@@ -11,15 +11,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
 from oal.data.byte_tokenizer import byte_tokenizer
-from oal.models.registry import (
-    HUB_MODELS,
-    PRESETS,
-    ModelUnavailableError,
-    default_layers,
-    identify,
-    load_model,
-    preset_for,
-)
+from oal.models.folders import ModelUnavailableError
+from oal.models.registry import HUB_MODELS, PRESETS, default_layers, identify, load_model, preset_for
 
 
 def _tiny_dir(path, layers=3):

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from oal.report import PAPER_TABLE3_QWEN, figure_references, write_report
-from oal.runio import atomic_write_json
+from oal.pipeline.report import figure_references, write_report
+from oal.pipeline.report_format import PAPER_TABLE3_QWEN
+from oal.rundir.files import atomic_write_json
 
 
 def _curve(n, start):

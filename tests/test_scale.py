@@ -8,7 +8,7 @@ import torch
 from _tiny import FAMILIES, save_tiny_model, tiny_model
 from typer.testing import CliRunner
 
-from oal.calibrate import capture_layer_data
+from oal.calibration.model import capture_layer_data
 from oal.data.byte_tokenizer import byte_tokenizer
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_device, resolve_dtype
 from oal.models.capture_store import capture_to_disk, open_store
@@ -58,7 +58,7 @@ def test_cli_dtype_choice_and_demo_in_bf16():
 
 
 def test_run_config_accepts_float16_and_defaults_to_auto():
-    from oal.config import RunConfig
+    from oal.pipeline.config import RunConfig
 
     assert RunConfig(dtype="float16").dtype == "float16" and RunConfig().device == "auto"
     with pytest.raises(ValueError, match="dtype"):
@@ -145,8 +145,8 @@ def test_whole_pipeline_with_a_bfloat16_base(tmp_path, corpus, family):
                   num_key_value_heads=2, max_position_embeddings=128, **extra)
     model_dir = save_tiny_model(tmp_path / "model", model_cls, cfg, byte_tokenizer())
     # the CLI path: --dtype and --device reach RunConfig (a tiny custom plan goes through the library below)
-    from oal.config import RunConfig
-    from oal.pipeline import run_seed
+    from oal.pipeline.config import RunConfig
+    from oal.pipeline.runs import run_seed
 
     run_cfg = RunConfig(model=str(model_dir), data=str(corpus), plan=_plan(), dtype="bfloat16", device="cpu",
                         grouping={"n_bootstrap": 30}, calib={"max_steps": 6, "val_every": 3, "patience": 6},
@@ -159,7 +159,7 @@ def test_whole_pipeline_with_a_bfloat16_base(tmp_path, corpus, family):
         assert 0 < metrics["fidelity"][m]["relmse"] < 10
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["dtype"] == "bfloat16" and config["model"]["dtype"] == "bfloat16"
-    from oal.io import kernel_dir
+    from oal.calibration.kernels import kernel_dir
 
     for m in ("oal", "global"):
         with safe_open(str(kernel_dir(out, m) / "kernels.safetensors"), "pt") as f:
@@ -177,7 +177,8 @@ def test_whole_pipeline_with_a_bfloat16_base(tmp_path, corpus, family):
 
 def test_layer_checkpointing_gives_the_same_training():
     """Recomputing layers in the backward pass (the CPU path at N=4096) changes memory, not the updates."""
-    from oal.adapt import AdaptConfig, adapt
+    from oal.adaptation.config import AdaptConfig
+    from oal.adaptation.train import adapt
     from oal.models.convert import convert
 
     blocks = torch.randint(0, 61, (4, 24), generator=torch.Generator().manual_seed(1))

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from oal.authors_format import import_authors_calibration, read_authors_calibration
-from oal.io import load_kernels
+from oal.artefact.authors_format import import_authors_calibration, read_authors_calibration
+from oal.calibration.kernels import load_kernels
 
 D, HQ, HKV, MAX_G, EPS = 8, 4, 2, 3, 1e-6
 

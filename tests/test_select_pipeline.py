@@ -9,9 +9,9 @@ import torch
 from test_pipeline import _plan, make_assets
 from typer.testing import CliRunner
 
-from oal.config import RunConfig
-from oal.io import load_kernels
-from oal.pipeline import run_seed, run_selection
+from oal.calibration.kernels import load_kernels
+from oal.pipeline.config import RunConfig
+from oal.pipeline.runs import run_seed, run_selection
 
 K = 2
 
@@ -103,7 +103,7 @@ def test_passkey_on_a_run_directory(auto_run, tmp_path, monkeypatch):
     import shutil
 
     import oal.evaluate.passkey as passkey
-    from oal.evaluate.run_passkey import evaluate_passkey_run
+    from oal.pipeline.evaluate_passkey import evaluate_passkey_run
 
     out = tmp_path / "run"
     shutil.copytree(auto_run[0], out)

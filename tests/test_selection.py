@@ -9,11 +9,13 @@ import pytest
 import torch
 from _tiny import tiny_model
 
-from oal.calibrate import CalibConfig, calibrate_methods, capture_layer_data
+from oal.calibration.data import CalibConfig
+from oal.calibration.fit import calibrate_methods
+from oal.calibration.model import capture_layer_data
 from oal.evaluate.fidelity import fidelity
 from oal.evaluate.perplexity import perplexity
 from oal.models.convert import convert
-from oal.selection import conversion_curve, parse_auto, rank_layers, swap_probe
+from oal.pipeline.selection import conversion_curve, parse_auto, rank_layers, swap_probe
 
 
 def test_parse_auto():

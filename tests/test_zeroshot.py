@@ -25,7 +25,7 @@ from oal.evaluate.zeroshot import (
     score_candidates,
     score_examples,
 )
-from oal.runio import sha256_file
+from oal.rundir.hashes import sha256_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "zeroshot"
 TASK_FILES = {t: str(FIXTURES / f"{t}.jsonl") for t in zdata.TASKS}

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from oal.cli import load_commands
 from oal.evaluate.zeroshot import evaluate_tasks, load_tasks
-from oal.pipeline import Run, run_seed
-from oal.runio import sha256_file
+from oal.pipeline.decoder import Run
+from oal.pipeline.runs import run_seed
+from oal.rundir.hashes import sha256_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "zeroshot"
 TASK_FILES = {t: str(FIXTURES / f"{t}.jsonl") for t in ("piqa", "hellaswag", "arc_easy")}
@@ -55,7 +56,7 @@ def test_stage_writes_table3_columns(zs_run, assets):  # noqa: F811
     # the numbers are those of the selected adapted checkpoint rebuilt from the run's files
     r = Run(_zs_cfg(assets), out, progress=False)
     r.setup()
-    from oal.adapt import load_adapter
+    from oal.adaptation.adapter import load_adapter
 
     sets, _ = load_tasks(None, task_files=TASK_FILES, limit=LIMIT)
     for m in ("oal", "softmax"):
@@ -117,7 +118,7 @@ def test_cli_evaluate_zeroshot_matches_the_stage(zs_run, tmp_path):
     assert res.exit_code == 2 and "zeroshot_limit" in res.output
     res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--zeroshot-dir", str(tmp_path / "no")])
     assert res.exit_code == 2 and "zeroshot_dir: no such folder" in res.output
-    from oal.config import RunConfig
+    from oal.pipeline.config import RunConfig
 
     assert RunConfig.from_preset("default").zeroshot_limit == 100  # a quick run within the default budget
     assert RunConfig.from_preset("qwen2.5-0.5b").zeroshot_limit is None  # the paper presets: the full sets

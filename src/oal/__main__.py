@@ -1,5 +1,5 @@
 """`python -m oal` is the `oal` command."""
 
-from .cli import main
+from oal.cli import main
 
 main()

@@ -9,7 +9,7 @@ the method owns stays in float32, by explicit casts rather than autocast:
 - kernel parameters (OAL factors, baselines' parameters) are built in float32 and `convert` moves them to the
   model's device without changing their dtype; the operator (`oal.ops.oal_attention`) casts q/k/v to float32 on
   entry, accumulates its prefix states in float32 and casts the output back to the model's dtype;
-- calibration captures q/k/v/outputs in the model's dtype and `oal.calibrate` upcasts them to float32 before
+- calibration captures q/k/v/outputs in the model's dtype and `oal.calibration.fit` upcasts them to float32 before
   fitting (`CalibConfig.dtype`);
 - LoRA adapters are float32: peft's `autocast_adapter_dtype` (on by default) keeps adapter weights in float32 on a
   bfloat16/float16 base and casts their input to float32;

@@ -1,4 +1,5 @@
-"""The one exception type for bad input that knows which argument it is about.
+"""The one exception type for bad input that knows which argument it is about, and the two checks of
+configuration values (dict keys, name lists) that raise it.
 
 Library code raises `ValueError` for bad input (the project's convention), its message starting with the argument's
 name. Where the library also knows which command-line option a value came from, it raises `InputError` (a
@@ -7,7 +8,9 @@ ValueError) with `param` set, so the CLI can name the option (`--data`, `--model
 
 from __future__ import annotations
 
-__all__ = ["InputError"]
+import dataclasses
+
+__all__ = ["InputError", "from_known_keys", "parse_names"]
 
 
 class InputError(ValueError):
@@ -18,5 +21,28 @@ class InputError(ValueError):
         arg = arg or (param.lstrip("-").replace("-", "_") if param else None)
         super().__init__(f"{arg}: {message}" if arg else message)
 
-    def __reduce__(self):  # pickled whole (not just str()) when it travels between processes (oal.distributed)
+    def __reduce__(self):  # pickled whole (not just str()) when it travels between processes (oal.launch)
         return type(self), (self.message, self.param, self.arg)
+
+
+def from_known_keys(cls, d: dict, label: str):
+    """Build dataclass `cls` from dict `d`, refusing keys it does not have (a typo must not pass silently)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{label}: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
+    return cls(**d)
+
+
+def parse_names(spec: str | list | tuple, known: tuple[str, ...], label: str) -> list[str]:
+    """'a,b' (or a list) -> ['a', 'b'] in order, without repeats; 'all' stands for every name in `known`."""
+    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    out: list[str] = []
+    for item in (i for i in items if i):
+        for name in (known if item == "all" else (item,)):
+            if name not in known:
+                raise ValueError(f"{label}: unknown {label.rstrip('s')} {name!r}; expected some of {', '.join(known)} "
+                                 "or 'all'")
+            if name not in out:
+                out.append(name)
+    return out

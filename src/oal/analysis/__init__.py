@@ -1,12 +1,12 @@
 """Dimension-wise contribution analysis and contribution-based grouping (paper Sec. 3, 4.2, App. A, B)."""
 
-from .contributions import (
+from oal.analysis.contributions import (
     contribution_scores,
     contribution_scores_reference,
     head_contributions,
     prefix_contributions,
 )
-from .grouping import (
+from oal.analysis.grouping import (
     GroupingResult,
     candidate_cuts,
     fixed_budget_groups,
@@ -14,7 +14,7 @@ from .grouping import (
     stable_gap_groups,
     stable_gap_groups_reference,
 )
-from .inputs import analysis_inputs
+from oal.analysis.inputs import analysis_inputs
 
 __all__ = [
     "GroupingResult",

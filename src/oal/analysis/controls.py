@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .contributions import head_contributions
+from oal.analysis.contributions import head_contributions
 
 
 def topk_concentration(chi: torch.Tensor, k: int = 5) -> torch.Tensor:

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..runio import atomic_save_figure  # noqa: E402
+from oal.rundir.files import atomic_save_figure  # noqa: E402
 
 _COLORS = ["#b0b0b0", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
+from oal.errors import InputError
 
 _CHUNK_ELEMENTS = 1 << 22  # bootstrap working set per chunk of heads (float64 elements), bounds memory
 

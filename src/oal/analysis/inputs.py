@@ -9,8 +9,8 @@ import torch
 
 def _stream(corpus, tokenizer, blockset, data_dir, n_tokens: float = math.inf):
     """The corpus of `blockset` and its split's token ids, at least the first `n_tokens` of them."""
-    from ..data import load_corpus
-    from ..data.splits import encode_prefix
+    from oal.data import load_corpus
+    from oal.data.splits import encode_prefix
 
     c = corpus if blockset.corpus is None else load_corpus(blockset.corpus, data_dir=data_dir)
     return c, encode_prefix(tokenizer, c.splits[blockset.split], n_tokens)
@@ -27,7 +27,7 @@ def analysis_inputs(corpus, tokenizer, plan, *, n_heldout: int = 40, long_len: i
     first fidelity block, for the sequence-length table (Table 4).
     meta: where each came from.
     """
-    from ..data import token_blocks
+    from oal.data import token_blocks
 
     grp = plan.grouping
     reach = math.inf if grp.through_end else (max(grp.indices) + 1) * grp.block_len

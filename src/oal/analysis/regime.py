@@ -192,7 +192,7 @@ def attention_regime(model, blocks: torch.Tensor, layers: Sequence[int], *,
                      kernels: Mapping[str, Mapping[int, object]] | None = None, batch_size: int = 1,
                      min_keys: int = 16) -> dict:
     """Capture `layers` of `model` on token `blocks` [B, N] and summarise their attention regime (see module doc)."""
-    from ..models.capture import capture
+    from oal.models.capture import capture
 
     if not torch.is_tensor(blocks) or blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"blocks: expected a LongTensor [B, N] with B >= 1, got {getattr(blocks, 'shape', blocks)}")

@@ -23,15 +23,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..models.capture import Captured, attention_module, capture
-from ..models.encoder import is_encoder
-from ..models.registry import weights_record
-from ..runio import atomic_write_json, check_out_dir, load_json
-from . import figures as figs
-from .contributions import head_contributions, prefix_contributions
-from .controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from .grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
-from .regime import RegimeAccumulator
+from oal.analysis import figures as figs
+from oal.analysis.contributions import head_contributions, prefix_contributions
+from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
+from oal.analysis.grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
+from oal.analysis.regime import RegimeAccumulator
+from oal.models.capture import Captured, attention_module, capture
+from oal.models.encoder import is_encoder
+from oal.models.provenance import weights_record
+from oal.rundir.files import atomic_write_json, check_out_dir, load_json
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -375,7 +375,7 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
 def check_groups_model(path: str | Path, model, provenance=None) -> None:
     """Refuse `model` unless it is the model groups.json was computed from (its tensors; with `provenance` from
     `load_model` and a groups.json written by `oal analyze`, also the files of its folder)."""
-    from ..models.registry import check_base_model
+    from oal.models.provenance import check_base_model
 
     path = Path(path)
     path = path / GROUPS_FILE if path.is_dir() else path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .app import app
+from oal.cli.app import app
 
 # One module per command (or small family of commands); each adds its commands to `app` on import.
 _COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose",

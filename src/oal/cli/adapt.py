@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ._common import BatchSizeOpt, DeviceOpt, DtypeOpt, GradAccumOpt, LoraDropoutOpt, ThreadsOpt, set_threads
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import BatchSizeOpt, DeviceOpt, DtypeOpt, GradAccumOpt, LoraDropoutOpt, ThreadsOpt, set_threads
 
 
 @app.command("adapt")
@@ -26,8 +26,8 @@ def adapt_cmd(
     """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; metrics.json and report.md
     are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused. Settings given
     here are recorded in config.json for this arm. Data-parallel under torchrun / accelerate launch (see README)."""
-    from ..pipeline import adapt_arm
-    from ._common import main_console
+    from oal.cli.options import main_console
+    from oal.pipeline.runs import adapt_arm
 
     set_threads(threads)
     console = main_console()

@@ -7,19 +7,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import (
-    DataDirOpt,
-    DataOpt,
-    DeviceOpt,
-    DtypeOpt,
-    GroupingOpt,
-    LayersOpt,
-    ModelOpt,
-    load_model_or_fail,
-    parse_layers,
-    registry_preset,
-)
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, ModelOpt
+from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
 @app.command("analyze")
@@ -48,13 +38,13 @@ def analyze_cmd(
     figures: bool = typer.Option(True, help="Write figures."),
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
-    from ..analysis import analyze, parse_grouping
-    from ..analysis.inputs import analysis_inputs
-    from ..config import grouping_preset
-    from ..data import default_plan, load_corpus
-    from ..models.registry import PRESETS, default_layers
-    from ..run_dir import refuse_run_dir
-    from ..runio import check_out_dir
+    from oal.analysis import analyze, parse_grouping
+    from oal.analysis.inputs import analysis_inputs
+    from oal.data import default_plan, load_corpus
+    from oal.models.registry import PRESETS, default_layers
+    from oal.pipeline.config import grouping_preset
+    from oal.rundir.claim import refuse_run_dir
+    from oal.rundir.files import check_out_dir
 
     console = Console()
     try:

@@ -19,8 +19,8 @@ def _one_line(text: str) -> str:
 
 def _bad_input_message(exc: Exception) -> str | None:
     """The one-line message of an error of bad input, or None for anything else (a bug: keep its traceback)."""
-    from ..errors import InputError
-    from ..models.registry import ModelUnavailableError
+    from oal.errors import InputError
+    from oal.models.folders import ModelUnavailableError
 
     if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):  # typer's (vendored click) errors
         return exc.format_message()
@@ -44,7 +44,7 @@ class _Group(TyperGroup):
             if message is None:
                 raise
             code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
-            from ..distributed import env_rank
+            from oal.launch import env_rank
 
             if env_rank() == 0:  # every process of a launch gets the main one's error; one of them says it
                 typer.echo(f"Error: {_one_line(message)}", err=True)
@@ -64,7 +64,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from oal import __version__
 
         typer.echo(f"oal {__version__}")
         raise typer.Exit()
@@ -76,7 +76,7 @@ def setup_logging(level: int) -> None:
 
     log = logging.getLogger("oal")
     log.handlers[:] = [RichHandler(show_path=False, show_time=False, markup=False)]
-    from ..distributed import env_rank
+    from oal.launch import env_rank
 
     log.setLevel(level if env_rank() == 0 else max(level, logging.ERROR))  # a launch's other processes: errors only
     log.propagate = False

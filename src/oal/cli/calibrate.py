@@ -7,18 +7,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._common import (
-    DataDirOpt,
-    DataOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
-    blocks_or_fail,
-    load_model_or_fail,
-    main_console,
-    parse_layers,
-)
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, ModelOpt, main_console
+from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 
 @app.command("calibrate")
@@ -40,13 +31,13 @@ def calibrate_cmd(
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B); resumes per layer."""
-    from ..analysis import check_groups_model, load_groups
-    from ..calibrate import CalibConfig
-    from ..calibrate_resume import calibrate_directory
-    from ..methods import method_names
-    from ..models.registry import default_layers
-    from ..run_dir import refuse_run_dir
-    from ..runio import check_out_dir
+    from oal.analysis import check_groups_model, load_groups
+    from oal.calibration.data import CalibConfig
+    from oal.calibration.resume import calibrate_directory
+    from oal.methods import method_names
+    from oal.models.registry import default_layers
+    from oal.rundir.claim import refuse_run_dir
+    from oal.rundir.files import check_out_dir
 
     console = main_console()  # under torchrun the processes share the layers out; the main one reports
     wanted = [m.strip() for m in methods.split(",") if m.strip()]

@@ -8,9 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
-from .app import app
-from .export import export_or_fail
+from oal.cli.app import app
+from oal.cli.export import export_or_fail
+from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt
+from oal.pipeline.inputs import converted_or_fail
 
 
 @app.command("convert")
@@ -26,7 +27,7 @@ def convert_cmd(
     """Load the converted model, check a forward pass, print the converted layers."""
     import torch
 
-    from ..models.convert import converted_methods
+    from oal.models.attention import converted_methods
 
     mdl, tok, info = converted_or_fail(out, model, method, device, adapter, dtype)
     ids = torch.randint(0, mdl.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))

@@ -9,10 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..ops import oal_attention
-from ..ops.kernel import perturbed_factor, taylor_factor
-from ._common import DeviceOpt, DtypeOpt
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import DeviceOpt, DtypeOpt
+from oal.ops import oal_attention
+from oal.ops.kernel import perturbed_factor, taylor_factor
 
 
 @app.command()

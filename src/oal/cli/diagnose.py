@@ -7,8 +7,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ._common import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt, load_model_or_fail, registry_preset
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt
+from oal.pipeline.inputs import load_model_or_fail, registry_preset
 
 
 @app.command("diagnose")
@@ -32,14 +33,14 @@ def diagnose_cmd(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Write the paper's diagnostics for a model into a run directory (resumable per part)."""
-    from ..calibrate import CalibConfig
-    from ..data import default_plan, load_corpus, plan_blocks
-    from ..diagnostics.fidelity_table import TABLE2_METHODS
-    from ..diagnostics.retained_error import RetainedErrorConfig
-    from ..diagnostics.runner import PARTS, diagnose
-    from ..models.registry import PRESETS, default_layers
-    from ..runio import check_out_dir
-    from ._common import parse_layers
+    from oal.calibration.data import CalibConfig
+    from oal.data import default_plan, load_corpus, plan_blocks
+    from oal.diagnostics.fidelity_table import TABLE2_METHODS
+    from oal.diagnostics.retained_error import RetainedErrorConfig
+    from oal.diagnostics.runner import PARTS, diagnose
+    from oal.models.registry import PRESETS, default_layers
+    from oal.pipeline.inputs import parse_layers
+    from oal.rundir.files import check_out_dir
 
     console = Console()
     check_out_dir(out)

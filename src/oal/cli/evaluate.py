@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from ._common import (
+from oal.cli.app import app
+from oal.cli.options import (
     AdapterOpt,
     BaseModelOpt,
     DataDirOpt,
@@ -21,7 +21,6 @@ from ._common import (
     TasksOpt,
     ZeroshotDirOpt,
 )
-from .app import app
 
 
 @app.command("evaluate")
@@ -68,18 +67,11 @@ def evaluate_cmd(
     if zeroshot:
         _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console)
         return
-    from ..evaluate.run_fidelity import evaluate_fidelity
+    from oal.pipeline.evaluate_fidelity import evaluate_fidelity, fidelity_table
 
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
                             blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
-    table = Table(title="frozen-attention fidelity on the held-out blocks")
-    for col in ("method", "kernels", "blocks", "MSE", "RelMSE", "MSE post-o", "RelMSE post-o"):
-        table.add_column(col, justify="right")
-    for key, kind in (("fidelity", "calibrated"), ("fidelity_adapted", "adapted")):
-        for m, r in res[key].items():
-            table.add_row(m, kind, f"{r['n_blocks']} x {r['block_len']}",
-                          *(f"{r[k]:.4g}" for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")))
-    console.print(table)
+    console.print(fidelity_table(res))
 
 
 def _numbers(text: str | None, kind, option: str) -> list | None:
@@ -91,49 +83,28 @@ def _numbers(text: str | None, kind, option: str) -> list | None:
         raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
 
 
-def _run_methods(out: Path, methods, fallback: list[str]) -> list[str]:
-    from ..runio import load_json
-
-    if methods is not None:
-        return methods
-    config = out / "config.json"
-    return (load_json(config).get("config", {}).get("methods") if config.is_file() else None) or fallback
-
-
 def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console) -> None:
-    from ..device import resolve_dtype
-    from ..evaluate.passkey import passkey_table
-    from ..evaluate.run_passkey import evaluate_passkey_run
+    from oal.device import resolve_dtype
+    from oal.pipeline.evaluate_passkey import evaluate_passkey_run, passkey_rich_table
+    from oal.pipeline.inputs import run_methods
 
-    res = evaluate_passkey_run(out, _run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
+    res = evaluate_passkey_run(out, run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
                                depths=depths, trials=trials, adapter=adapter, device=device,
                                dtype=resolve_dtype(dtype) if dtype else None, console=console)
-    _, header, rows = passkey_table(res)
-    table = Table(title="passkey retrieval accuracy by context length (greedy, exact match)")
-    for col in header:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    console.print(passkey_rich_table(res))
 
 
 def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
               console) -> None:
-    from ..data.zeroshot import DISPLAY_NAMES, parse_task_files
-    from ..device import resolve_dtype
-    from ..evaluate.run_zeroshot import evaluate_zeroshot
+    from oal.data.zeroshot import parse_task_files
+    from oal.device import resolve_dtype
+    from oal.pipeline.evaluate_zeroshot import evaluate_zeroshot, zeroshot_table
+    from oal.pipeline.inputs import run_methods
 
-    methods = _run_methods(out, methods, ["oal"])
-    scores = evaluate_zeroshot(out, methods, model=model, tasks=tasks, task_files=parse_task_files(task_file),
-                               zeroshot_dir=zeroshot_dir, limit=limit, adapter=adapter, device=device,
-                               dtype=resolve_dtype(dtype) if dtype else None, console=console)
+    scores = evaluate_zeroshot(out, run_methods(out, methods, ["oal"]), model=model, tasks=tasks,
+                               task_files=parse_task_files(task_file), zeroshot_dir=zeroshot_dir, limit=limit,
+                               adapter=adapter, device=device, dtype=resolve_dtype(dtype) if dtype else None,
+                               console=console)
     if not scores:  # nothing to score: metrics.json records why the columns are missing; say so by the exit code
         raise typer.Exit(code=1)
-    table = Table(title="zero-shot accuracy (%; acc_norm: the paper's normalisation)")
-    for col in ("method", "task", "acc", "acc_norm", "acc_norm (lm-eval)", "n"):
-        table.add_column(col, justify="right")
-    for m, res in scores.items():
-        for t, r in res.items():
-            table.add_row(m, DISPLAY_NAMES[t], *(f"{r[k]:.2f}" for k in ("acc", "acc_norm", "acc_norm_lmeval")),
-                          str(r["n"]))
-    console.print(table)
+    console.print(zeroshot_table(scores))

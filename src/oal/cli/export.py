@@ -6,13 +6,13 @@ from pathlib import Path
 
 import typer
 
-from ._common import BaseModelOpt
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import BaseModelOpt
 
 
 def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
-    """`oal.export.export`; bad input becomes a clean error on the option it concerns."""
-    from ..export import export
+    """`oal.artefact.export.export`; bad input becomes a clean error on the option it concerns."""
+    from oal.artefact.export import export
 
     try:
         path = export(out, method, to, **kwargs)

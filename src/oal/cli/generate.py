@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from ._common import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, converted_or_fail
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt
+from oal.pipeline.inputs import converted_or_fail
 
 
 @app.command("generate")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ._common import (
+from oal.cli.app import app
+from oal.cli.options import (
     BatchSizeOpt,
     DeviceOpt,
     DtypeOpt,
@@ -19,11 +20,10 @@ from ._common import (
     TasksOpt,
     ThreadsOpt,
     ZeroshotDirOpt,
-    layer_selection,
     main_console,
     set_threads,
 )
-from .app import app
+from oal.pipeline.inputs import layer_selection
 
 
 @app.command()
@@ -64,10 +64,10 @@ def run(
     the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
     calibration and adaptation run on every process (see README).
     """
-    from ..analysis import parse_grouping
-    from ..config import RunConfig, parse_methods, parse_seeds
-    from ..data.zeroshot import parse_task_files
-    from ..pipeline import run as run_pipeline
+    from oal.analysis import parse_grouping
+    from oal.data.zeroshot import parse_task_files
+    from oal.pipeline.config import RunConfig, parse_methods, parse_seeds
+    from oal.pipeline.runs import run as run_pipeline
 
     set_threads(threads)
     try:

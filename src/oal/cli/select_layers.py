@@ -8,8 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import DeviceOpt, DtypeOpt, SelectByOpt, ThreadsOpt, layer_selection, set_threads
-from .app import app
+from oal.cli.app import app
+from oal.cli.options import DeviceOpt, DtypeOpt, SelectByOpt, ThreadsOpt, set_threads
+from oal.pipeline.inputs import layer_selection
 
 
 @app.command("select-layers")
@@ -33,9 +34,9 @@ def select_layers_cmd(
     """Calibrate every layer, rank the layers by frozen-attention RelMSE after W_o and by the swap probe (validation
     perplexity with that layer alone converted, no training), and write DIR/selection.json with the K best by
     --by and the perplexity curves. Beyond the paper, which fixes a middle range."""
-    from ..config import RunConfig, parse_methods
-    from ..pipeline import run_selection
-    from ..selection import SELECTION_COLUMNS, selection_rows
+    from oal.pipeline.config import RunConfig, parse_methods
+    from oal.pipeline.runs import run_selection
+    from oal.pipeline.selection import SELECTION_COLUMNS, selection_rows
 
     set_threads(threads)
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),

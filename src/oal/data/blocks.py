@@ -6,7 +6,7 @@ import unicodedata
 
 import torch
 
-from .byte_tokenizer import byte_offset
+from oal.data.byte_tokenizer import byte_offset
 
 
 def encode(tokenizer, text: str) -> list[int]:

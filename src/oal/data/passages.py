@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..runio import from_known_keys
-from .corpus import SPLITS, Corpus
+from oal.data.corpus import SPLITS, Corpus
+from oal.errors import from_known_keys
 
 __all__ = ["PASSAGE_ROLES", "PassagePlan", "PassageSet", "default_passage_plan", "paragraphs", "plan_passages",
            "tokenize_passages"]

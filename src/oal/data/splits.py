@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .blocks import encode
-from .corpus import SPLITS, Corpus
+from oal.data.blocks import encode
+from oal.data.corpus import SPLITS, Corpus
 
 ROLES = ("grouping", "calib_train", "calib_val", "fidelity", "adapt_train", "val", "test")
 PRETRAIN = "pretrain"
@@ -204,7 +204,7 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
     another corpus load it with `load_corpus(name, data_dir=data_dir)`. Each split is tokenised once, and only as
     far as its roles reach (see `encode_prefix`).
     """
-    from . import load_corpus
+    from oal.data.sources import load_corpus
 
     corpora: dict[str | None, Corpus] = {}
     if isinstance(corpus, Corpus):

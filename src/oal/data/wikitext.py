@@ -14,8 +14,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..runio import atomic_write_json, sha256_file
-from .corpus import SPLITS, Corpus
+from oal.data.corpus import SPLITS, Corpus
+from oal.rundir.files import atomic_write_json
+from oal.rundir.hashes import sha256_file
 
 DATASET_ID = "Salesforce/wikitext"
 REVISION = "b08601e04326c79dfdd32d625aee71d232d685c3"

@@ -23,8 +23,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runio import atomic_write_json, parse_names, sha256_file
-from .wikitext import MANIFEST_NAME, hub_reachable, read_manifest
+from oal.data.wikitext import MANIFEST_NAME, hub_reachable, read_manifest
+from oal.errors import parse_names
+from oal.rundir.files import atomic_write_json
+from oal.rundir.hashes import sha256_file
 
 __all__ = ["DISPLAY_NAMES", "SOURCES", "TASKS", "DataUnavailable", "TaskSource", "TaskRows", "fetch_task",
            "parse_task_files", "parse_tasks", "read_rows", "verify_manifest", "write_manifest"]

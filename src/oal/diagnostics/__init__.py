@@ -4,8 +4,8 @@
 entry points for `oal evaluate --methods all`; `diagnose(...)` runs everything into a run directory.
 """
 
-from .budget import budget_curve, coefficients_per_head, plot_budget
-from .fidelity_table import (
+from oal.diagnostics.budget import budget_curve, coefficients_per_head, plot_budget
+from oal.diagnostics.fidelity_table import (
     TABLE2_METHODS,
     calibrate_methods,
     capture_chi,
@@ -13,7 +13,7 @@ from .fidelity_table import (
     capture_sequences,
     table2,
 )
-from .retained_error import (
+from oal.diagnostics.retained_error import (
     RetainedErrorConfig,
     SequenceQKV,
     gaussian_control,
@@ -22,7 +22,7 @@ from .retained_error import (
     p_value,
     retained_error,
 )
-from .tables import table1_markdown, table2_markdown
+from oal.diagnostics.tables import table1_markdown, table2_markdown
 
 __all__ = [
     "TABLE2_METHODS",
@@ -49,7 +49,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "diagnose":  # the runner pulls in rich and the run-directory helpers; import on use
-        from .runner import diagnose
+        from oal.diagnostics.runner import diagnose
 
         return diagnose
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

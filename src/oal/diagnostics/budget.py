@@ -2,7 +2,7 @@
 
 One chosen (layer, head); for each budget G, `oal.analysis.fixed_budget_groups` cuts the same sorted
 contribution profile at its G - 1 largest adjacent gaps (App. B), so larger budgets only subdivide. Each
-budget is calibrated with the same protocol (`oal.calibrate`: the learned global quadratic once, then OAL from
+budget is calibrated with the same protocol (`oal.calibration.fit`: the learned global quadratic once, then OAL from
 its three starts, selection by validation MSE) and scored by pooled held-out output MSE over all tokens and
 output dimensions. Trainable coefficients per head: the lower triangle of L, (G + 1)(G + 2) / 2.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..runio import atomic_save_figure
+from oal.rundir.files import atomic_save_figure
 
 __all__ = ["RUN_BUDGETS", "budget_curve", "budget_markdown", "coefficients_per_head", "plot_budget", "run_budget"]
 
@@ -29,11 +29,12 @@ def coefficients_per_head(n_groups: int) -> int:
 
 def budget_curve(train, val, heldout, chi: torch.Tensor, head: int, budgets: Sequence[int] = tuple(range(1, 17)),
                  cfg=None, *, layer: int = 0, on_budget: Callable[[dict], None] | None = None) -> dict:
-    """train/val/heldout: `oal.calibrate.LayerData` of one layer; chi [d] the head's calibration contribution
+    """train/val/heldout: `oal.calibration.data.LayerData` of one layer; chi [d] the head's calibration contribution
     scores. Returns {"layer", "head", "points": [{G, coefficients, heldout_mse, val_mse, groups}], ...}."""
-    from ..analysis import fixed_budget_groups
-    from ..calibrate import CalibConfig, calibrate_layer, global_inits, oal_inits
-    from ..methods import build_method
+    from oal.analysis import fixed_budget_groups
+    from oal.calibration.data import CalibConfig
+    from oal.calibration.fit import calibrate_layer, global_inits, oal_inits
+    from oal.methods import build_method
 
     cfg = cfg or CalibConfig()
     rep = train.q.shape[1] // train.k.shape[1]
@@ -72,8 +73,8 @@ def run_budget(model, blocks: dict, groups_file: str | Path, layer: int, head: i
     """`oal run`'s group-budget curve: Fig. 2(b) for one head (calibration on the plan's calib_train / calib_val
     blocks, held-out MSE on its fidelity blocks), with the G App. B chose for that head and the G the run used.
     Writes DIR/budget.json and DIR/figures/group_budget.png; returns the result."""
-    from ..calibrate import capture_layer_data
-    from ..runio import atomic_write_json, load_json
+    from oal.calibration.model import capture_layer_data
+    from oal.rundir.files import atomic_write_json, load_json
 
     data = load_json(groups_file)
     row = next(h for h in data["heads"][str(layer)] if h["head"] == head)

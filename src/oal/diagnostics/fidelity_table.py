@@ -1,5 +1,5 @@
 """Table 2 for every method: calibrate each trainable method on frozen attention (Eq. 20, App. B protocol via
-`oal.calibrate`), then measure frozen-attention fidelity on held-out blocks (Eq. 21-22 via
+`oal.calibration.fit`), then measure frozen-attention fidelity on held-out blocks (Eq. 21-22 via
 `oal.evaluate.fidelity`). Also the capture helpers the other diagnostics share.
 """
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from .retained_error import SequenceQKV
+from oal.diagnostics.retained_error import SequenceQKV
 
 __all__ = [
     "TABLE2_METHODS",
@@ -25,7 +25,7 @@ TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "globa
 
 
 def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int) -> None:
-    from ..models.capture import capture
+    from oal.models.capture import capture
 
     with torch.no_grad():
         for start in range(0, blocks.shape[0], batch_size):
@@ -33,8 +33,8 @@ def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch
 
 
 def capture_layer_data(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
-    """{layer: oal.calibrate.LayerData} of frozen q, k, v and softmax outputs for token blocks [S, N]."""
-    from ..calibrate import LayerData
+    """{layer: oal.calibration.data.LayerData} of frozen q, k, v and softmax outputs for token blocks [S, N]."""
+    from oal.calibration.data import LayerData
 
     got: dict[int, list] = {int(i): [] for i in layers}
     _capture(model, blocks, layers, lambda c: got[c.layer].append(c), batch_size)
@@ -55,7 +55,7 @@ def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, bat
 
 def capture_chi(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 8) -> dict:
     """{layer: chi per prompt [Hq, P, d]} (Eq. 2) of grouping prompts [P, L], for the App. B groupings."""
-    from ..analysis import head_contributions
+    from oal.analysis import head_contributions
 
     got: dict[int, list] = {int(i): [] for i in layers}
     _capture(model, blocks, layers, lambda c: got[c.layer].append(head_contributions(c.q, c.k).double()),
@@ -75,11 +75,11 @@ def calibrate_methods(
 ) -> tuple[dict[str, dict[int, torch.nn.Module]], dict]:
     """Build and calibrate every method of `names` for every layer of `train` ({layer: LayerData}).
 
-    Each layer goes through `oal.calibrate.calibrate_methods` (the global first, seeding one of OAL's starts;
+    Each layer goes through `oal.calibration.fit.calibrate_methods` (the global first, seeding one of OAL's starts;
     trainable baselines from their own parameters; Performer used as drawn with seed `seed`); `oal` needs
     `groups`. Returns ({name: {layer: method}}, {name: {layer: calibration summary}}).
     """
-    from ..calibrate import calibrate_methods as calibrate_layer_methods
+    from oal.calibration.fit import calibrate_methods as calibrate_layer_methods
 
     methods: dict[str, dict[int, torch.nn.Module]] = {n: {} for n in names}
     summaries: dict[str, dict] = {n: {} for n in names}
@@ -98,6 +98,6 @@ def calibrate_methods(
 def table2(model, fidelity_blocks: torch.Tensor, methods: Mapping[str, Mapping[int, torch.nn.Module]], *,
            batch_size: int = 1, progress: bool = False) -> dict:
     """metrics.json["fidelity"] for every method set: {name: {mse, relmse, mse_post_o, relmse_post_o, ...}}."""
-    from ..evaluate.fidelity import fidelity
+    from oal.evaluate.fidelity import fidelity
 
     return fidelity(model, fidelity_blocks, methods, batch_size=batch_size, progress=progress)

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..methods import build_method, get_method
-from ..methods.base import AttentionMethod, repeat_kv
+from oal.methods import build_method, get_method
+from oal.methods.base import AttentionMethod, repeat_kv
 
 __all__ = [
     "RetainedErrorConfig",
@@ -265,7 +265,7 @@ def retained_error(
 
 def gaussian_groups(n_heads: int, head_dim: int, cfg: RetainedErrorConfig, gen: torch.Generator) -> torch.Tensor:
     """Groups [Hq, d] from the App. B procedure applied to contribution scores of i.i.d. N(0, 1) q/k prompts."""
-    from ..analysis import head_contributions, stable_gap_groups
+    from oal.analysis import head_contributions, stable_gap_groups
 
     chi = torch.stack([
         head_contributions(torch.randn(1, n_heads, cfg.gaussian_prompt_len, head_dim, generator=gen,

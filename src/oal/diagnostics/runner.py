@@ -24,12 +24,18 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ..runio import atomic_write_json, atomic_write_text, load_json
-from .budget import budget_curve, plot_budget
-from .fidelity_table import TABLE2_METHODS, calibrate_methods, capture_chi, capture_layer_data, capture_sequences
-from .fidelity_table import table2 as run_table2
-from .retained_error import RetainedErrorConfig, gaussian_control, retained_error
-from .tables import plot_table1, table1_markdown, table2_markdown
+from oal.diagnostics.budget import budget_curve, plot_budget
+from oal.diagnostics.fidelity_table import (
+    TABLE2_METHODS,
+    calibrate_methods,
+    capture_chi,
+    capture_layer_data,
+    capture_sequences,
+)
+from oal.diagnostics.fidelity_table import table2 as run_table2
+from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
+from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
+from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
 __all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
 
@@ -54,11 +60,11 @@ def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], 
                    seed: int = 0) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str]:
     """Groups [Hq, d] and mean chi [Hq, d] per layer: from DIR/groups.json if `oal analyze` wrote it for
     these layers, else computed here with the App. B procedure on the grouping prompts."""
-    from ..analysis import stable_gap_groups
+    from oal.analysis import stable_gap_groups
 
     path = run_dir / "groups.json"
     if path.is_file():
-        from ..analysis import check_groups_model, load_groups
+        from oal.analysis import check_groups_model, load_groups
 
         data = load_json(path)
         groups = load_groups(path)
@@ -96,7 +102,7 @@ def diagnose(
 ) -> dict:
     """Run the requested diagnostics on `model` with token `blocks` per role ("grouping", "calib_train",
     "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files."""
-    from ..calibrate import CalibConfig
+    from oal.calibration.data import CalibConfig
 
     bad = set(parts) - set(PARTS)
     if bad:
@@ -192,8 +198,8 @@ def _merge_metrics(path: Path, fidelity: dict) -> None:
     """metrics.json["fidelity"][method] = {mse, relmse, mse_post_o, relmse_post_o}; other keys untouched.
 
     Not in an `oal run` directory: its metrics describe its own kernels, and Table 2's are calibrated here."""
-    from ..metrics import update_metrics
-    from ..run_dir import is_run_dir
+    from oal.rundir.claim import is_run_dir
+    from oal.rundir.metrics import update_metrics
 
     if is_run_dir(path.parent):
         log.info("Table 2 kept in diagnostics/table2.json: %s is an `oal run` directory whose metrics.json "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..runio import atomic_save_figure
+from oal.rundir.files import atomic_save_figure
 
 __all__ = ["METHOD_LABELS", "plot_table1", "table1_markdown", "table2_markdown"]
 

@@ -63,8 +63,8 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
     as in metrics.json["fidelity"]; "per_layer" holds the same four numbers for each layer on its own.
     `attention_mask` [B, N] (encoders' padded passages) leaves padded positions out.
     """
-    from ..models.capture import capture, output_projection
-    from ..models.encoder import noncausal_attention
+    from oal.models.capture import capture, output_projection
+    from oal.models.encoder import noncausal_attention
 
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2:
         raise ValueError(f"blocks: expected a LongTensor [n_blocks, N], got {getattr(blocks, 'shape', blocks)}")

@@ -166,7 +166,7 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..runio import atomic_save_figure
+    from oal.rundir.files import atomic_save_figure
 
     fig, axes = plt.subplots(1, len(arms), figsize=(2.6 * len(arms) + 1, 2.8), squeeze=False)
     for ax, arm in zip(axes[0], arms, strict=True):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from ..data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
+from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
 
 __all__ = ["TASKS", "Example", "accuracies", "evaluate_task", "evaluate_tasks", "load_task", "load_tasks",
            "loglikelihoods", "merge_metrics", "score_candidates", "score_examples", "to_example"]

@@ -1,5 +1,5 @@
 """Attention methods behind one interface: `oal`, `global`, `softmax` and the paper's baselines."""
 
-from .base import AttentionMethod, build_method, get_method, method_names, register, repeat_kv
+from oal.methods.base import AttentionMethod, build_method, get_method, method_names, register, repeat_kv
 
 __all__ = ["AttentionMethod", "build_method", "get_method", "method_names", "register", "repeat_kv"]

@@ -15,9 +15,9 @@ import math
 import torch
 from torch import nn
 
-from ._common import compute_dtype, generator_for
-from .base import register
-from .features import FeatureMapMethod
+from oal.methods._common import compute_dtype, generator_for
+from oal.methods.base import register
+from oal.methods.features import FeatureMapMethod
 
 __all__ = ["DiJiangMethod", "dct_matrix"]
 

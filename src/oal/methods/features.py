@@ -20,8 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from ._common import check_qkv
-from .base import AttentionMethod
+from oal.methods._common import check_qkv
+from oal.methods.base import AttentionMethod
 
 __all__ = ["FeatureMapMethod", "causal_mask", "dense_feature_kernel", "feature_attention"]
 

@@ -7,10 +7,10 @@ import math
 import torch
 from torch import nn
 
-from ..ops import oal_attention
-from ..ops.kernel import taylor_factor
-from ..ops.reference import dense_kernel
-from .base import AttentionMethod, register
+from oal.methods.base import AttentionMethod, register
+from oal.ops import oal_attention
+from oal.ops.kernel import taylor_factor
+from oal.ops.reference import dense_kernel
 
 
 @register

@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from ._common import check_qkv, compute_dtype, generator_for
-from .base import register
-from .features import FeatureMapMethod, dense_feature_kernel
+from oal.methods._common import check_qkv, compute_dtype, generator_for
+from oal.methods.base import register
+from oal.methods.features import FeatureMapMethod, dense_feature_kernel
 
 __all__ = ["PerformerMethod", "orthogonal_gaussian"]
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionMethod, register
+from oal.methods.base import AttentionMethod, register
 
 
 @register

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import oal_attention
-from ..ops.kernel import taylor_factor
-from ._common import check_qkv
-from .base import AttentionMethod, register
+from oal.methods._common import check_qkv
+from oal.methods.base import AttentionMethod, register
+from oal.ops import oal_attention
+from oal.ops.kernel import taylor_factor
 
 __all__ = ["TaylorShiftMethod"]
 

@@ -20,15 +20,18 @@ importing the family's modeling module is safe.
 from __future__ import annotations
 
 import _thread  # threading.local without threading's imports
+import functools
 import sys
 
-__all__ = ["ENCODER_FAMILIES", "FAMILIES", "PREFIX", "base_model_type", "install", "register_config", "register_model"]
+from oal.models.families import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
-# Registered on import: the families `models.capture.SUPPORTED_ARCHITECTURES` lists (a test keeps the two equal).
+__all__ = ["ENCODER_FAMILIES", "FAMILIES", "PREFIX", "base_model_type", "converted_class", "install", "make_saveable",
+           "register_config", "register_model"]
+
+# Registered on import: the causal-LM families and the encoders oal converts (encoders register with AutoModel).
 # Other families are registered on demand (`oal.convert` / `oal.load` call `register_model` for theirs).
-FAMILIES = ("qwen2", "llama", "mistral", "qwen3")
-# The encoders of `models.encoder.ENCODER_ARCHITECTURES` (a test keeps the two equal): registered with AutoModel.
-ENCODER_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+FAMILIES = tuple(SUPPORTED_ARCHITECTURES)
+ENCODER_FAMILIES = tuple(ENCODER_ARCHITECTURES)
 PREFIX = "oal_"
 _CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 
@@ -76,8 +79,6 @@ def register_model(family: str) -> type:
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-    from .pretrained import converted_class
-
     base_config = config_cls.__mro__[1]
     auto, mapping, what = ((AutoModel, MODEL_MAPPING, "base model") if family in ENCODER_FAMILIES
                            else (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING, "causal LM"))
@@ -87,6 +88,32 @@ def register_model(family: str) -> type:
     auto.register(config_cls, cls, exist_ok=True)
     _model_classes[family] = cls
     return cls
+
+
+@functools.cache
+def converted_class(base_cls: type) -> type:
+    """`OAL<Base>`: `base_cls` (a family's causal LM or base encoder) with the converted form's __init__ / save /
+    load (`models.pretrained.ConvertedModelMixin`) and its "oal_<family>" config class."""
+    from oal.models.pretrained import ConvertedModelMixin
+
+    if issubclass(base_cls, ConvertedModelMixin):
+        return base_cls
+    family = base_cls.config_class.model_type
+    config_cls = register_config(family)
+    cls = type(f"OAL{base_cls.__name__}", (ConvertedModelMixin, base_cls),
+               {"config_class": config_cls, "__module__": __name__,
+                "__doc__": f"{base_cls.__name__} with converted attention layers (see oal.models.pretrained)."})
+    globals()[cls.__name__] = cls  # importable by name (pickle)
+    return cls
+
+
+def make_saveable(model):
+    """Give a converted HF model its converted class, so its own save_pretrained writes the converted form."""
+    from oal.models.pretrained import ConvertedModelMixin
+
+    if not isinstance(model, ConvertedModelMixin):
+        model.__class__ = converted_class(type(model))
+    return model
 
 
 # ----------------------------------------------------------------------------------------------- post-import hook

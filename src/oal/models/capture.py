@@ -27,16 +27,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import encoder
-
-# model_type -> causal-LM class name. These families expose `model.model.layers[i].self_attn` and call the
-# attention function through AttentionInterface with post-RoPE q/k and native GQA k/v.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "qwen2": "Qwen2ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from oal.models import encoder
+from oal.models.families import SUPPORTED_ARCHITECTURES
 
 _PREFIX = "oal_capture_"
 

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ..runio import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, sha256_file
-from .capture import Captured, capture
+from oal.models.capture import Captured, capture
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.hashes import sha256_file
 
 __all__ = ["CaptureStore", "block_ids", "capture_to_disk", "open_store"]
 

@@ -25,17 +25,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from oal.models.families import ENCODER_ARCHITECTURES
+
 __all__ = ["ENCODER_ARCHITECTURES", "attention_module", "encoder_layers", "is_encoder", "is_encoder_model",
            "load_encoder", "noncausal_attention", "output_projection"]
-
-# model_type -> the base model class; every one of them keeps `base_model.encoder.layer[i].attention.self`.
-ENCODER_ARCHITECTURES: dict[str, str] = {
-    "bert": "BertModel",
-    "roberta": "RobertaModel",
-    "xlm-roberta": "XLMRobertaModel",
-    "camembert": "CamembertModel",
-    "electra": "ElectraModel",
-}
 
 
 def _config(model_or_config):
@@ -124,19 +117,20 @@ def load_encoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     from safetensors only; provenance records the SHA256 of the files and of the tensors (`weights_record`)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from .registry import _bad_model, _check_model_folder, _first_line, hash_model_dir, weights_record
+    from oal.models.folders import bad_model, check_model_folder, first_line
+    from oal.models.provenance import hash_model_dir, weights_record
 
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise _bad_model(f"no such encoder folder: {path}")
-    _check_model_folder(path, ENCODER_ARCHITECTURES)
+        raise bad_model(f"no such encoder folder: {path}")
+    check_model_folder(path, ENCODER_ARCHITECTURES)
     if not is_encoder_model(path):
-        raise _bad_model(f"{path}: config.json sets is_decoder=true; expected an encoder")
+        raise bad_model(f"{path}: config.json sets is_decoder=true; expected an encoder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise _bad_model(f"{path}: cannot load the encoder or its tokenizer ({_first_line(exc)})") from exc
+        raise bad_model(f"{path}: cannot load the encoder or its tokenizer ({first_line(exc)})") from exc
     model = model.to(device).eval()
     provenance = {"model": str(path), "source": "local", "path": str(path.resolve()), "revision": None,
                   "architecture": type(model).__name__, "sha256": hash_model_dir(path), **weights_record(model),

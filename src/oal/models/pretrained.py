@@ -23,7 +23,6 @@ memory after `oal.convert` (design.md: kernels stay in fp32).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 from pathlib import Path
@@ -31,11 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..methods.base import AttentionMethod, build_method
-from ..runio import atomic_write_json, sha256_files, versions
+from oal.methods.base import AttentionMethod, build_method
+from oal.models.attention import converted_methods, swap_attention
+from oal.rundir.files import atomic_write_json
+from oal.rundir.hashes import sha256_files, versions
 
-__all__ = ["FORMAT", "MANIFEST", "ConvertedModelMixin", "build_methods", "conversion_spec", "converted_class",
-           "make_saveable", "read_json_object", "verify_manifest", "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "ConvertedModelMixin", "build_methods", "conversion_spec", "read_json_object",
+           "verify_manifest", "write_manifest"]
 
 log = logging.getLogger("oal")
 
@@ -59,8 +60,6 @@ def _method_info(m: AttentionMethod) -> dict:
 
 def conversion_spec(model: nn.Module) -> dict:
     """What config.json records under "oal": how to rebuild each converted layer's method (tensors aside)."""
-    from .convert import converted_methods
-
     methods = converted_methods(model)
     if not methods:
         raise ValueError("model: it has no converted layers; call oal.convert first")
@@ -125,7 +124,7 @@ def read_json_object(path: Path, expected: str) -> dict:
 
 def verify_manifest(directory: str | Path) -> dict:
     """Check DIR/oal.json and the hash of every file it lists; ValueError naming the first file that fails."""
-    from .registry import file_sha256
+    from oal.models.provenance import file_sha256
 
     directory = Path(directory)
     path = directory / MANIFEST
@@ -148,12 +147,8 @@ def verify_manifest(directory: str | Path) -> dict:
 # ----------------------------------------------------------------------------------------------- the model class
 
 
-def _as_converted_config(config, spec: dict):
-    """A copy of `config` as the "oal_<family>" config carrying `spec`."""
-    from .auto import register_config
-
-    family = getattr(type(config), "oal_family", None) or config.model_type
-    cls = register_config(family)
+def _as_converted_config(config, spec: dict, cls: type):
+    """A copy of `config` as the "oal_<family>" config `cls` carrying `spec`."""
     data = config.to_dict()
     data.pop("model_type", None)
     data["oal"] = spec
@@ -163,8 +158,6 @@ def _as_converted_config(config, spec: dict):
 def _restore_non_persistent(model: nn.Module) -> None:
     """Rebuild what a checkpoint does not hold: the methods' non-persistent buffers (SpectraFormer's Hadamard
     matrix, ...), which from_pretrained leaves uninitialised (the family's own _init_weights does not know them)."""
-    from .convert import converted_methods
-
     for i, m in converted_methods(model).items():
         names = [n for n, _ in m.named_buffers(recurse=False) if n in m._non_persistent_buffers_set]
         if names:
@@ -183,9 +176,7 @@ class ConvertedModelMixin:
         if spec is None:
             raise ValueError(f"config: {type(self).__name__} needs the conversion under config.oal "
                              "(a config saved from a converted model)")
-        from .convert import convert
-
-        convert(self, methods=build_methods(spec))
+        swap_attention(self, methods=build_methods(spec))
 
     def save_pretrained(self, save_directory, *args, oal_source: dict | None = None, **kwargs):
         """transformers' save_pretrained with the config as an "oal_<family>" config, then DIR/oal.json."""
@@ -193,7 +184,7 @@ class ConvertedModelMixin:
             raise ValueError("model: transformers would save only its LoRA adapter; merge it into the weights first, "
                              "or export the run with `oal export`")
         config = self.config
-        self.config = _as_converted_config(config, conversion_spec(self))
+        self.config = _as_converted_config(config, conversion_spec(self), type(self).config_class)
         try:
             super().save_pretrained(save_directory, *args, **kwargs)
         finally:
@@ -223,24 +214,3 @@ class ConvertedModelMixin:
         return (model, info) if want_info else model
 
 
-@functools.cache
-def converted_class(base_cls: type) -> type:
-    """`OAL<Base>`: `base_cls` (a family's causal LM) with the converted form's __init__ / save / load."""
-    from .auto import register_config
-
-    if issubclass(base_cls, ConvertedModelMixin):
-        return base_cls
-    family = base_cls.config_class.model_type
-    config_cls = register_config(family)
-    cls = type(f"OAL{base_cls.__name__}", (ConvertedModelMixin, base_cls),
-               {"config_class": config_cls, "__module__": __name__,
-                "__doc__": f"{base_cls.__name__} with converted attention layers (see oal.models.pretrained)."})
-    globals()[cls.__name__] = cls  # importable by name (pickle)
-    return cls
-
-
-def make_saveable(model: nn.Module) -> nn.Module:
-    """Give a converted HF model its converted class, so its own save_pretrained writes the converted form."""
-    if not isinstance(model, ConvertedModelMixin):
-        model.__class__ = converted_class(type(model))
-    return model

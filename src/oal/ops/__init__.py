@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from .chunked import chunked_attention
-from .kernel import coefficients, feature_dim
-from .recurrent import recurrent_attention
-from .reference import reference_attention
+from oal.ops.chunked import chunked_attention
+from oal.ops.kernel import coefficients, feature_dim
+from oal.ops.recurrent import recurrent_attention
+from oal.ops.reference import reference_attention
 
 __all__ = ["BACKENDS", "feature_dim", "oal_attention", "split_state", "empty_state"]
 
@@ -25,7 +25,7 @@ def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """`auto` on CUDA: the Triton kernels when installed (causal), else the torch paths with a one-time warning."""
     if q.device.type != "cuda" or not causal:
         return False
-    from . import triton as oal_triton
+    from oal.ops import triton as oal_triton
 
     if oal_triton.available():
         return oal_triton.unsupported(q, v) is None
@@ -171,7 +171,7 @@ def oal_attention(
     if backend == "triton" and not causal:  # the kernels are causal; the torch path serves the rest
         backend = "chunked"
     if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal)):
-        from .triton import triton_attention  # optional dependency, imported on use
+        from oal.ops.triton import triton_attention  # optional dependency, imported on use
 
         out, final = triton_attention(
             q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state, chunk_size=chunk_size

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .kernel import feature_dim, features, query_coefficients
+from oal.ops.kernel import feature_dim, features, query_coefficients
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
 NAN_SCRATCH = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernel import key_features, query_features
+from oal.ops.kernel import key_features, query_features
 
 
 def _update(state, k_t, v_t):

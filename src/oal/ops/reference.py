@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernel import key_features, query_features
+from oal.ops.kernel import key_features, query_features
 
 
 def group_onehot(groups: torch.Tensor, n_groups: int, dtype: torch.dtype) -> torch.Tensor:

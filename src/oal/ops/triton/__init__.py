@@ -27,7 +27,7 @@ def interpreted() -> bool:
     """Whether the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 when they were defined)."""
     if f"{__name__}.kernels" not in sys.modules:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    from .function import interpreted as defined_interpreted
+    from oal.ops.triton.function import interpreted as defined_interpreted
 
     return defined_interpreted()
 
@@ -57,7 +57,7 @@ def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None,
         raise ValueError(reason)
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
         raise ValueError(f"chunk_size: the triton backend needs a power of two >= 16, got {chunk_size}")
-    from .function import triton_forward
+    from oal.ops.triton.function import triton_forward
 
     return triton_forward(q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state,
                           chunk_size=chunk_size)

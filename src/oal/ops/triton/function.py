@@ -17,8 +17,8 @@ from functools import cache
 
 import torch
 
-from ..kernel import coefficients, feature_dim
-from . import kernels as K
+import oal.ops.triton.kernels as K
+from oal.ops.kernel import coefficients, feature_dim
 
 
 def interpreted() -> bool:

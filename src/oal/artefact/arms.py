@@ -1,0 +1,155 @@
+"""The arms of a run directory as models: base + a method's calibrated kernels (+ its LoRA adapter and trained
+kernels), or the softmax reference arm; and the SHA256 of the run files an arm is built from.
+
+A run directory keeps a method's calibrated kernels (`calibration.kernels.kernel_dir`) and, after adaptation, its
+LoRA adapter and trained kernel tensors in `adapter/<method>/` (`adaptation.adapter.save_adapter`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir
+from oal.models.pretrained import read_json_object
+from oal.rundir.hashes import sha256_tree
+
+__all__ = ["adapter_dir", "arm_inputs", "calibrated_methods", "load_arm", "load_converted"]
+
+log = logging.getLogger("oal")
+
+
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_dir(run_dir: str | Path, method: str) -> Path:
+    """Where a run directory keeps `method`'s LoRA adapter and trained kernel tensors."""
+    return Path(run_dir) / "adapter" / method
+
+
+def calibrated_methods(run_dir: str | Path) -> list[str]:
+    """Methods with calibrated kernels in `run_dir` (OAL's at the top, the others under kernels/)."""
+    run_dir = Path(run_dir)
+    found = ["oal"] if (kernel_dir(run_dir, "oal") / META_FILE).is_file() else []
+    others = run_dir / "kernels"
+    if others.is_dir():
+        found += sorted(p.name for p in others.iterdir() if (p / META_FILE).is_file())
+    return found
+
+
+def _kernels_or_fail(run_dir: Path, method: str) -> Path:
+    if not run_dir.is_dir():
+        raise ValueError(f"run_dir: {run_dir} is not a directory (expected a run directory of `oal run`)")
+    kdir = kernel_dir(run_dir, method)
+    if not (kdir / META_FILE).is_file():
+        have = calibrated_methods(run_dir)
+        raise ValueError(f"{kdir / META_FILE}: missing; the run did not calibrate {method!r} "
+                         f"(calibrated: {', '.join(have) or 'none'})")
+    return kdir
+
+
+def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path | None:
+    adir = adapter_dir(run_dir, method)
+    if adapter is False:
+        return None
+    if not (adir / _ADAPTER_CONFIG).is_file():
+        if adapter:
+            raise ValueError(f"{adir / _ADAPTER_CONFIG}: missing; the run has no adapter for {method!r} (train one "
+                             f"with `oal adapt --out {run_dir} --method {method}`, or leave the adapter out)")
+        return None
+    return adir
+
+
+def _run_dtype(run_dir: Path) -> torch.dtype:
+    """The dtype the run loaded its model in (config.json of `oal run`), float32 when not recorded."""
+    path = run_dir / "config.json"
+    name = "float32"
+    if path.is_file():
+        config = read_json_object(path, "the configuration of an `oal run` run directory").get("config")
+        name = (config.get("dtype") if isinstance(config, dict) else None) or name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{path}: config.dtype: expected a torch dtype name, got {name!r}")
+    return dtype
+
+
+def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | None = None, *,
+                   model: str | None = None, dtype: torch.dtype | None = None, device: str = "cpu",
+                   merge: bool = True):
+    """The run's converted model: base model + `method`'s calibrated kernels (+ its LoRA adapter).
+
+    `adapter`: None uses the run's adapter for `method` when there is one, True requires it, False leaves it out.
+    With an adapter, its trained kernel tensors replace the calibrated ones and LoRA is merged into the base
+    weights (`merge=False`: a peft `PeftModel` instead). `model` overrides the base model recorded in
+    kernels.json (its file hashes must still match); `dtype` defaults to the run's. Returns
+    (model, tokenizer, info) with info = {"method", "base_model", "kernels", "adapter" (path or None), "merged"}.
+    ValueError (naming the file) for a method the run did not calibrate or a required adapter it does not have.
+    """
+    from transformers import AutoTokenizer
+
+    from oal.artefact.load import load
+
+    run_dir = Path(run_dir)
+    kdir = _kernels_or_fail(run_dir, method)
+    adir = _adapter_or_none(run_dir, method, adapter)
+    base = read_json_object(kdir / META_FILE, "kernels metadata (oal.save_kernels)").get("base_model")
+    name = model or (base.get("name_or_path") if isinstance(base, dict) else None) or "default"
+    mdl = load(kdir, name, dtype=dtype or _run_dtype(run_dir), device=device)  # checks the base model's hashes
+    tokenizer = AutoTokenizer.from_pretrained(mdl.config.name_or_path, local_files_only=True)
+    if adir is not None:
+        from oal.adaptation.adapter import load_adapter
+
+        mdl = load_adapter(mdl, adir)
+        if merge:
+            mdl = mdl.merge_and_unload()
+    mdl.eval()
+    if adir is not None:
+        how = f"its LoRA adapter ({'merged' if merge else 'unmerged'}) and trained kernels from {adir}"
+    else:
+        how = "its calibrated kernels only (" + ("adapter left out" if adapter is False
+                                                 else "the run has no adapter for it") + ")"
+    log.info("%s: using %s with %s", run_dir, method, how)
+    info = {"method": method, "base_model": name, "kernels": str(kdir), "adapter": str(adir) if adir else None,
+            "merged": bool(adir) and merge}
+    return mdl, tokenizer, info
+
+
+def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, model: str | None = None,
+             dtype: torch.dtype | None = None, device: str = "cpu"):
+    """One arm of a run as `load_converted` returns it; for the softmax reference arm (no kernels), the run's base
+    model, checked against the record in its config.json, with the run's adapter for it (LoRA merged)."""
+    if method != "softmax":
+        return load_converted(run_dir, method, adapter, model=model, dtype=dtype, device=device)
+    from oal.adaptation.adapter import load_adapter
+    from oal.models.provenance import check_base_model
+    from oal.models.registry import load_model
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    record = read_json_object(config_path, "the configuration of an `oal run` run directory").get("model")
+    if not isinstance(record, dict) or not record.get("state_dict_sha256"):
+        raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
+    name = model or record.get("model") or "default"
+    mdl, tokenizer, provenance = load_model(name, dtype=dtype or _run_dtype(run_dir), device=device)
+    check_base_model({"name_or_path": record.get("model"), "state_dict_sha256": record["state_dict_sha256"],
+                      "dtype": record.get("dtype"), "hashes": record.get("sha256")}, mdl, provenance,
+                     where=str(config_path))
+    adir = _adapter_or_none(run_dir, method, adapter)
+    if adir is not None:
+        mdl = load_adapter(mdl, adir).merge_and_unload()
+    log.info("%s: using softmax %s", run_dir, f"with its LoRA adapter from {adir}" if adir else "(no adapter)")
+    info = {"method": method, "base_model": name, "kernels": None, "adapter": str(adir) if adir else None,
+            "merged": adir is not None}
+    return mdl.eval(), tokenizer, info
+
+
+def arm_inputs(run_dir: str | Path, method: str, adapter: str | Path | None) -> dict[str, str]:
+    """SHA256 of the run files an arm is built from (`method`'s kernels unless softmax, and the adapter folder
+    `adapter` when one was used), keyed by path relative to the run directory: what metrics.json records."""
+    run_dir = Path(run_dir)
+    used = [] if method == "softmax" else [kernel_dir(run_dir, method) / f for f in (KERNELS_FILE, META_FILE)]
+    if adapter is not None:
+        used.append(Path(adapter))
+    return {k: v for p in used for k, v in sha256_tree(run_dir, p.resolve().relative_to(run_dir.resolve())).items()}

@@ -1,0 +1,101 @@
+"""A run's converted model as one artefact: export it to a folder (and load the folder back with `oal.load`).
+
+    export("runs/default", "oal", "converted/")                      # one folder: config, weights, tokenizer
+    model = oal.load("converted/")                                   # or, after `import oal`,
+    model = AutoModelForCausalLM.from_pretrained("converted/")       # the standard route
+
+The exported folder is what `save_pretrained` of the converted model writes (`models.pretrained`): the base weights
+with the adapter merged into them (the run's arm as `artefact.arms.load_converted` builds it), the kernel tensors
+in the same state dict, the conversion in config.json, and oal.json with the SHA256 of every file and of the run
+files it came from. `merge=False` keeps the LoRA adapter as a separate peft adapter in
+the folder (adapter_config.json + adapter_model.safetensors), which transformers attaches on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from oal.artefact.arms import load_converted
+from oal.calibration.kernels import KERNELS_FILE, META_FILE
+from oal.rundir.files import atomic_dir, load_json
+from oal.rundir.hashes import sha256_files
+
+__all__ = ["export", "save_converted", "softmax_twin"]
+
+log = logging.getLogger("oal")
+
+
+def _writable_target(to: Path) -> None:
+    """Refuse to replace a folder that is not an export: `atomic_dir` swaps the whole folder."""
+    from oal.models.pretrained import MANIFEST
+
+    if to.exists() and (not to.is_dir() or (any(to.iterdir()) and not (to / MANIFEST).is_file())):
+        raise ValueError(f"to: {to} exists and is not a converted-model folder; choose a new or empty folder")
+
+
+def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = None) -> Path:
+    """Write a converted model (or a peft model around one: its adapter stays separate) to `to`, atomically."""
+    from oal.models.attention import is_converted
+
+    to = Path(to)
+    _writable_target(to)
+    peft = hasattr(model, "peft_config") and hasattr(model, "unload")
+    base = model.get_base_model() if peft else model
+    if not is_converted(base):
+        raise ValueError("model: it has no converted layers; call oal.convert or oal.load first")
+    with atomic_dir(to) as tmp:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if peft:
+            model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+            base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place
+        base.save_pretrained(tmp, oal_source=source)  # config, weights, generation config, then oal.json
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files
+    return to
+
+
+def _cast_base_weights(model, dtype: torch.dtype) -> None:
+    """The base model's floating parameters to `dtype`; kernel tensors keep theirs (fp32 factors, fp64 features)."""
+    for name, p in model.named_parameters():
+        if ".oal_method." not in name and p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = True, merge: bool = True,
+           model: str | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write the run's converted `method` model (with its adapter unless `adapter=False`) as one folder `to`.
+
+    The folder reloads with `oal.load(to)`, or with `AutoModelForCausalLM.from_pretrained(to)` after `import oal`.
+    """
+    run_dir = Path(run_dir)
+    # loaded in the run's dtype (what its kernels and adapter were made on and are checked against), then cast
+    mdl, tok, info = load_converted(run_dir, method, adapter, model=model, merge=merge)
+    if dtype is not None:
+        _cast_base_weights(mdl, dtype)
+    kdir = Path(info["kernels"])
+    source = {
+        "run_dir": str(run_dir.resolve()), "method": method,
+        "base_model": load_json(kdir / META_FILE).get("base_model", {}),
+        "kernels": {f: v for f, v in sha256_files(kdir).items() if f in (KERNELS_FILE, META_FILE)},
+        "adapter": None if info["adapter"] is None else {"sha256": sha256_files(info["adapter"]),
+                                                         "merged": info["merged"]},
+    }
+    out = save_converted(mdl, to, tok, source)
+    log.info("exported %s (%s) to %s", run_dir, method, out)
+    return out
+
+
+def softmax_twin(model, base_model: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """`base_model` loaded afresh with converted `model`'s weights (a merged adapter included) and softmax
+    attention everywhere: the reference a converted layer is compared with under frozen attention."""
+    from oal.models.registry import load_model
+
+    twin, _, _ = load_model(base_model, dtype=dtype or next(model.parameters()).dtype, device=device)
+    twin.load_state_dict({k: v for k, v in model.state_dict().items() if ".oal_method." not in k})
+    return twin.eval()

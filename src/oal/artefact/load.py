@@ -1,0 +1,82 @@
+"""Rebuild a converted model: `oal.load(DIR)` for an exported folder, `oal.load(RUN, base_model)` for a run's
+calibrated kernels on their base model (checked against the record by tensors and files, no pickle anywhere)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from oal.calibration.kernels import check_kernels_base, load_kernels, model_fingerprint, recorded_base_model
+from oal.models.pretrained import read_json_object
+
+__all__ = ["load", "load_export", "load_with_tokenizer"]
+
+
+def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
+    """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
+
+    The base model must be the one the kernels were calibrated on: a loaded model is checked by the SHA256 of its
+    tensors (`models.provenance.state_dict_sha256`); a name/path goes through `oal.models.registry.load_model`
+    (`load_kwargs` passed on) and its folder must also hold exactly the files recorded at save time.
+    Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
+    model) and holds everything: `oal.artefact.load.load_export(directory, **load_kwargs)` (dtype=, device=).
+    """
+    if base_model is None:
+        from oal.artefact.load import load_export
+
+        return load_export(directory, **load_kwargs)
+    if isinstance(base_model, (str, os.PathLike)):
+        return load_with_tokenizer(directory, str(base_model), **load_kwargs)[0]
+    if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
+        raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
+    return _convert_checked(directory, base_model, None)
+
+
+def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):
+    """(converted model, tokenizer, provenance): the base model `base_model` (default: the one recorded in
+    kernels.json) loaded by `load_model` (a local encoder folder: `models.encoder.load_encoder`), checked against
+    the record (tensors and files), then converted."""
+    from oal.models.encoder import is_encoder_model, load_encoder
+    from oal.models.registry import load_model
+
+    name = base_model or recorded_base_model(directory) or "default"
+    model, tokenizer, provenance = (load_encoder if is_encoder_model(name) else load_model)(name, **load_kwargs)
+    return _convert_checked(directory, model, provenance), tokenizer, provenance
+
+
+def _convert_checked(directory, base_model: nn.Module, provenance: Mapping | None) -> nn.Module:
+    methods, meta = load_kernels(directory, fingerprint=model_fingerprint(base_model))
+    check_kernels_base(directory, meta, base_model, provenance)
+    n_layers = model_fingerprint(base_model)["num_hidden_layers"]
+    if any(i >= n_layers for i in methods):
+        raise ValueError(f"base_model: kernel layers {sorted(methods)} exceed its {n_layers} layers")
+    from oal.models.convert import convert
+
+    return convert(base_model, sorted(methods), methods)
+
+
+def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """Load a folder written by `export` / `save_pretrained` of a converted model (`oal.load(directory)`)."""
+    from oal.models.auto import base_model_type, register_model
+
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    model_type = read_json_object(cfg_path, "the config of a converted model folder (oal export)").get("model_type")
+    try:
+        family = base_model_type(model_type)
+    except ValueError:
+        raise ValueError(f"{cfg_path}: model_type {model_type!r} is not a converted model ('oal_<family>'); "
+                         "load an unconverted model with transformers, or its run with oal.load(run_dir, model)"
+                         ) from None
+    register_model(family)  # families outside models.auto.FAMILIES too
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from oal.models.auto import ENCODER_FAMILIES
+
+    auto = AutoModel if family in ENCODER_FAMILIES else AutoModelForCausalLM  # encoders: the base encoder
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return auto.from_pretrained(directory, local_files_only=True, **kwargs).to(device).eval()

@@ -1,0 +1,189 @@
+"""Save and load converted kernels: `DIR/kernels.safetensors` + `DIR/kernels.json`, no pickle anywhere.
+
+kernels.safetensors holds every parameter and buffer of each converted layer's method under
+`layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
+to rebuild and to refuse a wrong base model: per layer the method name, (Hq, Hkv, d) and constructor settings
+(eps, n_groups), the base model's id, revision, architecture fingerprint, file hashes and the SHA256 of its
+tensors (`state_dict_sha256`, with the dtype it was computed in), and the SHA256 of the tensor file. Both files are
+written to a temporary name and renamed into place. `load` checks the base model against that record: a model
+object by its tensors, a name/path by its tensors and by every file of its folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import nn
+
+from oal.methods.base import AttentionMethod, build_method
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.hashes import sha256_file
+
+__all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load_kernels", "method_from_record",
+           "method_record", "model_fingerprint", "recorded_base_model", "save_kernels"]
+
+KERNELS_FILE = "kernels.safetensors"
+META_FILE = "kernels.json"
+FORMAT = "oal-kernels/1"
+_INIT_ATTRS = ("eps", "n_groups")  # JSON-able constructor settings read off a method when present
+
+
+def kernel_dir(run_dir: str | Path, method: str) -> Path:
+    """Where a run directory keeps `method`'s kernels: OAL's at the top (design.md), the others below."""
+    return Path(run_dir) if method == "oal" else Path(run_dir) / "kernels" / method
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """Architecture facts a kernel file must agree with (a different model of the same shape passes; use hashes)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_heads = cfg.num_attention_heads
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or n_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def _methods_of(model_or_methods) -> tuple[dict[int, AttentionMethod], nn.Module | None]:
+    if isinstance(model_or_methods, Mapping):
+        return dict(model_or_methods), None
+    from oal.models.attention import converted_methods
+
+    methods = converted_methods(model_or_methods)
+    if not methods:
+        raise ValueError("model_or_methods: the model has no converted layers; call oal.convert first")
+    return methods, model_or_methods
+
+
+def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | None = None,
+                 revision: str | None = None, model_hashes: Mapping[str, str] | None = None,
+                 fingerprint: Mapping | None = None, extra: Mapping | None = None,
+                 provenance: Mapping | None = None) -> Path:
+    """Write the kernels of a converted model (or a dict layer -> method) to `directory`; returns the JSON path.
+
+    `base_model`/`revision`/`model_hashes` identify the base model (defaults: `config._name_or_path`). With a
+    model, its tensors are fingerprinted here; with a dict of methods, pass `provenance` (what `load_model`
+    returns for the base model: file hashes, `state_dict_sha256`, dtype), or `oal.load` will refuse the kernels.
+    """
+    from oal.models.provenance import weights_record
+
+    methods, model = _methods_of(model_or_methods)
+    provenance = dict(provenance or {})
+    model_hashes = model_hashes or provenance.get("sha256")
+    revision = revision or provenance.get("revision")
+    directory = Path(directory)
+    tensors, layers = {}, {}
+    for i, m in sorted(methods.items()):
+        layers[str(i)], state = method_record(m)
+        tensors.update({f"layers.{i}.{name}": t for name, t in state.items()})
+    content = {k: provenance[k] for k in ("state_dict_sha256", "dtype") if provenance.get(k)}
+    if model is not None:
+        fingerprint = fingerprint or model_fingerprint(model)
+        base_model = base_model or getattr(model.config, "_name_or_path", None)
+        content = weights_record(model)
+    tensor_path = directory / KERNELS_FILE
+    atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT})
+    meta = {
+        "format": FORMAT,
+        "layers": layers,
+        "base_model": {"name_or_path": base_model, "revision": revision, "fingerprint": dict(fingerprint or {}),
+                       "hashes": dict(model_hashes or {}), **content},
+        "sha256": {KERNELS_FILE: sha256_file(tensor_path)},
+        **({"extra": dict(extra)} if extra else {}),
+    }
+    meta_path = directory / META_FILE
+    atomic_write_json(meta_path, meta)
+    return meta_path
+
+
+def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
+                 ) -> tuple[dict[int, AttentionMethod], dict]:
+    """Rebuild the methods saved in `directory`; returns (layer -> method, metadata).
+
+    Raises ValueError on a missing/corrupt file, a hash mismatch, a fingerprint that differs from `fingerprint`,
+    or tensors whose shapes do not fit the recorded method.
+    """
+    directory = Path(directory)
+    meta_path, tensor_path = directory / META_FILE, directory / KERNELS_FILE
+    if not meta_path.is_file() or not tensor_path.is_file():
+        raise ValueError(f"directory: expected {META_FILE} and {KERNELS_FILE} in {directory}")
+    meta = load_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{meta_path}: expected format {FORMAT!r}, got {got!r}")
+    if not isinstance(meta.get("layers"), dict) or not isinstance(meta.get("base_model"), dict):
+        raise ValueError(f"{meta_path}: damaged, expected 'layers' and 'base_model' records")
+    want = (meta.get("sha256") or {}).get(KERNELS_FILE)
+    if not want:
+        raise ValueError(f"{meta_path}: records no SHA256 of {KERNELS_FILE}; cannot check it")
+    if sha256_file(tensor_path) != want:
+        raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
+    if fingerprint is not None:
+        saved = meta["base_model"].get("fingerprint") or {}
+        diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if k in saved and saved[k] != v}
+        if diff:
+            details = ", ".join(f"{k}: file {a!r} vs model {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"base_model: kernels in {directory} were made for another model ({details})")
+    tensors = load_safetensors(tensor_path)
+    methods = {}
+    for key, info in meta["layers"].items():
+        if not str(key).isdigit() or not isinstance(info, dict) or "method" not in info:
+            raise ValueError(f"{meta_path}: damaged layer record {key!r}")
+        i = int(key)
+        prefix = f"layers.{i}."
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        methods[i] = method_from_record(i, info, state, where=str(tensor_path))
+    return methods, meta
+
+
+def method_record(m: AttentionMethod) -> tuple[dict, dict]:
+    """(constructor record, persistent tensors on the CPU): what `method_from_record` rebuilds `m` from, in a
+    kernels file or in another process."""
+    state = {name: t.detach().to("cpu").contiguous() for name, t in m.state_dict().items()}
+    info = {"method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+            "seed": getattr(m, "seed", 0),
+            "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))}}
+    return info, state
+
+
+def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str = "state") -> AttentionMethod:
+    """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
+    fit it."""
+    kwargs = dict(info.get("init", {}))
+    if "groups" in state and info["method"] == "oal":
+        kwargs["groups"] = state["groups"]
+    m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
+                     seed=info.get("seed", 0), **kwargs)
+    own = m.state_dict()
+    bad = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if bad or missing or unexpected:
+        raise ValueError(f"{where}: layer {layer} ({info['method']}) does not fit: shapes {bad}, "
+                         f"missing {missing}, unexpected {unexpected}")
+    m.load_state_dict(dict(state))
+    return m
+
+
+def recorded_base_model(directory: str | Path) -> str | None:
+    """The base model's name/path recorded in `directory`/kernels.json (None when there is no kernels.json)."""
+    meta_path = Path(directory) / META_FILE
+    if not meta_path.is_file():
+        return None
+    meta = load_json(meta_path)
+    base = meta.get("base_model") if isinstance(meta, dict) else None
+    if not isinstance(base, dict):
+        raise ValueError(f"{meta_path}: damaged, expected a 'base_model' record")
+    return base.get("name_or_path")
+
+
+def check_kernels_base(directory: str | Path, meta: Mapping, model: nn.Module, provenance: Mapping | None = None,
+                       ) -> None:
+    """Refuse `model` unless it is the base model the kernels in `directory` (metadata `meta`) were made for."""
+    from oal.models.provenance import check_base_model
+
+    check_base_model(meta["base_model"], model, provenance, where=str(Path(directory) / META_FILE))

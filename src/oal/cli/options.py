@@ -1,0 +1,90 @@
+"""Options shared by several CLI commands (one declaration each: the same help text and the same checks)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+# `name: ModelOpt = "default"`: one declaration of each option the commands share.
+ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]
+BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one recorded in kernels.json).")]
+DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
+DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
+LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
+
+
+def _device_callback(value: str | None) -> str:
+    from oal.device import resolve_device
+
+    try:
+        return str(resolve_device(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("device: "), param_hint="--device") from None
+
+
+def _dtype_callback(value: str | None) -> str | None:
+    from oal.device import DTYPES
+
+    if value is not None and value not in DTYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(DTYPES)}, got {value!r}", param_hint="--dtype")
+    return value
+
+
+# --device auto resolves to "cuda" when this torch sees a GPU, else "cpu"; a device this build lacks is a clean
+# usage error. --dtype is the base model's dtype; kernels, LoRA and calibration stay float32 (oal.device).
+DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
+                                        help="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:N'.")]
+DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
+                                       help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
+                                       "calibration stay float32).")]
+GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap groups (the paper's protocol); "
+                                          "'budget:G': Fig. 2(b)'s fixed budget of G groups per head, cut at the "
+                                          "G - 1 largest contribution gaps (a departure from the paper).")]
+AdapterOpt = Annotated[bool | None, typer.Option(
+    "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
+    "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
+ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
+                                         "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
+# Adaptation batch (App. F.2 uses 1 x 1 with dropout 0.05); under torchrun / accelerate launch the global batch of an
+# update is batch size x processes x grad accum.
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Adaptation blocks per process and micro-batch (default: "
+                                           "1; an update averages batch size x processes x grad accum blocks).")]
+GradAccumOpt = Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per adaptation update (default: "
+                                           "1).")]
+LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
+                                               "several processes reproduce one process exactly).")]
+# zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
+TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]
+LimitOpt = Annotated[int, typer.Option(help="Only the first N examples of each zero-shot task (a quick run; the "
+                                       "report says so).")]
+ZeroshotDirOpt = Annotated[str, typer.Option(help="Local folder of the pinned zero-shot files: DIR/<task>/<file in "
+                                             "the hub repo> plus manifest.json (oal.data.zeroshot.write_manifest).")]
+TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local JSON-lines file in the dataset's own "
+                                                "schema instead of the pinned set (unverified; its SHA256 is "
+                                                "recorded). Repeat for several tasks.")]
+
+
+SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
+                                          "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
+
+
+def main_console():
+    """A rich console that prints on the main process of a launch only (the other processes compute silently)."""
+    from rich.console import Console
+
+    from oal.launch import env_rank
+
+    return Console(quiet=env_rank() != 0)
+
+
+def set_threads(threads: int | None) -> None:
+    """Thread count is a runtime choice, not part of the run's configuration. Reductions may round differently
+    with another count, so resume a killed run with the same --threads for bit-identical results."""
+    if threads is None or threads == 0:
+        return
+    if threads < 0:
+        raise typer.BadParameter(f"expected >= 0, got {threads}", param_hint="--threads")
+    import torch
+
+    torch.set_num_threads(threads)

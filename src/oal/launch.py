@@ -1,0 +1,180 @@
+"""Several processes, one result (design.md "Scale and devices"): what each process of a `torchrun` or
+`accelerate launch` launch does, and the few collectives oal uses (accelerate's, over torch.distributed).
+
+A launch of N processes computes what one process computes:
+- adaptation is data-parallel (`adaptation.train`): the blocks of an update come from one block order that does not
+  depend on N, each process takes its share of them, and DDP averages the gradients;
+- calibration is layer-parallel (`oal.calibration.resume.calibrate_layers`): process r calibrates layers r, r + N,
+  ... of those still to do, and the main process gathers the kernels;
+- every other stage (analysis, fidelity, perplexity, the report) runs on the main process while the others wait.
+
+Only the main process writes (the run directory, checkpoints, adapters, the stage log, the report), and it decides
+for the others what is already done (`Ranks.on_main`: its result, or its error, reaches every process), so no
+process reads a file the main process may be writing. The run directory must be on a filesystem every process
+sees (a shared one across machines): the others read the run's kernels and groups from it.
+
+A plain process (no launcher, or a launch of one) is rank 0 of 1, and nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+
+__all__ = ["Ranks", "env_rank", "launched", "process_device", "ranks", "training_accelerator"]
+
+T = TypeVar("T")
+log = logging.getLogger("oal")
+
+# The other processes wait at a barrier while the main process runs a single-process stage (perplexity on the test
+# split, analysis); torch's default of 10-30 minutes is too short for the paper's models.
+TIMEOUT = timedelta(hours=6)
+
+
+# what `accelerate launch` sets for the sharded engines oal does not drive (FSDP, DeepSpeed, Megatron-LM)
+SHARDING_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
+
+
+def launched() -> bool:
+    """True inside a launch of several processes (`torchrun` and `accelerate launch` set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def env_rank() -> int:
+    """This process's rank as the launcher set it (0 outside a launch); readable before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _state(cpu: bool):
+    """accelerate's process state (it starts the process group: gloo on the CPU, NCCL on CUDA)."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=cpu, timeout=TIMEOUT)
+    if (state.device.type == "cpu") != cpu:
+        raise ValueError(f"device: this process already runs on {state.device.type}; one launch uses one kind of "
+                         "device")
+    return state
+
+
+class Ranks:
+    """This process's place in its launch: `index` of `size`, `is_main`, and the collectives oal needs. With one
+    process every collective is the identity."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.index, self.size, self.state = 0, 1, None
+        if launched():
+            unsupported = [k for k in SHARDING_ENV if os.environ.get(k, "false").lower() == "true"]
+            if unsupported:
+                raise ValueError(f"accelerate config: {', '.join(unsupported)} is set, but oal runs plain data "
+                                 "parallelism (every process holds the whole model); use distributed_type: MULTI_GPU")
+            self.state = _state(torch.device(device).type == "cpu")
+            self.index, self.size = self.state.process_index, self.state.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.index == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.state.wait_for_everyone()
+
+    def broadcast(self, obj: T) -> T:
+        """The main process's `obj` on every process (pickled: keep tensors on the CPU)."""
+        if self.size == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj])[0]
+
+    def gather(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every process (pickled: keep tensors on the CPU)."""
+        if self.size == 1:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over the processes, the same tensor on every one of them."""
+        if self.size == 1:
+            return tensor
+        from accelerate.utils import reduce
+
+        return reduce(tensor.to(self.state.device), reduction="sum").to(tensor.device)
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the main process only; every process returns its result or raises its error (so a bad input
+        found there stops the whole launch with the same message, and no process runs ahead of its writes)."""
+        if self.size == 1:
+            return fn()
+        outcome: tuple = (None, None)
+        if self.is_main:
+            try:
+                outcome = (fn(), None)
+            except Exception as exc:  # re-raised below, on every process
+                outcome = (None, exc)
+        result, error = self.broadcast(outcome)
+        if error is not None:
+            if self.is_main:
+                raise error
+            raise error from None
+        return result
+
+
+_RANKS: dict[str, Ranks] = {}
+
+
+def ranks(device: torch.device | str | None = None) -> Ranks:
+    """This process's `Ranks`, made on first use; `device` says whether the launch runs on the CPU or on CUDA (a
+    later call with the other kind is a ValueError)."""
+    from oal.device import resolve_device
+
+    dev = resolve_device(device or "auto")
+    if "this" not in _RANKS:
+        _RANKS["this"] = Ranks(dev)
+    elif _RANKS["this"].state is not None:
+        _state(dev.type == "cpu")
+    return _RANKS["this"]
+
+
+def process_device(spec: str | torch.device | None) -> torch.device:
+    """`--device` for this process: as `oal.device.resolve_device`, except that under a launch of several processes
+    on CUDA each process takes its own GPU (cuda:LOCAL_RANK, as the launcher assigned it)."""
+    from oal.device import resolve_device
+
+    dev = resolve_device(spec)
+    if not launched() or dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device: a launch of several processes runs on the CPU or on CUDA, not {dev.type!r}")
+    if dev.index is not None:
+        raise ValueError(f"device: under a launch of several processes each process uses its own GPU "
+                         f"(cuda:LOCAL_RANK); pass --device cuda or auto, not {str(spec)!r}")
+    return ranks(dev).state.device
+
+
+def training_accelerator(device: torch.device, grad_accum: int):
+    """The `accelerate.Accelerator` of one adaptation: DDP across the processes of a launch (nothing to wrap for one
+    process), gradient accumulation over `grad_accum` micro-batches. oal places the model itself (`--device`) and
+    keeps its own precision rules (`--dtype`, oal.device), so accelerate's device placement and autocast are off."""
+    from accelerate import Accelerator
+
+    ranks(device)  # the process group, with oal's timeout, before accelerate would start one with its own
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if asked != "no":
+        log.warning("accelerate config: mixed_precision=%s is not used; the base model's precision is oal's --dtype "
+                    "(kernels and LoRA stay float32)", asked)
+    acc = Accelerator(cpu=device.type == "cpu", device_placement=False, mixed_precision="no",
+                      gradient_accumulation_steps=grad_accum)
+    if acc.gradient_accumulation_steps != grad_accum:  # an accelerate config file set its own
+        raise ValueError(f"grad_accum: the accelerate config sets gradient_accumulation_steps="
+                         f"{acc.gradient_accumulation_steps}, oal's setting is {grad_accum}; use --grad-accum only")
+    if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        raise ValueError(f"accelerate config: distributed_type {acc.distributed_type.value} is not supported by "
+                         "oal adapt; use plain data parallelism (torchrun, or accelerate launch --multi_gpu)")
+    return acc

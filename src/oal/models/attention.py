@@ -1,0 +1,302 @@
+"""Swap the attention computation of chosen layers of an HF model for an `AttentionMethod` (paper App. F).
+
+`models.convert.convert` is the public entry point: it swaps, then gives the model its converted class.
+
+How: the HF attention module stays in place, with its q/k/v/o projections, biases, RoPE, q/k norms (Qwen3) and
+GQA layout. We attach the method as a submodule `self_attn.oal_method` (its kernel parameters are trainable
+`nn.Parameter`s, groups are buffers) and switch the model to an attention implementation registered through
+`transformers.AttentionInterface` as "oal_<base>" (base = the model's own, usually "sdpa"). That function receives
+exactly what the softmax function would (post-RoPE unscaled q [B, Hq, N, d], unrepeated k/v [B, Hkv, N, d]) and
+dispatches to `module.oal_method` for converted layers and to the base implementation for every other layer,
+so unconverted layers are bit-identical to the original model.
+
+Caching (see `models.cache`): a forward pre-hook on each converted attention module finds the cache passed to it
+and, on first use, replaces that layer's empty slot with an `OALStateLayer`, so `generate(use_cache=True)` keeps an
+O(1) recurrent state for converted layers (prefill through the method's forward, i.e. the chunked operator for OAL,
+then one token at a time) and the usual K/V cache for softmax layers.
+
+Padding: left padding (what batched `generate` uses) and right padding (what log-likelihood scorers use) are
+supported; padding between real tokens raises ValueError (the methods' linear-time paths take no per-token key
+mask, and a padded key inside the sequence would enter every later prefix sum). Right padding without a cache runs
+the batch at once: under causal attention a right-padded key comes after every real token of its row, so no real
+query ever sees it. Otherwise (left padding, or any padding while a cache is kept) each row's real tokens are cut
+out and run alone (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
+normaliser: a cached state covers real tokens only. Padded query positions get a zero output either way. Padding
+is read off the 4-D mask transformers passes to attention functions (a key no query may see is padding).
+
+Decoding: a few new tokens on top of a state go through the operator's token loop (`oal_attention`'s `auto`
+picks it), whose per-token cost is a handful of small ops.
+
+Encoders (BERT family, `models.encoder`): the same functions convert `encoder.layer[i].attention.self`; their
+converted layers run the method non-causally (`module.is_causal` is False), padded keys kept out of the state and
+the normaliser (`models.encoder.noncausal_attention`).
+
+Sliding-window models (Mistral): a converted layer attends the full causal prefix (the state cannot slide).
+
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from oal.methods.base import AttentionMethod, build_method, repeat_kv
+from oal.models import encoder
+from oal.models.cache import OALStateLayer
+from oal.models.registry import default_layers
+
+__all__ = ["converted_methods", "is_converted", "kernel_parameters", "swap_attention"]
+
+_PREFIX = "oal_"
+_HOOKS_ATTR = "_oal_hook_handles"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _decoder_layers(model: nn.Module):
+    if encoder.is_encoder(model):
+        return encoder.encoder_layers(model)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "config"):
+        raise ValueError(f"model: expected an HF causal LM with `model.model.layers`, got {type(model).__name__}")
+    return layers
+
+
+def _attention(model: nn.Module, layer: int) -> nn.Module:
+    if encoder.is_encoder(model):
+        return encoder.attention_module(model, layer)
+    layers = _decoder_layers(model)
+    if not isinstance(layer, int) or not 0 <= layer < len(layers):
+        raise ValueError(f"layers: expected ints in [0, {len(layers)}), got {layer!r}")
+    attn = getattr(layers[layer], "self_attn", None)
+    if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        raise ValueError(f"model: layer {layer} has no self_attn with q/k/v/o projections")
+    return attn
+
+
+def _head_shape(model: nn.Module) -> tuple[int, int, int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    return n_heads, n_kv, head_dim
+
+
+# ----------------------------------------------------------------------------------------------- attention function
+
+
+def _key_validity(mask, n_new: int) -> torch.Tensor | None:
+    """[B, n_new] True for real (non-padded) new tokens: a key that no query row may see is padding.
+
+    (Taking any row rather than the last keeps sliding-window masks from looking like padding.)
+    """
+    if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
+        return None
+    cols = mask[:, 0, :, -n_new:]
+    return (cols if cols.dtype == torch.bool else cols == 0).any(dim=1)
+
+
+def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
+    """Stateless fallback: dense kernel of the new queries against every cached key, masked like softmax."""
+    w = method.dense_kernel(q, k)  # [B, Hq, n, M]
+    n, m = w.shape[-2:]
+    if mask is not None and torch.is_tensor(mask) and mask.dim() == 4:
+        allowed = mask[..., -n:, -m:]
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+    else:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=w.device).tril(m - n)
+    w = w.masked_fill(~allowed, 0.0).to(v.dtype)
+    return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
+
+
+def _run(method, q, k, v, state, want_state):
+    if want_state:
+        return method(q, k, v, causal=True, initial_state=state, output_final_state=True)
+    return method(q, k, v, causal=True), None
+
+
+def _real_spans(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the [start, stop) of its real tokens; ValueError for padding between real tokens or an empty row."""
+    n_real = valid.sum(1)
+    if bool((n_real == 0).any()):
+        raise ValueError("attention_mask: a row of the batch is entirely padding")
+    start = valid.int().argmax(1)  # first real token
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    if not bool(((pos >= start[:, None]) & (pos < (start + n_real)[:, None]) == valid).all()):
+        raise ValueError("attention_mask: converted layers support left or right padding only (padding tokens "
+                         "must come before or after every real token of the row, not between them)")
+    return start, start + n_real
+
+
+def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
+    want = layer is not None
+    state = layer.state if want else None
+    n = q.shape[2]
+    if valid is None or bool(valid.all()):
+        out, state = _run(method, q, k, v, state, want)
+    else:
+        start, stop = _real_spans(valid)
+        if not want and not bool(start.any()):
+            # right padding only and no state to keep: causal attention never lets a real query see a key that
+            # comes after every real token of its row, so the whole batch runs at once
+            out, _ = _run(method, q, k, v, None, False)
+            out = out.masked_fill(~valid[:, None, :, None], 0.0)  # padded queries: zero output
+        else:
+            outs, states = [], []
+            for b in range(q.shape[0]):
+                s0, s1 = int(start[b]), int(stop[b])
+                if s0 and state is not None and layer.seen > n:
+                    raise ValueError("attention_mask: padding after earlier tokens is not supported in converted "
+                                     "layers")
+                st = None if state is None else state[b : b + 1]
+                o, st = _run(method, q[b : b + 1, :, s0:s1], k[b : b + 1, :, s0:s1], v[b : b + 1, :, s0:s1], st,
+                             want)
+                outs.append(torch.nn.functional.pad(o, (0, 0, s0, n - s1)))  # padded queries: zero output
+                states.append(st)
+            out = torch.cat(outs)
+            state = torch.cat(states) if want else None
+    if want:
+        layer.state = state
+    return out
+
+
+def _converted_forward(module, query, key, value, attention_mask):
+    method: AttentionMethod = module.oal_method
+    layer = getattr(module, "_oal_cache_layer", None)
+    if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
+        out = encoder.noncausal_attention(method, query, key, value, _key_validity(attention_mask, key.shape[-2]))
+    elif layer is not None and not layer.stateful:
+        out = _dense_with_mask(method, query, key, value, attention_mask)
+    else:
+        out = _stateful(method, query, key, value, _key_validity(attention_mask, key.shape[-2]), layer)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _base_function(module: nn.Module, impl: str):
+    if impl == "eager":  # each modeling file defines its own eager function
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _register(base: str) -> str:
+    """Register (once) the dispatching attention function "oal_<base>" with `base`'s mask function."""
+    name = f"{_PREFIX}{base}"
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"model: attention implementation {base!r} is not supported; use 'sdpa' or 'eager'")
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(f"model: attention implementation {base!r} has no mask function; use 'sdpa' or 'eager'")
+
+    def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+        if getattr(module, "oal_method", None) is None:
+            return _base_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+        return _converted_forward(module, query, key, value, attention_mask)
+
+    oal_dispatch.__name__ = name
+    AttentionInterface.register(name, oal_dispatch)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+# ----------------------------------------------------------------------------------------------- cache hooks
+
+
+def _cache_slot(cache, idx: int, method: AttentionMethod) -> OALStateLayer:
+    """The converted layer's slot of `cache`, swapped to an OALStateLayer on first use."""
+    if not isinstance(cache, Cache):
+        raise ValueError(f"past_key_values: expected a transformers Cache, got {type(cache).__name__}")
+    if getattr(cache, "layer_class_to_replicate", None) is not None:
+        while len(cache.layers) <= idx:
+            cache.layers.append(cache.layer_class_to_replicate())
+    if idx >= len(cache.layers):
+        raise ValueError(f"past_key_values: the cache has no slot for layer {idx}")
+    slot = cache.layers[idx]
+    if isinstance(slot, OALStateLayer):
+        return slot
+    if not isinstance(slot, DynamicLayer):
+        raise ValueError(f"past_key_values: converted layer {idx} needs a DynamicCache slot, got "
+                         f"{type(slot).__name__} (static/sliding/quantized caches are not supported)")
+    if slot.get_seq_length() > 0:
+        raise ValueError(f"past_key_values: layer {idx} already holds softmax K/V; start from an empty cache")
+    cache.layers[idx] = OALStateLayer(stateful=method.supports_state)
+    return cache.layers[idx]
+
+
+def _pre_hook(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    module._oal_cache_layer = None if cache is None else _cache_slot(cache, module.layer_idx, module.oal_method)
+
+
+def _post_hook(module, args, kwargs, output):
+    module._oal_cache_layer = None
+
+
+# ----------------------------------------------------------------------------------------------- public API
+
+
+def swap_attention(model: nn.Module, layers: Sequence[int] | None = None,
+                   methods: Mapping[int, AttentionMethod] | str = "oal", **method_kwargs) -> nn.Module:
+    """Replace attention in `layers` of `model` (in place) and return the model.
+
+    `methods` maps layer index -> AttentionMethod built for this model's (Hq, Hkv, d); a method name instead
+    builds a default instance per layer (`method_kwargs` passed on). `layers` defaults to the keys of `methods`,
+    or to `default_layers(model)` when `methods` is a name. Converting an already converted layer replaces its method.
+    """
+    _decoder_layers(model)
+    n_heads, n_kv, head_dim = _head_shape(model)
+    if isinstance(methods, str):
+        layers = default_layers(model) if layers is None else list(layers)
+        methods = {i: build_method(methods, n_heads, n_kv, head_dim, layer_idx=i, **method_kwargs) for i in layers}
+    elif not isinstance(methods, Mapping):
+        raise ValueError(f"methods: expected a dict layer -> AttentionMethod or a method name, got {type(methods)}")
+    layers = sorted(methods) if layers is None else sorted(layers)
+    if set(layers) != set(methods):
+        raise ValueError(f"methods: expected one method per layer {layers}, got layers {sorted(methods)}")
+    attns = {i: _attention(model, i) for i in layers}
+    for i, m in methods.items():
+        if not isinstance(m, AttentionMethod):
+            raise ValueError(f"methods[{i}]: expected an AttentionMethod, got {type(m).__name__}")
+        if (m.n_heads, m.n_kv_heads, m.head_dim) != (n_heads, n_kv, head_dim):
+            raise ValueError(f"methods[{i}]: built for (Hq, Hkv, d) = {(m.n_heads, m.n_kv_heads, m.head_dim)}, "
+                             f"the model has {(n_heads, n_kv, head_dim)}")
+    base = model.config._attn_implementation or "sdpa"
+    if not base.startswith(_PREFIX):
+        model.set_attn_implementation(_register(base))
+    device = next(model.parameters()).device
+    for i in layers:
+        attn = attns[i]
+        attn.oal_method = methods[i].to(device)
+        if not getattr(attn, _HOOKS_ATTR, None):
+            setattr(attn, _HOOKS_ATTR, (attn.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                                        attn.register_forward_hook(_post_hook, with_kwargs=True)))
+    return model
+
+
+def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:
+    """layer index -> method for every converted layer of `model` (empty when none)."""
+    out = {}
+    for i, layer in enumerate(_decoder_layers(model)):
+        attn = encoder.attention_module(model, i) if encoder.is_encoder(model) else getattr(layer, "self_attn", None)
+        m = getattr(attn, "oal_method", None)
+        if m is not None:
+            out[i] = m
+    return out
+
+
+def is_converted(model: nn.Module) -> bool:
+    return bool(converted_methods(model))
+
+
+def kernel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable kernel parameters of every converted layer (e.g. OAL factors), for optimisers and peft."""
+    return [p for m in converted_methods(model).values() for p in m.parameters()]

@@ -1,0 +1,59 @@
+"""Checks of a model folder before anything loads it: config.json, a supported architecture, safetensors weights
+(never pickle); and the one-line errors those checks raise on `--model`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from oal.errors import InputError
+from oal.models.families import SUPPORTED_ARCHITECTURES
+from oal.rundir.files import load_json
+
+__all__ = ["ModelUnavailableError", "PICKLE_SUFFIXES", "bad_model", "check_model_folder", "first_line",
+           "looks_like_path"]
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class ModelUnavailableError(RuntimeError):
+    """A hub model that is neither reachable nor in the local cache."""
+
+
+def bad_model(message: str) -> InputError:
+    return InputError(message, "--model", "name_or_path")
+
+
+def first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def check_model_folder(path: Path, architectures: Mapping[str, str] | None = None) -> None:
+    """A loadable HF folder: config.json, a supported architecture (model_type -> class name; default: the causal
+    LMs of `models.families`), safetensors weights (never pickle)."""
+    if not (path / "config.json").is_file():
+        raise bad_model(f"{path} is not a Hugging Face model folder (no config.json)")
+    cfg = load_json(path / "config.json")
+    architectures = SUPPORTED_ARCHITECTURES if architectures is None else architectures
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type not in architectures:
+        archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or ["?"]
+        raise bad_model(f"{path}: unsupported architecture {archs[0]} (model_type={model_type!r}); supported: "
+                         f"{', '.join(f'{v} ({k})' for k, v in architectures.items())}")
+    files = [p.name for p in path.iterdir() if p.is_file()]
+    if not any(f.endswith(".safetensors") for f in files):
+        pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise bad_model(
+                f"{path} holds pickle weights only ({', '.join(pickles)}); oal loads safetensors only, since "
+                "unpickling can run code. Convert once, where you trust the file: "
+                "AutoModelForCausalLM.from_pretrained(PATH, use_safetensors=False).save_pretrained(NEW_PATH) "
+                "(writes model.safetensors), then pass NEW_PATH")
+        raise bad_model(f"{path} holds no weights (no *.safetensors file)")
+
+
+def looks_like_path(name: str) -> bool:
+    # a hub id is "owner/name"; anything else with a separator, or starting like a path, is a local path
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or "\\" in name

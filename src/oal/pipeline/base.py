@@ -1,0 +1,221 @@
+"""One seed's run directory and the stage mechanism every protocol of `oal run` shares.
+
+Each stage has a key: the hash of the configuration it reads and of the SHA256 of the files it reads (the outputs
+of earlier stages). A stage whose key matches the marker in `DIR/.oal/stages.json` and whose outputs still have the
+SHA256 recorded there is skipped, so a killed run continues where it stopped (calibration resumes per layer and
+adaptation mid-way from their checkpoints); a damaged output is reported and its stage recomputed, and every stage
+that read it follows, since its input hashes changed. Evaluation always rebuilds the model from the files on disk
+(kernels + adapter), so a resumed run and an uninterrupted one measure exactly the same model.
+
+A run directory belongs to one configuration (config.json): another configuration is refused with the differing
+keys named, unless `force=True` deletes the old results first. metrics.json records the SHA256 of the files its
+numbers were computed from.
+
+Under `torchrun` / `accelerate launch` every process runs the stages: calibration and adaptation run on all of
+them (`oal.launch`), every other stage on the main process while the others wait, and only the main process
+reads the stage log and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from rich.console import Console
+
+from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
+from oal.data.sources import load_corpus
+from oal.errors import InputError
+from oal.launch import process_device, ranks
+from oal.pipeline.config import RunConfig
+from oal.rundir.claim import claim_run_dir
+from oal.rundir.files import atomic_write_json, check_out_dir
+from oal.rundir.hashes import config_hash, versions
+from oal.rundir.stages import StageLog, Timer
+
+__all__ = ["CANDIDATES", "FIDELITY_FILE", "REFERENCE", "STAGES", "StagedRun"]
+
+FIDELITY_FILE = ".oal/fidelity.json"
+STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "regime", "budget", "adapt", "perplexity", "zeroshot",
+          "compare", "report")
+REFERENCE = "softmax"  # the method without an approximation (the reference arm)
+CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
+
+
+class Stop(Exception):
+    """Raised by `stop_after` (tests): simulate a kill right after a stage finished."""
+
+
+def _jsonable_provenance(obj):
+    """Provenance dicts may hold Paths or tensors; keep JSON-able values, stringify the rest."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable_provenance(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable_provenance(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+class StagedRun:
+    """One seed's run directory: setup (model, data, split plan, config.json), the stage mechanism, and metrics.json
+    from the stages whose records verify. A protocol subclass supplies the loading hooks (`_load_model`,
+    `_plan_blocks`, `_blocks_record`, `_default_layers`) and its stages."""
+
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
+                 progress: bool = True, stop_after: str | None = None, force: bool = False,
+                 allow_changes: tuple[str, ...] = ()):
+        """Nothing is written before `setup()` has loaded and checked the model, the data and the directory.
+
+        force: delete the results of another configuration found in `out_dir` and start clean;
+        allow_changes: configuration keys (dotted prefixes) that may differ from the recorded ones (the commands
+        that change part of a run, e.g. `oal adapt`).
+        """
+        self.cfg = cfg
+        self.dir = check_out_dir(out_dir)
+        # --device auto -> CUDA when present (under a launch: this process's GPU)
+        self.device = process_device(self.cfg.device)
+        self.ranks = ranks(self.device)
+        # the other processes of a launch compute but say nothing (the main process reports)
+        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
+        self.progress = progress and self.ranks.is_main
+        self.stop_after = stop_after
+        self.force = force
+        self.allow_changes = tuple(allow_changes)
+        self.log: StageLog | None = None
+        self.keys: dict[str, str] = {}
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+        self._base = None
+        self._zeroshot = None
+        self.zeroshot_skipped: dict[str, str] = {}
+
+    def setup(self) -> None:
+        """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
+        writes config.json (cheap, always runs). Every bad input fails here, before anything is written."""
+        with Timer() as t:
+            self.model, self.tokenizer, self.provenance = self._load_model()
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            n_layers = self.model.config.num_hidden_layers
+            # --layers auto:K: every layer is a candidate (calibrated into candidates/), the K best are converted
+            self.layers = self.cfg.layers if self.cfg.layers is not None else (
+                list(range(n_layers)) if self.cfg.select else self._default_layers())
+            if not self.layers or any(i >= n_layers for i in self.layers):
+                raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
+                                 "--layers", "layers")
+            if self.cfg.select and self.cfg.select["k"] > len(self.layers):
+                raise InputError(f"expected auto:K with K <= {len(self.layers)} (the candidate layers), got "
+                                 f"auto:{self.cfg.select['k']}", "--layers", "layers")
+            self.calib_root = self.dir / CANDIDATES if self.cfg.select else self.dir
+            try:
+                self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
+                self.plan, self.blocks = self._plan_blocks()
+            except (ValueError, OSError) as exc:
+                raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
+        config = {
+            **({"protocol": self.protocol} if self.protocol else {}),
+            "config": self.cfg.to_dict(),
+            "converted_layers": self.layers if not self.cfg.select else {**self.cfg.select, "candidates": self.layers},
+            "split_plan": self.plan.to_dict(),
+            "blocks": self._blocks_record(),
+            "model": _jsonable_provenance(self.provenance),
+            "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
+                     "meta": _jsonable_provenance(self.corpus.meta)},
+            "versions": versions(),
+        }
+        # content, not paths: the same model files and text elsewhere give the same key
+        self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),
+                                          "converted_layers": self.layers, "split_plan": config["split_plan"],
+                                          "blocks": config["blocks"], "dtype": self.cfg.dtype,
+                                          "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
+                                          "data": self.corpus.sha256})
+
+        def claim():  # the main process only: it alone reads the stage log and writes
+            claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
+            self.log = StageLog(self.dir)
+            atomic_write_json(self.dir / "config.json", config)
+            self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+
+        self.ranks.on_main(claim)
+
+    def base_model(self):
+        """A fresh copy of the pristine base model (stages modify models in place)."""
+        return copy.deepcopy(self.model)
+
+    @property
+    def kernel_methods(self) -> list[str]:
+        return [m for m in self.cfg.methods if m != REFERENCE]
+
+    def stage(self, name: str, deps: dict, outputs, fn, inputs=(), run: bool = True, parallel: bool = False) -> bool:
+        """Run `fn()` unless `name` already finished with the same key and its outputs verify; True when complete.
+
+        The key hashes `deps` (the configuration the stage reads) and the SHA256 of `inputs` (files of the run
+        directory it reads). `outputs` (files or folders) are hashed into the marker. With `run=False` the key is
+        computed and checked but nothing runs (False when the stage is not complete). Under a launch of several
+        processes the main process decides; `fn` runs on every process when `parallel` (it then writes on the main
+        process only), else on the main process alone.
+        """
+
+        def check():
+            read = self.log.outputs_hash(inputs)
+            key = config_hash({"stage": name, **deps, "inputs": read})
+            return read, key, self.log.done(name, key)
+
+        read, key, done = self.ranks.on_main(check)
+        self.keys[name] = key
+        if done:
+            self.skipped.append(name)
+            self.console.print(f"[dim]skip {name}: already done for this configuration[/dim]")
+            return True
+        if not run:
+            return False
+        self.console.rule(f"[bold]{name}")
+        with Timer() as t:
+            fn() if parallel else self.ranks.on_main(fn)
+        self.ranks.on_main(lambda: self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read))
+        self.ran.append(name)
+        if self.stop_after == name:
+            raise Stop(name)
+        return True
+
+    def kernel_files(self, method: str, root: Path | None = None) -> list[str]:
+        """`method`'s kernel files (under `root`: the run directory by default, or candidates/), relative to the run
+        directory (none for the softmax reference)."""
+        if method == REFERENCE:
+            return []
+        d = kernel_dir(root or self.dir, method).relative_to(self.dir)
+        return [str(d / KERNELS_FILE), str(d / META_FILE)]
+
+    def kernel_dir(self, method: str) -> Path:
+        return kernel_dir(self.dir, method)
+
+    def load_methods(self, method: str) -> dict:
+        methods, _ = load_kernels(self.kernel_dir(method))
+        return methods
+
+    def evaluation(self, name: str, path: str, compute) -> bool:
+        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative)."""
+        methods = self.kernel_methods
+        if not methods:
+            return True
+        deps = {"setup": self.keys["setup"], "methods": methods}
+        return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
+                          inputs=[f for m in methods for f in self.kernel_files(m)])
+
+    def metrics(self) -> dict:
+        """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
+        used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
+
+        def valid(stage):
+            ok = stage in self.keys and self.log.done(stage, self.keys[stage])
+            if ok:
+                used.append(stage)
+            return ok
+
+        out = self.results(valid)
+        out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
+        out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
+        return out

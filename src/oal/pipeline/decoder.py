@@ -1,0 +1,393 @@
+"""The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
+
+    setup -> analyze -> calibrate -> [select] -> fidelity -> regime -> budget -> adapt:<method> -> perplexity:<method>
+          -> zeroshot:<method> -> [compare:<layers>] -> report
+
+The bracketed stages run with `--layers auto:K` only (`pipeline.selection`): every layer is calibrated into candidates/,
+`select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
+the paper's range and the criterion's top layers at the paper's K for the report. `regime` measures softmax's
+attention regime and where the calibrated kernels sit beyond their vertex; `budget` draws Fig. 2(b)'s group-budget
+curve beside App. B's choice.
+
+The stage mechanism (keys, skipping, records, metrics from verified stages only) is `pipeline.base.StagedRun`'s;
+the encoder protocol (`pipeline.encoder.EncoderRun`) subclasses this one.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from oal.adaptation.adapter import load_adapter, save_adapter
+from oal.adaptation.config import adapt_identity
+from oal.adaptation.train import adapt
+from oal.analysis import analysis_inputs, analyze, load_groups
+from oal.analysis.regime import REGIME_FILE, attention_regime
+from oal.calibration.data import CalibConfig
+from oal.calibration.kernels import kernel_dir, load_kernels, model_fingerprint, save_kernels
+from oal.calibration.resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
+from oal.data import SplitPlan, bind_pretraining, default_plan, plan_blocks
+from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
+from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
+from oal.evaluate.fidelity import fidelity
+from oal.evaluate.perplexity import block_nll
+from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
+from oal.models.convert import convert
+from oal.models.registry import default_layers, load_model
+from oal.pipeline.aggregate import aggregate_seeds, summary_table
+from oal.pipeline.base import FIDELITY_FILE, REFERENCE, StagedRun
+from oal.pipeline.report import write_report
+from oal.pipeline.selection import comparison_sets, select_layers
+from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.hashes import config_hash, tensor_hash
+
+__all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
+
+SELECTION_FILE = "selection.json"
+NEEDS_GROUPS = ("oal",)  # methods that need stable-gap groups
+
+
+class Run(StagedRun):
+    """One seed's run directory and the lazily loaded model, corpus and token blocks (the decoder protocol).
+
+    Another protocol (`pipeline.encoder.EncoderRun`) subclasses it and overrides the hooks: `_load_model`,
+    `_plan_blocks`, `_blocks_record`, `_analysis_inputs`, `_fidelity_data`, `stages`, `results`, `report`,
+    `aggregate`, `summary`; setup, the stage mechanism, calibration and provenance stay here.
+    """
+
+    protocol: str | None = None  # recorded in config.json when set (the decoder protocol records none)
+
+
+    # ------------------------------------------------------------------------------------------------ loading
+
+    def _load_model(self):
+        # the base model in cfg.dtype, kernels/LoRA/calibration in fp32
+        return load_model(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
+
+    def _plan_blocks(self) -> tuple:
+        """(split plan, {role: token blocks [S, N]}) from the corpus."""
+        plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset),
+                                self.provenance, self.corpus)
+        return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
+
+    def _blocks_record(self) -> dict:
+        """What config.json records of the blocks (shapes and content hashes; part of the setup key)."""
+        return {r: {"shape": list(b.shape), "sha256_16": tensor_hash(b)} for r, b in self.blocks.items()}
+
+    def _default_layers(self) -> list[int]:
+        return list(default_layers(self.model))
+
+
+
+    # ------------------------------------------------------------------------------------------------ stages
+
+    def analyze(self) -> bool:
+        if not any(m in NEEDS_GROUPS for m in self.cfg.methods):
+            return True
+        deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
+
+        def fn():
+            analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
+                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
+
+        return self.stage("analyze", deps, ["groups.json"], fn)
+
+    def _analysis_inputs(self) -> dict:
+        """Held-out prompts and one long sequence: the App. A.3 stability checks (Fig. 6, Table 4)."""
+        extra = analysis_inputs(self.corpus, self.tokenizer, self.plan, data_dir=self.cfg.data_dir)
+        return {"heldout": extra["heldout"], "long_sequence": extra["long_sequence"]}
+
+    def _calib_config(self):
+        return CalibConfig(**{**self.cfg.calib, "seed": self.cfg.seed})
+
+    def calibrate(self) -> bool:
+        methods = self.kernel_methods
+        if not methods:
+            return True
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
+        root = self.calib_root.relative_to(self.dir)
+        outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
+        inputs = ["groups.json"] if "oal" in methods else []
+        return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs, parallel=True)
+
+    def _calibrate(self, methods: list[str]) -> None:
+        """On every process of a launch: each calibrates its share of the layers, the main process writes."""
+        cfg = self._calib_config()
+        groups = load_groups(self.dir) if "oal" in methods else {}
+        # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
+        # still to do are captured in one forward per block (DIR/.oal/capture, removed when done; the other
+        # processes of a launch capture their layers into a temporary folder outside the run directory)
+        checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
+        capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
+                                 config_hash({"setup": self.keys["setup"], "layers": self.layers}),
+                                 progress=self.progress)
+        per_method, report = calibrate_layers(
+            methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
+            progress=self.progress, console=self.console, ranks=self.ranks)
+        stats = capture.gathered_stats(self.ranks)
+        capture.remove()
+        if self.ranks.is_main:
+            write_calibration(self.calib_root, per_method, report, cfg, model=self.model,
+                              base_model=str(self.cfg.model), provenance=self.provenance,
+                              extra={"seed": self.cfg.seed}, capture=stats)
+            checkpoints.clear()
+
+    def select(self) -> bool:
+        """`--layers auto:K`: rank the calibrated candidates (`pipeline.selection`), write the K best layers' kernels
+        where a run keeps its kernels, and convert only those from here on."""
+        if not self.cfg.select:
+            return True
+        method = "oal" if "oal" in self.kernel_methods else self.kernel_methods[0]
+        deps = {"setup": self.keys["setup"], "select": self.cfg.select, "method": method,
+                "batch": self.cfg.eval_batch_size}
+        path = self.dir / SELECTION_FILE
+
+        def fn():
+            candidates = {m: load_kernels(kernel_dir(self.calib_root, m))[0] for m in self.kernel_methods}
+            sel = select_layers(self.model, candidates[method], **self.cfg.select,
+                                fidelity_blocks=self.blocks["calib_val"], val_blocks=self.blocks["val"],
+                                paper_layers=self._default_layers(), batch_size=self.cfg.eval_batch_size,
+                                progress=self.progress)
+            for m, ms in candidates.items():
+                save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
+                             provenance=self.provenance, fingerprint=model_fingerprint(self.model),
+                             extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
+            atomic_write_json(path, {**sel, "method": method})
+
+        done = self.stage("select", deps, [SELECTION_FILE] + [f for m in self.kernel_methods
+                                                               for f in self.kernel_files(m)], fn,
+                          inputs=[f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)])
+        self.layers = load_json(path)["chosen"]
+        return done
+
+    def compare(self, run: bool = True) -> bool:
+        """`--layers auto:K`: the selection's top paper-K layers against the paper's range, each adapted with the
+        selection's method and measured on the test blocks (a layer set equal to the converted one reuses its arm)."""
+        if not self.cfg.select:
+            return True
+        sel = load_json(self.dir / SELECTION_FILE)
+        method, complete = sel["method"], True
+        for tag, layers in comparison_sets(sel).items():
+            if layers == self.layers:
+                continue
+            processes = self.ranks.size if run else 1
+            deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
+                    "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                    "batch": self.cfg.eval_batch_size}
+            path = self.dir / ".oal" / f"compare_{tag}.json"
+
+            def fn(layers=layers, tag=tag, path=path):
+                candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
+                model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
+                before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                ckpt = self.dir / ".oal" / "checkpoints" / f"compare-{tag}"
+                peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
+                                      self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
+                                      description=f"adapt {method} {tag}")
+                after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
+                    atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
+                                             "ppl": math.exp(after[0] / after[1])})
+                    shutil.rmtree(ckpt, ignore_errors=True)
+
+            complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
+                                   inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
+        return complete
+
+    def _selection_metrics(self, valid, results: dict) -> dict | None:
+        """selection.json with the comparison at the paper's K; a layer set equal to the converted one takes its
+        arm's perplexities from `results` (this run's metrics, already read from the stage outputs)."""
+        if not (self.cfg.select and valid("select")):
+            return None
+        sel = load_json(self.dir / SELECTION_FILE)
+        m, comparison = sel["method"], {}
+        for tag, layers in comparison_sets(sel).items():
+            if layers == self.layers and m in results["perplexity"] and m in results["perplexity_no_adapt"]:
+                comparison[tag] = {"layers": layers, "ppl_no_adapt": results["perplexity_no_adapt"][m],
+                                   "ppl": results["perplexity"][m]}
+            elif layers != self.layers and valid(f"compare:{tag}"):
+                comparison[tag] = load_json(self.dir / ".oal" / f"compare_{tag}.json")
+        return {**sel, "comparison": comparison}
+
+    def fidelity(self) -> bool:
+        def compute(methods):
+            ids, kwargs = self._fidelity_data()
+            return fidelity(self.model, ids, {m: self.load_methods(m) for m in methods}, self.layers,
+                            progress=self.progress, **kwargs)
+
+        return self.evaluation("fidelity", FIDELITY_FILE, compute)
+
+    def _fidelity_data(self) -> tuple:
+        """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
+        return self.blocks["fidelity"].to(self.device), {}
+
+    def regime(self) -> bool:
+        """Softmax's attention regime on the held-out fidelity blocks, and where the calibrated quadratic kernels sit
+        beyond their vertex (regime.json)."""
+        def compute(methods):
+            res = attention_regime(self.model, self.blocks["fidelity"].to(self.device), self.layers,
+                                   kernels={m: self.load_methods(m) for m in methods})
+            self.console.print(f"attention regime: this model is {res['verdict']['text']}")
+            return res
+
+        return self.evaluation("regime", REGIME_FILE, compute)
+
+    def budget(self) -> bool:
+        """Fig. 2(b)'s group-budget curve for the first converted layer's head 0, beside App. B's choice."""
+        if "oal" not in self.cfg.methods:
+            return True
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "seed": self.cfg.seed,
+                "budgets": list(RUN_BUDGETS)}
+        return self.stage("budget", deps, [BUDGET_FILE], lambda: run_budget(
+            self.model, self.blocks, self.dir / "groups.json", self.layers[0], 0, self._calib_config(), self.dir),
+            inputs=["groups.json"])
+
+    def model_for(self, method: str):
+        """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
+        model = self.base_model()
+        if method != REFERENCE:
+            convert(model, self.layers, self.load_methods(method))
+        return model
+
+    def adapt(self, method: str, run: bool = True) -> bool:
+        # the number of processes sets the global batch (batch_size x processes x grad_accum), so it is part of the
+        # key: this launch's for an arm that runs now, the recorded one for an arm that is only checked
+        processes = self.ranks.size if run else self._trained_processes(method)
+        deps = {"setup": self.keys["setup"], "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
+                "method": method}
+        out = self.dir / "adapter" / method
+        ckpt = self.dir / ".oal" / "checkpoints" / method
+
+        def fn():
+            # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
+            # jointly with LoRA, App. F.2; fixed random features stay fixed)
+            model = self.model_for(method)
+            if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
+                enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
+            peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
+                                       self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
+                                       description=f"adapt {method}")
+            if self.ranks.is_main:  # every process holds the same tensors; one writes them
+                save_adapter(peft_model, out, result)
+                shutil.rmtree(ckpt, ignore_errors=True)
+
+        return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
+                          run=run, parallel=True)
+
+    def _trained_processes(self, method: str) -> int:
+        """How many processes trained `method`'s adapter on disk (its adapt.json; 1 when unknown)."""
+        try:
+            return int(load_json(self.dir / "adapter" / method / "adapt.json").get("processes", 1))
+        except (ValueError, TypeError, AttributeError):
+            return 1
+
+    def perplexity(self, method: str, adapted: bool, run: bool = True) -> bool:
+        name = f"perplexity:{method}" if adapted else f"perplexity_no_adapt:{method}"
+        deps = {"setup": self.keys["setup"], "method": method, "batch": self.cfg.eval_batch_size}
+        inputs = self.kernel_files(method) + ([f"adapter/{method}"] if adapted else [])
+        path = self.dir / ".oal" / f"{name.replace(':', '_')}.json"
+
+        def fn():
+            model = self.model_for(method)
+            if adapted:
+                model = load_adapter(model, self.dir / "adapter" / method)
+            total, count = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size,
+                                     progress=self.progress, description=name)
+            atomic_write_json(path, {"nll_sum": total, "tokens": count, "ppl": math.exp(total / count)})
+
+        return self.stage(name, deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
+
+    def zeroshot_sets(self) -> dict:
+        """The selected zero-shot tasks' examples (loaded once). A task whose data is unavailable is skipped with
+        one line saying how to provide it; a bad folder or file raises ValueError here, before any training."""
+        if self._zeroshot is None:
+            self._zeroshot, self.zeroshot_skipped = load_tasks(
+                self.cfg.zeroshot_tasks, data_dir=self.cfg.zeroshot_dir, task_files=self.cfg.zeroshot_files,
+                limit=self.cfg.zeroshot_limit)
+            for reason in self.zeroshot_skipped.values():
+                self.console.print(f"[yellow]skip zero-shot {reason}[/yellow]")
+        return self._zeroshot
+
+    def zeroshot(self, method: str, run: bool = True) -> bool:
+        """PIQA / HellaSwag / ARC-E (App. F.3) on the selected (adapted) checkpoint of `method`."""
+        sets = self.zeroshot_sets()
+        if not sets:
+            return True
+        data = {t: {k: v for k, v in prov.items() if k != "path"} for t, (_, prov) in sets.items()}
+        deps = {"setup": self.keys["setup"], "method": method, "data": data}
+        inputs = self.kernel_files(method) + [f"adapter/{method}"]
+        path = self.dir / ".oal" / f"zeroshot_{method}.json"
+
+        def fn():
+            model = load_adapter(self.model_for(method), self.dir / "adapter" / method)
+            res = evaluate_tasks(model, self.tokenizer, sets, progress=self.progress,
+                                 description=f"zeroshot:{method}")
+            atomic_write_json(path, {"tasks": res, "data": {t: prov for t, (_, prov) in sets.items()}})
+
+        return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
+
+    def stages(self, arms: list[str] | None = None) -> None:
+        """Every stage after setup, in order; `arms`: see `run_seed`."""
+        self.zeroshot_sets()  # fail on a bad data folder now, not after training
+        self.analyze()
+        self.calibrate()
+        self.select()
+        self.fidelity()
+        self.regime()
+        self.budget()
+        for m in self.cfg.methods:
+            active = arms is None or m in arms
+            self.perplexity(m, adapted=False, run=active)
+            if self.adapt(m, run=active):
+                self.perplexity(m, adapted=True, run=active)
+                self.zeroshot(m, run=active)
+        self.compare(run=arms is None)
+
+    # ------------------------------------------------------------------------------------------------ metrics
+
+    def results(self, valid) -> dict:
+        """The numbers of metrics.json, each read from a stage's output when `valid(stage)`."""
+        out = {"model": str(self.cfg.model), "converted_layers": self.layers, "seed": self.cfg.seed,
+               "methods": self.cfg.methods, "fidelity": {}, "perplexity": {}, "perplexity_no_adapt": {},
+               "adapt": {}}
+        if valid("fidelity"):
+            out["fidelity"] = load_json(self.dir / FIDELITY_FILE)
+        for m in self.cfg.methods:
+            for key, prefix in (("perplexity", "perplexity"), ("perplexity_no_adapt", "perplexity_no_adapt")):
+                if valid(f"{prefix}:{m}"):
+                    out[key][m] = load_json(self.dir / ".oal" / f"{prefix}_{m}.json")["ppl"]
+            if valid(f"adapt:{m}"):
+                res = load_json(self.dir / "adapter" / m / "adapt.json")
+                out["adapt"][m] = {k: res[k] for k in ("best_step", "best_val_nll", "steps", "n_lora_params",
+                                                        "n_kernel_params", "kernel_change", "processes",
+                                                        "global_batch") if k in res}
+        for m in self.cfg.methods:
+            if valid(f"zeroshot:{m}"):
+                res = load_json(self.dir / ".oal" / f"zeroshot_{m}.json")
+                merge_metrics(out, m, res["tasks"], res["data"], {})
+        if self.zeroshot_skipped:
+            out["zeroshot_skipped"] = dict(self.zeroshot_skipped)
+        selection = self._selection_metrics(valid, out)
+        if selection is not None:
+            out["selection"] = selection
+        return out
+
+    # ------------------------------------------------------------------------------------------------ reports
+
+    @staticmethod
+    def report(run_dir: Path, console: Console) -> None:
+        write_report(run_dir, console=console)
+
+    @staticmethod
+    def aggregate(per_seed: dict[int, dict]) -> dict:
+        return aggregate_seeds(per_seed)
+
+    @staticmethod
+    def summary(metrics: dict) -> Table:
+        return summary_table(metrics)
+
+

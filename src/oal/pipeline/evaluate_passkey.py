@@ -1,0 +1,90 @@
+"""Passkey retrieval of a run directory's arms (`oal evaluate --passkey`), merged into its metrics.json.
+
+Every arm is measured twice when it can be: before adaptation (calibrated kernels, no adapter) and after (the run's
+LoRA adapter, merged). The softmax arm is the reference. Results go to metrics.json["passkey"][<method>] as
+{"no_adapt": {...}, "adapted": {...}} through `merge_and_report`, with the SHA256 of the kernel and adapter files
+they came from. Each (arm, variant) result is also kept in DIR/.oal/passkey/ under a key made of the settings and
+those hashes, so a run killed part way resumes at the next arm and a finished one is not measured again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from oal.errors import InputError
+from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.hashes import config_hash
+
+__all__ = ["evaluate_passkey_run"]
+
+log = logging.getLogger("oal")
+
+
+def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None,
+                         lengths: Sequence[int] | None = None, depths: Sequence[float] | None = None,
+                         trials: int = 4, seed: int = 0, adapter: bool | None = None, device: str = "cpu",
+                         dtype=None, progress: bool = True, console=None) -> dict[str, dict]:
+    """{method: {"no_adapt": result, "adapted": result}} (a variant is absent when it cannot be built: no adapter in
+    the run, or `adapter` False/True asking for one of them only); `result` as `evaluate_passkey` returns it."""
+    from oal.artefact.arms import adapter_dir, arm_inputs, load_arm
+    from oal.evaluate.passkey import DEPTHS, answer_tokens, default_lengths, evaluate_passkey
+    from oal.pipeline.report import merge_and_report
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
+    if not methods:
+        raise InputError("expected at least one method", "--methods", "methods")
+    if trials < 1:
+        raise InputError(f"expected trials >= 1, got {trials}", "--trials", "trials")
+    cache = out_dir / ".oal" / "passkey"
+    # the requested settings (lengths None: the model's default lengths) make each arm's cache key with its files
+    settings = {"lengths": list(lengths) if lengths else None, "depths": list(depths or DEPTHS), "trials": trials,
+                "seed": seed}
+    results: dict[str, dict] = {}
+    for m in methods:
+        has_adapter = (adapter_dir(out_dir, m) / "adapter_config.json").is_file()
+        if adapter and not has_adapter:
+            raise InputError(f"{adapter_dir(out_dir, m)}: the run has no adapter for {m!r}", "--adapter", "adapter")
+        variants = [v for v, on in (("no_adapt", adapter is not True), ("adapted", adapter is not False and
+                                                                        has_adapter)) if on]
+        inputs: dict[str, str] = {}
+        for variant in variants:
+            adapted = variant == "adapted"
+            used = arm_inputs(out_dir, m, adapter_dir(out_dir, m) if adapted else None)
+            inputs.update(used)
+            # checked before the arm is loaded, so a resumed evaluation does not load the arms it already measured
+            key = config_hash({**settings, "inputs": used, "device": str(device), "dtype": str(dtype)})
+            path = cache / f"{m}_{variant}.json"
+            cached = load_json(path) if path.is_file() else {}
+            if cached.get("key") == key:
+                log.info("passkey %s (%s): already measured for these settings and files", m, variant)
+                results.setdefault(m, {})[variant] = cached["result"]
+                continue
+            arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
+            max_pos = getattr(arm.config, "max_position_embeddings", None)
+            lens = settings["lengths"] or default_lengths(max_pos, reserve=answer_tokens(tok))
+            res = evaluate_passkey(arm, tok, lengths=lens, depths=settings["depths"], trials=trials, seed=seed,
+                                   progress=progress, description=f"passkey:{m} ({variant})")
+            atomic_write_json(path, {"key": key, "result": res})
+            results.setdefault(m, {})[variant] = res
+        if m in results:
+            merge_and_report(out_dir, {"passkey": {m: results[m]}}, inputs, console=console)
+    return results
+
+
+def passkey_rich_table(res: dict) -> Table:
+    """`evaluate_passkey_run`'s result for the terminal (the report's table, as rich)."""
+    from oal.evaluate.passkey import passkey_table
+
+    _, header, rows = passkey_table(res)
+    table = Table(title="passkey retrieval accuracy by context length (greedy, exact match)")
+    for col in header:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -1,0 +1,72 @@
+"""Zero-shot PIQA / HellaSwag / ARC-E (Table 3, App. F.3) of a run directory's arms, merged into its metrics.json
+(`oal evaluate --zeroshot`).
+
+Each arm is loaded as `artefact.arms.load_arm` does (the recorded base model, checked; the kernels; the run's
+adapter by default), scored by `evaluate.zeroshot.evaluate_tasks`, and merged through
+`pipeline.report.merge_and_report` with the SHA256 of the run files it read. A task whose data is not available
+is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from oal.errors import InputError
+
+__all__ = ["evaluate_zeroshot"]
+
+log = logging.getLogger("oal")
+
+
+def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None, tasks=None,
+                      task_files: dict | None = None, zeroshot_dir: str | None = None, limit: int | None = None,
+                      adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
+                      console=None) -> dict[str, dict]:
+    """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
+    from oal.artefact.arms import arm_inputs, load_arm
+    from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
+    from oal.pipeline.report import merge_and_report
+    from oal.rundir.metrics import read_metrics
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
+    if not methods:
+        raise InputError("expected at least one method", "--methods", "methods")
+    sets, skipped = load_tasks(tasks, data_dir=zeroshot_dir, task_files=task_files, limit=limit)
+    for reason in skipped.values():
+        log.warning("skip zero-shot %s", reason)
+    provenance = {t: prov for t, (_, prov) in sets.items()}
+    scores: dict[str, dict] = {}
+    for m in methods if sets else ():
+        model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
+        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}")
+        inputs = arm_inputs(out_dir, m, info["adapter"])
+        # zeroshot.<m>.<task> per task (earlier tasks of the method kept), zeroshot_data, zeroshot_skipped
+        current = read_metrics(out_dir)
+        merged = merge_metrics({"zeroshot": {m: dict(current.get("zeroshot", {}).get(m, {}))},
+                                "zeroshot_skipped": current.get("zeroshot_skipped", {})},
+                               m, scores[m], provenance, skipped)
+        merge_and_report(out_dir, {k: merged[k] for k in ("zeroshot", "zeroshot_data") if k in merged}, inputs,
+                       console=console)
+    if not scores:
+        merge_and_report(out_dir, {"zeroshot_skipped": skipped}, {}, console=console)
+    return scores
+
+
+def zeroshot_table(scores: dict) -> Table:
+    """`evaluate_zeroshot`'s scores for the terminal (%; acc_norm is the paper's normalisation)."""
+    from oal.data.zeroshot import DISPLAY_NAMES
+
+    table = Table(title="zero-shot accuracy (%; acc_norm: the paper's normalisation)")
+    for col in ("method", "task", "acc", "acc_norm", "acc_norm (lm-eval)", "n"):
+        table.add_column(col, justify="right")
+    for m, res in scores.items():
+        for t, r in res.items():
+            table.add_row(m, DISPLAY_NAMES[t], *(f"{r[k]:.2f}" for k in ("acc", "acc_norm", "acc_norm_lmeval")),
+                          str(r["n"]))
+    return table

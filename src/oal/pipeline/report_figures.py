@@ -1,0 +1,115 @@
+"""The report's own figures: calibration curves, adaptation curves and the perplexity bars (written atomically; a
+figure that has nothing to show is not drawn and the report says so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from oal.pipeline.report_format import display_name, ordered, read_optional  # noqa: E402
+from oal.rundir.files import atomic_save_figure  # noqa: E402
+
+__all__ = ["adaptation_figure", "calibration_figure", "perplexity_figure"]
+
+
+def _carry(curve: list, steps: list[int]) -> list[float]:
+    """Validation MSE at `steps`, holding the last value after a head stopped early."""
+    out, j, last = [], 0, None
+    for s in steps:
+        while j < len(curve) and curve[j][0] <= s:
+            last = curve[j][1]
+            j += 1
+        out.append(last if last is not None else float("nan"))
+    return out
+
+
+def _auto_scale(ax, values, label: str) -> None:
+    """Log scale only when the values span more than a factor 20 (otherwise log ticks are unreadable)."""
+    vals = [v for v in values if v == v and v > 0]
+    log = bool(vals) and max(vals) / min(vals) > 20
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(label + (" (log scale)" if log else ""))
+
+
+def calibration_figure(calibration: dict, path: Path) -> bool:
+    """Per method: mean validation MSE over heads and layers against updates, one line per initialisation."""
+    methods = [m for m in ordered(calibration.get("methods", {}))
+               if any(v.get("heads") for v in calibration["methods"][m].values())]
+    if not methods:
+        return False
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], methods, strict=True):
+        curves: dict[str, list] = {}
+        for layer in calibration["methods"][m].values():
+            for head in layer["heads"]:
+                for init, c in head.get("curves", {}).items():
+                    if c:
+                        curves.setdefault(init, []).append(c)
+        plotted = []
+        for init, cs in sorted(curves.items()):
+            steps = sorted({int(p[0]) for c in cs for p in c})
+            vals = [_carry(c, steps) for c in cs]
+            mean = [sum(v[i] for v in vals) / len(vals) for i in range(len(steps))]
+            ax.plot(steps, mean, marker="o", ms=3, label=init)
+            plotted += mean
+        ax.set_title(f"{display_name(m)}: calibration (Eq. 20)")
+        ax.set_xlabel("update")
+        _auto_scale(ax, plotted, "validation output MSE (mean over heads)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
+    return True
+
+
+def adaptation_figure(run_dir: Path, methods: list[str], path: Path) -> bool:
+    runs = {m: read_optional(run_dir / "adapter" / m / "adapt.json") for m in methods}
+    runs = {m: r for m, r in runs.items() if r}
+    if not runs:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for m in ordered(runs):
+        hist = runs[m]["history"]
+        steps, loss = [h["step"] for h in hist], [h["loss"] for h in hist]
+        k = max(1, len(loss) // 20)  # moving average over ~5% of the updates
+        smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
+        ax1.plot(steps, smooth, label=display_name(m))
+        val = runs[m]["validation"]
+        ax2.plot([v["step"] for v in val], [v["val_nll"] for v in val], marker="o", label=display_name(m))
+    ax1.set(title="Adaptation: training loss (moving average)", xlabel="update", ylabel="next-token NLL (nats)")
+    ax2.set(title="Validation NLL (checkpoint selection)", xlabel="update", ylabel="next-token NLL (nats)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
+    return True
+
+
+def perplexity_figure(metrics: dict, path: Path) -> bool:
+    ppl = metrics.get("perplexity", {})
+    if not ppl:
+        return False
+    methods = ordered(ppl)
+    pre = metrics.get("perplexity_no_adapt", {})
+    std = metrics.get("perplexity_std", {})
+    fig, ax = plt.subplots(figsize=(1.6 * len(methods) + 2, 3.8))
+    x = range(len(methods))
+    if pre:
+        ax.bar([i - 0.2 for i in x], [pre.get(m, float("nan")) for m in methods], 0.4, label="before adaptation",
+               color="#bbbbbb")
+    ax.bar([i + 0.2 for i in x], [ppl[m] for m in methods], 0.4, yerr=[std.get(m, 0.0) for m in methods],
+           label="after LoRA adaptation", color="#3a6ea5")
+    ax.set_xticks(list(x), [display_name(m) for m in methods], rotation=15)
+    _auto_scale(ax, list(ppl.values()) + list(pre.values()), "test perplexity")
+    ax.set_title("Test perplexity (App. F.3 protocol)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
+    return True

@@ -1,0 +1,163 @@
+
+from pathlib import Path
+
+from rich.console import Console
+
+from oal.errors import InputError
+from oal.launch import process_device, ranks
+from oal.models.encoder import is_encoder_model
+from oal.pipeline.base import REFERENCE, Stop
+from oal.pipeline.config import RunConfig
+from oal.pipeline.decoder import SELECTION_FILE, Run
+from oal.rundir.claim import multi_seed_layout
+from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp, load_json
+from oal.rundir.hashes import config_hash, sha256_file
+from oal.rundir.stages import Timer
+
+
+def run_class(cfg: RunConfig) -> type[Run]:
+    """The protocol of `cfg.model`: `EncoderRun` for a local BERT-family encoder folder, `Run` otherwise."""
+    if is_encoder_model(cfg.model):
+        from oal.pipeline.encoder import EncoderRun
+
+        if cfg.select:
+            raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
+                             "layers")
+
+        return EncoderRun
+    return Run
+
+
+def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
+             stop_after: str | None = None, force: bool = False, arms: list[str] | None = None,
+             allow_changes: tuple[str, ...] = ()) -> dict:
+    """All stages for one seed; returns metrics.json's content.
+
+    `arms`: run the adapt/perplexity stages of these methods only (the others are reported when their recorded
+    outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
+    stage outputs, so they describe exactly the files on disk.
+    """
+    r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
+                       allow_changes=allow_changes)
+    try:
+        r.setup()
+        r.stages(arms)
+    except Stop:
+        return {}
+
+    def finish():  # the main process writes; every process returns the same metrics
+        metrics = r.metrics()
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        with Timer() as t:
+            r.report(r.dir, r.console)
+        r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
+        metrics["elapsed_s"]["report"] = round(t.seconds, 3)
+        atomic_write_json(r.dir / "metrics.json", metrics)
+        return metrics
+
+    return r.ranks.on_main(finish)
+
+
+def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
+              dtype: str | None = None, console: Console | None = None, progress: bool = True,
+              batch_size: int | None = None, grad_accum: int | None = None,
+              lora_dropout: float | None = None) -> dict:
+    """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with other adaptation settings
+    (`steps`, `batch_size`, `grad_accum`, `lora_dropout`; recorded in config.json as that arm's `adapt_overrides`).
+    Its adapt and perplexity stages rerun when their keys changed, and metrics.json and report.md are rewritten, so
+    they describe the adapter now on disk. Returns the new metrics (on every process of a launch)."""
+    out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(device or "auto"))
+    settings = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum),
+                                  ("lora_dropout", lora_dropout)) if v is not None}
+    d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings))
+    if device is not None:
+        d["device"] = device  # a runtime choice, not part of the run's configuration
+    cfg = RunConfig.from_dict(d)
+    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
+                    allow_changes=("config.adapt_overrides", "config.methods"))
+
+
+def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -> dict:
+    """The run configuration of `oal adapt`: the recorded one, with `method`'s arm and its adapt `settings`."""
+    cfg_path = out_dir / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
+    config = load_json(cfg_path)
+    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
+        raise ValueError(f"{cfg_path}: damaged, expected a run configuration")
+    parent = out_dir.parent / "config.json"
+    if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
+        raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
+                         "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
+    if config.get("protocol") == "encoder":
+        raise InputError(f"{out_dir} is an encoder run; adaptation is implemented for causal LMs only", "--out",
+                         "out_dir")
+    d = dict(config["config"])
+    if method not in d["methods"]:
+        if method != REFERENCE:
+            raise InputError(f"{out_dir} has no calibrated kernels for {method!r}; run `oal run --out {out_dir} "
+                             f"--methods ...,{method}` first", "--method", "method")
+        d["methods"] = [*d["methods"], method]
+    if dtype is not None and dtype != d.get("dtype", "float32"):
+        raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")
+    if settings:
+        overrides = dict(d.get("adapt_overrides") or {})
+        overrides[method] = {**overrides.get(method, {}), **settings}
+        d["adapt_overrides"] = overrides
+    RunConfig.from_dict(d)  # a bad setting (e.g. lora_dropout 1.5) fails here, on the main process, for every one
+    return d
+
+
+def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
+        progress: bool = True, force: bool = False) -> dict:
+    """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
+    """
+    out_dir = check_out_dir(out_dir)
+    group = ranks(process_device(cfg.device))
+    console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
+    seeds = seeds or [cfg.seed]
+    protocol = run_class(cfg)
+    group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
+    if len(seeds) == 1:
+        metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
+    else:
+        group.on_main(lambda: clean_tmp(out_dir))
+        per_seed = {}
+        for s in seeds:
+            console.rule(f"[bold]seed {s}")
+            per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
+                                   force=force)
+        metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
+    console.print(protocol.summary(metrics))
+    return metrics
+
+
+def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
+                     console: Console) -> dict:
+    """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
+    metrics = protocol.aggregate(per_seed)
+    metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
+                         for s in seeds}
+    config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
+    atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
+    atomic_write_json(out_dir / "metrics.json", metrics)
+    protocol.report(out_dir, console)
+    return metrics
+
+
+def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
+                  force: bool = False) -> dict:
+    """`oal select-layers`: the stages of `oal run --layers auto:K` up to the layer selection (selection.json); `oal
+    run` with the same options continues from there."""
+    if not cfg.select:
+        raise InputError("expected a layer selection such as auto:2", "--k", "select")
+    r = Run(cfg, out_dir, console=console, progress=progress, force=force)
+    r.setup()
+    r.analyze()
+    r.calibrate()
+    r.select()
+    return load_json(r.dir / SELECTION_FILE)

@@ -1,0 +1,172 @@
+"""Files of a run directory: atomic writes and the readers that name the file they fail on.
+
+Every file of a run directory is written to a temporary name in the same folder and renamed into place, so a
+killed process leaves either the old file or the new one, never half of one (`clean_tmp` removes the temporary
+names a kill leaves behind). Readers of JSON and safetensors files raise a ValueError that names the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from oal.errors import InputError
+
+__all__ = ["atomic_dir", "atomic_save_figure", "atomic_save_safetensors", "atomic_write", "atomic_write_json",
+           "atomic_write_text", "check_out_dir", "clean_tmp", "existing_dir", "load_json", "load_safetensors",
+           "to_jsonable"]
+
+log = logging.getLogger("oal")
+
+
+def _tmp_path(path: Path) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; run outputs are ordinary readable files
+    os.replace(tmp, path)
+
+
+def atomic_write(path: str | Path, write) -> Path:
+    """Call `write(tmp)` on a temporary file beside `path`, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    try:
+        write(tmp)
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure as PNG atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", **savefig_kwargs))
+    finally:
+        plt.close(fig)
+
+
+def to_jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+
+
+def atomic_write_json(path: str | Path, obj) -> Path:
+    """JSON with sorted keys and a trailing newline (stable bytes for stable hashes)."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=to_jsonable) + "\n")
+
+
+def load_json(path: str | Path):
+    """Parse a JSON file; a missing, unreadable or damaged file is a ValueError naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: damaged, not valid JSON ({exc})") from None
+
+
+def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
+    """safetensors needs contiguous, non-shared tensors: clone them (they are small: adapters, factors)."""
+    tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file; a missing, truncated or damaged file is a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: damaged or truncated safetensors file ({exc})") from None
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Fill a fresh temporary directory, then swap it in for `path` (old contents removed only afterwards)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        yield tmp
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)  # also a stale one left by a kill between the renames
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def existing_dir(path: str | Path) -> Path | None:
+    """`path`, or the previous version `atomic_dir` keeps while swapping (a kill can land between the renames)."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    return path if path.is_dir() else (old if old.is_dir() else None)
+
+
+def clean_tmp(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary files and folders (`.NAME.*.tmp`) a killed process left below `run_dir`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = sorted((p for p in run_dir.rglob(".*.tmp")), key=lambda p: len(p.parts), reverse=True)
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temporary file(s) left by an interrupted run in %s", len(stale), run_dir)
+    return stale
+
+
+def check_out_dir(path: str | Path, param: str = "--out") -> Path:
+    """`path` is usable as an output folder: not an existing file, and not below one. Creates nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} is an existing file; expected a directory", param)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{parent} is a file, so {path} cannot be created below it", param)
+            break
+    return path
+
+

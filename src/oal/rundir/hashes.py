@@ -1,0 +1,75 @@
+"""Hashes that bind a run's artefacts to what they were made from: files, folders, tensors, configurations, and the
+versions of the libraries whose numerics the results depend on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from oal.rundir.files import to_jsonable
+
+__all__ = ["config_hash", "sha256_file", "sha256_files", "sha256_tree", "tensor_hash", "versions"]
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """SHA256 (first 16 hex) of a tensor's dtype, shape and bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def config_hash(obj) -> str:
+    """SHA256 (first 16 hex) of the canonical JSON of `obj`."""
+    blob = json.dumps(obj, sort_keys=True, default=to_jsonable, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_files(folder: str | Path, suffixes=(".safetensors", ".json", ".txt", ".model", ".bin")) -> dict:
+    """SHA256 of the model-defining files of a local checkpoint folder (relative name -> hash)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix in suffixes}
+
+
+def sha256_tree(root: str | Path, rel: str | Path) -> dict[str, str]:
+    """SHA256 of `root/rel` (a file), or of every file below it (a folder), keyed by path relative to `root`.
+
+    A missing path gives {} (so a removed output shows up as a difference).
+    """
+    root = Path(root)
+    path = root / rel
+    if path.is_file():
+        return {str(Path(rel)): sha256_file(path)}
+    if path.is_dir():
+        return {str(p.relative_to(root)): sha256_file(p) for p in sorted(path.rglob("*"))
+                if p.is_file() and not p.name.endswith(".tmp")}
+    return {}
+
+
+def versions() -> dict[str, str]:
+    """Versions of the interpreter and of the libraries whose numerics the results depend on."""
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for mod in ("torch", "transformers", "peft", "safetensors", "datasets", "numpy", "oal"):
+        try:
+            from importlib.metadata import version
+
+            out[mod] = version(mod)
+        except Exception:  # not installed: record the absence rather than fail a run
+            out[mod] = "absent"
+    return out

@@ -1,0 +1,87 @@
+"""Stage records of a run directory (`DIR/.oal/stages.json`): a stage is skipped only when its key matches and the
+files it wrote still hash as recorded, so a damaged output is recomputed rather than trusted."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.hashes import sha256_tree
+
+__all__ = ["StageLog", "Timer"]
+
+log = logging.getLogger("oal")
+
+
+class StageLog:
+    """Stage-done markers in `DIR/.oal/stages.json`: stage -> {key, outputs, sha256, inputs, elapsed_s, finished}.
+
+    `done(stage, key)` is True only when the stage finished with the same key (the hash of its configuration and
+    of the files it read) and every file it wrote still has the SHA256 recorded when it finished.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ".oal" / "stages.json"
+        self.stages: dict = load_json(self.path) if self.path.exists() else {}
+        if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
+            raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
+        self._verified: set[str] = set()
+
+    def outputs_hash(self, outputs) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for o in outputs:
+            out.update(sha256_tree(self.run_dir, o))
+        return out
+
+    def damaged(self, stage: str) -> list[str]:
+        """Recorded outputs of `stage` that are missing or whose SHA256 changed (all of them without a record)."""
+        rec = self.stages.get(stage) or {}
+        want = rec.get("sha256")
+        if not isinstance(want, dict) or not want:
+            return [str(o) for o in rec.get("outputs", [])] or ["(no recorded outputs)"]
+        have = self.outputs_hash(rec.get("outputs", []))
+        return sorted(f for f in set(want) | set(have) if want.get(f) != have.get(f))
+
+    def done(self, stage: str, key: str) -> bool:
+        rec = self.stages.get(stage)
+        if rec is None or rec.get("key") != key:
+            return False
+        if stage in self._verified:
+            return True
+        bad = self.damaged(stage)
+        if bad:
+            log.warning("stage %s: %s changed or missing since it finished (SHA256 differs from %s); recomputing",
+                        stage, ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""), self.path)
+            return False
+        self._verified.add(stage)
+        return True
+
+    def mark(self, stage: str, key: str, elapsed_s: float, outputs=(), inputs: dict | None = None, **extra) -> None:
+        outputs = [str(o) for o in outputs]
+        self.stages[stage] = {"key": key, "outputs": outputs, "sha256": self.outputs_hash(outputs),
+                              **({"inputs": inputs} if inputs else {}),
+                              "elapsed_s": round(float(elapsed_s), 3),
+                              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
+        self._verified.add(stage)
+        atomic_write_json(self.path, self.stages)
+
+    def forget(self, stage: str) -> None:
+        self._verified.discard(stage)
+        if self.stages.pop(stage, None) is not None:
+            atomic_write_json(self.path, self.stages)
+
+    def elapsed(self) -> dict[str, float]:
+        return {k: v["elapsed_s"] for k, v in self.stages.items()}
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
