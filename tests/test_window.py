@@ -265,6 +265,26 @@ def test_huge_logits_are_exact_and_finite(kind, dtype, logit, tol):
         assert all(bool(torch.isfinite(g).all()) for g in grads(out, (qq, kk, vv)))
 
 
+def test_rescaled_kernel_keeps_its_weight_against_the_window():
+    """fp32 scores beyond finfo.max^(1/4) make the operator evaluate kappa / lam (`oal.ops._rescaled`); lam must
+    come back in the shared normaliser. W = 1: odd queries see their own key at s = 43 and even older keys at
+    s = 2.5e9 (log kappa ~ 43), so both parts carry weight and a lost lam (1 / 1.6e21) would show."""
+    q, k, v, groups, factor = make(1, 1, 1, 9, d=16, dv=4, seed=2)
+    q, k = q * 0.1, k * 0.1
+    q[..., 0] = 1e5
+    k[..., 0] = torch.where(torch.arange(9) % 2 == 0, 1e5, 43 * 4 / 1e5)  # s = scale q_0 k_0 = 2.5e9 or 43
+    kw = dict(window=1, groups=groups, eps=1e-6)
+    want = window_attention(q, k, v, factor=factor, backend="reference", **kw)
+    from oal.ops.window import window_log_weights
+
+    logw = window_log_weights(q, k, torch.arange(9), window=1, scale=0.25, kernel=(groups, factor, 1e-6))
+    share = torch.exp(logw.diagonal(dim1=-2, dim2=-1) - logw.logsumexp(-1))[0, 0, 3::2]  # window weight, odd i
+    assert bool((share > 0.02).all() and (share < 0.98).all()), share
+    for backend in ("banded", "recurrent"):
+        out = window_attention(q.float(), k.float(), v.float(), factor=factor.float(), backend=backend, **kw)
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4, msg=backend)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_low_precision_inputs(kind):
     q, k, v, groups, factor = make(n=70, dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ from ..chunked import chunked_attention
 from .normaliser import merge_max, normalise
 
 # Queries per chunk: a chunk computes C x (C + W - 1) scores for its C x W band, and small GEMMs cost overhead.
+# Measured (swa, N=4096, W=64, d=64, Hq=4, 1 thread, one noisy run): C = 16, 32, 64 took 143, 147, 177 ms.
 CHUNK = 32
 # Scores per (batch, query head) in one block of chunks: bounds the band's memory for long sequences.
 BAND_BLOCK = 1 << 19

@@ -45,7 +45,9 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
         acc = torch.exp(s - m.unsqueeze(-1)) @ slots[..., d:]
         older = None
         if kernel is not None:
-            prefix = prefix + key_features(left[:, :, None, :d]).transpose(-1, -2) @ left[:, :, None, d:]
+            psi = key_features(left[:, :, None, :d]).transpose(-1, -2)  # Eq. 5 for the evicted row, in one pass
+            prefix = torch.baddbmm(prefix.flatten(0, 1), psi.flatten(0, 1), left[:, :, None, d:].flatten(0, 1))
+            prefix = prefix.view(bsz, n_kv, *prefix.shape[1:])
             phi = query_features(kernel.q[:, :, t : t + 1], *kernel.coeffs, kernel.scale)  # [B, Hq, 1, F]
             older = phi.view(bsz, n_kv, rep, -1) @ prefix
         outs.append(normalise(m, acc, older, kernel.lam if kernel is not None else 1.0))
