@@ -150,8 +150,10 @@ def window_attention(
     state = None if initial_state is None else initial_state.to(dtype)
     if backend == "auto":
         backend = "recurrent" if state is not None and n <= DECODE_TOKENS else "banded"
-    make_state = lambda: empty_window_state(bsz, n_kv, d, dv, window, sinks, has_kernel,  # noqa: E731
-                                            dtype=dtype, device=q.device)
+
+    def make_state():
+        return empty_window_state(bsz, n_kv, d, dv, window, sinks, has_kernel, dtype=dtype, device=q.device)
+
     if n == 0 or bsz == 0:  # nothing to attend: an empty result, the state unchanged
         out, final = q.new_zeros(bsz, n_q, n, dv), (state if state is not None else make_state())
     elif backend == "reference":
@@ -177,6 +179,7 @@ def window_attention(
     try:  # never a silent NaN: the inputs were finite, so say why
         _max_abs("out", out)
     except ValueError:
-        raise ValueError(f"q/k/factor: the kernel overflowed {dtype}; use float64 inputs") from None
+        what = "q/k/factor: the kernel" if has_kernel else "q/k: the scores"
+        raise ValueError(f"{what} overflowed {dtype}; use float64 inputs") from None
     out = out.to(out_dtype)
     return (out, final) if output_final_state else out
