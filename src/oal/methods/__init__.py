@@ -1,4 +1,4 @@
-"""Attention methods behind one interface: `oal`, `global`, `softmax` and the paper's baselines."""
+"""Attention methods behind one interface: `oal`, `global`, `softmax`, the paper's baselines, sliding windows."""
 
 from oal.methods.base import AttentionMethod, build_method, get_method, method_names, register, repeat_kv
 

@@ -28,7 +28,7 @@ def register(cls: type[AttentionMethod]) -> type[AttentionMethod]:
 
 
 # Modules holding the built-in methods; each registers itself on import.
-_BUILTIN = ("oal", "softmax", "performer", "spectraformer", "dijiang", "taylorshift")
+_BUILTIN = ("oal", "softmax", "performer", "spectraformer", "dijiang", "taylorshift", "window")
 
 
 def _load_builtin() -> None:

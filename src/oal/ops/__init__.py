@@ -119,13 +119,14 @@ def _max_abs(name: str, t: torch.Tensor) -> float:
 
 
 def _rescaled(q, qmax: float, kmax: float, factor, eps: float, scale: float, dtype: torch.dtype):
-    """(q, factor, eps, scale) with which `dtype` evaluates the kernel without overflow (max |q|, max |k| given).
+    """(q, factor, eps, scale, lam) with which `dtype` evaluates kappa / lam without overflow (max |q|, |k| given).
 
     kappa / lam = eps / lam + |L'^T [1, s / sqrt(lam)]|^2 with L' = L whose row 0 is divided by sqrt(lam)
     (Eq. 7), and the output num / den does not change when every kappa is divided by lam. So scores too large
     for `dtype` (bound s_max beyond max^(1/4), where the readout's s^2-sized terms could overflow) are evaluated
     exactly with lam = s_max^2: q / max|q| and scale 1 / (d max|k|), which keeps the query features near 1
     and the state (raw keys, by contract) unchanged. Keys whose own products k_r k_t overflow are refused.
+    lam is 1 when nothing was rescaled (the sliding-window hybrid needs it: there kappa's scale does not cancel).
     """
     info = torch.finfo(dtype)
     if kmax * kmax > info.max / 1e6:  # the state holds the raw products k_r k_t
@@ -133,10 +134,10 @@ def _rescaled(q, qmax: float, kmax: float, factor, eps: float, scale: float, dty
     d = q.shape[-1]
     s_max = abs(scale) * d * qmax * kmax  # |s| <= scale d max|q| max|k|
     if s_max <= info.max**0.25:
-        return q, factor, eps, scale
+        return q, factor, eps, scale, 1.0
     row0 = torch.ones(factor.shape[-1], 1, dtype=factor.dtype, device=factor.device)
     row0[0] = 1.0 / s_max
-    return q / qmax, factor * row0, eps / s_max**2, math.copysign(1.0 / (d * kmax), scale)
+    return q / qmax, factor * row0, eps / s_max**2, math.copysign(1.0 / (d * kmax), scale), s_max**2
 
 
 def oal_attention(
@@ -167,7 +168,7 @@ def oal_attention(
     dtype = _compute_dtype(q.dtype)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    q, factor, eps, scale = _rescaled(q, qmax, kmax, factor.to(dtype), eps, scale, dtype)
+    q, factor, eps, scale, _ = _rescaled(q, qmax, kmax, factor.to(dtype), eps, scale, dtype)
     if backend == "triton" and not causal:  # the kernels are causal; the torch path serves the rest
         backend = "chunked"
     if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal)):

@@ -160,17 +160,23 @@ def _readout(phi, states, ws=None, phi_lin=None):
         return num
 
 
-def _normalise(num_t, n_q: int, out=None):
-    """num^T [nc, B, Hkv, dv+1, rep*C] -> out [B, Hq, nc*C, dv] = numerator / denominator (written into `out`)."""
+def _normalise(num_t, n_q: int, out=None, raw: bool = False):
+    """num^T [nc, B, Hkv, dv+1, rep*C] -> out [B, Hq, nc*C, dv] = numerator / denominator (written into `out`).
+
+    `raw`: out [B, Hq, nc*C, dv+1] is the numerator itself (the caller combines it with other terms first)."""
     n_c, bsz, n_kv, dv1, cols = num_t.shape
     rep = n_q // n_kv
     num_t = num_t.view(n_c, bsz, n_kv, dv1, rep, cols // rep)
     res = None if out is None else _slots(out, n_kv, n_c, cols // rep)
-    res = torch.div(num_t[:, :, :, :-1], num_t[:, :, :, -1:], out=res)
-    return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, dv1 - 1)
+    if raw:
+        res = num_t if res is None else res.copy_(num_t)
+    else:
+        res = torch.div(num_t[:, :, :, :-1], num_t[:, :, :, -1:], out=res)
+    return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, res.shape[3])
 
 
-def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, out=None, ws=None):
+def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
+                ws=None):
     """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
 
     m is the block length rounded up to whole chunks (the caller drops padded rows). `fresh`: the block is one
@@ -235,7 +241,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
             num = num + ub_t @ kappa
     if fresh:  # the state of a fresh block is only wanted at the end (output_final_state)
         state = None
-    return _normalise(num, n_q, out), state
+    return _normalise(num, n_q, out, raw), state
 
 
 def _key_step(state, k, u, ws=None):
@@ -246,25 +252,29 @@ def _key_step(state, k, u, ws=None):
         return state + _increments(psi, ub)[0].to(state.dtype)
 
 
-def _query_step(state, q, w, out=None, ws=None):
+def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
     phi, phi_lin = _query_part(_features(q, None, state.shape[1], 1, q.shape[2], ws), w, q.shape[-1], ws)
-    return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out)
+    return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out, raw)
 
 
 def chunked_attention(
     q, k, v, groups, factor, coeffs, *, eps, scale, causal, state, state_is_zero=False, need_state=True,
-    chunk_size=None, block_chunks=None,
+    chunk_size=None, block_chunks=None, raw=False,
 ):
     """Returns (out, final_state). Inputs already validated; q, k, v in the GEMM dtype (the state's, or bf16)
-    and `state` (the initial state) in the state dtype."""
+    and `state` (the initial state) in the state dtype.
+
+    `raw`: v [B, Hkv, N, dv+1] already holds the columns u_j to sum, its last one the denominator's weight (1 for
+    a real key, 0 for an empty slot), and out [B, Hq, N, dv+1] is the numerator sum_j kappa_ij u_j itself, not
+    normalised: the sliding-window hybrid (`ops.window`) adds its window terms before dividing."""
     dtype = q.dtype
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_q // n_kv
     chunk = min(chunk_size or default_chunk(dtype), max(n, 1))  # a short call (decoding) is one chunk
     block = chunk * (block_chunks or max(BLOCK // chunk, 1))
-    u = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    u = v if raw else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w = query_coefficients(*coeffs, scale).view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
     lower = torch.tril(factor)
@@ -291,7 +301,7 @@ def chunked_attention(
         outs = []
         for start in range(0, n, block):
             sl = slice(start, start + block)
-            outs.append(run(_query_step, state, q[:, :, sl], w, out=None if out is None else out[:, :, sl]))
+            outs.append(run(_query_step, state, q[:, :, sl], w, raw, out=None if out is None else out[:, :, sl]))
         return (torch.cat(outs, dim=2) if out is None else out), state
     fresh = state_is_zero and n <= DENSE_MAX
     if fresh:
@@ -301,7 +311,7 @@ def chunked_attention(
     outs, init = [], state
     for start in range(0, n, block):
         sl = slice(start, start + block)
-        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], w, wz, l0, eps, chunk, fresh)
+        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], w, wz, l0, eps, chunk, fresh, raw)
         o, state = run(_block_step, *args, out=None if out is None else out[:, :, start : start + block])
         outs.append(o)
     out = torch.cat(outs, dim=2) if out is None else out

@@ -1,0 +1,124 @@
+"""Sliding-window methods: `swa` (softmax baseline), `oal-swa` (window + OAL kernel) and `global-swa` (its G = 1
+control). The operator and its state are in `oal.ops.window`.
+
+- swa: softmax over the last `window` keys and the first `sinks` keys (StreamingLLM). No kernel parameters;
+  LoRA adapts it like the softmax arm.
+- oal-swa: exact e^{s_ij} on the last `window` keys, OAL's calibrated kappa_ij (Eq. 7, same groups and factor
+  as `oal`) on every older key, one normaliser (LoLCATs' sliding-window linear attention with OAL's kernel). No
+  sinks. The factor is trainable as in `oal`, so it calibrates and adapts jointly with LoRA; note that here the
+  kernel's scale does not cancel: it weighs the older keys against the window's e^s.
+- global-swa: the same with the learned global quadratic a + b s + c s^2 (one group).
+
+Query positions: `dense_kernel(q, k)` puts query i at key position i + M - N (the base class's alignment);
+pass `positions` [N] for queries elsewhere (sampled calibration positions).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oal.methods._common import check_qkv
+from oal.methods.base import AttentionMethod, register
+from oal.methods.oal import GlobalMethod, OALMethod
+from oal.ops.window import window_attention, window_log_weights
+
+__all__ = ["GlobalSWAMethod", "OALSWAMethod", "SWAMethod"]
+
+
+def _positions(n: int, m: int, positions, device) -> torch.Tensor:
+    if positions is None:
+        return torch.arange(m - n, m, device=device)
+    positions = torch.as_tensor(positions, device=device)
+    if positions.shape != (n,) or (n and (int(positions.min()) < 0 or int(positions.max()) >= m)):
+        raise ValueError(f"positions: expected [{n}] key positions in [0, {m}), got {tuple(positions.shape)}")
+    return positions
+
+
+def _weights(logw: torch.Tensor) -> torch.Tensor:
+    """exp(log w - row max): the unnormalised weights, up to a per-query constant that cancels."""
+    return torch.exp(logw - logw.amax(-1, keepdim=True))
+
+
+def _check_window(window) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected an integer >= 1, got {window!r}")
+    return window
+
+
+@register
+class SWAMethod(AttentionMethod):
+    name = "swa"
+    supports_state = True
+
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, layer_idx: int = 0,
+                 seed: int = 0):
+        super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks: expected an integer >= 0, got {sinks!r}")
+        self.window, self.sinks = _check_window(window), sinks
+
+    def dense_kernel(self, q, k, positions=None):
+        check_qkv(self, q, k)
+        pos = _positions(q.shape[2], k.shape[2], positions, q.device)
+        return _weights(window_log_weights(q, k, pos, window=self.window, sinks=self.sinks,
+                                           scale=1.0 / math.sqrt(q.shape[-1])))
+
+    def reference(self, q, k, v, *, causal: bool = True):
+        check_qkv(self, q, k, v)
+        return window_attention(q, k, v, window=self.window, sinks=self.sinks, causal=causal, backend="reference")
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        check_qkv(self, q, k, v)
+        return window_attention(q, k, v, window=self.window, sinks=self.sinks, causal=causal,
+                                initial_state=initial_state, output_final_state=output_final_state)
+
+
+class _WindowKernel:
+    """The window part of oal-swa and global-swa, mixed into OALMethod (groups buffer, trainable factor)."""
+
+    window: int
+
+    def dense_kernel(self, q, k, positions=None):
+        check_qkv(self, q, k)
+        pos = _positions(q.shape[2], k.shape[2], positions, q.device)
+        kernel = (self.groups, self.factor.to(q.dtype), self.eps)
+        return _weights(window_log_weights(q, k, pos, window=self.window, kernel=kernel,
+                                           scale=1.0 / math.sqrt(q.shape[-1])))
+
+    def reference(self, q, k, v, *, causal: bool = True):
+        check_qkv(self, q, k, v)
+        return window_attention(q, k, v, window=self.window, groups=self.groups, factor=self.factor, eps=self.eps,
+                                causal=causal, backend="reference")
+
+    def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
+        check_qkv(self, q, k, v)
+        return window_attention(q, k, v, window=self.window, groups=self.groups, factor=self.factor, eps=self.eps,
+                                causal=causal, initial_state=initial_state, output_final_state=output_final_state)
+
+
+@register
+class OALSWAMethod(_WindowKernel, OALMethod):
+    """`oal`'s groups [Hq, d] and trainable factor [Hq, G+1, G+1] on the older keys, softmax on the window."""
+
+    name = "oal-swa"
+
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, groups=None, factor=None,
+                 n_groups: int = 2, eps: float = 1e-6, layer_idx: int = 0, seed: int = 0):
+        super().__init__(n_heads, n_kv_heads, head_dim, groups=groups, factor=factor, n_groups=n_groups, eps=eps,
+                         layer_idx=layer_idx, seed=seed)
+        self.window = _check_window(window)
+
+
+@register
+class GlobalSWAMethod(_WindowKernel, GlobalMethod):
+    """The learned global quadratic (G = 1) on the older keys: the control for oal-swa's grouping."""
+
+    name = "global-swa"
+
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, factor=None, eps: float = 1e-6,
+                 groups=None, n_groups: int = 1, layer_idx: int = 0, seed: int = 0):
+        # groups / n_groups are accepted and ignored, as by `global`: one group whatever the caller's grouping
+        super().__init__(n_heads, n_kv_heads, head_dim, factor=factor, eps=eps, layer_idx=layer_idx, seed=seed)
+        self.window = _check_window(window)

@@ -1,0 +1,191 @@
+"""Sliding-window attention, alone (swa) or with OAL's kernel on the keys that left the window (oal-swa).
+
+    out = window_attention(q, k, v, window=W, sinks=S)                          # swa
+    out = window_attention(q, k, v, window=W, groups=groups, factor=factor)     # oal-swa (no sinks)
+
+swa (StreamingLLM's window with attention sinks): softmax of s_ij = scale q_i . k_j over the last W keys
+(i - W < j <= i) and the first S keys (j < S). oal-swa (LoLCATs' sliding window with OAL's kernel instead of a
+feature map): weights e^{s_ij} on the last W keys and kappa_ij = eps + |L^T s_bar_ij|^2 (Eq. 7, `oal.ops`) on
+every older key j <= i - W, under one normaliser (see `normaliser.py` for the per-query shift that keeps it
+finite at any logit scale). oal-swa keeps no sinks: the calibrated kernel already covers the first keys.
+
+Shapes and GQA as `oal.ops.oal_attention`: q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv], query head h
+reads KV head h // (Hq // Hkv); groups [Hq, d], factor [Hq, G+1, G+1]. Causal only. The decode state is one
+tensor [B, Hkv, size] (layout in `state.py`): continuing from `initial_state` equals one long call.
+
+Backends: "reference" (dense O(N^2), a whole sequence from its start), "banded" (the fast path, O(N (W + C))
+plus OAL's linear-time prefix for oal-swa), "recurrent" (the token loop), "auto" (the token loop for a few tokens
+on a state, banded otherwise). States accumulate in fp32, or fp64 for fp64 inputs; out has q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from oal.ops import _check as _check_oal
+from oal.ops import _compute_dtype, _max_abs, _rescaled
+from oal.ops.kernel import coefficients
+from oal.ops.window.banded import banded_window_attention
+from oal.ops.window.recurrent import recurrent_window_attention
+from oal.ops.window.reference import reference_window_attention, window_log_weights
+from oal.ops.window.state import (
+    empty_window_state,
+    join_window_state,
+    sequence_state,
+    split_window_state,
+    window_state_size,
+)
+
+__all__ = ["BACKENDS", "empty_window_state", "sequence_state", "split_window_state", "window_attention",
+           "window_log_weights", "window_state_size"]
+
+BACKENDS = ("auto", "reference", "banded", "recurrent")
+DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on a state with the token loop
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """OAL's kernel as the older keys' paths evaluate it: kappa / lam, with q and factor rescaled when the scores
+    would overflow (`oal.ops._rescaled`; lam = 1 otherwise)."""
+
+    q: torch.Tensor
+    groups: torch.Tensor
+    factor: torch.Tensor
+    coeffs: tuple
+    eps: float
+    scale: float
+    lam: float
+
+
+def _positive_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size):
+    """Validate everything but the kernel's own arguments; returns (max |q|, max |k|)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 4-D tensor [B, H, N, d], got {shape}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
+    bsz, n_q, n, d = q.shape
+    if d == 0:
+        raise ValueError("q: expected a head dimension d >= 1, got d = 0")
+    if k.shape[0] != bsz or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"k: expected shape [{bsz}, Hkv, {n}, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    n_kv = k.shape[1]
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected shape [{bsz}, {n_kv}, {n}, dv] to match k, got {tuple(v.shape)}")
+    if n_kv == 0 or n_q % n_kv != 0:
+        raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
+    _positive_int("window", window, 1)
+    _positive_int("sinks", sinks, 0)
+    if kernel and sinks:
+        raise ValueError(f"sinks: the hybrid keeps no sinks (its kernel covers every older key), got sinks={sinks}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+    if causal is not True:
+        raise ValueError(f"causal: sliding-window attention is causal only, got causal={causal!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if chunk_size is not None:
+        _positive_int("chunk_size", chunk_size, 1)
+    if initial_state is not None:
+        want = (bsz, n_kv, window_state_size(d, v.shape[-1], window, sinks, kernel))
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
+            got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state)
+            raise ValueError(f"initial_state: expected shape {list(want)} (see oal.ops.window.state), got {got}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state: expected a tensor on q's device {q.device}, got {initial_state.device}")
+        if backend == "reference":
+            raise ValueError("initial_state: the reference evaluates a whole sequence from its start; "
+                             "use backend 'banded' or 'recurrent' to continue one")
+        _max_abs("initial_state", initial_state)
+    qmax, kmax = _max_abs("q", q), _max_abs("k", k)
+    _max_abs("v", v)
+    return qmax, kmax
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    groups: torch.Tensor | None = None,
+    factor: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int | None = None,
+):
+    """swa (groups and factor None) or oal-swa (both given); returns out [B, Hq, N, dv] in q's dtype, and the
+    state [B, Hkv, window_state_size(...)] after the call when `output_final_state`.
+
+    `chunk_size`: queries per chunk of the banded path (None: `banded.default_chunk`)."""
+    if (groups is None) != (factor is None):
+        raise ValueError("groups/factor: give both (oal-swa) or neither (swa)")
+    has_kernel = groups is not None
+    qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size)
+    if has_kernel:  # the kernel's own arguments (groups ids, factor shape, eps), as oal_attention checks them
+        _check_oal(q, k, v, groups, factor, eps, scale, None, "auto")
+    out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
+    bsz, n_q, n, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if abs(scale) * d * qmax * kmax > torch.finfo(dtype).max / 4:
+        raise ValueError(f"q/k: scores up to {abs(scale) * d * qmax * kmax:.3g} overflow {dtype}; use float64")
+    kernel = None
+    if has_kernel:
+        kq, kfactor, keps, kscale, lam = _rescaled(q.to(dtype), qmax, kmax, factor.to(dtype), eps, scale, dtype)
+        kernel = Kernel(kq, groups, kfactor, coefficients(kfactor, groups, keps), keps, kscale, lam)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    state = None if initial_state is None else initial_state.to(dtype)
+    if backend == "auto":
+        backend = "recurrent" if state is not None and n <= DECODE_TOKENS else "banded"
+
+    def make_state():
+        return empty_window_state(bsz, n_kv, d, dv, window, sinks, has_kernel, dtype=dtype, device=q.device)
+
+    if n == 0 or bsz == 0:  # nothing to attend: an empty result, the state unchanged
+        out, final = q.new_zeros(bsz, n_q, n, dv), (state if state is not None else make_state())
+    elif backend == "reference":
+        ref_kernel = (groups, factor.to(dtype), float(eps)) if has_kernel else None
+        out = reference_window_attention(q, k, v, window=window, sinks=sinks, kernel=ref_kernel, scale=scale)
+        final = sequence_state(k, v, window, sinks, has_kernel) if output_final_state else None
+    elif backend == "recurrent":
+        slots, prefix = split_window_state(state if state is not None else make_state(), d, dv, window, sinks,
+                                           has_kernel)
+        out, slots, prefix = recurrent_window_attention(q, k, v, sinks=sinks, kernel=kernel, scale=scale,
+                                                        slots=slots, prefix=prefix)
+        final = join_window_state(slots, prefix)
+    else:
+        slots, prefix = None, None
+        if state is not None:
+            slots, prefix = split_window_state(state, d, dv, window, sinks, has_kernel)
+        elif has_kernel:
+            prefix = split_window_state(make_state(), d, dv, window, sinks, True)[1]
+        out, slots, prefix = banded_window_attention(q, k, v, window=window, sinks=sinks, kernel=kernel, scale=scale,
+                                                     slots=slots, prefix=prefix, need_state=output_final_state,
+                                                     chunk_size=chunk_size)
+        final = join_window_state(slots, prefix) if output_final_state else None
+    try:  # never a silent NaN: the inputs were finite, so say why
+        _max_abs("out", out)
+    except ValueError:
+        what = "q/k/factor: the kernel" if has_kernel else "q/k: the scores"
+        raise ValueError(f"{what} overflowed {dtype}; use float64 inputs") from None
+    out = out.to(out_dtype)
+    return (out, final) if output_final_state else out
