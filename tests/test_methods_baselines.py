@@ -218,3 +218,113 @@ def test_paper_compute_dtypes_by_default():
         out = build_method("performer", 4, 2, D)(q, k, v)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- DiJiang: App. F.1 / upstream construction
+
+
+def _dct2_by_definition(d):
+    """Orthonormal DCT-II from its definition: X_k = sum_n x_n a_k cos(pi k (2n + 1) / (2d)), a_0 = sqrt(1/d),
+    a_k = sqrt(2/d); row k holds the coefficients of X_k (scipy's dct(eye(d), axis=0, norm='ortho'))."""
+    c = torch.empty(d, d, dtype=torch.float64)
+    for k in range(d):
+        a = (1.0 / d) ** 0.5 if k == 0 else (2.0 / d) ** 0.5
+        for n in range(d):
+            c[k, n] = a * torch.cos(torch.tensor(torch.pi * k * (2 * n + 1) / (2 * d), dtype=torch.float64))
+    return c
+
+
+def _dijiang_upstream_features(q, k, theta, seed, layer):
+    """z = x @ (C diag(g)) = diag(g) C^T x, x = d^-1/4 q, g = Phi^-1(U); phi = softmax(z); D = exp(theta) on both."""
+    from oal.methods._common import generator_for
+
+    d = q.shape[-1]
+    c = _dct2_by_definition(d)
+    u = torch.rand(d, generator=generator_for("dijiang", seed, layer), dtype=torch.float64)
+    g = torch.distributions.Normal(0.0, 1.0).icdf(u)
+    p = c @ torch.diag(g)
+    dw = torch.exp(theta)[None, :, None, :]  # [1, Hq, 1, d]
+    r = q.shape[1] // k.shape[1]
+    fq = torch.softmax((q * d ** -0.25) @ p, dim=-1) * dw
+    fk = torch.softmax((k.repeat_interleave(r, dim=1) * d ** -0.25) @ p, dim=-1) * dw
+    return p, fq, fk
+
+
+def test_dijiang_dct_is_orthonormal_dct2():
+    for d in (1, 7, 16):
+        from oal.methods.dijiang import dct_matrix
+
+        c = dct_matrix(d)
+        torch.testing.assert_close(c, _dct2_by_definition(d), rtol=0, atol=1e-13)
+        torch.testing.assert_close(c @ c.T, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [7, 16])
+def test_dijiang_projection_and_features_match_upstream_formula(d):
+    m = build_method("dijiang", 6, 3, d, layer_idx=4, seed=11).double()
+    with torch.no_grad():
+        m.theta.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 9, d, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(2, 3, 9, d, generator=g, dtype=torch.float64) * 2
+    p, fq_ref, fk_ref = _dijiang_upstream_features(q, k, m.theta.detach(), seed=11, layer=4)
+    torch.testing.assert_close(m.projection, p, rtol=0, atol=1e-13)
+    # z = diag(g) C^T x written out: the projection is C diag(g), not diag(1/g) C
+    gdiag = torch.diagonal(_dct2_by_definition(d).T @ p)
+    x = q[0, 0, 0] * d ** -0.25
+    torch.testing.assert_close(x @ m.projection, gdiag * (_dct2_by_definition(d).T @ x), rtol=1e-12, atol=1e-13)
+    fq, fk = m._features(q, k)
+    kern = fq @ fk.repeat_interleave(2, dim=1).transpose(-1, -2)
+    torch.testing.assert_close(kern, fq_ref @ fk_ref.transpose(-1, -2), rtol=1e-12, atol=1e-14)
+
+
+def test_dijiang_outputs_and_gradients_match_upstream_formula():
+    # causal normalised attention over the written-out features (App. F.1), fp64, odd sizes, GQA, trainable theta
+    d, n = 13, 19
+    m = build_method("dijiang", 6, 3, d, layer_idx=2, seed=3, chunk_size=5).double()
+    with torch.no_grad():
+        m.theta.normal_(0.0, 0.4, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(8)
+    q = (torch.randn(2, 6, n, d, generator=g, dtype=torch.float64) * 1.7).requires_grad_()
+    k = (torch.randn(2, 3, n, d, generator=g, dtype=torch.float64) * 1.7).requires_grad_()
+    v = torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64).requires_grad_()
+    theta = m.theta.detach().clone().requires_grad_()
+    _, fq, fk = _dijiang_upstream_features(q, k, theta, seed=3, layer=2)
+    w = (fq @ fk.transpose(-1, -2)).tril()
+    ref = (w @ v.repeat_interleave(2, dim=1)) / w.sum(-1, keepdim=True)
+    out = m(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, m.theta))
+    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, theta))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_dijiang_features_are_spread_not_one_hot():
+    # Gaussian keys, d = 64: softmax(x C diag(g)) spreads over the coordinates; the inverted diag(1/g) C
+    # construction (|1/g| up to hundreds) made the largest normalised key feature close to 1
+    from oal.methods.dijiang import dct_matrix
+
+    d = 64
+    k = torch.randn(1, 2, 400, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for seed in range(3):
+        m = build_method("dijiang", 2, 2, d, layer_idx=1, seed=seed).double()
+        _, fk = m._features(k, k)
+        fk = fk / fk.sum(-1, keepdim=True)
+        spread = fk.amax(-1).median()
+        assert spread < 0.1
+        g = torch.diagonal(dct_matrix(d).T @ m.projection)  # the same draw, inverted as version 1 did
+        inverted = torch.softmax((k * d ** -0.25) @ (dct_matrix(d) / g[:, None]).T, dim=-1)
+        assert inverted.amax(-1).median() > max(0.3, 5 * spread)  # 0.42-1.00 for these three draws
+
+
+def test_dijiang_draw_is_standard_normal():
+    # g = Phi^-1(U): over many layers the diagonal is N(0, 1) (mean 0, variance 1), |g| rarely above 4
+    from oal.methods.dijiang import dct_matrix
+
+    gs = torch.cat([torch.diagonal(dct_matrix(32).T @ build_method("dijiang", 1, 1, 32, layer_idx=i).projection)
+                    for i in range(200)])
+    assert abs(gs.mean()) < 0.05 and abs(gs.var() - 1) < 0.05 and (gs.abs() > 4).float().mean() < 1e-3
+
