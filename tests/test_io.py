@@ -115,7 +115,7 @@ def test_every_method_round_trips(tmp_path, name):
     torch.testing.assert_close(got(q, k, v), m(q, k, v), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["dijiang"])
+@pytest.mark.parametrize("name", ["dijiang", "spectraformer"])
 def test_kernels_of_an_older_construction_are_refused(tmp_path, name):
     # version 1 of these baselines computed another function from the same tensor names and shapes: a file
     # written before versions were recorded (no "version") must not load silently into the new construction

@@ -328,3 +328,61 @@ def test_dijiang_draw_is_standard_normal():
                     for i in range(200)])
     assert abs(gs.mean()) < 0.05 and abs(gs.var() - 1) < 0.05 and (gs.abs() > 4).float().mean() < 1e-3
 
+
+# ---------------------------------------------------------------- SpectraFormer: upstream OPRF-FastFoodL
+
+
+def _spectraformer_upstream_features(x, m):
+    """Upstream's feature map written out step by step (FastFood with unnormalised H_ij = (-1)^popcount(i & j),
+    input scaled by sqrt(softmax_temp) = d^-1/4 and zero-padded, smoothing column 1; OPRF log-features
+    A |S*G*B|^2 + sqrt(1 - 4A) u - |x|^2 with A from the quadratic's root; row max; + 1e-4) for x = d^-1/4 q."""
+    d, p = x.shape[-1], m.p
+    idx = torch.arange(p)
+    h = torch.tensor([[(-1.0) ** bin(int(i) & int(j)).count("1") for j in idx] for i in idx], dtype=x.dtype)
+    xp = torch.nn.functional.pad(x * d ** -0.25, (0, p - d))
+    hbx = (xp * m.B) @ h.T
+    v = m.S * (((hbx[..., m.perm]) * m.G) @ h.T) / p ** 0.5
+    u = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    z = 2 * x.pow(2).sum(-1, keepdim=True)  # per-token statistic (module doc); upstream: per position, batch mean
+    qa, qb, qc = 2 * z, 2 * z + d, -d
+    rho = (torch.sqrt(qb * qb - 4 * qa * qc) - qb) / (2 * qa)
+    a = (1 - 1 / rho) / 8
+    lf = a * (m.S * m.G * m.B).norm() ** 2 + torch.sqrt(1 - 4 * a) * u - x.pow(2).sum(-1, keepdim=True)
+    return torch.exp(lf - lf.amax(-1, keepdim=True)) + 1e-4
+
+
+def test_spectraformer_outputs_and_gradients_match_upstream_formula():
+    # fp64, d = 13 (padded to p = 16), N = 19, GQA; gradients into q, k, v and the trainable B, G, S
+    d, n = 13, 19
+    m = build_method("spectraformer", 6, 3, d, layer_idx=2, seed=4, chunk_size=5).double()
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(2, 6, n, d, generator=g, dtype=torch.float64) * 2.5).requires_grad_()
+    k = (torch.randn(2, 3, n, d, generator=g, dtype=torch.float64) * 2.5).requires_grad_()
+    v = torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64).requires_grad_()
+    s = d ** -0.25
+    fq = _spectraformer_upstream_features(q * s, m)
+    fk = _spectraformer_upstream_features(k * s, m).repeat_interleave(2, dim=1)
+    assert fq.shape[-1] == 17
+    w = (fq @ fk.transpose(-1, -2)).tril()
+    ref = (w @ v.repeat_interleave(2, dim=1)) / w.sum(-1, keepdim=True)
+    out = m(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    a, b = m._features(q, k)
+    torch.testing.assert_close(a, fq, rtol=1e-12, atol=1e-14)
+    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    params = (m.B, m.G, m.S)
+    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, *params))
+    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, *params))
+    for x, y in zip(g_out, g_ref, strict=True):
+        assert x.abs().sum() > 0
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
+
+
+def test_spectraformer_gradient_is_the_functions_gradient():
+    # the +1e-4 offset makes the row-max shift part of the function: a detached shift would give another gradient
+    m = build_method("spectraformer", 2, 1, 8, layer_idx=0, seed=1, chunk_size=3).double()
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    k = (torch.randn(1, 1, 7, 8, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    v = torch.randn(1, 1, 7, 3, generator=g, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: m(a, b, v), (q, k), eps=1e-6, atol=1e-7)
