@@ -386,3 +386,49 @@ def test_spectraformer_gradient_is_the_functions_gradient():
     k = (torch.randn(1, 1, 7, 8, generator=g, dtype=torch.float64) * 3).requires_grad_()
     v = torch.randn(1, 1, 7, 3, generator=g, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda a, b: m(a, b, v), (q, k), eps=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- Performer, TaylorShift: App. F.1 written out
+
+
+def test_performer_matches_favor_plus_formula():
+    # App. F.1: phi(x) = exp(w . x - |x|^2 / 2), x = d^-1/4 q, per query head's projection; the shifts cancel
+    d, n = 13, 11
+    m = build_method("performer", 4, 2, d, n_features=29, layer_idx=3, seed=2, chunk_size=4).double()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64)
+    x, y = q * d ** -0.25, k.repeat_interleave(2, dim=1) * d ** -0.25
+    w = m.projection  # [Hq, m, d]
+    fx = torch.exp(torch.einsum("bhnd,hmd->bhnm", x, w) - x.pow(2).sum(-1, keepdim=True) / 2)
+    fy = torch.exp(torch.einsum("bhnd,hmd->bhnm", y, w) - y.pow(2).sum(-1, keepdim=True) / 2)
+    kern = (fx @ fy.transpose(-1, -2)).tril()
+    ref = (kern @ v.repeat_interleave(2, dim=1)) / kern.sum(-1, keepdim=True)
+    torch.testing.assert_close(m(q, k, v), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_taylorshift_outputs_and_gradients_match_formula():
+    # App. F.1: kappa = 1 + s + s^2 / 2, s = tau_h q^ . k^ (unit vectors), tau per query head trainable
+    d, n = 13, 17
+    m = build_method("taylorshift", 6, 3, d).double()
+    with torch.no_grad():
+        m.tau.copy_(torch.tensor([0.5, 1.0, 1.7, 2.3, 0.9, 3.1], dtype=torch.float64))
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(2, 6, n, d, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    k = (torch.randn(2, 3, n, d, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    v = torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64).requires_grad_()
+    tau = m.tau.detach().clone().requires_grad_()
+    qh = q / q.norm(dim=-1, keepdim=True)
+    kh = (k / k.norm(dim=-1, keepdim=True)).repeat_interleave(2, dim=1)
+    s = tau[None, :, None, None] * (qh @ kh.transpose(-1, -2))
+    kern = (1 + s + s * s / 2).tril()
+    ref = (kern @ v.repeat_interleave(2, dim=1)) / kern.sum(-1, keepdim=True)
+    out = m(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, m.tau))
+    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, tau))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
