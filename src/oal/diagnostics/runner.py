@@ -42,6 +42,15 @@ def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _versions(names: Sequence[str]) -> dict:
+    """{method: construction version} for the methods of a cached part whose version is above 1: a part computed
+    by an older construction (DiJiang, SpectraFormer version 1) gets another key and is recomputed, while the
+    keys of parts that used version-1 methods only stay as they were."""
+    from ..methods import get_method
+
+    return {n: get_method(n).version for n in names if get_method(n).version != 1}
+
+
 def _done(path: Path, key: str):
     if path.is_file():
         data = load_json(path)
@@ -121,6 +130,8 @@ def diagnose(
         settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
                     "blocks": fid_blocks[:n_seq].tolist()}
+        if versions := _versions(table1_methods):
+            settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table1.json", key)
         if done is None:
@@ -167,6 +178,8 @@ def diagnose(
     if "table2" in parts:
         settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
+        if versions := _versions(table2_methods):
+            settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table2.json", key)
         if done is None:
