@@ -56,6 +56,7 @@ from .evaluate.fidelity import fidelity
 from .evaluate.perplexity import block_nll
 from .evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
 from .io import KERNELS_FILE, META_FILE, kernel_dir, load_kernels, model_fingerprint, save_kernels
+from .methods.base import newer_versions
 from .models.convert import convert
 from .models.encoder import is_encoder_model
 from .models.registry import default_layers, load_model
@@ -275,6 +276,8 @@ class Run:
         if not methods:
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
+        if versions := newer_versions(methods):  # kernels of an older construction are recalibrated
+            deps["versions"] = versions
         root = self.calib_root.relative_to(self.dir)
         outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if "oal" in methods else []

@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from ..methods.base import newer_versions
 from ..runio import atomic_write_json, atomic_write_text, load_json
 from .budget import budget_curve, plot_budget
 from .fidelity_table import TABLE2_METHODS, calibrate_methods, capture_chi, capture_layer_data, capture_sequences
@@ -40,15 +41,6 @@ PARTS = ("table1", "budget", "table2")
 
 def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _versions(names: Sequence[str]) -> dict:
-    """{method: construction version} for the methods of a cached part whose version is above 1: a part computed
-    by an older construction (DiJiang, SpectraFormer version 1) gets another key and is recomputed, while the
-    keys of parts that used version-1 methods only stay as they were."""
-    from ..methods import get_method
-
-    return {n: get_method(n).version for n in names if get_method(n).version != 1}
 
 
 def _done(path: Path, key: str):
@@ -130,7 +122,7 @@ def diagnose(
         settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
                     "blocks": fid_blocks[:n_seq].tolist()}
-        if versions := _versions(table1_methods):
+        if versions := newer_versions(table1_methods):
             settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table1.json", key)
@@ -178,7 +170,7 @@ def diagnose(
     if "table2" in parts:
         settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
-        if versions := _versions(table2_methods):
+        if versions := newer_versions(table2_methods):
             settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table2.json", key)

@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-__all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names", "register",
-           "repeat_kv"]
+__all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names",
+           "newer_versions", "register", "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -65,6 +65,13 @@ def check_version(info, where: str) -> None:
         raise ValueError(f"{where}: {cls.name} kernels were saved by construction version {got!r}, this oal builds "
                          f"version {cls.version} (the same tensors would compute another function); recalibrate or "
                          f"re-export them with this version")
+
+
+def newer_versions(names) -> dict[str, int]:
+    """{method: construction version} for those of `names` above version 1. For cache and stage keys: a result
+    computed by an older construction gets another key and is recomputed, while keys of results that involve
+    version-1 methods only stay as they were."""
+    return {n: get_method(n).version for n in names if get_method(n).version != 1}
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
