@@ -229,6 +229,24 @@ def test_all_methods_run_end_to_end(assets, tmp_path):
         assert f"| {name} |" in text
 
 
+def test_older_construction_kernels_are_recalibrated(assets, tmp_path, monkeypatch):
+    """A run directory whose DiJiang kernels came from another construction version recalibrates them (and every
+    stage reading them reruns) instead of skipping the calibration and reporting the old kernels' numbers."""
+    from oal.methods.dijiang import DiJiangMethod
+
+    cfg = _cfg(assets, methods=["dijiang"], adapt={"steps": 2, "val_every": 2})
+    stages = tmp_path / ".oal" / "stages.json"
+    run_seed(cfg, tmp_path, progress=False)
+    first = json.loads(stages.read_text())
+    run_seed(cfg, tmp_path, progress=False)
+    assert json.loads(stages.read_text())["calibrate"] == first["calibrate"]  # same construction: skipped
+    monkeypatch.setattr(DiJiangMethod, "version", DiJiangMethod.version + 1)
+    run_seed(cfg, tmp_path, progress=False)
+    again = json.loads(stages.read_text())
+    assert again["calibrate"]["key"] != first["calibrate"]["key"]
+    assert again["fidelity"]["key"] != first["fidelity"]["key"]  # it read the recalibrated kernel files
+
+
 def test_cli_conventions():
     """`oal --version`, `python -m oal`, and --quiet/--verbose are mutually exclusive."""
     import subprocess

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method
+from oal.methods.base import AttentionMethod, build_method, check_version
 from oal.models.attention import converted_methods, swap_attention
 from oal.rundir.files import atomic_write_json
 from oal.rundir.hashes import sha256_files, versions
@@ -54,8 +54,8 @@ def _method_info(m: AttentionMethod) -> dict:
             if isinstance(getattr(m, a, None), (int, float)) and not isinstance(getattr(m, a), bool)}
     if isinstance(getattr(m, "dtype", None), torch.dtype):
         init["dtype"] = str(m.dtype).removeprefix("torch.")
-    return {"method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
-            "seed": m.seed, "init": init}
+    return {"method": m.name, "version": m.version, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "seed": m.seed, "init": init}
 
 
 def conversion_spec(model: nn.Module) -> dict:
@@ -83,10 +83,12 @@ def _build(layer: int, info: dict) -> AttentionMethod:
         init = dict(info.get("init", {}))
         if "dtype" in init:
             init["dtype"] = getattr(torch, init["dtype"])
-        return build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
-                            seed=info.get("seed", 0), **init)
+        m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
+                         seed=info.get("seed", 0), **init)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"config.oal: layer {layer}: cannot rebuild the method from {info!r} ({exc})") from None
+    check_version(info, f"config.oal: layer {layer}")  # the checkpoint's tensors were made for this construction
+    return m
 
 
 def build_methods(spec) -> dict[int, AttentionMethod]:
