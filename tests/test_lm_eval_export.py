@@ -63,8 +63,9 @@ def test_python_m_oal_lm_eval_scores_the_converted_model(art, tmp_path):
     # add_bos_token=False: lm-eval otherwise encodes with the tokenizer's special tokens, and this tiny model's ByT5
     # tokenizer appends </s> to every context (oal's scorer adds none)
     cmd = [sys.executable, "-m", "oal.lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={art['merged']},dtype=float32,add_bos_token=False", "--tasks", "oal_tiny_mc", "--include_path", str(art["tasks"]),
-           "--log_samples", "--output_path", str(out), "--batch_size", "2", "--device", "cpu"]
+           f"pretrained={art['merged']},dtype=float32,add_bos_token=False", "--tasks", "oal_tiny_mc",
+           "--include_path", str(art["tasks"]), "--log_samples", "--output_path", str(out), "--batch_size", "2",
+           "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
