@@ -189,6 +189,19 @@ def test_adapter_format_v1_is_still_read(art, tmp_path):
     assert torch.equal(logits(load_adapter(calibrated, old)), want)
 
 
+@pytest.mark.parametrize("name", ["adapter_config.json", "model.safetensors", "pytorch_model.bin",
+                                  "model.safetensors.index.oal.json"])
+def test_weights_or_adapters_added_later_are_refused(art, tmp_path, name):
+    """transformers would read these (an added adapter_config.json would even attach a LoRA): not in oal.json."""
+    path = _copy(art["merged"], tmp_path / "x")
+    if name == "adapter_config.json":
+        LoraConfig(r=2, target_modules=["q_proj"]).save_pretrained(path)
+    else:
+        (path / name).write_bytes(b"{}")
+    with pytest.raises(ValueError, match=rf"{name}: not recorded in oal.json"):
+        oal.load(path)
+
+
 def test_old_export_format_is_refused_with_what_to_do(art, tmp_path):
     path = _copy(art["merged"], tmp_path / "old")
     data = json.loads((path / MANIFEST).read_text())

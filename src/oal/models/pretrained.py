@@ -178,6 +178,13 @@ def verify_manifest(directory: str | Path) -> dict:
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
         if sha256_file(f) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
+    # files transformers would read as weights or attach as an adapter, added after the manifest was written
+    extra = sorted(p.name for p in directory.iterdir() if p.name not in files and (
+        p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name
+        or p.name == "adapter_config.json"))
+    if extra:
+        raise ValueError(f"{directory / extra[0]}: not recorded in {MANIFEST} (weights or an adapter added to the "
+                         "folder after it was written)")
     return manifest
 
 
