@@ -57,7 +57,10 @@ def _acquire(path: Path) -> int | None:
         return None
     lock = inside(path / LOCK_FILE)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # flock needs no write access: an existing lock file is only opened (a refused command writes nothing)
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,7 +85,8 @@ def _take(path: Path) -> tuple[bool, int | None]:
         key = os.path.realpath(path)
         if key in _HELD:  # an enclosing command of this process holds it
             return True, None
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            path.mkdir(parents=True, exist_ok=True)  # another process may create it meanwhile
         fd = _acquire(path)
         _HELD.add(key)
         return False, fd
