@@ -6,6 +6,10 @@ adapter by default) and scored by `evaluate.zeroshot.evaluate_tasks`; each (arm,
 SHA256 of the run files it read (`rundir.metrics.record_evaluation`), and metrics.json and report.md are rebuilt from
 the records that verify (`pipeline.publish.republish`), under the directory's lock. A task whose data is not
 available is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
+
+`log_samples=True` (`oal evaluate --zeroshot --log-samples`) also writes DIR/zeroshot_samples/<method>.json: per
+task, per example, each candidate's log-likelihood and token count, the gold label and the predictions
+(`evaluate.zeroshot.sample_records`), with the SHA256 of the run files and the data it was computed from.
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from rich.table import Table
 from oal.errors import InputError
 from oal.rundir.lock import own_dir
 
-__all__ = ["evaluate_zeroshot"]
+__all__ = ["SAMPLES_DIR", "evaluate_zeroshot"]
 
 log = logging.getLogger("oal")
+
+SAMPLES_DIR = "zeroshot_samples"
 
 
 def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None, tasks=None,
                       task_files: dict | None = None, zeroshot_dir: str | None = None, limit: int | None = None,
                       adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
-                      console=None) -> dict[str, dict]:
+                      console=None, log_samples: bool = False) -> dict[str, dict]:
     """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
@@ -36,14 +42,16 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
         raise InputError("expected at least one method", "--methods", "methods")
     with own_dir(out_dir):
         return _evaluate(out_dir, methods, model=model, tasks=tasks, task_files=task_files, zeroshot_dir=zeroshot_dir,
-                         limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+                         limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console,
+                         log_samples=log_samples)
 
 
 def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir, limit, adapter, device, dtype,
-              progress, console) -> dict[str, dict]:
+              progress, console, log_samples) -> dict[str, dict]:
     from oal.artefact.arms import arm_inputs, load_arm
     from oal.evaluate.zeroshot import evaluate_tasks, load_tasks
     from oal.pipeline.publish import check_publishable, republish
+    from oal.rundir.files import atomic_write_json
     from oal.rundir.metrics import record_evaluation
 
     check_publishable(out_dir)
@@ -54,8 +62,13 @@ def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir,
     scores: dict[str, dict] = {}
     for m in methods if sets else ():
         model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
-        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}")
+        samples = {} if log_samples else None
+        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}",
+                                   samples=samples)
         inputs = arm_inputs(out_dir, m, info["adapter"])
+        if samples is not None:
+            atomic_write_json(out_dir / SAMPLES_DIR / f"{m}.json", {"method": m, "inputs": inputs,
+                                                                   "data": provenance, "tasks": samples})
         for t, score in scores[m].items():  # zeroshot.<m>.<task> per task (the method's other tasks kept)
             record_evaluation(out_dir, f"zeroshot:{m}:{t}", [(("zeroshot", m, t), score),
                                                              (("zeroshot_data", t), provenance[t])], inputs)
