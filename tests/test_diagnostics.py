@@ -194,7 +194,6 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
 def test_diagnose_recomputes_a_part_after_a_method_construction_change(tmp_path, monkeypatch):
     # a cached Table 2 made by an older DiJiang construction must not be served as the current one
     from oal.calibration.data import CalibConfig
-
     from oal.diagnostics import diagnose
     from oal.methods.dijiang import DiJiangMethod
 
