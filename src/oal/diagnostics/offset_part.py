@@ -107,7 +107,7 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
             return res
 
         def on_row(rows):
-            write(rows)
+            write(rows, elapsed_s=time.perf_counter() - t0 + (old or {}).get("elapsed_s", 0.0))
             if console is not None:
                 r = rows[-1]
                 console.print(f"  offset std {r['offset_std']:g}: OAL {r['oal_relmse']:.4f}, global "
