@@ -151,7 +151,7 @@ def test_tiny_model_oal_beats_global_on_planted_offsets_only(tmp_path, monkeypat
     from oal.diagnostics.offset_part import OffsetSettings
 
     model = _tiny_model()
-    cfg = CalibConfig(max_steps=200, val_every=25, patience=100, seed=0)
+    cfg = CalibConfig(max_steps=100, val_every=25, patience=100, seed=0)  # measured: ratio 0.999 at 0, 0.472 at 6
     settings = OffsetSettings(cfg=cfg, grouping=GROUPING, seed=0, layer=1, stds=[0.0, 6.0])
     res = diagnose(model, _blocks(), [1], tmp_path, parts=["offset"], offset=settings)["offset"]
     rows = {r["offset_std"]: r for r in res["rows"]}
@@ -191,15 +191,17 @@ def test_experiment_refuses_padded_data():
 
 
 def test_cli_offset_options(tmp_path):
+    from _tiny import save_tiny_llama
     from typer.testing import CliRunner
 
     from oal.cli import load_commands
 
-    runner = CliRunner()
-    res = runner.invoke(load_commands(), ["diagnose", "--out", str(tmp_path), "--parts", "offset", "--offsets", "1,2"])
-    assert res.exit_code == 2 and "--offsets" in res.output
-    res = runner.invoke(load_commands(), ["diagnose", "--out", str(tmp_path), "--parts", "offset", "--layer", "99"])
-    assert res.exit_code == 2 and "--layer" in res.output
+    runner, model = CliRunner(), str(save_tiny_llama(tmp_path / "model"))
+    args = ["diagnose", "--out", str(tmp_path / "out"), "--model", model, "--parts", "offset"]
+    res = runner.invoke(load_commands(), [*args, "--offsets", "1,2"])
+    assert res.exit_code == 2 and "--offsets" in res.output and "including 0" in res.output
+    res = runner.invoke(load_commands(), [*args, "--layer", "3"])  # 3 layers
+    assert res.exit_code == 2 and "--layer" in res.output and "[0, 3)" in res.output
 
 
 def test_report_shows_offsets_the_experiment_and_the_gain_per_layer(tmp_path):

@@ -73,6 +73,8 @@ def diagnose_cmd(
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers
+    if layer is not None and layer >= n_layers:  # before the blocks are built
+        raise typer.BadParameter(f"expected a layer in [0, {n_layers}), got {layer}", param_hint="--layer")
     layer_list = (parse_layers(layers, n_layers) if layers is not None else run["layers"] if run and run["layers"]
                   else default_layers(mdl))
     budget_head = None
