@@ -71,8 +71,8 @@ def _strip_time(m):
 def test_run_directory_contract(full_run):
     out, metrics = full_run
     for f in ("config.json", "groups.json", "kernels.safetensors", "calibration.json", "metrics.json", "report.md",
-              "adapter/oal/adapter_config.json", "adapter/oal/kernel_params.safetensors",
-              "adapter/softmax/adapter_config.json", "kernels/global/kernels.safetensors"):
+              "adapter/oal/oal_adapter.json", "adapter/oal/kernel_params.safetensors",
+              "adapter/softmax/oal_adapter.json", "kernels/global/kernels.safetensors"):
         assert (out / f).is_file(), f
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["converted_layers"] == [1]
