@@ -110,9 +110,11 @@ def stability_section(summary: dict) -> list[str]:
 
 
 def regime_section(run_dir: Path, prefix: str) -> list[str]:
-    """The attention regime (oal.analysis.regime) and the group-budget curve beside App. B (Fig. 2(b))."""
+    """The attention regime (oal.analysis.regime), the per-query offsets with the planted-offset experiment and OAL's
+    gain per layer beside them (oal.diagnostics.offset_part), and the group-budget curve beside App. B (Fig. 2(b))."""
     from oal.analysis.regime import regime_markdown
     from oal.diagnostics.budget import budget_markdown
+    from oal.diagnostics.offset_part import offset_report
 
     out = []
     regime, analysis = read_optional(run_dir / REGIME_FILE), read_optional(run_dir / "analysis.json")
@@ -121,6 +123,7 @@ def regime_section(run_dir: Path, prefix: str) -> list[str]:
                  else "on the grouping prompts (before calibration)")
         out += ["## Attention regime: can a quadratic kernel follow this softmax?", ""]
         out += regime_markdown(regime or analysis["regime"], where)
+    out += offset_report(run_dir, prefix)
     budget = read_optional(run_dir / BUDGET_FILE)
     if budget:
         out += ["## Group budget beside App. B (Fig. 2(b))", "", *budget_markdown(budget)]
