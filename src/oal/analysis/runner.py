@@ -26,7 +26,13 @@ from rich.table import Table
 from oal.analysis import figures as figs
 from oal.analysis.contributions import head_contributions, prefix_contributions
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from oal.analysis.grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
+from oal.analysis.grouping import (
+    check_min_groups,
+    check_settings,
+    fixed_budget_groups,
+    grouping_params,
+    stable_gap_groups,
+)
 from oal.analysis.regime import RegimeAccumulator
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
@@ -165,6 +171,8 @@ def analyze(
     Returns the analysis summary (also written to analysis.json).
     """
     params = grouping_params(**grouping)  # checked before the expensive capture
+    check_settings(*(params[k] for k in ("tail_fraction", "min_support", "min_ratio", "min_groups", "n_bootstrap",
+                                         "eps")))
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget: expected a group budget G >= 1, got {budget!r}")
     seed = params["seed"]

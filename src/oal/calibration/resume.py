@@ -16,7 +16,6 @@ one process computes.
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +35,7 @@ from oal.calibration.kernels import (
     model_fingerprint,
     save_kernels,
 )
-from oal.rundir.files import atomic_write_json
+from oal.rundir.files import atomic_write_json, remove
 from oal.rundir.hashes import config_hash
 
 __all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "OnePassCapture", "calibrate_layers", "write_calibration"]
@@ -78,7 +77,7 @@ class LayerCheckpoints:
             save_kernels({layer: method}, self._dir(layer, m), extra={"key": self.key, "report": report})
 
     def clear(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove(self.root)
 
 
 def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Callable[[int], tuple], *,
@@ -209,7 +208,7 @@ class OnePassCapture:
     def remove(self) -> None:
         if self.store is not None:
             self.store.remove()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove(self.root)
 
 
 def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,

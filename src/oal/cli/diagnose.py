@@ -25,7 +25,8 @@ def diagnose_cmd(
     methods: str = typer.Option("all", help="Table 2 methods: 'all' or a comma list."),
     controls: int = typer.Option(None, help="Matched random subsets B for Table 1 (default 100; paper 1000)."),
     paper: bool = typer.Option(False, help="Paper settings: B = 1000 controls, App. B calibration protocol."),
-    sequences: int = typer.Option(None, help="Held-out sequences for Table 1 (default: all fidelity blocks)."),
+    sequences: int = typer.Option(None, min=1, help="Held-out sequences for Table 1 (default: all fidelity "
+                                  "blocks)."),
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
     max_budget: int = typer.Option(16, help="Largest group budget G for Fig. 2(b)."),
     seed: int = typer.Option(0, help="Seed of query positions, controls, Gaussian draws and calibration."),

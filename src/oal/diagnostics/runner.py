@@ -35,6 +35,7 @@ from oal.diagnostics.fidelity_table import (
 from oal.diagnostics.fidelity_table import table2 as run_table2
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
+from oal.errors import InputError
 from oal.methods.base import newer_versions
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
@@ -108,6 +109,10 @@ def diagnose(
     bad = set(parts) - set(PARTS)
     if bad:
         raise ValueError(f"parts: unknown {sorted(bad)}; expected a subset of {PARTS}")
+    if table1_sequences is not None and (isinstance(table1_sequences, bool) or not isinstance(table1_sequences, int)
+                                         or table1_sequences < 1):
+        raise InputError(f"expected a number of held-out sequences >= 1, got {table1_sequences!r}", "--sequences",
+                         "table1_sequences")
     console = console or Console()
     out = Path(out_dir)
     diag = out / "diagnostics"
@@ -204,12 +209,15 @@ def _merge_metrics(path: Path, fidelity: dict) -> None:
 
     Not in an `oal run` directory: its metrics describe its own kernels, and Table 2's are calibrated here."""
     from oal.rundir.claim import is_run_dir
-    from oal.rundir.metrics import update_metrics
+    from oal.rundir.hashes import sha256_file
+    from oal.rundir.metrics import publish_evaluations, record_evaluation
 
     if is_run_dir(path.parent):
         log.info("Table 2 kept in diagnostics/table2.json: %s is an `oal run` directory whose metrics.json "
                  "describes its own kernels", path.parent)
         return
-    update_metrics(path.parent, {"fidelity": {name: {k: r[k] for k in ("mse", "relmse", "mse_post_o",
-                                                                         "relmse_post_o")}
-                                              for name, r in fidelity.items()}}, {})
+    table = {"diagnostics/table2.json": sha256_file(path.parent / "diagnostics" / "table2.json")}  # the numbers' file
+    for name, r in fidelity.items():
+        record_evaluation(path.parent, f"fidelity:{name}", [(("fidelity", name), {
+            k: r[k] for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")})], table)
+    publish_evaluations(path.parent)

@@ -68,6 +68,9 @@ def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
+MAX_SEED = 2**32
+
+
 def parse_seeds(spec: str | int | list[int]) -> list[int]:
     """'42,43,44' -> [42, 43, 44]: distinct non-negative integers, no empty items."""
     items = [spec] if isinstance(spec, int) else spec.split(",") if isinstance(spec, str) else list(spec)
@@ -77,6 +80,8 @@ def parse_seeds(spec: str | int | list[int]) -> list[int]:
         raise ValueError(f"seeds: expected comma-separated integers such as 42,43,44, got {spec!r}") from exc
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise ValueError(f"seeds: expected distinct non-negative integers, got {spec!r}")
+    if max(seeds) >= MAX_SEED:  # torch and Python generators take it; every seed derived from it stays in range
+        raise ValueError(f"seeds: expected integers below 2**32 = {MAX_SEED}, got {max(seeds)}")
     return seeds
 
 

@@ -16,7 +16,6 @@ the encoder protocol (`pipeline.encoder.EncoderRun`) subclasses this one.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -43,7 +42,7 @@ from oal.pipeline.aggregate import aggregate_seeds, summary_table
 from oal.pipeline.base import FIDELITY_FILE, REFERENCE, StagedRun
 from oal.pipeline.report import write_report
 from oal.pipeline.selection import comparison_sets, select_layers
-from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.files import atomic_write_json, load_json, remove
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
@@ -195,7 +194,7 @@ class Run(StagedRun):
                 if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
                     atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
                                              "ppl": math.exp(after[0] / after[1])})
-                    shutil.rmtree(ckpt, ignore_errors=True)
+                    remove(ckpt)
 
             complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
                                    inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
@@ -276,7 +275,7 @@ class Run(StagedRun):
                                        description=f"adapt {method}")
             if self.ranks.is_main:  # every process holds the same tensors; one writes them
                 save_adapter(peft_model, out, result)
-                shutil.rmtree(ckpt, ignore_errors=True)
+                remove(ckpt)
 
         return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
                           run=run, parallel=True)
@@ -346,6 +345,8 @@ class Run(StagedRun):
             active = arms is None or m in arms
             self.perplexity(m, adapted=False, run=active)
             if self.adapt(m, run=active):
+                if active:
+                    self.record_config()  # `oal adapt`: the arm's settings, now that its adapter has them
                 self.perplexity(m, adapted=True, run=active)
                 self.zeroshot(m, run=active)
         self.compare(run=arms is None)
