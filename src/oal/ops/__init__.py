@@ -8,7 +8,7 @@ import math
 import torch
 
 from oal.ops.chunked import chunked_attention
-from oal.ops.kernel import coefficients, feature_dim, packed_pairs
+from oal.ops.kernel import cached_coefficients, feature_dim, packed_pairs
 from oal.ops.recurrent import recurrent_attention
 from oal.ops.reference import reference_attention
 
@@ -191,7 +191,7 @@ def oal_attention(
             q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state, chunk_size=chunk_size
         )
         return (out, final) if output_final_state else out
-    coeffs = coefficients(factor, groups, eps)
+    coeffs, weights = cached_coefficients(factor, groups, eps, scale)  # once per kernel, not per decoded token
     state = initial_state.to(dtype) if initial_state is not None else None
     if backend == "auto":  # decoding (a few tokens on a state): the token loop has the least set-up
         backend = "recurrent" if state is not None and q.shape[2] <= DECODE_TOKENS else "chunked"
@@ -210,11 +210,12 @@ def oal_attention(
         if fresh:
             state = empty_state(q.shape[0], k.shape[1], d, v.shape[-1], dtype=dtype, device=q.device)
         if backend == "recurrent":
-            out, final = recurrent_attention(q, k, v, coeffs, scale=scale, causal=causal, state=state)
+            out, final = recurrent_attention(q, k, v, coeffs, scale=scale, causal=causal, state=state, weights=weights)
         else:
             out, final = chunked_attention(
                 q, k, v, groups, factor, coeffs, eps=eps, scale=scale, causal=causal, state=state,
                 state_is_zero=fresh and chunk_size is None, need_state=output_final_state, chunk_size=chunk_size,
+                weights=weights,
             )
     try:  # never a silent NaN: the inputs were finite, so say why
         _max_abs("out", out)

@@ -260,14 +260,15 @@ def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
 
 def chunked_attention(
     q, k, v, groups, factor, coeffs, *, eps, scale, causal, state, state_is_zero=False, need_state=True,
-    chunk_size=None, block_chunks=None, raw=False,
+    chunk_size=None, block_chunks=None, raw=False, weights=None,
 ):
     """Returns (out, final_state). Inputs already validated; q, k, v in the GEMM dtype (the state's, or bf16)
     and `state` (the initial state) in the state dtype.
 
     `raw`: v [B, Hkv, N, dv+1] already holds the columns u_j to sum, its last one the denominator's weight (1 for
     a real key, 0 for an empty slot), and out [B, Hq, N, dv+1] is the numerator sum_j kappa_ij u_j itself, not
-    normalised: the sliding-window hybrid (`ops.window`) adds its window terms before dividing."""
+    normalised: the sliding-window hybrid (`ops.window`) adds its window terms before dividing. `weights`: the
+    query coefficients already built from `coeffs` (`kernel.cached_coefficients`), or None to build them."""
     dtype = q.dtype
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
@@ -276,7 +277,8 @@ def chunked_attention(
     block = chunk * (block_chunks or max(BLOCK // chunk, 1))
     u = v if raw else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
-    w = query_coefficients(*coeffs, scale).view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
+    w = query_coefficients(*coeffs, scale) if weights is None else weights
+    w = w.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
     lower = torch.tril(factor)
     wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "cached_coefficients",
     "coefficients",
     "factor_to_matrix",
     "feature_dim",
@@ -69,6 +71,34 @@ def coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float):
     return a, b, c
 
 
+# factor tensor -> (eps, scale, mode), factor and groups as they were, (a, b, c), w: decoding calls the operator
+# once per token with the same kernel; entries go when the factor tensor does
+_COEFF_CACHE = WeakIdKeyDictionary()
+
+
+def _unchanged(then: torch.Tensor, now: torch.Tensor) -> bool:
+    # compared by value (the kernel is a few hundred numbers), so any write, `.data` ones included, invalidates
+    return then.dtype == now.dtype and then.shape == now.shape and then.device == now.device and torch.equal(then, now)
+
+
+def cached_coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float, scale: float):
+    """((a, b, c), w): `coefficients` and `query_coefficients`, built once and reused while factor, groups, eps and
+    scale are unchanged. Where gradients must reach the factor (grad mode and factor.requires_grad) both are
+    built fresh every call."""
+    if torch.is_grad_enabled() and factor.requires_grad:
+        coeffs = coefficients(factor, groups, eps)
+        return coeffs, query_coefficients(*coeffs, scale)
+    key = (float(eps), float(scale), torch.is_inference_mode_enabled())
+    hit = _COEFF_CACHE.get(factor)
+    if hit is not None and hit[0] == key and _unchanged(hit[1], factor) and _unchanged(hit[2], groups):
+        return hit[3], hit[4]
+    with torch.no_grad():
+        coeffs = coefficients(factor, groups, eps)
+        w = query_coefficients(*coeffs, scale)
+        _COEFF_CACHE[factor] = (key, factor.detach().clone(), groups.detach().clone(), coeffs, w)
+    return coeffs, w
+
+
 _GATHER_MAX = 1 << 15  # elements of x below which pair_products gathers instead of slicing
 
 
@@ -102,12 +132,15 @@ def query_coefficients(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale:
     return torch.cat([a[:, None].to(b.dtype), b * scale, quad], dim=1)
 
 
-def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, out=None):
+def query_features(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, out=None,
+                   weights: torch.Tensor | None = None):
     """phi(q) [..., H, N, F] for q [..., H, N, d] with per-head coefficients (Eq. 6, packed symmetric).
 
-    `out`: a buffer to fill (inference only; under autograd a new tensor is built).
+    `out`: a buffer to fill (inference only; under autograd a new tensor is built). `weights`: the
+    `query_coefficients(a, b, c, scale)` already built (`cached_coefficients`).
     """
-    w = query_coefficients(a, b, c, scale)[:, None, :].to(q.dtype)  # [H, 1, F]
+    w = query_coefficients(a, b, c, scale) if weights is None else weights
+    w = w[:, None, :].to(q.dtype)  # [H, 1, F]
     if torch.is_grad_enabled() and (q.requires_grad or w.requires_grad):
         return key_features(q) * w
     return key_features(q, out=out).mul_(w)

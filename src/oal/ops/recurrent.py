@@ -18,25 +18,27 @@ def _update(state, k_t, v_t):
     return torch.baddbmm(state.flatten(0, 1), psi.flatten(0, 1), u_t.flatten(0, 1)).view_as(state)
 
 
-def recurrent_step(state, q_t, k_t, v_t, coeffs, scale):
-    """One token: update the state with (k_t, v_t), then read out for q_t. Shapes [B, H, 1, *]."""
+def recurrent_step(state, q_t, k_t, v_t, coeffs, scale, weights=None):
+    """One token: update the state with (k_t, v_t), then read out for q_t. Shapes [B, H, 1, *].
+
+    `weights`: the query coefficients already built from `coeffs` (`kernel.cached_coefficients`), or None."""
     a, b, c = coeffs
     rep = q_t.shape[1] // k_t.shape[1]
     state = _update(state, k_t, v_t)
-    phi = query_features(q_t, a, b, c, scale)  # [B, Hq, 1, F]
+    phi = query_features(q_t, a, b, c, scale, weights=weights)  # [B, Hq, 1, F]
     bsz, n_q = phi.shape[:2]
     phi = phi.view(bsz, n_q // rep, rep, phi.shape[-1])
     num = phi @ state  # Eq. 6: [B, Hkv, rep, dv+1]
     return state, num.view(bsz, n_q, 1, -1)
 
 
-def recurrent_attention(q, k, v, coeffs, *, scale, causal, state):
+def recurrent_attention(q, k, v, coeffs, *, scale, causal, state, weights=None):
     """Causal: loop over tokens. Non-causal: accumulate all keys first, then read out every query."""
     outs = []
     if causal:
         for i in range(q.shape[2]):
             sl = slice(i, i + 1)
-            state, num = recurrent_step(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], coeffs, scale)
+            state, num = recurrent_step(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], coeffs, scale, weights)
             outs.append(num)
         num = torch.cat(outs, dim=2)
     else:
@@ -44,7 +46,7 @@ def recurrent_attention(q, k, v, coeffs, *, scale, causal, state):
             state = _update(state, k[:, :, i : i + 1], v[:, :, i : i + 1])
         a, b, c = coeffs
         rep = q.shape[1] // k.shape[1]
-        phi = query_features(q, a, b, c, scale)
+        phi = query_features(q, a, b, c, scale, weights=weights)
         bsz, n_q, n, f = phi.shape
         num = (phi.view(bsz, n_q // rep, rep * n, f) @ state).view(bsz, n_q, n, -1)
     return num[..., :-1] / num[..., -1:], state
