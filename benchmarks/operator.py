@@ -12,6 +12,10 @@ recorded with every row. Writes benchmarks/results/operator.{json,png} and print
     python -m benchmarks.operator --max-len 8192 --dtypes float32
     python -m benchmarks.operator --lengths 1024,4096,16384,32768 --threads 1 --clock cpu   # a shared machine
     python -m benchmarks.operator --sweep 8192           # chunk size x chunks per block, OAL only
+    python -m benchmarks.operator --contention --lengths 4096,16384 --dtypes float32   # quiet vs one busy process
+
+--contention (benchmarks/_contention.py) times every configuration alone and then beside one busy competing
+process, and reports OAL's slowdown over SDPA's (operator_contention.{json,png}).
 """
 
 import os
@@ -221,6 +225,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_timing_args(parser)
     parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
+    parser.add_argument("--contention", action="store_true",
+                        help="time OAL and SDPA quiet and beside one busy competing process, side by side")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
@@ -249,6 +255,13 @@ def main() -> None:
     from rich.table import Table
 
     lengths = lengths_from(parser, args)
+    if args.contention:
+        from benchmarks import _contention
+
+        _contention.run(_child, lengths, dtypes, args.repeats, args.device, RESULTS,
+                        f"B=1, Hq=14, Hkv=2, d=dv=64, G=5, {args.device}, {torch.get_num_threads()} threads, "
+                        f"{_common.CLOCK_NAME} clock")
+        return
     rows = []
     for dt in dtypes:
         for n in lengths:
