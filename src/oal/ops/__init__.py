@@ -22,17 +22,25 @@ log = logging.getLogger("oal")
 
 
 def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
-    """`auto` on CUDA: the Triton kernels when installed (causal), else the torch paths with a one-time warning."""
+    """`auto` on CUDA: the Triton kernels when installed (causal) and when they take these inputs, else the torch
+    paths with a warning, once per reason."""
     if q.device.type != "cuda" or not causal:
         return False
     from oal.ops import triton as oal_triton
 
     if oal_triton.available():
-        return oal_triton.unsupported(q, v) is None
-    if not getattr(_auto_triton, "warned", False):
-        _auto_triton.warned = True
-        log.warning("triton is not installed, CUDA attention runs the chunked torch path; %s", oal_triton.INSTALL_HINT)
+        reason = oal_triton.unsupported(q, v)
+        if reason is None:
+            return True
+    else:
+        reason = f"triton is not installed; {oal_triton.INSTALL_HINT}"
+    if reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(reason)
+        log.warning("CUDA attention runs the chunked torch path: %s", reason)
     return False
+
+
+_FALLBACK_WARNED: set[str] = set()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
