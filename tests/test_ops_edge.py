@@ -160,3 +160,6 @@ def test_auto_falls_back_with_one_warning_per_reason(monkeypatch, caplog):
         assert not ops._auto_triton(cuda, cuda, True)
     warnings = [r.getMessage() for r in caplog.records if "chunked torch path" in r.getMessage()]
     assert len(warnings) == 1 and "163 KB of shared memory" in warnings[0] and "RTX A6000 has 99 KB" in warnings[0]
+    monkeypatch.setattr(oal_triton, "device_shared", lambda device: ("A100", 163 * 1024))
+    assert ops._auto_triton(cuda, cuda, True, chunk_size=64)
+    assert not ops._auto_triton(cuda, cuda, True, chunk_size=128)  # longer chunks than the tiles are checked for

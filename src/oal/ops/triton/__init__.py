@@ -34,15 +34,18 @@ def interpreted() -> bool:
     return defined_interpreted()
 
 
-def unsupported(q, v) -> str | None:
+def unsupported(q, v, chunk_size=None) -> str | None:
     """Why the kernels cannot take these inputs (None when they can); `auto` then runs the torch path.
 
-    On CUDA: the shapes and dtypes whose tiles do not fit the device's shared memory (tiles.refusal), and devices
-    with less shared memory per block than the A100 (163 KB) that the tiles are checked for.
+    On CUDA: the shapes and dtypes whose tiles do not fit the device's shared memory (tiles.refusal), chunks longer
+    than the 64 tokens the tiles are checked for, and devices with less shared memory per block than the A100
+    (163 KB).
     """
     d, dv = q.shape[-1], v.shape[-1]
     if q.device.type != "cuda":  # the interpreter has no shared-memory limit
         return refusal(d, dv, torch.float32, 90) if max(d, dv) > 128 else None
+    if chunk_size is not None and chunk_size > 64:
+        return f"chunk_size: the triton backend's tiles are checked for chunks of up to 64 tokens, got {chunk_size}"
     arch = device_arch(q.device)
     name, shared = device_shared(q.device)
     if shared < SHARED_LIMIT[arch]:
@@ -62,7 +65,7 @@ def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None,
         raise ValueError(
             f"backend: 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1), got device {q.device}"
         )
-    reason = unsupported(q, v)
+    reason = unsupported(q, v, chunk_size)
     if reason:
         raise ValueError(reason)
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
