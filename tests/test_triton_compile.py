@@ -1,0 +1,38 @@
+"""The Triton kernels compile for an H100/H200 (sm_90) and an A100 (sm_80) within one block's shared memory.
+
+Runs scripts/triton_sm90_check.py (Triton's compiler and the ptxas it bundles; no GPU). The full grid (d, dv in
+{64, 128}, bf16/fp16/fp32, both targets: 120 compilations) takes minutes even on free cores, so CI compiles the two
+kernels closest to their target's limit in the full grid's last run: the bf16 dkv kernel at d = dv = 128 for sm_90
+and the fp32 one for sm_80 (160 of 163 KB). The grid itself is run by hand (README "GPU"). The interpreter
+setting of conftest.py is removed for the subprocess, since the interpreter does not compile.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")  # in the dev extra on Linux; no other reason to skip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(*args: str) -> tuple[int, list[str], str]:
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "scripts" / "triton_sm90_check.py"), "--head-dims", "128", "--kernels", "dkv",
+           *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    return res.returncode, [line for line in res.stdout.splitlines() if line.startswith("sm_")], res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "arch"), [("bf16", "90"), ("fp32", "80")])
+def test_largest_kernels_fit_their_target(dtype, arch):
+    rc, rows, err = _check("--dtypes", dtype, "--arch", arch)
+    assert rc == 0 and len(rows) == 1, (rows, err[-2000:])
+    assert "shared" in rows[0] and "OVER" not in rows[0] and f"sm_{arch}" in rows[0], rows
