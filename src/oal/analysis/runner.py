@@ -27,7 +27,7 @@ from oal.analysis import figures as figs
 from oal.analysis.contributions import head_contributions, prefix_contributions
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
 from oal.analysis.grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
-from oal.analysis.regime import RegimeAccumulator
+from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
 from oal.models.provenance import weights_record
@@ -201,7 +201,8 @@ def analyze(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with torch.no_grad(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("capture: calibration prompts", total=n_prompts)
-        regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)))
+        regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)), max_rows=ANALYZE_ROWS,
+                                    max_logits=ANALYZE_LOGITS)  # linear in N: see oal.analysis.regime
         calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime)
         held = None
         if held_batches is not None:
