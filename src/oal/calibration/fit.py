@@ -136,10 +136,13 @@ def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tens
     """
     m = int(positions.max()) + 1 if causal else k.shape[2]
     qs, ks = q[:, :, positions], k[:, :, :m]
+    if method.positional and not causal:
+        raise ValueError(f"method: {method.name!r} is causal only (a sliding window); the data is non-causal")
     if _is_oal(method):
         w = _oal_dense_kernel(method, qs, ks, n_copies)
-    else:
-        w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1))
+    else:  # a sliding window's weights depend on where each query sits: pass the sampled positions
+        where = {"positions": positions} if method.positional else {}
+        w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1), **where)
     if causal:
         mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
     else:
@@ -410,10 +413,13 @@ def oal_inits(global_factor: torch.Tensor, n_groups: int, cfg: CalibConfig) -> d
 
 def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, cfg: CalibConfig | None = None,
                         *, layer: int = 0, eps: float = 1e-6, sequential: bool = False,
+                        pair: tuple[str, str] = ("global", "oal"), settings: Mapping | None = None,
                         ) -> tuple[LayerCalibration, LayerCalibration]:
     """The learned global baseline first (3 inits), then OAL (3 inits, one seeded by the global result).
 
-    Returns (global, oal) calibrations; `groups` [Hq, d] are the layer's fixed dimension groups.
+    Returns (global, oal) calibrations; `groups` [Hq, d] are the layer's fixed dimension groups. `pair`
+    ("global-swa", "oal-swa") with `settings` {"window": W} runs the same protocol for the sliding-window hybrid,
+    each start fitted to softmax by the hybrid's own output (window and kernel together).
     """
     from oal.methods import build_method
 
@@ -423,38 +429,53 @@ def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, 
     if groups.shape != (hq, d):
         raise ValueError(f"groups: expected shape [{hq}, {d}], got {tuple(groups.shape)}")
     run = calibrate_layer_sequential if sequential else calibrate_layer
-    glob = build_method("global", hq, hkv, d, eps=eps, layer_idx=layer)
+    settings = dict(settings or {})
+    glob = build_method(pair[0], hq, hkv, d, eps=eps, layer_idx=layer, **settings)
     g_res = run(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
     n_groups = int(groups.max()) + 1
-    oal = build_method("oal", hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer)
+    oal = build_method(pair[1], hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer, **settings)
     o_res = run(oal, train, val, cfg, oal_inits(g_res.params["factor"], n_groups, cfg), layer=layer)
     return g_res, o_res
 
 
 def calibrate_methods(names: Sequence[str], train: LayerData, val: LayerData, *, layer: int,
                       groups: torch.Tensor | None = None, cfg: CalibConfig | None = None, seed: int = 0,
+                      options: Mapping | None = None,
                       ) -> dict[str, tuple[AttentionMethod, LayerCalibration | None]]:
     """Build and calibrate every method of `names` on one layer's frozen data: the one driver behind `oal run`,
     `oal calibrate` and `oal diagnose`.
 
-    `oal` needs `groups` [Hq, d]. As in App. B the learned global is calibrated first, and it seeds one of OAL's
-    three starts. A method without trainable parameters is returned as built, with None for its calibration.
+    `oal` and `oal-swa` need `groups` [Hq, d]. As in App. B the learned global is calibrated first, and it seeds
+    one of OAL's three starts; the hybrid oal-swa is seeded the same way by its own G = 1 control global-swa
+    (whose kernel, like the hybrid's, is weighed against the window's e^s, so the scale it learned carries over).
+    `options`: the run's method settings ({"window": W, "sinks": S}); each method takes those it has
+    (`AttentionMethod.settings`). A method without trainable parameters is returned as built, with None for its
+    calibration.
     """
-    from oal.methods import build_method
+    from oal.methods import build_method, get_method
+    from oal.methods.base import method_settings
 
     cfg = cfg or CalibConfig()
     hq, hkv, d = train.q.shape[1], train.k.shape[1], train.q.shape[-1]
+    for name in names:
+        if get_method(name).positional and not train.causal:
+            raise ValueError(f"methods: {name!r} is a causal sliding window; this layer's data is non-causal")
     results: dict[str, LayerCalibration] = {}
-    if "oal" in names:
-        if groups is None:
-            raise ValueError(f"groups: layer {layer} needs groups for 'oal'")
-        results["global"], results["oal"] = calibrate_oal_layer(train, val, groups, cfg, layer=layer)
-    elif "global" in names:
-        glob = build_method("global", hq, hkv, d, layer_idx=layer, seed=seed)
-        results["global"] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
+    for glob_name, oal_name in (("global", "oal"), ("global-swa", "oal-swa")):
+        settings = method_settings(glob_name, options)
+        if oal_name in names:
+            if groups is None:
+                raise ValueError(f"groups: layer {layer} needs groups for {oal_name!r}")
+            results[glob_name], results[oal_name] = calibrate_oal_layer(
+                train, val, groups, cfg, layer=layer, pair=(glob_name, oal_name), settings=settings)
+        elif glob_name in names:
+            glob = build_method(glob_name, hq, hkv, d, layer_idx=layer, seed=seed, **settings)
+            results[glob_name] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
     out = {}
     for name in names:
-        kwargs = {"groups": groups, "n_groups": int(groups.max()) + 1} if name == "oal" else {}
+        kwargs = method_settings(name, options)
+        if get_method(name).uses_groups:
+            kwargs.update(groups=groups, n_groups=int(groups.max()) + 1)
         method = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed, **kwargs)
         res = results.get(name)
         if res is None and method.trainable:

@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-__all__ = ["AttentionMethod", "METHODS", "build_method", "get_method", "method_names", "register", "repeat_kv"]
+__all__ = ["AttentionMethod", "METHODS", "build_method", "get_method", "method_names", "method_settings", "register",
+           "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -52,6 +53,13 @@ def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwar
     return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
 
 
+def method_settings(name: str, options) -> dict:
+    """The entries of `options` (a run's method settings, e.g. {"window": 64, "sinks": 4} from `--window` and
+    `--sinks`) that method `name` takes as constructor arguments (its `settings`)."""
+    cls = get_method(name)
+    return {k: options[k] for k in cls.settings if k in (options or {})}
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, Hkv, N, d] -> [B, Hkv * n_rep, N, d], query head h reading KV head h // n_rep (as HF's repeat_kv)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -63,6 +71,9 @@ class AttentionMethod(nn.Module):
     name: ClassVar[str] = ""
     stochastic: ClassVar[bool] = False  # random features: Table 1 averages over seeds
     supports_state: ClassVar[bool] = False  # forward accepts initial_state / output_final_state
+    uses_groups: ClassVar[bool] = False  # built with the stable-gap groups (groups=, n_groups=), as oal is
+    settings: ClassVar[tuple[str, ...]] = ()  # constructor settings a run configures (`method_settings`)
+    positional: ClassVar[bool] = False  # causal only; dense_kernel(q, k, positions=) depends on where queries sit
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()

@@ -43,7 +43,7 @@ log = logging.getLogger("oal")
 MANIFEST = "oal.json"
 FORMAT = "oal-model/1"
 SPEC_FORMAT = "oal-conversion/1"
-_INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size")  # JSON-able constructor settings read off a method
+_INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size", "window", "sinks")  # JSON-able constructor settings
 
 
 # ----------------------------------------------------------------------------------------------- conversion spec
