@@ -24,10 +24,11 @@ def _qkv(s=1, seed=0, n=N):
 
 
 def _method(name, seed=0, window=9):
+    """Factors perturbed by `seed`; the same groups whatever the seed (initialisations share a layer's groups)."""
     gen = torch.Generator().manual_seed(seed)
     kw = {"window": window, **({"sinks": 2} if name == "swa" else {})}
     if name == "oal-swa":
-        kw.update(groups=torch.randint(0, 3, (HQ, D), generator=gen), n_groups=3)
+        kw.update(groups=torch.randint(0, 3, (HQ, D), generator=torch.Generator().manual_seed(99)), n_groups=3)
     m = build_method(name, HQ, HKV, D, **kw).double()
     if m.trainable:
         with torch.no_grad():
@@ -54,6 +55,18 @@ def test_sampled_output_of_stacked_initialisations(name):
     got = sampled_dense_output(_fold(copies), q, k, v, pos, n_copies=3)
     want = torch.cat([m(q, k, v)[:, :, pos] for m in copies], dim=1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [40, 300])  # the dense validation (short sequences) and the forward's (long ones)
+def test_validation_mse_of_stacked_initialisations(n):
+    from oal.calibration.loss import _val_mse
+
+    copies = [_method("oal-swa", seed=s) for s in range(3)]
+    q, k, v = _qkv(2, seed=4, n=n)
+    data = LayerData(q, k, v, build_method("softmax", HQ, HKV, D)(q, k, v))
+    got = _val_mse(_fold(copies), data, n_copies=3, query_chunk=7)
+    want = torch.cat([(m(q, k, v) - data.out).square().mean(dim=(0, 2, 3)) for m in copies])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
 
 
 def _layer_data(s, seed):

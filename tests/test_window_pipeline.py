@@ -74,3 +74,17 @@ def test_cli_refuses_a_bad_window(tmp_path):
     assert res.exit_code == 2 and "--window" in res.output
     res = CliRunner().invoke(load_commands(), ["run", "--help"], env={"COLUMNS": "200"})
     assert "--window" in res.output and "--sinks" in res.output
+
+
+def test_encoder_runs_refuse_the_windows(tmp_path):
+    from _tiny_encoders import save_tiny_encoder
+
+    from oal.cli import load_commands
+
+    save_tiny_encoder(tmp_path / "bert", ["alpha", "beta", "gamma"])
+    (tmp_path / "corpus.txt").write_text("alpha beta gamma.\n\nbeta gamma alpha.")
+    res = CliRunner(env={"COLUMNS": "400"}).invoke(load_commands(), [
+        "run", "--model", str(tmp_path / "bert"), "--data", str(tmp_path / "corpus.txt"), "--methods", "oal,oal-swa",
+        "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2 and "Error" in res.output and "the sliding windows" in res.output
+    assert not (tmp_path / "run" / "config.json").exists()

@@ -5,6 +5,7 @@ from rich.console import Console
 
 from oal.errors import InputError
 from oal.launch import process_device, ranks
+from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
 from oal.pipeline.config import RunConfig
@@ -23,6 +24,9 @@ def run_class(cfg: RunConfig) -> type[Run]:
         if cfg.select:
             raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
                              "layers")
+        if any(get_method(m).positional for m in cfg.methods):
+            raise InputError("the sliding windows (swa, oal-swa, global-swa) are causal; an encoder attends both ways",
+                             "--methods", "methods")
 
         return EncoderRun
     return Run
