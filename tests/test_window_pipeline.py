@@ -7,6 +7,7 @@ import math
 import shutil
 
 import pytest
+import torch
 from test_pipeline import _cfg, assets  # noqa: F401  (the tiny model + corpus fixture)
 from typer.testing import CliRunner
 
@@ -65,6 +66,38 @@ def test_cli_adapt_with_another_window_recalibrates(window_run, tmp_path):
     assert set(new["perplexity"]) == {"swa", "softmax"}  # the other window arms were made with W = 16: not reported
     assert new["perplexity"]["softmax"] == metrics["perplexity"]["softmax"]
     assert new["perplexity_no_adapt"]["swa"] != metrics["perplexity_no_adapt"]["swa"]
+
+
+def test_cli_convert_export_generate_and_evaluate_a_window_arm(window_run, tmp_path):
+    """The later stages on the run's own arms through the CLI: `oal convert --export` of the hybrid (reloaded by
+    oal.load with the run's window and the adapted model's logits), `oal generate` with swa, `oal evaluate` of the
+    three windows' fidelity."""
+    from oal.artefact.arms import load_converted
+    from oal.cli import load_commands
+    from oal.models.attention import converted_methods
+
+    out, _ = window_run
+    shutil.copytree(out, tmp_path / "run")
+    run, cli = tmp_path / "run", lambda *a: CliRunner(env={"COLUMNS": "200"}).invoke(load_commands(), [str(x) for x in a])
+    res = cli("convert", "--out", run, "--method", "oal-swa", "--export", tmp_path / "export")
+    assert res.exit_code == 0, res.output
+    assert "oal-swa" in res.output and "adapted" in res.output
+    import oal
+
+    reloaded, (adapted, _, _) = oal.load(tmp_path / "export"), load_converted(run, "oal-swa")
+    got = converted_methods(reloaded)
+    assert got and all(m.name == "oal-swa" and m.window == 16 for m in got.values())
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert (reloaded(ids).logits - adapted(ids).logits).abs().max() < 1e-4  # merged LoRA only rounds
+
+    res = cli("generate", "the cat", "--out", run, "--method", "swa", "--max-new-tokens", "4")
+    assert res.exit_code == 0 and "\nthe cat" in "\n" + res.output, res.output  # after the log line
+    res = cli("evaluate", "--out", run, "--methods", ",".join(WINDOWS), "--blocks", "1", "--no-adapter")
+    assert res.exit_code == 0, res.output
+    fid = json.loads((run / "metrics.json").read_text())["fidelity"]
+    for m in WINDOWS:
+        assert fid[m]["relmse"] > 0 and math.isfinite(fid[m]["relmse"]), m
 
 
 def test_cli_refuses_a_bad_window(tmp_path):
