@@ -72,18 +72,21 @@ def test_cli_convert_export_generate_and_evaluate_a_window_arm(window_run, tmp_p
     """The later stages on the run's own arms through the CLI: `oal convert --export` of the hybrid (reloaded by
     oal.load with the run's window and the adapted model's logits), `oal generate` with swa, `oal evaluate` of the
     three windows' fidelity."""
+    import oal
     from oal.artefact.arms import load_converted
     from oal.cli import load_commands
     from oal.models.attention import converted_methods
 
     out, _ = window_run
     shutil.copytree(out, tmp_path / "run")
-    run, cli = tmp_path / "run", lambda *a: CliRunner(env={"COLUMNS": "200"}).invoke(load_commands(), [str(x) for x in a])
+    run = tmp_path / "run"
+
+    def cli(*args):
+        return CliRunner(env={"COLUMNS": "200"}).invoke(load_commands(), [str(x) for x in args])
+
     res = cli("convert", "--out", run, "--method", "oal-swa", "--export", tmp_path / "export")
     assert res.exit_code == 0, res.output
     assert "oal-swa" in res.output and "adapted" in res.output
-    import oal
-
     reloaded, (adapted, _, _) = oal.load(tmp_path / "export"), load_converted(run, "oal-swa")
     got = converted_methods(reloaded)
     assert got and all(m.name == "oal-swa" and m.window == 16 for m in got.values())
