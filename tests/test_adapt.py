@@ -145,7 +145,7 @@ def test_save_and_load_adapter_roundtrip(tmp_path):
     model, res = adapt(_tiny_model(convert="oal"), _blocks(4, 12, 0), _blocks(2, 12, 1), AdaptConfig(**CFG),
                        progress=False)
     save_adapter(model, tmp_path / "adapter", res)
-    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "adapter" / "oal_adapter.json").exists()  # and no adapter_config.json: see test_routes
     assert (tmp_path / "adapter" / "kernel_params.safetensors").exists()
     ids = _blocks(2, 10, 5)
     with torch.no_grad():

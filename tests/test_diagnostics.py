@@ -192,6 +192,26 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
     assert stamps == {p: (tmp_path / "diagnostics" / p).stat().st_mtime_ns for p in stamps}
 
 
+def test_diagnose_recomputes_a_part_after_a_method_construction_change(tmp_path, monkeypatch):
+    # a cached Table 2 made by an older DiJiang construction must not be served as the current one
+    from oal.calibration.data import CalibConfig
+    from oal.diagnostics import diagnose
+    from oal.methods.dijiang import DiJiangMethod
+
+    model = _tiny_model()
+    cc = CalibConfig.preset("tiny", max_steps=2, val_every=1, patience=1)
+    grouping = dict(tail_fraction=0.25, min_support=0.5, min_ratio=1.2, min_groups=2, n_bootstrap=20)
+    kw = dict(parts=("table2",), table2_methods=("dijiang", "taylorshift"), calib_cfg=cc, grouping=grouping)
+    first = diagnose(model, _blocks(), [1], tmp_path, **kw)
+    path = tmp_path / "diagnostics" / "table2.json"
+    stamp = path.stat().st_mtime_ns
+    diagnose(model, _blocks(), [1], tmp_path, **kw)
+    assert path.stat().st_mtime_ns == stamp  # same construction: found done
+    monkeypatch.setattr(DiJiangMethod, "version", DiJiangMethod.version + 1)
+    again = diagnose(model, _blocks(), [1], tmp_path, **kw)
+    assert path.stat().st_mtime_ns != stamp and again["table2"]["settings_key"] != first["table2"]["settings_key"]
+
+
 def test_cli_diagnose_rejects_bad_options(tmp_path):
     from typer.testing import CliRunner
 

@@ -277,7 +277,7 @@ def test_kernels_roundtrip_and_save_pretrained(tmp_path):
     from safetensors.torch import load_file
 
     conv.save_pretrained(tmp_path / "hf")
-    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    state = load_file(str(tmp_path / "hf" / "model.oal.safetensors"))  # the "oal" weights variant
     for i, m in converted_methods(conv).items():
         torch.testing.assert_close(state[f"encoder.layer.{i}.attention.self.oal_method.factor"], m.factor.detach())
         assert torch.equal(state[f"encoder.layer.{i}.attention.self.oal_method.groups"], m.groups)

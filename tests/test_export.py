@@ -1,82 +1,31 @@
 """The converted model as an artefact: export, reload through oal.load and transformers' Auto classes, the CLI.
 
-The run directories here are written by the library's own writers (save_kernels, save_adapter) for a tiny random
-Llama, with random kernels and a random (non-zero) LoRA adapter, so every check can tell adapted from calibrated
-and converted from softmax. The round trips are exact: the saved form holds the same tensors as the model in memory.
+The run directories here (`_runs.make_run`) are written by the library's own writers (save_kernels, save_adapter)
+for a tiny random Llama, with random kernels and a random (non-zero) LoRA adapter, so every check can tell adapted
+from calibrated and converted from softmax. lm-eval on an export: test_lm_eval_export.py; the refused routes:
+test_routes.py. The round trips are exact: the saved form holds the same tensors as the model in memory.
 """
 
-import copy
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _runs import IDS, LAYERS, SRC, logits, make_run, random_methods
 from _tiny import save_tiny_llama, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 import oal
-from oal.adaptation.adapter import converted_model_sha256, save_adapter
 from oal.adaptation.config import AdaptConfig
 from oal.adaptation.train import wrap_lora
-from oal.artefact.arms import adapter_dir, calibrated_methods, load_converted
+from oal.artefact.arms import calibrated_methods, load_converted
 from oal.artefact.export import export
-from oal.calibration.kernels import kernel_dir, save_kernels
-from oal.methods import build_method
 from oal.models.attention import converted_methods
 from oal.models.convert import convert
 from oal.models.pretrained import MANIFEST
-from oal.models.registry import load_model
-
-LAYERS = [1, 2]
-IDS = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 7, 130, 64, 12, 200, 33]])
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _random_methods(name: str, n_heads: int, n_kv: int, head_dim: int, seed: int, **kwargs) -> dict:
-    """Seeded methods for LAYERS with every parameter moved off its initial value."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in LAYERS:
-        if name == "oal":
-            kwargs["groups"] = torch.randint(0, 3, (n_heads, head_dim), generator=gen)
-        m = build_method(name, n_heads, n_kv, head_dim, layer_idx=i, seed=seed, **kwargs)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        out[i] = m
-    return out
-
-
-def make_run(root: Path, base_dir: Path, methods: dict[str, bool], dtype: str | None = None) -> Path:
-    """A run directory as `oal run` leaves it: kernels per method, and adapter/<method>/ where methods[m] is True."""
-    run = root / "run"
-    _, _, provenance = load_model(str(base_dir))
-    for k, (name, with_adapter) in enumerate(methods.items()):
-        ms = _random_methods(name, 4, 2, 8, seed=k)
-        save_kernels(ms, kernel_dir(run, name), base_model=str(base_dir), provenance=provenance)
-        if with_adapter:
-            mdl, _, _ = load_model(str(base_dir))
-            convert(mdl, LAYERS, copy.deepcopy(ms))
-            trained_on = converted_model_sha256(mdl)
-            peft_model, names = wrap_lora(mdl, AdaptConfig(lora_r=2, lora_alpha=4, lora_dropout=0.0))
-            gen = torch.Generator().manual_seed(100 + k)
-            with torch.no_grad():  # LoRA B starts at zero: move every trainable tensor so the adapter matters
-                for _, p in sorted(peft_model.named_parameters()):
-                    if p.requires_grad:
-                        p.add_(0.05 * torch.randn(p.shape, generator=gen))
-            save_adapter(peft_model, adapter_dir(run, name), kernel_names=names, base_sha256=trained_on)
-    if dtype is not None:
-        (run / "config.json").write_text(json.dumps({"config": {"dtype": dtype}}))
-    return run
-
-
-def logits(model, ids=IDS):
-    with torch.no_grad():
-        return model(ids).logits
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +79,9 @@ def test_export_reloads_the_adapted_model(run_dir, tmp_path, method):
 def test_unmerged_export_keeps_the_adapter_separate(run_dir, tmp_path):
     adapted, _, _ = load_converted(run_dir, "oal", merge=False)
     path = export(run_dir, "oal", tmp_path / "unmerged", merge=False)
-    assert (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
-    reloaded = oal.load(path)  # transformers attaches the adapter found in the folder
+    assert (path / "adapter_model.safetensors").is_file() and not (path / "adapter_config.json").exists()
+    assert json.loads((path / "config.json").read_text())["oal"]["lora"]["peft_type"] == "LORA"
+    reloaded = oal.load(path)  # oal's class attaches the adapter recorded in config.json
     assert getattr(reloaded, "_hf_peft_config_loaded", False)
     assert torch.equal(logits(reloaded), logits(adapted))
     with pytest.raises(ValueError, match="would save only its LoRA adapter"):
@@ -185,7 +135,7 @@ def test_generate_after_reload(run_dir, exported):
 def test_save_pretrained_roundtrip(tmp_path, family, method, kwargs):
     model = tiny_model(family, 300)
     cfg = model.config
-    convert(model, LAYERS, _random_methods(method, cfg.num_attention_heads, cfg.num_key_value_heads,
+    convert(model, LAYERS, random_methods(method, cfg.num_attention_heads, cfg.num_key_value_heads,
                                            getattr(cfg, "head_dim", None) or 8, seed=3, **kwargs))
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -200,7 +150,7 @@ def test_merged_peft_model_save_pretrained_keeps_the_kernels(tmp_path):
     """The issue's case: merge_and_unload, save_pretrained, from_pretrained used to give back softmax attention."""
     model = tiny_model("qwen2", 300)
     softmax = logits(model)
-    convert(model, LAYERS, _random_methods("oal", 6, 2, 8, seed=5))
+    convert(model, LAYERS, random_methods("oal", 6, 2, 8, seed=5))
     peft_model, _ = wrap_lora(model, AdaptConfig(lora_r=2, lora_dropout=0.0))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -213,34 +163,20 @@ def test_merged_peft_model_save_pretrained_keeps_the_kernels(tmp_path):
     assert (logits(reloaded) - softmax).abs().max() > 1e-2
 
 
-def test_the_calls_lm_eval_makes_for_a_folder(exported, run_dir):
-    """What lm-eval's HFLM(pretrained="<dir>") calls (lm_eval/models/huggingface.py), with its keyword arguments;
-    lm-eval itself is not installed here."""
-    from transformers import AutoConfig
-
-    d = str(exported)
-    config = AutoConfig.from_pretrained(d, revision="main", trust_remote_code=False)
-    assert config.model_type == "oal_llama" and config.max_position_embeddings > 0
-    model = AutoModelForCausalLM.from_pretrained(d, revision="main", torch_dtype="auto", trust_remote_code=False,
-                                                 device_map={"": "cpu"})
-    model.eval()
-    model.tie_weights()
-    tok = AutoTokenizer.from_pretrained(d, revision="main", trust_remote_code=False, use_fast=True)
-    ids = torch.tensor([tok.encode("abc def", add_special_tokens=False)])
-    assert torch.equal(logits(model, ids), logits(load_converted(run_dir, "oal")[0], ids))
-
-
 # ----------------------------------------------------------------------------------------------- refusals
 
 
 def test_tampered_or_missing_files_are_refused(exported, tmp_path):
-    for name in ("model.safetensors", "config.json", "tokenizer_config.json"):
+    for name in ("model.oal.safetensors", "config.json", "tokenizer_config.json"):
         bad = tmp_path / name
         bad.mkdir()
         for f in exported.iterdir():
             (bad / f.name).write_bytes(f.read_bytes())
         data = bytearray((bad / name).read_bytes())
-        data[len(data) // 2] ^= 1
+        if name.endswith(".json"):
+            data += b"\n"  # still valid JSON, so the hash check (not the parser) must refuse it
+        else:
+            data[len(data) // 2] ^= 1
         (bad / name).write_bytes(bytes(data))
         for load in (oal.load, AutoModelForCausalLM.from_pretrained):
             with pytest.raises(ValueError, match=rf"{name}: SHA256 does not match oal.json"):
@@ -264,7 +200,7 @@ def test_run_errors_name_the_file(run_dir, tmp_path):
     assert calibrated_methods(run_dir) == ["oal", "global", "performer", "taylorshift"]
     with pytest.raises(ValueError, match=r"kernels/dijiang/kernels.json: missing; the run did not calibrate"):
         load_converted(run_dir, "dijiang")
-    with pytest.raises(ValueError, match=r"adapter/taylorshift/adapter_config.json: missing"):
+    with pytest.raises(ValueError, match=r"adapter/taylorshift/oal_adapter.json: missing"):
         export(run_dir, "taylorshift", tmp_path / "t")
     assert not (tmp_path / "t").exists()
     mine = tmp_path / "mine"
@@ -359,11 +295,11 @@ def _text(res) -> str:
 
 def test_cli_bad_input_is_one_clean_line(cli, run_dir, tmp_path):
     cases = {
-        ("export", "--out", run_dir, "--method", "taylorshift", "--to", tmp_path / "a"): "adapter_config.json",
+        ("export", "--out", run_dir, "--method", "taylorshift", "--to", tmp_path / "a"): "oal_adapter.json",
         ("export", "--out", run_dir, "--method", "softmax", "--to", tmp_path / "b"): "did not calibrate 'softmax'",
         ("export", "--out", tmp_path / "nowhere", "--to", tmp_path / "c"): "not a directory",
         ("export", "--out", run_dir, "--to", tmp_path / "d", "--dtype", "int8"): "float32, float16 or bfloat16",
-        ("generate", "hi", "--out", run_dir, "--method", "taylorshift", "--adapter"): "adapter_config.json",
+        ("generate", "hi", "--out", run_dir, "--method", "taylorshift", "--adapter"): "oal_adapter.json",
         ("convert", "--out", run_dir, "--method", "dijiang"): "did not calibrate 'dijiang'",
     }
     for args, msg in cases.items():

@@ -113,3 +113,25 @@ def test_every_method_round_trips(tmp_path, name):
         1, 2, 9, 16, generator=gen)
     assert type(got) is type(m)
     torch.testing.assert_close(got(q, k, v), m(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["dijiang", "spectraformer"])
+def test_kernels_of_an_older_construction_are_refused(tmp_path, name):
+    # version 1 of these baselines computed another function from the same tensor names and shapes: a file
+    # written before versions were recorded (no "version") must not load silently into the new construction
+    from oal.models.pretrained import build_methods, conversion_spec
+
+    m = build_method(name, 4, 2, 16, layer_idx=1, seed=3)
+    assert m.version == 2
+    oal.save_kernels({1: m}, tmp_path)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert meta["layers"]["1"]["version"] == 2
+    del meta["layers"]["1"]["version"]
+    (tmp_path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="construction version 1"):
+        load_kernels(tmp_path)
+    spec = conversion_spec(oal.convert(_base(), [1], {1: build_method(name, 4, 2, 8, layer_idx=1)}))
+    assert spec["layers"]["1"]["version"] == 2 and len(build_methods(spec)) == 1
+    spec["layers"]["1"]["version"] = 1
+    with pytest.raises(ValueError, match="config.oal: layer 1: .*construction version 1"):
+        build_methods(spec)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "oal"
 # Bottom-up: a module may import only from its own package or from packages listed before it.
 LAYERS = ("oal.errors", "oal.device", "oal.launch", "oal.rundir", "oal.ops", "oal.methods", "oal.data", "oal.models",
           "oal.analysis", "oal.calibration", "oal.evaluate", "oal.adaptation", "oal.artefact", "oal.diagnostics",
-          "oal.pipeline", "oal.cli", "oal.__main__")
+          "oal.pipeline", "oal.cli", "oal.__main__", "oal.lm_eval")
 MAX_LINES, MAX_CLI_LINES, MAX_ROOT_MODULES = 500, 120, 6
 
 

@@ -71,8 +71,8 @@ def _strip_time(m):
 def test_run_directory_contract(full_run):
     out, metrics = full_run
     for f in ("config.json", "groups.json", "kernels.safetensors", "calibration.json", "metrics.json", "report.md",
-              "adapter/oal/adapter_config.json", "adapter/oal/kernel_params.safetensors",
-              "adapter/softmax/adapter_config.json", "kernels/global/kernels.safetensors"):
+              "adapter/oal/oal_adapter.json", "adapter/oal/kernel_params.safetensors",
+              "adapter/softmax/oal_adapter.json", "kernels/global/kernels.safetensors"):
         assert (out / f).is_file(), f
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["converted_layers"] == [1]
@@ -229,6 +229,24 @@ def test_all_methods_run_end_to_end(assets, tmp_path):
     for name in ("Performer", "SpectraFormer", "DiJiang", "TaylorShift", "Sliding window (SWA)",
                  "Window + OAL (hybrid)", "Window + learned global"):
         assert f"| {name} |" in text
+
+
+def test_older_construction_kernels_are_recalibrated(assets, tmp_path, monkeypatch):
+    """A run directory whose DiJiang kernels came from another construction version recalibrates them (and every
+    stage reading them reruns) instead of skipping the calibration and reporting the old kernels' numbers."""
+    from oal.methods.dijiang import DiJiangMethod
+
+    cfg = _cfg(assets, methods=["dijiang"], adapt={"steps": 2, "val_every": 2})
+    stages = tmp_path / ".oal" / "stages.json"
+    run_seed(cfg, tmp_path, progress=False)
+    first = json.loads(stages.read_text())
+    run_seed(cfg, tmp_path, progress=False)
+    assert json.loads(stages.read_text())["calibrate"] == first["calibrate"]  # same construction: skipped
+    monkeypatch.setattr(DiJiangMethod, "version", DiJiangMethod.version + 1)
+    run_seed(cfg, tmp_path, progress=False)
+    again = json.loads(stages.read_text())
+    assert again["calibrate"]["key"] != first["calibrate"]["key"]
+    assert again["fidelity"]["key"] != first["fidelity"]["key"]  # it read the recalibrated kernel files
 
 
 def test_cli_conventions():

@@ -148,3 +148,32 @@ def test_offline_run_skips_zeroshot_and_reports_missing_columns(assets, tmp_path
     text = (tmp_path / "run" / "report.md").read_text()
     assert "PIQA, HellaSwag and ARC-E columns are missing" in text and "offline" in text
     assert metrics["perplexity"]["softmax"] > 1  # the rest of the run is unaffected
+
+
+def test_cli_evaluate_log_samples_writes_per_example_loglikelihoods(zs_run, tmp_path):
+    import shutil
+
+    from oal.artefact.arms import arm_inputs, load_arm
+    from oal.evaluate.zeroshot import load_task, score_examples
+
+    out, metrics = zs_run
+    run = Path(shutil.copytree(out, tmp_path / "run"))
+    args = ["evaluate", "--out", str(run), "--methods", "oal", "--zeroshot", "--limit", str(LIMIT), "--log-samples"]
+    res = CliRunner().invoke(load_commands(), args + [a for t, p in TASK_FILES.items()
+                                                      for a in ("--task-file", f"{t}={p}")])
+    assert res.exit_code == 0, res.output
+    saved = json.loads((run / "zeroshot_samples" / "oal.json").read_text())
+    model, tok, info = load_arm(run, "oal")
+    assert saved["method"] == "oal" and saved["inputs"] == arm_inputs(run, "oal", info["adapter"])
+    assert set(saved["tasks"]) == set(TASK_FILES) and saved["data"]["piqa"]["sha256"] == sha256_file(TASK_FILES["piqa"])
+    for task, records in saved["tasks"].items():
+        examples, _ = load_task(task, task_file=TASK_FILES[task], limit=LIMIT)
+        assert [r["doc_id"] for r in records] == list(range(LIMIT))
+        assert [r["loglikelihoods"] for r in records] == [[ll for ll, _ in sc] for sc in score_examples(model, tok,
+                                                                                                        examples)]
+        assert [r["label"] for r in records] == [ex.label for ex in examples]
+        row = metrics["zeroshot"]["oal"][task]  # the logged predictions give the recorded accuracies
+        assert 100 * sum(r["pred"] == r["label"] for r in records) / LIMIT == pytest.approx(row["acc"])
+        assert 100 * sum(r["pred_norm"] == r["label"] for r in records) / LIMIT == pytest.approx(row["acc_norm"])
+    res = CliRunner(env={"COLUMNS": "400"}).invoke(load_commands(), ["evaluate", "--out", str(run), "--log-samples"])
+    assert res.exit_code == 2 and "needs --zeroshot" in res.output

@@ -21,7 +21,7 @@ __all__ = ["adapter_dir", "arm_inputs", "calibrated_methods", "load_arm", "load_
 log = logging.getLogger("oal")
 
 
-_ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_MANIFEST = "oal_adapter.json"  # adaptation.adapter.ADAPTER_MANIFEST: every saved adapter has it
 
 
 def adapter_dir(run_dir: str | Path, method: str) -> Path:
@@ -54,9 +54,9 @@ def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path |
     adir = adapter_dir(run_dir, method)
     if adapter is False:
         return None
-    if not (adir / _ADAPTER_CONFIG).is_file():
+    if not (adir / _ADAPTER_MANIFEST).is_file():
         if adapter:
-            raise ValueError(f"{adir / _ADAPTER_CONFIG}: missing; the run has no adapter for {method!r} (train one "
+            raise ValueError(f"{adir / _ADAPTER_MANIFEST}: missing; the run has no adapter for {method!r} (train one "
                              f"with `oal adapt --out {run_dir} --method {method}`, or leave the adapter out)")
         return None
     return adir

@@ -6,9 +6,11 @@
 
 The exported folder is what `save_pretrained` of the converted model writes (`models.pretrained`): the base weights
 with the adapter merged into them (the run's arm as `artefact.arms.load_converted` builds it), the kernel tensors
-in the same state dict, the conversion in config.json, and oal.json with the SHA256 of every file and of the run
-files it came from. `merge=False` keeps the LoRA adapter as a separate peft adapter in
-the folder (adapter_config.json + adapter_model.safetensors), which transformers attaches on load.
+in the same state dict (model.oal.safetensors: the family's own class finds no weights to load as softmax), the
+conversion in config.json, and oal.json with the SHA256 of every file that defines the model and of the run files
+it came from, plus a model card (README.md, `artefact.card`). `merge=False` keeps the LoRA adapter separate
+(adapter_model.safetensors, its peft config under config.json's "oal.lora"), attached by oal's class on load; there
+is no adapter_config.json, so peft's loaders cannot put it on a softmax model.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from pathlib import Path
 import torch
 
 from oal.artefact.arms import load_converted
+from oal.artefact.card import card_metrics, write_card
 from oal.calibration.kernels import KERNELS_FILE, META_FILE
 from oal.rundir.files import atomic_dir, load_json
 from oal.rundir.hashes import sha256_files
+from oal.rundir.metrics import read_metrics
 
 __all__ = ["export", "save_converted", "softmax_twin"]
 
@@ -37,8 +41,11 @@ def _writable_target(to: Path) -> None:
         raise ValueError(f"to: {to} exists and is not a converted-model folder; choose a new or empty folder")
 
 
-def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = None) -> Path:
-    """Write a converted model (or a peft model around one: its adapter stays separate) to `to`, atomically."""
+def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = None,
+                   metrics: dict | None = None) -> Path:
+    """Write a converted model (or a peft model around one: its adapter stays separate) to `to`, atomically, with
+    a model card (`metrics`: the run's numbers for this model, see `artefact.card`)."""
+    from oal.adaptation.adapter import lora_record
     from oal.models.attention import is_converted
 
     to = Path(to)
@@ -50,10 +57,11 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
     with atomic_dir(to) as tmp:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        lora = lora_record(model) if peft else None
         if peft:
-            model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
             base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place
-        base.save_pretrained(tmp, oal_source=source)  # config, weights, generation config, then oal.json
+        base.save_pretrained(tmp, oal_source=source, lora=lora)  # config, weights, LoRA, generation config, oal.json
+        write_card(tmp, base, source, metrics)
         for f in tmp.rglob("*"):
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files
@@ -86,7 +94,8 @@ def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = 
         "adapter": None if info["adapter"] is None else {"sha256": sha256_files(info["adapter"]),
                                                          "merged": info["merged"]},
     }
-    out = save_converted(mdl, to, tok, source)
+    metrics = card_metrics(read_metrics(run_dir), method, adapted=info["adapter"] is not None)
+    out = save_converted(mdl, to, tok, source, metrics)
     log.info("exported %s (%s) to %s", run_dir, method, out)
     return out
 

@@ -2,11 +2,12 @@
 
 kernels.safetensors holds every parameter and buffer of each converted layer's method under
 `layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
-to rebuild and to refuse a wrong base model: per layer the method name, (Hq, Hkv, d) and constructor settings
-(eps, n_groups; window and sinks of the sliding windows), the base model's id, revision, architecture fingerprint,
-file hashes and the SHA256 of its tensors (`state_dict_sha256`, with the dtype it was computed in), and the SHA256
-of the tensor file. Both files are written to a temporary name and renamed into place. `load` checks the base model
-against that record: a model object by its tensors, a name/path by its tensors and by every file of its folder.
+to rebuild and to refuse a wrong base model: per layer the method name and construction version (a record of
+another version is refused), (Hq, Hkv, d) and constructor settings (eps, n_groups; window and sinks of the sliding
+windows), the base model's id, revision, architecture fingerprint, file hashes and the SHA256 of its tensors
+(`state_dict_sha256`, with the dtype it was computed in), and the SHA256 of the tensor file. Both files are written
+to a temporary name and renamed into place. `load` checks the base model against that record: a model object by
+its tensors, a name/path by its tensors and by every file of its folder.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method, get_method
+from oal.methods.base import AttentionMethod, build_method, check_version, get_method
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
 from oal.rundir.hashes import sha256_file
 
@@ -145,15 +146,16 @@ def method_record(m: AttentionMethod) -> tuple[dict, dict]:
     """(constructor record, persistent tensors on the CPU): what `method_from_record` rebuilds `m` from, in a
     kernels file or in another process."""
     state = {name: t.detach().to("cpu").contiguous() for name, t in m.state_dict().items()}
-    info = {"method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
-            "seed": getattr(m, "seed", 0),
+    info = {"method": m.name, "version": m.version, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "seed": getattr(m, "seed", 0),
             "init": {a: getattr(m, a) for a in _INIT_ATTRS if isinstance(getattr(m, a, None), (int, float))}}
     return info, state
 
 
 def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str = "state") -> AttentionMethod:
     """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
-    fit it."""
+    fit it or the record is of another construction version of the method (`methods.base.check_version`)."""
+    check_version(info, f"{where}: layer {layer}")
     kwargs = dict(info.get("init", {}))
     if "groups" in state and get_method(info["method"]).uses_groups:
         kwargs["groups"] = state["groups"]

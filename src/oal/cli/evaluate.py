@@ -39,6 +39,8 @@ def evaluate_cmd(
     task_file: TaskFileOpt = None,
     zeroshot_dir: ZeroshotDirOpt = None,
     limit: LimitOpt = None,
+    log_samples: bool = typer.Option(False, "--log-samples", help="--zeroshot: also write each example's per-"
+                                     "candidate log-likelihoods to DIR/zeroshot_samples/<method>.json."),
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -60,12 +62,15 @@ def evaluate_cmd(
     """
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
+    if log_samples and not zeroshot:
+        raise typer.BadParameter("needs --zeroshot (it logs the zero-shot examples)", param_hint="--log-samples")
     if passkey:
         _passkey(out, model, wanted, _numbers(lengths, int, "--lengths"), _numbers(depths, float, "--depths"),
                  trials, adapter, device, dtype, console)
         return
     if zeroshot:
-        _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console)
+        _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console,
+                  log_samples)
         return
     from oal.pipeline.evaluate_fidelity import evaluate_fidelity, fidelity_table
 
@@ -95,7 +100,7 @@ def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device
 
 
 def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
-              console) -> None:
+              console, log_samples: bool) -> None:
     from oal.data.zeroshot import parse_task_files
     from oal.device import resolve_dtype
     from oal.pipeline.evaluate_zeroshot import evaluate_zeroshot, zeroshot_table
@@ -104,7 +109,7 @@ def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, 
     scores = evaluate_zeroshot(out, run_methods(out, methods, ["oal"]), model=model, tasks=tasks,
                                task_files=parse_task_files(task_file), zeroshot_dir=zeroshot_dir, limit=limit,
                                adapter=adapter, device=device, dtype=resolve_dtype(dtype) if dtype else None,
-                               console=console)
+                               console=console, log_samples=log_samples)
     if not scores:  # nothing to score: metrics.json records why the columns are missing; say so by the exit code
         raise typer.Exit(code=1)
     console.print(zeroshot_table(scores))

@@ -31,12 +31,14 @@ def export_cmd(
     adapter: bool = typer.Option(True, "--adapter/--no-adapter", help="Include the run's LoRA adapter and trained "
                                  "kernels (--no-adapter: the calibrated kernels alone)."),
     merge: bool = typer.Option(True, "--merge/--no-merge", help="Merge LoRA into the base weights (--no-merge: keep "
-                               "it as a peft adapter in the folder; transformers attaches it on load)."),
+                               "it separate in the folder, adapter_model.safetensors; oal's class attaches it on "
+                               "load)."),
     model: BaseModelOpt = None,
     dtype: str = typer.Option(None, help="dtype of the written base weights: float32, float16 or bfloat16 "
                               "(default: the run's). Kernels keep their own (float32)."),
 ) -> None:
-    """Write the converted model (base weights, conversion, kernels, adapter, tokenizer, SHA256 manifest)."""
+    """Write the converted model (base weights, conversion, kernels, adapter, tokenizer, SHA256 manifest, model
+    card). The family's own class and peft's loaders refuse the folder rather than give a softmax model."""
     import torch
 
     if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):

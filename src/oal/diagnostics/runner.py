@@ -35,6 +35,7 @@ from oal.diagnostics.fidelity_table import (
 from oal.diagnostics.fidelity_table import table2 as run_table2
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
+from oal.methods.base import newer_versions
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
 __all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
@@ -127,6 +128,8 @@ def diagnose(
         settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
                     "blocks": fid_blocks[:n_seq].tolist()}
+        if versions := newer_versions(table1_methods):
+            settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table1.json", key)
         if done is None:
@@ -173,6 +176,8 @@ def diagnose(
     if "table2" in parts:
         settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
+        if versions := newer_versions(table2_methods):
+            settings["versions"] = versions
         key = _key(settings)
         done = _done(diag / "table2.json", key)
         if done is None:

@@ -34,7 +34,7 @@ from rich.progress import Progress
 from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
 
 __all__ = ["TASKS", "Example", "accuracies", "evaluate_task", "evaluate_tasks", "load_task", "load_tasks",
-           "loglikelihoods", "merge_metrics", "score_candidates", "score_examples", "to_example"]
+           "loglikelihoods", "merge_metrics", "sample_records", "score_candidates", "score_examples", "to_example"]
 
 
 @dataclass
@@ -218,13 +218,28 @@ def accuracies(examples: list[Example], scores: list[list[tuple[float, int]]]) -
     return {k: 100.0 * v / len(examples) for k, v in hits.items()} | {"n": len(examples)}
 
 
+def sample_records(examples: list[Example], scores: list[list[tuple[float, int]]]) -> list[dict]:
+    """Per example (in order, `doc_id` its index): the prompt, the candidates, the gold label, each candidate's
+    summed log-likelihood and token count, and the predicted index under `acc` and the paper's `acc_norm`."""
+    out = []
+    for i, (ex, sc) in enumerate(zip(examples, scores, strict=True)):
+        lls = [ll for ll, _ in sc]
+        out.append({"doc_id": i, "context": ex.context, "candidates": ex.candidates, "label": ex.label,
+                    "loglikelihoods": lls, "n_tokens": [n for _, n in sc], "pred": _argmax(lls),
+                    "pred_norm": _argmax(paper_scores(ex, sc))})
+    return out
+
+
 def evaluate_task(model, tokenizer, examples: list[Example], *, batch_size: int = 8, progress: bool = False,
-                  description: str = "zero-shot") -> dict:
-    """acc / acc_norm / acc_norm_lmeval (%) and n over `examples`."""
+                  description: str = "zero-shot", samples: list | None = None) -> dict:
+    """acc / acc_norm / acc_norm_lmeval (%) and n over `examples`; `samples` (a list) receives `sample_records`."""
     if not examples:
         raise ValueError("examples: expected at least one example")
-    return accuracies(examples, score_examples(model, tokenizer, examples, batch_size=batch_size, progress=progress,
-                                               description=description))
+    scores = score_examples(model, tokenizer, examples, batch_size=batch_size, progress=progress,
+                            description=description)
+    if samples is not None:
+        samples.extend(sample_records(examples, scores))
+    return accuracies(examples, scores)
 
 
 def score_candidates(model, tokenizer, example: Example) -> list[float]:
@@ -233,10 +248,14 @@ def score_candidates(model, tokenizer, example: Example) -> list[float]:
 
 
 def evaluate_tasks(model, tokenizer, sets: dict[str, tuple[list[Example], dict]], *, batch_size: int = 8,
-                   progress: bool = False, description: str = "zero-shot") -> dict[str, dict]:
-    """`evaluate_task` for every task of `sets` (as returned by `load_tasks`)."""
+                   progress: bool = False, description: str = "zero-shot",
+                   samples: dict | None = None) -> dict[str, dict]:
+    """`evaluate_task` for every task of `sets` (as returned by `load_tasks`); `samples` (a dict) receives each
+    task's `sample_records`."""
     return {t: evaluate_task(model, tokenizer, ex, batch_size=batch_size, progress=progress,
-                             description=f"{description} {t}") for t, (ex, _) in sets.items()}
+                             description=f"{description} {t}",
+                             samples=None if samples is None else samples.setdefault(t, []))
+            for t, (ex, _) in sets.items()}
 
 
 def merge_metrics(metrics: dict, method: str, results: dict[str, dict], provenance: dict[str, dict],

@@ -4,6 +4,9 @@ A method is an `nn.Module` built once per converted layer. It receives post-RoPE
 layout (q [B, Hq, N, d], k/v [B, Hkv, N, d|dv], GQA by `h // (Hq // Hkv)`) and returns [B, Hq, N, dv].
 Every method has a dense O(N^2) `dense_kernel` (the oracle and the basis of the Table 1 diagnostics) and a
 linear-time `forward`. Adding a method: one file with a subclass decorated by `@register`.
+
+`version` numbers a method's construction: bump it when the same saved tensors and record would compute another
+function (kernels files and exported models record it; `check_version` refuses a record of another version).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-__all__ = ["AttentionMethod", "METHODS", "build_method", "get_method", "method_names", "method_settings", "register",
-           "repeat_kv"]
+__all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names",
+           "method_settings", "newer_versions", "register", "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -60,6 +63,24 @@ def method_settings(name: str, options) -> dict:
     return {k: options[k] for k in cls.settings if k in (options or {})}
 
 
+def check_version(info, where: str) -> None:
+    """Refuse a saved method record (kernels.json layer, config.oal layer) written by another construction version
+    of its method; records from before versions were recorded count as version 1."""
+    cls = get_method(info["method"])
+    got = info.get("version", 1)
+    if got != cls.version:
+        raise ValueError(f"{where}: {cls.name} kernels were saved by construction version {got!r}, this oal builds "
+                         f"version {cls.version} (the same tensors would compute another function); recalibrate or "
+                         f"re-export them with this version")
+
+
+def newer_versions(names) -> dict[str, int]:
+    """{method: construction version} for those of `names` above version 1. For cache and stage keys: a result
+    computed by an older construction gets another key and is recomputed, while keys of results that involve
+    version-1 methods only stay as they were."""
+    return {n: get_method(n).version for n in names if get_method(n).version != 1}
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, Hkv, N, d] -> [B, Hkv * n_rep, N, d], query head h reading KV head h // n_rep (as HF's repeat_kv)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -74,6 +95,7 @@ class AttentionMethod(nn.Module):
     uses_groups: ClassVar[bool] = False  # built with the stable-gap groups (groups=, n_groups=), as oal is
     settings: ClassVar[tuple[str, ...]] = ()  # constructor settings a run configures (`method_settings`)
     positional: ClassVar[bool] = False  # causal only; dense_kernel(q, k, positions=) depends on where queries sit
+    version: ClassVar[int] = 1  # construction version, recorded with saved kernels (see module doc)
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()

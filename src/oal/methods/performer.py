@@ -6,7 +6,9 @@ fixed (a buffer, never trained). With x = d^-1/4 q and y = d^-1/4 k,
 Stabilisation: query log-features are shifted by their per-token max (a per-query factor, cancels in the
 normalisation); key log-features by a max over tokens and features. In the linear path that key max is a
 running max over the causal prefix (see features.py), so no query sees a future key through it.
-The 1/sqrt(m) factor cancels in the normalised ratio and is dropped.
+The 1/sqrt(m) factor cancels in the normalised ratio and is dropped. Upstream's FAVOR+ code also adds a
+`numerical_stabilizer` (1e-6) to every feature; App. F.1 states that the shifts cancel, which holds only without
+it, so it is not added (fp64 features need no floor).
 Features and causal prefix sums are computed in fp64 by default (App. E, F.1); the output is cast back to the
 input dtype.
 """

@@ -6,17 +6,33 @@ permutation; B, G, S in R^p are trainable, one set per layer shared by all query
 the standard FastFood distributions (B Rademacher, G N(0,1), S chi(p) lengths / |G|), so rows of W are
 marginally N(0, I) like Performer's.
 
-Component function (OPRF, "optimised positive random features"): with x = d^-1/4 q, y = d^-1/4 k,
-    log phi(x)_l = A |w_l|^2 + sqrt(1 - 4A) w_l . x - |x|^2,
-where A <= 0 is OPRF's variance-optimal value for the statistic z = |x + y|^2 (Likhosherstov et al.). Upstream
-estimates z from the query and key at the *same position* (a batch mean); that pairing cannot be formed
-causally for arbitrary query/key sets (sampled query positions, decoding), so each side uses its own token:
-z = 2 |x|^2 (|x + y|^2 with the cross term zero on average and |y| ~ |x|). Then the per-token row max is
-subtracted and 1e-4 added (upstream's stabilisation; for keys it changes the kernel, as in the adapted method).
+Features, as the official code (dukenguyenxyz/spectraformer: `PerformerAttention` -> `FastAttention` with
+`SmoothedFastFoodRandomFeatures` and `get_rfs_torch`, rf_type "oprf") computes them. With x = d^-1/4 q (keys
+alike), the FastFood map scales its input once more by sqrt(softmax_temp) = d^-1/4 and appends a constant
+"smoothing" coordinate 1, giving the d + 1 = 65 pre-activations (App. F.1's "65 positive features for d = 64")
+    u(x) = [d^-1/4 W x ; 1].
+OPRF ("optimised positive random features", Likhosherstov et al.) then forms
+A |w|^2 + sqrt(1 - 4A) u_l - |x|^2; upstream's FastFood branch takes |w| as the norm of the vector S*G*B, one
+number for every feature, so A |w|^2 and -|x|^2 are per-token constants that the per-token row-max shift removes
+exactly. What remains, and what we compute:
+    phi(x)_l = exp(b(x) (u_l - max_l' u_l')) + 1e-4,   b(x) = sqrt(1 - 4 A(x)) >= 1,
+the row-max shift and 1e-4 offset being upstream's stabilisation (App. F.1). With the offset the shift is part
+of the function (it does not cancel), so gradients flow through it (not detached), as upstream.
 
-Features: m = p + 1 (65 for d = 64): the p FastFood rows plus the zero-frequency row w = 0. This is our
-reading of App. F.1's "65 positive features for d = 64" with one FastFood block (3d parameters).
+A <= 0 is OPRF's variance-optimal value (`oprf_a`) for the statistic z ~ |x + y|^2. Upstream estimates it per
+head and *position*: z_t = mean_b |x_bt|^2 + mean_b |y_bt|^2 + 2 mean_b x_bt . mean_b y_bt, a mean over the
+batch axis, and uses A_t for the query and the key at position t. We keep a per-token value from the token's
+own norm instead, z = 2 |x|^2 (|x + y|^2 with the cross term zero on average and |y| ~ |x|), because (1) the
+method interface evaluates arbitrary query sets against key prefixes (sampled query positions for Tables 1/2,
+calibration), where the key at position t has no query t to pair with, (2) key features must not depend on the
+queries to be shared per KV head and carried in the decoding state, and (3) a batch mean would make one
+sequence's output depend on the other sequences in its batch. (With batch size 1 and q_t ~ k_t upstream's z_t
+is the same quantity.)
+
 Features and causal prefix sums are computed in fp64 by default, the trainable vectors stay fp32 (App. E, F.1).
+
+Version 2: version 1 applied W to x without upstream's second d^-1/4, used a zero projection row as the 65th
+feature, added a per-row A |w_l|^2 and detached the row max; kernels files of version 1 are refused on load.
 """
 
 from __future__ import annotations
@@ -37,6 +53,8 @@ OFFSET = 1e-4
 
 def hadamard(p: int) -> torch.Tensor:
     """Sylvester Walsh-Hadamard matrix [p, p] with +-1 entries, p a power of two."""
+    if p < 1 or p & (p - 1):
+        raise ValueError(f"p: expected a power of two, got {p}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < p:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -55,6 +73,7 @@ def oprf_a(z: torch.Tensor, d: int) -> torch.Tensor:
 class SpectraFormerMethod(FeatureMapMethod):
     name = "spectraformer"
     stochastic = True
+    version = 2  # upstream's feature map (see module doc); version 1 computed another one from the same B, G, S
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float64, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):
@@ -77,19 +96,19 @@ class SpectraFormerMethod(FeatureMapMethod):
         return self.p + 1
 
     def projection(self, dtype) -> torch.Tensor:
-        """Rows w_l of the FastFood matrix restricted to the first d input coordinates, plus w = 0: [p+1, d]."""
+        """Rows w_l of the FastFood matrix restricted to the first d input coordinates: [p, d]."""
         h = self.H.to(dtype)
         inner = (h * self.B.to(dtype))[self.perm]  # P H diag(B)
         w = (self.S.to(dtype)[:, None] * h * self.G.to(dtype)) @ inner / math.sqrt(self.p)
-        w = w[:, : self.head_dim]
-        return torch.cat([w, w.new_zeros(1, self.head_dim)])
+        return w[:, : self.head_dim]
 
     def _feature(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Positive OPRF features [.., N, p+1] of scaled inputs x [.., N, d]."""
-        xn = x.pow(2).sum(-1, keepdim=True)
-        a = oprf_a(2 * xn, self.head_dim)  # per token, from its own |x|^2 (see module doc)
-        lf = a * w.pow(2).sum(-1) + torch.sqrt(1 - 4 * a) * (x @ w.T) - xn
-        return torch.exp(lf - lf.amax(-1, keepdim=True).detach()) + OFFSET  # row-max shift, then +1e-4
+        """Positive OPRF features [.., N, p+1] of scaled inputs x = d^-1/4 q [.., N, d] (see module doc)."""
+        d = self.head_dim
+        b = torch.sqrt(1 - 4 * oprf_a(2 * x.pow(2).sum(-1, keepdim=True), d))  # per token, own |x|^2
+        u = torch.cat([(x * d ** -0.25) @ w.T, torch.ones_like(x[..., :1])], dim=-1)  # FastFood's d^-1/4, then 1
+        lf = b * u
+        return torch.exp(lf - lf.amax(-1, keepdim=True)) + OFFSET  # upstream: per-token row max, then +1e-4
 
     def _features(self, q, k):
         dt = compute_dtype(q, self.dtype)

@@ -4,16 +4,25 @@
 front. `oal.convert` gives the model it converts this class (the instance keeps its own config), so the ordinary
 `model.save_pretrained(d)` (also after peft's `merge_and_unload`) writes the converted form:
 - config.json: the family's config as an "oal_<family>" config (`models.auto`), the conversion under "oal": per
-  converted layer the method name, (Hq, Hkv, d), seed and constructor settings;
-- model.safetensors: the base weights and, under `model.layers.<i>.self_attn.oal_method.*`, every parameter and
-  persistent buffer of each method (OAL's factor and groups, Performer's random features, ...), in its own dtype
-  (non-persistent buffers, such as SpectraFormer's Hadamard matrix, are rebuilt from the recorded settings);
-- oal.json: the SHA256 of every file of the folder and where the model came from.
+  converted layer the method name, (Hq, Hkv, d), seed and constructor settings; an unmerged LoRA adapter's peft
+  config under "oal.lora";
+- model.oal.safetensors (transformers' weights *variant* "oal"): the base weights and, under
+  `model.layers.<i>.self_attn.oal_method.*`, every parameter and persistent buffer of each method (OAL's factor and
+  groups, Performer's random features, ...), in its own dtype (non-persistent buffers, such as SpectraFormer's
+  Hadamard matrix, are rebuilt from the recorded settings). The variant name is what keeps the family's own class
+  (`Qwen2ForCausalLM.from_pretrained(DIR)`) from loading the weights as a softmax model: it looks for
+  model.safetensors and fails ("no file named model.safetensors");
+- adapter_model.safetensors (unmerged exports only): the LoRA tensors, under peft's state-dict names. There is no
+  adapter_config.json, so neither peft (`PeftModel` / `AutoPeftModelForCausalLM`) nor transformers' own adapter
+  detection attaches this LoRA to a softmax model; this class attaches it after loading;
+- oal.json: the SHA256 of every file that defines the model (all but README.md, generation_config.json and hidden
+  files, which routine edits change) and where the model came from.
 
-`from_pretrained` (also through `AutoModelForCausalLM` after `import oal`) checks those hashes first, builds the
-family's model, converts the recorded layers in __init__, and lets transformers load everything from the one state
-dict. A tensor missing from the checkpoint, or one it does not expect, is an error: transformers would otherwise
-re-initialise a missing kernel and carry on.
+`from_pretrained` (also through `AutoModelForCausalLM` after `import oal`) checks those hashes first (file names in
+oal.json are confined to the folder; pickle files are refused), builds the family's model, converts the recorded
+layers in __init__, and lets transformers load everything from the one state dict. A tensor missing from the
+checkpoint, or one it does not expect, is an error: transformers would otherwise re-initialise a missing kernel and
+carry on.
 
 Dtypes: the methods are built in fp32 whatever `dtype=` asks for, and transformers loads each tensor in the dtype of
 the parameter it fills, so kernels stay fp32 (and fp64 random features fp64) under an fp16/bf16 base, as they are in
@@ -25,23 +34,27 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method
+from oal.methods.base import AttentionMethod, build_method, check_version
 from oal.models.attention import converted_methods, swap_attention
-from oal.rundir.files import atomic_write_json
-from oal.rundir.hashes import sha256_files, versions
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json
+from oal.rundir.hashes import sha256_file, versions
 
-__all__ = ["FORMAT", "MANIFEST", "ConvertedModelMixin", "build_methods", "conversion_spec", "read_json_object",
-           "verify_manifest", "write_manifest"]
+__all__ = ["FORMAT", "LORA_FILE", "MANIFEST", "UNHASHED", "VARIANT", "ConvertedModelMixin", "build_methods",
+           "confined_file", "conversion_spec", "read_json_object", "verify_manifest", "write_manifest"]
 
 log = logging.getLogger("oal")
 
 MANIFEST = "oal.json"
-FORMAT = "oal-model/1"
+FORMAT = "oal-model/2"  # /1: weights in model.safetensors (the family class loaded them as softmax), peft adapter
+VARIANT = "oal"  # the weights file is model.oal.safetensors (transformers' `variant`)
+LORA_FILE = "adapter_model.safetensors"  # an unmerged export's LoRA tensors (peft's state-dict names)
+UNHASHED = frozenset({"README.md", "generation_config.json"})  # routine edits (model card, sampling defaults)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SPEC_FORMAT = "oal-conversion/1"
 _INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size", "window", "sinks")  # JSON-able constructor settings
 
@@ -54,8 +67,8 @@ def _method_info(m: AttentionMethod) -> dict:
             if isinstance(getattr(m, a, None), (int, float)) and not isinstance(getattr(m, a), bool)}
     if isinstance(getattr(m, "dtype", None), torch.dtype):
         init["dtype"] = str(m.dtype).removeprefix("torch.")
-    return {"method": m.name, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
-            "seed": m.seed, "init": init}
+    return {"method": m.name, "version": m.version, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "seed": m.seed, "init": init}
 
 
 def conversion_spec(model: nn.Module) -> dict:
@@ -83,10 +96,12 @@ def _build(layer: int, info: dict) -> AttentionMethod:
         init = dict(info.get("init", {}))
         if "dtype" in init:
             init["dtype"] = getattr(torch, init["dtype"])
-        return build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
-                            seed=info.get("seed", 0), **init)
+        m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
+                         seed=info.get("seed", 0), **init)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"config.oal: layer {layer}: cannot rebuild the method from {info!r} ({exc})") from None
+    check_version(info, f"config.oal: layer {layer}")  # the checkpoint's tensors were made for this construction
+    return m
 
 
 def build_methods(spec) -> dict[int, AttentionMethod]:
@@ -102,9 +117,15 @@ def build_methods(spec) -> dict[int, AttentionMethod]:
 
 
 def write_manifest(directory: str | Path, source: dict | None = None) -> Path:
-    """DIR/oal.json: SHA256 of every model file in DIR (config, weights, tokenizer, adapter) and their origin."""
+    """DIR/oal.json: SHA256 of every file that defines the model in DIR (config, weights, tokenizer, LoRA; not the
+    `UNHASHED` files nor hidden ones) and their origin."""
     directory = Path(directory)
-    files = {k: v for k, v in sha256_files(directory).items() if k != MANIFEST and not k.startswith(".")}
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory)
+        if p.is_file() and rel.as_posix() not in UNHASHED | {MANIFEST} and not any(
+                x.startswith(".") for x in rel.parts):
+            files[rel.as_posix()] = sha256_file(p)
     return atomic_write_json(directory / MANIFEST, {"format": FORMAT, "sha256": files, "source": source or {},
                                                      "versions": versions()})
 
@@ -122,25 +143,50 @@ def read_json_object(path: Path, expected: str) -> dict:
     return data
 
 
+def confined_file(directory: str | Path, name, where: str | Path) -> Path:
+    """`directory / name` for a file name read from `where` (a manifest): a relative path below `directory` (no
+    absolute path, no `..`, no link out of it); ValueError naming `where` for anything else."""
+    directory = Path(directory)
+    path = PurePosixPath(name) if isinstance(name, str) and name else None
+    if path is None or path.is_absolute() or ".." in path.parts or "\\" in name or path.as_posix() != name:
+        raise ValueError(f"{where}: file name {name!r} is not a plain relative path inside {directory}")
+    f = directory / path
+    if not f.resolve().is_relative_to(directory.resolve()):
+        raise ValueError(f"{where}: {name!r} leads outside {directory}")
+    return f
+
+
 def verify_manifest(directory: str | Path) -> dict:
     """Check DIR/oal.json and the hash of every file it lists; ValueError naming the first file that fails."""
-    from oal.models.provenance import file_sha256
-
     directory = Path(directory)
     path = directory / MANIFEST
     manifest = read_json_object(path, "the manifest of a converted model folder (written by `oal export` or by "
                                       "save_pretrained of a converted model)")
+    if manifest.get("format") == "oal-model/1":
+        raise ValueError(f"{path}: a folder of an earlier oal (format 'oal-model/1', whose weights the family's "
+                         "own class loads as softmax); write it again with `oal export` or save_pretrained")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: expected format {FORMAT!r}, got {manifest.get('format')!r}")
     files = manifest.get("sha256")
-    if not isinstance(files, dict) or "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+    if not isinstance(files, dict) or "config.json" not in files or not any(
+            isinstance(f, str) and f.endswith(".safetensors") for f in files):
         raise ValueError(f"{path}: expected the hashes of config.json and the .safetensors weights")
     for name, want in sorted(files.items()):
-        f = directory / name
+        f = confined_file(directory, name, path)
+        if f.suffix in _PICKLE_SUFFIXES:
+            raise ValueError(f"{path}: lists {name!r}, a pickle file; a converted model folder holds safetensors "
+                             "weights only")
         if not f.is_file():
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
-        if file_sha256(f) != want:
+        if sha256_file(f) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
+    # files transformers would read as weights or attach as an adapter, added after the manifest was written
+    extra = sorted(p.name for p in directory.iterdir() if p.name not in files and (
+        p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name
+        or p.name == "adapter_config.json"))
+    if extra:
+        raise ValueError(f"{directory / extra[0]}: not recorded in {MANIFEST} (weights or an adapter added to the "
+                         "folder after it was written)")
     return manifest
 
 
@@ -167,6 +213,38 @@ def _restore_non_persistent(model: nn.Module) -> None:
                 m.get_buffer(n).copy_(fresh.get_buffer(n))
 
 
+def _check_variant(variant) -> None:
+    if variant not in (None, VARIANT):
+        raise ValueError(f"variant: a converted model's weights are transformers' {VARIANT!r} variant "
+                         f"(model.{VARIANT}.safetensors), got {variant!r}")
+
+
+def _loading_problems(info: dict) -> str:
+    bad = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    return "; ".join(f"{k.replace('_', ' ')}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                     for k, v in bad.items() if v)
+
+
+def _attach_lora(model, where, record, kwargs: dict) -> None:
+    """An unmerged export's LoRA (its peft config in config.oal.lora, its tensors in adapter_model.safetensors)
+    attached through transformers' own adapter support (`load_adapter`), read from safetensors only."""
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+    from transformers.utils import cached_file
+
+    try:
+        config = PeftConfig.from_peft_type(**record)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: config.oal.lora is not a peft adapter config ({exc})") from None
+    hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs}
+    tensors = load_file(cached_file(str(where), LORA_FILE, **hub))
+    config.inference_mode = True
+    info = model.load_adapter(adapter_name="default", peft_config=config, adapter_state_dict=tensors)
+    problems = _loading_problems({k: getattr(info, k, None) for k in ("missing_keys", "unexpected_keys")})
+    if problems:
+        raise ValueError(f"{where}: {LORA_FILE} does not fit the LoRA adapter in config.oal.lora ({problems})")
+
+
 class ConvertedModelMixin:
     """In front of a family's causal-LM class: convert in __init__, save and reload the converted form."""
 
@@ -178,22 +256,32 @@ class ConvertedModelMixin:
                              "(a config saved from a converted model)")
         swap_attention(self, methods=build_methods(spec))
 
-    def save_pretrained(self, save_directory, *args, oal_source: dict | None = None, **kwargs):
-        """transformers' save_pretrained with the config as an "oal_<family>" config, then DIR/oal.json."""
+    def save_pretrained(self, save_directory, *args, oal_source: dict | None = None,
+                        lora: tuple[dict, dict] | None = None, **kwargs):
+        """transformers' save_pretrained with the config as an "oal_<family>" config and the weights as the "oal"
+        variant, then DIR/oal.json. `lora` = (peft config record, LoRA state dict) of an adapter kept unmerged: its
+        tensors go to adapter_model.safetensors, its config under config.oal.lora (attached again on load)."""
         if getattr(self, "_hf_peft_config_loaded", False):
             raise ValueError("model: transformers would save only its LoRA adapter; merge it into the weights first, "
                              "or export the run with `oal export`")
+        _check_variant(kwargs.pop("variant", None))
+        spec = conversion_spec(self)
+        if lora is not None:
+            spec["lora"] = lora[0]
         config = self.config
-        self.config = _as_converted_config(config, conversion_spec(self), type(self).config_class)
+        self.config = _as_converted_config(config, spec, type(self).config_class)
         try:
-            super().save_pretrained(save_directory, *args, **kwargs)
+            super().save_pretrained(save_directory, *args, variant=VARIANT, **kwargs)
         finally:
             self.config = config
+        if lora is not None:
+            atomic_save_safetensors(Path(save_directory) / LORA_FILE, lora[1])
         write_manifest(save_directory, oal_source)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' from_pretrained after checking DIR/oal.json; every checkpoint tensor must fit the model."""
+        """transformers' from_pretrained after checking DIR/oal.json; every checkpoint tensor must fit the model; an
+        unmerged LoRA adapter recorded in the config is attached."""
         if pretrained_model_name_or_path is not None:
             if Path(pretrained_model_name_or_path).is_dir():
                 verify_manifest(pretrained_model_name_or_path)
@@ -201,16 +289,16 @@ class ConvertedModelMixin:
                 log.warning("%s is not a local folder: its file hashes (oal.json) are not checked",
                             pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
-        kwargs.setdefault("use_safetensors", True)
+        _check_variant(kwargs.pop("variant", None))
+        kwargs["use_safetensors"] = True
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
+                                              variant=VARIANT, **kwargs)
         _restore_non_persistent(model)
-        bad = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        bad = {k: v for k, v in bad.items() if v}
-        if bad:
-            details = "; ".join(f"{k.replace('_', ' ')}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
-                                for k, v in bad.items())
-            raise ValueError(f"{pretrained_model_name_or_path}: the weights do not fit the converted model ({details})")
+        problems = _loading_problems(info)
+        if problems:
+            raise ValueError(f"{pretrained_model_name_or_path}: the weights do not fit the converted model "
+                             f"({problems})")
+        lora = (getattr(model.config, "oal", None) or {}).get("lora")
+        if lora is not None:
+            _attach_lora(model, pretrained_model_name_or_path, lora, kwargs)
         return (model, info) if want_info else model
-
-

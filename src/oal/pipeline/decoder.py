@@ -36,6 +36,7 @@ from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from oal.evaluate.fidelity import fidelity
 from oal.evaluate.perplexity import block_nll
 from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
+from oal.methods.base import newer_versions
 from oal.models.convert import convert
 from oal.models.registry import default_layers, load_model
 from oal.pipeline.aggregate import aggregate_seeds, summary_table
@@ -110,6 +111,8 @@ class Run(StagedRun):
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed,
                 **self.cfg.method_options()}
+        if versions := newer_versions(methods):  # kernels of an older construction are recalibrated
+            deps["versions"] = versions
         root = self.calib_root.relative_to(self.dir)
         outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
         inputs = ["groups.json"] if any(m in NEEDS_GROUPS for m in methods) else []

@@ -47,7 +47,7 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
                 "seed": seed}
     results: dict[str, dict] = {}
     for m in methods:
-        has_adapter = (adapter_dir(out_dir, m) / "adapter_config.json").is_file()
+        has_adapter = (adapter_dir(out_dir, m) / "oal_adapter.json").is_file()
         if adapter and not has_adapter:
             raise InputError(f"{adapter_dir(out_dir, m)}: the run has no adapter for {m!r}", "--adapter", "adapter")
         variants = [v for v, on in (("no_adapt", adapter is not True), ("adapted", adapter is not False and

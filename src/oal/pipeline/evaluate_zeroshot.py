@@ -5,6 +5,10 @@ Each arm is loaded as `artefact.arms.load_arm` does (the recorded base model, ch
 adapter by default), scored by `evaluate.zeroshot.evaluate_tasks`, and merged through
 `pipeline.report.merge_and_report` with the SHA256 of the run files it read. A task whose data is not available
 is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
+
+`log_samples=True` (`oal evaluate --zeroshot --log-samples`) also writes DIR/zeroshot_samples/<method>.json: per
+task, per example, each candidate's log-likelihood and token count, the gold label and the predictions
+(`evaluate.zeroshot.sample_records`), with the SHA256 of the run files and the data it was computed from.
 """
 
 from __future__ import annotations
@@ -17,19 +21,22 @@ from rich.table import Table
 
 from oal.errors import InputError
 
-__all__ = ["evaluate_zeroshot"]
+__all__ = ["SAMPLES_DIR", "evaluate_zeroshot"]
 
 log = logging.getLogger("oal")
+
+SAMPLES_DIR = "zeroshot_samples"
 
 
 def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str | None = None, tasks=None,
                       task_files: dict | None = None, zeroshot_dir: str | None = None, limit: int | None = None,
                       adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
-                      console=None) -> dict[str, dict]:
+                      console=None, log_samples: bool = False) -> dict[str, dict]:
     """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
     from oal.artefact.arms import arm_inputs, load_arm
     from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
     from oal.pipeline.report import merge_and_report
+    from oal.rundir.files import atomic_write_json
     from oal.rundir.metrics import read_metrics
 
     out_dir = Path(out_dir)
@@ -44,8 +51,13 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
     scores: dict[str, dict] = {}
     for m in methods if sets else ():
         model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
-        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}")
+        samples = {} if log_samples else None
+        scores[m] = evaluate_tasks(model_m, tok, sets, progress=progress, description=f"zeroshot:{m}",
+                                   samples=samples)
         inputs = arm_inputs(out_dir, m, info["adapter"])
+        if samples is not None:
+            atomic_write_json(out_dir / SAMPLES_DIR / f"{m}.json", {"method": m, "inputs": inputs,
+                                                                   "data": provenance, "tasks": samples})
         # zeroshot.<m>.<task> per task (earlier tasks of the method kept), zeroshot_data, zeroshot_skipped
         current = read_metrics(out_dir)
         merged = merge_metrics({"zeroshot": {m: dict(current.get("zeroshot", {}).get(m, {}))},
