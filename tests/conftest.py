@@ -1,5 +1,7 @@
 """Test session setup.
 
+The suite runs under pytest-xdist (`-n auto --dist loadfile`, README): module-scoped fixtures stay per file.
+
 Triton binds its CPU interpreter when it is first imported (its own modules included), and transformers'
 modeling files import triton, so TRITON_INTERPRET=1 must be set before any test module is collected for
 tests/test_triton.py to run the kernels on CPU tensors. Only without CUDA (or with OAL_TEST_DEVICE=cpu); nothing
@@ -14,6 +16,11 @@ if os.environ.get("OAL_TEST_DEVICE") != "cuda":
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch  # noqa: E402  (does not import triton)
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Under pytest-xdist each worker runs one test file at a time: share the cores out rather than have every
+    # worker's torch start one thread per core (oversubscribed, they wait on each other's barriers).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 if (os.environ.get("OAL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
