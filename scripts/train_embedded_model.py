@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -66,6 +67,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logit-var-penalty", type=float, default=0.0,
                    help="lambda: add lambda x (mean over layers, heads and causal rows of the variance of a row's "
                         "attention logits) to the loss")
+    p.add_argument("--retrieval-frac", type=float, default=0.0,
+                   help="fraction of each batch's rows that are passkey retrieval documents (oal.evaluate.passkey's "
+                        "instruction, needle and question around pretraining-text filler), the rest plain windows")
+    p.add_argument("--answer-weight", type=float, default=1.0,
+                   help="weight of a retrieval document's answer tokens in the mean cross-entropy (1: plain CE)")
+    p.add_argument("--passkey-lengths", default="256,512,1024,2048",
+                   help="lengths at which the exported model's passkey accuracy is measured (4 keys x 5 depths)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from these weights (a checkpoint folder of this script or a model folder) instead "
                         "of a random initialisation: a second training stage")
@@ -171,6 +179,68 @@ def batch_at(step: int, stream: torch.Tensor, args: argparse.Namespace) -> torch
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     starts = torch.randint(0, stream.numel() - args.seq - 1, (args.batch,), generator=g)
     return torch.stack([stream[s : s + args.seq + 1] for s in starts.tolist()])
+
+
+# --- retrieval documents (the passkey stage) ------------------------------------------------------------------
+
+RETRIEVAL_FILLERS = ("pretraining text", "a repeated pretraining snippet")
+
+
+def retrieval_row(index: int, stream: torch.Tensor, tok, args: argparse.Namespace) -> tuple[torch.Tensor, int, int]:
+    """One row of seq+1 tokens: a passkey document, `</s>`, then pretraining text; and the answer's [start, end).
+
+    The document is `oal.evaluate.passkey`'s instruction, needle (a random 5-digit key) and question, with the
+    answer " <key>." after it, at a random length up to the row and a random depth. Its filler is never the
+    evaluation's filler: either a contiguous span of the pretraining range or one short pretraining span repeated
+    (the evaluation repeats a sentence block; a model must retrieve through repetition too). Everything comes from
+    the pretraining range and a generator seeded by (seed, index)."""
+    from oal.evaluate.passkey import answer_ids, prompt_pieces
+
+    rng = random.Random(f"retrieval/{args.seed}/{index}")
+    key = str(rng.randint(10_000, 99_999))
+    intro, needle, question = prompt_pieces(tok, key)
+    answer = answer_ids(tok, key)
+    fixed = len(intro) + len(needle) + len(question) + len(answer)
+    room = rng.randint(16, args.seq - fixed)  # filler tokens; the document ends by the row's last target
+    if rng.random() < 0.5:
+        at = rng.randrange(stream.numel() - room)
+        filler = stream[at : at + room].tolist()
+        cut = round(rng.random() * room)
+    else:
+        unit_len = rng.randint(8, 40)
+        at = rng.randrange(stream.numel() - unit_len)
+        units = max(1, room // unit_len)
+        filler = stream[at : at + unit_len].tolist() * units
+        cut = round(rng.random() * units) * unit_len
+    doc = intro + filler[:cut] + needle + filler[cut:] + question
+    start = len(doc)
+    doc += answer + [tok.eos_token_id]
+    rest = args.seq + 1 - len(doc)
+    at = rng.randrange(stream.numel() - rest)
+    row = torch.tensor(doc + stream[at : at + rest].tolist(), dtype=torch.long)
+    return row, start, start + len(answer)
+
+
+def mixed_batch(step: int, stream: torch.Tensor, tok, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_at`'s windows with the first round(retrieval_frac x batch) rows replaced by retrieval rows, and a
+    [batch, seq+1] mask of their answer tokens."""
+    xb = batch_at(step, stream, args)
+    answers = torch.zeros_like(xb, dtype=torch.bool)
+    for b in range(round(args.retrieval_frac * args.batch)):
+        xb[b], start, end = retrieval_row(step * args.batch + b, stream, tok, args)
+        answers[b, start:end] = True
+    return xb, answers
+
+
+@torch.no_grad()
+def passkey_record(model, tok, lengths: list[int], seed: int = 0) -> dict:
+    """Greedy passkey accuracy (oal.evaluate.passkey, its default depths, 4 keys each) by length, for the card."""
+    from oal.evaluate.passkey import evaluate_passkey
+
+    model.eval()
+    res = evaluate_passkey(model, tok, lengths=lengths, trials=4, seed=seed)
+    return {"lengths": lengths, "trials": 4, "depths": res["depths"], "by_length": res["by_length"],
+            "accuracy": res["accuracy"], "examples": res["examples"]}
 
 
 # --- attention-logit variance penalty ------------------------------------------------------------------------------
@@ -428,6 +498,7 @@ def main() -> None:
 
     stop = start if args.export_now else args.steps
     penalties: list[float] = []
+    answer_acc: list[float] = []
     model.train()
     t0 = time.time()
     columns = (TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
@@ -437,11 +508,17 @@ def main() -> None:
         for step in range(start, stop):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args)
-            xb = batch_at(step, stream, args)[rank::world]
+            xb, answers = mixed_batch(step, stream, tok, args)
+            xb, answers = xb[rank::world], answers[rank::world, 1:]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                 logits = model(input_ids=xb[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                     xb[:, 1:].reshape(-1))
+            ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                   xb[:, 1:].reshape(-1), reduction="none").view_as(answers)
+            weights = 1.0 + (args.answer_weight - 1.0) * answers.float()
+            loss = (ce * weights).sum() / weights.sum()
+            if answers.any():  # exact-token accuracy on the answers of this process's retrieval rows (for the log)
+                hits = (logits.argmax(-1) == xb[:, 1:])[answers].float().mean()
+                answer_acc.append(round(hits.item(), 3))
             objective = loss
             if args.logit_var_penalty > 0:
                 penalty = torch.stack(_ROW_VARIANCES).mean()
@@ -459,6 +536,7 @@ def main() -> None:
             done = step + 1
             if rank == 0 and (done % 10 == 0 or done == stop):
                 pen = f" logit-var {penalties[-1]:.3f}" if penalties else ""
+                pen += f" answer-acc {sum(answer_acc[-10:]) / len(answer_acc[-10:]):.3f}" if answer_acc else ""
                 print(f"step {done}/{args.steps} loss {loss_value:.4f}{pen} lr {lr_at(step, args):.2e} "
                       f"elapsed {elapsed + time.time() - t0:.0f}s", flush=True)
             if rank == 0 and (done % args.ckpt_every == 0 or done == stop):
@@ -481,10 +559,28 @@ def main() -> None:
             "ppl_stored": math.exp(nll_stored), "store_dtype": args.store_dtype, "ppl_unigram": math.exp(nll_uni)}
     summary = summary_record(args, model, tok, corpus, pre_record, trained_steps, elapsed, losses, test)
     summary["logit_var_penalty"] = args.logit_var_penalty
+    if args.retrieval_frac > 0:
+        from oal.evaluate.passkey import PASSKEY
+
+        summary["retrieval"] = {
+            "rows_per_batch": round(args.retrieval_frac * args.batch), "answer_weight": args.answer_weight,
+            "format": "oal.evaluate.passkey: instruction, needle, question, answer ' <key>.', </s>, then "
+                      "pretraining text; 5-digit keys, uniform depth and length",
+            "template_sha256": hashlib.sha256(json.dumps(vars(PASSKEY), sort_keys=True).encode()).hexdigest(),
+            "fillers": list(RETRIEVAL_FILLERS), "filler_source": "the pretrain range (as above)",
+            "last50_answer_token_accuracy": round(sum(answer_acc[-50:]) / max(1, len(answer_acc[-50:])), 4)}
+    lengths = [int(n) for n in args.passkey_lengths.split(",") if n.strip()]
+    summary["passkey"] = passkey_record(model, tok, lengths)
+    print("passkey", json.dumps(summary["passkey"]["by_length"]), flush=True)
     if init_rec is not None:
         summary["init_from"] = init_rec
         if args.init_summary is not None:
             summary["init_from"]["summary"] = json.loads(args.init_summary.read_text())
+            if "passkey" not in summary["init_from"]["summary"]:  # the stage's input, measured the same way
+                start_model = Qwen2ForCausalLM(model.config)
+                init_weights(start_model, args.init_from)
+                start_model.config._attn_implementation = "sdpa"
+                summary["init_from"]["summary"]["passkey"] = passkey_record(start_model, tok, lengths)
     print(json.dumps(summary["test"], indent=2), flush=True)
     export(model, tok, args.out, args.store_dtype, summary)
     print(f"exported to {args.out}", flush=True)
@@ -535,6 +631,15 @@ def _stage_line(number: int, st: dict, pretrain_tokens: int) -> str:
                  f"next-token cross-entropy + {penalty} x the mean variance of a row's attention logits (over "
                  "layers, heads and causal rows): a penalty on each head's logit spread, the regime quadratic "
                  "kernels need")
+    if "retrieval" in st:
+        r = st["retrieval"]
+        weight = f", answer tokens weighted {r['answer_weight']}" if r["answer_weight"] != 1 else ""
+        objective += (f"; {r['rows_per_batch']} of the {st['batch']} rows of every batch are passkey retrieval "
+                      "documents (the evaluation's instruction, needle and question, filler "
+                      f"{' or '.join(r['fillers'])} from the pretraining range, a random 5-digit key at a random "
+                      "depth and length, the answer "
+                      f"' <key>.', then `</s>` and pretraining text{weight}; answer-token accuracy over the last 50 "
+                      f"steps {r['last50_answer_token_accuracy']:.3f})")
     return (f"- Stage {number}, {start}: {st['steps_trained']} steps of batch {st['batch']} x {st['seq']} tokens = "
             f"{st['training_tokens']:,} tokens ({st['training_tokens'] / pretrain_tokens:.1f} epochs); {objective}; "
             f"AdamW lr {opt['lr']}, betas (0.9, 0.95), weight decay {opt['weight_decay']}, {opt['warmup']} warmup "
@@ -578,9 +683,26 @@ def write_card(out: Path) -> None:
     all_top5 = [x for v in qk["layers"].values() for x in v["top5"]]
     gmean = sum(qk["gaussian_top5"]) / len(qk["gaussian_top5"])
     chars = c["chars"]
-    stages = [summary["init_from"]["summary"], summary] if "summary" in summary.get("init_from", {}) else [summary]
+    stages = [summary]  # follow the chain of stages back to the one from a random initialisation
+    while "summary" in stages[0].get("init_from", {}):
+        stages.insert(0, stages[0]["init_from"]["summary"])
     training = "\n".join(_stage_line(i + 1, st, pre["tokens"]) for i, st in enumerate(stages))
     head_chars = f"{c['heldout_head_chars']:,}" if "heldout_head_chars" in c else "before the pretraining text"
+    measured = [(i + 1, st["passkey"]) for i, st in enumerate(stages) if "passkey" in st]
+    lens = measured[-1][1]["lengths"] if measured else []
+    cells = [(n, [f"{pk['by_length'][str(x)]:.2f}" if str(x) in pk["by_length"] else "-" for x in lens])
+             for n, pk in measured]
+    passkey_table = "\n".join([f"| after stage | {' | '.join(map(str, lens))} |", "|---|" + "---|" * len(lens)]
+                              + [f"| {n} | {' | '.join(row)} |" for n, row in cells])
+    depths = ", ".join(f"{d:g}" for d in measured[-1][1]["depths"]) if measured else ""
+    passkey_section = f"""## Passkey retrieval (inside and beyond the training context)
+`oal.evaluate.passkey` (the Landmark-attention format `oal evaluate --passkey` uses: its own filler sentences,
+never trained on), greedy decoding, a 5-digit key at depths {depths} of the filler, 4 keys per depth, seed 0;
+accuracy by prompt length (tokens), after each stage that measured it:
+
+{passkey_table}
+
+""" if measured else ""
     card = f"""# oal embedded default model
 
 A small causal LM with the architecture the paper targets, trained here so that `oal` works offline. Built by
@@ -649,7 +771,7 @@ plan ({qk['prompt_len']} tokens each). Groups: number of App. B stable-gap group
 Range over all heads: {min(all_top5):.3f} to {max(all_top5):.3f}; isotropic Gaussian control (same shapes):
 {gmean:.3f}. (Paper Fig. 5: Qwen2.5-0.5B 50.7% vs 7.8% Gaussian.)
 
-## Reproduce
+{passkey_section}## Reproduce
 ```bash
 S=scripts/train_embedded_model.py; RUN="torchrun --standalone --nproc-per-node 2"
 $RUN $S --steps 700 --bf16 --threads 1 --work-dir .cache/stage1 --out .cache/stage1_model

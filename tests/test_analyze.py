@@ -16,6 +16,7 @@ from oal.analysis import (
     stable_gap_groups,
 )
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
+from oal.analysis.offset import offset_moments, offset_summary
 from oal.models.capture import capture
 
 
@@ -70,6 +71,16 @@ def test_analyze_writes_consistent_outputs(tiny, tmp_path):
     assert all(5 / 8 <= v <= 1 for row in conc["real_top5"] for v in row)  # top-5 of 8 dims holds >= 5/8
     analysis = json.loads((tmp_path / "analysis.json").read_text())
     assert analysis["representative"] == {"layer": 2, "head": 1}
+    # analysis.json["offset"]: the per-query offsets of the prompts' own q/k under the groups used
+    moments = {}
+    with torch.no_grad():
+        capture(tiny, ids, [0, 2], lambda c: moments.__setitem__(c.layer, offset_moments(c.q, c.k, scale=c.scaling)))
+    want = offset_summary(moments, load_groups(tmp_path))
+    assert analysis["offset"]["verdict"]["text"] == want["verdict"]["text"]
+    for layer in ("0", "2"):
+        for got, ref in zip(analysis["offset"]["layers"][layer]["heads"], want["layers"][layer]["heads"], strict=True):
+            for key in ("offset_share", "offset_std", "isolated_offset_std", "isolated_offset_share"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-9)
     names = {p.name for p in (tmp_path / "figures").iterdir()}
     assert {"profile_layer0.png", "profile_layer2.png", "representative_head.png", "heatmap_groups.png",
             "heatmap_top5.png", "gaussian_controls.png", "stability_inputs.png", "stability_lengths.png"} <= names
@@ -87,6 +98,10 @@ def test_string_prompts_with_padding_match_single_prompts(tiny, tmp_path):
     chi_a = torch.tensor([h["chi"] for h in a["heads"]["1"]])
     chi_b = torch.tensor([h["chi"] for h in b["heads"]["1"]])
     torch.testing.assert_close(chi_a, chi_b, rtol=1e-5, atol=1e-7)
+    # padded pairs do not count in the per-query offsets either
+    off_a, off_b = (json.loads((tmp_path / d / "analysis.json").read_text())["offset"]["layers"]["1"]["heads"]
+                    for d in ("batched", "single"))
+    assert [h["offset_share"] for h in off_a] == pytest.approx([h["offset_share"] for h in off_b], rel=1e-4)
 
 
 def test_statistics():

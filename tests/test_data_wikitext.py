@@ -91,7 +91,7 @@ def test_offline_hub_fails_fast_with_clear_message(monkeypatch, tmp_path):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
-    with pytest.raises(RuntimeError, match="data_dir"):
+    with pytest.raises(ValueError, match="data_dir"):
         load_wikitext("wikitext-2-raw-v1")
 
 

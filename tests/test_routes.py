@@ -87,6 +87,36 @@ def test_supported_routes_give_the_converted_model(art):
         load_adapter(_softmax(art), art["adapter"])
 
 
+def test_no_route_uses_transformers_adapter_mixin(art, tmp_path, monkeypatch):
+    """peft's floor (issue 28): transformers 5.x's adapter mixin (`model.load_adapter`, `active_adapters()`, adapter
+    detection in from_pretrained, save_pretrained of a model carrying one) checks for peft >= 0.22, which is not
+    installable here; oal attaches LoRA through peft's own API, so its routes hold with the floor in pyproject (the
+    version tested). Any call into the mixin fails this test, whatever peft is installed."""
+    import peft
+    import transformers.integrations.peft as hf_peft
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (floor,) = [r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "peft"]
+    assert Version(peft.__version__) in floor.specifier
+    if Version(peft.__version__) < Version(hf_peft.MIN_PEFT_VERSION):  # the mixin really is out of reach here
+        with pytest.raises(ValueError, match="version of PEFT"):
+            hf_peft.check_peft_version(hf_peft.MIN_PEFT_VERSION)
+
+    def mixin(*args, **kwargs):
+        raise AssertionError("transformers' adapter mixin was used")
+
+    monkeypatch.setattr(hf_peft, "check_peft_version", mixin)
+    with pytest.raises(AssertionError, match="mixin was used"):  # the patch bites
+        _softmax(art).active_adapters()
+    adapted, _, _ = load_converted(art["run"], "oal", merge=False)
+    unmerged = export(art["run"], "oal", tmp_path / "unmerged", merge=False)  # saving an unmerged LoRA
+    for load in (oal.load, AutoModelForCausalLM.from_pretrained):
+        assert torch.equal(logits(load(unmerged)), logits(adapted))
+
+
 def _copy(src: Path, dst: Path) -> Path:
     return Path(shutil.copytree(src, dst))
 
@@ -182,7 +212,9 @@ def test_adapter_format_v1_is_still_read(art, tmp_path):
     manifest = json.loads((old / ADAPTER_MANIFEST).read_text())
     LoraConfig(**manifest.pop("lora")).save_pretrained(old)  # peft's adapter_config.json
     manifest["format"] = "oal-adapter/1"
-    manifest["sha256"]["adapter_config.json"] = sha256_file(old / "adapter_config.json")
+    (old / "README.md").write_text("---\nlibrary_name: peft\n---\n")  # peft's card, listed by oal then
+    for name in ("adapter_config.json", "README.md"):
+        manifest["sha256"][name] = sha256_file(old / name)
     (old / ADAPTER_MANIFEST).write_text(json.dumps(manifest))
     calibrated = load_converted(art["run"], "oal", adapter=False)[0]
     want = logits(load_adapter(load_converted(art["run"], "oal", adapter=False)[0], art["adapter"]))

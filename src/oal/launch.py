@@ -137,9 +137,42 @@ def ranks(device: torch.device | str | None = None) -> Ranks:
     dev = resolve_device(device or "auto")
     if "this" not in _RANKS:
         _RANKS["this"] = Ranks(dev)
+        _warn_one_process_launch()
     elif _RANKS["this"].state is not None:
         _state(dev.type == "cpu")
     return _RANKS["this"]
+
+
+def _requested_processes(argv: list[str]) -> int | None:
+    """The --num_processes (or --num-processes) value in a launcher's command line, if any."""
+    for i, arg in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes"):
+            value = arg[len(flag) + 1:] if arg.startswith(flag + "=") else argv[i + 1] if (
+                arg == flag and i + 1 < len(argv)) else None
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+    return None
+
+
+def _warn_one_process_launch() -> None:
+    """`accelerate launch --cpu --num_processes N` starts one process (its simple launcher; it sets no WORLD_SIZE),
+    so oal would silently train alone: say so, with the launcher that starts N CPU processes. The request is read
+    from the launcher's command line (/proc, Linux); elsewhere nothing is said."""
+    if launched() or "ACCELERATE_USE_CPU" not in os.environ:  # not accelerate's one-process launcher
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return
+    asked = _requested_processes(argv)
+    if asked is not None and asked > 1:
+        log.warning("accelerate launch started 1 process, not the %d asked for (with --cpu it runs its one-process "
+                    "launcher); for %d CPU processes use `torchrun --nproc_per_node %d -m oal ...`", asked, asked,
+                    asked)
 
 
 def process_device(spec: str | torch.device | None) -> torch.device:

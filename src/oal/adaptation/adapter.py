@@ -46,6 +46,7 @@ _FORMAT_V1 = "oal-adapter/1"  # a peft folder (adapter_config.json) beside the k
 LORA_FILE = "adapter_model.safetensors"
 KERNEL_FILE = "kernel_params.safetensors"
 _ALLOWED_SUFFIXES = (".json", ".safetensors")
+_PEFT_CARD = "README.md"  # peft's model card in a format-1 folder: hashed, never parsed
 
 
 @contextlib.contextmanager
@@ -142,7 +143,7 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
             raise ValueError(f"{manifest_path}: records no {name}")
     for name, want in sorted(manifest["sha256"].items()):
         f = confined_file(adapter_dir, name, manifest_path)
-        if f.suffix not in _ALLOWED_SUFFIXES:
+        if f.suffix not in _ALLOWED_SUFFIXES and not (fmt == _FORMAT_V1 and name == _PEFT_CARD):
             raise ValueError(f"{manifest_path}: lists {name!r}; an adapter holds .safetensors and .json files only "
                              "(no pickle)")
         if not f.is_file():

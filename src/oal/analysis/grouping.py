@@ -93,17 +93,23 @@ def _check(chi_per_prompt, tail_fraction, min_support, min_ratio, min_groups, n_
         raise ValueError(f"chi_per_prompt: expected P >= 1 prompts and d >= 2 dims, got P={p}, d={d}")
     if not torch.isfinite(chi_per_prompt).all() or (chi_per_prompt < 0).any():
         raise ValueError("chi_per_prompt: contribution scores must be finite and non-negative")
-    if not 0 < tail_fraction <= 1:
-        raise ValueError(f"tail_fraction: expected alpha in (0, 1], got {tail_fraction}")
-    if not 0 <= min_support <= 1:
-        raise ValueError(f"min_support: expected gamma in [0, 1], got {min_support}")
-    if not min_ratio > 0 or not math.isfinite(min_ratio):
-        raise ValueError(f"min_ratio: expected a finite tau > 0, got {min_ratio}")
-    if not isinstance(min_groups, int) or min_groups < 1:
-        raise ValueError(f"min_groups: expected an int >= 1, got {min_groups}")
+    check_settings(tail_fraction, min_support, min_ratio, min_groups, n_bootstrap, eps)
     check_min_groups(d, tail_fraction, min_groups)
-    if not isinstance(n_bootstrap, int) or n_bootstrap < 1:
-        raise ValueError(f"n_bootstrap: expected an int >= 1, got {n_bootstrap}")
+
+
+def check_settings(tail_fraction, min_support, min_ratio, min_groups, n_bootstrap, eps=1e-12) -> None:
+    """App. B's settings on their own (before any capture); InputError naming the `oal analyze` option. NaN fails
+    every range check (each comparison is written so that NaN makes it fail)."""
+    if not 0 < tail_fraction <= 1:
+        raise InputError(f"expected alpha in (0, 1], got {tail_fraction}", "--tail-fraction")
+    if not 0 <= min_support <= 1:
+        raise InputError(f"expected gamma in [0, 1], got {min_support}", "--min-support")
+    if not min_ratio > 0 or not math.isfinite(min_ratio):
+        raise InputError(f"expected a finite tau > 0, got {min_ratio}", "--min-ratio")
+    if isinstance(min_groups, bool) or not isinstance(min_groups, int) or min_groups < 1:
+        raise InputError(f"expected an int >= 1, got {min_groups}", "--min-groups")
+    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 1:
+        raise InputError(f"expected an int >= 1, got {n_bootstrap}", "--n-bootstrap")
     if not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
 

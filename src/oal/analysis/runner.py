@@ -5,7 +5,7 @@ Writes into `out_dir`:
   retained cuts (natural / fallback), top-5 dims and concentration. `load_groups` reads it back.
 - analysis.json: the App. A diagnostics: top-5 concentration vs two isotropic Gaussian controls (Fig. 5),
   held-out stability (Spearman rho, top-5 overlap; Fig. 6), normalised top-5 contributions across prefix lengths
-  (Table 4), group-count statistics.
+  (Table 4), group-count statistics, the attention regime and the per-query offsets (`oal.analysis.offset`).
 - figures/*.png.
 """
 
@@ -26,7 +26,14 @@ from rich.table import Table
 from oal.analysis import figures as figs
 from oal.analysis.contributions import head_contributions, prefix_contributions
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
-from oal.analysis.grouping import check_min_groups, fixed_budget_groups, grouping_params, stable_gap_groups
+from oal.analysis.grouping import (
+    check_min_groups,
+    check_settings,
+    fixed_budget_groups,
+    grouping_params,
+    stable_gap_groups,
+)
+from oal.analysis.offset import OffsetAccumulator, offset_summary
 from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
@@ -100,13 +107,13 @@ class _Collector:
             self.offset += b
 
 
-def _run_capture(model, batches, layers, n_prompts, progress, task, regime=None) -> _Collector:
+def _run_capture(model, batches, layers, n_prompts, progress, task, *reducers) -> _Collector:
     col = _Collector(layers, n_prompts)
 
     def on_layer(c: Captured) -> None:
         col(c)
-        if regime is not None:
-            regime(c)
+        for reduce in reducers:
+            reduce(c)
 
     for ids, mask in batches:
         capture(model, ids, layers, on_layer, mask, stop_after_last=True)
@@ -161,10 +168,13 @@ def analyze(
     budget: G for the fixed-budget procedure of Fig. 2(b) (`fixed_budget_groups`: the G - 1 largest adjacent gaps
     of the sorted profile) instead of App. B's stable-gap groups -- a departure from the paper's protocol, which
     uses App. B for conversion; the App. B result is still computed and recorded beside it.
-    Also records the attention regime of the prompts (`oal.analysis.regime`) in analysis.json["regime"].
+    Also records the attention regime of the prompts (`oal.analysis.regime`) in analysis.json["regime"], and
+    their per-query offsets under the groups used (`oal.analysis.offset`) in analysis.json["offset"].
     Returns the analysis summary (also written to analysis.json).
     """
     params = grouping_params(**grouping)  # checked before the expensive capture
+    check_settings(*(params[k] for k in ("tail_fraction", "min_support", "min_ratio", "min_groups", "n_bootstrap",
+                                         "eps")))
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget: expected a group budget G >= 1, got {budget!r}")
     seed = params["seed"]
@@ -203,7 +213,8 @@ def analyze(
         task = progress.add_task("capture: calibration prompts", total=n_prompts)
         regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)), max_rows=ANALYZE_ROWS,
                                     max_logits=ANALYZE_LOGITS)  # linear in N: see oal.analysis.regime
-        calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime)
+        offsets = OffsetAccumulator()
+        calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime, offsets)
         held = None
         if held_batches is not None:
             n_held = sum(b[0].shape[0] for b in held_batches)
@@ -275,6 +286,7 @@ def analyze(
         representative=dict(layer=rep[0], head=rep[1]),
         timing_s=dict(capture=t_capture, grouping=t_group),
         regime=regime.summary(),
+        offset=offset_summary(offsets.layers, {i: used[li] for li, i in enumerate(layers)}),
         n_groups=dict(
             per_head=n_used.tolist(), histogram=_histogram(n_used),
             app_b_per_head=res.n_groups.tolist(), app_b_histogram=_histogram(res.n_groups),
@@ -371,6 +383,7 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
         console.print(f"groups used: {summary['procedure']} (Fig. 2(b)'s fixed budget, a departure from App. B; "
                       f"App. B would give {summary['n_groups']['app_b_histogram']})")
     console.print(f"attention regime on these prompts: {summary['regime']['verdict']['text']}")
+    console.print(f"per-query offsets: this model {summary['offset']['verdict']['text']}")
 
 
 def check_groups_model(path: str | Path, model, provenance=None) -> None:

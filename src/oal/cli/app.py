@@ -71,11 +71,13 @@ def _version(value: bool) -> None:
 
 
 def setup_logging(level: int) -> None:
-    """`oal` messages through a rich handler on stderr; transformers' own progress bars and advice kept quiet."""
+    """`oal` messages through a rich handler on stderr (stdout keeps a command's results); transformers' own progress
+    bars and advice kept quiet."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
     log = logging.getLogger("oal")
-    log.handlers[:] = [RichHandler(show_path=False, show_time=False, markup=False)]
+    log.handlers[:] = [RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False)]
     from oal.launch import env_rank
 
     log.setLevel(level if env_rank() == 0 else max(level, logging.ERROR))  # a launch's other processes: errors only

@@ -1,4 +1,5 @@
-"""`oal diagnose`: Table 1 (retained-error ratio + controls), Fig. 2(b) (group budget), Table 2 (all methods)."""
+"""`oal diagnose`: Table 1 (retained-error ratio + controls), Fig. 2(b) (group budget), Table 2 (all methods) and the
+planted per-query offset experiment."""
 
 from __future__ import annotations
 
@@ -9,60 +10,73 @@ from rich.console import Console
 
 from oal.cli.app import app
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt
-from oal.pipeline.inputs import load_model_or_fail, registry_preset
+from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
+
+
+def _names(spec: str, allowed, option: str) -> list[str]:
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names or set(names) - set(allowed):
+        raise typer.BadParameter(f"expected a comma list of {', '.join(allowed)}, got {spec!r}", param_hint=option)
+    return names
 
 
 @app.command("diagnose")
 def diagnose_cmd(
-    out: Path = typer.Option(..., "--out", help="Run directory (reads groups.json if present; writes "
-                             "diagnostics/, figures/group_budget.png, metrics.json['fidelity'])."),
+    out: Path = typer.Option(..., "--out", help="Output or `oal run` directory (then its corpus, split plan, layers "
+                             "and, for the offset part, calibration settings and seed are used). Writes diagnostics/, "
+                             "figures/ and metrics.json['fidelity'] outside run directories."),
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
     data_dir: DataDirOpt = None,
     layers: LayersOpt = None,
     preset: str = typer.Option(None, help="Data/grouping preset (default: detected from the model)."),
-    parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2."),
+    parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2, offset."),
     methods: str = typer.Option("all", help="Table 2 methods: 'all' or a comma list."),
-    controls: int = typer.Option(None, help="Matched random subsets B for Table 1 (default 100; paper 1000)."),
+    controls: int = typer.Option(None, min=0, help="Matched random subsets B for Table 1 (default 100; paper 1000)."),
     paper: bool = typer.Option(False, help="Paper settings: B = 1000 controls, App. B calibration protocol."),
-    sequences: int = typer.Option(None, help="Held-out sequences for Table 1 (default: all fidelity blocks)."),
+    sequences: int = typer.Option(None, min=1, help="Held-out sequences for Table 1 and the offset part (default: "
+                                  "all fidelity blocks)."),
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
-    max_budget: int = typer.Option(16, help="Largest group budget G for Fig. 2(b)."),
-    seed: int = typer.Option(0, help="Seed of query positions, controls, Gaussian draws and calibration."),
+    max_budget: int = typer.Option(16, min=1, help="Largest group budget G for Fig. 2(b)."),
+    layer: int = typer.Option(None, min=0, help="Offset part: the layer (default: the run's representative layer)."),
+    offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits (with 0)."),
+    steps: int = typer.Option(None, min=1, help="Offset part: calibration updates per start (default: the run's)."),
+    seed: int = typer.Option(None, min=0, help="Seed of query positions, controls, Gaussian draws and calibration "
+                             "(default 0; the offset part: the run's, 42 without a run directory)."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
 ) -> None:
-    """Write the paper's diagnostics for a model into a run directory (resumable per part)."""
+    """Write the paper's diagnostics for a model into a directory (resumable per part; the offset part takes ~1-2 min
+    per offset size on the embedded model on CPU)."""
     from oal.calibration.data import CalibConfig
     from oal.data import default_plan, load_corpus, plan_blocks
     from oal.diagnostics.fidelity_table import TABLE2_METHODS
+    from oal.diagnostics.offset_part import OffsetSettings, parse_stds
     from oal.diagnostics.retained_error import RetainedErrorConfig
+    from oal.diagnostics.run_inputs import read_run, run_blocks
     from oal.diagnostics.runner import PARTS, diagnose
     from oal.models.registry import PRESETS, default_layers
-    from oal.pipeline.inputs import parse_layers
+    from oal.pipeline.config import RunConfig
     from oal.rundir.files import check_out_dir
 
     console = Console()
     check_out_dir(out)
-    part_list = [p.strip() for p in parts.split(",") if p.strip()]
-    if not part_list or set(part_list) - set(PARTS):
-        raise typer.BadParameter(f"expected a comma list of {', '.join(PARTS)}, got {parts!r}", param_hint="--parts")
-    if methods.strip().lower() == "all":
-        method_list = list(TABLE2_METHODS)
-    else:
-        method_list = [m.strip() for m in methods.split(",") if m.strip()]
-        unknown = set(method_list) - set(TABLE2_METHODS)
-        if not method_list or unknown:
-            raise typer.BadParameter(f"expected 'all' or names from {', '.join(TABLE2_METHODS)}, got {methods!r}",
-                                     param_hint="--methods")
-    if controls is not None and controls < 0:
-        raise typer.BadParameter(f"expected >= 0, got {controls}", param_hint="--controls")
-    if max_budget < 1:
-        raise typer.BadParameter(f"expected >= 1, got {max_budget}", param_hint="--max-budget")
+    part_list = _names(parts, PARTS, "--parts")
+    method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else _names(methods, TABLE2_METHODS,
+                                                                                       "--methods")
+    stds = parse_stds(offsets)
+    run = read_run(out)
+    if run is not None and run["model"] != model:
+        raise typer.BadParameter(f"{out} is an `oal run` directory of model {run['model']!r}; pass that model",
+                                 param_hint="--model")
     mdl, tok, _prov = load_model_or_fail(model, device, dtype)
     preset = registry_preset(preset, mdl)
     spec = PRESETS[preset]
-    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else default_layers(mdl)
+    n_layers = mdl.config.num_hidden_layers
+    if layer is not None and layer >= n_layers:  # before the blocks are built
+        raise typer.BadParameter(f"expected a layer in [0, {n_layers}), got {layer}", param_hint="--layer")
+    layer_list = (parse_layers(layers, n_layers) if layers is not None else run["layers"] if run and run["layers"]
+                  else default_layers(mdl))
     budget_head = None
     if head:
         try:
@@ -73,19 +87,29 @@ def diagnose_cmd(
             raise typer.BadParameter(f"expected 'LAYER:HEAD' with LAYER in {layer_list}, got {head!r}",
                                      param_hint="--head") from None
     try:
-        corpus = load_corpus(data, data_dir=data_dir)
-        blocks = plan_blocks(corpus, tok, default_plan(spec["plan"]), data_dir=data_dir)
-    except (ValueError, RuntimeError, OSError) as exc:
+        blocks = (run_blocks(run, tok) if run else
+                  plan_blocks(load_corpus(data, data_dir=data_dir), tok, default_plan(spec["plan"]), data_dir=data_dir))
+    except (RuntimeError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--data") from None
-    t1 = RetainedErrorConfig.preset("paper" if paper else "default", seed=seed)
+    t1 = RetainedErrorConfig.preset("paper" if paper else "default", seed=seed or 0)
     if controls is not None:
         t1.n_controls = controls
-    calib = CalibConfig.preset("paper" if paper else "default", seed=seed)
+    calib = CalibConfig.preset("paper" if paper else "default", seed=seed or 0)
     grouping = dict(tail_fraction=spec["alpha"], min_support=spec["gamma"], min_ratio=spec["tau"],
                     min_groups=spec["min_groups"], n_bootstrap=spec["n_bootstrap"])
-    console.print(f"diagnose: model {model}, layers {layer_list}, parts {part_list}, "
-                  f"B = {t1.n_controls} matched controls")
+    ref = RunConfig.from_preset(preset, calib=run["calib"], grouping=run["grouping"], seed=run["seed"]) if run \
+        else RunConfig.from_preset(preset)  # what `oal run` calibrated (or would calibrate) with
+    o_seed = ref.seed if seed is None else seed
+    o_cfg = CalibConfig(**{**ref.calib, "seed": o_seed, **({"max_steps": steps} if steps else {})})
+    offset = OffsetSettings(cfg=o_cfg, grouping=ref.grouping, seed=o_seed, layer=layer, stds=stds,
+                            sequences=sequences)
+    console.print(f"diagnose: model {model}, layers {layer_list}, parts {part_list}"
+                  + (f", B = {t1.n_controls} matched controls" if "table1" in part_list else ""))
     diagnose(mdl, blocks, layer_list, out, parts=part_list, table2_methods=method_list, grouping=grouping,
              table1_cfg=t1, calib_cfg=calib, budget_head=budget_head, budgets=tuple(range(1, max_budget + 1)),
-             table1_sequences=sequences, seed=seed, console=console)
+             table1_sequences=sequences, seed=seed or 0, offset=offset, console=console)
+    if run is not None and (out / "metrics.json").is_file():  # the run's report shows the new diagnostics
+        from oal.pipeline.report import write_report
+
+        write_report(out, console=console)
     console.print(f"[green]wrote {out / 'diagnostics'}")

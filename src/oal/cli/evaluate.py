@@ -60,6 +60,9 @@ def evaluate_cmd(
     Calibrated kernels on the base model go to metrics.json["fidelity"]; a method with the run's adapter is measured
     as adapted (trained kernels against the softmax attention of the LoRA-merged weights) into ["fidelity_adapted"].
     """
+    if zeroshot and passkey:
+        raise typer.BadParameter("choose one of --zeroshot and --passkey (run `oal evaluate` once for each)",
+                                 param_hint="--zeroshot / --passkey")
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = Console()
     if log_samples and not zeroshot:

@@ -145,10 +145,10 @@ def _load_from_hub(config: str, revision: str) -> dict[str, list[str]]:
             datasets.config.HF_HUB_OFFLINE = True
         ds = datasets.load_dataset(DATASET_ID, config, revision=revision)
     except Exception as exc:  # datasets raises several types (ConnectionError, FileNotFoundError, ...)
-        if offline:
-            raise RuntimeError(
+        if offline:  # bad input, not a bug: the user must point at a local copy
+            raise ValueError(
                 f"WikiText {config!r} is not reachable: the model hub is offline or unreachable and the dataset "
-                f"is not in the local cache. Pass data_dir= (a local copy with {MANIFEST_NAME}) instead."
+                f"is not in the local cache; pass a local copy with {MANIFEST_NAME} (--data-dir DIR, data_dir=)"
             ) from exc
         raise
     finally:

@@ -109,8 +109,19 @@ def parse_task_files(specs: list[str] | tuple[str, ...] | dict | None) -> dict[s
         _check_task(task)
         if not Path(path).is_file():
             raise ValueError(f"task_file: no such file for {task}: {path}")
+        if not path.endswith(".parquet"):
+            _text(Path(path))  # a binary file is refused here, before any run starts
         out[task] = str(path)
     return out
+
+
+def _text(path: Path) -> str:
+    """The UTF-8 text of a JSON-lines file; a binary (or otherwise encoded) file is a ValueError naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 JSON-lines file (byte {exc.start} cannot be decoded); expected one "
+                         "JSON object per line in the dataset's schema") from None
 
 
 # ----------------------------------------------------------------------------------------------- reading rows
@@ -129,7 +140,7 @@ def read_rows(path: str | Path, task: str) -> list[dict]:
             raise ValueError(f"{path}: not a readable parquet file ({exc})") from exc
     else:
         rows = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(_text(path).splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

@@ -6,8 +6,11 @@ DIR/diagnostics/budget.json               group-budget points;  DIR/figures/grou
 DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
                                           (not in an `oal run` directory: its metrics are its own kernels')
 DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
+DIR/diagnostics/offset.json, offset.md    the planted per-query offset experiment (`diagnostics.offset_part`);
+                                          DIR/figures/offset/relmse.png
 
-A part whose JSON already holds the same settings is skipped, so a killed run resumes at the next part.
+A part whose JSON already holds the same settings is skipped, so a killed run resumes at the next part (the
+offset part also at its next offset size).
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from oal.diagnostics.fidelity_table import (
 from oal.diagnostics.fidelity_table import table2 as run_table2
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
+from oal.errors import InputError
 from oal.methods.base import newer_versions
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
-__all__ = ["PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
+__all__ = ["DEFAULT_PARTS", "PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
 
 log = logging.getLogger("oal")
 TABLE1_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift")
-PARTS = ("table1", "budget", "table2")
+PARTS = ("table1", "budget", "table2", "offset")
+DEFAULT_PARTS = PARTS[:3]  # the paper's; the offset experiment runs when asked for
 
 
 def _key(obj) -> str:
@@ -89,7 +94,7 @@ def diagnose(
     layers: Sequence[int],
     out_dir: str | Path,
     *,
-    parts: Sequence[str] = PARTS,
+    parts: Sequence[str] = DEFAULT_PARTS,
     table1_methods: Sequence[str] = TABLE1_METHODS,
     table2_methods: Sequence[str] = TABLE2_METHODS,
     grouping: dict | None = None,
@@ -99,15 +104,22 @@ def diagnose(
     budgets: Sequence[int] = tuple(range(1, 17)),
     table1_sequences: int | None = None,
     seed: int = 0,
+    offset=None,
     console: Console | None = None,
 ) -> dict:
     """Run the requested diagnostics on `model` with token `blocks` per role ("grouping", "calib_train",
-    "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files."""
+    "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files.
+    `offset`: the `diagnostics.offset_part.OffsetSettings` of the offset part (the run's calibration, grouping and
+    seed; required for it)."""
     from oal.calibration.data import CalibConfig
 
     bad = set(parts) - set(PARTS)
     if bad:
         raise ValueError(f"parts: unknown {sorted(bad)}; expected a subset of {PARTS}")
+    if table1_sequences is not None and (isinstance(table1_sequences, bool) or not isinstance(table1_sequences, int)
+                                         or table1_sequences < 1):
+        raise InputError(f"expected a number of held-out sequences >= 1, got {table1_sequences!r}", "--sequences",
+                         "table1_sequences")
     console = console or Console()
     out = Path(out_dir)
     diag = out / "diagnostics"
@@ -117,11 +129,19 @@ def diagnose(
     t1cfg = copy.copy(table1_cfg or RetainedErrorConfig(seed=seed))
     t1cfg.grouping = dict(grouping)  # the Gaussian control groups with the same App. B procedure and settings
     ccfg = calib_cfg or CalibConfig(seed=seed)
+    results: dict = {}
+    fid_blocks = blocks["fidelity"]
+    if "offset" in parts:
+        from oal.diagnostics.offset_part import run_offset
+
+        if offset is None:
+            raise ValueError("offset: the offset part needs its settings (diagnostics.offset_part.OffsetSettings)")
+        results["offset"] = run_offset(model, blocks, layers, out, offset, console=console)
+        if set(parts) == {"offset"}:
+            return results
     groups, chi, source = resolve_groups(model, blocks["grouping"], layers, out, grouping, seed)
     atomic_write_json(diag / "groups.json", {"source": source, "grouping": grouping,
                                              "groups": {str(i): g.tolist() for i, g in groups.items()}})
-    results: dict = {}
-    fid_blocks = blocks["fidelity"]
 
     if "table1" in parts:
         n_seq = fid_blocks.shape[0] if table1_sequences is None else min(table1_sequences, fid_blocks.shape[0])
@@ -204,12 +224,15 @@ def _merge_metrics(path: Path, fidelity: dict) -> None:
 
     Not in an `oal run` directory: its metrics describe its own kernels, and Table 2's are calibrated here."""
     from oal.rundir.claim import is_run_dir
-    from oal.rundir.metrics import update_metrics
+    from oal.rundir.hashes import sha256_file
+    from oal.rundir.metrics import publish_evaluations, record_evaluation
 
     if is_run_dir(path.parent):
         log.info("Table 2 kept in diagnostics/table2.json: %s is an `oal run` directory whose metrics.json "
                  "describes its own kernels", path.parent)
         return
-    update_metrics(path.parent, {"fidelity": {name: {k: r[k] for k in ("mse", "relmse", "mse_post_o",
-                                                                         "relmse_post_o")}
-                                              for name, r in fidelity.items()}}, {})
+    table = {"diagnostics/table2.json": sha256_file(path.parent / "diagnostics" / "table2.json")}  # the numbers' file
+    for name, r in fidelity.items():
+        record_evaluation(path.parent, f"fidelity:{name}", [(("fidelity", name), {
+            k: r[k] for k in ("mse", "relmse", "mse_post_o", "relmse_post_o")})], table)
+    publish_evaluations(path.parent)

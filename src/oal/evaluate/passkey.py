@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_tokens", "default_lengths", "evaluate_passkey",
-           "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "score_answer"]
+__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "default_lengths",
+           "evaluate_passkey", "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "prompt_pieces",
+           "score_answer"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -53,6 +54,19 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def prompt_pieces(tokenizer, key: str, template: Template = PASSKEY) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the instruction, the needle holding `key` and the question: a prompt is
+    intro + filler before + needle + filler after + question (`make_prompt`; the embedded default's retrieval
+    training stage builds its documents from the same pieces around other filler)."""
+    return (_ids(tokenizer, template.intro), _ids(tokenizer, template.needle.format(key=key)),
+            _ids(tokenizer, template.question))
+
+
+def answer_ids(tokenizer, key: str) -> list[int]:
+    """The continuation a retrieving model writes after the question: " <key>." (what training targets)."""
+    return _ids(tokenizer, f" {key}.")
+
+
 def make_prompt(tokenizer, length: int, depth: float, *, seed: int = 0, trial: int = 0, digits: int = 5,
                 template: Template = PASSKEY) -> PasskeyPrompt:
     """A prompt of at most `length` tokens with a `digits`-digit key at relative `depth` of the filler."""
@@ -62,8 +76,8 @@ def make_prompt(tokenizer, length: int, depth: float, *, seed: int = 0, trial: i
         raise ValueError(f"digits: expected >= 1, got {digits!r}")
     rng = random.Random(f"passkey/{seed}/{length}/{depth:.6f}/{trial}")
     key = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
-    pieces = (template.intro, template.needle.format(key=key), template.question, template.filler)
-    intro, needle, question, unit = (_ids(tokenizer, t) for t in pieces)
+    intro, needle, question = prompt_pieces(tokenizer, key, template)
+    unit = _ids(tokenizer, template.filler)
     room = length - len(intro) - len(needle) - len(question)
     if room < 0 or not unit:
         raise ValueError(f"length: {length} tokens cannot hold the instruction, needle and question "

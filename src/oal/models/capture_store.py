@@ -24,14 +24,13 @@ every update and validates on every position), so whole layers go to disk.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from oal.models.capture import Captured, capture
-from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, remove
 from oal.rundir.hashes import sha256_file
 
 __all__ = ["CaptureStore", "block_ids", "capture_to_disk", "open_store"]
@@ -81,7 +80,7 @@ class CaptureStore:
         return sum((self.root / rel).stat().st_size for rel in self.manifest["sha256"])
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove(self.root)
 
 
 def open_store(root: str | Path, key: str) -> CaptureStore | None:
@@ -126,7 +125,7 @@ def capture_to_disk(model, blocks: Mapping[str, torch.Tensor | Mapping[str, torc
     if existing is not None:
         return existing
     root = Path(root)
-    shutil.rmtree(root, ignore_errors=True)  # a store of another key, or a partial one left by a kill
+    remove(root)  # a store of another key, or a partial one left by a kill
     layers = sorted(int(i) for i in layers)
     device = next(model.parameters()).device
     manifest: dict = {"key": key, "layers": layers, "roles": {}, "sha256": {}}

@@ -126,10 +126,12 @@ def load_encoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     check_model_folder(path, ENCODER_ARCHITECTURES)
     if not is_encoder_model(path):
         raise bad_model(f"{path}: config.json sets is_decoder=true; expected an encoder")
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:  # SafetensorError: a truncated file
         raise bad_model(f"{path}: cannot load the encoder or its tokenizer ({first_line(exc)})") from exc
     model = model.to(device).eval()
     provenance = {"model": str(path), "source": "local", "path": str(path.resolve()), "revision": None,

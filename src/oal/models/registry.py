@@ -157,9 +157,13 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise bad_model(f"{path}: cannot load its tokenizer ({first_line(exc)})") from exc
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                      use_safetensors=True).to(device)
+    except SafetensorError as exc:  # a truncated or damaged weights file
+        raise bad_model(f"{path}: a *.safetensors weights file is damaged or truncated ({first_line(exc)})") from exc
     except (OSError, ValueError, KeyError) as exc:
         raise bad_model(f"{path}: cannot load the model ({first_line(exc)})") from exc
     model.eval()

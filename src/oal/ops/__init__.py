@@ -8,7 +8,7 @@ import math
 import torch
 
 from oal.ops.chunked import chunked_attention
-from oal.ops.kernel import coefficients, feature_dim
+from oal.ops.kernel import coefficients, feature_dim, packed_pairs
 from oal.ops.recurrent import recurrent_attention
 from oal.ops.reference import reference_attention
 
@@ -113,7 +113,20 @@ def _check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_si
     mags = {name: _max_abs(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("factor", factor))}
     if initial_state is not None:
         _max_abs("initial_state", initial_state)
+        _check_denominator(initial_state, d)
     return mags["q"], mags["k"]
+
+
+def _check_denominator(state: torch.Tensor, d: int) -> None:
+    """A state's last column sums [1, k_j, k_j k_j^T] over the keys so far, so its token count (H0) and the sums of
+    squares on H2's diagonal cannot be negative; a state that breaks this makes normalisers negative or zero."""
+    den = state[..., -1]
+    r, t, _ = packed_pairs(d, state.device)
+    count, squares = den[..., 0], den[..., 1 + d :][..., r == t]
+    if (count < 0).any() or (squares < 0).any():
+        raise ValueError(f"initial_state: its denominator column (index dv) must hold key moments (token count "
+                         f">= 0, sums of squares k_r^2 >= 0), got count {float(count.min()):.4g} and squares down "
+                         f"to {float(squares.min()):.4g}; pass the state a previous call returned")
 
 
 def _max_abs(name: str, t: torch.Tensor) -> float:

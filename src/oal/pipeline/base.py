@@ -8,8 +8,9 @@ that read it follows, since its input hashes changed. Evaluation always rebuilds
 (kernels + adapter), so a resumed run and an uninterrupted one measure exactly the same model.
 
 A run directory belongs to one configuration (config.json): another configuration is refused with the differing
-keys named, unless `force=True` deletes the old results first. metrics.json records the SHA256 of the files its
-numbers were computed from.
+keys named, unless `force=True` deletes the old results first. metrics.json and report.md are rebuilt (`publish`)
+from the stage records that verify and the evaluation records of `oal evaluate` that verify (`rundir.metrics`),
+never edited; metrics.json records the SHA256 of the files its numbers were computed from.
 
 Under `torchrun` / `accelerate launch` every process runs the stages: calibration and adaptation run on all of
 them (`oal.launch`), every other stage on the main process while the others wait, and only the main process
@@ -19,6 +20,8 @@ reads the stage log and writes the run directory.
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -31,15 +34,18 @@ from oal.pipeline.config import RunConfig
 from oal.rundir.claim import claim_run_dir
 from oal.rundir.files import atomic_write_json, check_out_dir
 from oal.rundir.hashes import config_hash, versions
+from oal.rundir.metrics import METRICS_FILE, apply_entries, verified_evaluations
 from oal.rundir.stages import StageLog, Timer
 
-__all__ = ["CANDIDATES", "FIDELITY_FILE", "REFERENCE", "STAGES", "StagedRun"]
+__all__ = ["CANDIDATES", "FIDELITY_FILE", "REFERENCE", "STAGES", "StagedRun", "tidy_zeroshot"]
 
 FIDELITY_FILE = ".oal/fidelity.json"
 STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "regime", "budget", "adapt", "perplexity", "zeroshot",
           "compare", "report")
 REFERENCE = "softmax"  # the method without an approximation (the reference arm)
 CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
+
+log = logging.getLogger("oal")
 
 
 class Stop(Exception):
@@ -64,12 +70,14 @@ class StagedRun:
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None,
                  progress: bool = True, stop_after: str | None = None, force: bool = False,
-                 allow_changes: tuple[str, ...] = ()):
+                 allow_changes: tuple[str, ...] = (), recorded: dict | None = None):
         """Nothing is written before `setup()` has loaded and checked the model, the data and the directory.
 
         force: delete the results of another configuration found in `out_dir` and start clean;
         allow_changes: configuration keys (dotted prefixes) that may differ from the recorded ones (the commands
-        that change part of a run, e.g. `oal adapt`).
+        that change part of a run, e.g. `oal adapt`);
+        recorded: the configuration config.json records until `record_config()` is called (`oal adapt` records an
+        arm's new settings only once the adapter trained with them is on disk); default: `cfg`'s.
         """
         self.cfg = cfg
         self.dir = check_out_dir(out_dir)
@@ -82,6 +90,7 @@ class StagedRun:
         self.stop_after = stop_after
         self.force = force
         self.allow_changes = tuple(allow_changes)
+        self.recorded = recorded
         self.log: StageLog | None = None
         self.keys: dict[str, str] = {}
         self.ran: list[str] = []
@@ -116,7 +125,7 @@ class StagedRun:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),
-            "config": self.cfg.to_dict(),
+            "config": self.recorded or self.cfg.to_dict(),
             "converted_layers": self.layers if not self.cfg.select else {**self.cfg.select, "candidates": self.layers},
             "split_plan": self.plan.to_dict(),
             "blocks": self._blocks_record(),
@@ -138,7 +147,23 @@ class StagedRun:
             atomic_write_json(self.dir / "config.json", config)
             self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
 
+        self._config = config
         self.ranks.on_main(claim)
+
+    def record_config(self) -> None:
+        """config.json records `cfg` from now on (see `recorded`); the setup record follows (its key is unchanged:
+        the settings recorded late are part of the keys of the stages that use them)."""
+        if self.recorded is None:
+            return
+        self.recorded = None
+        self._config = {**self._config, "config": self.cfg.to_dict()}
+
+        def write():
+            elapsed = self.log.stages["setup"]["elapsed_s"]
+            atomic_write_json(self.dir / "config.json", self._config)
+            self.log.mark("setup", self.keys["setup"], elapsed, outputs=["config.json"])
+
+        self.ranks.on_main(write)
 
     def base_model(self):
         """A fresh copy of the pristine base model (stages modify models in place)."""
@@ -204,18 +229,53 @@ class StagedRun:
         return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
                           inputs=[f for m in methods for f in self.kernel_files(m)])
 
-    def metrics(self) -> dict:
-        """metrics.json: `results` of the stages that verify, the SHA256 of the files they read, time per stage."""
+    def verified(self, stage: str) -> bool:
+        """`stage` finished for this configuration (its key) and its outputs verify (what `oal run` reports)."""
+        return stage in self.keys and self.log.done(stage, self.keys[stage])
+
+    def metrics(self, valid: Callable[[str], bool] | None = None) -> dict:
+        """metrics.json: `results` of the stages for which `valid(stage)` (default: `verified`), overlaid with the
+        measurements of `oal evaluate` whose records verify; the SHA256 of the files they read; time per stage."""
+        valid = valid or self.verified
         used = []  # stages whose numbers are reported: their input files' SHA256 go into metrics.json
 
-        def valid(stage):
-            ok = stage in self.keys and self.log.done(stage, self.keys[stage])
+        def reported(stage):
+            ok = valid(stage)
             if ok:
                 used.append(stage)
             return ok
 
-        out = self.results(valid)
+        out = self.results(reported)
+        entries, _, inputs = verified_evaluations(self.dir)
+        apply_entries(out, entries)
         out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
+        out["sha256"].update(inputs)
         out["sha256"]["config.json"] = self.log.stages["setup"]["sha256"]["config.json"]
         out["elapsed_s"] = {k: v for k, v in self.log.elapsed().items() if k != "report"}
-        return out
+        return tidy_zeroshot(out)
+
+    def publish(self, valid: Callable[[str], bool] | None = None) -> dict:
+        """Rewrite metrics.json and report.md from the records (`metrics(valid)`), and record both (main process).
+        A metrics.json changed since it was written is reported: none of its numbers is kept."""
+        path = self.dir / METRICS_FILE
+        if path.is_file() and METRICS_FILE in self.log.damaged("report"):
+            log.warning("%s was changed since oal wrote it; rebuilt from the verified stage records (the edited "
+                        "numbers are not kept)", path)
+        metrics = self.metrics(valid)
+        atomic_write_json(path, metrics)
+        with Timer() as t:
+            self.report(self.dir, self.console)
+        metrics["elapsed_s"]["report"] = round(t.seconds, 3)
+        atomic_write_json(path, metrics)
+        skipped = {"zeroshot_skipped": self.zeroshot_skipped} if self.zeroshot_skipped else {}
+        self.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md", METRICS_FILE], **skipped)
+        return metrics
+
+
+def tidy_zeroshot(metrics: dict) -> dict:
+    """A task skipped once (offline) and measured since is not listed as skipped."""
+    measured = {t for tasks in (metrics.get("zeroshot") or {}).values() for t in tasks}
+    skipped = {t: why for t, why in (metrics.pop("zeroshot_skipped", None) or {}).items() if t not in measured}
+    if skipped:
+        metrics["zeroshot_skipped"] = skipped
+    return metrics

@@ -16,7 +16,6 @@ the encoder protocol (`pipeline.encoder.EncoderRun`) subclasses this one.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -43,13 +42,13 @@ from oal.pipeline.aggregate import aggregate_seeds, summary_table
 from oal.pipeline.base import FIDELITY_FILE, REFERENCE, StagedRun
 from oal.pipeline.report import write_report
 from oal.pipeline.selection import comparison_sets, select_layers
-from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.files import atomic_write_json, load_json, remove
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
 
 SELECTION_FILE = "selection.json"
-NEEDS_GROUPS = ("oal",)  # methods that need stable-gap groups
+NEEDS_GROUPS = ("oal", "oal-swa")  # methods that need stable-gap groups
 
 
 class Run(StagedRun):
@@ -109,18 +108,19 @@ class Run(StagedRun):
         methods = self.kernel_methods
         if not methods:
             return True
-        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed,
+                **self.cfg.method_options()}
         if versions := newer_versions(methods):  # kernels of an older construction are recalibrated
             deps["versions"] = versions
         root = self.calib_root.relative_to(self.dir)
         outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
-        inputs = ["groups.json"] if "oal" in methods else []
+        inputs = ["groups.json"] if any(m in NEEDS_GROUPS for m in methods) else []
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs, parallel=True)
 
     def _calibrate(self, methods: list[str]) -> None:
         """On every process of a launch: each calibrates its share of the layers, the main process writes."""
         cfg = self._calib_config()
-        groups = load_groups(self.dir) if "oal" in methods else {}
+        groups = load_groups(self.dir) if any(m in NEEDS_GROUPS for m in methods) else {}
         # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
         # still to do are captured in one forward per block (DIR/.oal/capture, removed when done; the other
         # processes of a launch capture their layers into a temporary folder outside the run directory)
@@ -130,7 +130,7 @@ class Run(StagedRun):
                                  progress=self.progress)
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
-            progress=self.progress, console=self.console, ranks=self.ranks)
+            progress=self.progress, console=self.console, ranks=self.ranks, options=self.cfg.method_options())
         stats = capture.gathered_stats(self.ranks)
         capture.remove()
         if self.ranks.is_main:
@@ -195,7 +195,7 @@ class Run(StagedRun):
                 if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
                     atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
                                              "ppl": math.exp(after[0] / after[1])})
-                    shutil.rmtree(ckpt, ignore_errors=True)
+                    remove(ckpt)
 
             complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
                                    inputs=self.kernel_files(method, self.calib_root), run=run, parallel=True)
@@ -276,7 +276,7 @@ class Run(StagedRun):
                                        description=f"adapt {method}")
             if self.ranks.is_main:  # every process holds the same tensors; one writes them
                 save_adapter(peft_model, out, result)
-                shutil.rmtree(ckpt, ignore_errors=True)
+                remove(ckpt)
 
         return self.stage(f"adapt:{method}", deps, [f"adapter/{method}"], fn, inputs=self.kernel_files(method),
                           run=run, parallel=True)
@@ -346,6 +346,8 @@ class Run(StagedRun):
             active = arms is None or m in arms
             self.perplexity(m, adapted=False, run=active)
             if self.adapt(m, run=active):
+                if active:
+                    self.record_config()  # `oal adapt`: the arm's settings, now that its adapter has them
                 self.perplexity(m, adapted=True, run=active)
                 self.zeroshot(m, run=active)
         self.compare(run=arms is None)

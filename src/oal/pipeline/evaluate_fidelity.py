@@ -1,13 +1,16 @@
-"""Frozen-attention fidelity of a run directory's calibrated kernels, merged into its metrics.json (`oal evaluate`).
+"""Frozen-attention fidelity of a run directory's calibrated kernels, into its metrics.json (`oal evaluate`).
 
 The base model is the one the kernels record (or the one named), checked against that record by the SHA256 of its
 tensors and files: kernels are never evaluated on another model. In an `oal run` directory the data and split plan
-default to the run's own; each method's entry records the data and the number of blocks it was measured on, and
-the merge goes through `pipeline.report.merge_and_report` (which also rewrites report.md).
+default to the run's own; each method's entry records the data and the number of blocks it was measured on. Each
+measurement is recorded with the SHA256 of the files it was made on (`rundir.metrics.record_evaluation`), then
+metrics.json and report.md are rebuilt from the records that verify (`pipeline.publish.republish`), all under the
+directory's lock.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,8 +18,11 @@ from rich.table import Table
 
 from oal.errors import InputError
 from oal.rundir.files import load_json
+from oal.rundir.lock import own_dir
 
 __all__ = ["evaluate_fidelity"]
+
+log = logging.getLogger("oal")
 
 
 def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None, *, model: str | None = None,
@@ -24,14 +30,26 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
                       blocks: int | None = None, adapter: bool | None = False, device: str = "cpu",
                       dtype: str | None = None, progress: bool = True, console=None) -> dict:
     """Fidelity (Table 2 metrics) of `methods`' kernels in `out_dir` on the held-out fidelity blocks (the first
-    `blocks` of them), merged into `out_dir`/metrics.json; returns {"fidelity": {method: metrics},
-    "fidelity_adapted": {method: metrics}}.
+    `blocks` of them; more than there are: all of them, with a warning), into `out_dir`/metrics.json; returns
+    {"fidelity": {method: metrics}, "fidelity_adapted": {method: metrics}}.
 
     `adapter` as in `artefact.arms.load_converted` (None: the run's adapter for a method when it has one). Without an
     adapter the calibrated kernels are compared with the base model's softmax attention (Table 2) under "fidelity";
     with one, the trained kernels with the softmax attention of the same LoRA-merged weights under
     "fidelity_adapted". The base model is loaded in `dtype` (default: the run's own).
     """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise InputError(f"{out_dir} is not a directory with calibrated kernels", "--out", "out_dir")
+    if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
+        raise InputError(f"expected a number of blocks >= 1, got {blocks!r}", "--blocks", "blocks")
+    with own_dir(out_dir):
+        return _evaluate(out_dir, methods, model=model, data=data, data_dir=data_dir, preset=preset, blocks=blocks,
+                         adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+
+
+def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, adapter, device, dtype, progress,
+              console) -> dict:
     from oal.artefact.arms import arm_inputs, load_converted
     from oal.artefact.export import softmax_twin
     from oal.data import SplitPlan, default_plan, load_corpus, plan_blocks
@@ -39,17 +57,11 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     from oal.evaluate.fidelity import fidelity
     from oal.models.attention import converted_methods
     from oal.models.registry import preset_for
-    from oal.pipeline.report import merge_and_report
+    from oal.pipeline.publish import check_publishable, republish
+    from oal.rundir.metrics import record_evaluation
 
-    out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        raise InputError(f"{out_dir} is not a directory with calibrated kernels", "--out", "out_dir")
-    if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
-        raise InputError(f"expected a number of blocks >= 1, got {blocks!r}", "--blocks", "blocks")
+    check_publishable(out_dir)
     run = load_json(out_dir / "config.json") if (out_dir / "config.json").is_file() else None
-    if run is not None and "seeds" in run:
-        raise InputError(f"{out_dir} is a multi-seed run; evaluate one seed (--out {out_dir}/seed-<s>) with "
-                         "`oal run` instead", "--out", "out_dir")
     recorded = (run or {}).get("config") or {}
     if methods is None:
         methods = [m for m in recorded.get("methods", ["oal", "global"]) if m != "softmax"]
@@ -60,7 +72,6 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     data = data or recorded.get("data") or "builtin"
     data_dir = data_dir or recorded.get("data_dir")
     res: dict[str, dict] = {"fidelity": {}, "fidelity_adapted": {}}
-    inputs: dict[str, dict[str, str]] = {"fidelity": {}, "fidelity_adapted": {}}
     base, held_out, name, corpus, layers = None, None, None, None, None
     for m in methods:
         # the kernels (and adapter) on their recorded base model, checked against it by tensors and files
@@ -76,6 +87,9 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
                 held_out = plan_blocks(corpus, tok, plan, data_dir=data_dir)["fidelity"]
             except (ValueError, OSError) as exc:
                 raise InputError(f"{data}: {exc}", "--data", "data") from exc
+            if blocks and blocks > held_out.shape[0]:
+                log.warning("--blocks %d: the split plan has only %d fidelity blocks; using all %d", blocks,
+                            held_out.shape[0], held_out.shape[0])
             held_out = (held_out[:blocks] if blocks else held_out).to(device)
         key = "fidelity_adapted" if info["adapter"] else "fidelity"
         if info["adapter"]:
@@ -84,14 +98,12 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
             base = base if base is not None else softmax_twin(converted, name, device=device)
             teacher = base
         res[key].update(fidelity(teacher, held_out, {m: converted_methods(converted)}, progress=progress))
-        inputs[key].update(arm_inputs(out_dir, m, info["adapter"]))
         layers = layers or sorted(converted_methods(converted))
         res[key][m].update({"data": corpus.name, "n_blocks": int(held_out.shape[0]),
                             "block_len": int(held_out.shape[1])})
-    for key in ("fidelity", "fidelity_adapted"):
-        if res[key]:
-            merge_and_report(out_dir, {key: res[key]}, inputs[key], console=console,
-                           defaults={"model": name, "converted_layers": layers})
+        record_evaluation(out_dir, f"{key}:{m}", [((key, m), res[key][m])], arm_inputs(out_dir, m, info["adapter"]),
+                          defaults={"model": name, "converted_layers": layers})
+    republish(out_dir, console)
     return res
 
 

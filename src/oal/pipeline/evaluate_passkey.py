@@ -1,10 +1,12 @@
-"""Passkey retrieval of a run directory's arms (`oal evaluate --passkey`), merged into its metrics.json.
+"""Passkey retrieval of a run directory's arms (`oal evaluate --passkey`), into its metrics.json.
 
 Every arm is measured twice when it can be: before adaptation (calibrated kernels, no adapter) and after (the run's
 LoRA adapter, merged). The softmax arm is the reference. Results go to metrics.json["passkey"][<method>] as
-{"no_adapt": {...}, "adapted": {...}} through `merge_and_report`, with the SHA256 of the kernel and adapter files
-they came from. Each (arm, variant) result is also kept in DIR/.oal/passkey/ under a key made of the settings and
-those hashes, so a run killed part way resumes at the next arm and a finished one is not measured again.
+{"no_adapt": {...}, "adapted": {...}}: each variant is recorded with the SHA256 of the kernel and adapter files it
+came from (`rundir.metrics.record_evaluation`) and metrics.json and report.md are rebuilt from the records that
+verify (`pipeline.publish.republish`), under the directory's lock. Each (arm, variant) result is also kept in
+DIR/.oal/passkey/ under a key made of the settings and those hashes, so a run killed part way resumes at the next arm
+and a finished one is not measured again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rich.table import Table
 from oal.errors import InputError
 from oal.rundir.files import atomic_write_json, load_json
 from oal.rundir.hashes import config_hash
+from oal.rundir.lock import own_dir
 
 __all__ = ["evaluate_passkey_run"]
 
@@ -30,10 +33,6 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
                          dtype=None, progress: bool = True, console=None) -> dict[str, dict]:
     """{method: {"no_adapt": result, "adapted": result}} (a variant is absent when it cannot be built: no adapter in
     the run, or `adapter` False/True asking for one of them only); `result` as `evaluate_passkey` returns it."""
-    from oal.artefact.arms import adapter_dir, arm_inputs, load_arm
-    from oal.evaluate.passkey import DEPTHS, answer_tokens, default_lengths, evaluate_passkey
-    from oal.pipeline.report import merge_and_report
-
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
@@ -41,6 +40,19 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
         raise InputError("expected at least one method", "--methods", "methods")
     if trials < 1:
         raise InputError(f"expected trials >= 1, got {trials}", "--trials", "trials")
+    with own_dir(out_dir):
+        return _evaluate(out_dir, methods, model=model, lengths=lengths, depths=depths, trials=trials, seed=seed,
+                         adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+
+
+def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, adapter, device, dtype, progress,
+              console) -> dict[str, dict]:
+    from oal.artefact.arms import adapter_dir, arm_inputs, load_arm
+    from oal.evaluate.passkey import DEPTHS, answer_tokens, default_lengths, evaluate_passkey
+    from oal.pipeline.publish import check_publishable, republish
+    from oal.rundir.metrics import record_evaluation
+
+    check_publishable(out_dir)
     cache = out_dir / ".oal" / "passkey"
     # the requested settings (lengths None: the model's default lengths) make each arm's cache key with its files
     settings = {"lengths": list(lengths) if lengths else None, "depths": list(depths or DEPTHS), "trials": trials,
@@ -52,11 +64,9 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
             raise InputError(f"{adapter_dir(out_dir, m)}: the run has no adapter for {m!r}", "--adapter", "adapter")
         variants = [v for v, on in (("no_adapt", adapter is not True), ("adapted", adapter is not False and
                                                                         has_adapter)) if on]
-        inputs: dict[str, str] = {}
         for variant in variants:
             adapted = variant == "adapted"
             used = arm_inputs(out_dir, m, adapter_dir(out_dir, m) if adapted else None)
-            inputs.update(used)
             # checked before the arm is loaded, so a resumed evaluation does not load the arms it already measured
             key = config_hash({**settings, "inputs": used, "device": str(device), "dtype": str(dtype)})
             path = cache / f"{m}_{variant}.json"
@@ -64,6 +74,8 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
             if cached.get("key") == key:
                 log.info("passkey %s (%s): already measured for these settings and files", m, variant)
                 results.setdefault(m, {})[variant] = cached["result"]
+                record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), cached["result"])],
+                                  used)
                 continue
             arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
             max_pos = getattr(arm.config, "max_position_embeddings", None)
@@ -72,8 +84,9 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
                                    progress=progress, description=f"passkey:{m} ({variant})")
             atomic_write_json(path, {"key": key, "result": res})
             results.setdefault(m, {})[variant] = res
-        if m in results:
-            merge_and_report(out_dir, {"passkey": {m: results[m]}}, inputs, console=console)
+            record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), res)], used)
+    if results:
+        republish(out_dir, console)
     return results
 
 

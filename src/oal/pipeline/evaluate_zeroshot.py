@@ -1,10 +1,11 @@
-"""Zero-shot PIQA / HellaSwag / ARC-E (Table 3, App. F.3) of a run directory's arms, merged into its metrics.json
+"""Zero-shot PIQA / HellaSwag / ARC-E (Table 3, App. F.3) of a run directory's arms, into its metrics.json
 (`oal evaluate --zeroshot`).
 
 Each arm is loaded as `artefact.arms.load_arm` does (the recorded base model, checked; the kernels; the run's
-adapter by default), scored by `evaluate.zeroshot.evaluate_tasks`, and merged through
-`pipeline.report.merge_and_report` with the SHA256 of the run files it read. A task whose data is not available
-is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
+adapter by default) and scored by `evaluate.zeroshot.evaluate_tasks`; each (arm, task) score is recorded with the
+SHA256 of the run files it read (`rundir.metrics.record_evaluation`), and metrics.json and report.md are rebuilt from
+the records that verify (`pipeline.publish.republish`), under the directory's lock. A task whose data is not
+available is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
 
 `log_samples=True` (`oal evaluate --zeroshot --log-samples`) also writes DIR/zeroshot_samples/<method>.json: per
 task, per example, each candidate's log-likelihood and token count, the gold label and the predictions
@@ -20,6 +21,7 @@ from pathlib import Path
 from rich.table import Table
 
 from oal.errors import InputError
+from oal.rundir.lock import own_dir
 
 __all__ = ["SAMPLES_DIR", "evaluate_zeroshot"]
 
@@ -33,17 +35,26 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
                       adapter: bool | None = None, device: str = "cpu", dtype=None, progress: bool = True,
                       console=None, log_samples: bool = False) -> dict[str, dict]:
     """{method: {task: {acc, acc_norm, acc_norm_lmeval, n}}} for the tasks whose data is available (possibly none)."""
-    from oal.artefact.arms import arm_inputs, load_arm
-    from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
-    from oal.pipeline.report import merge_and_report
-    from oal.rundir.files import atomic_write_json
-    from oal.rundir.metrics import read_metrics
-
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
     if not methods:
         raise InputError("expected at least one method", "--methods", "methods")
+    with own_dir(out_dir):
+        return _evaluate(out_dir, methods, model=model, tasks=tasks, task_files=task_files, zeroshot_dir=zeroshot_dir,
+                         limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console,
+                         log_samples=log_samples)
+
+
+def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir, limit, adapter, device, dtype,
+              progress, console, log_samples) -> dict[str, dict]:
+    from oal.artefact.arms import arm_inputs, load_arm
+    from oal.evaluate.zeroshot import evaluate_tasks, load_tasks
+    from oal.pipeline.publish import check_publishable, republish
+    from oal.rundir.files import atomic_write_json
+    from oal.rundir.metrics import record_evaluation
+
+    check_publishable(out_dir)
     sets, skipped = load_tasks(tasks, data_dir=zeroshot_dir, task_files=task_files, limit=limit)
     for reason in skipped.values():
         log.warning("skip zero-shot %s", reason)
@@ -58,15 +69,12 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
         if samples is not None:
             atomic_write_json(out_dir / SAMPLES_DIR / f"{m}.json", {"method": m, "inputs": inputs,
                                                                    "data": provenance, "tasks": samples})
-        # zeroshot.<m>.<task> per task (earlier tasks of the method kept), zeroshot_data, zeroshot_skipped
-        current = read_metrics(out_dir)
-        merged = merge_metrics({"zeroshot": {m: dict(current.get("zeroshot", {}).get(m, {}))},
-                                "zeroshot_skipped": current.get("zeroshot_skipped", {})},
-                               m, scores[m], provenance, skipped)
-        merge_and_report(out_dir, {k: merged[k] for k in ("zeroshot", "zeroshot_data") if k in merged}, inputs,
-                       console=console)
-    if not scores:
-        merge_and_report(out_dir, {"zeroshot_skipped": skipped}, {}, console=console)
+        for t, score in scores[m].items():  # zeroshot.<m>.<task> per task (the method's other tasks kept)
+            record_evaluation(out_dir, f"zeroshot:{m}:{t}", [(("zeroshot", m, t), score),
+                                                             (("zeroshot_data", t), provenance[t])], inputs)
+    for t, why in skipped.items():
+        record_evaluation(out_dir, f"zeroshot_skipped:{t}", [(("zeroshot_skipped", t), why)], {})
+    republish(out_dir, console)
     return scores
 
 

@@ -26,11 +26,9 @@ from oal.pipeline.report_sections import (
     zeroshot_section,
 )
 from oal.pipeline.selection import selection_section
-from oal.rundir.claim import is_run_dir
-from oal.rundir.files import atomic_write_text
-from oal.rundir.metrics import update_metrics
+from oal.rundir.files import atomic_write_text, make_dirs
 
-__all__ = ["OWN_FIGURES", "figure_references", "merge_and_report", "write_markdown", "write_report"]
+__all__ = ["OWN_FIGURES", "figure_references", "write_markdown", "write_report"]
 
 OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png", "passkey.png",
                "layer_selection.png")
@@ -48,8 +46,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     if metrics is None:
         raise ValueError(f"run_dir: {run_dir} has no metrics.json (run `oal run --out {run_dir}` first)")
     config = read_optional(run_dir / "config.json") or {}
-    fig_dir = run_dir / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig_dir = make_dirs(run_dir / "figures")
     # --layers auto:K keeps every candidate layer's calibration in candidates/
     calibration = (read_optional(run_dir / "calibration.json")
                    or read_optional(run_dir / "candidates" / "calibration.json"))
@@ -99,10 +96,3 @@ def write_markdown(run_dir: Path, lines: list[str], *, console=None) -> Path:
         console.print(f"report: {path}")
     return path
 
-
-def merge_and_report(run_dir: str | Path, sections, inputs, *, defaults=None, console=None) -> dict:
-    """`rundir.metrics.update_metrics`, then report.md rewritten when the directory is an `oal run` directory."""
-    metrics = update_metrics(run_dir, sections, inputs, defaults=defaults)
-    if is_run_dir(run_dir) and "methods" in metrics:
-        write_report(run_dir, console=console)
-    return metrics

@@ -1,3 +1,6 @@
+"""The commands that write a run directory, each under the directory's lock (`rundir.lock.own_dir`: one writer at
+a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `adapt_arm` (`oal adapt`) and
+`run_selection` (`oal select-layers`)."""
 
 from pathlib import Path
 
@@ -5,14 +8,15 @@ from rich.console import Console
 
 from oal.errors import InputError
 from oal.launch import process_device, ranks
+from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
 from oal.pipeline.config import RunConfig
 from oal.pipeline.decoder import SELECTION_FILE, Run
 from oal.rundir.claim import multi_seed_layout
 from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp, load_json
-from oal.rundir.hashes import config_hash, sha256_file
-from oal.rundir.stages import Timer
+from oal.rundir.hashes import sha256_file
+from oal.rundir.lock import own_dir
 
 
 def run_class(cfg: RunConfig) -> type[Run]:
@@ -23,6 +27,9 @@ def run_class(cfg: RunConfig) -> type[Run]:
         if cfg.select:
             raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
                              "layers")
+        if any(get_method(m).positional for m in cfg.methods):
+            raise InputError("the sliding windows (swa, oal-swa, global-swa) are causal; an encoder attends both ways",
+                             "--methods", "methods")
 
         return EncoderRun
     return Run
@@ -30,56 +37,53 @@ def run_class(cfg: RunConfig) -> type[Run]:
 
 def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
              stop_after: str | None = None, force: bool = False, arms: list[str] | None = None,
-             allow_changes: tuple[str, ...] = ()) -> dict:
+             allow_changes: tuple[str, ...] = (), recorded: dict | None = None) -> dict:
     """All stages for one seed; returns metrics.json's content.
 
     `arms`: run the adapt/perplexity stages of these methods only (the others are reported when their recorded
-    outputs verify); `force`/`allow_changes`: see `Run`. metrics.json and report.md are always rewritten from the
-    stage outputs, so they describe exactly the files on disk.
+    outputs verify); `force`/`allow_changes`/`recorded`: see `StagedRun`. metrics.json and report.md are always
+    rewritten from the stage records that verify, so they describe exactly the files on disk.
     """
     r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
-                       allow_changes=allow_changes)
-    try:
-        r.setup()
-        r.stages(arms)
-    except Stop:
-        return {}
-
-    def finish():  # the main process writes; every process returns the same metrics
-        metrics = r.metrics()
-        atomic_write_json(r.dir / "metrics.json", metrics)
-        with Timer() as t:
-            r.report(r.dir, r.console)
-        r.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md"])
-        metrics["elapsed_s"]["report"] = round(t.seconds, 3)
-        atomic_write_json(r.dir / "metrics.json", metrics)
-        return metrics
-
-    return r.ranks.on_main(finish)
+                       allow_changes=allow_changes, recorded=recorded)
+    with own_dir(r.dir, r.ranks):
+        try:
+            r.setup()
+            r.stages(arms)
+        except Stop:
+            return {}
+        return r.ranks.on_main(r.publish)  # the main process writes; every process returns the same metrics
 
 
 def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
               dtype: str | None = None, console: Console | None = None, progress: bool = True,
               batch_size: int | None = None, grad_accum: int | None = None,
-              lora_dropout: float | None = None) -> dict:
+              lora_dropout: float | None = None, window: int | None = None, sinks: int | None = None) -> dict:
     """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with other adaptation settings
     (`steps`, `batch_size`, `grad_accum`, `lora_dropout`; recorded in config.json as that arm's `adapt_overrides`).
     Its adapt and perplexity stages rerun when their keys changed, and metrics.json and report.md are rewritten, so
-    they describe the adapter now on disk. Returns the new metrics (on every process of a launch)."""
+    they describe the adapter now on disk. `window`/`sinks` change the run's sliding windows (config.json's
+    `window`/`sinks`; calibration reruns). Returns the new metrics (on every process of a launch)."""
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(device or "auto"))
     settings = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum),
                                   ("lora_dropout", lora_dropout)) if v is not None}
-    d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings))
-    if device is not None:
-        d["device"] = device  # a runtime choice, not part of the run's configuration
-    cfg = RunConfig.from_dict(d)
-    return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
-                    allow_changes=("config.adapt_overrides", "config.methods"))
+    windows = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
+    with own_dir(out_dir, group):
+        old, d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings, windows))
+        if device is not None:
+            d["device"] = old["device"] = device  # a runtime choice, not part of the run's configuration
+        cfg = RunConfig.from_dict(d)
+        # config.json keeps the recorded settings until the adapter trained with the new ones is on disk
+        return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
+                        allow_changes=("config.adapt_overrides", "config.methods", "config.window", "config.sinks"),
+                        recorded=RunConfig.from_dict(old).to_dict())
 
 
-def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -> dict:
-    """The run configuration of `oal adapt`: the recorded one, with `method`'s arm and its adapt `settings`."""
+def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
+                windows: dict | None = None) -> tuple[dict, dict]:
+    """The run configuration of `oal adapt`: (the recorded one, the recorded one with `method`'s arm, its adapt
+    `settings` and any new `windows` settings)."""
     cfg_path = out_dir / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
@@ -93,7 +97,8 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -
     if config.get("protocol") == "encoder":
         raise InputError(f"{out_dir} is an encoder run; adaptation is implemented for causal LMs only", "--out",
                          "out_dir")
-    d = dict(config["config"])
+    old = dict(config["config"])
+    d = dict(old)
     if method not in d["methods"]:
         if method != REFERENCE:
             raise InputError(f"{out_dir} has no calibrated kernels for {method!r}; run `oal run --out {out_dir} "
@@ -105,8 +110,9 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -
         overrides = dict(d.get("adapt_overrides") or {})
         overrides[method] = {**overrides.get(method, {}), **settings}
         d["adapt_overrides"] = overrides
+    d.update(windows or {})
     RunConfig.from_dict(d)  # a bad setting (e.g. lora_dropout 1.5) fails here, on the main process, for every one
-    return d
+    return old, d
 
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
@@ -121,17 +127,18 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
     seeds = seeds or [cfg.seed]
     protocol = run_class(cfg)
-    group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
-    if len(seeds) == 1:
-        metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
-    else:
-        group.on_main(lambda: clean_tmp(out_dir))
-        per_seed = {}
-        for s in seeds:
-            console.rule(f"[bold]seed {s}")
-            per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
-                                   force=force)
-        metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
+    with own_dir(out_dir, group):
+        group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
+        if len(seeds) == 1:
+            metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
+        else:
+            group.on_main(lambda: clean_tmp(out_dir))
+            per_seed = {}
+            for s in seeds:
+                console.rule(f"[bold]seed {s}")
+                per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
+                                       force=force)
+            metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
     console.print(protocol.summary(metrics))
     return metrics
 
@@ -156,8 +163,9 @@ def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | Non
     if not cfg.select:
         raise InputError("expected a layer selection such as auto:2", "--k", "select")
     r = Run(cfg, out_dir, console=console, progress=progress, force=force)
-    r.setup()
-    r.analyze()
-    r.calibrate()
-    r.select()
-    return load_json(r.dir / SELECTION_FILE)
+    with own_dir(r.dir, r.ranks):
+        r.setup()
+        r.analyze()
+        r.calibrate()
+        r.select()
+        return load_json(r.dir / SELECTION_FILE)

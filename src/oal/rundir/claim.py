@@ -9,11 +9,10 @@ single-seed directory and a multi-seed one (`seed-<s>/` below an aggregate).
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from oal.errors import InputError
-from oal.rundir.files import clean_tmp, load_json
+from oal.rundir.files import clean_tmp, load_json, remove
 from oal.rundir.stages import StageLog
 
 __all__ = ["RUN_ENTRIES", "claim_run_dir", "clear_run", "config_diff", "identity", "is_run_dir", "multi_seed_layout",
@@ -82,14 +81,11 @@ def _seed_dirs(path: Path) -> list[Path]:
 
 
 def clear_run(path: str | Path) -> None:
-    """Delete what `oal run` writes into `path` (and its seed-<s>/ folders); anything else is left alone."""
+    """Delete what `oal run` writes into `path` (and its seed-<s>/ folders); anything else is left alone (the lock
+    file of `rundir.lock` too: the running command holds it)."""
     path = Path(path)
     for name in RUN_ENTRIES:
-        p = path / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
+        remove(path / name)
     for p in _seed_dirs(path):
         clear_run(p)
         if not any(p.iterdir()):

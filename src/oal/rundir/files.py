@@ -2,12 +2,17 @@
 
 Every file of a run directory is written to a temporary name in the same folder and renamed into place, so a
 killed process leaves either the old file or the new one, never half of one (`clean_tmp` removes the temporary
-names a kill leaves behind). Readers of JSON and safetensors files raise a ValueError that names the file.
+names a kill leaves behind). A write that fails for want of space (ENOSPC, a full quota) removes its temporary file
+and raises an OSError naming the file. Readers of JSON and safetensors files raise a ValueError that names the file.
+
+Every write, rename and delete here goes through `rundir.confine.inside`: under a command that owns a directory, no
+path outside it (through a symbolic link or otherwise) is ever written, renamed or deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -20,10 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oal.errors import InputError
+from oal.rundir.confine import inside
 
 __all__ = ["atomic_dir", "atomic_save_figure", "atomic_save_safetensors", "atomic_write", "atomic_write_json",
            "atomic_write_text", "check_out_dir", "clean_tmp", "existing_dir", "load_json", "load_safetensors",
-           "to_jsonable"]
+           "DiskFull", "make_dirs", "remove", "to_jsonable"]
 
 log = logging.getLogger("oal")
 
@@ -39,16 +45,61 @@ def _replace(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFull(OSError):
+    """A write that failed for want of space, naming the file (the CLI prints it as one line)."""
+
+
+def _disk_error(exc: BaseException, path: Path) -> OSError | None:
+    """A DiskFull naming `path` for a write that failed for want of space, else None. Writers report it their own
+    way: an OSError, or (safetensors, through Rust) a SafetensorError whose message carries the OS error."""
+    text = str(exc)
+    full = (isinstance(exc, OSError) and exc.errno in _NO_SPACE) or "No space left" in text or "os error 28" in text
+    if not full or isinstance(exc, DiskFull):  # already named by the innermost write
+        return None
+    return DiskFull(errno.ENOSPC, f"{path}: no space left on the device while writing it (nothing half-written was "
+                    "kept); free some space and rerun")
+
+
+def make_dirs(path: str | Path) -> Path:
+    """`mkdir -p path`, inside the directory the command owns."""
+    path = Path(path)
+    inside(path, "create")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def remove(path: str | Path) -> None:
+    """Delete a file, a folder (with its contents) or a link itself (never what it points to); nothing if absent."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        inside(path.parent, "delete")  # the link's own folder: removing a link touches nothing it points to
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        inside(path, "delete")
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def atomic_write(path: str | Path, write) -> Path:
     """Call `write(tmp)` on a temporary file beside `path`, then rename it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    inside(path)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_path(path)
         write(tmp)
         _replace(tmp, path)
+    except Exception as exc:
+        full = _disk_error(exc, path)
+        if full is None:
+            raise
+        raise full from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -117,12 +168,20 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Fill a fresh temporary directory, then swap it in for `path` (old contents removed only afterwards)."""
     path = Path(path)
+    inside(path)
+    old = path.with_name(f".{path.name}.old")
+    inside(old)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o755)
     try:
-        yield tmp
-        old = path.with_name(f".{path.name}.old")
+        try:
+            yield tmp
+        except Exception as exc:
+            full = _disk_error(exc, path)
+            if full is None:
+                raise
+            raise full from None
         if path.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -146,12 +205,12 @@ def clean_tmp(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    stale = sorted((p for p in run_dir.rglob(".*.tmp")), key=lambda p: len(p.parts), reverse=True)
+    stale = []
+    for folder, dirs, files in os.walk(run_dir, followlinks=False):  # never into a linked folder
+        stale += [Path(folder) / n for n in (*dirs, *files) if n.startswith(".") and n.endswith(".tmp")]
+        dirs[:] = [d for d in dirs if not (d.startswith(".") and d.endswith(".tmp"))]
     for p in stale:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+        remove(p)
     if stale:
         log.info("removed %d temporary file(s) left by an interrupted run in %s", len(stale), run_dir)
     return stale

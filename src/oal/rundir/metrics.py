@@ -1,22 +1,39 @@
-"""metrics.json outside `oal run`: the one merge that commands changing part of a run go through.
+"""metrics.json holds only numbers of verified records: it is rebuilt, never edited in place.
 
-metrics.json records, under "sha256", the SHA256 of every file its numbers were computed from (kernels, adapters,
-config.json). `update_metrics` refuses to merge new numbers into a metrics.json whose recorded files have changed
-since (its other numbers would then describe a model that is no longer on disk), merges and records the new inputs
-(`pipeline.report.merge_and_report` rewrites report.md after it, so the report never lags behind).
+Two kinds of record feed it:
+- the stages of `oal run` (`.oal/stages.json`; `pipeline.base.StagedRun.metrics` reads the stage outputs whose
+  records verify);
+- what `oal evaluate` (and `oal diagnose` outside a run directory) measured: `record_evaluation` writes each
+  measurement as a record in `.oal/evaluations.json`: its entries of metrics.json (in `.oal/evaluate/<name>.json`,
+  whose SHA256 the record holds) and the SHA256 of the run files it was measured on (kernels, adapter).
+  `verified_evaluations` returns the entries of the records that still verify, oldest first; one whose files
+  changed since (the adapter was retrained, a number was edited) is left out.
+
+A number typed into metrics.json is therefore never republished: the next rebuild replaces the file. A rebuild also
+records metrics.json's SHA256 (the report stage of `oal run` does), so an edited copy is reported when replaced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from oal.rundir.files import atomic_write_json, load_json
-from oal.rundir.hashes import sha256_file
+from oal.rundir.hashes import config_hash
+from oal.rundir.stages import StageLog
 
-__all__ = ["METRICS_FILE", "changed_inputs", "read_metrics", "update_metrics"]
+__all__ = ["EVALUATIONS", "METRICS_FILE", "apply_entries", "publish_evaluations", "read_metrics", "record_evaluation",
+           "verified_evaluations"]
+
+log = logging.getLogger("oal")
 
 METRICS_FILE = "metrics.json"
+EVALUATIONS = "evaluations.json"  # below DIR/.oal/, beside stages.json
+_VALUES = ".oal/evaluate"
+
+Entry = tuple[Sequence[str], object]  # (key path in metrics.json, value), e.g. (("fidelity", "oal"), {...})
 
 
 def read_metrics(run_dir: str | Path) -> dict:
@@ -30,28 +47,58 @@ def read_metrics(run_dir: str | Path) -> dict:
     return metrics
 
 
-def changed_inputs(run_dir: str | Path, metrics: Mapping) -> list[str]:
-    """Files recorded in metrics["sha256"] that are missing or no longer have the recorded SHA256."""
+def record_evaluation(run_dir: str | Path, name: str, entries: Iterable[Entry], inputs: Mapping[str, str], *,
+                      defaults: Mapping | None = None) -> None:
+    """Record one measurement `name` (it replaces an earlier record of that name): the `entries` it sets in
+    metrics.json, measured on `inputs` (run files relative to DIR -> SHA256); `defaults` fill top-level keys that
+    are absent (a directory that is not an `oal run` directory has no model or layers of its own)."""
     run_dir = Path(run_dir)
-    recorded = metrics.get("sha256") or {}
-    return sorted(f for f, h in recorded.items() if not (run_dir / f).is_file() or sha256_file(run_dir / f) != h)
+    records = StageLog(run_dir, EVALUATIONS)
+    rel = f"{_VALUES}/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json"
+    value = {"entries": [[list(path), v] for path, v in entries], "defaults": dict(defaults or {})}
+    atomic_write_json(run_dir / rel, value)
+    seq = 1 + max((int(r.get("seq", 0)) for r in records.stages.values()), default=0)
+    records.mark(name, config_hash({"value": value, "inputs": dict(inputs)}), 0.0, outputs=[rel],
+                 inputs=dict(inputs), seq=seq)
 
 
-def update_metrics(run_dir: str | Path, sections: Mapping[str, Mapping], inputs: Mapping[str, str], *,
-                   defaults: Mapping | None = None) -> dict:
-    """Merge `sections` ({"fidelity": {method: {...}}, ...}) into DIR/metrics.json; `inputs` maps the files (relative
-    to DIR) the new numbers were computed from to their SHA256; `defaults` fills top-level keys that are absent.
-    Returns the new metrics."""
+def verified_evaluations(run_dir: str | Path) -> tuple[list[Entry], dict, dict[str, str]]:
+    """(entries, defaults, inputs' SHA256) of the evaluation records of DIR that verify, oldest first."""
     run_dir = Path(run_dir)
-    metrics = read_metrics(run_dir)
-    stale = changed_inputs(run_dir, metrics)
-    if stale:
-        raise ValueError(f"{run_dir / METRICS_FILE}: its numbers were computed from files that have changed since "
-                         f"({', '.join(stale[:4])}); rerun `oal run --out {run_dir}` to bring it up to date first")
-    for key, value in (defaults or {}).items():
-        metrics.setdefault(key, value)
-    for section, values in sections.items():
-        metrics.setdefault(section, {}).update(values)
-    metrics["sha256"] = {**(metrics.get("sha256") or {}), **inputs}
-    atomic_write_json(run_dir / METRICS_FILE, metrics)
+    if not (run_dir / ".oal" / EVALUATIONS).is_file():
+        return [], {}, {}
+    records = StageLog(run_dir, EVALUATIONS)
+    entries: list[Entry] = []
+    defaults: dict = {}
+    inputs: dict[str, str] = {}
+    for name, rec in sorted(records.stages.items(), key=lambda kv: int(kv[1].get("seq", 0))):
+        if not records.verified(name):
+            changed = records.damaged(name) + records.stale_inputs(name)
+            log.info("metrics.json: leaving out %s (%s changed since it was measured)", name, ", ".join(changed[:3]))
+            continue
+        value = load_json(run_dir / rec["outputs"][0])
+        entries += [(tuple(path), v) for path, v in value["entries"]]
+        defaults.update(value.get("defaults") or {})
+        inputs.update(rec.get("inputs") or {})
+    return entries, defaults, inputs
+
+
+def apply_entries(metrics: dict, entries: Iterable[Entry]) -> dict:
+    """Set each entry's value at its key path of `metrics` (later entries win)."""
+    for path, value in entries:
+        d = metrics
+        for key in path[:-1]:
+            d = d.setdefault(key, {})
+        d[path[-1]] = value
+    return metrics
+
+
+def publish_evaluations(run_dir: str | Path, finish: Callable[[dict], dict] | None = None) -> dict:
+    """metrics.json of a directory that is not an `oal run` directory: the verified evaluation records alone
+    (`finish` tidies the result before it is written)."""
+    entries, defaults, inputs = verified_evaluations(run_dir)
+    metrics = apply_entries(dict(defaults), entries)
+    metrics["sha256"] = inputs
+    metrics = finish(metrics) if finish is not None else metrics
+    atomic_write_json(Path(run_dir) / METRICS_FILE, metrics)
     return metrics

@@ -1,5 +1,6 @@
 """Stage records of a run directory (`DIR/.oal/stages.json`): a stage is skipped only when its key matches and the
-files it wrote still hash as recorded, so a damaged output is recomputed rather than trusted."""
+files it wrote still hash as recorded, so a damaged output is recomputed rather than trusted. The same records, in
+`DIR/.oal/evaluations.json`, hold what `oal evaluate` measured (`rundir.metrics`)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ class StageLog:
     of the files it read) and every file it wrote still has the SHA256 recorded when it finished.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, name: str = "stages.json"):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / ".oal" / "stages.json"
+        self.path = self.run_dir / ".oal" / name
         self.stages: dict = load_json(self.path) if self.path.exists() else {}
         if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
             raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
@@ -45,6 +46,17 @@ class StageLog:
             return [str(o) for o in rec.get("outputs", [])] or ["(no recorded outputs)"]
         have = self.outputs_hash(rec.get("outputs", []))
         return sorted(f for f in set(want) | set(have) if want.get(f) != have.get(f))
+
+    def stale_inputs(self, stage: str) -> list[str]:
+        """Files `stage` read (its recorded inputs) that are missing or no longer have the recorded SHA256."""
+        read = (self.stages.get(stage) or {}).get("inputs") or {}
+        have = self.outputs_hash(read)
+        return sorted(f for f, h in read.items() if have.get(f) != h)
+
+    def verified(self, stage: str) -> bool:
+        """True when `stage` has a record whose outputs and inputs still hash as recorded: its numbers describe the
+        files on disk (the record's key, the configuration, is not checked here: `done` does that)."""
+        return stage in self.stages and not self.damaged(stage) and not self.stale_inputs(stage)
 
     def done(self, stage: str, key: str) -> bool:
         rec = self.stages.get(stage)

@@ -1,0 +1,45 @@
+"""What `oal diagnose` takes from an `oal run` directory: its model name, corpus and split plan (the token blocks,
+checked against the hashes its config.json records), converted layers, calibration and grouping settings, seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from oal.errors import InputError
+from oal.rundir.files import load_json
+
+__all__ = ["read_run", "run_blocks"]
+
+
+def read_run(out_dir: str | Path) -> dict | None:
+    """The settings of the `oal run` directory `out_dir` (None when its config.json is not an `oal run`'s)."""
+    path = Path(out_dir) / "config.json"
+    if not path.is_file():
+        return None
+    data = load_json(path)
+    cfg = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(cfg, dict) or "model" not in cfg or not isinstance(data.get("split_plan"), dict):
+        return None
+    return {"model": str(cfg["model"]), "data": cfg.get("data", "builtin"), "data_dir": cfg.get("data_dir"),
+            "calib": dict(cfg.get("calib") or {}), "grouping": dict(cfg.get("grouping") or {}),
+            "seed": cfg.get("seed"), "plan": data["split_plan"], "blocks": data.get("blocks") or {},
+            "layers": data.get("converted_layers"), "path": str(path)}
+
+
+def run_blocks(run: dict, tokenizer) -> dict[str, torch.Tensor]:
+    """The run's token blocks per role, rebuilt from its corpus and split plan; refused unless every role's content
+    hash matches the one the run recorded (another tokenizer or corpus would give another experiment)."""
+    from oal.data import load_corpus
+    from oal.data.splits import SplitPlan, plan_blocks
+    from oal.rundir.hashes import tensor_hash
+
+    corpus = load_corpus(run["data"], data_dir=run["data_dir"])
+    blocks = plan_blocks(corpus, tokenizer, SplitPlan.from_dict(run["plan"]), data_dir=run["data_dir"])
+    for role, rec in run["blocks"].items():
+        want = rec.get("sha256_16") if isinstance(rec, dict) else None
+        if role in blocks and want and tensor_hash(blocks[role]) != want:
+            raise InputError(f"the {role} blocks rebuilt from {run['path']} (corpus {run['data']!r}) do not match the "
+                             "hashes the run recorded", "--out")
+    return blocks

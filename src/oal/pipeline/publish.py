@@ -1,0 +1,87 @@
+"""metrics.json and report.md after `oal evaluate`: rebuilt from the records that verify, never merged into.
+
+`oal evaluate` records each measurement (`rundir.metrics.record_evaluation`) and then calls `republish`: in an `oal
+run` directory, the run's own stage outputs whose records verify plus the evaluation records that verify make the new
+metrics.json and report.md (`StagedRun.publish`, the same code `oal run` ends with); in any other directory, the
+evaluation records alone make metrics.json. A number edited into metrics.json is never read back.
+
+`check_publishable` runs first, before any model is loaded: a run directory whose stage outputs (or the files they
+read) have changed since they were recorded is refused, since its other numbers would describe files that are no
+longer on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from oal.errors import InputError
+from oal.pipeline.base import StagedRun, tidy_zeroshot
+from oal.pipeline.config import RunConfig
+from oal.rundir.claim import is_run_dir
+from oal.rundir.files import load_json
+from oal.rundir.hashes import sha256_file
+from oal.rundir.metrics import METRICS_FILE, publish_evaluations
+from oal.rundir.stages import StageLog
+
+__all__ = ["check_publishable", "republish"]
+
+
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.json"
+    config = load_json(path)
+    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
+        raise ValueError(f"{path}: damaged, expected a run configuration")
+    if "seeds" in config:
+        raise InputError(f"{run_dir} is a multi-seed run; evaluate one seed (--out {run_dir}/seed-<s>) instead",
+                         "--out", "out_dir")
+    return config
+
+
+def check_publishable(run_dir: str | Path) -> None:
+    """Refuse (ValueError naming the files) an `oal run` directory whose records no longer verify."""
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        return
+    _run_config(run_dir)
+    log = StageLog(run_dir)
+    changed = sorted({f for s in log.stages if s != "report" for f in log.damaged(s) + log.stale_inputs(s)})
+    if changed:
+        raise ValueError(f"{run_dir / METRICS_FILE}: its numbers were computed from files that have changed since "
+                         f"({', '.join(changed[:4])}); rerun `oal run --out {run_dir}` to bring it up to date first")
+
+
+def _recorded_run(run_dir: Path, console: Console | None) -> StagedRun:
+    """The run of `run_dir` as its records describe it (no model loaded): configuration, layers, stage log."""
+    from oal.pipeline.decoder import SELECTION_FILE, Run
+
+    config = _run_config(run_dir)
+    log = StageLog(run_dir)
+    want = (log.stages.get("setup") or {}).get("sha256", {}).get("config.json")
+    if want is None or sha256_file(run_dir / "config.json") != want:
+        raise ValueError(f"{run_dir / 'config.json'}: changed since `oal run` wrote it (its SHA256 differs from "
+                         f"{log.path}); rerun `oal run --out {run_dir}`")
+    cfg = RunConfig.from_dict({**config["config"], "device": "cpu"})  # nothing runs: no device needed
+    if config.get("protocol") == "encoder":
+        from oal.pipeline.encoder import EncoderRun as cls
+    else:
+        cls = Run
+    r = cls(cfg, run_dir, console=console or Console(quiet=True), progress=False)
+    r.log = log
+    layers = config.get("converted_layers")
+    if isinstance(layers, dict):  # --layers auto:K: the selection's layers once it verifies
+        layers = load_json(run_dir / SELECTION_FILE)["chosen"] if log.verified("select") else layers["candidates"]
+    r.layers = layers
+    r.zeroshot_skipped = dict((log.stages.get("report") or {}).get("zeroshot_skipped") or {})
+    return r
+
+
+def republish(run_dir: str | Path, console: Console | None = None) -> dict:
+    """Rewrite metrics.json (and report.md in an `oal run` directory) from the records that verify; the new
+    metrics."""
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        return publish_evaluations(run_dir, tidy_zeroshot)
+    r = _recorded_run(run_dir, console)
+    return r.publish(r.log.verified)

@@ -1,0 +1,114 @@
+"""One writer per directory: the lock every command that writes a run directory holds while it runs.
+
+`own_dir(DIR)` takes an exclusive `flock` on `DIR/.oal.lock` (created with DIR when missing) and confines every
+write to DIR (`rundir.confine`). A second command on the same directory is refused at once with one line that names
+the holder (its pid and command line, from /proc/locks where there is one); it never waits. The kernel releases the
+lock when its process ends, however it ends, so a killed run leaves no stale lock: the next command takes it.
+Nested `own_dir` calls of one process on a directory it already holds only confine (`oal run` over seeds, `oal adapt`
+calling the pipeline). Under a launch of several processes only the main process writes, so only it locks and is
+confined, and its refusal reaches every process (`group=`; the others write nothing below DIR: calibration's scratch
+capture of a process other than the main one goes to a private temporary folder).
+
+The lock file stays in place when released (another process may be opening it); `clear_run` does not delete it.
+On a platform without `fcntl` (Windows) no lock is taken, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from oal.errors import InputError
+from oal.rundir.confine import confined, escaping_links, inside
+
+__all__ = ["LOCK_FILE", "own_dir"]
+
+log = logging.getLogger("oal")
+
+LOCK_FILE = ".oal.lock"
+_HELD: set[str] = set()  # realpaths of the directories this process holds
+
+
+def _holder(fd: int) -> str:
+    """' (pid N: its command line)' of the process holding the flock on `fd`'s file, from /proc/locks (Linux; ''
+    elsewhere). The lock file itself stays empty, so that a refused command changes no byte of the directory."""
+    try:
+        inode = os.fstat(fd).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
+                pid = fields[-4]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f" (pid {pid}: {cmd.strip()[:160]})"
+    except (OSError, IndexError, ValueError):
+        pass
+    return ""
+
+
+def _acquire(path: Path) -> int | None:
+    """The fd of DIR's lock file, locked; InputError when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        log.warning("%s: no directory lock on this platform; do not run two oal commands on it at once", path)
+        return None
+    lock = inside(path / LOCK_FILE)
+    while True:
+        try:  # flock needs no write access: an existing lock file is only opened (a refused command writes nothing)
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = _holder(fd)
+            os.close(fd)
+            raise InputError(f"{path} is in use by another oal process{who}: wait for it to finish, or use another "
+                             f"--out (its lock: {lock})", "--out", "out_dir") from None
+        # the file may have been replaced between open and flock: lock the one that is in place
+        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            return fd
+        os.close(fd)
+
+
+def _take(path: Path) -> tuple[bool, int | None]:
+    """(this process held `path` already, the locked fd): refuse links that leave `path`, then lock it."""
+    with confined(path):
+        links = escaping_links(path) if path.is_dir() else []
+        if links:
+            shown = "; ".join(f"{p} -> {t}" for p, t in links[:3])
+            raise InputError(f"{path} holds symbolic links that leave it ({shown}); oal writes only inside its "
+                             "directory: remove them, or copy their targets in", "--out", "out_dir")
+        key = os.path.realpath(path)
+        if key in _HELD:  # an enclosing command of this process holds it
+            return True, None
+        if not path.is_dir():
+            path.mkdir(parents=True, exist_ok=True)  # another process may create it meanwhile
+        fd = _acquire(path)
+        _HELD.add(key)
+        return False, fd
+
+
+@contextlib.contextmanager
+def own_dir(path: str | Path, group=None) -> Iterator[Path]:
+    """Hold `path`'s lock and confine writes to it for the duration of the block (the main process of `group`, an
+    `oal.launch.Ranks`, when given: its refusal reaches every process, and the others only wait).
+
+    Refused (InputError on --out) when another process holds the lock, or when a symbolic link below `path` leads
+    outside it (oal would write or delete through it)."""
+    path = Path(path)
+    held, fd = group.on_main(lambda: _take(path)) if group is not None else _take(path)
+    if group is not None and not group.is_main:  # writes nothing below `path` (its scratch: a private temp folder)
+        yield path
+        return
+    try:
+        with confined(path):
+            yield path
+    finally:
+        if not held:
+            _HELD.discard(os.path.realpath(path))
+            if fd is not None:
+                os.close(fd)  # releases the flock
