@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# GPU check for the Triton operator (issue 10): the kernel tests compiled on the real GPU, the benchmark against
-# SDPA, and a short `oal run` on CUDA. Made for one call of the `device` tool on the lent H200 (see README "GPU"):
+# GPU check for the Triton operator (issues 10, 24): the kernel tests compiled on the real GPU, the bf16 accuracy
+# check at N = 16k (tests/test_triton_gpu.py: the kernels' bf16 arithmetic against fp64, beside bf16 SDPA), the
+# benchmark against SDPA, and a short `oal run` on CUDA. Made for one call of the `device` tool on the lent H200
+# (see README "GPU"):
 #
-#   run(command="bash scripts/gpu_check.sh", timeout_s=500)          # no carry needed
+#   run(command="bash scripts/gpu_check.sh", timeout_s=560)          # no carry needed
 #
-# The parts share 7.6 minutes at most (env <= 60 s, usually seconds; TESTS_S + BENCH_S + RUN_S below). Each is
-# guarded by `timeout`, logs to $OUT, and a failing part does not stop the next. What comes back in $OUT (8 files
-# at most): summary.txt, env.log, tests.log, bench.log, gpu.json, gpu.png, run.log, run_metrics.json.
+# The parts share 8.2 minutes at most (env <= 60 s, usually seconds; TESTS_S + BF16_S + BENCH_S + RUN_S below).
+# Each is guarded by `timeout`, logs to $OUT, and a failing part does not stop the next. What comes back in $OUT
+# (9 files at most): summary.txt, env.log, tests.log, bf16.log, bench.log, gpu.json, gpu.png, run.log,
+# run_metrics.json.
 #
 # That machine has python3 3.12 with torch 2.11 (cu130), triton 3.6.0 (the version pyproject pins), transformers
 # 5.17, peft, accelerate, safetensors, typer, rich, matplotlib, pytest and pytest-xdist. `oal` runs from src via
@@ -20,9 +23,10 @@
 set -u
 OUT="${OUT:-$PWD/benchmarks/results/gpu_check}"
 mkdir -p "$OUT"
-TESTS_S="${TESTS_S:-170}"
-BENCH_S="${BENCH_S:-170}"
-RUN_S="${RUN_S:-100}"
+TESTS_S="${TESTS_S:-150}"
+BF16_S="${BF16_S:-120}"
+BENCH_S="${BENCH_S:-140}"
+RUN_S="${RUN_S:-80}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 OAL_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
@@ -80,6 +84,9 @@ XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
 part tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/test_triton.py -rA --durations=10
 
+# bf16 dots at N = 16k, d = dv = 128 against fp64 and against bf16 SDPA's error (compiles the d = 128 kernels)
+part bf16 "$BF16_S" "$PY" -m pytest -q -s -p no:cacheprovider tests/test_triton_gpu.py -rA
+
 # the benchmark writes gpu.json after every length, so a time-out still leaves the lengths it finished
 part bench "$BENCH_S" "$PY" -m benchmarks.gpu --out "$OUT" --warmup 2 --repeats 5
 
@@ -94,4 +101,7 @@ cat "$SUMMARY"
 if [ -f "$OUT/bench.log" ]; then
     # the benchmark's table and goal lines
     sed -n '/Causal attention/,$p' "$OUT/bench.log" | tee -a "$SUMMARY"
+fi
+if [ -f "$OUT/bf16.log" ]; then
+    grep -A4 "relative error against fp64" "$OUT/bf16.log" | tee -a "$SUMMARY"
 fi

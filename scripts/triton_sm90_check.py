@@ -1,104 +1,152 @@
-"""Compile the OAL Triton kernels for Hopper (sm_90) without a GPU and report their resources.
+"""Compile the OAL Triton kernels for Hopper (sm_90) and Ampere (sm_80) without a GPU and report their resources.
 
-For each kernel, at the benchmark's shape (d = dv = 64, G = 5, Hq/Hkv = 7, 64-token chunks) and with the launch
-options of `oal.ops.triton.function.LAUNCH`: compile time, shared memory, registers and spills (ptxas -v, the
-ptxas bundled with triton), and the number of wgmma (Hopper tensor-core) instructions in the PTX. Exits 1 when a
-kernel fails to compile or needs more shared memory than an H100/H200 block can have (227 KB). Slow: the fp32
-kernels take minutes to compile on a small CPU.
+For every (d, dv) with d and dv in --head-dims, every input dtype and every target, unless `oal.ops.triton.refusal`
+refuses that shape (then it says why): each kernel at G = 5, Hq/Hkv = 7 and 64-token chunks, with the tiles and
+launch options of `oal.ops.triton.function.tiles`. Reports compile time, shared memory, registers and spills
+(ptxas -v, the ptxas bundled with triton) and the number of tensor-core MMA instructions in the PTX (wgmma on
+sm_90, mma.sync on sm_80). Exits 1 when a kernel fails to compile or needs more shared memory than one block of
+the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99 KB, are not
+covered). The full grid is 120 compilations (about 6 minutes on 2 free CPU cores, hours on a loaded machine); CI
+(tests/test_triton_compile.py) compiles the two kernels with the most shared memory for their target.
 
-    PYTHONPATH=src python scripts/triton_sm90_check.py                 # bf16 and fp32
-    PYTHONPATH=src python scripts/triton_sm90_check.py --dtypes bf16
+    PYTHONPATH=src python scripts/triton_sm90_check.py               # d = dv = 64, bf16 and fp32, sm_90 and sm_80
+    PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 64,128 --dtypes bf16,fp16,fp32   # the full grid
+    PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 128 --kernels dkv --jobs 2      # one kernel
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import io
 import re
-import subprocess
 import sys
-import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import oal.ops.triton as oal_triton
 from oal.ops.triton import function as F
 from oal.ops.triton import kernels as K
 
-MAX_SHARED = 227 * 1024
-D, DV, C, REP = 64, 64, 64, 7
+C, REP, G1 = 64, 7, 6
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def compile_one(fn, sig: dict, const: dict, options: dict) -> dict:
+def compile_one(fn, sig: dict, const: dict, options: dict, arch: int) -> dict:
     src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in const}}, constexprs=const)
     t0 = time.time()
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
-                              capture_output=True, text=True).stderr
+    # compile even when cached, and have triton print its own ptxas -v report, so ptxas runs once per kernel
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(io.StringIO()) as log:
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    info = log.getvalue()
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores", info)
+    mma = "wgmma.mma_async" if arch == 90 else "mma.sync"
     return {"s": time.time() - t0, "shared": compiled.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "spill": int(spill.group(1)) if spill else None, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
+            "spill": int(spill.group(1)) if spill else None, "mma": compiled.asm["ptx"].count(mma)}
 
 
-def kernels(dt: str):
-    """(name, kernel, signature, constexprs, launch key) at the benchmark's shape, for input dtype `dt`."""
+def kernels(d: int, dv: int, dt: str, arch: int):
+    """(name, kernel, signature, constexprs, launch options) as `function` launches them for these inputs."""
     half = dt != "fp32"
-    dot = "bf16" if half else "fp32"
-    lay = F.layout(D)
-    cfg = F.Config(1e-6, 6, C, torch.bfloat16 if half else torch.float32, torch.float32)
-    consts = F._consts(cfg, "fwd")  # the dtypes and the dot precision the library compiles with
-    common = dict(DOT_DT=consts["DOT_DT"], ACC_DT=consts["ACC_DT"], PREC=consts["PREC"], NB=lay.nb, C=C, BV=DV)
+    dot = "bf16" if half else "fp32"  # fp16 inputs use bf16 dots (function.triton_forward)
+    lay = F.layout(d)
+    cfg = F.Config(1e-6, G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch)
+    bv = max(16, F.triton_next_pow2(dv))
     x, a = "*" + dt, "*fp32"
-    scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST="*" + dot, STN=a, TOT=a, TOTN=a, CARRY=a,
-                    CARRYN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
-                    has_carry="i32")
-    yield "scan keys", K._state_scan, scan_sig, dict(common, SEG=16, REP=1, NPAIR=lay.npair, QUERY=False,
-                                                     REVERSE=False), "scan"
-    yield "scan query", K._state_scan, dict(scan_sig, Y="*" + dot), dict(common, SEG=16, REP=REP, NPAIR=lay.npair,
-                                                                          QUERY=True, REVERSE=True), "scan"
-    big = dict(common, REP=REP, BD=lay.bd, NPAIR=lay.npair, GMAX=8)
-    yield "fwd", K._fwd_out, dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST="*" + dot, STN=a,
-                                  O=x, DEN=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32",
-                                  eps="fp32", g1="i32"), big, "fwd"
-    yield "dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32",
-                                ST="*" + dot, STN=a, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32",
-                                d="i32", dv="i32", R="i32", P="i32", g1="i32"), big, "dq"
-    dkv_sig = dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, PAIRS="*i32", ST="*" + dot, STN=a, CARRY=a,
-                   CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32", seg_len="i32", n_seg="i32", d="i32",
-                   dv="i32", R="i32", eps="fp32", g1="i32")
-    yield "dkv", K._bwd_dkv, dkv_sig, big, "dkv"
+
+    def split(kernel, **extra):
+        consts = F._consts(cfg, kernel, d, dv)
+        options = {name: consts.pop(name) for name in ("num_warps", "num_stages") if name in consts}
+        return dict(consts, NB=lay.nb, C=C, BV=bv, NPAIR=lay.npair, **extra), options
+
+    scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST=a, STN=a, TOT=a, TOTN=a, CARRY=a, CARRYN=a,
+                    N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32", has_carry="i32")
+    yield ("scan keys", K._state_scan, scan_sig, *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False))
+    yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
+           *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True))
+    big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
+    yield ("fwd", K._fwd_out, dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=a, STN=a, O=x,
+                                   DEN=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", eps="fp32",
+                                   g1="i32"), *split("fwd", **big))
+    yield ("dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=a,
+                                 STN=a, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32", d="i32", dv="i32",
+                                 R="i32", P="i32", g1="i32"), *split("dq", **big))
+    yield ("dkv", K._bwd_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, PAIRS="*i32", ST=a, STN=a,
+                                   CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32", seg_len="i32",
+                                   n_seg="i32", d="i32", dv="i32", R="i32", eps="fp32", g1="i32"),
+           *split("dkv", **big))
+
+
+KERNELS = ("scan keys", "scan query", "fwd", "dq", "dkv")
+
+
+def _job(job):
+    """Compile one kernel; a row of the report (in a worker process when --jobs > 1)."""
+    d, dv, dt, arch, index, limit_kb = job
+    name, fn, sig, const, options = list(kernels(d, dv, dt, arch))[index]
+    head = f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} {name:10s} RH={const['RH']:<2d} {options}"
+    try:
+        r = compile_one(fn, sig, const, options, arch)
+    except Exception as err:  # report every kernel, then fail
+        return False, f"{head}: FAILED TO COMPILE: {type(err).__name__}: {str(err).splitlines()[-1]}"
+    limit = limit_kb * 1024 if limit_kb else F.SHARED_LIMIT[arch]
+    over = r["shared"] > limit
+    return not over, (f"{head}: {r['s']:5.1f} s, shared {r['shared'] / 1024:5.1f} KB"
+                      f"{f' (OVER {limit // 1024} KB)' if over else ''}, regs {r['regs']}, spill {r['spill']} B, "
+                      f"mma {r['mma']}")
+
+
+def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int | None = None, out=print) -> bool:
+    """Compile the kernels (`names`, default all) the library would launch for these shapes; True when all fit the
+    target's shared memory (or `limit_kb`). Prints one row each."""
+    todo = []
+    for arch in archs:
+        for d in head_dims:
+            for dv in head_dims:
+                for dt in dtypes:
+                    reason = oal_triton.refusal(d, dv, DTYPES[dt], arch)
+                    if reason:
+                        out(f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} refused (auto runs chunked): {reason}")
+                        continue
+                    todo += [(d, dv, dt, arch, KERNELS.index(n), limit_kb) for n in names]
+    ok = True
+    with ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        for fits, row in (pool.map(_job, todo) if pool else map(_job, todo)):
+            ok &= fits
+            out(row, flush=True)
+    return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="64", help="d and dv values; every pair (d, dv) is compiled")
     parser.add_argument("--dtypes", default="bf16,fp32", help="input dtypes: bf16, fp16, fp32")
+    parser.add_argument("--arch", default="90,80", help="targets: 90 (H100/H200), 80 (A100), or both: 90,80")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"a subset of: {', '.join(KERNELS)}")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    parser.add_argument("--shared-limit-kb", type=int, default=None,
+                        help="fail above this many KB instead of the target's limit (to check that the check fails)")
     args = parser.parse_args()
-    bad = False
-    for dt in args.dtypes.split(","):
-        for name, fn, sig, const, key in kernels(dt):
-            options = F.LAUNCH[key, dt != "fp32"]
-            prec = const.get("PREC")
-            try:
-                r = compile_one(fn, sig, const, options)
-            except Exception as err:  # report every kernel, then fail
-                print(f"{dt:5s} {name:11s} FAILED TO COMPILE: {type(err).__name__}: {str(err).splitlines()[-1]}")
-                bad = True
-                continue
-            over = r["shared"] > MAX_SHARED
-            bad |= over
-            print(f"{dt:5s} {name:11s} {options} dots {prec or 'default'}: compile {r['s']:5.1f} s, shared "
-                  f"{r['shared'] / 1024:6.1f} KB{' (OVER 227 KB)' if over else ''}, regs {r['regs']}, spill "
-                  f"{r['spill']} B, wgmma {r['wgmma']}", flush=True)
-    sys.exit(1 if bad else 0)
+    dtypes = args.dtypes.split(",")
+    archs = [int(a) for a in args.arch.split(",")]
+    names = args.kernels.split(",")
+    if bad := [dt for dt in dtypes if dt not in DTYPES] or [a for a in archs if a not in F.SHARED_LIMIT]:
+        parser.error(f"--dtypes/--arch: unknown dtype or arch: {bad}")
+    if bad := [n for n in names if n not in KERNELS]:
+        parser.error(f"--kernels: unknown kernels {bad}; expected some of {', '.join(KERNELS)}")
+    t0 = time.time()
+    ok = check([int(x) for x in args.head_dims.split(",")], dtypes, archs, args.jobs, names, args.shared_limit_kb)
+    print(f"{'all kernels fit' if ok else 'SOME KERNELS DO NOT FIT'} ({time.time() - t0:.0f} s)")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

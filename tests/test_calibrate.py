@@ -6,13 +6,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oal.calibration.data import CalibConfig, LayerData
 from oal.calibration.fit import (
-    _oal_dense_kernel,
     calibrate_layer,
     calibrate_layer_sequential,
     calibrate_oal_layer,
     oal_inits,
     sampled_dense_output,
 )
+from oal.calibration.loss import _oal_dense_kernel
 from oal.calibration.model import calibrate_model, capture_layer_data
 from oal.methods import build_method
 from oal.ops.kernel import perturbed_factor
@@ -56,7 +56,8 @@ def test_vectorised_dense_kernel_matches_reference_outputs_and_grads():
 
 def test_stacked_initialisations_share_scores_exactly():
     """Three stacked copies (initialisations) of the heads: shared s_bar, per-copy L, equal to per-copy reference."""
-    from oal.calibration.fit import _fold, _val_mse
+    from oal.calibration.fit import _fold
+    from oal.calibration.loss import _val_mse
 
     groups = _groups()
     copies = [_oal(groups, seed=s) for s in range(3)]

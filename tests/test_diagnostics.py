@@ -175,7 +175,8 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
     assert [p["G"] for p in pts] == [1, 2, 3] and [p["coefficients"] for p in pts] == [3, 6, 10]
     assert all(p["heldout_mse"] > 0 for p in pts)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(metrics["fidelity"]) == {"performer", "spectraformer", "dijiang", "taylorshift", "global", "oal"}
+    assert set(metrics["fidelity"]) == {"performer", "spectraformer", "dijiang", "taylorshift", "global", "oal", "swa",
+                                        "global-swa", "oal-swa"}
     for r in metrics["fidelity"].values():
         assert r["mse"] > 0 and r["relmse"] > 0 and r["mse_post_o"] > 0
     md = (tmp_path / "diagnostics" / "table2.md").read_text()

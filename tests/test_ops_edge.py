@@ -131,6 +131,8 @@ def test_auto_picks_triton_only_for_causal_cuda_inputs(monkeypatch):
     # a stand-in for a CUDA tensor (only its device, shape and dtype are read), so the choice is tested without a GPU
     cuda = SimpleNamespace(device=torch.device("cuda"), shape=(1, 2, 9, 16), dtype=torch.float32)
     monkeypatch.setattr(oal_triton, "available", lambda: True)
+    monkeypatch.setattr(oal_triton, "device_arch", lambda device: 90)
+    monkeypatch.setattr(oal_triton, "device_shared", lambda device: ("H100", 227 * 1024))
     assert ops._auto_triton(cuda, cuda, True)
     assert not ops._auto_triton(cuda, cuda, False)  # the kernels are causal
     assert not ops._auto_triton(SimpleNamespace(**{**vars(cuda), "dtype": F64}), cuda, True)  # fp64: torch paths
@@ -141,3 +143,23 @@ def test_auto_picks_triton_only_for_causal_cuda_inputs(monkeypatch):
     monkeypatch.setattr(ops, "chunked_attention", lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
     oal_attention(q, k, v, groups, factor)
     assert calls == [1]
+
+
+def test_auto_falls_back_with_one_warning_per_reason(monkeypatch, caplog):
+    """Inputs the kernels refuse (here: a device with too little shared memory) run the torch path, said once."""
+    import oal.ops as ops
+    import oal.ops.triton as oal_triton
+
+    cuda = SimpleNamespace(device=torch.device("cuda"), shape=(1, 2, 9, 128), dtype=torch.bfloat16)
+    monkeypatch.setattr(oal_triton, "available", lambda: True)
+    monkeypatch.setattr(oal_triton, "device_arch", lambda device: 80)
+    monkeypatch.setattr(oal_triton, "device_shared", lambda device: ("RTX A6000", 99 * 1024))
+    monkeypatch.setattr(ops, "_FALLBACK_WARNED", set())
+    with caplog.at_level("WARNING", logger="oal"):
+        assert not ops._auto_triton(cuda, cuda, True)
+        assert not ops._auto_triton(cuda, cuda, True)
+    warnings = [r.getMessage() for r in caplog.records if "chunked torch path" in r.getMessage()]
+    assert len(warnings) == 1 and "163 KB of shared memory" in warnings[0] and "RTX A6000 has 99 KB" in warnings[0]
+    monkeypatch.setattr(oal_triton, "device_shared", lambda device: ("A100", 163 * 1024))
+    assert ops._auto_triton(cuda, cuda, True, chunk_size=64)
+    assert not ops._auto_triton(cuda, cuda, True, chunk_size=128)  # longer chunks than the tiles are checked for

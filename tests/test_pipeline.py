@@ -175,7 +175,7 @@ def test_two_seeds_write_per_seed_dirs_and_aggregate(assets, tmp_path):
 
 
 def test_config_parsing_errors():
-    assert parse_methods("all")[:3] == ["oal", "global", "softmax"] and len(parse_methods("all")) == 7
+    assert parse_methods("all")[:3] == ["oal", "global", "softmax"] and len(parse_methods("all")) == 10
     assert parse_seeds("42,43,44") == [42, 43, 44]
     with pytest.raises(ValueError, match="methods"):
         parse_methods("oal,flash")
@@ -218,14 +218,16 @@ def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
 def test_all_methods_run_end_to_end(assets, tmp_path):
     """`--methods all`: every baseline is calibrated (when trainable), converted, adapted and evaluated."""
     metrics = run_seed(_cfg(assets, methods=["all"], adapt={"steps": 2, "val_every": 2}), tmp_path, progress=False)
-    kernel_methods = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift"]
+    kernel_methods = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift", "swa", "oal-swa",
+                      "global-swa"]
     assert set(metrics["fidelity"]) == set(kernel_methods)
     assert set(metrics["perplexity"]) == set(kernel_methods) | {"softmax"}
     assert metrics["adapt"]["performer"]["n_kernel_params"] == 0  # fixed random features stay fixed (App. F.1)
     for m in ("spectraformer", "dijiang", "taylorshift"):
         assert metrics["adapt"][m]["n_kernel_params"] > 0 and metrics["adapt"][m]["kernel_change"] > 0
     text = (tmp_path / "report.md").read_text()
-    for name in ("Performer", "SpectraFormer", "DiJiang", "TaylorShift"):
+    for name in ("Performer", "SpectraFormer", "DiJiang", "TaylorShift", "Sliding window (SWA)",
+                 "Window + OAL (hybrid)", "Window + learned global"):
         assert f"| {name} |" in text
 
 

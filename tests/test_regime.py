@@ -148,3 +148,33 @@ def test_attention_regime_on_a_model():
     assert all(1 <= e <= 24 for e in row["eff_keys"])
     with pytest.raises(ValueError, match="blocks"):
         attention_regime(model, torch.zeros(0, 4, dtype=torch.long), [0])
+
+
+def test_sampled_rows_score_only_those_rows():
+    """max_rows: the statistics of the evenly spaced rows alone (O(N max_rows)); max_logits thins the quantile
+    sample only. Checked against a direct computation on the same rows."""
+    gen = torch.Generator().manual_seed(3)
+    n, d, rows = 41, 8, 6
+    q = torch.randn(1, 2, n, d, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(1, 1, n, d, generator=gen, dtype=torch.float64) * 2
+    acc = RegimeAccumulator(min_keys=4, logit_row_stride=1, max_rows=rows, max_logits=7, query_chunk=4)
+    acc(_captured(q, k))
+    res = acc.summary()
+    row = res["layers"]["1"]
+    picked = torch.linspace(0, n - 1, rows, dtype=torch.float64).round().long().unique()
+    picked = picked[picked + 1 >= 4]  # at least min_keys causal keys
+    s = q[0] @ k[0].transpose(-1, -2) / math.sqrt(d)  # [2, n, n]
+    for h in range(2):
+        w = [torch.softmax(s[h, i, : i + 1], 0).max() for i in picked]
+        assert row["max_weight"][h] == pytest.approx(float(torch.stack(w).median()), rel=1e-12)
+        assert row["logit_max"][h] == pytest.approx(max(float(s[h, i, : i + 1].max()) for i in picked))
+    assert row["pairs"] == int((picked + 1).sum())
+    assert res["settings"]["max_rows"] == rows and res["settings"]["max_logits"] == 7
+    assert len(acc.layers[1]["logits"]) == 1 and acc.layers[1]["logits"][0].shape == (2, 7)
+    full = RegimeAccumulator(min_keys=4, logit_row_stride=1, max_rows=n)  # n rows: every row, as without max_rows
+    full(_captured(q, k))
+    exact = RegimeAccumulator(min_keys=4, logit_row_stride=1)
+    exact(_captured(q, k))
+    assert full.summary()["layers"] == exact.summary()["layers"]
+    with pytest.raises(ValueError, match="max_rows"):
+        RegimeAccumulator(max_rows=0)

@@ -14,6 +14,7 @@ products, while any wrong index or missing term gives an error of order 1.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -105,12 +106,28 @@ CASES = [
     pytest.param((1, 7, 1, 200, 16, 16, 6), 32, 4, True, id="N200-gqa7-G6-padded-segments-state"),
     pytest.param((1, 2, 1, 50, 64, 64, 4), 16, 1, False, id="N50-d64-segments"),
     pytest.param((1, 2, 2, 33, 20, 12, 5), 16, 1, True, id="N33-d20-padded-features"),
+    # the paper-scale head dims (Llama-3-8B, Qwen2.5-7B) and mixed ones: pair steps of 8 rows (tiles.TILE_SHAPES)
+    pytest.param((1, 2, 1, 20, 128, 128, 3), 16, None, True, id="N20-d128-dv128-state"),
+    pytest.param((1, 1, 1, 20, 128, 64, 3), 16, 1, False, id="N20-d128-dv64-segments"),
+    pytest.param((1, 1, 1, 20, 64, 128, 3), 16, None, False, id="N20-d64-dv128"),
 ]
 
 
 @pytest.mark.parametrize("case,chunk,seg,state", CASES)
 def test_matches_reference(case, chunk, seg, state, monkeypatch):
     check_against_reference(case, chunk=chunk, seg=seg, state=state, monkeypatch=monkeypatch)
+
+
+def test_head_dims_up_to_128_use_smaller_pair_steps():
+    """Under the interpreter the d = 128 cases above run the pair loops in steps of 8 rows, d <= 64 in whole pairs."""
+    assert tfn.tiles("dkv", 128, 64, False, 90)["RH"] == 8 and tfn.tiles("dkv", 64, 64, False, 90)["RH"] == 16
+
+
+def test_pair_steps_of_four_rows_match_reference(monkeypatch):
+    """Block pairs taken 4 rows at a time (fp32 on sm_80; the d = 128 cases above take 8) give the same results."""
+    tiles = tfn.tiles
+    monkeypatch.setattr(tfn, "tiles", lambda *args: dict(tiles(*args), RH=4))
+    check_against_reference((1, 2, 2, 33, 20, 12, 5), chunk=16, seg=1, state=True, monkeypatch=monkeypatch)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="fp64 runs on the chunked backend on CUDA")
@@ -151,11 +168,13 @@ def test_prefill_on_triton_then_decode():
 def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
     """bf16 at a longer length with an outlier dimension (large kappa): finite, bf16 output, close to fp64.
 
-    On a GPU the dots take bf16 operands and the per-chunk states are stored in bf16. Running this test's inputs
-    through the kernels with bf16 dots emulated in the interpreter gave relative errors of 7e-3 (output), 4e-3 to
-    9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum over all tokens); bf16-rounded inputs alone give 2e-3 to 5e-3.
-    The bounds leave a factor of 2 or more. (Triton's interpreter cannot multiply bf16, so on CPU the kernels use
-    fp32 dots and this test checks the dtype handling and the long-sequence scan.)
+    Under Triton's interpreter (CPU) this tests no bf16 arithmetic: the interpreter cannot multiply bf16, so the
+    kernels take fp32 dots and only the inputs and outputs are bf16; it checks the dtype handling and the
+    long-sequence scan. The bf16 dots are checked on a GPU by tests/test_triton_gpu.py (scripts/gpu_check.sh), at
+    N = 16k against fp64 and beside bf16 SDPA. On a GPU the dots take bf16 operands (features, and the fp32
+    per-chunk states rounded as they are read); running this test's inputs with bf16 dots emulated gave relative
+    errors of 7e-3 (output), 4e-3 to 9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum over all tokens); bf16-rounded
+    inputs alone give 2e-3 to 5e-3. The bounds leave a factor of 2 or more.
     """
     monkeypatch.setattr(tfn, "SEGMENT_CHUNKS", 4)
     n = 1024
@@ -221,6 +240,15 @@ def test_unsupported_requests_are_clear_errors(monkeypatch):
     monkeypatch.setattr(oal_triton, "available", lambda: False)
     with pytest.raises(ValueError, match=r"^backend: 'triton' needs the triton package.*oal\[gpu\]"):
         oal_attention(q, k, v, groups, factor, backend="triton")
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_paper_head_dims_are_accepted_on_both_targets(arch):
+    """No (d, dv) in {64, 128} and no half or fp32 input is refused: their kernels fit (test_triton_compile.py)."""
+    for d, dv, dtype in itertools.product((64, 128), (64, 128), (torch.bfloat16, torch.float16, torch.float32)):
+        assert oal_triton.refusal(d, dv, dtype, arch) is None, (d, dv, dtype)
+    assert oal_triton.refusal(64, 64, F64, arch).startswith("q: the triton backend takes bf16, fp16 or fp32")
+    assert oal_triton.refusal(192, 64, torch.bfloat16, arch).startswith("q/v: the triton backend supports d, dv <= 128")
 
 
 def test_block_layout_round_trip():

@@ -3,7 +3,8 @@
 LoRA (peft) on q/k/v/o of every layer, softmax layers included; the backbone stays frozen. Kernel parameters of
 converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, TaylorShift tau) train jointly from
 their calibrated start; groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
-clip 1.0, batch 1. Validation NLL every `val_every` updates on fixed blocks picks the checkpoint (never test).
+clip 1.0, batch 1. The loss is computed without full-vocabulary logits (`oal.evaluate.loss`). Validation NLL
+every `val_every` updates on fixed blocks picks the checkpoint (never test).
 
 Several processes (`torchrun`, `accelerate launch`; see `oal.launch`) compute what one process computes: an
 update takes the next `batch_size x processes x grad_accum` blocks (the global batch) of one block order that does
@@ -34,6 +35,7 @@ from transformers import get_cosine_schedule_with_warmup
 from oal.adaptation.adapter import converted_model_sha256, quiet_peft, strip_peft_prefix
 from oal.adaptation.checkpoint import read_checkpoint, restore_checkpoint, rng_state, save_checkpoint
 from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
+from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
 from oal.launch import Ranks, ranks, training_accelerator
 from oal.rundir.hashes import config_hash, tensor_hash
@@ -145,7 +147,8 @@ def adapt(
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(cfg.warmup_frac * cfg.steps)), cfg.steps)
     # DDP across the processes of a launch (one process: the model as it is); the scheduler is ours, stepped once
     # per update (accelerate's would step once per process)
-    train_model, optimizer = acc.prepare(peft_model, optimizer)
+    # the loss module runs the decoder and the chunked LM head + cross-entropy (oal.evaluate.loss): no [N, V] logits
+    train_model, optimizer = acc.prepare(CausalLMLoss(peft_model), optimizer)
     per_update = cfg.batch_size * group.size * cfg.grad_accum  # the global batch
     order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
     key = config_hash({"cfg": adapt_identity(cfg, group.size), "train": tensor_hash(train_blocks),
@@ -173,7 +176,7 @@ def adapt(
                 start = first + (micro * group.size + group.index) * cfg.batch_size
                 ids = train_blocks[order[start : start + cfg.batch_size]].to(device)
                 with acc.accumulate(train_model):  # gradients are averaged across processes on the last one
-                    loss = train_model(input_ids=ids, labels=ids).loss
+                    loss = train_model(ids)
                     acc.backward(loss)  # divided by grad_accum
                 losses.append(loss.detach())
             acc.clip_grad_norm_(list(params.values()), cfg.grad_clip)  # the gradients are global by now

@@ -16,6 +16,12 @@ and, given calibrated OAL-family kernels (`factor` L and `groups`, i.e. oal and 
   is s < -b / 2c);
 - `kernel_weight_beyond` / `softmax_weight_beyond`: mean over queries of the normalised weight each gives to them.
 Only queries with at least `min_keys` causal keys count (the first positions are one-hot by construction).
+
+Cost: every query row scores all its keys, O(N^2) per sequence and head, in fp64. With `max_rows` only that many
+evenly spaced query rows of each sequence are scored (O(N max_rows)) and with `max_logits` the logit sample of a
+sequence is thinned to that many evenly spaced values per head: the medians, shares and quantiles are then
+estimates from those rows, and `pairs` counts the pairs scored. `oal analyze` uses both (ANALYZE_ROWS,
+ANALYZE_LOGITS): at N = 4096 the full rows made it quadratic in N and the stored logit sample grew as P N^2.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["PEAKED_MAX_WEIGHT", "REGIME_FILE", "VERTEX_EXCESS", "RegimeAccumulator", "attention_regime",
-           "regime_markdown", "regime_verdict"]
+__all__ = ["ANALYZE_LOGITS", "ANALYZE_ROWS", "PEAKED_MAX_WEIGHT", "REGIME_FILE", "VERTEX_EXCESS", "RegimeAccumulator",
+           "attention_regime", "regime_markdown", "regime_verdict"]
 
 REGIME_FILE = "regime.json"  # `oal run`: the regime on the fidelity blocks with the calibrated kernels
 # A head is outside the regime where quadratic kernels approximate softmax well when its typical query puts at
@@ -36,6 +42,7 @@ REGIME_FILE = "regime.json"  # `oal run`: the regime on the fidelity blocks with
 # the median logit, where kernel and softmax both give those pairs little.
 PEAKED_MAX_WEIGHT = 0.5
 VERTEX_EXCESS = 0.15
+ANALYZE_ROWS, ANALYZE_LOGITS = 256, 4096  # `oal analyze`: scored query rows, kept logits per sequence and head
 
 
 def _median(values: list[torch.Tensor]) -> torch.Tensor:
@@ -51,12 +58,15 @@ class RegimeAccumulator:
     """
 
     def __init__(self, *, kernels: Mapping[str, Mapping[int, object]] | None = None, min_keys: int = 16,
-                 query_chunk: int = 256, logit_row_stride: int = 8):
-        if min_keys < 1 or query_chunk < 1 or logit_row_stride < 1:
-            raise ValueError("min_keys/query_chunk/logit_row_stride: expected positive integers")
+                 query_chunk: int = 256, logit_row_stride: int = 8, max_rows: int | None = None,
+                 max_logits: int | None = None):
+        if min_keys < 1 or query_chunk < 1 or logit_row_stride < 1 or any(
+                x is not None and x < 1 for x in (max_rows, max_logits)):
+            raise ValueError("min_keys/query_chunk/logit_row_stride/max_rows/max_logits: expected positive integers")
         self.kernels = {name: per_layer for name, per_layer in (kernels or {}).items()
                         if all(hasattr(m, "factor") and hasattr(m, "groups") for m in per_layer.values())}
         self.min_keys, self.query_chunk, self.stride = min_keys, query_chunk, logit_row_stride
+        self.max_rows, self.max_logits = max_rows, max_logits
         self.layers: dict[int, dict] = {}
 
     def _state(self, layer: int, n_heads: int) -> dict:
@@ -78,9 +88,12 @@ class RegimeAccumulator:
         st = self._state(c.layer, n_heads)
         methods = {name: per_layer[c.layer] for name, per_layer in self.kernels.items() if c.layer in per_layer}
         keys = torch.arange(n)
+        row_ids = keys if self.max_rows is None or n <= self.max_rows else \
+            torch.linspace(0, n - 1, self.max_rows, dtype=torch.float64).round().long().unique()
         for b in range(bsz):
-            for start in range(0, n, self.query_chunk):
-                rows = torch.arange(start, min(start + self.query_chunk, n))
+            logits = []
+            for start in range(0, row_ids.numel(), self.query_chunk):
+                rows = row_ids[start : start + self.query_chunk]
                 causal = (keys[None, :] <= rows[:, None]) & mask[b][None, :]  # [n, M]
                 valid = mask[b, rows] & (causal.sum(-1) >= self.min_keys)
                 if not bool(valid.any()):
@@ -94,12 +107,17 @@ class RegimeAccumulator:
                 pair = causal & valid[:, None]
                 st["lo"] = torch.minimum(st["lo"], s.masked_fill(~pair, math.inf).amin((1, 2)))
                 st["hi"] = torch.maximum(st["hi"], s.masked_fill(~pair, -math.inf).amax((1, 2)))
-                sub = valid & (rows % self.stride == 0)
+                sub = valid & (torch.arange(start, start + rows.numel()) % self.stride == 0)
                 if bool(sub.any()):
-                    st["logits"].append(s[:, sub][:, pair[sub]])
+                    logits.append(s[:, sub][:, pair[sub]])
                 st["pairs"] += int(pair.sum())
                 for name, m in methods.items():
                     self._kernel_stats(st["kernels"][name], m, q[b, :, rows], k[b], s, p, pair, valid)
+            if logits:
+                seq = torch.cat(logits, dim=1)
+                if self.max_logits is not None and seq.shape[1] > self.max_logits:  # evenly spaced, deterministic
+                    seq = seq[:, torch.linspace(0, seq.shape[1] - 1, self.max_logits).round().long()]
+                st["logits"].append(seq)
 
     @staticmethod
     def _kernel_stats(acc, method, q, k, s, p, pair, valid) -> None:
@@ -144,7 +162,8 @@ class RegimeAccumulator:
                     "softmax_weight_beyond": torch.cat(acc["softmax_w"], 1).mean(1).tolist(),
                 }
             out[str(layer)] = row
-        settings = {"min_keys": self.min_keys, "logit_row_stride": self.stride,
+        settings = {"min_keys": self.min_keys, "logit_row_stride": self.stride, "max_rows": self.max_rows,
+                    "max_logits": self.max_logits,
                     "peaked_max_weight": PEAKED_MAX_WEIGHT, "vertex_excess": VERTEX_EXCESS}
         return {"settings": settings, "layers": out, "verdict": regime_verdict(out)}
 

@@ -34,7 +34,7 @@ from oal.analysis.grouping import (
     stable_gap_groups,
 )
 from oal.analysis.offset import OffsetAccumulator, offset_summary
-from oal.analysis.regime import RegimeAccumulator
+from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
 from oal.models.provenance import weights_record
@@ -211,7 +211,8 @@ def analyze(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with torch.no_grad(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("capture: calibration prompts", total=n_prompts)
-        regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)))
+        regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)), max_rows=ANALYZE_ROWS,
+                                    max_logits=ANALYZE_LOGITS)  # linear in N: see oal.analysis.regime
         offsets = OffsetAccumulator()
         calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime, offsets)
         held = None

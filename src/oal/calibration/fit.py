@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from oal.calibration.data import CalibConfig, HeadResult, LayerCalibration, LayerData
-from oal.methods.base import AttentionMethod, repeat_kv
+from oal.calibration.loss import _val_mse, sampled_dense_output
+from oal.methods.base import AttentionMethod
 
 __all__ = ["calibrate_layer", "calibrate_layer_sequential", "calibrate_methods", "calibrate_oal_layer", "global_inits",
            "oal_inits", "sampled_dense_output"]
@@ -88,99 +89,6 @@ def _fold(methods: Sequence[AttentionMethod]) -> AttentionMethod:
 def _head(method: AttentionMethod, h: int) -> AttentionMethod:
     """The single-head method of query head h (KV head h // rep)."""
     return _restructure(method, 1, 1, lambda _name, t: t[h : h + 1])
-
-
-# ----------------------------------------------------------------------------------------------- the loss
-
-
-def _is_oal(method) -> bool:
-    return method.name in ("oal", "global") and hasattr(method, "factor") and hasattr(method, "groups")
-
-
-def _group_scores(groups, n_groups: int, q, k):
-    """s_bar [B, H, G+1, n, M] = [1, s_1, ..., s_G], s_g = scale * sum_{r in g} q_r k_r (the vector in Eq. 7)."""
-    bsz, heads, n, d = q.shape
-    onehot = torch.nn.functional.one_hot(groups.long(), n_groups).to(q.dtype).transpose(1, 2)  # [H, G, d]
-    kr = repeat_kv(k, heads // k.shape[1])  # [B, H, M, d]
-    qg = (q.unsqueeze(2) * onehot[None, :, :, None, :] / math.sqrt(d)).reshape(bsz, heads, n_groups * n, d)
-    s = (qg @ kr.transpose(-1, -2)).view(bsz, heads, n_groups, n, -1)  # one GEMM per head, no broadcast copy
-    return torch.cat([torch.ones_like(s[:, :, :1]), s], dim=2)
-
-
-def _oal_dense_kernel(method, q, k, n_copies: int = 1):
-    """Vectorised Eq. 7 for OAL-family methods: kappa = eps + |L^T s_bar|^2 for all heads at once.
-
-    `method` may hold `n_copies` stacked copies (initialisations) of the H heads of q with the same groups: s_bar
-    is computed once per head and shared, only the cheap (G+1)^2 map L^T differs. Returns [B, I*H, n, M].
-    `method.dense_kernel` (one head at a time) is the reference.
-    """
-    bsz, heads, n = q.shape[:3]
-    g1 = method.factor.shape[-1]
-    lower = torch.tril(method.factor).to(q.dtype).view(n_copies, heads, g1, g1)
-    s_bar = _group_scores(method.groups[:heads], g1 - 1, q, k)  # [B, H, G+1, n, M]
-    m = s_bar.shape[-1]
-    # all copies' L^T stacked per head, so one matmul per head and no broadcast copy of s_bar
-    lt = lower.transpose(-1, -2).permute(1, 0, 2, 3).reshape(heads, n_copies * g1, g1)  # [H, I*(G+1), G+1]
-    z = (lt @ s_bar.reshape(bsz, heads, g1, n * m)).view(bsz, heads, n_copies, g1, n * m)  # L^T s_bar
-    kappa = method.eps + (z * z).sum(3)  # [B, H, I, n*M]
-    return kappa.transpose(1, 2).reshape(bsz, n_copies * heads, n, m)
-
-
-def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tensor, n_copies: int = 1, *,
-                         causal: bool = True, key_mask: torch.Tensor | None = None):
-    """Normalised causal output at query `positions` [n] only: q [B, H, N, d] -> [B, I*H, n, dv].
-
-    Each selected query i attends keys j <= i of the causal prefix; no N x N matrix is formed. With
-    `n_copies` = I > 1 the method holds I stacked copies of the H heads (one per initialisation).
-    `causal=False` (encoders): every key is visible; `key_mask` [B, N] (True = real token) drops padded keys.
-    """
-    m = int(positions.max()) + 1 if causal else k.shape[2]
-    qs, ks = q[:, :, positions], k[:, :, :m]
-    if _is_oal(method):
-        w = _oal_dense_kernel(method, qs, ks, n_copies)
-    else:
-        w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1))
-    if causal:
-        mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
-    else:
-        mask = torch.ones(1, m, dtype=torch.bool, device=q.device)
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, None, :m].bool()  # [B, 1, n, m]
-    w = w.masked_fill(~mask, 0.0).to(v.dtype)
-    bsz, heads, n = qs.shape[:3]
-    vr = repeat_kv(v[:, :, :m], heads // v.shape[1]).unsqueeze(1)  # [B, 1, H, m, dv]
-    out = (w.view(bsz, n_copies, heads, n, m) @ vr) / w.view(bsz, n_copies, heads, n, m).sum(-1, keepdim=True)
-    return out.reshape(bsz, n_copies * heads, n, -1)
-
-
-def _val_mse(method, data: LayerData, n_copies: int = 1, query_chunk: int = 256) -> torch.Tensor:
-    """Per-head validation MSE [I*H] of the causal output on all positions of all validation sequences.
-
-    OAL-family methods use the dense kernel when it is cheaper than the linear path (N*G*d < F*(dv+1), F the
-    state rows); otherwise (and for every other method) the method's own linear-time forward runs. Non-causal or
-    padded data (encoders, short sequences) always take the dense path, over real query positions only.
-    """
-    n, d, dv = data.q.shape[2], data.q.shape[3], data.v.shape[3]
-    target = data.out.repeat(1, n_copies, 1, 1)
-    with torch.no_grad():
-        dense = not data.causal or data.mask is not None
-        cheap = _is_oal(method) and n * (method.factor.shape[-1] - 1) * d < (1 + d + d * (d + 1) // 2) * (dv + 1)
-        if dense or cheap:
-            err, count = 0, 0
-            for s in range(data.q.shape[0]):
-                qs, ks, vs = data.q[s : s + 1], data.k[s : s + 1], data.v[s : s + 1]
-                key_mask = None if data.mask is None else data.mask[s : s + 1]
-                real = torch.arange(n, device=qs.device) if key_mask is None else key_mask[0].nonzero().flatten()
-                for start in range(0, real.numel(), query_chunk):
-                    pos = real[start : start + query_chunk]
-                    pred = sampled_dense_output(method, qs, ks, vs, pos, n_copies, causal=data.causal,
-                                                key_mask=key_mask)
-                    err = err + (pred - target[s : s + 1, :, pos]).square().sum(dim=(0, 2, 3))
-                count += real.numel()
-            return err / (count * dv)
-        q, k, v = (t.repeat(1, n_copies, 1, 1) for t in (data.q, data.k, data.v))
-        out = method(q, k, v, causal=True)
-        return (out.to(target.dtype) - target).square().mean(dim=(0, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------- the loop
@@ -410,10 +318,13 @@ def oal_inits(global_factor: torch.Tensor, n_groups: int, cfg: CalibConfig) -> d
 
 def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, cfg: CalibConfig | None = None,
                         *, layer: int = 0, eps: float = 1e-6, sequential: bool = False,
+                        pair: tuple[str, str] = ("global", "oal"), settings: Mapping | None = None,
                         ) -> tuple[LayerCalibration, LayerCalibration]:
     """The learned global baseline first (3 inits), then OAL (3 inits, one seeded by the global result).
 
-    Returns (global, oal) calibrations; `groups` [Hq, d] are the layer's fixed dimension groups.
+    Returns (global, oal) calibrations; `groups` [Hq, d] are the layer's fixed dimension groups. `pair`
+    ("global-swa", "oal-swa") with `settings` {"window": W} runs the same protocol for the sliding-window hybrid,
+    each start fitted to softmax by the hybrid's own output (window and kernel together).
     """
     from oal.methods import build_method
 
@@ -423,38 +334,53 @@ def calibrate_oal_layer(train: LayerData, val: LayerData, groups: torch.Tensor, 
     if groups.shape != (hq, d):
         raise ValueError(f"groups: expected shape [{hq}, {d}], got {tuple(groups.shape)}")
     run = calibrate_layer_sequential if sequential else calibrate_layer
-    glob = build_method("global", hq, hkv, d, eps=eps, layer_idx=layer)
+    settings = dict(settings or {})
+    glob = build_method(pair[0], hq, hkv, d, eps=eps, layer_idx=layer, **settings)
     g_res = run(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
     n_groups = int(groups.max()) + 1
-    oal = build_method("oal", hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer)
+    oal = build_method(pair[1], hq, hkv, d, groups=groups, n_groups=n_groups, eps=eps, layer_idx=layer, **settings)
     o_res = run(oal, train, val, cfg, oal_inits(g_res.params["factor"], n_groups, cfg), layer=layer)
     return g_res, o_res
 
 
 def calibrate_methods(names: Sequence[str], train: LayerData, val: LayerData, *, layer: int,
                       groups: torch.Tensor | None = None, cfg: CalibConfig | None = None, seed: int = 0,
+                      options: Mapping | None = None,
                       ) -> dict[str, tuple[AttentionMethod, LayerCalibration | None]]:
     """Build and calibrate every method of `names` on one layer's frozen data: the one driver behind `oal run`,
     `oal calibrate` and `oal diagnose`.
 
-    `oal` needs `groups` [Hq, d]. As in App. B the learned global is calibrated first, and it seeds one of OAL's
-    three starts. A method without trainable parameters is returned as built, with None for its calibration.
+    `oal` and `oal-swa` need `groups` [Hq, d]. As in App. B the learned global is calibrated first, and it seeds
+    one of OAL's three starts; the hybrid oal-swa is seeded the same way by its own G = 1 control global-swa
+    (whose kernel, like the hybrid's, is weighed against the window's e^s, so the scale it learned carries over).
+    `options`: the run's method settings ({"window": W, "sinks": S}); each method takes those it has
+    (`AttentionMethod.settings`). A method without trainable parameters is returned as built, with None for its
+    calibration.
     """
-    from oal.methods import build_method
+    from oal.methods import build_method, get_method
+    from oal.methods.base import method_settings
 
     cfg = cfg or CalibConfig()
     hq, hkv, d = train.q.shape[1], train.k.shape[1], train.q.shape[-1]
+    for name in names:
+        if get_method(name).positional and not train.causal:
+            raise ValueError(f"methods: {name!r} is a causal sliding window; this layer's data is non-causal")
     results: dict[str, LayerCalibration] = {}
-    if "oal" in names:
-        if groups is None:
-            raise ValueError(f"groups: layer {layer} needs groups for 'oal'")
-        results["global"], results["oal"] = calibrate_oal_layer(train, val, groups, cfg, layer=layer)
-    elif "global" in names:
-        glob = build_method("global", hq, hkv, d, layer_idx=layer, seed=seed)
-        results["global"] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
+    for glob_name, oal_name in (("global", "oal"), ("global-swa", "oal-swa")):
+        settings = method_settings(glob_name, options)
+        if oal_name in names:
+            if groups is None:
+                raise ValueError(f"groups: layer {layer} needs groups for {oal_name!r}")
+            results[glob_name], results[oal_name] = calibrate_oal_layer(
+                train, val, groups, cfg, layer=layer, pair=(glob_name, oal_name), settings=settings)
+        elif glob_name in names:
+            glob = build_method(glob_name, hq, hkv, d, layer_idx=layer, seed=seed, **settings)
+            results[glob_name] = calibrate_layer(glob, train, val, cfg, global_inits(hq, cfg), layer=layer)
     out = {}
     for name in names:
-        kwargs = {"groups": groups, "n_groups": int(groups.max()) + 1} if name == "oal" else {}
+        kwargs = method_settings(name, options)
+        if get_method(name).uses_groups:
+            kwargs.update(groups=groups, n_groups=int(groups.max()) + 1)
         method = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed, **kwargs)
         res = results.get(name)
         if res is None and method.trainable:

@@ -3,11 +3,11 @@
 kernels.safetensors holds every parameter and buffer of each converted layer's method under
 `layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
 to rebuild and to refuse a wrong base model: per layer the method name and construction version (a record of
-another version is refused), (Hq, Hkv, d) and constructor settings (eps, n_groups), the base model's id,
-revision, architecture fingerprint, file hashes and the SHA256 of its tensors (`state_dict_sha256`, with the
-dtype it was computed in), and the SHA256 of the tensor file. Both files are written to a temporary name and
-renamed into place. `load` checks the base model against that record: a model object by its tensors, a
-name/path by its tensors and by every file of its folder.
+another version is refused), (Hq, Hkv, d) and constructor settings (eps, n_groups; window and sinks of the sliding
+windows), the base model's id, revision, architecture fingerprint, file hashes and the SHA256 of its tensors
+(`state_dict_sha256`, with the dtype it was computed in), and the SHA256 of the tensor file. Both files are written
+to a temporary name and renamed into place. `load` checks the base model against that record: a model object by
+its tensors, a name/path by its tensors and by every file of its folder.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method, check_version
+from oal.methods.base import AttentionMethod, build_method, check_version, get_method
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
 from oal.rundir.hashes import sha256_file
 
@@ -27,7 +27,7 @@ __all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "loa
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
 FORMAT = "oal-kernels/1"
-_INIT_ATTRS = ("eps", "n_groups")  # JSON-able constructor settings read off a method when present
+_INIT_ATTRS = ("eps", "n_groups", "window", "sinks")  # JSON-able constructor settings read off a method when present
 
 
 def kernel_dir(run_dir: str | Path, method: str) -> Path:
@@ -157,7 +157,7 @@ def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str 
     fit it or the record is of another construction version of the method (`methods.base.check_version`)."""
     check_version(info, f"{where}: layer {layer}")
     kwargs = dict(info.get("init", {}))
-    if "groups" in state and info["method"] == "oal":
+    if "groups" in state and get_method(info["method"]).uses_groups:
         kwargs["groups"] = state["groups"]
     m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
                      seed=info.get("seed", 0), **kwargs)

@@ -83,12 +83,13 @@ class LayerCheckpoints:
 def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Callable[[int], tuple], *,
                      groups: Mapping[int, torch.Tensor], cfg: CalibConfig, seed: int,
                      checkpoints: LayerCheckpoints | None = None, progress: bool = True,
-                     console: Console | None = None, ranks=None,
+                     console: Console | None = None, ranks=None, options: Mapping | None = None,
                      ) -> tuple[dict[str, dict[int, object]], dict[str, dict]]:
     """Calibrate `methods` on every layer of `layers`, resuming from `checkpoints`.
 
     `capture(layer)` returns the frozen (train, val) `LayerData` of a layer; it is called only for layers that are
-    not checkpointed. Returns ({method: {layer: AttentionMethod}}, {method: {str(layer): summary}}).
+    not checkpointed. `options`: the methods' settings (`calibrate_methods`; part of the checkpoints' `key`).
+    Returns ({method: {layer: AttentionMethod}}, {method: {str(layer): summary}}).
 
     Under a launch of several processes (`ranks`, default: this process's `oal.launch.ranks()`), every process
     calls it with the same arguments: the main process reads the checkpoints and says which layers are still to do,
@@ -120,7 +121,7 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
                 train, val = capture(mine)
                 fitted = {m: (method, res.summary() if res is not None else NOT_CALIBRATED) for m, (method, res)
                           in calibrate_methods(methods, train, val, layer=mine, groups=groups.get(mine), cfg=cfg,
-                                               seed=seed).items()}
+                                               seed=seed, options=options).items()}
                 del train, val
             for layer, done in _gather_round(group, mine, fitted):
                 results[layer] = done
@@ -231,23 +232,26 @@ def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int,
 def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
                         methods: Sequence[str], *, groups: Mapping[int, torch.Tensor], cfg: CalibConfig, seed: int,
                         base_model: str, provenance: Mapping, extra: Mapping | None = None, progress: bool = True,
-                        console: Console | None = None) -> dict[str, dict]:
+                        console: Console | None = None, options: Mapping | None = None) -> dict[str, dict]:
     """`oal calibrate`: calibrate `methods` on `layers` of `model` from the plan's calibration blocks into `out_dir`
     (kernels + calibration.json), resuming from per-layer checkpoints of the same inputs. Returns the report (on
-    every process of a launch, whose processes share the layers out; the main process writes)."""
+    every process of a launch, whose processes share the layers out; the main process writes). `options`: the
+    methods' settings ({"window": W, "sinks": S}; see `calibrate_methods`)."""
     from oal.launch import ranks
     from oal.rundir.hashes import tensor_hash
 
     key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
                        "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                        "blocks": {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val")},
-                       "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups}})
+                       "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups},
+                       **({"options": dict(options)} if options else {})})
 
     group = ranks(next(model.parameters()).device)
     capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
     checkpoints = LayerCheckpoints(out_dir, key)
     per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
-                                          checkpoints=checkpoints, progress=progress, console=console, ranks=group)
+                                          checkpoints=checkpoints, progress=progress, console=console, ranks=group,
+                                          options=options)
     stats = capture.gathered_stats(group)
     capture.remove()
     group.on_main(lambda: write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model,

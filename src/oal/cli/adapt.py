@@ -7,7 +7,17 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import BatchSizeOpt, DeviceOpt, DtypeOpt, GradAccumOpt, LoraDropoutOpt, ThreadsOpt, set_threads
+from oal.cli.options import (
+    BatchSizeOpt,
+    DeviceOpt,
+    DtypeOpt,
+    GradAccumOpt,
+    LoraDropoutOpt,
+    SinksOpt,
+    ThreadsOpt,
+    WindowOpt,
+    set_threads,
+)
 
 
 @app.command("adapt")
@@ -18,6 +28,8 @@ def adapt_cmd(
     batch_size: BatchSizeOpt = None,
     grad_accum: GradAccumOpt = None,
     lora_dropout: LoraDropoutOpt = None,
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = 1,
@@ -25,12 +37,16 @@ def adapt_cmd(
 ) -> None:
     """Joint LoRA + kernel adaptation (App. F.2) of one arm, then its test perplexity; metrics.json and report.md
     are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused. Settings given
-    here are recorded in config.json for this arm. Data-parallel under torchrun / accelerate launch (see README)."""
+    here are recorded in config.json for this arm. --window / --sinks change the run's sliding windows (recorded in
+    config.json): calibration reruns, and the other window arms' results leave metrics.json until they are adapted
+    again with the new window. Data-parallel under torchrun / accelerate launch (see README)."""
     from oal.cli.options import main_console
     from oal.pipeline.runs import adapt_arm
 
     set_threads(threads)
     console = main_console()
-    ppl = adapt_arm(out, method, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lora_dropout=lora_dropout,
-                    device=device, dtype=dtype, console=console, progress=progress)["perplexity"].get(method)
+    metrics = adapt_arm(out, method, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+                        lora_dropout=lora_dropout, window=window, sinks=sinks, device=device, dtype=dtype,
+                        console=console, progress=progress)
+    ppl = metrics["perplexity"].get(method)
     console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, ModelOpt, main_console
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, ModelOpt, SinksOpt, WindowOpt, main_console
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 
@@ -25,6 +25,8 @@ def calibrate_cmd(
     max_steps: int = typer.Option(None, min=1, help="Updates per initialisation (override)."),
     val_every: int = typer.Option(None, min=1, help="Validation interval in updates (override)."),
     patience: int = typer.Option(None, min=1, help="Early-stopping patience in updates (override)."),
+    window: WindowOpt = 64,
+    sinks: SinksOpt = 4,
     seed: int = typer.Option(0, min=0, help="Seed of the sampled sequences/positions and perturbed initialisations."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
@@ -34,7 +36,7 @@ def calibrate_cmd(
     from oal.analysis import check_groups_model, load_groups
     from oal.calibration.data import CalibConfig
     from oal.calibration.resume import calibrate_directory
-    from oal.methods import method_names
+    from oal.methods import get_method, method_names
     from oal.models.registry import default_layers
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
@@ -46,8 +48,9 @@ def calibrate_cmd(
         raise typer.BadParameter(f"unknown {unknown}; expected some of {method_names()}", param_hint="--methods")
     check_out_dir(out)
     refuse_run_dir(out, "calibration")
+    grouped = [m for m in wanted if get_method(m).uses_groups]  # oal, oal-swa
     try:
-        groups = load_groups(out) if "oal" in wanted else {}
+        groups = load_groups(out) if grouped else {}
     except ValueError as exc:
         raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
     mdl, tok, prov = load_model_or_fail(model, device, dtype)
@@ -55,7 +58,7 @@ def calibrate_cmd(
         check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
     layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
         sorted(groups) if groups else default_layers(mdl))
-    missing = [i for i in layer_list if "oal" in wanted and i not in groups]
+    missing = [i for i in layer_list if grouped and i not in groups]
     if missing:
         raise typer.BadParameter(f"groups.json has no groups for layers {missing}", param_hint="--layers")
     overrides = {k: v for k, v in (("max_steps", max_steps), ("val_every", val_every), ("patience", patience))
@@ -64,7 +67,7 @@ def calibrate_cmd(
     blocks, plan, preset = blocks_or_fail(tok, mdl, data, data_dir, preset)
     report = calibrate_directory(out, mdl, blocks, layer_list, wanted, groups=groups, cfg=cfg, seed=seed,
                                  base_model=model, provenance=prov, extra={"seed": seed, "preset": preset},
-                                 progress=progress, console=console)
+                                 progress=progress, console=console, options={"window": window, "sinks": sinks})
     table = Table(title="calibration: validation MSE (mean over heads)")
     for col in ("layer", *wanted):
         table.add_column(col, justify="right")

@@ -16,9 +16,11 @@ from oal.cli.options import (
     LimitOpt,
     LoraDropoutOpt,
     SelectByOpt,
+    SinksOpt,
     TaskFileOpt,
     TasksOpt,
     ThreadsOpt,
+    WindowOpt,
     ZeroshotDirOpt,
     main_console,
     set_threads,
@@ -43,6 +45,8 @@ def run(
     steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
     val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
     grouping: GroupingOpt = "app-b",
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     batch_size: BatchSizeOpt = None,
     grad_accum: GradAccumOpt = None,
     lora_dropout: LoraDropoutOpt = None,
@@ -81,5 +85,5 @@ def run(
                                 **layer_selection(layers, select_by), seed=seed_list[0],
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
-                                grouping=procedure)
+                                grouping=procedure, window=window, sinks=sinks)
     run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)

@@ -20,8 +20,9 @@ __all__ = [
     "table2",
 ]
 
-# Paper Table 2 rows, plus the learned global quadratic (G = 1) and OAL.
-TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "global", "oal")
+# Paper Table 2 rows, plus the learned global quadratic (G = 1) and OAL, and the sliding windows (issue 29).
+TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "global", "oal", "swa", "global-swa",
+                  "oal-swa")
 
 
 def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int) -> None:

@@ -11,7 +11,8 @@ __all__ = ["METHOD_LABELS", "plot_table1", "table1_markdown", "table2_markdown"]
 
 METHOD_LABELS = {"performer": "Performer", "spectraformer": "SpectraFormer", "dijiang": "DiJiang",
                  "taylorshift": "TaylorShift", "global": "Learned Global (G = 1)", "oal": "OAL",
-                 "softmax": "Softmax"}
+                 "softmax": "Softmax", "swa": "Sliding window (SWA)", "global-swa": "Window + learned global",
+                 "oal-swa": "Window + OAL"}
 
 
 def _label(name: str) -> str:

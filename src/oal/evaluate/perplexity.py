@@ -2,7 +2,8 @@
 
 Each block of L tokens is an independent sequence with L - 1 next-token targets; the incomplete tail of the
 split was already dropped when the blocks were cut (`oal.data.token_blocks`). PPL = exp(mean NLL) over all
-scored tokens of all blocks (not a mean of per-block perplexities).
+scored tokens of all blocks (not a mean of per-block perplexities). The NLL is computed by
+`oal.evaluate.loss.causal_lm_nll`: the LM head and the loss per token chunk, so the [L, V] logits never exist.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from rich.progress import Progress
+
+from oal.evaluate.loss import causal_lm_nll
 
 __all__ = ["block_nll", "perplexity"]
 
@@ -41,11 +43,9 @@ def block_nll(model, blocks: torch.Tensor, *, batch_size: int = 1, progress: boo
             task = bar.add_task(description, total=blocks.shape[0])
             for start in range(0, blocks.shape[0], batch_size):
                 ids = blocks[start : start + batch_size].to(device)
-                logits = model(input_ids=ids).logits[:, :-1].float()
-                targets = ids[:, 1:]
-                nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+                nll, n = causal_lm_nll(model, ids)
                 total += float(nll.double())
-                count += targets.numel()
+                count += n
                 bar.advance(task, ids.shape[0])
     finally:
         model.train(was_training)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 __all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names",
-           "newer_versions", "register", "repeat_kv"]
+           "method_settings", "newer_versions", "register", "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -56,6 +56,13 @@ def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwar
     return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
 
 
+def method_settings(name: str, options) -> dict:
+    """The entries of `options` (a run's method settings, e.g. {"window": 64, "sinks": 4} from `--window` and
+    `--sinks`) that method `name` takes as constructor arguments (its `settings`)."""
+    cls = get_method(name)
+    return {k: options[k] for k in cls.settings if k in (options or {})}
+
+
 def check_version(info, where: str) -> None:
     """Refuse a saved method record (kernels.json layer, config.oal layer) written by another construction version
     of its method; records from before versions were recorded count as version 1."""
@@ -85,6 +92,9 @@ class AttentionMethod(nn.Module):
     name: ClassVar[str] = ""
     stochastic: ClassVar[bool] = False  # random features: Table 1 averages over seeds
     supports_state: ClassVar[bool] = False  # forward accepts initial_state / output_final_state
+    uses_groups: ClassVar[bool] = False  # built with the stable-gap groups (groups=, n_groups=), as oal is
+    settings: ClassVar[tuple[str, ...]] = ()  # constructor settings a run configures (`method_settings`)
+    positional: ClassVar[bool] = False  # causal only; dense_kernel(q, k, positions=) depends on where queries sit
     version: ClassVar[int] = 1  # construction version, recorded with saved kernels (see module doc)
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):

@@ -19,6 +19,7 @@ class OALMethod(AttentionMethod):
 
     name = "oal"
     supports_state = True
+    uses_groups = True
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class GlobalMethod(OALMethod):
     """The learned global quadratic a + b s + c s^2 as the one-group instance of OAL (App. D)."""
 
     name = "global"
+    uses_groups = False  # one group whatever the caller's grouping
 
     def __init__(
         self,

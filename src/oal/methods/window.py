@@ -51,6 +51,8 @@ def _check_window(window) -> int:
 class SWAMethod(AttentionMethod):
     name = "swa"
     supports_state = True
+    settings = ("window", "sinks")
+    positional = True
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, layer_idx: int = 0,
                  seed: int = 0):
@@ -79,6 +81,8 @@ class _WindowKernel:
     """The window part of oal-swa and global-swa, mixed into OALMethod (groups buffer, trainable factor)."""
 
     window: int
+    settings = ("window",)  # no sinks: the kernel covers every older key
+    positional = True
 
     def dense_kernel(self, q, k, positions=None):
         check_qkv(self, q, k)

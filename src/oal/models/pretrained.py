@@ -56,7 +56,7 @@ LORA_FILE = "adapter_model.safetensors"  # an unmerged export's LoRA tensors (pe
 UNHASHED = frozenset({"README.md", "generation_config.json"})  # routine edits (model card, sampling defaults)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SPEC_FORMAT = "oal-conversion/1"
-_INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size")  # JSON-able constructor settings read off a method
+_INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size", "window", "sinks")  # JSON-able constructor settings
 
 
 # ----------------------------------------------------------------------------------------------- conversion spec

@@ -21,18 +21,26 @@ DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on top of an initi
 log = logging.getLogger("oal")
 
 
-def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
-    """`auto` on CUDA: the Triton kernels when installed (causal), else the torch paths with a one-time warning."""
+def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool, chunk_size: int | None = None) -> bool:
+    """`auto` on CUDA: the Triton kernels when installed (causal) and when they take these inputs, else the torch
+    paths with a warning, once per reason."""
     if q.device.type != "cuda" or not causal:
         return False
     from oal.ops import triton as oal_triton
 
     if oal_triton.available():
-        return oal_triton.unsupported(q, v) is None
-    if not getattr(_auto_triton, "warned", False):
-        _auto_triton.warned = True
-        log.warning("triton is not installed, CUDA attention runs the chunked torch path; %s", oal_triton.INSTALL_HINT)
+        reason = oal_triton.unsupported(q, v, chunk_size)
+        if reason is None:
+            return True
+    else:
+        reason = f"triton is not installed; {oal_triton.INSTALL_HINT}"
+    if reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(reason)
+        log.warning("CUDA attention runs the chunked torch path: %s", reason)
     return False
+
+
+_FALLBACK_WARNED: set[str] = set()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -174,7 +182,8 @@ def oal_attention(
     [Hq, G+1, G+1] (lower triangle read). Returns out [B, Hq, N, dv] in q's dtype, and the final state
     [B, Hkv, 1 + d + d(d+1)/2, dv + 1] when `output_final_state`. `initial_state` continues a sequence.
     `chunk_size` (chunked backend): tokens per chunk; None picks it, and short fresh sequences run as one chunk.
-    For `triton` (causal only; non-causal runs `chunked`) it is a power of two >= 16, 64 by default.
+    For `triton` (causal only; non-causal runs `chunked`) it is a power of two >= 16, 64 by default, and at most 64
+    on CUDA (`auto` runs `chunked` for longer chunks).
     """
     qmax, kmax = _check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)
     out_dtype = q.dtype
@@ -184,7 +193,7 @@ def oal_attention(
     q, factor, eps, scale, _ = _rescaled(q, qmax, kmax, factor.to(dtype), eps, scale, dtype)
     if backend == "triton" and not causal:  # the kernels are causal; the torch path serves the rest
         backend = "chunked"
-    if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal)):
+    if backend == "triton" or (backend == "auto" and _auto_triton(q, v, causal, chunk_size)):
         from oal.ops.triton import triton_attention  # optional dependency, imported on use
 
         out, final = triton_attention(

@@ -13,13 +13,15 @@ from pathlib import Path
 from oal.adaptation.config import AdaptConfig
 from oal.data.zeroshot import parse_task_files, parse_tasks
 from oal.device import resolve_dtype
-from oal.errors import from_known_keys, parse_names
+from oal.errors import InputError, from_known_keys, parse_names
 
-__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "RunConfig", "grouping_preset", "parse_methods",
-           "parse_seeds"]
+__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "SINKS", "WINDOW", "RunConfig", "grouping_preset",
+           "parse_methods", "parse_seeds"]
 
 DEFAULT_METHODS = ("oal", "global", "softmax")
-ALL_METHODS = ("oal", "global", "softmax", "performer", "spectraformer", "dijiang", "taylorshift")
+ALL_METHODS = ("oal", "global", "softmax", "performer", "spectraformer", "dijiang", "taylorshift", "swa", "oal-swa",
+               "global-swa")
+WINDOW, SINKS = 64, 4  # the sliding windows' defaults (`--window`, `--sinks`)
 
 # Per preset: model, corpus, calibration (App. B) and adaptation (App. F.2) budgets. Grouping parameters
 # (alpha, gamma, tau, Gmin, B) come from `oal.models.registry.PRESETS` (the backbone's own, App. B).
@@ -120,6 +122,8 @@ class RunConfig:
     zeroshot_dir: str | None = None  # local folder of the pinned zero-shot files (with manifest)
     zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
     select: dict | None = None  # `--layers auto:K`: {"k": K, "by": "fidelity" | "probe"} (oal.pipeline.selection)
+    window: int = WINDOW  # swa, oal-swa, global-swa: the last `window` keys get exact softmax weights
+    sinks: int = SINKS  # swa: the first `sinks` keys (attention sinks) stay visible too
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -132,6 +136,10 @@ class RunConfig:
         if self.select is not None:
             self.select = parse_select(self.select)
         resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
+        for name, low in (("window", 1), ("sinks", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"expected an integer >= {low}, got {value!r}", f"--{name}", name)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
         for method in self.adapt_overrides:
             self.adapt_config(method)
@@ -154,6 +162,15 @@ class RunConfig:
             base[key] = {**base[key], **(overrides.pop(key, None) or {})}
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
+
+    def method_options(self) -> dict:
+        """The method settings (`oal.methods.base.method_settings`) of this run's methods: {"window", "sinks"} when
+        a sliding-window method is among them, else {} (so a run without one keeps its stage keys)."""
+        from oal.methods.base import get_method
+
+        if not any(get_method(m).settings for m in self.methods):
+            return {}
+        return {"window": self.window, "sinks": self.sinks}
 
     def adapt_config_dict(self, method: str | None = None) -> dict:
         d = {**self.adapt, **(self.adapt_overrides.get(method, {}) if method else {})}

@@ -48,7 +48,7 @@ from oal.rundir.hashes import config_hash, tensor_hash
 __all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
 
 SELECTION_FILE = "selection.json"
-NEEDS_GROUPS = ("oal",)  # methods that need stable-gap groups
+NEEDS_GROUPS = ("oal", "oal-swa")  # methods that need stable-gap groups
 
 
 class Run(StagedRun):
@@ -108,18 +108,19 @@ class Run(StagedRun):
         methods = self.kernel_methods
         if not methods:
             return True
-        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed}
+        deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "methods": methods, "seed": self.cfg.seed,
+                **self.cfg.method_options()}
         if versions := newer_versions(methods):  # kernels of an older construction are recalibrated
             deps["versions"] = versions
         root = self.calib_root.relative_to(self.dir)
         outputs = [str(root / "calibration.json")] + [f for m in methods for f in self.kernel_files(m, self.calib_root)]
-        inputs = ["groups.json"] if "oal" in methods else []
+        inputs = ["groups.json"] if any(m in NEEDS_GROUPS for m in methods) else []
         return self.stage("calibrate", deps, outputs, lambda: self._calibrate(methods), inputs=inputs, parallel=True)
 
     def _calibrate(self, methods: list[str]) -> None:
         """On every process of a launch: each calibrates its share of the layers, the main process writes."""
         cfg = self._calib_config()
-        groups = load_groups(self.dir) if "oal" in methods else {}
+        groups = load_groups(self.dir) if any(m in NEEDS_GROUPS for m in methods) else {}
         # per-layer checkpoints, bound to this stage's key: a kill mid-stage resumes at the next layer; the layers
         # still to do are captured in one forward per block (DIR/.oal/capture, removed when done; the other
         # processes of a launch capture their layers into a temporary folder outside the run directory)
@@ -129,7 +130,7 @@ class Run(StagedRun):
                                  progress=self.progress)
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
-            progress=self.progress, console=self.console, ranks=self.ranks)
+            progress=self.progress, console=self.console, ranks=self.ranks, options=self.cfg.method_options())
         stats = capture.gathered_stats(self.ranks)
         capture.remove()
         if self.ranks.is_main:

@@ -12,10 +12,12 @@ __all__ = ["DISPLAY", "ORDER", "PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "displa
 
 
 DISPLAY = {"softmax": "Softmax (LoRA)", "performer": "Performer", "spectraformer": "SpectraFormer",
-           "dijiang": "DiJiang", "taylorshift": "TaylorShift", "global": "Learned global", "oal": "OAL"}
+           "dijiang": "DiJiang", "taylorshift": "TaylorShift", "global": "Learned global", "oal": "OAL",
+           "swa": "Sliding window (SWA)", "global-swa": "Window + learned global", "oal-swa": "Window + OAL (hybrid)"}
 
 
-ORDER = ("softmax", "performer", "spectraformer", "dijiang", "taylorshift", "global", "oal")
+ORDER = ("softmax", "performer", "spectraformer", "dijiang", "taylorshift", "global", "oal", "swa", "global-swa",
+         "oal-swa")
 
 
 # Paper Table 3, Qwen2.5-0.5B column group: WikiText-103 test PPL and zero-shot normalised accuracy (%).

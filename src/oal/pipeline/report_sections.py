@@ -22,7 +22,8 @@ from oal.pipeline.report_format import (
 )
 
 __all__ = ["adaptation_section", "analysis_section", "calibration_section", "fidelity_section", "perplexity_section",
-           "provenance_section", "regime_section", "stability_section", "timing_section", "zeroshot_section"]
+           "provenance_section", "regime_section", "stability_section", "timing_section", "window_comparison",
+           "zeroshot_section"]
 
 
 def provenance_section(config: dict) -> list[str]:
@@ -31,6 +32,10 @@ def provenance_section(config: dict) -> list[str]:
     out.append(f"- model: `{cfg.get('model')}`, preset `{cfg.get('preset')}`, dtype {cfg.get('dtype')}, "
                f"seed {cfg.get('seed')}")
     out.append(f"- methods: {', '.join(cfg.get('methods', []))}; converted layers: {config.get('converted_layers')}")
+    windows = [m for m in cfg.get("methods", []) if m in ("swa", "oal-swa", "global-swa")]
+    if windows:
+        out.append(f"- sliding windows ({', '.join(windows)}): the last W = {cfg.get('window')} keys exact; swa "
+                   f"also keeps the first S = {cfg.get('sinks')} keys (sinks), the hybrids none")
     data = config.get("data", {})
     out.append(f"- data: `{data.get('name')}`")
     for split, h in sorted(data.get("sha256", {}).items()):
@@ -222,6 +227,7 @@ def perplexity_section(metrics: dict, has_fig: bool) -> list[str]:
             if "oal" in std and "global" in std and len(seeds) > 1:
                 line += f"; sample std over seeds {std['oal']:.4f} (OAL) and {std['global']:.4f} (global)"
             out += [line + ".", ""]
+        out += window_comparison(ppl)
     else:
         out += ["Perplexity was not evaluated in this run.", ""]
     ref = [[display_name(m), *(f"{v:.2f}" for v in vals)] for m, vals in PAPER_TABLE3_QWEN.items()]
@@ -230,6 +236,27 @@ def perplexity_section(metrics: dict, has_fig: bool) -> list[str]:
             markdown_table(["Method (paper)", "PPL", "PIQA", "HellaSwag", "ARC-E"], ref), ""]
     if has_fig:
         out += ["![perplexity](figures/perplexity.png)", ""]
+    return out
+
+
+def window_comparison(ppl: dict) -> list[str]:
+    """The sliding windows against OAL in adapted test PPL, said plainly whichever way it goes: SWA against OAL, and
+    whether the hybrid (window + OAL) is closer to softmax than both (by the PPL gap to softmax when it ran)."""
+    out = []
+    if "swa" in ppl and "oal" in ppl:
+        who = "OAL beats the sliding-window baseline" if ppl["oal"] < ppl["swa"] else \
+            "The sliding-window baseline beats OAL"
+        out += [f"{who} in adapted test PPL: SWA {ppl['swa']:.4f} vs OAL {ppl['oal']:.4f}.", ""]
+    if all(m in ppl for m in ("oal-swa", "oal", "swa")):
+        ref = ppl.get("softmax")
+        dist = {m: abs(ppl[m] - ref) if ref is not None else ppl[m] for m in ("oal-swa", "oal", "swa")}
+        beaten = [n for m, n in (("oal", "OAL"), ("swa", "SWA")) if dist["oal-swa"] < dist[m]]
+        verdict = ("is closer to softmax than both OAL and SWA" if len(beaten) == 2 else
+                   f"is NOT closer to softmax than both (closer than {beaten[0]} only)" if beaten else
+                   "is NOT closer to softmax than OAL or SWA")
+        what = f"gap to softmax's {ref:.4f}" if ref is not None else "softmax not run: PPL itself"
+        out += [f"The hybrid (window + OAL) {verdict} in adapted test PPL ({what}): hybrid {dist['oal-swa']:.4f}, "
+                f"OAL {dist['oal']:.4f}, SWA {dist['swa']:.4f}.", ""]
     return out
 
 

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from oal.errors import InputError
 from oal.launch import process_device, ranks
+from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
 from oal.pipeline.config import RunConfig
@@ -26,6 +27,9 @@ def run_class(cfg: RunConfig) -> type[Run]:
         if cfg.select:
             raise InputError("layer selection (auto:K) is for causal LMs; give encoder layers explicitly", "--layers",
                              "layers")
+        if any(get_method(m).positional for m in cfg.methods):
+            raise InputError("the sliding windows (swa, oal-swa, global-swa) are causal; an encoder attends both ways",
+                             "--methods", "methods")
 
         return EncoderRun
     return Run
@@ -54,29 +58,32 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
 def adapt_arm(out_dir: str | Path, method: str, *, steps: int | None = None, device: str | None = None,
               dtype: str | None = None, console: Console | None = None, progress: bool = True,
               batch_size: int | None = None, grad_accum: int | None = None,
-              lora_dropout: float | None = None) -> dict:
+              lora_dropout: float | None = None, window: int | None = None, sinks: int | None = None) -> dict:
     """`oal adapt`: (re)adapt one arm of an existing single-seed run, optionally with other adaptation settings
     (`steps`, `batch_size`, `grad_accum`, `lora_dropout`; recorded in config.json as that arm's `adapt_overrides`).
     Its adapt and perplexity stages rerun when their keys changed, and metrics.json and report.md are rewritten, so
-    they describe the adapter now on disk. Returns the new metrics (on every process of a launch)."""
+    they describe the adapter now on disk. `window`/`sinks` change the run's sliding windows (config.json's
+    `window`/`sinks`; calibration reruns). Returns the new metrics (on every process of a launch)."""
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(device or "auto"))
     settings = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum),
                                   ("lora_dropout", lora_dropout)) if v is not None}
+    windows = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
     with own_dir(out_dir, group):
-        old, d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings))
+        old, d = group.on_main(lambda: _arm_config(out_dir, method, dtype, settings, windows))
         if device is not None:
             d["device"] = old["device"] = device  # a runtime choice, not part of the run's configuration
         cfg = RunConfig.from_dict(d)
         # config.json keeps the recorded settings until the adapter trained with the new ones is on disk
         return run_seed(cfg, out_dir, console=console, progress=progress, arms=[method],
-                        allow_changes=("config.adapt_overrides", "config.methods"),
+                        allow_changes=("config.adapt_overrides", "config.methods", "config.window", "config.sinks"),
                         recorded=RunConfig.from_dict(old).to_dict())
 
 
-def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -> tuple[dict, dict]:
-    """The run configuration of `oal adapt`: (the recorded one, the recorded one with `method`'s arm and its adapt
-    `settings`)."""
+def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
+                windows: dict | None = None) -> tuple[dict, dict]:
+    """The run configuration of `oal adapt`: (the recorded one, the recorded one with `method`'s arm, its adapt
+    `settings` and any new `windows` settings)."""
     cfg_path = out_dir / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
@@ -103,6 +110,7 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict) -
         overrides = dict(d.get("adapt_overrides") or {})
         overrides[method] = {**overrides.get(method, {}), **settings}
         d["adapt_overrides"] = overrides
+    d.update(windows or {})
     RunConfig.from_dict(d)  # a bad setting (e.g. lora_dropout 1.5) fails here, on the main process, for every one
     return old, d
 

@@ -13,7 +13,9 @@ import sys
 
 import torch
 
-__all__ = ["available", "interpreted", "triton_attention", "unsupported"]
+from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, device_shared, refusal
+
+__all__ = ["available", "interpreted", "refusal", "triton_attention", "unsupported"]
 
 INSTALL_HINT = "install the gpu extra: pip install 'oal[gpu]'"
 
@@ -32,13 +34,24 @@ def interpreted() -> bool:
     return defined_interpreted()
 
 
-def unsupported(q, v) -> str | None:
-    """Why the kernels cannot take these inputs (None when they can); `auto` then runs the torch path."""
-    if q.shape[-1] > 128 or v.shape[-1] > 128:
-        return f"q/v: the triton backend supports d, dv <= 128, got d={q.shape[-1]}, dv={v.shape[-1]}"
-    if q.dtype == torch.float64 and q.device.type == "cuda":  # fp64 pair tiles exceed Hopper's shared memory
-        return "q: the triton backend takes bf16, fp16 or fp32 on CUDA (fp64 runs on backend='chunked')"
-    return None
+def unsupported(q, v, chunk_size=None) -> str | None:
+    """Why the kernels cannot take these inputs (None when they can); `auto` then runs the torch path.
+
+    On CUDA: the shapes and dtypes whose tiles do not fit the device's shared memory (tiles.refusal), chunks longer
+    than the 64 tokens the tiles are checked for, and devices with less shared memory per block than the A100
+    (163 KB).
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    if q.device.type != "cuda":  # the interpreter has no shared-memory limit
+        return refusal(d, dv, torch.float32, 90) if max(d, dv) > 128 else None
+    if chunk_size is not None and chunk_size > 64:
+        return f"chunk_size: the triton backend's tiles are checked for chunks of up to 64 tokens, got {chunk_size}"
+    arch = device_arch(q.device)
+    name, shared = device_shared(q.device)
+    if shared < SHARED_LIMIT[arch]:
+        return (f"q: the triton backend's tiles need {SHARED_LIMIT[arch] // 1024} KB of shared memory per block "
+                f"(as on A100, H100), {name} has {shared // 1024} KB")
+    return refusal(d, dv, q.dtype, arch)
 
 
 def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None):
@@ -52,7 +65,7 @@ def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None,
         raise ValueError(
             f"backend: 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1), got device {q.device}"
         )
-    reason = unsupported(q, v)
+    reason = unsupported(q, v, chunk_size)
     if reason:
         raise ValueError(reason)
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):

@@ -19,26 +19,20 @@ import torch
 
 import oal.ops.triton.kernels as K
 from oal.ops.kernel import coefficients, feature_dim
+from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
 
 
 def interpreted() -> bool:
     """Whether the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return type(K._fwd_out).__name__ == "InterpretedFunction"
 
+
 # Tokens per chunk: Hopper's tensor-core MMAs want M >= 64 (gpu-notes).
 CHUNK = 64
 # Chunks per segment of the state scans; None picks it from the device's multiprocessor count. Tests set it to
 # exercise the carry between segments on short sequences.
 SEGMENT_CHUNKS: int | None = None
-# Launch options per (kernel, half precision). Chosen by compiling for sm_90 without a GPU
-# (scripts/triton_sm90_check.py): 8 warps keep the [C, 256] feature tiles mostly in registers, and one pipeline
-# stage keeps the shared memory of the fp32 kernels under Hopper's 227 KB. Not tuned on a device: see README "GPU".
-LAUNCH = {
-    ("scan", True): dict(num_warps=8), ("scan", False): dict(num_warps=8, num_stages=1),
-    ("fwd", True): dict(num_warps=8), ("fwd", False): dict(num_warps=8, num_stages=1),
-    ("dq", True): dict(num_warps=8, num_stages=2), ("dq", False): dict(num_warps=8, num_stages=1),
-    ("dkv", True): dict(num_warps=8, num_stages=2), ("dkv", False): dict(num_warps=8, num_stages=1),
-}
+# Tile sizes and launch options per kernel, shape and target: tiles.py (imported here so tests can replace them).
 
 
 @dataclass(frozen=True)
@@ -112,6 +106,7 @@ class Config:
     chunk: int
     dot_dtype: torch.dtype
     acc_dtype: torch.dtype
+    arch: int  # tile table target (device_arch)
 
 
 _TL = {}
@@ -126,14 +121,14 @@ def _tl(dtype: torch.dtype):
     return _TL[dtype]
 
 
-def _consts(cfg: Config, kernel: str):
-    """Compile-time arguments shared by all kernels, and the launch options of `kernel`."""
+def _consts(cfg: Config, kernel: str, d: int, dv: int):
+    """Compile-time arguments shared by all kernels, and the tiles and launch options of `kernel`."""
     half = cfg.dot_dtype in (torch.float16, torch.bfloat16)
     # fp32 dots as three tf32 products on the tensor cores (tf32x3: about fp32 accuracy; plain tf32 would give
     # ~3e-4), fp64 exactly; half inputs use bf16 operands with fp32 accumulation (the default)
     prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
     return dict(DOT_DT=_tl(cfg.dot_dtype), ACC_DT=_tl(cfg.acc_dtype), PREC=prec,
-                **LAUNCH[kernel, half])
+                **tiles(kernel, d, dv, half, cfg.arch))
 
 
 def _gmax(n_groups1: int) -> int:
@@ -169,9 +164,10 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     bsz, n_x, n, _ = x.shape
     dv = y.shape[-1]
     n_c = -(-n // cfg.chunk)
-    blocks = lay.npair + lay.nb + 1
+    consts = _consts(cfg, "scan", lay.d, dv)
+    blocks = lay.npair * (16 // consts["RH"]) + lay.nb + 1  # H2 steps, H1 blocks, H0
     seg_len, n_seg = _segments(n_c, blocks * bsz * n_kv, x.device)
-    st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=cfg.dot_dtype, device=x.device)
+    st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
     stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dtype=cfg.acc_dtype, device=x.device)
     tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
     totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
@@ -185,7 +181,7 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
             carry_t if carry_t is not None else tot, carryn_t if carryn_t is not None else totn,
             n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(carry_t is not None),
             NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query,
-            REVERSE=reverse, **_consts(cfg, "scan"),
+            REVERSE=reverse, **consts,
         )
 
     if not two_pass:
@@ -230,7 +226,7 @@ def _forward(q, k, v, a, bs, cs, ws, l0, init, cfg: Config, lay: Layout):
         q, k, v, a, bs, cs, ws, l0, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows, cfg.eps,
         cfg.n_groups1,
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, triton_next_pow2(dv)), NPAIR=lay.npair,
-        GMAX=_gmax(cfg.n_groups1), **_consts(cfg, "fwd"),
+        GMAX=_gmax(cfg.n_groups1), **_consts(cfg, "fwd", d, dv),
     )
     return o, den, tot[:, -1], totn[:, -1]
 
@@ -253,7 +249,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     dq = torch.empty_like(q)
     K._bwd_dq[(n_q, n_c, bsz)](
         q, k, v, go, dl, bs, cs, ws, l0, pairs, st, stn, dq, part, n, n_q, n_c, st.shape[1], d, dv, lay.rows,
-        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq")
+        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq", d, dv)
     )
     del st, stn
     # state gradients: chunk c's readout sends phi(Q_c)^T [go, -dl] to every earlier key (reverse scan)
@@ -272,7 +268,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     K._bwd_dkv[(n_kv, n_c, bsz)](
         q, k, v, go, dl, ws, l0, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
         n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, cfg.n_groups1, **consts,
-        **_consts(cfg, "dkv")
+        **_consts(cfg, "dkv", d, dv)
     )
     grads = _coef_grads(part.sum((0, 1)), cfg, lay)
     return dq, dk, dv_, grads, dinit
@@ -337,7 +333,7 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
         dot = torch.float32  # Triton's interpreter multiplies bf16 as raw bits; the GPU check covers bf16 dots
     lay = layout(d)
     chunk = chunk_size or CHUNK
-    cfg = Config(float(eps), factor.shape[-1], chunk, dot, acc)
+    cfg = Config(float(eps), factor.shape[-1], chunk, dot, acc, device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
     groups = groups.to(q.device)
     a, bs, cs, ws, l0 = _params(factor.to(q.device), groups, eps, scale, lay, acc)

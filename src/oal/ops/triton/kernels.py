@@ -10,7 +10,9 @@ normaliser column of R entries, which is the state's last column dv+1 of the pac
 
 The diagonal pairs (I, I) hold both (r, t) and (t, r), so the quadratic readout sums every ordered pair of a
 diagonal block once and every pair of an off-diagonal block twice (multiplicity 2, folded into the
-coefficients). Features are formed in registers one pair at a time and fed to `tl.dot`; they never go to HBM.
+coefficients). Features are formed in registers and fed to `tl.dot`; they never go to HBM. A pair is taken in
+16 / RH steps of RH rows of block I (RH * 16 features, rows 1 + D16 + 256 p + 16 RH s ..): RH is a compile-time
+tile size chosen per shape and target (tiles.py) so that the dot operands fit in shared memory at d, dv = 128.
 
 Per query head h the coefficients come in as A[h] = a (eps included), BS[h, r] = scale b_r,
 CS[h, r, t] = scale^2 C_rt, and for the dense intra-chunk kernel WS[h, m, r] = scale L[g(r)+1, m],
@@ -46,17 +48,36 @@ def _state(ST, base, rows, vcol, dv):
 
 
 @triton.jit
-def _pair_coef(CS, h, I, J, D16):
-    """scale^2 C_rt of block pair (I, J) as [16, 16], times the multiplicity 2 off the diagonal."""
-    r = tl.arange(0, 16)
-    cs = tl.load(CS + h * D16 * D16 + (I * 16 + r[:, None]) * D16 + J * 16 + r[None, :])
+def _sub(ptr, tok, tmask, I, s, d, RH: tl.constexpr):
+    """Rows s RH .. s RH + RH - 1 of feature block I: columns 16 I + s RH + [0, RH) of a [tokens, d] tensor."""
+    return _tile(ptr, tok, tmask, I * 16 + s * RH + tl.arange(0, RH), d)
+
+
+@triton.jit
+def _pair_coef(CS, h, I, J, s, D16, RH: tl.constexpr):
+    """scale^2 C_rt of step s of block pair (I, J) as [RH, 16], times the multiplicity 2 off the diagonal."""
+    r = s * RH + tl.arange(0, RH)
+    t = tl.arange(0, 16)
+    cs = tl.load(CS + h * D16 * D16 + (I * 16 + r[:, None]) * D16 + J * 16 + t[None, :])
     return cs * tl.where(I < J, 2.0, 1.0)
 
 
 @triton.jit
-def _flat(x3, C: tl.constexpr):
-    """[C, 16, 16] -> [C, 256], column f = 16 r + t."""
-    return tl.reshape(x3, [C, 256])
+def _flat(x3, C: tl.constexpr, RH: tl.constexpr):
+    """[C, RH, 16] -> [C, 16 RH], column f = 16 r + t."""
+    return tl.reshape(x3, [C, RH * 16])
+
+
+@triton.jit
+def _place(x, s, C: tl.constexpr, RH: tl.constexpr):
+    """[C, RH] -> [C, 16] holding x in columns s RH .. s RH + RH - 1 and zeros elsewhere.
+
+    Lets a step's share of block I go through `_scatter` (whose dot needs 16 columns) once per pair.
+    """
+    if RH == 16:
+        return x
+    x3 = tl.broadcast_to(x[:, None, :], [C, 16 // RH, RH])
+    return tl.reshape(tl.where((tl.arange(0, 16 // RH) == s)[None, :, None], x3, 0.0), [C, 16])
 
 
 @triton.jit
@@ -120,12 +141,10 @@ def _query_chunk(Q, K, V, N, n_q, d, dv, REP: tl.constexpr, C: tl.constexpr, BD:
 
 
 @triton.jit
-def _pair_blocks(PAIRS, p, xh, tok, tmask, d, D16, ACC_DT: tl.constexpr):
-    """Block pair p = (I, J): I, J, its state rows, and the two [C, 16] blocks of X (pointer xh)."""
-    I = tl.load(PAIRS + 2 * p)
-    J = tl.load(PAIRS + 2 * p + 1)
-    rows = 1 + D16 + p * 256 + tl.arange(0, 256)
-    return I, J, rows, _block(xh, tok, tmask, I, d).to(ACC_DT), _block(xh, tok, tmask, J, d).to(ACC_DT)
+def _pair_step(I, J, p, s, xh, tok, tmask, d, D16, RH: tl.constexpr, ACC_DT: tl.constexpr):
+    """Step s of block pair p = (I, J): its state rows, X's rows of block I [C, RH] and block J [C, 16]."""
+    rows = 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16)
+    return rows, _sub(xh, tok, tmask, I, s, d, RH).to(ACC_DT), _block(xh, tok, tmask, J, d).to(ACC_DT)
 
 
 @triton.jit
@@ -142,7 +161,7 @@ def _state_scan(
     X, Y, NW, A, BS, CS, PAIRS, ST, STN, TOT, TOTN, CARRY, CARRYN,
     N, HX, n_seg, d, dv, R, store, has_carry,
     NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    QUERY: tl.constexpr, REVERSE: tl.constexpr,
+    RH: tl.constexpr, QUERY: tl.constexpr, REVERSE: tl.constexpr,
     DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Scan of state increments over the chunks of one segment, for one feature block of one KV head.
@@ -152,11 +171,14 @@ def _state_scan(
     phi(Q_c)^T [Y_c | NW_c], the gradient that chunk c's readout sends to its state (Eq. 6, backward).
     The running value starts at CARRY (one per segment; when `has_carry`) or zero and ends in TOT; with `store`
     it is also written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
+    States are written in fp32 whatever the dot type: rounded only where a dot reads them, and the normaliser
+    and the backward's carries add in fp32.
     SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
     variants are compiled. The state tensor holds n_seg * SEG chunks; those past N add nothing.
-    Grid: (NPAIR + NB + 1 feature blocks, n_seg, B * Hkv).
+    Grid: (NPAIR * 16 / RH + NB + 1 feature blocks, n_seg, B * Hkv); an H2 program owns RH * 16 state rows.
     """
     D16 = NB * 16
+    NS: tl.constexpr = 16 // RH
     pid_t = tl.program_id(0)
     seg = tl.program_id(1)
     bh = tl.program_id(2)
@@ -167,34 +189,37 @@ def _state_scan(
     vmask = vcol < dv
     st_base = bh.to(tl.int64) * (n_seg * SEG) * R
     tot_base = (bh * n_seg + seg).to(tl.int64) * R
-    if pid_t < NPAIR:  # H2, one block pair
-        I = tl.load(PAIRS + 2 * pid_t)
-        J = tl.load(PAIRS + 2 * pid_t + 1)
-        rows = 1 + D16 + pid_t * 256 + tl.arange(0, 256)
-        acc = tl.zeros([256, BV], ACC_DT)
-        accn = tl.zeros([16, 16], ACC_DT)
+    if pid_t < NPAIR * NS:  # H2, one step of one block pair
+        p = pid_t // NS
+        s = pid_t % NS
+        I = tl.load(PAIRS + 2 * p)
+        J = tl.load(PAIRS + 2 * p + 1)
+        rows = 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16)
+        acc = tl.zeros([RH * 16, BV], ACC_DT)
+        accn = tl.zeros([RH, 16], ACC_DT)
         if has_carry:
             acc += _state(CARRY, tot_base, rows, vcol, dv)
-            accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [16, 16])
+            accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [RH, 16])
         for i in range(SEG):
             c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off = st_base + c * R + rows
-                tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(DOT_DT), mask=vmask[None, :])
-                tl.store(STN + off, tl.reshape(accn, [256]))
+                tl.store(ST + off[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
+                tl.store(STN + off, tl.reshape(accn, [RH * 16]))
             for r in range(REP):
                 xh = (b * HX + hk * REP + r).to(tl.int64)
-                f3 = _block(X + xh * N * d, tok, tmask, I, d).to(ACC_DT)[:, :, None]
+                f3 = _sub(X + xh * N * d, tok, tmask, I, s, d, RH).to(ACC_DT)[:, :, None]
                 f3 = f3 * _block(X + xh * N * d, tok, tmask, J, d).to(ACC_DT)[:, None, :]
                 if QUERY:
-                    f3 = f3 * _pair_coef(CS, hk * REP + r, I, J, D16)[None, :, :]
+                    f3 = f3 * _pair_coef(CS, hk * REP + r, I, J, s, D16, RH)[None, :, :]
                 y, nw = _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
-                acc = tl.dot(tl.trans(_flat(f3.to(DOT_DT), C)), y, acc, input_precision=PREC, out_dtype=ACC_DT)
+                acc = tl.dot(tl.trans(_flat(f3.to(DOT_DT), C, RH)), y, acc, input_precision=PREC,
+                             out_dtype=ACC_DT)
                 accn += tl.sum(f3 * nw[:, None, None], axis=0)
         tl.store(TOT + (tot_base + rows)[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
-        tl.store(TOTN + tot_base + rows, tl.reshape(accn, [256]))
-    elif pid_t < NPAIR + NB:  # H1, one 16-wide block
-        I1 = pid_t - NPAIR
+        tl.store(TOTN + tot_base + rows, tl.reshape(accn, [RH * 16]))
+    elif pid_t < NPAIR * NS + NB:  # H1, one 16-wide block
+        I1 = pid_t - NPAIR * NS
         rows1 = 1 + I1 * 16 + tl.arange(0, 16)
         acc1 = tl.zeros([16, BV], ACC_DT)
         accn1 = tl.zeros([16], ACC_DT)
@@ -205,7 +230,7 @@ def _state_scan(
             c1, tok1, tmask1 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off1 = st_base + c1 * R + rows1
-                tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(DOT_DT), mask=vmask[None, :])
+                tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1, mask=vmask[None, :])
                 tl.store(STN + off1, accn1)
             for r in range(REP):
                 xh1 = (b * HX + hk * REP + r).to(tl.int64)
@@ -227,7 +252,7 @@ def _state_scan(
         for i in range(SEG):
             c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
-                tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(DOT_DT), mask=vmask)
+                tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0, mask=vmask)
                 tl.store(STN + st_base + c0 * R + one, accn0)
             for r in range(REP):
                 xh0 = (b * HX + hk * REP + r).to(tl.int64)
@@ -246,7 +271,7 @@ def _fwd_out(
     Q, K, V, A, BS, CS, WS, L0, PAIRS, ST, STN, O, DEN,
     N, n_q, n_cs, d, dv, R, eps, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
 
@@ -269,7 +294,7 @@ def _fwd_out(
     # inter-chunk: phi(q) . S_c, one feature block at a time (Eq. 6); S_c holds every earlier chunk
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
     a = tl.load(A + h)
-    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
+    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)[None, :]
     den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
     for I in range(NB):
         rows = 1 + I * 16 + j16
@@ -277,16 +302,18 @@ def _fwd_out(
         acc = tl.dot(f1.to(DOT_DT), _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                      out_dtype=ACC_DT)
         den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
-    den16 = tl.zeros([C, 16], ACC_DT)
     for p in range(NPAIR):
-        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
-        f3 = q_i[:, :, None] * q_j[:, None, :]
-        f2 = _flat((f3 * _pair_coef(CS, h, pi, pj, D16)[None, :, :]).to(DOT_DT), C)  # rounded, then reshaped
-        acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
-        # the normaliser column through the tensor cores too, its state broadcast to 16 equal columns
-        sn = tl.broadcast_to(tl.load(STN + base + rows2).to(DOT_DT)[:, None], [256, 16])
-        den16 = tl.dot(f2, sn, den16, input_precision=PREC, out_dtype=ACC_DT)
-    den += tl.sum(den16, axis=1) / 16.0
+        pi = tl.load(PAIRS + 2 * p)
+        pj = tl.load(PAIRS + 2 * p + 1)
+        for s in range(16 // RH):
+            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
+            f3 = q_i[:, :, None] * q_j[:, None, :] * _pair_coef(CS, h, pi, pj, s, D16, RH)[None, :, :]
+            f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
+            acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
+                         out_dtype=ACC_DT)
+            # the normaliser in fp32 from the unrounded features, as for H0, H1 and the intra-chunk part
+            sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
+            den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
     out = acc / tl.where(tmask, den, 1.0)[:, None]
     tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :],
              out.to(O.dtype.element_ty), mask=tmask[:, None] & (vcol < dv)[None, :])
@@ -298,7 +325,7 @@ def _bwd_dq(
     Q, K, V, GO, DL, BS, CS, WS, L0, PAIRS, ST, STN, DQ, PART,
     N, n_q, n_c, n_cs, d, dv, R, P, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
-    GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dq of one chunk of one query head, and its share of the coefficient gradients.
 
@@ -330,7 +357,7 @@ def _bwd_dq(
             tl.store(part + off_w + m * BD + dcol, tl.sum(q.to(ACC_DT) * t, axis=0))
     # inter-chunk: the gradient of phi(q) is [go, -dl] S_c^T, then through phi (Eq. 6)
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
-    s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
+    s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)
     r0 = tl.sum(go.to(ACC_DT) * s0[None, :], axis=1) - dl * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
     tl.store(part, tl.sum(r0, axis=0))
     for I in range(NB):
@@ -341,16 +368,23 @@ def _bwd_dq(
         dq = _scatter(dq, r1 * tl.load(BS + h * D16 + I * 16 + j16)[None, :], I, BD, PREC)
         tl.store(part + 1 + I * 16 + j16, tl.sum(_block(qh, tok, tmask, I, d).to(ACC_DT) * r1, axis=0))
     for p in range(NPAIR):
-        pi, pj, rows2, q_i, q_j = _pair_blocks(PAIRS, p, qh, tok, tmask, d, D16, ACC_DT)
-        dphi = tl.dot(go, tl.trans(_state(ST, base, rows2, vcol, dv).to(DOT_DT)), input_precision=PREC,
-                      out_dtype=ACC_DT)
-        dphi -= dl[:, None] * tl.load(STN + base + rows2)[None, :]
-        d3 = tl.reshape(dphi, [C, 16, 16])
-        dcs = tl.sum(q_i[:, :, None] * q_j[:, None, :] * d3, axis=0) * tl.where(pi < pj, 2.0, 1.0)
-        tl.store(part + 1 + D16 + p * 256 + tl.arange(0, 256), tl.reshape(dcs, [256]))
-        d3 = d3 * _pair_coef(CS, h, pi, pj, D16)[None, :, :]
-        dq = _scatter(dq, tl.sum(d3 * q_j[:, None, :], axis=2), pi, BD, PREC)
-        dq = _scatter(dq, tl.sum(d3 * q_i[:, :, None], axis=1), pj, BD, PREC)
+        pi = tl.load(PAIRS + 2 * p)
+        pj = tl.load(PAIRS + 2 * p + 1)
+        x_i = tl.zeros([C, 16], ACC_DT)  # this pair's share of dq in blocks I and J
+        x_j = tl.zeros([C, 16], ACC_DT)
+        for s in range(16 // RH):
+            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
+            dphi = tl.dot(go, tl.trans(_state(ST, base, rows2, vcol, dv).to(DOT_DT)), input_precision=PREC,
+                          out_dtype=ACC_DT)
+            dphi -= dl[:, None] * tl.load(STN + base + rows2)[None, :]
+            d3 = tl.reshape(dphi, [C, RH, 16])
+            dcs = tl.sum(q_i[:, :, None] * q_j[:, None, :] * d3, axis=0) * tl.where(pi < pj, 2.0, 1.0)
+            tl.store(part + 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16), tl.reshape(dcs, [RH * 16]))
+            d3 = d3 * _pair_coef(CS, h, pi, pj, s, D16, RH)[None, :, :]
+            x_i += _place(tl.sum(d3 * q_j[:, None, :], axis=2), s, C, RH)
+            x_j += tl.sum(d3 * q_i[:, :, None], axis=1)
+        dq = _scatter(dq, x_i, pi, BD, PREC)
+        dq = _scatter(dq, x_j, pj, BD, PREC)
     tl.store(DQ + (b * n_q + h).to(tl.int64) * N * d + tok[:, None] * d + dcol[None, :], dq.to(DQ.dtype.element_ty),
              mask=tmask[:, None] & (dcol < d)[None, :])
 
@@ -360,7 +394,8 @@ def _bwd_dkv(
     Q, K, V, GO, DL, WS, L0, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
     N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-    NPAIR: tl.constexpr, GMAX: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    NPAIR: tl.constexpr, GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dk and dv of one chunk of one KV head, looping over its query heads (no atomics).
 
@@ -381,9 +416,10 @@ def _bwd_dkv(
     for r in range(REP):
         h = hk * REP + r
         q = _tile(Q + (b * n_q + h).to(tl.int64) * N * d, tok, tmask, dcol, d)
-        go = _tile(GO + (b * n_q + h).to(tl.int64) * N * dv, tok, tmask, vcol, dv).to(DOT_DT)
+        goh = GO + (b * n_q + h).to(tl.int64) * N * dv
         dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
-        dkap = tl.where(causal, tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None], 0.0)
+        dkap = tl.dot(_tile(goh, tok, tmask, vcol, dv).to(DOT_DT), tl.trans(v), input_precision=PREC, out_dtype=ACC_DT)
+        dkap = tl.where(causal, dkap - dl[:, None], 0.0)
         kap = tl.zeros([C, C], ACC_DT) + eps
         for m in range(GMAX):
             if m < g1:
@@ -392,30 +428,41 @@ def _bwd_dkv(
                 qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
                 dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
         kap = tl.where(causal, kap, 0.0)
-        dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
+        # go loaded again rather than kept: its shared-memory copy would be live across the loop over L's columns
+        # (the eviction hint keeps the compiler from merging the two loads)
+        go = tl.load(goh + tok[:, None] * dv + vcol[None, :], mask=tmask[:, None] & (vcol < dv)[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go.to(DOT_DT), dv_acc, input_precision=PREC, out_dtype=ACC_DT)
     # inter-chunk: every later query read these keys through the state; dH_c = local + carry
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
     cbase = ((b * n_kv + hk) * n_seg + c // seg_len).to(tl.int64) * R
-    dh0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
+    dh0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)
     dv_acc += (dh0 + tl.load(CARRY + cbase * dv + vcol, mask=vcol < dv, other=0.0))[None, :]
     for I in range(NB):
         rows = 1 + I * 16 + j16
-        dh1 = (_state(ST, base, rows, vcol, dv).to(ACC_DT) + _state(CARRY, cbase, rows, vcol, dv)).to(DOT_DT)
+        dh1 = (_state(ST, base, rows, vcol, dv) + _state(CARRY, cbase, rows, vcol, dv)).to(DOT_DT)
         dv_acc = tl.dot(_block(kh, tok, tmask, I, d).to(ACC_DT).to(DOT_DT), dh1, dv_acc, input_precision=PREC,
                         out_dtype=ACC_DT)
         dpsi = tl.dot(v, tl.trans(dh1), input_precision=PREC, out_dtype=ACC_DT)
         dpsi += (tl.load(STN + base + rows) + tl.load(CARRYN + cbase + rows))[None, :]
         dk = _scatter(dk, dpsi, I, BD, PREC)
     for p in range(NPAIR):
-        pi, pj, rows2, k_i, k_j = _pair_blocks(PAIRS, p, kh, tok, tmask, d, D16, ACC_DT)
-        dh2 = (_state(ST, base, rows2, vcol, dv).to(ACC_DT) + _state(CARRY, cbase, rows2, vcol, dv)).to(DOT_DT)
-        psi = _flat((k_i[:, :, None] * k_j[:, None, :]).to(DOT_DT), C)
-        dv_acc = tl.dot(psi, dh2, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
-        dpsi2 = tl.dot(v, tl.trans(dh2), input_precision=PREC, out_dtype=ACC_DT)
-        dpsi2 += (tl.load(STN + base + rows2) + tl.load(CARRYN + cbase + rows2))[None, :]
-        d3 = tl.reshape(dpsi2, [C, 16, 16])
-        dk = _scatter(dk, tl.sum(d3 * k_j[:, None, :], axis=2), pi, BD, PREC)
-        dk = _scatter(dk, tl.sum(d3 * k_i[:, :, None], axis=1), pj, BD, PREC)
+        pi = tl.load(PAIRS + 2 * p)
+        pj = tl.load(PAIRS + 2 * p + 1)
+        x_i = tl.zeros([C, 16], ACC_DT)  # this pair's share of dk in blocks I and J
+        x_j = tl.zeros([C, 16], ACC_DT)
+        for s in range(16 // RH):
+            rows2, k_i, k_j = _pair_step(pi, pj, p, s, kh, tok, tmask, d, D16, RH, ACC_DT)
+            dh2 = (_state(ST, base, rows2, vcol, dv) + _state(CARRY, cbase, rows2, vcol, dv)).to(DOT_DT)
+            psi = _flat((k_i[:, :, None] * k_j[:, None, :]).to(DOT_DT), C, RH)
+            dv_acc = tl.dot(psi, dh2, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
+            dpsi2 = tl.dot(v, tl.trans(dh2), input_precision=PREC, out_dtype=ACC_DT)
+            dpsi2 += (tl.load(STN + base + rows2) + tl.load(CARRYN + cbase + rows2))[None, :]
+            d3 = tl.reshape(dpsi2, [C, RH, 16])
+            x_i += _place(tl.sum(d3 * k_j[:, None, :], axis=2), s, C, RH)
+            x_j += tl.sum(d3 * k_i[:, :, None], axis=1)
+        dk = _scatter(dk, x_i, pi, BD, PREC)
+        dk = _scatter(dk, x_j, pj, BD, PREC)
     tl.store(DK + (b * n_kv + hk).to(tl.int64) * N * d + tok[:, None] * d + dcol[None, :], dk.to(DK.dtype.element_ty),
              mask=tmask[:, None] & (dcol < d)[None, :])
     tl.store(DV + (b * n_kv + hk).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :],

@@ -14,20 +14,22 @@ from oal.ops.reference import dense_kernel
 __all__ = ["window_log_weights", "reference_window_attention"]
 
 
-def window_log_weights(q, k, positions, *, window: int, sinks: int = 0, kernel=None, scale: float):
+def window_log_weights(q, k, positions, *, window: int, sinks: int = 0, kernel=None, scale: float, log_kappa=None):
     """log w [B, Hq, n, M] of queries q [B, Hq, n, d] at `positions` [n] against keys k [B, Hkv, M, d] at 0..M-1.
 
-    kernel: None (swa) or (groups, factor, eps) for the older keys (oal-swa)."""
+    kernel: None (swa) or (groups, factor, eps) for the older keys (oal-swa); or `log_kappa` [B, Hq, n, M], the
+    log of Eq. 7 computed elsewhere (calibration's batched evaluation), for the older keys instead."""
     rep = q.shape[1] // k.shape[1]
     s = scale * q @ k.repeat_interleave(rep, dim=1).transpose(-1, -2)
     j = torch.arange(k.shape[2], device=q.device)
     i = positions.to(q.device)[:, None]
     in_window = (j <= i) & (j > i - window)
-    if kernel is None:  # y_i = softmax over {i - W < j <= i} u {j < S, j <= i} (StreamingLLM's window + sinks)
+    if kernel is None and log_kappa is None:  # swa: softmax over {i - W < j <= i} u {j < S, j <= i} (StreamingLLM)
         return s.masked_fill(~(in_window | ((j < sinks) & (j <= i))), -torch.inf)
-    groups, factor, eps = kernel
     older = j <= i - window  # y_i = (sum_win e^s v + sum_old kappa v) / (sum_win e^s + sum_old kappa), Eq. 7
-    log_kappa = dense_kernel(q, k, groups, factor, eps=eps, scale=scale).log()
+    if log_kappa is None:
+        groups, factor, eps = kernel
+        log_kappa = dense_kernel(q, k, groups, factor, eps=eps, scale=scale).log()
     return torch.where(in_window, s, log_kappa.masked_fill(~older, -torch.inf))
 
 

@@ -1,0 +1,65 @@
+"""Tile sizes and launch options of the Triton kernels per shape and target, and the inputs they refuse.
+
+No triton import: `unsupported` (and so `auto`) reads this without loading the kernels.
+
+RH is the number of rows of a 16 x 16 feature-block pair that one H2 dot takes (kernels.py): its operands are
+[C, 16 RH] features and [16 RH, dv] state rows, so RH bounds the shared memory and registers of the pair loops.
+Pipeline stages buffer the (fp32) state tiles in shared memory. Every entry was compiled for its target without a
+GPU at d, dv in {64, 128} and bf16, fp16, fp32 inputs (scripts/triton_sm90_check.py, in CI through
+tests/test_triton_compile.py); smaller head dims have smaller tiles (BD, BV are d, dv rounded up to a power of
+two). Not tuned on a device: see README "GPU".
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}  # shared memory of one block: H100/H200 (sm_90), A100 (sm_80)
+NUM_WARPS = 8  # keeps the feature tiles mostly in registers
+
+# (half-precision dots, max(d, dv) > 64, arch) -> kernel -> (RH, pipeline stages)
+TILES = {
+    (True, False, 90): dict(scan=(16, 3), fwd=(16, 3), dq=(16, 2), dkv=(16, 2)),
+    (True, False, 80): dict(scan=(16, 3), fwd=(16, 3), dq=(16, 2), dkv=(8, 2)),  # RH 16: 7-30 KB of spills
+    (True, True, 90): dict(scan=(8, 3), fwd=(8, 2), dq=(8, 2), dkv=(8, 2)),  # RH 16: dkv 337 KB
+    (True, True, 80): dict(scan=(8, 3), fwd=(8, 2), dq=(8, 2), dkv=(8, 1)),  # 2 stages: dkv 176 KB
+    # fp32 inputs: tf32x3 dots, whose big and small halves each take an operand buffer
+    (False, False, 90): dict(scan=(16, 1), fwd=(16, 1), dq=(16, 1), dkv=(16, 1)),
+    (False, False, 80): dict(scan=(16, 1), fwd=(16, 1), dq=(16, 1), dkv=(16, 1)),
+    (False, True, 90): dict(scan=(8, 1), fwd=(8, 1), dq=(8, 1), dkv=(8, 1)),  # RH 16: 320 KB
+    (False, True, 80): dict(scan=(4, 1), fwd=(4, 1), dq=(4, 1), dkv=(4, 1)),  # RH 8: dq, dkv 192 KB
+}
+
+
+def tiles(kernel: str, d: int, dv: int, half: bool, arch: int) -> dict:
+    """RH and the launch options of `kernel` ('scan', 'fwd', 'dq', 'dkv') for head dims (d, dv), half-precision
+    dots or not, on `arch` (90 or 80)."""
+    rh, stages = TILES[half, max(d, dv) > 64, arch][kernel]
+    return dict(RH=rh, num_warps=NUM_WARPS, num_stages=stages)
+
+
+def device_arch(device: torch.device) -> int:
+    """The target whose tiles a device uses: 90 for Hopper and later (checked for sm_90 only), else 80 (90 under
+    the interpreter)."""
+    if device.type != "cuda":
+        return 90
+    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
+
+
+def device_shared(device: torch.device) -> tuple[str, int]:
+    """(name, shared memory one block may opt in to, in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.name, getattr(props, "shared_memory_per_block_optin", SHARED_LIMIT[device_arch(device)])
+
+
+def refusal(d: int, dv: int, dtype: torch.dtype, arch: int) -> str | None:
+    """Why the kernels cannot take head dims (d, dv) and inputs in `dtype` on `arch` (None when they can).
+
+    Every d, dv <= 128 fits both targets with the tiles above, so `arch` refuses nothing today; the compile
+    check asks per target all the same.
+    """
+    if d > 128 or dv > 128:
+        return f"q/v: the triton backend supports d, dv <= 128, got d={d}, dv={dv}"
+    if dtype == torch.float64:  # fp64 pair tiles exceed the shared memory of every GPU
+        return "q: the triton backend takes bf16, fp16 or fp32 on CUDA (fp64 runs on backend='chunked')"
+    return None

@@ -1,0 +1,42 @@
+"""The Triton kernels compile for an H100/H200 (sm_90) and an A100 (sm_80) within one block's shared memory.
+
+Runs scripts/triton_sm90_check.py (Triton's compiler and the ptxas it bundles; no GPU). The full grid (d, dv in
+{64, 128}, bf16/fp16/fp32, both targets: 120 compilations) takes minutes even on free cores, so CI compiles the two
+largest kernels: dkv at d = dv = 128, bf16 for sm_90 (176 of 227 KB) and fp32 for sm_80 (160 of 163 KB, the closest
+to its limit), about 20-30 s of CPU each. The grid itself is run by hand (README "GPU"). The interpreter setting
+of conftest.py is removed for the subprocess, since the interpreter does not compile.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")  # in the dev extra on Linux; no other reason to skip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(*args: str) -> tuple[int, list[str], str]:
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "scripts" / "triton_sm90_check.py"), "--head-dims", "128", "--kernels", "dkv",
+           *args]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(res.stdout, f"compile check: {cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime:.1f} s of CPU")
+    return res.returncode, [line for line in res.stdout.splitlines() if line.startswith("sm_")], res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "arch"), [("bf16", "90"), ("fp32", "80")])
+def test_largest_kernels_fit_their_target(dtype, arch):
+    rc, rows, err = _check("--dtypes", dtype, "--arch", arch)
+    assert rc == 0 and len(rows) == 1, (rows, err[-2000:])
+    assert "shared" in rows[0] and "OVER" not in rows[0] and f"sm_{arch}" in rows[0], rows
