@@ -223,6 +223,18 @@ def test_paper_compute_dtypes_by_default():
 # ---------------------------------------------------------------- DiJiang: App. F.1 / upstream construction
 
 
+def _assert_matches_with_gradients(out, ref, inputs, ref_inputs, seed):
+    """out == ref in fp64, and so are their gradients (none zero) into `inputs` / `ref_inputs` under one random
+    cotangent drawn from `seed`."""
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    g_out = torch.autograd.grad((out * wt).sum(), inputs)
+    g_ref = torch.autograd.grad((ref * wt).sum(), ref_inputs)
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 def _dct2_by_definition(d):
     """Orthonormal DCT-II from its definition: X_k = sum_n x_n a_k cos(pi k (2n + 1) / (2d)), a_0 = sqrt(1/d),
     a_k = sqrt(2/d); row k holds the coefficients of X_k (scipy's dct(eye(d), axis=0, norm='ortho'))."""
@@ -292,14 +304,7 @@ def test_dijiang_outputs_and_gradients_match_upstream_formula():
     _, fq, fk = _dijiang_upstream_features(q, k, theta, seed=3, layer=2)
     w = (fq @ fk.transpose(-1, -2)).tril()
     ref = (w @ v.repeat_interleave(2, dim=1)) / w.sum(-1, keepdim=True)
-    out = m(q, k, v)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, m.theta))
-    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, theta))
-    for a, b in zip(g_out, g_ref, strict=True):
-        assert a.abs().sum() > 0
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    _assert_matches_with_gradients(m(q, k, v), ref, (q, k, v, m.theta), (q, k, v, theta), seed=4)
 
 
 def test_dijiang_features_are_spread_not_one_hot():
@@ -365,17 +370,10 @@ def test_spectraformer_outputs_and_gradients_match_upstream_formula():
     assert fq.shape[-1] == 17
     w = (fq @ fk.transpose(-1, -2)).tril()
     ref = (w @ v.repeat_interleave(2, dim=1)) / w.sum(-1, keepdim=True)
-    out = m(q, k, v)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    a, b = m._features(q, k)
+    a, _ = m._features(q, k)
     torch.testing.assert_close(a, fq, rtol=1e-12, atol=1e-14)
-    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    params = (m.B, m.G, m.S)
-    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, *params))
-    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, *params))
-    for x, y in zip(g_out, g_ref, strict=True):
-        assert x.abs().sum() > 0
-        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
+    params = (q, k, v, m.B, m.G, m.S)
+    _assert_matches_with_gradients(m(q, k, v), ref, params, params, seed=4)
 
 
 def test_spectraformer_gradient_is_the_functions_gradient():
@@ -424,11 +422,4 @@ def test_taylorshift_outputs_and_gradients_match_formula():
     s = tau[None, :, None, None] * (qh @ kh.transpose(-1, -2))
     kern = (1 + s + s * s / 2).tril()
     ref = (kern @ v.repeat_interleave(2, dim=1)) / kern.sum(-1, keepdim=True)
-    out = m(q, k, v)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    wt = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    g_out = torch.autograd.grad((out * wt).sum(), (q, k, v, m.tau))
-    g_ref = torch.autograd.grad((ref * wt).sum(), (q, k, v, tau))
-    for a, b in zip(g_out, g_ref, strict=True):
-        assert a.abs().sum() > 0
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    _assert_matches_with_gradients(m(q, k, v), ref, (q, k, v, m.tau), (q, k, v, tau), seed=1)
