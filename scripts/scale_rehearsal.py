@@ -10,7 +10,9 @@ segmentation is Qwen's, not Llama 3's (whose tiktoken file ships with the gated 
 
 It runs `oal.pipeline.decoder.Run` stage by stage with the paper's layer ranges, sequence length N = 4096 and head
 counts, at reduced block and step counts (or the paper's with --full), and writes DIR/rehearsal.json: per stage
-the wall time, peak RSS (MB) and CUDA peak (MB), and an extrapolation of each stage to the paper's budget.
+the wall time, CPU time, load average, peak RSS (MB) and CUDA peak (MB), and an extrapolation of each stage to the
+paper's budget. The zero-shot stage scores the repository's fixtures (tests/fixtures/zeroshot: PIQA, HellaSwag and
+ARC-E-shaped rows, a few dozen each) and is extrapolated per scored choice to the full evaluation sets.
 Weights are random, so the perplexities and fidelities it prints mean nothing; only costs are measured.
 
     python scripts/scale_rehearsal.py --preset qwen2.5-0.5b --out /tmp/rehearsal-qwen
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -67,6 +70,13 @@ PAPER = {"calib_train": 8, "calib_val": 2, "fidelity": 16, "calib_steps": 1000, 
          "adapt_steps": 512, "adapt_val_every": 128, "val_blocks": 32}
 WT103_CHARS = 5.4e8  # raw WikiText-103 (all splits), approximate: tokenised once by setup
 WT103_TEST_CHARS = 1.29e6  # raw WikiText-103 test split, approximate: scored by every perplexity stage
+# Choices scored by the paper's zero-shot tasks (App. F.3), examples x candidates of the splits lm-eval scores:
+# PIQA validation (ybisk/piqa: 1,838 x 2), HellaSwag validation (Rowan/hellaswag: 10,042 x 4), ARC-Easy test
+# (allenai/ai2_arc ARC-Easy: 2,376 examples; 4 choices, a handful have 3 or 5).
+PAPER_ZEROSHOT_CHOICES = {"piqa": 1838 * 2, "hellaswag": 10042 * 4, "arc_easy": 2376 * 4}
+ZEROSHOT_FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zeroshot"
+# probe: updates of the second calibration (the first has 1); their difference is the cost of one update
+PROBE_UPDATES = 9
 
 
 # ----------------------------------------------------------------------------------------------- model + tokenizer
@@ -171,7 +181,8 @@ def split_blocks(tokenizer, data: str, block_len: int) -> dict[str, int]:
 
 
 class Meter:
-    """Wall time, CPU time (this process, all threads), peak RSS and CUDA peak of each `with meter(stage):` block.
+    """Wall time, CPU time (this process, all threads), peak RSS, CUDA peak and the load average (1, 5, 15 min, at
+    the start and the end: other processes' demand on a shared machine) of each `with meter(stage):` block.
 
     Peak RSS: the kernel's high-water mark (VmHWM), reset at the start of each stage through
     /proc/self/clear_refs; where that is not writable, a 50 ms sampling thread of the current RSS.
@@ -212,6 +223,7 @@ class Meter:
         sampler = None if exact else threading.Thread(target=sample, daemon=True)
         if sampler:
             sampler.start()
+        load0 = [round(x, 2) for x in os.getloadavg()]
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
@@ -225,29 +237,36 @@ class Meter:
             rss = self._status("VmHWM") if exact else peak[0]
             self.rows[stage] = {"seconds": round(seconds, 2), "cpu_seconds": round(time.process_time() - c0, 2),
                                 "peak_rss_mb": round(rss, 1),
-                                "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None}
+                                "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
+                                "loadavg_start": load0, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 # ----------------------------------------------------------------------------------------------- extrapolation
 
 
-def calibration_probe(run: Run, layer: int, seed: int) -> float:
-    """Seconds of one layer's global + OAL calibration at 1 update (validations at 0 and 1, set-up): the part of
-    the calibration cost that does not scale with the update count."""
+def calibration_probe(run: Run, layer: int, seed: int) -> dict:
+    """Seconds of one layer's global + OAL calibration at 1 and at PROBE_UPDATES updates, each with the two
+    validations (before the first update and after the last) and the set-up. 1 update: the part of the cost that
+    does not scale with the update count (plus one update); the difference / (PROBE_UPDATES - 1): one update, which
+    a rehearsal at --calib-steps 1 cannot separate from its validations otherwise."""
     from oal.analysis import load_groups
 
     train = capture_layer_data(run.model, run.blocks["calib_train"].to(run.device), layer, batch_size=1)
     val = capture_layer_data(run.model, run.blocks["calib_val"].to(run.device), layer, batch_size=1)
     groups = load_groups(run.dir).get(layer) if "oal" in run.cfg.methods else None
-    cfg = CalibConfig(max_steps=1, val_every=1, patience=1, seed=seed)
     clock = time.process_time if run.device.type == "cpu" else time.perf_counter  # as in extrapolate()
-    t0 = clock()
-    calibrate_methods(run.kernel_methods, train, val, layer=layer, groups=groups, cfg=cfg, seed=seed)
-    return clock() - t0
+    out = {}
+    for updates in (1, PROBE_UPDATES):
+        cfg = CalibConfig(max_steps=updates, val_every=updates, patience=updates, seed=seed)
+        t0 = clock()
+        calibrate_methods(run.kernel_methods, train, val, layer=layer, groups=groups, cfg=cfg, seed=seed)
+        out[updates] = clock() - t0
+    return {"one_update_s": out[1], "updates": PROBE_UPDATES, "updates_s": out[PROBE_UPDATES],
+            "per_update_s": max(out[PROBE_UPDATES] - out[1], 0.0) / (PROBE_UPDATES - 1)}
 
 
-def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe_s: float | None, chars_per_token: float,
-                tokenize_rate: float) -> dict:
+def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe: dict | None, chars_per_token: float,
+                tokenize_rate: float, zeroshot_choices: dict | None = None) -> dict:
     """Each stage's cost at the paper's budget, from the measured stage and a linear cost model per stage.
 
     On a CPU the costs are CPU seconds of this process (the wall time of an idle machine at one thread; on a
@@ -273,8 +292,12 @@ def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe_s: float 
         per_layer = sum(r["elapsed_s"] for m in cal["methods"].values() for r in m.values()) / n_layers
         per_layer *= ratio["calibrate"]
         s = steps["calib"]
-        fixed = probe_s if probe_s is not None else 0.0
-        per_step = max(per_layer - fixed, 0.0) / max(s - 1, 1)
+        fixed = probe["one_update_s"] if probe is not None else 0.0
+        if s > 1 or probe is None:  # the stage's own updates past the first
+            per_step = max(per_layer - fixed, 0.0) / max(s - 1, 1)
+        else:  # one update per initialisation: the stage cannot tell updates from validations, the probe can
+            per_step = probe["per_update_s"]
+            fixed = max(fixed - per_step, 0.0)
         # probe: 2 validations on counts['calib_val'] blocks; the paper: 11 validations on 2 blocks
         n_val = PAPER["calib_steps"] // PAPER["calib_val_every"] + 1
         paper_layer = per_step * PAPER["calib_steps"] + fixed / 2 * n_val * PAPER["calib_val"] / counts["calib_val"]
@@ -292,6 +315,9 @@ def extrapolate(rows: dict, run: Run, counts: dict, steps: dict, probe_s: float 
             per_step = max(rows[f"adapt:{m}"]["seconds"] - counts["val"] * fwd, 0.0) / a
             n_val = PAPER["adapt_steps"] // PAPER["adapt_val_every"]
             out[f"adapt:{m}"] = per_step * PAPER["adapt_steps"] + n_val * PAPER["val_blocks"] * fwd
+        if f"zeroshot:{m}" in rows and zeroshot_choices:  # linear per scored choice, over the tasks it scored
+            paper = sum(PAPER_ZEROSHOT_CHOICES[t] for t in zeroshot_choices)
+            out[f"zeroshot:{m}"] = rows[f"zeroshot:{m}"]["seconds"] * paper / sum(zeroshot_choices.values())
     out["paper_test_blocks"] = paper_test
     return {k: round(v, 1) for k, v in out.items()}
 
@@ -319,7 +345,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CI size: 3 layers, 16-dim heads, 4096-token vocabulary")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-probe", action="store_true", help="skip the calibration probe used for extrapolation")
+    p.add_argument("--zeroshot-limit", type=int, default=None, help="first N fixture examples per zero-shot task "
+                   "(default: all of tests/fixtures/zeroshot)")
     return p.parse_args(argv)
+
+
+def _cpu_model() -> str | None:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _layers(spec: str | None) -> list[int] | None:
@@ -373,20 +409,30 @@ def main(argv=None) -> dict:
     grouping = {} if args.bootstrap is None else {"n_bootstrap": args.bootstrap}
     cfg = RunConfig.from_preset(args.preset, model=str(model_dir), data=args.data, methods=args.methods,
                                 layers=_layers(args.layers), seed=args.seed, dtype=args.dtype, device=str(device),
-                                calib=calib, adapt=adapt, grouping=grouping, plan=plan(n, counts))
+                                calib=calib, adapt=adapt, grouping=grouping, plan=plan(n, counts),
+                                zeroshot_tasks=list(PAPER_ZEROSHOT_CHOICES), zeroshot_limit=args.zeroshot_limit,
+                                zeroshot_files={t: str(ZEROSHOT_FIXTURES / f"{t}.jsonl")
+                                                for t in PAPER_ZEROSHOT_CHOICES})
     run = Run(cfg, out / "run", console=console, progress=True)
     rows, probe = meter.rows, None
+    zeroshot_choices = {t: sum(len(ex.candidates) for ex in examples)
+                        for t, (examples, _) in run.zeroshot_sets().items()}
     report_path = out / "rehearsal.json"
-    earlier = load_json(report_path).get("stages", {}) if report_path.is_file() else {}
+    earlier_report = load_json(report_path) if report_path.is_file() else {}
+    earlier = earlier_report.get("stages", {})
 
     def save(partial: bool) -> dict:
         result = {
             "preset": args.preset, "device": str(device), "dtype": args.dtype, "full": args.full, "tiny": args.tiny,
             "partial": partial, "layers": run.layers, "seq_len": n, "methods": cfg.methods, "counts": counts,
             "steps": steps, "parameters": sum(p.numel() for p in run.model.parameters()),
-            "threads": torch.get_num_threads(), "stages": rows, "calibration_probe_s": probe,
+            "threads": torch.get_num_threads(), "stages": rows,
+            "calibration_probe_s": None if probe is None else round(probe["one_update_s"], 2),
+            "calibration_probe": probe, "zeroshot_choices": zeroshot_choices,
+            "paper_zeroshot_choices": PAPER_ZEROSHOT_CHOICES, "cpu_model": _cpu_model(),
             "tokenizer": {"chars_per_token": round(chars_per_token, 3), "chars_per_s": round(tokenize_rate)},
-            "extrapolated_paper_s": extrapolate(rows, run, counts, steps, probe, chars_per_token, tokenize_rate),
+            "extrapolated_paper_s": extrapolate(rows, run, counts, steps, probe, chars_per_token, tokenize_rate,
+                                                zeroshot_choices),
             "peak_rss_mb": max(r["peak_rss_mb"] or 0 for r in rows.values()),
             "metrics": run.metrics() if not partial else {},
             "notes": "random weights: perplexities and fidelities are meaningless; costs only. Extrapolation: "
@@ -411,12 +457,15 @@ def main(argv=None) -> dict:
     stage("analyze", run.analyze)
     stage("calibrate", run.calibrate)
     if run.kernel_methods and not args.no_probe:
-        probe = calibration_probe(run, run.layers[0], args.seed)
+        probe = earlier_report.get("calibration_probe") if rows["calibrate"].get("resumed") else None
+        if not isinstance(probe, dict) or "per_update_s" not in probe:  # (one from before a resume is kept)
+            probe = calibration_probe(run, run.layers[0], args.seed)
     stage("fidelity", run.fidelity)
     for m in cfg.methods:
         stage(f"perplexity_no_adapt:{m}", lambda m=m: run.perplexity(m, adapted=False))
         stage(f"adapt:{m}", lambda m=m: run.adapt(m))
         stage(f"perplexity:{m}", lambda m=m: run.perplexity(m, adapted=True))
+        stage(f"zeroshot:{m}", lambda m=m: run.zeroshot(m))
     result = save(partial=False)
     console.print(table(result))
     return result
@@ -427,18 +476,19 @@ def table(result: dict) -> Table:
                     f"N={result['seq_len']}, {len(result['layers'])} converted layers"
                     f"{', full' if result['full'] else ''})")
     t.add_column("stage", no_wrap=True)
-    for col in ("wall s", "CPU s", "peak RSS MB", "CUDA peak MB", "paper budget (extrapolated) s"):
+    for col in ("wall s", "CPU s", "load 1 min", "peak RSS MB", "CUDA peak MB", "paper budget (extrapolated) s"):
         t.add_column(col, justify="right")
     for stage, r in result["stages"].items():
         paper = result["extrapolated_paper_s"].get(stage)
         t.add_row(stage + (" (resumed)" if r.get("resumed") else ""), f"{r['seconds']:.1f}",
                   "-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.1f}",
+                  f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f}" if r.get("loadavg_start") else "-",
                   "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}",
                   "-" if r["cuda_peak_mb"] is None else f"{r['cuda_peak_mb']:.0f}",
                   "-" if paper is None else f"{paper:.0f}")
     total = sum(v for k, v in result["extrapolated_paper_s"].items() if k != "paper_test_blocks")
     t.add_row("total", f"{sum(r['seconds'] for r in result['stages'].values()):.1f}",
-              f"{sum(r.get('cpu_seconds') or 0 for r in result['stages'].values()):.1f}",
+              f"{sum(r.get('cpu_seconds') or 0 for r in result['stages'].values()):.1f}", "",
               f"{result['peak_rss_mb']:.0f}", "", f"{total:.0f}")
     return t
 

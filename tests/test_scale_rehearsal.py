@@ -54,17 +54,29 @@ def test_tokenizer_is_qwens_bpe(rehearsal):
 def test_rehearsal_runs_end_to_end_at_ci_size(tmp_path):
     out = tmp_path / "r"
     cmd = [sys.executable, str(SCRIPT), "--preset", "llama-3.2-1b", "--tiny", "--seq-len", "64", "--out", str(out),
-           "--methods", "oal,softmax", "--calib-steps", "2", "--bootstrap", "10", "--device", "cpu"]
+           "--methods", "oal,softmax", "--calib-steps", "2", "--bootstrap", "10", "--device", "cpu",
+           "--zeroshot-limit", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads((out / "rehearsal.json").read_text())
     stages = ["build", "setup", "analyze", "calibrate", "fidelity"] + [
-        f"{s}:{m}" for m in ("oal", "softmax") for s in ("perplexity_no_adapt", "adapt", "perplexity")]
+        f"{s}:{m}" for m in ("oal", "softmax") for s in ("perplexity_no_adapt", "adapt", "perplexity", "zeroshot")]
     assert set(result["stages"]) == set(stages)  # (JSON keys are written sorted)
     for row in result["stages"].values():
         assert row["seconds"] > 0 and row["peak_rss_mb"] > 100 and row["cuda_peak_mb"] is None
+        assert len(row["loadavg_start"]) == len(row["loadavg_end"]) == 3
     assert set(stages) - {"build"} <= set(result["extrapolated_paper_s"])
     assert result["layers"] == [1] and result["seq_len"] == 64 and result["calibration_probe_s"] > 0
+    probe = result["calibration_probe"]
+    assert probe["updates"] > 1 and probe["updates_s"] > 0 and probe["per_update_s"] >= 0
+    # the zero-shot stage scored the first 2 fixture examples of each task (PIQA 2 choices, the others 4) and is
+    # extrapolated per scored choice to the paper's sets
+    assert result["zeroshot_choices"] == {"piqa": 4, "hellaswag": 8, "arc_easy": 8}
+    zs = json.loads((out / "run" / ".oal" / "zeroshot_oal.json").read_text())
+    assert {t: r["n"] for t, r in zs["tasks"].items()} == {"piqa": 2, "hellaswag": 2, "arc_easy": 2}
+    paper = sum(result["paper_zeroshot_choices"].values())
+    assert result["extrapolated_paper_s"]["zeroshot:oal"] == pytest.approx(
+        result["stages"]["zeroshot:oal"]["cpu_seconds"] * paper / 20, rel=0.05, abs=0.1)
     cal = json.loads((out / "run" / "calibration.json").read_text())
     assert cal["capture"]["blocks"] == {"calib_train": 1, "calib_val": 1} and cal["capture"]["bytes"] > 0
     assert not (out / "run" / ".oal" / "capture").exists()  # removed after calibration
