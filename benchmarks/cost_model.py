@@ -505,13 +505,20 @@ def cpu_checks(shapes: dict[str, Shape]) -> dict:
             lines.append(f"rehearsal ({REHEARSAL}, {'full' if reh.get('full') else 'reduced'}"
                          f"{', partial' if reh.get('partial') else ''}): calibrate {ext['calibrate'] / 3600:.1f} CPU h "
                          f"at the paper's budget vs {cal_cpu / 3600:.1f} CPU h implied here")
-        ppl = reh.get("stages", {}).get("perplexity_no_adapt:softmax")
-        if ppl and reh.get("counts", {}).get("test"):
+        for arm in ARMS:
+            ppl = reh.get("stages", {}).get(f"perplexity_no_adapt:{arm}")
+            if not ppl or not reh.get("counts", {}).get("test"):
+                continue
             per_block = (ppl.get("cpu_seconds") or ppl["seconds"]) / reh["counts"]["test"]
             implied = sum(p.count * sum(o.flops for o in p.ops) for p in
-                          shape._eval_parts("softmax", 1, N, 1, False)) / (gemm * 1e9)
-            lines.append(f"rehearsal perplexity: {per_block:.1f} CPU s per block vs {implied:.1f} s at this CPU's "
-                         f"GEMM rate (all FLOPs at the GEMM rate: a lower bound)")
+                          shape._eval_parts(arm, 1, N, 1, False)) / (gemm * 1e9)
+            lines.append(f"rehearsal perplexity ({arm}, {reh.get('dtype')}, {reh.get('threads')} threads): "
+                         f"{per_block:.0f} CPU s per block vs {implied:.0f} s for its FLOPs at this CPU's fp32 GEMM "
+                         "rate (a lower bound: the operator and elementwise work run below it)")
+        cpt = reh.get("tokenizer", {}).get("chars_per_token")
+        if cpt:
+            lines.append(f"rehearsal tokenizer: {cpt} chars/token (Qwen's BPE on its corpus) vs the "
+                         f"{Assumptions().chars_per_token} assumed here for WikiText-103")
     else:
         lines.append(f"rehearsal: {REHEARSAL} not present (not compared)")
     out["lines"] = lines
