@@ -1,7 +1,9 @@
 """Benchmark: per-token decode time against context length, converted (recurrent OAL state) vs softmax (KV cache).
 
-Models: the embedded default model (or, when it is not built yet, a randomly initialised model of its shape:
-Qwen2, 6 layers, hidden 256, 4 query / 2 KV heads, head_dim 64; the JSON says which). Three variants:
+Models (`--shape`): the embedded default model (or, when it is not built yet, a randomly initialised model of its
+shape: Qwen2, 6 layers, hidden 256, 4 query / 2 KV heads, head_dim 64; the JSON says which), and Qwen2.5-0.5B's
+shape with random weights (24 layers, hidden 896, 14 query / 2 KV heads, head_dim 64, vocabulary 151,936; decode
+cost does not depend on the weights' values). Three variants of each:
   softmax   - the base model, K/V cache in every layer;
   oal       - App. F conversion: every layer but the first and last (hybrid: 2 softmax layers keep K/V);
   oal-all   - every layer converted (pure recurrent decoding).
@@ -9,16 +11,17 @@ For a context of L tokens the cache is set up directly instead of prefilling L t
 the cache's size): 64 real prompt tokens are prefilled, then softmax layers get random K/V of length L and converted
 layers keep their real state with the token count set to L (the state's size does not depend on L); decoding
 continues at position L. RoPE's max_position_embeddings is raised to cover 32k. Times are medians over tokens,
-`--threads` torch threads. Writes benchmarks/results/decode.json, decode.png and prints a table.
+`--threads` torch threads (default: torch's). Writes benchmarks/results/decode.json, decode.png and prints a table
+per shape.
 
-    .venv/bin/python -m benchmarks.decode            # quick: 1k, 4k, 32k
-    .venv/bin/python -m benchmarks.decode --full     # 1k, 2k, 4k, 8k, 16k, 32k
+    .venv/bin/python -m benchmarks.decode                       # quick: 1k, 4k, 32k; both shapes
+    .venv/bin/python -m benchmarks.decode --full                # 1k, 2k, 4k, 8k, 16k, 32k
+    .venv/bin/python -m benchmarks.decode --shape default --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -36,29 +39,41 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E4
 from oal.models.cache import OALStateLayer, state_nbytes  # noqa: E402
 from oal.models.convert import convert
 from oal.models.registry import default_layers  # noqa: E402
+from oal.rundir.files import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POS = 40_000
 
 
-def base_model():
-    try:
-        from oal.models.registry import load_model
+# Qwen2.5-0.5B's published config (the revision pinned in oal.models.registry.HUB_MODELS)
+QWEN_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)
+SHAPES = ("default", "qwen2.5-0.5b")
 
-        model, _, prov = load_model("default")
-        source = f"embedded default model ({prov.get('path')})"
-    except Exception as exc:  # the embedded model may not be built yet
+
+def base_model(shape: str = "default"):
+    if shape == "qwen2.5-0.5b":
         torch.manual_seed(0)
-        cfg = Qwen2Config(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
-        model = Qwen2ForCausalLM(cfg).eval()
-        source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_SHAPE)).eval()
+        source = "random init of Qwen2.5-0.5B's shape"
+    else:
+        try:
+            from oal.models.registry import load_model
+
+            model, _, prov = load_model("default")
+            source = f"embedded default model ({prov.get('path')})"
+        except Exception as exc:  # the embedded model may not be built yet
+            torch.manual_seed(0)
+            cfg = Qwen2Config(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+            model = Qwen2ForCausalLM(cfg).eval()
+            source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
     model.config.max_position_embeddings = MAX_POS
     return model.eval(), source
 
 
-def variant(name: str):
-    model, source = base_model()
+def variant(name: str, shape: str = "default"):
+    model, source = base_model(shape)
     n = model.config.num_hidden_layers
     if name == "oal":
         convert(model, default_layers(model), "oal")
@@ -94,20 +109,10 @@ def decode_time(model, context: int, tokens: int, warmup: int = 2) -> tuple[floa
     return statistics.median(times), state_nbytes(cache)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
-    ap.add_argument("--tokens", type=int, default=None, help="timed tokens per context (default 5, full 15)")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    contexts = [1024, 2048, 4096, 8192, 16384, 32768] if args.full else [1024, 4096, 32768]
-    tokens = args.tokens or (15 if args.full else 5)
-
-    record = {"contexts": contexts, "tokens": tokens, "threads": args.threads,
-              "machine": platform.processor() or platform.machine(), "variants": {}}
+def measure(shape: str, contexts: list[int], tokens: int) -> dict:
+    record = {"variants": {}}
     for name in ("softmax", "oal", "oal-all"):
-        model, source = variant(name)
+        model, source = variant(name, shape)
         record["source"] = source
         rows = []
         for ctx in contexts:
@@ -121,38 +126,65 @@ def main() -> None:
         name: {str(r["context"]): soft[r["context"]] / r["ms_per_token"] for r in rows}
         for name, rows in record["variants"].items() if name != "softmax"
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, rows in record["variants"].items():
-        xs = [r["context"] for r in rows]
-        axes[0].plot(xs, [r["ms_per_token"] for r in rows], marker="o", label=name)
-        axes[1].plot(xs, [r["cache_bytes"] / 2**20 for r in rows], marker="o", label=name)
-    for ax, label in zip(axes, ("decode time per token (ms)", "cache size (MiB)"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
+
+def plot(shapes: dict, path: Path) -> None:
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(10, 3.8 * len(shapes)), squeeze=False)
+    for row, (shape, record) in zip(axes, shapes.items(), strict=True):
+        for name, rows in record["variants"].items():
+            xs = [r["context"] for r in rows]
+            row[0].plot(xs, [r["ms_per_token"] for r in rows], marker="o", label=name)
+            row[1].plot(xs, [r["cache_bytes"] / 2**20 for r in rows], marker="o", label=name)
+        for ax, label in zip(row, ("decode time per token (ms)", "cache size (MiB)"), strict=True):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(shape)
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.suptitle("Per-token decoding on CPU: recurrent OAL state vs softmax KV cache")
     fig.tight_layout()
-    fig.savefig(RESULTS / "decode.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
-    table = Table(title=f"decode ms/token, {args.threads} thread(s), median of {tokens} tokens")
-    table.add_column("context", justify="right")
+
+def table(shape: str, record: dict, contexts: list[int], threads: int, tokens: int) -> Table:
+    t = Table(title=f"{shape}: decode ms/token, {threads} thread(s), median of {tokens} tokens")
+    t.add_column("context", justify="right")
     for name in record["variants"]:
-        table.add_column(f"{name} ms", justify="right")
-    table.add_column("softmax / oal", justify="right")
-    table.add_column("softmax / oal-all", justify="right")
+        t.add_column(f"{name} ms", justify="right")
+    t.add_column("softmax / oal", justify="right")
+    t.add_column("softmax / oal-all", justify="right")
     for i, ctx in enumerate(contexts):
         cells = [f"{record['variants'][n][i]['ms_per_token']:.2f}" for n in record["variants"]]
-        table.add_row(str(ctx), *cells, f"{record['speedup_vs_softmax']['oal'][str(ctx)]:.2f}x",
-                      f"{record['speedup_vs_softmax']['oal-all'][str(ctx)]:.2f}x")
+        t.add_row(str(ctx), *cells, f"{record['speedup_vs_softmax']['oal'][str(ctx)]:.2f}x",
+                  f"{record['speedup_vs_softmax']['oal-all'][str(ctx)]:.2f}x")
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
+    ap.add_argument("--tokens", type=int, default=None, help="timed tokens per context (default 5, full 15)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [1024, 2048, 4096, 8192, 16384, 32768] if args.full else [1024, 4096, 32768]
+    tokens = args.tokens or (15 if args.full else 5)
+    shapes = SHAPES if args.shape == "both" else (args.shape,)
+    record = {"contexts": contexts, "tokens": tokens, "threads": torch.get_num_threads(),
+              "machine": platform.processor() or platform.machine(),
+              "shapes": {shape: measure(shape, contexts, tokens) for shape in shapes}}
+    RESULTS.mkdir(exist_ok=True)
+    atomic_write_json(RESULTS / "decode.json", record)
+    plot(record["shapes"], RESULTS / "decode.png")
     console = Console()
-    console.print(table)
-    console.print(f"model: {record['source']}")
+    for shape, rec in record["shapes"].items():
+        console.print(table(shape, rec, contexts, record["threads"], tokens))
+        console.print(f"model: {rec['source']}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def gemm_gflops(device: str, dtype: torch.dtype, size: int = 2048, reps: int = 5
 
 
 def _phase_split(call) -> dict:
-    """Seconds per phase of one call: the record_function ranges (oal.*) of oal.ops.chunked, on the benchmark clock."""
+    """Seconds per phase of one call: the record_function ranges (oal.*) of oal.ops.chunked, on the benchmark clock,
+    with the blocks run one after another (`OAL_CPU_PIPELINE=0`)."""
     import contextlib
 
     import oal.ops.chunked as chunked
@@ -94,13 +95,17 @@ def _phase_split(call) -> dict:
         finally:
             spent[name.removeprefix("oal.")] += clock() - t0
 
+    # with the block pipeline on, the ranges of the workers overlap in time: split the serial path instead
     real, chunked.record_function = chunked.record_function, timed
+    pipeline = os.environ.get("OAL_CPU_PIPELINE")
+    os.environ["OAL_CPU_PIPELINE"] = "0"
     try:
         t0 = clock()
         call()
         total = clock() - t0
     finally:
         chunked.record_function = real
+        os.environ.pop("OAL_CPU_PIPELINE") if pipeline is None else os.environ.update(OAL_CPU_PIPELINE=pipeline)
     return spent | {"other": max(total - sum(spent.values()), 0.0), "total": total}
 
 

@@ -90,3 +90,16 @@ def test_method_after_an_optimiser_step_and_training_gradients():
         want = oal_attention(*step, groups, method.factor.detach().clone(), initial_state=state)
     assert not torch.allclose(before, after)
     assert torch.equal(after, want)
+
+
+def test_pair_indices_first_built_in_inference_mode_serve_autograd():
+    """Evaluating a model, then training it in the same process: the cached pair indices are normal tensors."""
+    from oal.ops import kernel
+
+    kernel._PAIR_CACHE.pop((5, "cpu"), None)
+    with torch.inference_mode():
+        kernel.packed_pairs(5)
+    c = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = kernel.query_coefficients(torch.ones(2, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64), c, 0.5)
+    w.sum().backward()
+    assert c.grad is not None and c.grad.abs().sum() > 0

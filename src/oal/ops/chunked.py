@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from oal.ops import workers
 from oal.ops.kernel import feature_dim, features, query_coefficients
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
@@ -175,49 +176,67 @@ def _normalise(num_t, n_q: int, out=None, raw: bool = False):
     return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, res.shape[3])
 
 
-def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
-                ws=None):
-    """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
+def _block_prefix(state, q, k, u, w, wz, eps: float, chunk: int, fresh: bool, ws=None):
+    """First half of one causal block: features, the intra-chunk query weights and the chunk states (Eq. 5-7).
 
-    m is the block length rounded up to whole chunks (the caller drops padded rows). `fresh`: the block is one
-    chunk starting from a zero state, so the state readout is skipped and no state is built. The features and
-    their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
-    the state's dtype.
+    Returns the parts `_block_finish` needs; parts["prev"][c] is the state before chunk c, counted from `state`
+    (from zero when state is None: a pipelined block whose incoming state is not known yet), and
+    parts["prev"][nc] the state after the block. `fresh`: one chunk from a zero state, no features, no state.
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
     rep, n_c = n_q // n_kv, -(-n // chunk)
-    gdt, sdt, dev = q.dtype, state.dtype, q.device
+    gdt, sdt, dev = q.dtype, wz.dtype, q.device
     # zero padding: padded keys have u = 0 (no value, no denominator), padded query rows are dropped
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
-    ub = ub.to(sdt).contiguous()
-    num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
-    num = None
+    parts = {"ub": ub.to(sdt).contiguous(), "k": k, "n_c": n_c, "prev": None, "phi": None}
     if fresh:  # queries feature-major, as the intra-chunk GEMM wants them
         xq = _slots(q, n_kv, n_c, chunk)
         xq = xq.contiguous() if ws is None else _scratch(ws, "xq", xq.shape, gdt, dev).copy_(xq)
     else:
         feat = _features(q, k, n_kv, n_c, chunk, ws)
         xq = feat[:, :, :, 1 : 1 + d, :rep]
-    with record_function("oal.intra"):
+    with record_function("oal.intra"):  # before _query_part, which scales the features in place
         n_m = wz.shape[-2]
         qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
+    parts["qw"] = qw
     if not fresh:
-        (phi, phi_lin), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
+        (parts["phi"], parts["phi_lin"]), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
         with record_function("oal.state"):
             # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
+            ub = parts["ub"]
             ug = ub if gdt == sdt else ub.to(gdt)
-            prev = _scratch(ws, "prev", (n_c + 1,) + tuple(state.shape), sdt, dev)
+            shape = (bsz, n_kv, psi.shape[-2], dv1)
+            prev = _scratch(ws, "prev", (n_c + 1,) + shape, sdt, dev)
             if prev is None:
-                prev = torch.cat([state.unsqueeze(0), _increments(psi, ug).to(sdt)]).cumsum(0)
+                start = state if state is not None else torch.zeros(shape, dtype=sdt, device=dev)
+                prev = torch.cat([start.unsqueeze(0), _increments(psi, ug).to(sdt)]).cumsum(0)
             else:
-                prev[0] = state
+                if state is None:
+                    prev[0].zero_()
+                else:
+                    prev[0] = state
                 _increments(psi, ug, out=prev[1:])
                 for c in range(1, n_c + 1):
                     prev[c] += prev[c - 1]
-            state = prev[n_c].clone()  # not a view: the next block reuses `prev`
-        num = _readout(phi, prev[:n_c], ws, phi_lin)  # in the state's dtype, also for bf16 GEMMs
+            parts["prev"] = prev
+    return parts
+
+
+def _block_finish(parts, offset, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
+    """Second half of one causal block: readout of the chunk states (+ `offset`, the incoming state when the
+    prefix counted from zero), the intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
+    qw, ub, k, n_c, prev = parts["qw"], parts["ub"], parts["k"], parts["n_c"], parts["prev"]
+    _, bsz, n_kv, d, rep, n_m, _ = qw.shape
+    dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
+    num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
+    num = None
+    if prev is not None:
+        if offset is not None:
+            with record_function("oal.state"):
+                prev[:n_c] += offset
+        num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
         kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1).to(sdt)  # [nc, B, Hkv, C, d]
@@ -239,9 +258,50 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
             num.view(-1, dv1, rep * chunk).baddbmm_(ub_t.reshape(-1, dv1, chunk), kappa.view(-1, chunk, rep * chunk))
         else:
             num = num + ub_t @ kappa
-    if fresh:  # the state of a fresh block is only wanted at the end (output_final_state)
-        state = None
-    return _normalise(num, n_q, out, raw), state
+    return _normalise(num, n_q, out, raw)
+
+
+def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
+                ws=None):
+    """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
+
+    m is the block length rounded up to whole chunks (the caller drops padded rows). `fresh`: the block is one
+    chunk starting from a zero state, so the state readout is skipped and no state is built (None). The features
+    and their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
+    the state's dtype (wz's).
+    """
+    parts = _block_prefix(state, q, k, u, w, wz, eps, chunk, fresh, ws)
+    after = None if fresh else parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
+    return _block_finish(parts, None, l0, eps, chunk, q.shape[1], raw, out, ws), after
+
+
+def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int):
+    """The causal blocks on `threads` single-threaded workers (`ops.workers`), inference only.
+
+    Block b's item builds its features and chunk states from zero, publishes the state after it as soon as the
+    state before it is known (one addition), then adds that incoming state to its chunk states and reads out.
+    Items start in order, so a worker only ever waits for a block that another worker has already started. KV
+    heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy.
+    """
+    n, n_kv = q.shape[2], k.shape[1]
+    rep = q.shape[1] // n_kv
+    starts = list(range(0, n, block))
+    n_groups = min(n_kv, -(-2 * threads // len(starts)))
+    bounds = [(g * n_kv // n_groups, (g + 1) * n_kv // n_groups) for g in range(n_groups)]
+    chain = workers.Chain({(g, 0): state[:, a:b] for g, (a, b) in enumerate(bounds)})
+
+    def item(g: int, i: int) -> None:
+        (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
+        heads = slice(a * rep, b * rep)
+        ws = _WORKSPACE.__dict__
+        parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], eps, chunk,
+                              False, ws)
+        before = chain.get((g, i))
+        chain.put((g, i + 1), before + parts["prev"][parts["n_c"]])
+        _block_finish(parts, before, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
+
+    workers.workers(threads).run(item, [(g, i) for i in range(len(starts)) for g in range(n_groups)], chain)
+    return torch.cat([chain.get((g, len(starts))) for g in range(n_groups)], dim=1)
 
 
 def _key_step(state, k, u, ws=None):
@@ -310,6 +370,11 @@ def chunked_attention(
         chunk = block = n
     padded = -(-n // chunk) * chunk
     out = None if use_ckpt else torch.empty(bsz, n_q, padded, v.shape[-1], dtype=dtype, device=q.device)
+    threads = torch.get_num_threads()
+    if not (use_ckpt or fresh) and n > block and threads > 1 and q.device.type == "cpu" and workers.enabled():
+        q, k, u = (_pad_to(t, padded) for t in (q, k, u))
+        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads)
+        return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state
     outs, init = [], state
     for start in range(0, n, block):
         sl = slice(start, start + block)

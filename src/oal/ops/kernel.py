@@ -48,8 +48,10 @@ def packed_pairs(d: int, device: torch.device | str = "cpu"):
     """Indices (r, t) with r <= t in row-major order, and the multiplicity (1 diagonal, 2 off) of each pair."""
     key = (d, str(device))
     if key not in _PAIR_CACHE:
-        r, t = torch.triu_indices(d, d, device=device)
-        mult = torch.where(r == t, 1.0, 2.0).to(device)
+        # normal tensors, also when first asked for in inference mode: autograd saves them later
+        with torch.inference_mode(False):
+            r, t = torch.triu_indices(d, d, device=device)
+            mult = torch.where(r == t, 1.0, 2.0).to(device)
         _PAIR_CACHE[key] = (r, t, mult)
     return _PAIR_CACHE[key]
 

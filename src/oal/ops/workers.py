@@ -1,0 +1,136 @@
+"""Single-threaded CPU workers that run the chunked operator's blocks, and the state chain between them.
+
+Why: torch runs every op as one parallel region that ends in a barrier, and the chunked operator issues about a
+hundred ops per 512-token block. Beside one busy competing process, a descheduled thread stalls each barrier: OAL
+slowed 2.4-3.8x where SDPA slowed 1.2-1.6x (issue 25). Workers instead take whole blocks from one queue, one
+thread each, so a descheduled worker delays only its own block while the others take the next ones.
+
+torch's thread count is process-wide (OpenMP), so `Workers.run` sets it to 1 for the duration of the run and
+restores it after: torch work in other Python threads during a run is single-threaded. `OAL_CPU_PIPELINE=0`
+turns the pipeline off (the operator then runs its blocks one after another with torch's threads).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import torch
+
+__all__ = ["Chain", "Workers", "enabled", "workers"]
+
+
+def enabled() -> bool:
+    return os.environ.get("OAL_CPU_PIPELINE", "1") != "0"
+
+
+class Chain:
+    """Values published by one item and awaited by another (the prefix state before each block)."""
+
+    def __init__(self, initial: dict):
+        self._values = dict(initial)
+        self._failed = False
+        self._cond = threading.Condition()
+
+    def put(self, key, value) -> None:
+        with self._cond:
+            self._values[key] = value
+            self._cond.notify_all()
+
+    def get(self, key):
+        with self._cond:
+            while key not in self._values:
+                if self._failed:  # the item that would publish it raised: give up instead of waiting forever
+                    raise RuntimeError("an earlier block of this call failed")
+                self._cond.wait()
+            return self._values[key]
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+
+class Workers:
+    """`n` daemon threads taking (fn, args) items from one FIFO queue, each with torch's thread count at 1."""
+
+    def __init__(self, n: int):
+        self.size, self.pid = n, os.getpid()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # one run at a time: a run sets the process-wide thread count
+        ready = threading.Barrier(n + 1)
+        saved = torch.get_num_threads()
+        for _ in range(n):
+            threading.Thread(target=self._work, args=(ready,), daemon=True, name="oal-worker").start()
+        ready.wait()
+        torch.set_num_threads(saved)  # a worker's set_num_threads(1) reaches the whole process
+
+    def _work(self, ready: threading.Barrier) -> None:
+        torch.set_num_threads(1)  # this thread's MKL and OpenMP settings
+        ready.wait()
+        while True:
+            task = self._queue.get()
+            if task is None:  # the pool was replaced
+                return
+            fn, args, done = task
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
+                done(e)
+            else:
+                done(None)
+
+    def run(self, fn, items: list[tuple], chain: Chain | None = None) -> None:
+        """fn(*item) for every item, started in order (an item may wait on one started before it, never after);
+        returns when all are done and raises the first error. Grad and inference mode follow the caller's."""
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        left, errors, cond = [len(items)], [], threading.Condition()
+
+        def call(*args):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn(*args)
+
+        def done(err):
+            if err is not None and chain is not None:
+                chain.fail()
+            with cond:
+                if err is not None:
+                    errors.append(err)
+                left[0] -= 1
+                cond.notify_all()
+
+        with self._lock:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                for item in items:
+                    self._queue.put((call, item, done))
+                with cond:
+                    while left[0]:
+                        cond.wait()
+            finally:
+                torch.set_num_threads(saved)
+        if errors:
+            raise errors[0]
+
+
+    def close(self) -> None:
+        """Stop the threads once they are idle."""
+        for _ in range(self.size):
+            self._queue.put(None)
+
+
+_POOL: Workers | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def workers(n: int) -> Workers:
+    """The process's pool of `n` workers (rebuilt when n changes, and after a fork: threads do not survive one)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.size != n or _POOL.pid != os.getpid():
+            if _POOL is not None and _POOL.pid == os.getpid():
+                _POOL.close()
+            _POOL = Workers(n)
+        return _POOL
