@@ -47,7 +47,8 @@ MAX_POS = 40_000
 
 # Qwen2.5-0.5B's published config (the revision pinned in oal.models.registry.HUB_MODELS)
 QWEN_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)
+                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1000000.0,
+                  tie_word_embeddings=True)
 SHAPES = ("default", "qwen2.5-0.5b")
 
 
