@@ -116,7 +116,7 @@ def test_a_failing_item_raises_and_releases_the_waiting_ones():
             started.wait(5)
             raise ValueError("block 0 broke")
         started.set()
-        chain.get(i)  # waits for block 0's value, which never comes
+        chain.take(i)  # waits for block 0's value, which never comes
 
     with pytest.raises(ValueError, match="block 0 broke"):
         pool.run(item, [(0,), (1,)], chain)

@@ -296,12 +296,12 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
         ws = _WORKSPACE.__dict__
         parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], eps, chunk,
                               False, ws)
-        before = chain.get((g, i))
+        before = chain.take((g, i))
         chain.put((g, i + 1), before + parts["prev"][parts["n_c"]])
         _block_finish(parts, before, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
 
     workers.workers(threads).run(item, [(g, i) for i in range(len(starts)) for g in range(n_groups)], chain)
-    return torch.cat([chain.get((g, len(starts))) for g in range(n_groups)], dim=1)
+    return torch.cat([chain.take((g, len(starts))) for g in range(n_groups)], dim=1)
 
 
 def _key_step(state, k, u, ws=None):

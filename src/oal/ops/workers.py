@@ -13,8 +13,8 @@ turns the pipeline off (the operator then runs its blocks one after another with
 from __future__ import annotations
 
 import os
-import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -38,13 +38,15 @@ class Chain:
             self._values[key] = value
             self._cond.notify_all()
 
-    def get(self, key):
+    def take(self, key):
+        """The value published under `key`, once it is, removed from the chain: each is read exactly once, so a
+        call holds only the states not yet read, not one per block."""
         with self._cond:
             while key not in self._values:
                 if self._failed:  # the item that would publish it raised: give up instead of waiting forever
                     raise RuntimeError("an earlier block of this call failed")
                 self._cond.wait()
-            return self._values[key]
+            return self._values.pop(key)
 
     def fail(self) -> None:
         with self._cond:
@@ -53,72 +55,44 @@ class Chain:
 
 
 class Workers:
-    """`n` daemon threads taking (fn, args) items from one FIFO queue, each with torch's thread count at 1."""
+    """`n` threads (a ThreadPoolExecutor: one FIFO queue), each with torch's thread count at 1."""
 
     def __init__(self, n: int):
         self.size, self.pid = n, os.getpid()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # threads start on the first run, inside it (the process-wide count is 1 then); the initializer sets this
+        # thread's own MKL and OpenMP settings
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="oal-worker", initializer=torch.set_num_threads,
+                                        initargs=(1,))
         self._lock = threading.Lock()  # one run at a time: a run sets the process-wide thread count
-        ready = threading.Barrier(n + 1)
-        saved = torch.get_num_threads()
-        for _ in range(n):
-            threading.Thread(target=self._work, args=(ready,), daemon=True, name="oal-worker").start()
-        ready.wait()
-        torch.set_num_threads(saved)  # a worker's set_num_threads(1) reaches the whole process
-
-    def _work(self, ready: threading.Barrier) -> None:
-        torch.set_num_threads(1)  # this thread's MKL and OpenMP settings
-        ready.wait()
-        while True:
-            task = self._queue.get()
-            if task is None:  # the pool was replaced
-                return
-            fn, args, done = task
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
-                done(e)
-            else:
-                done(None)
 
     def run(self, fn, items: list[tuple], chain: Chain | None = None) -> None:
         """fn(*item) for every item, started in order (an item may wait on one started before it, never after);
         returns when all are done and raises the first error. Grad and inference mode follow the caller's."""
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        left, errors, cond = [len(items)], [], threading.Condition()
 
         def call(*args):
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                fn(*args)
-
-        def done(err):
-            if err is not None and chain is not None:
-                chain.fail()
-            with cond:
-                if err is not None:
-                    errors.append(err)
-                left[0] -= 1
-                cond.notify_all()
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    fn(*args)
+            except BaseException:
+                if chain is not None:
+                    chain.fail()  # release the items waiting for what this one would have published
+                raise
 
         with self._lock:
             saved = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                for item in items:
-                    self._queue.put((call, item, done))
-                with cond:
-                    while left[0]:
-                        cond.wait()
+                futures = [self._pool.submit(call, *item) for item in items]
+                wait(futures)
             finally:
                 torch.set_num_threads(saved)
-        if errors:
-            raise errors[0]
-
+        for f in futures:
+            f.result()  # the first error, in item order
 
     def close(self) -> None:
         """Stop the threads once they are idle."""
-        for _ in range(self.size):
-            self._queue.put(None)
+        self._pool.shutdown(wait=False)
 
 
 _POOL: Workers | None = None
