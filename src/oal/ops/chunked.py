@@ -176,7 +176,7 @@ def _normalise(num_t, n_q: int, out=None, raw: bool = False):
     return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, res.shape[3])
 
 
-def _block_prefix(state, q, k, u, w, wz, eps: float, chunk: int, fresh: bool, ws=None):
+def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     """First half of one causal block: features, the intra-chunk query weights and the chunk states (Eq. 5-7).
 
     Returns the parts `_block_finish` needs; parts["prev"][c] is the state before chunk c, counted from `state`
@@ -270,7 +270,7 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
     and their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
     the state's dtype (wz's).
     """
-    parts = _block_prefix(state, q, k, u, w, wz, eps, chunk, fresh, ws)
+    parts = _block_prefix(state, q, k, u, w, wz, chunk, fresh, ws)
     after = None if fresh else parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
     return _block_finish(parts, None, l0, eps, chunk, q.shape[1], raw, out, ws), after
 
@@ -294,8 +294,8 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], eps, chunk,
-                              False, ws)
+        parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False,
+                              ws)
         before = chain.take((g, i))
         chain.put((g, i + 1), before + parts["prev"][parts["n_c"]])
         _block_finish(parts, before, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
