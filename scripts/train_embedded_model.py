@@ -17,10 +17,13 @@ save_pretrained (half precision safetensors) into --out atomically, and the mode
     .venv/bin/python scripts/train_embedded_model.py --export-now          # export the latest checkpoint as is
     .venv/bin/python scripts/train_embedded_model.py --snapshot DIR        # latest checkpoint -> DIR, no card
 
-The shipped model is two stages (MODEL_CARD.md "Reproduce"): 700 steps of plain language modelling, then 200 steps
+The shipped model is four stages (MODEL_CARD.md "Reproduce"): 700 steps of plain language modelling; 200 steps
 from those weights with `--logit-var-penalty 0.05`, which keeps each head's attention logits close together (the
-regime the method is for). `torchrun --standalone --nproc-per-node 2 scripts/train_embedded_model.py ...` runs
-either stage data-parallel over two one-thread processes (what a shared 2-core CPU sustains best).
+regime the method is for); then, with the same penalty, two retrieval stages (`--retrieval-frac`): 300 steps of
+short passkey documents only (`--seq 128`, a curriculum: copying is learnt where it is cheap) and 400 steps at the
+full context with half of every batch passkey documents and half plain text (the language model recovers; the
+copying reaches 512 tokens). `torchrun --standalone --nproc-per-node 2 scripts/train_embedded_model.py ...` runs
+any stage data-parallel over two one-thread processes (what a shared 2-core CPU sustains best).
 """
 
 from __future__ import annotations
@@ -207,7 +210,7 @@ def retrieval_row(index: int, stream: torch.Tensor, tok, args: argparse.Namespac
         filler = stream[at : at + room].tolist()
         cut = round(rng.random() * room)
     else:
-        unit_len = rng.randint(8, 40)
+        unit_len = rng.randint(min(8, room), min(40, room))  # a unit never outgrows the room
         at = rng.randrange(stream.numel() - unit_len)
         units = max(1, room // unit_len)
         filler = stream[at : at + unit_len].tolist() * units
@@ -631,6 +634,7 @@ def _stage_line(number: int, st: dict, pretrain_tokens: int) -> str:
                  f"next-token cross-entropy + {penalty} x the mean variance of a row's attention logits (over "
                  "layers, heads and causal rows): a penalty on each head's logit spread, the regime quadratic "
                  "kernels need")
+    blocks = "" if st["test"]["block_len"] == 512 else f" (on {st['test']['block_len']}-token test blocks)"
     if "retrieval" in st:
         r = st["retrieval"]
         weight = f", answer tokens weighted {r['answer_weight']}" if r["answer_weight"] != 1 else ""
@@ -645,8 +649,8 @@ def _stage_line(number: int, st: dict, pretrain_tokens: int) -> str:
             f"AdamW lr {opt['lr']}, betas (0.9, 0.95), weight decay {opt['weight_decay']}, {opt['warmup']} warmup "
             f"steps then cosine decay to {opt['min_lr_frac']} x lr, grad clip 1.0; forward in "
             f"{st.get('autocast') or 'float32'} autocast with fp32 master weights; test perplexity after it "
-            f"{st['test']['ppl_stored']:.2f}. Wall time {st['train_seconds'] / 60:.1f} min in "
-            f"{st.get('processes', 1)} process(es) x {st['threads']} thread on a 2-core CPU shared with other jobs.")
+            f"{st['test']['ppl_stored']:.2f}{blocks}. Wall time {st['train_seconds'] / 60:.1f} min in "
+            f"{st.get('processes', 1)} process(es) x {st['threads']} thread on a 2-core CPU.")
 
 
 def _kept_section(card: Path, heading: str) -> str:
@@ -689,7 +693,7 @@ def write_card(out: Path) -> None:
     training = "\n".join(_stage_line(i + 1, st, pre["tokens"]) for i, st in enumerate(stages))
     head_chars = f"{c['heldout_head_chars']:,}" if "heldout_head_chars" in c else "before the pretraining text"
     measured = [(i + 1, st["passkey"]) for i, st in enumerate(stages) if "passkey" in st]
-    lens = measured[-1][1]["lengths"] if measured else []
+    lens = sorted({int(x) for _, pk in measured for x in pk["lengths"]})
     cells = [(n, [f"{pk['by_length'][str(x)]:.2f}" if str(x) in pk["by_length"] else "-" for x in lens])
              for n, pk in measured]
     passkey_table = "\n".join([f"| after stage | {' | '.join(map(str, lens))} |", "|---|" + "---|" * len(lens)]
@@ -776,7 +780,14 @@ Range over all heads: {min(all_top5):.3f} to {max(all_top5):.3f}; isotropic Gaus
 S=scripts/train_embedded_model.py; RUN="torchrun --standalone --nproc-per-node 2"
 $RUN $S --steps 700 --bf16 --threads 1 --work-dir .cache/stage1 --out .cache/stage1_model
 $RUN $S --steps 200 --lr 1e-3 --warmup 20 --logit-var-penalty 0.05 --bf16 --threads 1 --work-dir .cache/stage2 \\
-    --init-from .cache/stage1/ckpt-700 --init-summary .cache/stage1_model/training_summary.json
+    --init-from .cache/stage1/ckpt-700 --init-summary .cache/stage1_model/training_summary.json \\
+    --out .cache/stage2_model
+R="--answer-weight 5 --lr 1e-3 --warmup 20 --logit-var-penalty 0.05 --bf16 --threads 1"
+$RUN $S --steps 300 --seq 128 --batch 32 --retrieval-frac 1.0 $R --passkey-lengths 128,256,512 \\
+    --work-dir .cache/stage3 --out .cache/stage3_model \\
+    --init-from .cache/stage2_model --init-summary .cache/stage2_model/training_summary.json
+$RUN $S --steps 400 --seq 512 --batch 16 --retrieval-frac 0.5 $R --work-dir .cache/stage4 \\
+    --init-from .cache/stage3/ckpt-300 --init-summary .cache/stage3_model/training_summary.json
 ```
 (Checkpoints every 50 steps; rerunning a command resumes it. Summation order differs between one and two
 processes, so a one-process rerun matches to rounding, not bit for bit.)

@@ -57,3 +57,14 @@ def test_mixed_batch_masks_only_the_answers_of_its_retrieval_rows(script, tok):
     assert answers[:2].any(dim=1).all() and not answers[2:].any()
     for b in range(2):
         assert re.fullmatch(r" \d{5}\.", tok.decode(xb[b][answers[b]]))
+
+
+def test_short_rows_fit_when_the_room_is_smaller_than_a_filler_unit(script, tok):
+    """At --seq 128 (the curriculum stage) the filler room is 16-37 tokens: a repeated unit never outgrows it, and
+    every row is exactly seq + 1 tokens with its answer inside."""
+    args = Namespace(seed=0, seq=128)
+    stream = torch.randint(3, tok.vocab_size, (5000,), generator=torch.Generator().manual_seed(2))
+    for index in range(64):
+        row, start, end = script.retrieval_row(index, stream, tok, args)
+        assert row.shape == (args.seq + 1,) and 0 < start < end <= args.seq
+        assert re.fullmatch(r" \d{5}\.", tok.decode(row[start:end]))
