@@ -14,13 +14,11 @@ Protocol:
    contributions of MQAR sequences, kernels calibrated by output matching (`oal.calibration.fit`), then the same
    adaptation for every method (LoRA on q/k/v/o + the kernel parameters, loss on the query positions only, the
    same steps, batch, learning rate and data).
-   oal and global go through `calibrate_methods`. oal-swa and global-swa are calibrated here with the same public
-   pieces (`calibrate_layer` with `global_inits`, then `oal_inits` seeded by global-swa's fit: App. B's order),
-   and with every query position sampled (CalibConfig.queries = the trained length): the sampled-query loss of
-   `calibrate_layer` aligns a window method's queries as the last ones of the block, which is right only when
-   all of them are sampled. swa has nothing to calibrate (sinks = 0 here: the first tokens are the pairs).
-   (The pipeline's own driver for the window methods, `calibrate_methods` with the window settings, is being
-   built in issue 29; this benchmark should call it once it lands.)
+   Every method goes through the pipeline's driver, `calibrate_methods`, with the window settings
+   ({"window": W, "sinks": 0}: the first tokens are the pairs, so no sinks): global then OAL, global-swa then
+   oal-swa (App. B's order, each OAL start seeded by its G = 1 control), with every query position sampled
+   (CalibConfig.queries = the trained length): the sampled-query loss aligns a window method's queries as the
+   last ones of the block, which is right only when all of them are sampled. swa has nothing to calibrate.
 3. Accuracy on fresh sequences at each length (the trained one and longer) and number of pairs; the decode state
    of a method at a length is the bytes its generation cache holds after a prefill of that length
    (`oal.models.cache.state_nbytes`, float32): softmax's K/V grows with the length, the others' does not.
@@ -194,8 +192,7 @@ def calibrate(model, cfg: SimpleNamespace) -> tuple[dict[str, dict[int, object]]
     """{method: {layer: calibrated AttentionMethod}} for METHODS, and the groups' record."""
     from oal.analysis import head_contributions, stable_gap_groups
     from oal.calibration.data import CalibConfig
-    from oal.calibration.fit import calibrate_layer, calibrate_methods, global_inits, oal_inits
-    from oal.methods import build_method
+    from oal.calibration.fit import calibrate_methods
 
     train, val = _capture(model, cfg, seed=20_000), _capture(model, cfg, seed=30_000)
     ccfg = CalibConfig(max_steps=cfg.calib_steps, queries=cfg.trained_length, seed=cfg.seed)
@@ -203,21 +200,12 @@ def calibrate(model, cfg: SimpleNamespace) -> tuple[dict[str, dict[int, object]]
     n_groups = {}
     for layer in (0, 1):
         tr, va = train[layer], val[layer]
-        hq, hkv, d = tr.q.shape[1], tr.k.shape[1], tr.q.shape[-1]
         chi = head_contributions(tr.q.double(), tr.k.double())  # [S, Hq, d]
         groups = stable_gap_groups(chi.transpose(0, 1), seed=cfg.seed).groups  # App. B defaults
         n_groups[layer] = (groups.amax(-1) + 1).tolist()
-        for name, (method, _) in calibrate_methods(["oal", "global"], tr, va, layer=layer, groups=groups,
-                                                   cfg=ccfg, seed=cfg.seed).items():
+        for name, (method, _) in calibrate_methods(METHODS, tr, va, layer=layer, groups=groups, cfg=ccfg,
+                                                   seed=cfg.seed, options={"window": cfg.window, "sinks": 0}).items():
             out[name][layer] = method
-        out["swa"][layer] = build_method("swa", hq, hkv, d, window=cfg.window, sinks=0, layer_idx=layer).eval()
-        gswa = build_method("global-swa", hq, hkv, d, window=cfg.window, layer_idx=layer)
-        res = calibrate_layer(gswa, tr, va, ccfg, global_inits(hq, ccfg), layer=layer)
-        res.apply(gswa)
-        g = int(groups.max()) + 1
-        oswa = build_method("oal-swa", hq, hkv, d, window=cfg.window, groups=groups, n_groups=g, layer_idx=layer)
-        calibrate_layer(oswa, tr, va, ccfg, oal_inits(res.params["factor"], g, ccfg), layer=layer).apply(oswa)
-        out["global-swa"][layer], out["oal-swa"][layer] = gswa.eval(), oswa.eval()
     return out, {"groups_per_head": n_groups, "calibration": asdict(ccfg)}
 
 
