@@ -210,9 +210,9 @@ def retrieval_row(index: int, stream: torch.Tensor, tok, args: argparse.Namespac
         filler = stream[at : at + room].tolist()
         cut = round(rng.random() * room)
     else:
-        unit_len = rng.randint(min(8, room), min(40, room))  # a unit never outgrows the room
+        unit_len = rng.randint(8, min(40, room))  # room >= 16; a unit never outgrows it
         at = rng.randrange(stream.numel() - unit_len)
-        units = max(1, room // unit_len)
+        units = room // unit_len
         filler = stream[at : at + unit_len].tolist() * units
         cut = round(rng.random() * units) * unit_len
     doc = intro + filler[:cut] + needle + filler[cut:] + question
@@ -624,8 +624,9 @@ def qk_structure(model, tokenizer, seed: int = 0) -> dict:
     return out
 
 
-def _stage_line(number: int, st: dict, pretrain_tokens: int) -> str:
-    """One training stage of the card, from its training_summary.json record."""
+def _stage_line(number: int, st: dict, pretrain_tokens: int, block_len: int) -> str:
+    """One training stage of the card, from its training_summary.json record; `block_len`: the shipped model's
+    test blocks (a stage measured on others says so)."""
     opt = st["optimizer"]
     penalty = st.get("logit_var_penalty", 0.0)
     start = (f"from the stage-{number - 1} weights (step {st['init_from'].get('step')})" if st.get("init_from")
@@ -634,7 +635,7 @@ def _stage_line(number: int, st: dict, pretrain_tokens: int) -> str:
                  f"next-token cross-entropy + {penalty} x the mean variance of a row's attention logits (over "
                  "layers, heads and causal rows): a penalty on each head's logit spread, the regime quadratic "
                  "kernels need")
-    blocks = "" if st["test"]["block_len"] == 512 else f" (on {st['test']['block_len']}-token test blocks)"
+    blocks = "" if st["test"]["block_len"] == block_len else f" (on {st['test']['block_len']}-token test blocks)"
     if "retrieval" in st:
         r = st["retrieval"]
         weight = f", answer tokens weighted {r['answer_weight']}" if r["answer_weight"] != 1 else ""
@@ -690,7 +691,7 @@ def write_card(out: Path) -> None:
     stages = [summary]  # follow the chain of stages back to the one from a random initialisation
     while "summary" in stages[0].get("init_from", {}):
         stages.insert(0, stages[0]["init_from"]["summary"])
-    training = "\n".join(_stage_line(i + 1, st, pre["tokens"]) for i, st in enumerate(stages))
+    training = "\n".join(_stage_line(i + 1, st, pre["tokens"], t["block_len"]) for i, st in enumerate(stages))
     head_chars = f"{c['heldout_head_chars']:,}" if "heldout_head_chars" in c else "before the pretraining text"
     measured = [(i + 1, st["passkey"]) for i, st in enumerate(stages) if "passkey" in st]
     lens = sorted({int(x) for _, pk in measured for x in pk["lengths"]})
