@@ -186,7 +186,17 @@ def _paper() -> SplitPlan:
     )
 
 
-PLAN_PRESETS = {"default": _default, "qwen2.5-0.5b": _paper, "llama-3.2-1b": _paper}
+def _smollm2() -> SplitPlan:
+    # SmolLM2-135M on the builtin corpus: the default plan's blocks (in SmolLM2's tokens). SmolLM2 was pretrained on
+    # web and code data that may include CPython's standard library, so no range of the corpus is known to be unseen
+    # (no pretrain role); its perplexities compare methods on one model, not models.
+    d = _default()
+    return replace(d, pretrain=None,
+                               notes="SmolLM2-135M: builtin corpus, the default plan's blocks; the model's "
+                               "pretraining data may overlap the corpus")
+
+
+PLAN_PRESETS = {"default": _default, "qwen2.5-0.5b": _paper, "llama-3.2-1b": _paper, "smollm2-135m": _smollm2}
 
 
 def default_plan(preset: str = "default") -> SplitPlan:

