@@ -154,3 +154,26 @@ def test_real_model_one_layer_against_reference(smollm2, monkeypatch):
         ref = model(ids).logits
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=2e-4)
     assert not torch.allclose(fast, smollm2[1](ids).logits, atol=1e-2)  # the layer really changed
+
+
+def test_smollm2_preset():
+    """The preset: SmolLM2's shape maps to it, softmax kept in the first and last three layers, a disjoint plan."""
+    from transformers import LlamaConfig
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+    from oal.data.splits import default_plan
+    from oal.models.registry import default_layers, preset_for
+    from oal.pipeline.config import RunConfig
+
+    cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert preset_for(cfg) == "smollm2-135m" and default_layers(cfg) == list(range(3, 27))
+    assert preset_for(LlamaConfig(num_hidden_layers=30, hidden_size=512)) == "default"
+    run = RunConfig.from_preset("smollm2-135m")
+    assert (run.model, run.data, run.grouping["tail_fraction"], run.grouping["min_support"]) == (
+        "smollm2-135m", "builtin", 0.5, 0.5)
+    plan = default_plan("smollm2-135m")
+    plan.check_disjoint()
+    assert plan.pretrain is None and plan.test.indices == list(range(16))
+    out = CliRunner().invoke(load_commands(), ["run", "--help"], terminal_width=200)
+    assert out.exit_code == 0 and "smollm2-135m" in out.output

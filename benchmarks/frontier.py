@@ -1,0 +1,375 @@
+"""Benchmark: the conversion frontier of a real LM. How many layers, and which, can run in linear time (oal, global,
+swa, oal-swa), what that costs in perplexity and passkey recall, and what it buys in prefill time, decode time and
+memory, against the softmax model adapted with the same budget and timed in the same run.
+
+Protocol (the pipeline's own drivers, shared across rows so that each layer is calibrated once):
+1. The model and the token blocks of its preset's split plan (`smollm2-135m`: the builtin corpus).
+2. App. B groups of every candidate layer (all but the first and last: `oal.analysis.runner.analyze`), and the
+   kernel methods calibrated on every candidate layer (`oal.calibration.resume.calibrate_directory`, resumable).
+3. Per method, the candidates ranked by the project's selection criterion (`--select-by`: `fidelity`, the layer's
+   frozen RelMSE after W_o on the calibration validation blocks, or `probe`, the one-layer swap probe); a row
+   converts the K best.
+4. Every row, and the softmax arm, is adapted with the same budget (LoRA + kernel, `oal.adaptation.train.adapt`),
+   merged, then measured: test perplexity, passkey accuracy (`oal.evaluate.passkey`), prefill seconds and decode
+   ms/token (median) after a prefill of real test text at each length, and the process's peak resident memory
+   over the longest prefill and its decode (VmHWM, reset before it).
+Rows are kept under `--work` as they finish; a killed run resumes at the next row.
+
+Writes benchmarks/results/frontier_<model>.json (the schema of benchmarks/reference/frontier_smollm2.json),
+frontier_<model>.png (perplexity against decode time at the longest length, one curve per method) and prints a table.
+
+    .venv/bin/python -m benchmarks.frontier                                   # SmolLM2-135M, the default grid
+    .venv/bin/python -m benchmarks.frontier --methods swa,oal-swa --k 15 --steps 32 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KERNEL_METHODS = ("oal", "global", "oal-swa", "global-swa")
+
+
+def _peak_reset() -> bool:
+    """Reset the process's peak resident memory (Linux: VmHWM); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+@torch.no_grad()
+def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) -> dict:
+    """{"prefill_s": {L: s}, "decode_ms": {L: ms}, "peak_mb": MB}: one prefill of the first L tokens of `text` [1, M]
+    into a fresh cache, then `decode_tokens` greedy tokens (median ms; the first is a warm-up)."""
+    from transformers import DynamicCache
+
+    out = {"prefill_s": {}, "decode_ms": {}, "peak_mb": None}
+    for n in lengths:
+        longest = n == max(lengths)
+        gc.collect()
+        reset = longest and _peak_reset()
+        cache = DynamicCache(config=model.config)
+        t0 = time.perf_counter()
+        logits = model(text[:, :n], cache=cache, use_cache=True).logits
+        out["prefill_s"][str(n)] = time.perf_counter() - t0
+        tok, times = logits[:, -1:].argmax(-1), []
+        for i in range(decode_tokens + 1):
+            t0 = time.perf_counter()
+            logits = model(tok, cache=cache, use_cache=True,
+                           position_ids=torch.tensor([[n + i]])).logits
+            times.append(time.perf_counter() - t0)
+            tok = logits[:, -1:].argmax(-1)
+        out["decode_ms"][str(n)] = 1e3 * statistics.median(times[1:])
+        if reset:
+            out["peak_mb"] = _peak_mb()
+        del cache, logits
+    return out
+
+
+def _row_key(spec: dict) -> str:
+    from oal.rundir.hashes import config_hash
+
+    return config_hash(spec)
+
+
+class Frontier:
+    """The shared inputs (model, blocks, groups, calibrated candidates, rankings) and the rows."""
+
+    def __init__(self, args, log):
+        from oal.data.sources import load_corpus
+        from oal.data.splits import PLAN_PRESETS, bind_pretraining, default_plan, plan_blocks
+        from oal.models.registry import load_model, preset_for
+
+        self.args, self.log = args, log
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.model, self.tok, self.prov = load_model(args.model)
+        self.preset = preset_for(self.model)
+        n = self.model.config.num_hidden_layers
+        self.candidates = list(range(1, n - 1)) if n >= 3 else list(range(n))
+        corpus = load_corpus("builtin")
+        plan = bind_pretraining(default_plan(self.preset if self.preset in PLAN_PRESETS else "default"), self.prov,
+                                corpus)
+        self.blocks = plan_blocks(corpus, self.tok, plan)
+        self.text = self.blocks["test"].reshape(1, -1)
+        need = max(args.lengths) + args.decode_tokens + 1
+        if self.text.shape[1] < need:
+            raise SystemExit(f"--lengths: the test split holds {self.text.shape[1]} tokens, fewer than {need}")
+        self.options = {"window": args.window, "sinks": args.sinks}
+        self.base_key = {"model": self.prov["state_dict_sha256"], "blocks": {r: list(b.shape)
+                                                                            for r, b in self.blocks.items()}}
+
+    # ------------------------------------------------------------------------------------------- candidates
+
+    def calibrated(self, methods: list[str]) -> dict[str, dict[int, torch.nn.Module]]:
+        """{method: {layer: calibrated method}} on every candidate layer (kernel methods; swa is built)."""
+        from oal.analysis.runner import analyze, load_groups
+        from oal.calibration.data import CalibConfig
+        from oal.calibration.kernels import kernel_dir, load_kernels
+        from oal.calibration.resume import calibrate_directory
+        from oal.methods import build_method
+        from oal.methods.base import method_settings
+        from oal.pipeline.config import PRESETS, grouping_preset
+
+        preset = self.preset if self.preset in PRESETS else "default"
+        out: dict[str, dict[int, torch.nn.Module]] = {}
+        kernel = [m for m in methods if m in KERNEL_METHODS]
+        if kernel:
+            calib_dir = self.work / "calibration"
+            if not (calib_dir / "groups.json").is_file():
+                self.log(f"App. B groups of layers {self.candidates[0]}-{self.candidates[-1]}")
+                analyze(self.model, self.tok, self.blocks["grouping"], self.candidates, calib_dir, figures=False,
+                        seed=self.args.seed, **grouping_preset(preset))
+            groups = load_groups(calib_dir)
+            cfg = CalibConfig(**{**PRESETS[preset]["calib"], "seed": self.args.seed})
+            self.log(f"calibrating {', '.join(kernel)} on {len(self.candidates)} layers (resumable)")
+            calibrate_directory(calib_dir, self.model, self.blocks, self.candidates, kernel, groups=groups, cfg=cfg,
+                                seed=self.args.seed, base_model=self.args.model, provenance=self.prov,
+                                options=self.options)
+            for m in kernel:
+                out[m] = load_kernels(kernel_dir(calib_dir, m))[0]
+        cfg = self.model.config
+        for m in methods:
+            if m not in out:
+                out[m] = {i: build_method(m, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                          layer_idx=i, **method_settings(m, self.options)).eval()
+                          for i in self.candidates}
+        return out
+
+    def ranking(self, name: str, methods: dict[int, torch.nn.Module]) -> list[int]:
+        """Candidate layers best first by `--select-by` (`oal.pipeline.selection`), cached in the work folder."""
+        import json
+
+        from oal.evaluate.fidelity import fidelity
+        from oal.pipeline.selection import rank_layers, swap_probe
+        from oal.rundir.files import atomic_write_json
+
+        path = self.work / f"ranking_{name}_{self.args.select_by}.json"
+        key = _row_key({**self.base_key, "method": name, "by": self.args.select_by, "options": self.options,
+                        "candidates": self.candidates})
+        if path.is_file() and json.loads(path.read_text()).get("key") == key:
+            return json.loads(path.read_text())["order"]
+        self.log(f"ranking the layers for {name} by {self.args.select_by}")
+        if self.args.select_by == "fidelity":
+            per = fidelity(self.model, self.blocks["calib_val"], {"m": methods}, self.candidates)["m"]["per_layer"]
+            scores = {i: per[str(i)]["relmse_post_o"] for i in self.candidates}
+        else:
+            scores = swap_probe(lambda: copy.deepcopy(self.model), methods, self.blocks["val"], progress=True)
+        order = rank_layers(scores)
+        atomic_write_json(path, {"key": key, "order": order, "scores": {str(i): s for i, s in scores.items()}})
+        return order
+
+    # ------------------------------------------------------------------------------------------------- rows
+
+    def row(self, name: str, layers: list[int], methods: dict[int, torch.nn.Module] | None) -> dict:
+        """Adapt and measure one arm (`methods` None: the softmax model), or read it back from the work folder."""
+        import json
+
+        from oal.adaptation.config import AdaptConfig
+        from oal.adaptation.train import adapt
+        from oal.evaluate.passkey import evaluate_passkey
+        from oal.evaluate.perplexity import block_nll
+        from oal.models.convert import convert
+        from oal.rundir.files import atomic_write_json
+
+        a = self.args
+        spec = {**self.base_key, "method": name, "layers": layers, "steps": a.steps, "seed": a.seed,
+                "options": self.options if methods else {}, "lengths": a.lengths, "passkey": a.passkey_lengths,
+                "trials": a.trials, "depths": a.depths,
+                "kernels": {i: sorted(m.state_dict()) for i, m in (methods or {}).items()}}
+        key = _row_key(spec)
+        path = self.work / "rows" / f"{name}-{len(layers)}.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                self.log(f"{name} K={len(layers)}: done earlier")
+                return saved["row"]
+        self.log(f"{name} K={len(layers)}: layers {layers}; adapt {a.steps} steps, then measure")
+        t0 = time.perf_counter()
+        model = copy.deepcopy(self.model)
+        if methods:
+            convert(model, layers, {i: copy.deepcopy(methods[i]) for i in layers})
+        cfg = AdaptConfig(steps=a.steps, val_every=max(1, a.steps // 2), ckpt_every=max(1, a.steps // 4), seed=a.seed)
+        peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"], cfg,
+                                   ckpt_dir=self.work / "checkpoints" / f"{name}-{len(layers)}",
+                                   description=f"adapt {name} K={len(layers)}")
+        model = peft_model.merge_and_unload().eval()
+        total, count = block_nll(model, self.blocks["test"], progress=True, description=f"test PPL {name}")
+        pk = evaluate_passkey(model, self.tok, lengths=a.passkey_lengths, depths=a.depths, trials=a.trials,
+                              progress=True, description=f"passkey {name}")
+        times = timing(model, self.text, a.lengths, a.decode_tokens)
+        row = {"method": name, "layers": layers, "n_linear": len(layers) if methods else 0,
+               "ppl": math.exp(total / count), "passkey": pk["by_length"], "decode_ms": times["decode_ms"],
+               "prefill_s": times["prefill_s"], "peak_mb": times["peak_mb"], "best_val_nll": result.best_val_nll,
+               "seconds": round(time.perf_counter() - t0, 1)}
+        atomic_write_json(path, {"key": key, "row": row})
+        del model, peft_model
+        gc.collect()
+        return row
+
+
+def run(args, log=print) -> dict:
+    t0 = time.perf_counter()
+    f = Frontier(args, log)
+    res = {"model": args.model, "preset": f.preset, "select_by": args.select_by, "steps": args.steps,
+           "window": args.window, "sinks": args.sinks, "candidates": f.candidates,
+           "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                       "threads": torch.get_num_threads()},
+           "provenance": {k: f.prov.get(k) for k in ("model", "source", "gguf", "base_model", "state_dict_sha256")}}
+    soft = f.row("softmax", [], None)
+    res["softmax"] = {k: soft[k] for k in ("ppl", "passkey", "decode_ms", "prefill_s", "peak_mb")}
+    cands = f.calibrated(args.methods)
+    rows, res["rankings"] = [], {}
+    for name in args.methods:
+        order = f.ranking(name, cands[name])
+        res["rankings"][name] = order
+        for k in args.k:
+            if k > len(order):
+                log(f"{name}: K={k} exceeds the {len(order)} candidate layers; skipped")
+                continue
+            rows.append(f.row(name, sorted(order[:k]), cands[name]))
+    res["rows"] = rows
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def model_tag(name: str) -> str:
+    return Path(name).stem.split(".")[0].lower().replace("-instruct", "") if name.endswith(".gguf") else \
+        Path(name).name.lower()
+
+
+def table_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    lengths = list(res["softmax"]["decode_ms"])
+    pk = list(res["softmax"]["passkey"])
+    header = ["method", "K", "PPL", *(f"passkey {n}" for n in pk), *(f"decode ms {n}" for n in lengths),
+              *(f"prefill s {n}" for n in lengths), "peak MB"]
+    out = []
+    for r in [{"method": "softmax", "n_linear": 0, **res["softmax"]}, *res["rows"]]:
+        out.append([r["method"], str(r["n_linear"]), f"{r['ppl']:.2f}", *(f"{r['passkey'][n]:.2f}" for n in pk),
+                    *(f"{r['decode_ms'][n]:.1f}" for n in lengths), *(f"{r['prefill_s'][n]:.2f}" for n in lengths),
+                    f"{r['peak_mb']:.0f}" if r.get("peak_mb") else "-"])
+    return header, out
+
+
+def figure(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from oal.rundir.files import atomic_save_figure
+
+    longest = max(res["softmax"]["decode_ms"], key=int)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    s = res["softmax"]
+    ax.scatter([s["decode_ms"][longest]], [s["ppl"]], marker="*", s=160, color="black", label="softmax", zorder=3)
+    for name in dict.fromkeys(r["method"] for r in res["rows"]):
+        pts = sorted((r for r in res["rows"] if r["method"] == name), key=lambda r: r["n_linear"])
+        ax.plot([r["decode_ms"][longest] for r in pts], [r["ppl"] for r in pts], "o-", label=name)
+        for r in pts:
+            ax.annotate(f"K={r['n_linear']}", (r["decode_ms"][longest], r["ppl"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 3))
+    ax.set_xlabel(f"decode ms/token at {longest} tokens (CPU, {res['machine']['threads']} threads)")
+    ax.set_ylabel("test perplexity (adapted)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Conversion frontier: {res['model']} ({res['steps']} adaptation steps per arm)", fontsize=9)
+    atomic_save_figure(fig, path, dpi=120, bbox_inches="tight")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="a model oal loads (default: smollm2-135m)")
+    p.add_argument("--methods", default="swa,oal-swa,oal", help="comma-separated linear-time methods")
+    p.add_argument("--k", default="8,15,22", help="numbers of converted layers")
+    p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
+    p.add_argument("--select-by", choices=("fidelity", "probe"), default="fidelity")
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--lengths", default="2048,4096,8192", help="prefill / decode timing lengths")
+    p.add_argument("--passkey-lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="passkey needle depths")
+    p.add_argument("--trials", type=int, default=2, help="passkey keys per length and depth")
+    p.add_argument("--decode-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--quick", action="store_true", help="1 passkey trial, timing at 2048 and 4096 only")
+    p.add_argument("--work", type=Path, help="work folder (default benchmarks/results/frontier_<model>/)")
+    p.add_argument("--json", type=Path, help="output (default benchmarks/results/frontier_<model>.json)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args(argv)
+    try:
+        a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        a.k, a.lengths, a.passkey_lengths = _ints(a.k), _ints(a.lengths), _ints(a.passkey_lengths)
+        a.depths = [float(x) for x in a.depths.split(",")]
+    except ValueError as exc:
+        p.error(f"expected comma-separated numbers ({exc})")
+    import oal.methods  # noqa: F401  (registers every method)
+    from oal.methods.base import METHODS
+
+    bad = [m for m in a.methods if m not in METHODS or m == "softmax"]
+    if bad or not a.methods:
+        p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {sorted(set(METHODS) - {'softmax'})}")
+    if a.threads < 0 or a.steps < 1 or a.trials < 1 or min(a.k, default=0) < 1:
+        p.error("--threads >= 0, --steps >= 1, --trials >= 1 and every --k >= 1 expected")
+    if a.quick:
+        a.trials, a.lengths = 1, [n for n in a.lengths if n <= 4096] or a.lengths[:1]
+    tag = model_tag(a.model)
+    a.work = a.work or RESULTS / f"frontier_{tag}"
+    a.json = a.json or RESULTS / f"frontier_{tag}.json"
+    return a
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from oal.rundir.files import atomic_write_json
+
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    res = run(args, log=console.log)
+    atomic_write_json(args.json, res)
+    figure(res, args.json.with_suffix(".png"))
+    header, rows = table_rows(res)
+    table = Table(title=f"conversion frontier: {res['model']} ({res['steps']} adaptation steps, select by "
+                        f"{res['select_by']}, window {res['window']}, sinks {res['sinks']})")
+    for col in header:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+    console.log(f"{res['seconds'] / 60:.1f} min; wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
