@@ -11,8 +11,8 @@ Protocol (the pipeline's own drivers, shared across rows so that each layer is c
    converts the K best.
 4. Every row, and the softmax arm, is adapted with the same budget (LoRA + kernel, `oal.adaptation.train.adapt`),
    merged, then measured: test perplexity, passkey accuracy (`oal.evaluate.passkey`), prefill seconds and decode
-   ms/token (median) after a prefill of real test text at each length, and the process's peak resident memory
-   over the longest prefill and its decode (VmHWM, reset before it).
+   ms/token (median) after a prefill of real test text at each length, and how much the longest prefill and its
+   decode raise the process's resident memory (VmHWM, reset before it, less the resident memory before it).
 Rows are kept under `--work` as they finish; a killed run resumes at the next row.
 
 Writes benchmarks/results/frontier_<model>.json (the schema of benchmarks/reference/frontier_smollm2.json),
@@ -49,10 +49,11 @@ def _peak_reset() -> bool:
         return False
 
 
-def _peak_mb() -> float | None:
+def _status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status ("VmHWM", "VmRSS") in MB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -62,7 +63,9 @@ def _peak_mb() -> float | None:
 @torch.no_grad()
 def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) -> dict:
     """{"prefill_s": {L: s}, "decode_ms": {L: ms}, "peak_mb": MB}: one prefill of the first L tokens of `text` [1, M]
-    into a fresh cache, then `decode_tokens` greedy tokens (median ms; the first is a warm-up)."""
+    into a fresh cache, then `decode_tokens` greedy tokens (median ms; the first is a warm-up). peak_mb: how far the
+    longest prefill and its decode raised the process's resident memory above what it held before (activations
+    and cache; the weights already resident are not counted)."""
     from transformers import DynamicCache
 
     out = {"prefill_s": {}, "decode_ms": {}, "peak_mb": None}
@@ -70,6 +73,7 @@ def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) ->
         longest = n == max(lengths)
         gc.collect()
         reset = longest and _peak_reset()
+        before = _status_mb("VmRSS")
         cache = DynamicCache(config=model.config)
         t0 = time.perf_counter()
         logits = model(text[:, :n], cache=cache, use_cache=True).logits
@@ -82,8 +86,8 @@ def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) ->
             times.append(time.perf_counter() - t0)
             tok = logits[:, -1:].argmax(-1)
         out["decode_ms"][str(n)] = 1e3 * statistics.median(times[1:])
-        if reset:
-            out["peak_mb"] = _peak_mb()
+        if reset and before is not None:
+            out["peak_mb"] = _status_mb("VmHWM") - before
         del cache, logits
     return out
 
@@ -113,10 +117,12 @@ class Frontier:
         plan = bind_pretraining(default_plan(self.preset if self.preset in PLAN_PRESETS else "default"), self.prov,
                                 corpus)
         self.blocks = plan_blocks(corpus, self.tok, plan)
-        self.text = self.blocks["test"].reshape(1, -1)
+        # timing text: real tokens (the test blocks, then the others); its content does not change the times
+        roles = ["test", *(r for r in self.blocks if r != "test")]
+        self.text = torch.cat([self.blocks[r].reshape(-1) for r in roles])[None]
         need = max(args.lengths) + args.decode_tokens + 1
         if self.text.shape[1] < need:
-            raise SystemExit(f"--lengths: the test split holds {self.text.shape[1]} tokens, fewer than {need}")
+            raise SystemExit(f"--lengths: the plan's blocks hold {self.text.shape[1]} tokens, fewer than {need}")
         self.options = {"window": args.window, "sinks": args.sinks}
         self.base_key = {"model": self.prov["state_dict_sha256"], "blocks": {r: list(b.shape)
                                                                             for r, b in self.blocks.items()}}
@@ -330,12 +336,12 @@ def parse(argv=None):
         a.depths = [float(x) for x in a.depths.split(",")]
     except ValueError as exc:
         p.error(f"expected comma-separated numbers ({exc})")
-    import oal.methods  # noqa: F401  (registers every method)
-    from oal.methods.base import METHODS
+    from oal.methods import method_names
 
-    bad = [m for m in a.methods if m not in METHODS or m == "softmax"]
+    linear = [m for m in method_names() if m != "softmax"]
+    bad = [m for m in a.methods if m not in linear]
     if bad or not a.methods:
-        p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {sorted(set(METHODS) - {'softmax'})}")
+        p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {', '.join(linear)}")
     if a.threads < 0 or a.steps < 1 or a.trials < 1 or min(a.k, default=0) < 1:
         p.error("--threads >= 0, --steps >= 1, --trials >= 1 and every --k >= 1 expected")
     if a.quick:
