@@ -1,19 +1,32 @@
-"""Attention sinks in the hybrid operator: e^{s_ij} on the first S keys and the last W keys, OAL's kappa_ij on every
-other older key, one normaliser. Every backend against the reference in float64 (outputs and gradients), GQA, the
-prefix state. test_window.py runs its state, decode and stability tests on the hybrid with sinks too (kind
-"oal-swa+sinks")."""
+"""Attention sinks in the hybrids (oal-swa, global-swa): e^{s_ij} on the first S keys and the last W keys, OAL's
+kappa_ij on every other older key, one normaliser. Every backend against the reference in float64 (outputs and
+gradients), GQA, the prefix state, the methods, calibration and kernels files of version 1. test_window.py runs
+its state, decode and stability tests on the hybrid with sinks too (kind "oal-swa+sinks")."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+from test_io import _base
 from test_window import grads, make
+from test_window_calibration import _layer_data
 
+import oal
 import oal.ops.chunked as chunked
+from oal.calibration.data import CalibConfig
+from oal.calibration.fit import calibrate_methods, sampled_dense_output
+from oal.calibration.kernels import load_kernels, method_from_record, method_record, save_kernels
+from oal.methods import build_method
+from oal.methods.base import newer_versions
+from oal.models.pretrained import build_methods, conversion_spec
 from oal.ops import oal_attention
 from oal.ops.window import split_window_state, window_attention
+from oal.pipeline.config import SINKS
 
 F64 = torch.float64
+HYBRIDS = ("oal-swa", "global-swa")
 
 MATRIX = [(n, w, s) for n in (1, 7, 63, 200) for w in (1, 5, 64) for s in (0, 1, 4, n + 3)]
 
@@ -81,3 +94,70 @@ def test_prefix_state_holds_no_sink():
     old = slice(sinks, 30 - window)
     _, want = oal_attention(q[:, :, old], k[:, :, old], v[:, :, old], groups, factor, output_final_state=True)
     torch.testing.assert_close(prefix, want, rtol=0, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------- methods
+
+
+def _hybrid(name, sinks, window=9, hq=4, hkv=2, d=16):
+    """A float64 hybrid; oal-swa with fixed 3-group groups."""
+    kw = dict(window=window, sinks=sinks)
+    if name == "oal-swa":
+        kw.update(groups=torch.randint(0, 3, (hq, d), generator=torch.Generator().manual_seed(9)), n_groups=3)
+    return build_method(name, hq, hkv, d, **kw).double()
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_methods_take_sinks(name):
+    m = _hybrid(name, 3)
+    assert inspect.signature(type(m)).parameters["sinks"].default == SINKS  # the run's --sinks default, as swa
+    assert m.settings == ("window", "sinks")
+    q, k, v, _, _ = make(n=40)
+    want = window_attention(q, k, v, window=9, sinks=3, groups=m.groups, factor=m.factor, backend="reference")
+    torch.testing.assert_close(m.reference(q, k, v), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m(q, k, v), want, rtol=0, atol=1e-12)
+    w = m.dense_kernel(q, k)  # the weights of the definition: softmax rows give the same output
+    w = w.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), 0.0)
+    torch.testing.assert_close((w / w.sum(-1, keepdim=True)) @ v.repeat_interleave(2, dim=1), want, rtol=0,
+                               atol=1e-12)
+    pos = torch.tensor([0, 2, 3, 11, 12, 30])  # sampled calibration queries: sinks at their own positions
+    torch.testing.assert_close(sampled_dense_output(m, q, k, v, pos), want[:, :, pos], rtol=0, atol=1e-12)
+
+
+def test_calibrate_methods_carries_sinks():
+    train, val = _layer_data(3, 1), _layer_data(2, 2)
+    groups = torch.randint(0, 3, (4, 16), generator=torch.Generator().manual_seed(5))
+    cfg = CalibConfig(max_steps=12, val_every=6, patience=12, seed=0)
+    done = calibrate_methods(["oal-swa", "global-swa"], train, val, layer=0, groups=groups, cfg=cfg,
+                             options={"window": 7, "sinks": 3})
+    for name in HYBRIDS:
+        m, res = done[name]
+        assert (m.window, m.sinks) == (7, 3)
+        with torch.no_grad():  # the recorded validation MSE is this method's own output, sinks included
+            mse = (m(val.q, val.k, val.v) - val.out).square().mean(dim=(0, 2, 3))
+        torch.testing.assert_close(mse, torch.tensor([h.val_mse for h in res.heads]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_kernels_record_sinks_and_version_one_loads_as_no_sinks(tmp_path, name):
+    m = _hybrid(name, 2).float()
+    info, state = method_record(m)
+    assert info["version"] == 2 and info["init"]["sinks"] == 2
+    save_kernels({0: m}, tmp_path / "new", fingerprint={})
+    assert load_kernels(tmp_path / "new")[0][0].sinks == 2
+    old = {**info, "version": 1, "init": {a: b for a, b in info["init"].items() if a != "sinks"}}  # before sinks
+    loaded = method_from_record(0, old, state)
+    assert loaded.sinks == 0  # the function version 1 computed
+    q, k, v, _, _ = make(n=30, dtype=torch.float32)
+    kw = dict(window=9, groups=m.groups, factor=m.factor, backend="reference")
+    torch.testing.assert_close(loaded(q, k, v), window_attention(q, k, v, **kw), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="construction version 3"):
+        method_from_record(0, {**info, "version": 3}, state)
+    assert newer_versions([name, "swa"]) == {name: 2}  # a run's stage keys change: it recalibrates
+    # an exported model's config.oal of version 1 rebuilds the same way
+    spec = conversion_spec(oal.convert(_base(), [1], {1: _hybrid(name, 2, hkv=2, d=8).float()}))
+    assert spec["layers"]["1"]["version"] == 2 and build_methods(spec)[1].sinks == 2
+    spec["layers"]["1"]["version"] = 1
+    del spec["layers"]["1"]["init"]["sinks"]
+    assert build_methods(spec)[1].sinks == 0
+
