@@ -18,9 +18,7 @@ def make(hq=4, hkv=2, n=30, d=16, dv=8, seed=0):
 
 
 def build(name, hq=4, hkv=2, d=16, window=5, seed=0):
-    kwargs = dict(window=window)
-    if name == "swa":
-        kwargs["sinks"] = 2
+    kwargs = dict(window=window, sinks=2)
     if name == "oal-swa":
         kwargs["groups"] = torch.randint(0, 3, (hq, d), generator=torch.Generator().manual_seed(seed))
     m = build_method(name, hq, hkv, d, **kwargs).double()
@@ -35,13 +33,17 @@ def test_registered_with_their_settings():
     swa = build_method("swa", 4, 2, 16)
     assert (swa.window, swa.sinks) == (64, 4) and isinstance(swa.window, int) and isinstance(swa.sinks, int)
     assert build_method("oal-swa", 4, 2, 16, window=9).window == 9
+    assert all(build_method(n, 4, 2, 16).sinks == 4 for n in ("oal-swa", "global-swa"))  # as swa
     assert build_method("global-swa", 4, 2, 16, groups=torch.ones(4, 16, dtype=torch.long)).n_groups == 1
     assert all(build_method(n, 4, 2, 16).supports_state for n in NAMES)
 
 
-@pytest.mark.parametrize("name,kwargs,arg", [("swa", dict(window=0), "window"), ("swa", dict(sinks=-1), "sinks"),
-                                             ("oal-swa", dict(window=1.5), "window"),
-                                             ("global-swa", dict(window=False), "window")])
+BAD_SETTINGS = [("swa", dict(window=0), "window"), ("swa", dict(sinks=-1), "sinks"),
+                ("oal-swa", dict(window=1.5), "window"), ("oal-swa", dict(sinks=-1), "sinks"),
+                ("global-swa", dict(window=False), "window"), ("global-swa", dict(sinks=1.0), "sinks")]
+
+
+@pytest.mark.parametrize("name,kwargs,arg", BAD_SETTINGS)
 def test_bad_settings_name_the_argument(name, kwargs, arg):
     with pytest.raises(ValueError, match=rf"^{arg}"):
         build_method(name, 4, 2, 16, **kwargs)

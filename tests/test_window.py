@@ -1,5 +1,6 @@
-"""Sliding-window operators (issue 29): swa and oal-swa, banded and recurrent paths against the dense reference,
-outputs and gradients in float64; state continuation; stability at huge logit scales; bad input."""
+"""Sliding-window operators (issue 29): swa and oal-swa (with and without sinks), banded and recurrent paths
+against the dense reference, outputs and gradients in float64; state continuation; stability at huge logit scales;
+bad input."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from oal.ops.kernel import feature_dim, perturbed_factor, taylor_factor
 from oal.ops.window import sequence_state, split_window_state, window_attention, window_state_size
 
 F64 = torch.float64
-KINDS = ("swa", "oal-swa")
+KINDS = ("swa", "oal-swa", "oal-swa+sinks")  # the hybrid without and with sinks
 
 
 def make(b=1, hq=4, hkv=2, n=40, d=16, dv=8, g=3, *, seed=0, dtype=F64, requires_grad=False):
@@ -30,7 +31,9 @@ def make(b=1, hq=4, hkv=2, n=40, d=16, dv=8, g=3, *, seed=0, dtype=F64, requires
 
 
 def kw_for(kind, groups, factor, sinks):
-    return dict(sinks=sinks) if kind == "swa" else dict(groups=groups, factor=factor)
+    if kind == "swa":
+        return dict(sinks=sinks)
+    return dict(groups=groups, factor=factor, sinks=sinks if kind == "oal-swa+sinks" else 0)
 
 
 def grads(out, inputs):
@@ -57,7 +60,7 @@ def test_paths_match_reference_outputs_and_gradients(monkeypatch, case, kind):
     monkeypatch.setattr(chunked, "NAN_SCRATCH", True)  # an unwritten scratch entry would show up as NaN
     b, hq, hkv, n, window, sinks, chunk = case
     q, k, v, groups, factor = make(b, hq, hkv, n, requires_grad=True)
-    inputs = (q, k, v, factor) if kind == "oal-swa" else (q, k, v)
+    inputs = (q, k, v, factor) if kind != "swa" else (q, k, v)
     kw = dict(window=window, **kw_for(kind, groups, factor, sinks))
     ref = window_attention(q, k, v, backend="reference", **kw)
     ref_grads = grads(ref, inputs)
@@ -146,7 +149,7 @@ def test_prefill_chunk_then_decode_equals_one_call(kind, first, then):
     q, k, v, groups, factor = make(2, 4, 2, n, seed=4)
     kw = dict(window=window, **kw_for(kind, groups, factor, sinks))
     want = window_attention(q, k, v, backend="reference", **kw)
-    want_state = sequence_state(k, v, window, kw.get("sinks", 0), kind == "oal-swa")
+    want_state = sequence_state(k, v, window, kw["sinks"], kind != "swa")
     for p in SPLITS:
         outs, state = [], None
         for start, stop, backend in [(0, p, first), (p, p + 7, then)] + [(i, i + 1, then) for i in range(p + 7, n)]:
@@ -181,9 +184,9 @@ def test_state_rows_with_different_histories(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_size_does_not_grow_with_length(kind):
     d, dv, window, sinks = 16, 8, 7, 2
-    s = sinks if kind == "swa" else 0
-    size = (s + window) * (d + dv + 1) + (feature_dim(d) * (dv + 1) if kind == "oal-swa" else 0)
-    assert window_state_size(d, dv, window, s, kind == "oal-swa") == size
+    s, kernel = kw_for(kind, None, None, sinks)["sinks"], kind != "swa"
+    size = (s + window) * (d + dv + 1) + (feature_dim(d) * (dv + 1) if kernel else 0)
+    assert window_state_size(d, dv, window, s, kernel) == size
     for n in (1, 9, 300):
         q, k, v, groups, factor = make(1, 4, 2, n, d=d, dv=dv)
         _, state = window_attention(q, k, v, window=window, output_final_state=True, **kw_for(kind, groups, factor, s))
@@ -247,7 +250,7 @@ def test_huge_logits_are_exact_and_finite(kind, dtype, logit, tol):
     q, k, v, groups, factor = signed_scores(n, logit, dtype=dtype)
     kw = dict(window=window, **kw_for(kind, groups, factor, 2))
     want = window_attention(q.double(), k.double(), v.double(), backend="reference",
-                            **{**kw, **({"factor": factor.double()} if kind == "oal-swa" else {})})
+                            **{**kw, **({"factor": factor.double()} if kind != "swa" else {})})
     if kind == "oal-swa":  # both regimes occur: some queries are dominated by the window, some by the kernel
         from oal.ops.window import window_log_weights
 
@@ -292,7 +295,7 @@ def test_low_precision_inputs(kind):
     out, state = window_attention(q, k, v, output_final_state=True, **kw)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     want = window_attention(q.double(), k.double(), v.double(), backend="reference",
-                            **{**kw, **({"factor": factor.double()} if kind == "oal-swa" else {})})
+                            **{**kw, **({"factor": factor.double()} if kind != "swa" else {})})
     torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
 
 
@@ -316,7 +319,7 @@ BAD = [
     ("window", dict(window=2.5)),
     ("window", dict(window=True)),
     ("sinks", dict(sinks=-1)),
-    ("sinks", dict(sinks=2, kernel=True)),
+    ("sinks", dict(sinks=-2, kernel=True)),
     ("causal", dict(causal=False)),
     ("backend", dict(backend="chunked")),
     ("chunk_size", dict(chunk_size=0)),

@@ -27,9 +27,7 @@ def _methods(name, layers, n_heads=HQ, n_kv=HKV, head_dim=D, seed=3):
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for i in layers:
-        kw = {"window": WINDOW}
-        if name == "swa":
-            kw["sinks"] = SINKS
+        kw = {"window": WINDOW, "sinks": SINKS}
         if name == "oal-swa":
             kw.update(groups=torch.randint(0, 3, (n_heads, head_dim), generator=gen), n_groups=3)
         m = build_method(name, n_heads, n_kv, head_dim, layer_idx=i, **kw)
@@ -70,8 +68,8 @@ def test_incremental_logits_equal_one_forward(name):
         torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-10)
     layer = cache.layers[1]
     assert isinstance(layer, OALStateLayer) and layer.stateful and cache.get_seq_length() == 19
-    size = window_state_size(D, D, WINDOW, SINKS if name == "swa" else 0, name != "swa")
-    assert layer.state.shape == (2, HKV, size)  # O(W + S) (swa) or O(W + OAL's prefix) (hybrids), not O(N)
+    size = window_state_size(D, D, WINDOW, SINKS, name != "swa")
+    assert layer.state.shape == (2, HKV, size)  # O(W + S) [+ OAL's prefix for the hybrids], not O(N)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -129,7 +127,7 @@ def test_save_pretrained_roundtrip_keeps_the_window(tmp_path, name):
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     for i, m in converted_methods(reloaded).items():
-        assert m.name == name and m.window == WINDOW and getattr(m, "sinks", SINKS) == SINKS, i
+        assert m.name == name and m.window == WINDOW and m.sinks == SINKS, i
     ids = _ids(1, 17)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-12, atol=1e-12)

@@ -3,11 +3,12 @@
 kernels.safetensors holds every parameter and buffer of each converted layer's method under
 `layers.<i>.<name>` (for OAL: `factor` [Hq, G+1, G+1] and `groups` [Hq, d]). kernels.json holds what is needed
 to rebuild and to refuse a wrong base model: per layer the method name and construction version (a record of
-another version is refused), (Hq, Hkv, d) and constructor settings (eps, n_groups; window and sinks of the sliding
-windows), the base model's id, revision, architecture fingerprint, file hashes and the SHA256 of its tensors
-(`state_dict_sha256`, with the dtype it was computed in), and the SHA256 of the tensor file. Both files are written
-to a temporary name and renamed into place. `load` checks the base model against that record: a model object by
-its tensors, a name/path by its tensors and by every file of its folder.
+another version is refused, or rebuilt as it computed: `methods.base.record_settings`), (Hq, Hkv, d) and
+constructor settings (eps, n_groups; window and sinks of the sliding windows), the base model's id, revision,
+architecture fingerprint, file hashes and the SHA256 of its tensors (`state_dict_sha256`, with the dtype it was
+computed in), and the SHA256 of the tensor file. Both files are written to a temporary name and renamed into place.
+`load` checks the base model against that record: a model object by its tensors, a name/path by its tensors and by
+every file of its folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method, check_version, get_method
+from oal.methods.base import AttentionMethod, build_method, check_version, get_method, record_settings
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
 from oal.rundir.hashes import sha256_file
 
@@ -156,7 +157,7 @@ def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str 
     """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
     fit it or the record is of another construction version of the method (`methods.base.check_version`)."""
     check_version(info, f"{where}: layer {layer}")
-    kwargs = dict(info.get("init", {}))
+    kwargs = record_settings(info)
     if "groups" in state and get_method(info["method"]).uses_groups:
         kwargs["groups"] = state["groups"]
     m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,

@@ -58,14 +58,15 @@ def _oal_dense_kernel(method, q, k, n_copies: int = 1):
 
 
 def _window_oal_weights(method, q, k, positions, n_copies: int):
-    """oal-swa / global-swa weights [B, I*H, n, M] at query `positions`: e^s on each query's window, Eq. 7 on its
-    older keys from `_oal_dense_kernel` (s_bar shared by the I copies), as `method.dense_kernel` gives them (the
-    per-row shift by the largest log-weight cancels in the normaliser)."""
+    """oal-swa / global-swa weights [B, I*H, n, M] at query `positions`: e^s on each query's window and sinks, Eq. 7
+    on its other older keys from `_oal_dense_kernel` (s_bar shared by the I copies), as `method.dense_kernel` gives
+    them (the per-row shift by the largest log-weight cancels in the normaliser)."""
     from oal.ops.window import window_log_weights
 
     log_kappa = _oal_dense_kernel(method, q, k, n_copies).log()
     logw = window_log_weights(q.repeat(1, n_copies, 1, 1), k.repeat(1, n_copies, 1, 1), positions,
-                              window=method.window, scale=1.0 / math.sqrt(q.shape[-1]), log_kappa=log_kappa)
+                              window=method.window, sinks=method.sinks, scale=1.0 / math.sqrt(q.shape[-1]),
+                              log_kappa=log_kappa)
     return torch.exp(logw - logw.amax(-1, keepdim=True))
 
 

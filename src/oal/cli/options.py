@@ -68,8 +68,8 @@ TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local J
 # the sliding windows (swa, oal-swa, global-swa): recorded in config.json; other methods ignore them
 WindowOpt = Annotated[int, typer.Option(min=1, help="Sliding window W of swa, oal-swa and global-swa: the last W keys "
                                         "get exact softmax weights (default: 64).")]
-SinksOpt = Annotated[int, typer.Option(min=0, help="Attention sinks S of swa: the first S keys stay visible beside "
-                                       "its window (default: 4; the hybrids keep none).")]
+SinksOpt = Annotated[int, typer.Option(min=0, help="Attention sinks S of swa, oal-swa and global-swa: the first S "
+                                       "keys get exact softmax weights beside the window (default: 4).")]
 
 
 SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "

@@ -6,7 +6,9 @@ Every method has a dense O(N^2) `dense_kernel` (the oracle and the basis of the 
 linear-time `forward`. Adding a method: one file with a subclass decorated by `@register`.
 
 `version` numbers a method's construction: bump it when the same saved tensors and record would compute another
-function (kernels files and exported models record it; `check_version` refuses a record of another version).
+function (kernels files and exported models record it; `check_version` refuses a record of another version,
+unless `legacy` names the settings under which this construction computes that version's function:
+`record_settings` then rebuilds it with them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 __all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names",
-           "method_settings", "newer_versions", "register", "repeat_kv"]
+           "method_settings", "newer_versions", "record_settings", "register", "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -68,10 +70,16 @@ def check_version(info, where: str) -> None:
     of its method; records from before versions were recorded count as version 1."""
     cls = get_method(info["method"])
     got = info.get("version", 1)
-    if got != cls.version:
+    if got != cls.version and got not in cls.legacy:
         raise ValueError(f"{where}: {cls.name} kernels were saved by construction version {got!r}, this oal builds "
                          f"version {cls.version} (the same tensors would compute another function); recalibrate or "
                          f"re-export them with this version")
+
+
+def record_settings(info) -> dict:
+    """The constructor settings of a saved method record: its `init`, with those that make this construction compute
+    the function of the record's older version (`AttentionMethod.legacy`)."""
+    return {**info.get("init", {}), **get_method(info["method"]).legacy.get(info.get("version", 1), {})}
 
 
 def newer_versions(names) -> dict[str, int]:
@@ -96,6 +104,7 @@ class AttentionMethod(nn.Module):
     settings: ClassVar[tuple[str, ...]] = ()  # constructor settings a run configures (`method_settings`)
     positional: ClassVar[bool] = False  # causal only; dense_kernel(q, k, positions=) depends on where queries sit
     version: ClassVar[int] = 1  # construction version, recorded with saved kernels (see module doc)
+    legacy: ClassVar[dict[int, dict]] = {}  # older version -> the settings under which this one computes it
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()

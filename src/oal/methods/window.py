@@ -3,11 +3,16 @@ control). The operator and its state are in `oal.ops.window`.
 
 - swa: softmax over the last `window` keys and the first `sinks` keys (StreamingLLM). No kernel parameters;
   LoRA adapts it like the softmax arm.
-- oal-swa: exact e^{s_ij} on the last `window` keys, OAL's calibrated kappa_ij (Eq. 7, same groups and factor
-  as `oal`) on every older key, one normaliser (LoLCATs' sliding-window linear attention with OAL's kernel). No
-  sinks. The factor is trainable as in `oal`, so it calibrates and adapts jointly with LoRA; note that here the
-  kernel's scale does not cancel: it weighs the older keys against the window's e^s.
+- oal-swa: exact e^{s_ij} on the last `window` keys and the first `sinks` keys, OAL's calibrated kappa_ij (Eq. 7,
+  same groups and factor as `oal`) on every other older key, one normaliser (LoLCATs' sliding-window linear
+  attention with OAL's kernel, plus StreamingLLM's sinks: the quadratic kernel cannot give the first tokens the
+  peaked weight heads put there). The factor is trainable as in `oal`, so it calibrates and adapts jointly with
+  LoRA; note that here the kernel's scale does not cancel: it weighs the older keys against the exact ones.
 - global-swa: the same with the learned global quadratic a + b s + c s^2 (one group).
+
+The hybrids' construction version 2 added the sinks: a version-1 record (kernels file, exported model) is the
+hybrid with sinks=0 and loads as that (`legacy`), while a run's stage keys change with the version
+(`newer_versions`), so a run recalibrates them.
 
 Query positions: `dense_kernel(q, k)` puts query i at key position i + M - N (the base class's alignment);
 pass `positions` [N] for queries elsewhere (sampled calibration positions).
@@ -41,10 +46,10 @@ def _weights(logw: torch.Tensor) -> torch.Tensor:
     return torch.exp(logw - logw.amax(-1, keepdim=True))
 
 
-def _check_window(window) -> int:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window: expected an integer >= 1, got {window!r}")
-    return window
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return value
 
 
 @register
@@ -57,9 +62,7 @@ class SWAMethod(AttentionMethod):
     def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, layer_idx: int = 0,
                  seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks: expected an integer >= 0, got {sinks!r}")
-        self.window, self.sinks = _check_window(window), sinks
+        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)
 
     def dense_kernel(self, q, k, positions=None):
         check_qkv(self, q, k)
@@ -81,25 +84,29 @@ class _WindowKernel:
     """The window part of oal-swa and global-swa, mixed into OALMethod (groups buffer, trainable factor)."""
 
     window: int
-    settings = ("window",)  # no sinks: the kernel covers every older key
+    sinks: int
+    settings = ("window", "sinks")
     positional = True
+    version = 2  # sinks; version 1 had none, i.e. it is this construction with sinks=0
+    legacy = {1: {"sinks": 0}}
 
     def dense_kernel(self, q, k, positions=None):
         check_qkv(self, q, k)
         pos = _positions(q.shape[2], k.shape[2], positions, q.device)
         kernel = (self.groups, self.factor.to(q.dtype), self.eps)
-        return _weights(window_log_weights(q, k, pos, window=self.window, kernel=kernel,
+        return _weights(window_log_weights(q, k, pos, window=self.window, sinks=self.sinks, kernel=kernel,
                                            scale=1.0 / math.sqrt(q.shape[-1])))
 
     def reference(self, q, k, v, *, causal: bool = True):
         check_qkv(self, q, k, v)
-        return window_attention(q, k, v, window=self.window, groups=self.groups, factor=self.factor, eps=self.eps,
-                                causal=causal, backend="reference")
+        return window_attention(q, k, v, window=self.window, sinks=self.sinks, groups=self.groups,
+                                factor=self.factor, eps=self.eps, causal=causal, backend="reference")
 
     def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
         check_qkv(self, q, k, v)
-        return window_attention(q, k, v, window=self.window, groups=self.groups, factor=self.factor, eps=self.eps,
-                                causal=causal, initial_state=initial_state, output_final_state=output_final_state)
+        return window_attention(q, k, v, window=self.window, sinks=self.sinks, groups=self.groups,
+                                factor=self.factor, eps=self.eps, causal=causal, initial_state=initial_state,
+                                output_final_state=output_final_state)
 
 
 @register
@@ -108,11 +115,11 @@ class OALSWAMethod(_WindowKernel, OALMethod):
 
     name = "oal-swa"
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, groups=None, factor=None,
-                 n_groups: int = 2, eps: float = 1e-6, layer_idx: int = 0, seed: int = 0):
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, groups=None,
+                 factor=None, n_groups: int = 2, eps: float = 1e-6, layer_idx: int = 0, seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, groups=groups, factor=factor, n_groups=n_groups, eps=eps,
                          layer_idx=layer_idx, seed=seed)
-        self.window = _check_window(window)
+        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)
 
 
 @register
@@ -121,8 +128,8 @@ class GlobalSWAMethod(_WindowKernel, GlobalMethod):
 
     name = "global-swa"
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, factor=None, eps: float = 1e-6,
-                 groups=None, n_groups: int = 1, layer_idx: int = 0, seed: int = 0):
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, factor=None,
+                 eps: float = 1e-6, groups=None, n_groups: int = 1, layer_idx: int = 0, seed: int = 0):
         # groups / n_groups are accepted and ignored, as by `global`: one group whatever the caller's grouping
         super().__init__(n_heads, n_kv_heads, head_dim, factor=factor, eps=eps, layer_idx=layer_idx, seed=seed)
-        self.window = _check_window(window)
+        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)

@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from torch import nn
 
-from oal.methods.base import AttentionMethod, build_method, check_version
+from oal.methods.base import AttentionMethod, build_method, check_version, record_settings
 from oal.models.attention import converted_methods, swap_attention
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json
 from oal.rundir.hashes import sha256_file, versions
@@ -93,7 +93,7 @@ def _fp32_on_cpu():
 
 def _build(layer: int, info: dict) -> AttentionMethod:
     try:
-        init = dict(info.get("init", {}))
+        init = record_settings(info)
         if "dtype" in init:
             init["dtype"] = getattr(torch, init["dtype"])
         m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,

@@ -135,7 +135,7 @@ class RunConfig:
     zeroshot_files: dict = field(default_factory=dict)  # task -> local JSON-lines file (unverified, hash recorded)
     select: dict | None = None  # `--layers auto:K`: {"k": K, "by": "fidelity" | "probe"} (oal.pipeline.selection)
     window: int = WINDOW  # swa, oal-swa, global-swa: the last `window` keys get exact softmax weights
-    sinks: int = SINKS  # swa: the first `sinks` keys (attention sinks) stay visible too
+    sinks: int = SINKS  # all three: the first `sinks` keys (attention sinks) get exact softmax weights too
 
     def __post_init__(self):
         if self.preset not in PRESETS:

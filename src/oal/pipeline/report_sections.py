@@ -34,8 +34,8 @@ def provenance_section(config: dict) -> list[str]:
     out.append(f"- methods: {', '.join(cfg.get('methods', []))}; converted layers: {config.get('converted_layers')}")
     windows = [m for m in cfg.get("methods", []) if m in ("swa", "oal-swa", "global-swa")]
     if windows:
-        out.append(f"- sliding windows ({', '.join(windows)}): the last W = {cfg.get('window')} keys exact; swa "
-                   f"also keeps the first S = {cfg.get('sinks')} keys (sinks), the hybrids none")
+        out.append(f"- sliding windows ({', '.join(windows)}): the last W = {cfg.get('window')} keys and the first "
+                   f"S = {cfg.get('sinks')} keys (sinks) exact")
     data = config.get("data", {})
     out.append(f"- data: `{data.get('name')}`")
     for split, h in sorted(data.get("sha256", {}).items()):

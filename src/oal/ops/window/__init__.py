@@ -1,13 +1,15 @@
 """Sliding-window attention, alone (swa) or with OAL's kernel on the keys that left the window (oal-swa).
 
-    out = window_attention(q, k, v, window=W, sinks=S)                          # swa
-    out = window_attention(q, k, v, window=W, groups=groups, factor=factor)     # oal-swa (no sinks)
+    out = window_attention(q, k, v, window=W, sinks=S)                                  # swa
+    out = window_attention(q, k, v, window=W, sinks=S, groups=groups, factor=factor)    # oal-swa
 
 swa (StreamingLLM's window with attention sinks): softmax of s_ij = scale q_i . k_j over the last W keys
 (i - W < j <= i) and the first S keys (j < S). oal-swa (LoLCATs' sliding window with OAL's kernel instead of a
-feature map): weights e^{s_ij} on the last W keys and kappa_ij = eps + |L^T s_bar_ij|^2 (Eq. 7, `oal.ops`) on
-every older key j <= i - W, under one normaliser (see `normaliser.py` for the per-query shift that keeps it
-finite at any logit scale). oal-swa keeps no sinks: the calibrated kernel already covers the first keys.
+feature map, plus StreamingLLM's sinks): weights e^{s_ij} on the last W keys and on the first S keys, and
+kappa_ij = eps + |L^T s_bar_ij|^2 (Eq. 7, `oal.ops`) on every other older key S <= j <= i - W, under one
+normaliser (see `normaliser.py` for the per-query shift that keeps it finite at any logit scale). A key is
+counted once: a sink inside the window is a window key. The sinks give the first tokens the peaked weight heads
+put there, which the quadratic kernel cannot; sinks=0 is the hybrid with the kernel on every older key.
 
 Shapes and GQA as `oal.ops.oal_attention`: q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv], query head h
 reads KV head h // (Hq // Hkv); groups [Hq, d], factor [Hq, G+1, G+1]. Causal only. The decode state is one
@@ -88,8 +90,6 @@ def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial
         raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
     _positive_int("window", window, 1)
     _positive_int("sinks", sinks, 0)
-    if kernel and sinks:
-        raise ValueError(f"sinks: the hybrid keeps no sinks (its kernel covers every older key), got sinks={sinks}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")

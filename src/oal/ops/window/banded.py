@@ -5,11 +5,13 @@ that query i of the call (token W + i of E) sees exactly the window entries e in
 state's window rows (a continuation) or empty rows (a fresh sequence, where min(W, n) of them suffice).
 - window: queries in chunks of C; chunk t sees the C + W - 1 entries E[tC + 1 : tC + C + W], one batched GEMM
   for all chunks of a block (a strided view of E), masked to the band and to filled rows;
-- sinks (swa): the state's sink rows, and the call's first tokens while fewer than S have been seen; a new sink
-  is added here only once it has left the query's window, so no key is counted twice;
+- sinks: the state's sink rows, and the call's first tokens while fewer than S have been seen; a new sink is
+  added here only once it has left the query's window, so no key is counted twice. Their exact weights join the
+  window's running max (`merge_max`), so the per-query shift covers them too;
 - older keys (oal-swa): E[e <= i] is OAL's causal prefix with a lag of W, so it is `chunked_attention` over the
-  first n entries of E (numerator not normalised, `raw`), continuing the state's prefix. For a fresh sequence
-  that is the plain causal call of queries W.. on keys 0..n-W-1.
+  first n entries of E (numerator not normalised, `raw`), continuing the state's prefix. Sinks never enter it:
+  the window rows of the state hold no sink, and the call's new sinks are zeroed there (a zero row [0, 0, 0] adds
+  nothing to OAL's sums). For a fresh sequence that is the plain causal call of queries W+S.. on keys S..n-W-1.
 The parts meet in one normaliser (`normaliser.py`).
 """
 
@@ -89,20 +91,31 @@ def _sink_part(m, acc, q, rows, sink_rows, filled, window: int, sinks: int, scal
     return merge_max(m, acc, s.masked_fill(~vis.unsqueeze(2), -torch.inf), new[..., d:].unsqueeze(2))
 
 
-def _older_part(kernel, rows, buf, prefix, window: int, d: int, need_state: bool):
-    """Raw OAL sum over the keys that left the window, [B, Hq, n, dv+1], and the prefix state after the call."""
+def _non_sinks(rows, filled, sinks: int):
+    """The call's rows with those that become sinks (the first S - filled) zeroed: the window and prefix rows."""
+    if not sinks:
+        return rows
+    is_sink = torch.arange(rows.shape[2], device=rows.device) < (sinks - filled)[..., None]  # [B, Hkv, n]
+    return rows.masked_fill(is_sink[..., None], 0.0)
+
+
+def _older_part(kernel, rows, buf, prefix, window: int, sinks: int, filled, d: int, need_state: bool):
+    """Raw OAL sum over the keys that left the window and are not sinks, [B, Hq, n, dv+1], and the prefix state
+    after the call."""
     n = rows.shape[2]
     call = dict(groups=kernel.groups, factor=kernel.factor, coeffs=kernel.coeffs, eps=kernel.eps, scale=kernel.scale,
                 causal=True, need_state=need_state, raw=True)
     if buf is not None:  # continuation: the first n entries of E = [window rows; new rows], after the prefix
-        lagged = torch.cat([buf, rows], dim=2)[:, :, :n]
+        lagged = torch.cat([buf, _non_sinks(rows, filled, sinks)], dim=2)[:, :, :n]
         return chunked_attention(kernel.q, lagged[..., :d].contiguous(), lagged[..., d:].contiguous(), state=prefix,
                                  **call)
-    older = rows.new_zeros(kernel.q.shape[0], kernel.q.shape[1], min(window, n), rows.shape[-1] - d)
-    if n <= window:
+    lag = window + sinks  # fresh: query i reads keys S..i-W, so the first W + S queries read none
+    older = rows.new_zeros(kernel.q.shape[0], kernel.q.shape[1], min(lag, n), rows.shape[-1] - d)
+    if n <= lag:
         return older, prefix
-    out, state = chunked_attention(kernel.q[:, :, window:].contiguous(), rows[:, :, : n - window, :d].contiguous(),
-                                   rows[:, :, : n - window, d:].contiguous(), state=prefix, state_is_zero=True, **call)
+    keys = rows[:, :, sinks : n - window]
+    out, state = chunked_attention(kernel.q[:, :, lag:].contiguous(), keys[..., :d].contiguous(),
+                                   keys[..., d:].contiguous(), state=prefix, state_is_zero=True, **call)
     return torch.cat([older, out], dim=2), state
 
 
@@ -132,7 +145,7 @@ def banded_window_attention(q, k, v, *, window: int, sinks: int, kernel, scale: 
         m, acc = _sink_part(m, acc, qg, rows, sink_rows, filled, window, sinks, scale)
     older, new_prefix = None, None
     if kernel is not None:
-        older, new_prefix = _older_part(kernel, rows, buf, prefix, window, d, need_state)
+        older, new_prefix = _older_part(kernel, rows, buf, prefix, window, sinks, filled, d, need_state)
         older = older.view(bsz, n_kv, rep, n, -1)
     out = normalise(m, acc, older, kernel.lam if kernel is not None else 1.0).reshape(bsz, n_q, n, -1)
     if not need_state:
@@ -153,6 +166,4 @@ def _next_slots(rows, sink_rows, buf, filled, window: int, sinks: int):
     take = (src >= 0) & (src < n)
     gathered = rows.gather(2, src.clamp(0, n - 1)[..., None].expand(-1, -1, -1, width))
     sink_rows = torch.where(take[..., None], gathered, sink_rows)
-    is_sink = torch.arange(n, device=rows.device) < (sinks - filled)[..., None]  # [B, Hkv, n]
-    win_rows = rows.masked_fill(is_sink[..., None], 0.0)
-    return torch.cat([sink_rows, torch.cat([buf, win_rows], dim=2)[:, :, -window:]], dim=2)
+    return torch.cat([sink_rows, torch.cat([buf, _non_sinks(rows, filled, sinks)], dim=2)[:, :, -window:]], dim=2)

@@ -1,6 +1,7 @@
 """One normaliser over the window's softmax terms and the older keys' kernel terms, stable at any logit scale.
 
-For query i with window W_i = {i - W < j <= i} and older keys O_i = {j <= i - W}:
+For query i with exact keys W_i = {i - W < j <= i} u {j < S, j <= i} (the window and the sinks) and older keys
+O_i = {S <= j <= i - W}:
 
     y_i = (sum_{W_i} e^{s_ij} u_j + sum_{O_i} kappa_ij u_j)_{:dv} / (same)_{dv},   u_j = [v_j; 1].
 

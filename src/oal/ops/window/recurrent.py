@@ -1,9 +1,10 @@
 """Token-by-token sliding-window attention: the decode path, and a second oracle for the state logic.
 
 Per token: the token fills the next sink row while fewer than S tokens have been seen, otherwise it enters the
-window rows and the oldest window row leaves them (for oal-swa into OAL's prefix state, Eq. 5). The query then
-reads the filled rows with softmax weights and, for oal-swa, the prefix state with the kernel (Eq. 6), both in
-the one normaliser. O((S + W)(d + dv) [+ F dv]) per token, independent of the tokens seen.
+window rows and the oldest window row leaves them (for oal-swa into OAL's prefix state, Eq. 5; a sink never leaves
+its row, so only keys j >= S enter the prefix). The query then reads the filled rows (sinks and window) with softmax
+weights and, for oal-swa, the prefix state with the kernel (Eq. 6), both in the one normaliser.
+O((S + W)(d + dv) [+ F dv]) per token, independent of the tokens seen.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Both methods are a softmax over per-pair log-weights, which makes the reference stable at any logit scale:
 - swa: log w_ij = s_ij on the window (i - W < j <= i) and the sinks (j < S), -inf elsewhere;
-- oal-swa: log w_ij = s_ij on the window, log kappa_ij (Eq. 7) on every older key j <= i - W.
+- oal-swa: log w_ij = s_ij on the window and the sinks, log kappa_ij (Eq. 7) on every other older key
+  S <= j <= i - W.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ def window_log_weights(q, k, positions, *, window: int, sinks: int = 0, kernel=N
     s = scale * q @ k.repeat_interleave(rep, dim=1).transpose(-1, -2)
     j = torch.arange(k.shape[2], device=q.device)
     i = positions.to(q.device)[:, None]
-    in_window = (j <= i) & (j > i - window)
-    if kernel is None and log_kappa is None:  # swa: softmax over {i - W < j <= i} u {j < S, j <= i} (StreamingLLM)
-        return s.masked_fill(~(in_window | ((j < sinks) & (j <= i))), -torch.inf)
-    older = j <= i - window  # y_i = (sum_win e^s v + sum_old kappa v) / (sum_win e^s + sum_old kappa), Eq. 7
+    exact = (j <= i) & ((j > i - window) | (j < sinks))  # the window and the sinks: {i - W < j <= i} u {j < S, j <= i}
+    if kernel is None and log_kappa is None:  # swa: softmax over them (StreamingLLM)
+        return s.masked_fill(~exact, -torch.inf)
+    # y_i = (sum_exact e^s v + sum_older kappa v) / (sum_exact e^s + sum_older kappa), kappa of Eq. 7
+    older = (j <= i - window) & (j >= sinks)  # every other key before the window
     if log_kappa is None:
         groups, factor, eps = kernel
         log_kappa = dense_kernel(q, k, groups, factor, eps=eps, scale=scale).log()
-    return torch.where(in_window, s, log_kappa.masked_fill(~older, -torch.inf))
+    return torch.where(exact, s, log_kappa.masked_fill(~older, -torch.inf))
 
 
 def reference_window_attention(q, k, v, *, window: int, sinks: int = 0, kernel=None, scale: float):

@@ -8,7 +8,8 @@ OAL's state. It holds, in this order:
   row is all zero, so its last column (the denominator's weight) says whether it is filled. Tokens that are sinks
   are never also in the window rows, so no key is counted twice.
 - prefix [F, dv + 1] (oal-swa only, F = 1 + d + d(d+1)/2): OAL's state (`oal.ops`, Eq. 5) of every token that
-  has left the window, i.e. of the keys j <= i - W that query i reads through the kernel.
+  has left the window rows, i.e. of the keys S <= j <= i - W that query i reads through the kernel (the sinks
+  never leave their rows, so they never enter it).
 
 Its size, (S + W)(d + dv + 1) [+ F (dv + 1)], does not depend on the number of tokens seen.
 """
@@ -55,7 +56,7 @@ def sequence_state(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int = 0
     last = rows[:, :, sinks:][:, :, max(n - sinks - window, 0):]  # the last W tokens after them
     slots[:, :, sinks + window - last.shape[2]:] = last
     prefix = None
-    if kernel:  # Eq. 5 over the tokens older than the window
-        old = rows[:, :, : max(n - window, 0)]
+    if kernel:  # Eq. 5 over the tokens older than the window that are not sinks
+        old = rows[:, :, sinks : max(n - window, sinks)]
         prefix = key_features(old[..., :d]).transpose(-1, -2) @ old[..., d:]
     return join_window_state(slots, prefix)
