@@ -1,0 +1,48 @@
+"""benchmarks.frontier end to end on the embedded default (tiny settings): the reference schema, every row converting
+the K layers its ranking puts first, the softmax arm measured alike, and a rerun reading the finished rows back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import frontier
+
+ARGS = ["--model", "default", "--methods", "swa,oal", "--k", "1,2", "--steps", "1", "--lengths", "64,128",
+        "--passkey-lengths", "128", "--trials", "1", "--depths", "0.5", "--decode-tokens", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frontier")
+    args = ARGS + ["--work", str(tmp / "work"), "--json", str(tmp / "out.json")]
+    assert frontier.main(args) == 0
+    return tmp, args, json.loads((tmp / "out.json").read_text())
+
+
+def test_schema_and_rows(result):
+    tmp, _, res = result
+    assert res["model"] == "default" and set(res["softmax"]) >= {"ppl", "passkey", "decode_ms", "prefill_s"}
+    assert set(res["softmax"]["passkey"]) == {"128"} and set(res["softmax"]["decode_ms"]) == {"64", "128"}
+    assert [(r["method"], r["n_linear"]) for r in res["rows"]] == [("swa", 1), ("swa", 2), ("oal", 1), ("oal", 2)]
+    for r in res["rows"]:
+        assert r["layers"] == sorted(res["rankings"][r["method"]][: r["n_linear"]])
+        assert r["ppl"] > 1 and 0 <= r["passkey"]["128"] <= 1 and r["decode_ms"]["128"] > 0
+    assert res["candidates"] == [1, 2, 3, 4]  # all but the first and last of six layers
+    assert (tmp / "out.png").stat().st_size > 0
+
+
+def test_rerun_reads_the_rows_back(result, capsys):
+    tmp, args, res = result
+    logged = []
+    again = frontier.run(frontier.parse(args), log=logged.append)
+    assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in res["rows"]]
+    assert sum("done earlier" in line for line in logged) == 5  # softmax and the four rows
+
+
+def test_bad_methods_are_refused():
+    with pytest.raises(SystemExit):
+        frontier.parse(["--methods", "softmax"])
+    with pytest.raises(SystemExit):
+        frontier.parse(["--methods", "nope"])
