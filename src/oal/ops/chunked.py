@@ -6,9 +6,10 @@ For chunk c with queries Q_c and the state S_{c-1} = sum_{j before c} psi(k_j)^T
 
 Chunks are processed a block at a time, so that Python overhead is per block, not per chunk. Everything is
 computed transposed (num^T = S^T phi^T), which lets one feature-major buffer serve every GEMM without a copy:
-- features: per chunk and KV head one [F, slots * C] buffer, slots = the KV head's query heads and its keys.
-  In this layout each pair block x_r * x[r:] is one contiguous stretch, and each query head's coefficients are
-  one in-place multiply (phi = w * psi, Eq. 6);
+- features: per chunk and KV head a dense [F, rep * C] buffer of query features (rep = the KV head's query
+  heads) and a [F, C] one of key features. In this layout each pair block x_r * x[r:] is one contiguous
+  stretch; the query heads' coefficients are folded into the pair products (phi = w * psi, Eq. 6), so phi is
+  written once, and each chunk's readout operand is one dense matrix;
 - state: the chunks' increments psi(K_c)^T U_c are one batched GEMM, written after the initial state and
   summed in place (exclusive prefix sum, Eq. 5);
 - readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
@@ -33,7 +34,7 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from oal.ops import workers
-from oal.ops.kernel import feature_dim, features, query_coefficients
+from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
 NAN_SCRATCH = False
@@ -90,44 +91,56 @@ def _slots(x: torch.Tensor, n_kv: int, n_c: int, chunk: int) -> torch.Tensor:
     return x.view(bsz, n_kv, heads // n_kv, n_c, chunk, d).permute(3, 0, 1, 5, 2, 4)
 
 
-def _features(q, k, n_kv: int, n_c: int, chunk: int, ws):
-    """Feature-major psi of one block's queries and keys: [nc, B, Hkv, F, slots, C] (Eq. 5).
+def _feature_major(x: torch.Tensor, n_kv: int, n_c: int, chunk: int, ws, name: str) -> torch.Tensor:
+    """x [B, Hkv * s, nc * C, d] -> a contiguous copy [nc, B, Hkv, d, s, C] (the scratch `name` when ws)."""
+    xs = _slots(x, n_kv, n_c, chunk)
+    return xs.contiguous() if ws is None else _scratch(ws, name, xs.shape, x.dtype, x.device).copy_(xs)
 
-    q [B, Hq, nc*C, d] (query head kv*rep + s in slot s) and k [B, Hkv, nc*C, d] (the last slot); either may
-    be None. Rows 1..d hold q and k themselves, feature-major.
-    """
-    parts = [_slots(t, n_kv, n_c, chunk) for t in (q, k) if t is not None]
-    src = parts[0]
+
+def _key_features(k, n_kv: int, n_c: int, chunk: int, ws):
+    """psi(K_c) feature-major [nc, B, Hkv, F, C] of one block's keys k [B, Hkv, nc*C, d] (Eq. 5).
+
+    Rows 1..d hold k itself; each pair block x_r * x[r:] is one contiguous stretch, and psi is the GEMM operand
+    of the state increments as it stands."""
+    xk = _slots(k, n_kv, n_c, chunk)[..., 0, :]  # [nc, B, Hkv, d, C]
+    d = xk.shape[3]
     with record_function("oal.features"):
-        shape = src.shape[:3] + (feature_dim(src.shape[3]), sum(p.shape[4] for p in parts), chunk)
-        feat = _scratch(ws, "feat", shape, src.dtype, src.device)
+        feat = _scratch(ws, "featk", xk.shape[:3] + (feature_dim(d), chunk), k.dtype, k.device)
         if feat is None:  # autograd: out of place
-            return features(torch.cat(parts, dim=4), dim=3)
-        start = 0
-        for part in parts:
-            feat[:, :, :, 1 : 1 + part.shape[3], start : start + part.shape[4]] = part
-            start += part.shape[4]
-        return features(feat[:, :, :, 1 : 1 + src.shape[3]], dim=3, out=feat)
+            return features(xk, dim=3)
+        feat[:, :, :, 1 : 1 + d] = xk
+        return features(feat[:, :, :, 1 : 1 + d], dim=3, out=feat)
 
 
-def _query_part(feat, w, d: int, ws):
-    """phi = w * psi(q) [nc, B, Hkv, F, rep * C] from the first rep slots of `feat`, in place when ws (Eq. 6).
+def _query_features(xq, w, ws):
+    """phi(Q_c) = w * psi(Q_c) feature-major [nc, B, Hkv, F, rep * C] from xq [nc, B, Hkv, d, rep, C] (Eq. 6).
 
-    For bf16 features also returns the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the
-    state's), from the exact bf16 inputs (see `_readout`); otherwise None.
+    One buffer per block, contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix
+    (oneDNN's bf16 GEMM copies a strided one first). The weights are folded into the pair products
+    (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant and linear
+    rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see `_readout`);
+    otherwise None.
     """
-    rep, lin = w.shape[2], 1 + d
+    d = xq.shape[3]
+    lin, dev = 1 + d, xq.device
+    shape = xq.shape[:3] + (feature_dim(d),) + xq.shape[4:]
     with record_function("oal.features"):
         phi_lin = None
-        if feat.dtype != w.dtype:
-            phi_lin = (feat[..., :lin, :rep, :].to(w.dtype) * w[:, :lin]).flatten(-2)
-        rows = lin if phi_lin is not None else 0  # bf16: rows 0..d are read from phi_lin only
-        wg = w[:, rows:].to(feat.dtype)  # a mixed-dtype in-place multiply is several times slower
-        if ws is not None:
-            feat[..., rows:, :rep, :].mul_(wg)
-            phi = feat[..., :rep, :]
+        if xq.dtype != w.dtype:
+            phi_lin = _scratch(ws, "phi_lin", xq.shape[:3] + (lin,) + xq.shape[4:], w.dtype, dev)
+            if phi_lin is None:
+                phi_lin = torch.cat([w[:, :1].expand(xq.shape[:3] + (1,) + xq.shape[4:]), xq.to(w.dtype) * w[:, 1:lin]],
+                                    dim=3)
+            else:
+                phi_lin[:, :, :, :1] = w[:, :1]
+                torch.mul(xq, w[:, 1:lin], out=phi_lin[:, :, :, 1:])
+            phi_lin = phi_lin.flatten(-2)
+        wg = w.to(xq.dtype)  # a mixed-dtype multiply is several times slower
+        phi = _scratch(ws, "featq", shape, xq.dtype, dev)
+        if phi is None:
+            phi = features(xq, dim=3) * wg
         else:
-            phi = torch.cat([feat[..., :rows, :rep, :], feat[..., rows:, :rep, :] * wg], dim=-3)
+            phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev))
     return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
 
 
@@ -151,7 +164,9 @@ def _readout(phi, states, ws=None, phi_lin=None):
         if phi_lin is None:
             return torch.matmul(s_t.to(phi.dtype), phi, out=_scratch(ws, "num", shape, phi.dtype, phi.device))
         lin = phi_lin.shape[-2]
-        low = torch.matmul(s_t[..., lin:].to(phi.dtype), phi[..., lin:, :],
+        s_low = _scratch(ws, "s_low", states[..., lin:, :].shape, phi.dtype, phi.device)  # a transposing copy is
+        s_low = states[..., lin:, :].to(phi.dtype) if s_low is None else s_low.copy_(states[..., lin:, :])  # 15x slower
+        low = torch.matmul(s_low.transpose(-1, -2), phi[..., lin:, :],
                            out=_scratch(ws, "num_low", shape, phi.dtype, phi.device))
         if ws is None:
             return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
@@ -191,18 +206,14 @@ def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
     parts = {"ub": ub.to(sdt).contiguous(), "k": k, "n_c": n_c, "prev": None, "phi": None}
-    if fresh:  # queries feature-major, as the intra-chunk GEMM wants them
-        xq = _slots(q, n_kv, n_c, chunk)
-        xq = xq.contiguous() if ws is None else _scratch(ws, "xq", xq.shape, gdt, dev).copy_(xq)
-    else:
-        feat = _features(q, k, n_kv, n_c, chunk, ws)
-        xq = feat[:, :, :, 1 : 1 + d, :rep]
-    with record_function("oal.intra"):  # before _query_part, which scales the features in place
+    xq = _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # queries feature-major [nc, B, Hkv, d, rep, C]
+    with record_function("oal.intra"):
         n_m = wz.shape[-2]
         qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
     parts["qw"] = qw
     if not fresh:
-        (parts["phi"], parts["phi_lin"]), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
+        parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
+        psi = _key_features(k, n_kv, n_c, chunk, ws)
         with record_function("oal.state"):
             # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
             ub = parts["ub"]
@@ -219,7 +230,7 @@ def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
                     prev[0] = state
                 _increments(psi, ug, out=prev[1:])
                 for c in range(1, n_c + 1):
-                    prev[c] += prev[c - 1]
+                    prev[c].add_(prev[c - 1])  # not `+=`: item assignment would copy the chunk state onto itself
             parts["prev"] = prev
     return parts
 
@@ -235,7 +246,7 @@ def _block_finish(parts, offset, l0, eps: float, chunk: int, n_q: int, raw: bool
     if prev is not None:
         if offset is not None:
             with record_function("oal.state"):
-                prev[:n_c] += offset
+                prev[:n_c].add_(offset)
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
@@ -306,7 +317,7 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
 
 def _key_step(state, k, u, ws=None):
     """Non-causal pass 1: state + psi(K)^T U over one block of keys (Eq. 5)."""
-    psi = _features(None, k, k.shape[1], 1, k.shape[2], ws)[..., 0, :]
+    psi = _key_features(k, k.shape[1], 1, k.shape[2], ws)
     ub = u.to(k.dtype).unsqueeze(0)
     with record_function("oal.state"):
         return state + _increments(psi, ub)[0].to(state.dtype)
@@ -314,7 +325,8 @@ def _key_step(state, k, u, ws=None):
 
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
-    phi, phi_lin = _query_part(_features(q, None, state.shape[1], 1, q.shape[2], ws), w, q.shape[-1], ws)
+    xq = _feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq")
+    phi, phi_lin = _query_features(xq, w, ws)
     return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out, raw)
 
 
