@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from oal.ops import workers
+from oal.ops import tuning, workers
 from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
@@ -42,6 +42,7 @@ NAN_SCRATCH = False
 # Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
 # d(d+1)/2-wide query features, and still O(N) memory per query row.
 DENSE_MAX = 256
+# The fixed defaults (`ops.tuning` measures the machine's own and caches them; OAL_NO_TUNE=1 keeps these).
 # Tokens per chunk (fp32/fp64, bf16) and per block, chosen by measurement (1 thread, CPU clock): at N=16384, fp32
 # chunks of 32 were 3.6% faster than 64 (intra-chunk work halves, prefix states double; 3 interleaved runs); in
 # bf16, 64 beat 32 by 7% at N=8192 (`benchmarks.operator --sweep 8192`), and chunks of 128 were 15-25% slower in
@@ -51,6 +52,18 @@ CHUNK, CHUNK_BF16, BLOCK = 32, 64, 512
 
 def default_chunk(dtype: torch.dtype) -> int:
     return CHUNK_BF16 if dtype == torch.bfloat16 else CHUNK
+
+
+def current_settings(dtype: torch.dtype) -> tuning.Settings:
+    """The settings a call in `dtype` runs with now: forced or tuned ones (`ops.tuning`), else the fixed defaults
+    above (CHUNK, CHUNK_BF16, BLOCK; pipelined, automatic KV split)."""
+    tuned = tuning.settings_for(dtype)
+    return fixed_settings(dtype) if tuned is None else tuned
+
+
+def fixed_settings(dtype: torch.dtype) -> tuning.Settings:
+    chunk = default_chunk(dtype)
+    return tuning.Settings(chunk, max(BLOCK // chunk, 1))
 
 
 _WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
@@ -286,18 +299,20 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
     return _block_finish(parts, None, l0, eps, chunk, q.shape[1], raw, out, ws), after
 
 
-def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int):
+def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int,
+               kv_groups: int = 0):
     """The causal blocks on `threads` single-threaded workers (`ops.workers`), inference only.
 
     Block b's item builds its features and chunk states from zero, publishes the state after it as soon as the
     state before it is known (one addition), then adds that incoming state to its chunk states and reads out.
     Items start in order, so a worker only ever waits for a block that another worker has already started. KV
-    heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy.
+    heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy,
+    or into `kv_groups` groups when that is given (a tuned layout: smaller items, each with its own heads' state).
     """
     n, n_kv = q.shape[2], k.shape[1]
     rep = q.shape[1] // n_kv
     starts = list(range(0, n, block))
-    n_groups = min(n_kv, -(-2 * threads // len(starts)))
+    n_groups = min(n_kv, kv_groups or -(-2 * threads // len(starts)))
     bounds = [(g * n_kv // n_groups, (g + 1) * n_kv // n_groups) for g in range(n_groups)]
     chain = workers.Chain({(g, 0): state[:, a:b] for g, (a, b) in enumerate(bounds)})
 
@@ -345,8 +360,9 @@ def chunked_attention(
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_q // n_kv
-    chunk = min(chunk_size or default_chunk(dtype), max(n, 1))  # a short call (decoding) is one chunk
-    block = chunk * (block_chunks or max(BLOCK // chunk, 1))
+    settings = current_settings(dtype)
+    chunk = min(chunk_size or settings.chunk, max(n, 1))  # a short call (decoding) is one chunk
+    block = chunk * (block_chunks or max(settings.chunk * settings.block_chunks // chunk, 1))
     u = v if raw else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w = query_coefficients(*coeffs, scale) if weights is None else weights
@@ -383,9 +399,10 @@ def chunked_attention(
     padded = -(-n // chunk) * chunk
     out = None if use_ckpt else torch.empty(bsz, n_q, padded, v.shape[-1], dtype=dtype, device=q.device)
     threads = torch.get_num_threads()
-    if not (use_ckpt or fresh) and n > block and threads > 1 and q.device.type == "cpu" and workers.enabled():
+    pipelined = settings.pipeline and threads > 1 and q.device.type == "cpu" and workers.enabled()
+    if not (use_ckpt or fresh) and n > block and pipelined:
         q, k, u = (_pad_to(t, padded) for t in (q, k, u))
-        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads)
+        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads, settings.kv_groups)
         return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state
     outs, init = [], state
     for start in range(0, n, block):
