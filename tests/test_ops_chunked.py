@@ -77,6 +77,7 @@ def _rel_rms(got, want):
 def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
     """bf16 inputs: bf16 features and GEMMs (fp32 accumulation, fp32 state); the error against float64 stays at
     the level of what bf16 SDPA itself gives against float64 on the same inputs (measured: 1.0-1.1x)."""
+    monkeypatch.setenv("OAL_CPU_BF16", "1")  # the bf16 path, on any CPU
     gemm_dtypes = []
     readout = chunked._readout
     monkeypatch.setattr(chunked, "_readout", lambda phi, *a: gemm_dtypes.append(phi.dtype) or readout(phi, *a))
@@ -138,6 +139,7 @@ def test_bf16_gradients_against_float64_like_bf16_sdpa(monkeypatch):
     """Training on bf16 inputs runs the bf16 GEMMs too; its gradients against the float64 reference (Eq. 7) stay
     at the level of bf16 SDPA's gradients against float64 SDPA (measured: dq 1.3x, dk 1.0x, dv 0.6x of SDPA's
     error; dfactor 0.5% relative), at an odd length over several chunks."""
+    monkeypatch.setenv("OAL_CPU_BF16", "1")
     gemm_dtypes = []
     readout = chunked._readout
     monkeypatch.setattr(chunked, "_readout", lambda phi, *a, **kw: gemm_dtypes.append(phi.dtype) or
@@ -164,3 +166,26 @@ def test_bf16_gradients_against_float64_like_bf16_sdpa(monkeypatch):
     for name, g, w, bound in zip(("dq", "dk", "dv"), got, ref, sdpa_err, strict=False):
         assert _rel_rms(g, w) <= 2 * bound, (name, _rel_rms(g, w), bound)
     assert _rel_rms(got[3], ref[3]) < 1e-2
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_bf16_without_bf16_gemms_runs_the_fp32_path(monkeypatch, chunk):
+    """On a CPU without bf16 dot products (OAL_CPU_BF16=0 stands in for one), bf16 inputs run the fp32 features and
+    GEMMs: the output is the fp32 result rounded to bf16, forward and backward."""
+    monkeypatch.setenv("OAL_CPU_BF16", "0")
+    gemm_dtypes = []
+    readout = chunked._readout
+    monkeypatch.setattr(chunked, "_readout", lambda phi, *a, **kw: gemm_dtypes.append(phi.dtype) or
+                        readout(phi, *a, **kw))
+    q, k, v, groups, factor = make(n=301, d=16, dv=8)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = oal_attention(*low, groups, factor.float(), chunk_size=chunk)
+    assert out.dtype == torch.bfloat16 and set(gemm_dtypes) == {torch.float32}
+    exact = [t.detach().float().requires_grad_() for t in low]
+    want = oal_attention(*exact, groups, factor.float(), chunk_size=chunk)
+    torch.testing.assert_close(out, want.bfloat16(), rtol=0, atol=0)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((out.float() * w).sum(), low)
+    ref = torch.autograd.grad((want.bfloat16().float() * w).sum(), exact)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b.bfloat16(), rtol=0, atol=0)
