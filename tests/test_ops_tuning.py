@@ -34,13 +34,14 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     real = tuning._time
     monkeypatch.setattr(tuning, "_time", lambda s, *a: timed.append(s) or real(s, *a))
     res = tuning.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
-    assert len(timed) >= 6 and len(set(timed)) == len(timed)  # the pruned grid, each candidate once
+    grid = len(set(timed))  # the pruned grid, each candidate once, then the winner against the defaults
+    best, default = Settings(**res["settings"]), chunked.fixed_settings(torch.float32)
+    assert grid >= 6 and len(set(timed[:grid])) == grid and set(timed[grid:]) <= {best, default}
     files = list((cache_home / "oal").iterdir())
     assert [f.name for f in files] == ["cpu_tuning.json"]  # renamed into place, no temporary left
     entry = json.loads(files[0].read_text())["entries"][tuning.machine_key(torch.float32, 2)]
     assert entry["torch"] == torch.__version__ and entry["settings"] == res["settings"]
     assert entry["default_time_s"] is not None and entry["tuning_s"] > 0 and entry["cpu"]["model"]
-    best = Settings(**res["settings"])
     assert tuning.settings_for(torch.float32, 2) == best
     assert tuning.settings_for(torch.float32, 3) is None and tuning.settings_for(torch.bfloat16, 2) is None
     timed.clear()
@@ -64,6 +65,7 @@ def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):
     finally:
         torch.set_num_threads(saved)
     monkeypatch.setattr(torch, "__version__", "0.0-other")  # measured under another torch: not used, re-measured
+    tuning.reload()  # as a new process would
     assert tuning.settings_for(torch.float32, 2) is None
     monkeypatch.setattr(tuning, "_time", lambda *a: 1.0)
     tuning.tune([torch.float32], threads=2, n=64, repeats=1, shape=TINY)
@@ -129,3 +131,18 @@ def test_any_tuned_setting_matches_reference_fp64(settings, monkeypatch):
     torch.testing.assert_close(got_out, ref, rtol=0, atol=1e-10)
     for name, a, b in zip(("dq", "dk", "dv", "dfactor"), got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_tune_cpu_command(cache_home, monkeypatch):
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+
+    monkeypatch.setattr(tuning, "_time", lambda s, *a: 1.0 / s.chunk)  # no timing: longer chunks "win"
+    runner = CliRunner()
+    res = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float32", "--threads", "2", "--length", "256"])
+    assert res.exit_code == 0, res.output
+    assert "float32: chunk 256" in res.output and str(tuning.cache_path()) in res.output  # one step past the grid
+    assert tuning.settings_for(torch.float32, 2).chunk == 256
+    bad = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float16"])
+    assert bad.exit_code == 2 and "--dtypes" in bad.output

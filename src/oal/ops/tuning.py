@@ -7,8 +7,8 @@ per CPU model (with its SIMD flags), torch thread count and dtype, in the user's
 another torch version is stale: it is not used, and the next `tune()` measures it again.
 
 The operator never measures on a user's call: it reads the cache (once per process) and, without an entry, runs
-the fixed defaults. Tuning runs when asked: `python -m oal.ops.tuning` or `tune()`, and `benchmarks.operator`
-before it times (`--no-tune` there keeps the defaults). `OAL_NO_TUNE=1` makes the operator ignore the cache, for
+the fixed defaults. Tuning runs when asked: `oal tune-cpu` or `tune()`, and `benchmarks.operator` before it
+times (`--no-tune` there keeps the defaults). `OAL_NO_TUNE=1` makes the operator ignore the cache, for
 reproducible fixed settings; `forced(settings)` pins settings for a block of code (the tuner and the benchmark
 use it).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -55,6 +56,7 @@ class Settings:
 
 _LOCK = threading.Lock()
 _LOADED: dict | None = None  # the cache file's entries, read once per process (`reload()` forgets them)
+_FOUND: dict = {}  # (dtype, threads) -> Settings or None, from _LOADED
 _FORCED: list[Settings] = []
 
 
@@ -69,6 +71,11 @@ def cache_path() -> Path:
 
 def cpu_info() -> dict:
     """The CPU model, its SIMD flags that matter here (of KEY_FLAGS), and torch's CPU capability."""
+    return dict(_cpu_info())
+
+
+@functools.cache
+def _cpu_info() -> dict:
     model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -121,6 +128,7 @@ def reload() -> None:
     global _LOADED
     with _LOCK:
         _LOADED = None
+        _FOUND.clear()
 
 
 def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
@@ -128,15 +136,17 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
     another torch version)."""
     global _LOADED
     with _LOCK:
+        if (dtype, threads) in _FOUND:
+            return _FOUND[dtype, threads]
         if _LOADED is None:
             _LOADED = _read(cache_path())
         entry = _LOADED.get(machine_key(dtype, threads))
-    if not entry or entry.get("torch") != torch.__version__:
-        return None
-    try:
-        return Settings(**entry["settings"])
-    except (KeyError, TypeError):
-        return None
+        found = None
+        if entry and entry.get("torch") == torch.__version__:
+            with contextlib.suppress(KeyError, TypeError):
+                found = Settings(**entry["settings"])
+        _FOUND[dtype, threads] = found
+        return found
 
 
 def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | None:
@@ -193,20 +203,33 @@ def _time(settings: Settings, inputs, repeats: int) -> float:
     return best
 
 
+CHUNKS, BLOCK_TOKENS = (32, 64, 128), (128, 256, 512, 1024)
+
+
 def candidates(default: Settings, threads: int, n_kv: int, best: Settings | None = None, stage: int = 0):
     """The pruned grid, one coordinate at a time: (0) the chunk size at the default block length, (1) the block
     length at the best chunk, (2) the worker layout at the best chunk and block (only with several threads)."""
     block_tokens = default.chunk * default.block_chunks
     if stage == 0:
-        return [dataclasses.replace(default, chunk=c, block_chunks=max(block_tokens // c, 1)) for c in (32, 64, 128)]
+        return [dataclasses.replace(default, chunk=c, block_chunks=max(block_tokens // c, 1)) for c in CHUNKS]
     if stage == 1:
-        return [dataclasses.replace(best, block_chunks=max(t // best.chunk, 1)) for t in (128, 256, 512, 1024)]
+        return [dataclasses.replace(best, block_chunks=max(t // best.chunk, 1)) for t in BLOCK_TOKENS]
     if threads <= 1:
         return []
     layouts = [dataclasses.replace(best, pipeline=True, kv_groups=0), dataclasses.replace(best, pipeline=False)]
     if n_kv > 1:
         layouts.append(dataclasses.replace(best, pipeline=True, kv_groups=n_kv))
     return layouts
+
+
+def _beyond(best: Settings, stage: int) -> Settings | None:
+    """One step past the edge of the grid when the best lies on it (a CPU that wants longer chunks or blocks)."""
+    if stage == 0 and best.chunk == CHUNKS[-1]:
+        tokens = best.chunk * best.block_chunks
+        return dataclasses.replace(best, chunk=2 * best.chunk, block_chunks=max(tokens // (2 * best.chunk), 1))
+    if stage == 1 and best.chunk * best.block_chunks == BLOCK_TOKENS[-1]:
+        return dataclasses.replace(best, block_chunks=2 * best.block_chunks)
+    return None
 
 
 def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: int = 8192, repeats: int = 2,
@@ -233,12 +256,21 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
             tried: dict[Settings, float] = {}
             best, default = None, _fixed(dtype)
             for stage in range(3):
-                for cand in candidates(default, threads, shape["hkv"], best, stage):
-                    if cand not in tried:
-                        tried[cand] = _time(cand, inputs, repeats)
-                        if log:
-                            log(f"  {_dtype_name(dtype)} {cand.label()}: {tried[cand]:.3f} s")
-                best = min(tried, key=tried.get)
+                todo = candidates(default, threads, shape["hkv"], best, stage)
+                while todo:
+                    for cand in todo:
+                        if cand not in tried:
+                            tried[cand] = _time(cand, inputs, repeats)
+                            if log:
+                                log(f"  {_dtype_name(dtype)} {cand.label()}: {tried[cand]:.3f} s")
+                    best = min(tried, key=tried.get)
+                    step = _beyond(best, stage)
+                    todo = [step] if step is not None and step not in tried else []
+            if best != default:  # confirm against the defaults, interleaved, so that a drift in load cannot pick it
+                for _ in range(repeats):
+                    for cand in (default, best):
+                        tried[cand] = min(tried[cand], _time(cand, inputs, 1))
+                best = min((default, best), key=tried.get)
             entry = {"settings": dataclasses.asdict(best), "torch": torch.__version__, "cpu": info, "threads": threads,
                      "n": n, "shape": shape, "default": dataclasses.asdict(default),
                      "time_s": tried[best], "default_time_s": tried.get(default),
@@ -254,26 +286,3 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
         torch.set_num_threads(saved)
         reload()
     return results
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Tune the chunked CPU operator to this machine (see oal.ops.tuning).")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
-    parser.add_argument("--threads", type=int, help="torch threads to tune for (default: torch's own choice)")
-    parser.add_argument("--length", type=int, default=8192, help="sequence length timed")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--force", action="store_true", help="measure again even if cached for this torch version")
-    args = parser.parse_args(argv)
-    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
-    res = tune(dtypes, args.threads, args.length, args.repeats, args.force, log=print)
-    for name, entry in res.items():
-        s = Settings(**entry["settings"])
-        print(f"{name}: {s.label()} ({entry['time_s']:.3f} s at N={entry['n']}; defaults "
-              f"{entry['default_time_s'] or float('nan'):.3f} s; tuning took {entry['tuning_s']:.0f} s)")
-    print(f"cache: {cache_path()}")
-
-
-if __name__ == "__main__":
-    main()
