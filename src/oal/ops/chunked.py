@@ -110,19 +110,19 @@ def _feature_major(x: torch.Tensor, n_kv: int, n_c: int, chunk: int, ws, name: s
     return xs.contiguous() if ws is None else _scratch(ws, name, xs.shape, x.dtype, x.device).copy_(xs)
 
 
-def _key_features(k, n_kv: int, n_c: int, chunk: int, ws):
-    """psi(K_c) feature-major [nc, B, Hkv, F, C] of one block's keys k [B, Hkv, nc*C, d] (Eq. 5).
+def _key_features(k, ws):
+    """psi(K) feature-major [B, Hkv, F, T] of one block's keys k [B, Hkv, T, d] (Eq. 5).
 
-    Rows 1..d hold k itself; each pair block x_r * x[r:] is one contiguous stretch, and psi is the GEMM operand
-    of the state increments as it stands."""
-    xk = _slots(k, n_kv, n_c, chunk)[..., 0, :]  # [nc, B, Hkv, d, C]
-    d = xk.shape[3]
+    Rows 1..d hold k itself; each pair block x_r * x[r:] is one contiguous stretch over the block's tokens, and
+    chunk c's operand psi(K_c) is the column slice [c*C, (c+1)*C) (one matrix, leading dimension T)."""
+    xk = k.transpose(-1, -2)  # [B, Hkv, d, T]
+    d = xk.shape[2]
     with record_function("oal.features"):
-        feat = _scratch(ws, "featk", xk.shape[:3] + (feature_dim(d), chunk), k.dtype, k.device)
+        feat = _scratch(ws, "featk", xk.shape[:2] + (feature_dim(d), xk.shape[3]), k.dtype, k.device)
         if feat is None:  # autograd: out of place
-            return features(xk, dim=3)
-        feat[:, :, :, 1 : 1 + d] = xk
-        return features(feat[:, :, :, 1 : 1 + d], dim=3, out=feat)
+            return features(xk, dim=2)
+        feat[:, :, 1 : 1 + d] = xk
+        return features(feat[:, :, 1 : 1 + d], dim=2, out=feat)
 
 
 def _query_features(xq, w, ws):
@@ -157,11 +157,36 @@ def _query_features(xq, w, ws):
     return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
 
 
-def _increments(psi, ub, out=None):
-    """psi [nc, B, Hkv, F, C] and ub [nc, B, Hkv, C, dv+1] -> psi(K_c)^T U_c [nc, B, Hkv, F, dv+1] (Eq. 5)."""
-    if out is not None and out.dtype != ub.dtype:  # bf16 GEMM into the fp32 state
-        return out.copy_(torch.matmul(psi, ub))
-    return torch.matmul(psi, ub, out=out)
+def _chunk_states(start, psi, ug, chunk: int, ws=None):
+    """The state before each chunk and after the last: prev [nc+1, B, Hkv, F, dv+1], prev[0] = start and
+    prev[c+1] = prev[c] + psi(K_c)^T U_c (Eq. 5), in start's dtype.
+
+    psi [B, Hkv, F, T] and ug [B, Hkv, T, dv+1] (T = nc * chunk) in the GEMM dtype. In the state's dtype each step
+    is one GEMM that adds onto the previous state as it writes the next (baddbmm), so every chunk state is written
+    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation) summed in fp32.
+    """
+    n_c = psi.shape[-1] // chunk
+    bsz, n_kv, feats, dv1 = start.shape
+    sdt = start.dtype
+    with record_function("oal.state"):
+        prev = _scratch(ws, "prev", (n_c + 1, bsz, n_kv, feats, dv1), sdt, start.device)
+        if prev is None:  # autograd: out of place
+            incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
+            return torch.cat([start.unsqueeze(0), start + torch.stack(incs).to(sdt).cumsum(0)])
+        prev[0].copy_(start)
+        inc = None if psi.dtype == sdt else _scratch(ws, "inc", start.shape, psi.dtype, start.device)
+        for c in range(n_c):
+            ps, us = psi[..., c * chunk : (c + 1) * chunk], ug[:, :, c * chunk : (c + 1) * chunk]
+            if inc is None:
+                torch.baddbmm(prev[c].flatten(0, 1), ps.flatten(0, 1), us.flatten(0, 1), out=prev[c + 1].flatten(0, 1))
+            else:
+                torch.add(prev[c], torch.matmul(ps, us, out=inc), out=prev[c + 1])
+        return prev
+
+
+def _increments(psi, ub):
+    """psi [..., F, T] and ub [..., T, dv+1] -> psi(K)^T U [..., F, dv+1] (Eq. 5)."""
+    return torch.matmul(psi, ub)
 
 
 def _readout(phi, states, ws=None, phi_lin=None):
@@ -204,12 +229,10 @@ def _normalise(num_t, n_q: int, out=None, raw: bool = False):
     return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, res.shape[3])
 
 
-def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
-    """First half of one causal block: features, the intra-chunk query weights and the chunk states (Eq. 5-7).
-
-    Returns the parts `_block_finish` needs; parts["prev"][c] is the state before chunk c, counted from `state`
-    (from zero when state is None: a pipelined block whose incoming state is not known yet), and
-    parts["prev"][nc] the state after the block. `fresh`: one chunk from a zero state, no features, no state.
+def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
+    """First half of one causal block: features and the intra-chunk query weights (Eq. 6-7), everything that does
+    not need the state before the block. `_chunk_states` then builds the chunk states from it (parts["psi"],
+    parts["ug"]). `fresh`: one chunk from a zero state, no features, no state.
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
@@ -226,40 +249,20 @@ def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     parts["qw"] = qw
     if not fresh:
         parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
-        psi = _key_features(k, n_kv, n_c, chunk, ws)
-        with record_function("oal.state"):
-            # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
-            ub = parts["ub"]
-            ug = ub if gdt == sdt else ub.to(gdt)
-            shape = (bsz, n_kv, psi.shape[-2], dv1)
-            prev = _scratch(ws, "prev", (n_c + 1,) + shape, sdt, dev)
-            if prev is None:
-                start = state if state is not None else torch.zeros(shape, dtype=sdt, device=dev)
-                prev = torch.cat([start.unsqueeze(0), _increments(psi, ug).to(sdt)]).cumsum(0)
-            else:
-                if state is None:
-                    prev[0].zero_()
-                else:
-                    prev[0] = state
-                _increments(psi, ug, out=prev[1:])
-                for c in range(1, n_c + 1):
-                    prev[c].add_(prev[c - 1])  # not `+=`: item assignment would copy the chunk state onto itself
-            parts["prev"] = prev
+        parts["psi"] = _key_features(k, ws)
+        parts["ug"] = u.to(gdt)  # [B, Hkv, T, dv+1]
     return parts
 
 
-def _block_finish(parts, offset, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
-    """Second half of one causal block: readout of the chunk states (+ `offset`, the incoming state when the
-    prefix counted from zero), the intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
+def _block_finish(parts, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
+    """Second half of one causal block: readout of the chunk states parts["prev"] (None for a fresh block), the
+    intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
     qw, ub, k, n_c, prev = parts["qw"], parts["ub"], parts["k"], parts["n_c"], parts["prev"]
     _, bsz, n_kv, d, rep, n_m, _ = qw.shape
     dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
     num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
     num = None
     if prev is not None:
-        if offset is not None:
-            with record_function("oal.state"):
-                prev[:n_c].add_(offset)
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
@@ -294,18 +297,23 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
     and their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
     the state's dtype (wz's).
     """
-    parts = _block_prefix(state, q, k, u, w, wz, chunk, fresh, ws)
-    after = None if fresh else parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
-    return _block_finish(parts, None, l0, eps, chunk, q.shape[1], raw, out, ws), after
+    parts = _block_prefix(q, k, u, w, wz, chunk, fresh, ws)
+    after = None
+    if not fresh:
+        parts["prev"] = _chunk_states(state, parts["psi"], parts["ug"], chunk, ws)
+        after = parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
+    return _block_finish(parts, l0, eps, chunk, q.shape[1], raw, out, ws), after
 
 
 def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int,
                kv_groups: int = 0):
     """The causal blocks on `threads` single-threaded workers (`ops.workers`), inference only.
 
-    Block b's item builds its features and chunk states from zero, publishes the state after it as soon as the
-    state before it is known (one addition), then adds that incoming state to its chunk states and reads out.
-    Items start in order, so a worker only ever waits for a block that another worker has already started. KV
+    Block b's item builds its features, takes the state before it (published by block b-1), builds its chunk
+    states from it and publishes the state after it, then reads out. The chain of chunk states is the only serial
+    part (about a seventh of a block's work, measured in FLOPs), so in steady state a worker finds the state
+    before its block already published; the chunk states are written once, not built from zero and then
+    offset. Items start in order, so a worker only ever waits for a block that another worker has already started. KV
     heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy,
     or into `kv_groups` groups when that is given (a tuned layout: smaller items, each with its own heads' state).
     """
@@ -320,11 +328,10 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False,
-                              ws)
-        before = chain.take((g, i))
-        chain.put((g, i + 1), before + parts["prev"][parts["n_c"]])
-        _block_finish(parts, before, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
+        parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False, ws)
+        prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
+        chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
+        _block_finish(parts, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
 
     workers.workers(threads).run(item, [(g, i) for i in range(len(starts)) for g in range(n_groups)], chain)
     return torch.cat([chain.take((g, len(starts))) for g in range(n_groups)], dim=1)
@@ -332,10 +339,9 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
 
 def _key_step(state, k, u, ws=None):
     """Non-causal pass 1: state + psi(K)^T U over one block of keys (Eq. 5)."""
-    psi = _key_features(k, k.shape[1], 1, k.shape[2], ws)
-    ub = u.to(k.dtype).unsqueeze(0)
+    psi = _key_features(k, ws)
     with record_function("oal.state"):
-        return state + _increments(psi, ub)[0].to(state.dtype)
+        return state + _increments(psi, u.to(k.dtype)).to(state.dtype)
 
 
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
