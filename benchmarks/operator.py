@@ -137,7 +137,7 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
         from oal.ops import chunked, tuning
 
         row["settings"] = dataclasses.asdict(chunked.current_settings(dtype))
-        row["tuned"] = tuning.settings_for(dtype) is not None
+        row["settings_source"] = tuning.source(dtype)  # tuned, fixed (--no-tune) or forced (--sweep)
     with torch.no_grad():
         if method == "oal":  # the GEMM rate of this dtype, measured next to the timing it is compared with
             row["gemm_gflops"] = gemm_gflops(device, dtype)
@@ -305,8 +305,7 @@ def _machine(dtypes: list[str]) -> tuple[dict, dict]:
     settings = {}
     for dt in dtypes:
         s = chunked.current_settings(getattr(torch, dt))
-        settings[dt] = dataclasses.asdict(s) | {"label": s.label(), "tuned": tuning.settings_for(getattr(torch, dt))
-                                                is not None}
+        settings[dt] = dataclasses.asdict(s) | {"label": s.label(), "source": tuning.source(getattr(torch, dt))}
     return cpu, settings
 
 
@@ -387,8 +386,7 @@ def main() -> None:
         st = settings[dt]
         table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
                             f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock\n{cpu['model']} "
-                            f"({cpu['capability']}; {' '.join(cpu['flags'])}); {st['label']} "
-                            f"({'tuned' if st['tuned'] else 'fixed defaults'})")
+                            f"({cpu['capability']}; {' '.join(cpu['flags'])}); {st['label']} ({st['source']})")
         for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
                     "% of GEMM", *PHASES, "other", "load"):
             table.add_column(col, justify="right")

@@ -54,8 +54,11 @@ def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):
     tuning._write(tuning.cache_path(), {key: {"settings": {"chunk": 16, "block_chunks": 3, "pipeline": False,
                                                            "kv_groups": 0}, "torch": torch.__version__}})
     assert tuning.settings_for(torch.float32, 2) == Settings(16, 3, False, 0)
+    assert tuning.source(torch.float32, 2) == "tuned"
+    with tuning.forced(Settings(8, 2)):
+        assert tuning.settings_for(torch.float32, 2) == Settings(8, 2) and tuning.source(torch.float32, 2) == "forced"
     monkeypatch.setenv("OAL_NO_TUNE", "1")
-    assert tuning.settings_for(torch.float32, 2) is None
+    assert tuning.settings_for(torch.float32, 2) is None and tuning.source(torch.float32, 2) == "fixed"
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

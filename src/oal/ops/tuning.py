@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Settings", "cache_path", "cpu_info", "forced", "lookup", "machine_key", "settings_for", "tune"]
+__all__ = ["Settings", "cache_path", "cpu_info", "forced", "lookup", "machine_key", "settings_for", "source",
+           "tune"]
 
 CACHE_NAME = "cpu_tuning.json"
 # SIMD flags that change which GEMM and elementwise kernels torch runs; two CPUs with one model name and different
@@ -157,6 +158,13 @@ def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | N
     if os.environ.get("OAL_NO_TUNE", "0") not in ("", "0"):
         return None
     return lookup(dtype, torch.get_num_threads() if threads is None else threads)
+
+
+def source(dtype: torch.dtype, threads: int | None = None) -> str:
+    """Where `settings_for` takes its answer from: "forced", "tuned" (the cache) or "fixed" (the defaults)."""
+    if _FORCED:
+        return "forced"
+    return "fixed" if settings_for(dtype, threads) is None else "tuned"
 
 
 @contextlib.contextmanager
