@@ -285,13 +285,12 @@ def compare(fixed_path: Path, tuned_path: Path) -> str:
 
 
 def _tune(dtypes: list[str], force: bool) -> None:
-    """Tune the operator to this machine for every dtype timed (cached: only what is missing or stale is measured)."""
-    from oal.ops import tuning
-
-    res = tuning.tune([getattr(torch, d) for d in dtypes], force=force, log=lambda m: print(m, file=sys.stderr))
-    for name, entry in res.items():
-        print(f"  tuned {name}: {tuning.Settings(**entry['settings']).label()} (measured {entry['when']}, load "
-              f"{entry['load_before']:.1f}, took {entry['tuning_s']:.0f} s)", file=sys.stderr)
+    """Tune the operator to this machine for every dtype timed (cached: only what is missing or stale is measured),
+    in a child process like every timing, so that this process holds no scratch memory or worker threads."""
+    cmd = [sys.executable, "-m", "oal", "tune-cpu", "--threads", str(torch.get_num_threads()), "--dtypes",
+           ",".join(dtypes), *(["--force"] if force else [])]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    print(res.stdout.rstrip(), file=sys.stderr)
 
 
 def _machine(dtypes: list[str]) -> tuple[dict, dict]:

@@ -41,6 +41,7 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     assert [f.name for f in files] == ["cpu_tuning.json"]  # renamed into place, no temporary left
     entry = json.loads(files[0].read_text())["entries"][tuning.machine_key(torch.float32, 2)]
     assert entry["torch"] == torch.__version__ and entry["settings"] == res["settings"]
+    assert entry["revision"] == tuning.OPERATOR_REVISION
     assert entry["default_time_s"] is not None and entry["tuning_s"] > 0 and entry["cpu"]["model"]
     assert tuning.settings_for(torch.float32, 2) == best
     assert tuning.settings_for(torch.float32, 3) is None and tuning.settings_for(torch.bfloat16, 2) is None
@@ -51,8 +52,12 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
 
 def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):
     key = tuning.machine_key(torch.float32, 2)
-    tuning._write(tuning.cache_path(), {key: {"settings": {"chunk": 16, "block_chunks": 3, "pipeline": False,
-                                                           "kv_groups": 0}, "torch": torch.__version__}})
+    entry = {"settings": {"chunk": 16, "block_chunks": 3, "pipeline": False, "kv_groups": 0},
+             "torch": torch.__version__, "revision": tuning.OPERATOR_REVISION}
+    tuning._write(tuning.cache_path(), {key: entry | {"revision": 0}})
+    assert tuning.settings_for(torch.float32, 2) is None  # another revision of the operator: stale
+    tuning.reload()
+    tuning._write(tuning.cache_path(), {key: entry})
     assert tuning.settings_for(torch.float32, 2) == Settings(16, 3, False, 0)
     assert tuning.source(torch.float32, 2) == "tuned"
     with tuning.forced(Settings(8, 2)):

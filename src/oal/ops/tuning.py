@@ -4,7 +4,8 @@ The chunk size, the chunks per block and the worker layout were chosen by measur
 best choice differs (issue 36). `tune()` times a pruned grid of them at the Qwen head shape and stores the best
 per CPU model (with its SIMD flags), torch thread count and dtype, in the user's cache folder
 (`$XDG_CACHE_HOME/oal/cpu_tuning.json`, default `~/.cache/oal/`), written atomically. An entry measured under
-another torch version is stale: it is not used, and the next `tune()` measures it again.
+another torch version (or another OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it
+again.
 
 The operator never measures on a user's call: it reads the cache (once per process) and, without an entry, runs
 the fixed defaults. Tuning runs when asked: `oal tune-cpu` or `tune()`, and `benchmarks.operator` before it
@@ -36,6 +37,9 @@ CACHE_NAME = "cpu_tuning.json"
 # flags (a VM that hides AVX-512) are different machines
 KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 TUNE_SHAPE = dict(hq=14, hkv=2, d=64, g=5)  # the Qwen2.5-0.5B head shape, as in benchmarks.operator
+# Bump when a change to the chunked path can move the best settings: entries of another revision are stale, like
+# entries measured under another torch version.
+OPERATOR_REVISION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +147,15 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
             _LOADED = _read(cache_path())
         entry = _LOADED.get(machine_key(dtype, threads))
         found = None
-        if entry and entry.get("torch") == torch.__version__:
+        if _current(entry):
             with contextlib.suppress(KeyError, TypeError):
                 found = Settings(**entry["settings"])
         _FOUND[dtype, threads] = found
         return found
+
+
+def _current(entry) -> bool:
+    return bool(entry) and entry.get("torch") == torch.__version__ and entry.get("revision") == OPERATOR_REVISION
 
 
 def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | None:
@@ -256,7 +264,7 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
         for dtype in dtypes:
             key = machine_key(dtype, threads, info)
             old = _read(cache_path()).get(key)
-            if not force and old and old.get("torch") == torch.__version__:
+            if not force and _current(old):
                 results[_dtype_name(dtype)] = old
                 continue
             t_start, load = time.perf_counter(), os.getloadavg()[0]
@@ -279,7 +287,8 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
                     for cand in (default, best):
                         tried[cand] = min(tried[cand], _time(cand, inputs, 1))
                 best = min((default, best), key=tried.get)
-            entry = {"settings": dataclasses.asdict(best), "torch": torch.__version__, "cpu": info, "threads": threads,
+            entry = {"settings": dataclasses.asdict(best), "torch": torch.__version__, "revision": OPERATOR_REVISION,
+                     "cpu": info, "threads": threads,
                      "n": n, "shape": shape, "default": dataclasses.asdict(default),
                      "time_s": tried[best], "default_time_s": tried.get(default),
                      "candidates": [dataclasses.asdict(s) | {"time_s": t} for s, t in tried.items()],
