@@ -16,7 +16,7 @@ def tune_cpu(
     force: bool = typer.Option(False, help="Measure again even when cached for this torch version."),
 ) -> None:
     """Time a pruned grid of chunk size, block length and worker layout and cache the best per CPU, threads and
-    dtype (about a minute per dtype on 2 cores). The operator reads the cache; OAL_NO_TUNE=1 ignores it."""
+    dtype (under a minute per dtype on 2 quiet cores). The operator reads the cache; OAL_NO_TUNE=1 ignores it."""
     import torch
 
     from oal.ops import tuning
