@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36's acceptance numbers on this machine, quiet: the chunked operator against SDPA, causal forward at the Qwen
 # head shape, 2 threads, wall clock, fp32 and bf16, first with the fixed defaults (the first machine's choice),
-# then tuned to this machine. Takes about 15-20 minutes on a 2-core machine (fp32 SDPA at 32k dominates).
+# then tuned to this machine. Takes about 10-15 minutes on a 2-core machine (fp32 SDPA at 32k dominates).
 #
 #   benchmarks/tune_report.sh                       # from the repository root
 #   PYTHON=/path/to/python LENGTHS=4096,16384 benchmarks/tune_report.sh
