@@ -7,11 +7,11 @@ For chunk c with queries Q_c and the state S_{c-1} = sum_{j before c} psi(k_j)^T
 Chunks are processed a block at a time, so that Python overhead is per block, not per chunk. Everything is
 computed transposed (num^T = S^T phi^T), which lets one feature-major buffer serve every GEMM without a copy:
 - features: per chunk and KV head a dense [F, rep * C] buffer of query features (rep = the KV head's query
-  heads) and a [F, C] one of key features. In this layout each pair block x_r * x[r:] is one contiguous
-  stretch; the query heads' coefficients are folded into the pair products (phi = w * psi, Eq. 6), so phi is
-  written once, and each chunk's readout operand is one dense matrix;
-- state: the chunks' increments psi(K_c)^T U_c are one batched GEMM, written after the initial state and
-  summed in place (exclusive prefix sum, Eq. 5);
+  heads), and per KV head a [F, T] one of the block's key features. In this layout each pair block x_r * x[r:]
+  is one contiguous stretch; the query heads' coefficients are folded into the pair products (phi = w * psi,
+  Eq. 6), so phi is written once, and each chunk's readout operand is one dense matrix;
+- state: the state before chunk c+1 is the one before chunk c plus psi(K_c)^T U_c, one GEMM per chunk that adds
+  as it writes (Eq. 5), so each chunk state is written once;
 - readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
@@ -128,11 +128,11 @@ def _key_features(k, ws):
 def _query_features(xq, w, ws):
     """phi(Q_c) = w * psi(Q_c) feature-major [nc, B, Hkv, F, rep * C] from xq [nc, B, Hkv, d, rep, C] (Eq. 6).
 
-    One buffer per block, contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix
-    (oneDNN's bf16 GEMM copies a strided one first). The weights are folded into the pair products
-    (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant and linear
-    rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see `_readout`);
-    otherwise None.
+    One buffer per block, contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix (it
+    was rep of the rep + 1 slots of a buffer shared with the keys). The weights are folded into the pair
+    products (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant
+    and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see
+    `_readout`); otherwise None.
     """
     d = xq.shape[3]
     lin, dev = 1 + d, xq.device
