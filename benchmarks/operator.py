@@ -8,11 +8,18 @@ refers to, and times one extra call for the phase split (features, intra-chunk, 
 torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load (os.getloadavg) is
 recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
 
+Settings (issue 36): before timing, the chunked operator is tuned to this machine (`oal.ops.tuning`: cached per CPU
+model, threads and dtype; measured only when missing or stale, `--retune` measures again), and every OAL row runs
+the tuned settings. `--no-tune` runs the fixed defaults instead (the first machine's choice, reproducible). The
+CPU model, its flags and the settings of every row go into the JSON and the tables.
+
     python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
     python -m benchmarks.operator --max-len 8192 --dtypes float32
     python -m benchmarks.operator --lengths 1024,4096,16384,32768 --threads 1 --clock cpu   # a shared machine
     python -m benchmarks.operator --sweep 8192           # chunk size x chunks per block, OAL only
     python -m benchmarks.operator --contention --lengths 4096,16384 --dtypes float32   # quiet vs one busy process
+    python -m benchmarks.operator --no-tune --out benchmarks/results/operator_fixed.json   # the fixed defaults
+    benchmarks/tune_report.sh                            # the acceptance run: fixed defaults, then tuned
 
 --contention (benchmarks/_contention.py) times every configuration alone and then beside one busy competing
 process, and reports OAL's slowdown over SDPA's (operator_contention.{json,png}).
@@ -48,7 +55,9 @@ from benchmarks._common import (  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
 PHASES = ("features", "intra", "state", "readout")
-GOALS = {4096: 1.0, 16384: 4.0, 32768: 8.0}  # issue 18: sdpa/oal at least this
+# issue 36 (fp32: issue 18's): sdpa/oal at least this, and fp32 at least GEMM_GOAL of the GEMM rate at 16k
+GOALS = {"float32": {4096: 1.0, 16384: 4.0, 32768: 8.0}, "bfloat16": {4096: 1.5, 16384: 6.0}}
+GEMM_GOAL = {"float32": {16384: 60.0}}
 
 
 def _inputs(n: int, device: str, dtype: torch.dtype):
@@ -122,6 +131,13 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     row = {"method": method, "n": n, "dtype": str(dtype).replace("torch.", ""), "load_before": os.getloadavg()[0]}
+    if method == "oal":
+        import dataclasses
+
+        from oal.ops import chunked, tuning
+
+        row["settings"] = dataclasses.asdict(chunked.current_settings(dtype))
+        row["settings_source"] = tuning.source(dtype)  # tuned, fixed (--no-tune) or forced (--sweep)
     with torch.no_grad():
         if method == "oal":  # the GEMM rate of this dtype, measured next to the timing it is compared with
             row["gemm_gflops"] = gemm_gflops(device, dtype)
@@ -143,13 +159,14 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
                   "load_after": os.getloadavg()[0]}
 
 
-def oal_flops(n: int, dtype: str = "float32") -> float:
-    """Useful floating-point operations of the chunked path: readout, state update, intra-chunk GEMMs."""
+def oal_flops(n: int, dtype: str = "float32", chunk: int | None = None) -> float:
+    """Useful floating-point operations of the chunked path: readout, state update, intra-chunk GEMMs (`chunk`: the
+    chunk size the row ran with; None: the fixed default)."""
     from oal.ops.chunked import default_chunk
 
     d, hq, hkv, g = SHAPE["d"], SHAPE["hq"], SHAPE["hkv"], SHAPE["g"]
     feat, dv1 = 1 + d + d * (d + 1) // 2, d + 1
-    chunk = default_chunk(getattr(torch, dtype))  # the intra-chunk work grows with the chunk
+    chunk = chunk or default_chunk(getattr(torch, dtype))  # the intra-chunk work grows with the chunk
     return 2.0 * n * (hq * feat * dv1 + hkv * feat * dv1 + hq * chunk * ((g + 1) * d + dv1))
 
 
@@ -174,8 +191,11 @@ def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
                            base=2)
         pts = sorted((s["n"], s["ratio_sdpa_over_oal"]) for s in summary if s["dtype"] == dt)
         axes[1].semilogx(*zip(*pts, strict=True), "o-", label=dt, base=2)
-    goal_n = sorted(GOALS)
-    axes[1].semilogx(goal_n, [GOALS[n] for n in goal_n], "k*", markersize=10, label="issue 18 goal", base=2)
+    for dt, marker in (("float32", "k*"), ("bfloat16", "kx")):
+        if dt in dtypes:
+            goal_n = sorted(GOALS[dt])
+            axes[1].semilogx(goal_n, [GOALS[dt][n] for n in goal_n], marker, markersize=10, label=f"{dt} goal",
+                             base=2)
     axes[0].set(xlabel="sequence length N", ylabel="forward time (s)", title="Causal forward time")
     axes[1].set(xlabel="sequence length N", ylabel="SDPA time / OAL time", title="Speed-up over SDPA")
     labels, bottoms = [], None
@@ -212,7 +232,7 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
     for col in ("dtype", "chunk", "chunks/block", "time (s)", "% of GEMM", "peak MiB", "load"):
         table.add_column(col, justify="right")
     for r in rows:
-        share = 100 * oal_flops(n, r["dtype"]) / r["time_s"] / 1e9 / r["gemm_gflops"]
+        share = 100 * oal_flops(n, r["dtype"], r["chunk"]) / r["time_s"] / 1e9 / r["gemm_gflops"]
         table.add_row(r["dtype"], str(r["chunk"]), str(r["block_chunks"]), f"{r['time_s']:.3f}", f"{share:.0f}%",
                       f"{r['peak_mib']:.0f}", f"{r['load_before']:.1f}")
     Console(width=160).print(table)
@@ -220,6 +240,72 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / "operator_sweep.json", {"n": n, "rows": rows, "torch": torch.__version__})
+
+
+def compare(fixed_path: Path, tuned_path: Path) -> str:
+    """The acceptance table (issue 36) of a run with the fixed defaults and one tuned, on one machine: sdpa/oal and
+    % of GEMM side by side, each row's settings, and the goals. Printed, and written as markdown beside the tuned
+    JSON (operator_tuning.md); returns the markdown."""
+    runs = [json.loads(Path(p).read_text()) for p in (fixed_path, tuned_path)]
+    cpu, tuned = runs[1]["cpu"], runs[1]
+    lines = [f"CPU: {cpu['model']} ({cpu['capability']}; flags {' '.join(cpu['flags'])}; bf16 GEMMs "
+             f"{'yes' if cpu.get('bf16_gemms') else 'no'}), {tuned['threads']} threads, {tuned['clock']} clock, "
+             f"torch {tuned['torch']}", "",
+             "| dtype | N | settings (fixed / tuned) | sdpa/oal fixed | sdpa/oal tuned | goal | % of GEMM fixed | "
+             "% of GEMM tuned | GEMM GFLOP/s | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+
+    def label(row):
+        st = row["settings"]
+        layout = ("pipeline" + (f"/kv{st['kv_groups']}" if st["kv_groups"] else "")) if st["pipeline"] else "serial"
+        return f"{st['chunk']}x{st['block_chunks']} {layout}"
+
+    for s in tuned["summary"]:
+        f = next((r for r in runs[0]["summary"] if r["n"] == s["n"] and r["dtype"] == s["dtype"]), None)
+        goal, gemm_goal = s.get("goal"), s.get("gemm_goal_pct")
+        goal_txt = ", ".join(([f"{goal:g}"] if goal else []) + ([f"{gemm_goal:g}% of GEMM"] if gemm_goal else []))
+        cells = [s["dtype"], str(s["n"]), f"{label(f) if f else '-'} / {label(s)}",
+                 f"{f['ratio_sdpa_over_oal']:.2f}" if f else "-", f"{s['ratio_sdpa_over_oal']:.2f}", goal_txt,
+                 f"{f['pct_of_gemm']:.0f}%" if f else "-", f"{s['pct_of_gemm']:.0f}%", f"{s['gemm_gflops']:.0f}",
+                 f"{max(s['load'], f['load'] if f else 0):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+        if goal:
+            verdicts.append(f"{s['dtype']} N={s['n']}: {s['ratio_sdpa_over_oal']:.2f} (goal {goal:g}) "
+                            f"{'met' if s['ratio_sdpa_over_oal'] >= goal else 'NOT met'}")
+        if gemm_goal:
+            verdicts.append(f"{s['dtype']} N={s['n']}: {s['pct_of_gemm']:.0f}% of GEMM (goal {gemm_goal:g}%) "
+                            f"{'met' if s['pct_of_gemm'] >= gemm_goal else 'NOT met'}")
+    lines += ["", "Tuned: " + "; ".join(verdicts)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    from oal.rundir.files import atomic_write_text
+
+    atomic_write_text(Path(tuned_path).parent / "operator_tuning.md", text)
+    return text
+
+
+def _tune(dtypes: list[str], force: bool) -> None:
+    """Tune the operator to this machine for every dtype timed (cached: only what is missing or stale is measured),
+    in a child process like every timing, so that this process holds no scratch memory or worker threads."""
+    cmd = [sys.executable, "-m", "oal", "tune-cpu", "--threads", str(torch.get_num_threads()), "--dtypes",
+           ",".join(dtypes), *(["--force"] if force else [])]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    print(res.stdout.rstrip(), file=sys.stderr)
+
+
+def _machine(dtypes: list[str]) -> tuple[dict, dict]:
+    """The CPU (model, flags, torch's capability, bf16 GEMMs) and the operator settings of each dtype, as the
+    children will run them."""
+    import dataclasses
+
+    from oal.ops import chunked, cpu_bf16, tuning
+
+    cpu = tuning.cpu_info() | {"bf16_gemms": cpu_bf16()}
+    settings = {}
+    for dt in dtypes:
+        s = chunked.current_settings(getattr(torch, dt))
+        settings[dt] = dataclasses.asdict(s) | {"label": s.label(), "source": tuning.source(getattr(torch, dt))}
+    return cpu, settings
 
 
 def main() -> None:
@@ -232,6 +318,14 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
     parser.add_argument("--contention", action="store_true",
                         help="time OAL and SDPA quiet and beside one busy competing process, side by side")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="run the operator's fixed default settings, not the ones tuned to this machine")
+    parser.add_argument("--retune", action="store_true", help="tune again even when cached for this torch version")
+    parser.add_argument("--out", type=Path, default=RESULTS / "operator.json",
+                        help="the JSON to write (the PNG goes beside it)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("FIXED", "TUNED"),
+                        help="print the acceptance table of two runs' JSON (--no-tune, then tuned) and write it as "
+                             "markdown beside TUNED; times nothing")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
@@ -242,16 +336,25 @@ def main() -> None:
         if dt not in ("float32", "bfloat16"):
             parser.error(f"--dtypes: expected float32 or bfloat16, got {dt!r}")
     apply_timing_args(parser, args)
+    if args.compare:
+        compare(*args.compare)
+        return
     if args.child:
-        import oal.ops.chunked as chunked
+        from oal.ops import chunked, tuning
 
-        if args.chunk:
-            chunked.CHUNK = chunked.CHUNK_BF16 = args.chunk
-        if args.block_chunks:
-            chunked.BLOCK = chunked.default_chunk(getattr(torch, args.dtype)) * args.block_chunks
-        row = _measure(args.child[0], int(args.child[1]), args.repeats, args.device, getattr(torch, args.dtype))
+        forced = None
+        if args.chunk or args.block_chunks:  # --sweep: one cell of the grid, whatever is tuned
+            base = chunked.fixed_settings(getattr(torch, args.dtype))
+            chunk = args.chunk or base.chunk
+            forced = tuning.Settings(chunk, args.block_chunks or max(base.chunk * base.block_chunks // chunk, 1))
+        with tuning.forced(forced):
+            row = _measure(args.child[0], int(args.child[1]), args.repeats, args.device, getattr(torch, args.dtype))
         print(json.dumps(row))
         return
+    if args.no_tune:
+        os.environ["OAL_NO_TUNE"] = "1"  # read by every child
+    elif args.device == "cpu" and not args.sweep:
+        _tune(dtypes, args.retune)
     if args.sweep:
         _sweep(args.sweep, args.repeats, args.device, dtypes)
         return
@@ -260,6 +363,7 @@ def main() -> None:
     from rich.table import Table
 
     lengths = lengths_from(parser, args)
+    cpu, settings = _machine(dtypes)
     if args.contention:
         from benchmarks import _contention
 
@@ -278,20 +382,23 @@ def main() -> None:
     console = Console(width=160)
     summary = []
     for dt in dtypes:
+        st = settings[dt]
         table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
-                            f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock")
+                            f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock\n{cpu['model']} "
+                            f"({cpu['capability']}; {' '.join(cpu['flags'])}); {st['label']} ({st['source']})")
         for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
                     "% of GEMM", *PHASES, "other", "load"):
             table.add_column(col, justify="right")
         for n in lengths:
             s = next(r for r in rows if r["method"] == "sdpa" and r["n"] == n and r["dtype"] == dt)
             o = next(r for r in rows if r["method"] == "oal" and r["n"] == n and r["dtype"] == dt)
-            gfs = oal_flops(n, dt) / o["time_s"] / 1e9
+            gfs = oal_flops(n, dt, o["settings"]["chunk"]) / o["time_s"] / 1e9
             total = o["phases"]["total"]
             share = {p: o["phases"][p] / total for p in (*PHASES, "other")}
             summary.append({"n": n, "dtype": dt, "ratio_sdpa_over_oal": s["time_s"] / o["time_s"], "oal_gflops": gfs,
                             "gemm_gflops": o["gemm_gflops"], "pct_of_gemm": 100 * gfs / o["gemm_gflops"],
-                            "phase_share": share, "goal": GOALS.get(n),
+                            "phase_share": share, "goal": GOALS.get(dt, {}).get(n),
+                            "gemm_goal_pct": GEMM_GOAL.get(dt, {}).get(n), "settings": o["settings"],
                             "load": max(s["load_before"], o["load_before"], s["load_after"], o["load_after"])})
             table.add_row(str(n), f"{s['time_s']:.3f}", f"{o['time_s']:.3f}", f"{s['time_s'] / o['time_s']:.2f}",
                           f"{s['peak_mib']:.0f}", f"{o['peak_mib']:.0f}", f"{gfs:.0f}", f"{o['gemm_gflops']:.0f}",
@@ -303,16 +410,21 @@ def main() -> None:
         console.print(f"{dt}: OAL time(2N)/time(N) = {scaling}")
     goals = [f"{s['dtype']} N={s['n']}: {s['ratio_sdpa_over_oal']:.2f} (goal {s['goal']:g}) "
              f"{'met' if s['ratio_sdpa_over_oal'] >= s['goal'] else 'NOT met'}" for s in summary if s["goal"]]
+    goals += [f"{s['dtype']} N={s['n']}: {s['pct_of_gemm']:.0f}% of GEMM (goal {s['gemm_goal_pct']:g}%) "
+              f"{'met' if s['pct_of_gemm'] >= s['gemm_goal_pct'] else 'NOT met'}" for s in summary
+              if s["gemm_goal_pct"]]
     if goals:
         console.print("goals: " + "; ".join(goals))
     from oal.rundir.files import atomic_write_json
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
-              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME}
-    atomic_write_json(RESULTS / "operator.json", result)
-    _plot(rows, summary, RESULTS / "operator.png")
-    console.print(f"wrote {RESULTS / 'operator.json'} and {RESULTS / 'operator.png'}")
+              "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME,
+              "cpu": cpu, "tune": not args.no_tune, "settings": settings}
+    atomic_write_json(args.out, result)
+    png = args.out.with_suffix(".png")
+    _plot(rows, summary, png)
+    console.print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":

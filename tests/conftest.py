@@ -15,6 +15,10 @@ if os.environ.get("OAL_TEST_DEVICE") != "cuda":
     # stall each other (seen here: 35 ms instead of 0.06 ms). Set before numpy is first imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# The chunked operator reads CPU settings tuned on this machine from the user's cache (oal.ops.tuning); the suite
+# runs the fixed defaults, which its block-size tests set through the module constants.
+os.environ.setdefault("OAL_NO_TUNE", "1")
+
 import torch  # noqa: E402  (does not import triton)
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

@@ -7,7 +7,7 @@ import torch
 
 import oal.ops.chunked as chunked
 from oal.ops import oal_attention
-from oal.ops.kernel import features, key_features, perturbed_factor, taylor_factor
+from oal.ops.kernel import features, key_features, perturbed_factor, taylor_factor, weighted_features
 
 F64 = torch.float64
 
@@ -31,6 +31,19 @@ def test_feature_major_features_equal_token_major():
     out = torch.full((3, 1 + 16 + 136, 5), float("nan"), dtype=F64)
     out[:, 1:17] = x.transpose(1, 2)  # x already in place: the in-place path must not need a copy
     torch.testing.assert_close(features(out[:, 1:17], dim=1, out=out).transpose(1, 2), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d", [1, 7, 16])
+def test_weighted_features_equal_features_times_weights(d):
+    """The one-pass query features (weights folded into the pair products) against the two-pass reference
+    features(x) * w, feature-major at odd sizes, into a NaN-filled buffer (every entry must be written)."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 2, d, 5, 11, generator=gen, dtype=F64)  # [.., Hkv, d, slots, C]
+    w = torch.randn(2, 1 + d + d * (d + 1) // 2, 5, 1, generator=gen, dtype=F64)  # [Hkv, F, slots, 1]
+    out = torch.full((3, 2, w.shape[1], 5, 11), float("nan"), dtype=F64)
+    got = weighted_features(x, w, 2, out, tmp=torch.full_like(x, float("nan")))
+    torch.testing.assert_close(got, features(x, dim=2) * w, rtol=1e-15, atol=0)
+    torch.testing.assert_close(weighted_features(x, w, 2, out.clone()), got, rtol=0, atol=0)  # without tmp
 
 
 @pytest.mark.parametrize("chunk,blocks", [(16, 1), (16, 3), (7, 2), (64, 8)])
@@ -64,6 +77,7 @@ def _rel_rms(got, want):
 def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
     """bf16 inputs: bf16 features and GEMMs (fp32 accumulation, fp32 state); the error against float64 stays at
     the level of what bf16 SDPA itself gives against float64 on the same inputs (measured: 1.0-1.1x)."""
+    monkeypatch.setenv("OAL_CPU_BF16", "1")  # the bf16 path, on any CPU
     gemm_dtypes = []
     readout = chunked._readout
     monkeypatch.setattr(chunked, "_readout", lambda phi, *a: gemm_dtypes.append(phi.dtype) or readout(phi, *a))
@@ -83,20 +97,17 @@ def test_bf16_uses_bf16_gemms_with_error_like_bf16_sdpa(monkeypatch):
 def test_non_causal_builds_features_a_block_at_a_time(monkeypatch):
     """Issue 17: the non-causal path never builds the key features of the whole sequence at once."""
     monkeypatch.setattr(chunked, "BLOCK", 64)
-    widths = []
-    real = chunked.features
-
-    def spy(x, dim=-1, out=None):
-        widths.append(x.shape[-1] * x.shape[-2])  # tokens x slots of this call
-        return real(x, dim=dim, out=out)
-
-    monkeypatch.setattr(chunked, "features", spy)
+    sizes = []  # elements of x per feature call: tokens x slots x d x Hkv
+    real, real_weighted = chunked.features, chunked.weighted_features
+    monkeypatch.setattr(chunked, "features", lambda x, *a, **kw: sizes.append(x.numel()) or real(x, *a, **kw))
+    monkeypatch.setattr(chunked, "weighted_features",
+                        lambda x, *a, **kw: sizes.append(x.numel()) or real_weighted(x, *a, **kw))
     q, k, v, groups, factor = make(n=1000)
     with torch.no_grad():
         out = oal_attention(q, k, v, groups, factor, backend="chunked", causal=False, chunk_size=32)
     want = oal_attention(q, k, v, groups, factor, backend="reference", causal=False)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
-    assert len(widths) > 10 and max(widths) <= 64 * 2  # one block of 64 tokens x 2 query slots per KV head
+    assert len(sizes) > 10 and max(sizes) <= 64 * 2 * 16 * 2  # one block of 64 tokens x 2 query slots per KV head
 
 
 def test_non_causal_training_memory_is_not_quadratic_nor_full_features():
@@ -128,6 +139,7 @@ def test_bf16_gradients_against_float64_like_bf16_sdpa(monkeypatch):
     """Training on bf16 inputs runs the bf16 GEMMs too; its gradients against the float64 reference (Eq. 7) stay
     at the level of bf16 SDPA's gradients against float64 SDPA (measured: dq 1.3x, dk 1.0x, dv 0.6x of SDPA's
     error; dfactor 0.5% relative), at an odd length over several chunks."""
+    monkeypatch.setenv("OAL_CPU_BF16", "1")
     gemm_dtypes = []
     readout = chunked._readout
     monkeypatch.setattr(chunked, "_readout", lambda phi, *a, **kw: gemm_dtypes.append(phi.dtype) or
@@ -154,3 +166,26 @@ def test_bf16_gradients_against_float64_like_bf16_sdpa(monkeypatch):
     for name, g, w, bound in zip(("dq", "dk", "dv"), got, ref, sdpa_err, strict=False):
         assert _rel_rms(g, w) <= 2 * bound, (name, _rel_rms(g, w), bound)
     assert _rel_rms(got[3], ref[3]) < 1e-2
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_bf16_without_bf16_gemms_runs_the_fp32_path(monkeypatch, chunk):
+    """On a CPU without bf16 dot products (OAL_CPU_BF16=0 stands in for one), bf16 inputs run the fp32 features and
+    GEMMs: the output is the fp32 result rounded to bf16, forward and backward."""
+    monkeypatch.setenv("OAL_CPU_BF16", "0")
+    gemm_dtypes = []
+    readout = chunked._readout
+    monkeypatch.setattr(chunked, "_readout", lambda phi, *a, **kw: gemm_dtypes.append(phi.dtype) or
+                        readout(phi, *a, **kw))
+    q, k, v, groups, factor = make(n=301, d=16, dv=8)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = oal_attention(*low, groups, factor.float(), chunk_size=chunk)
+    assert out.dtype == torch.bfloat16 and set(gemm_dtypes) == {torch.float32}
+    exact = [t.detach().float().requires_grad_() for t in low]
+    want = oal_attention(*exact, groups, factor.float(), chunk_size=chunk)
+    torch.testing.assert_close(out, want.bfloat16(), rtol=0, atol=0)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((out.float() * w).sum(), low)
+    ref = torch.autograd.grad((want.bfloat16().float() * w).sum(), exact)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b.bfloat16(), rtol=0, atol=0)

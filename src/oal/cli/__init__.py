@@ -8,7 +8,7 @@ from oal.cli.app import app
 
 # One module per command (or small family of commands); each adds its commands to `app` on import.
 _COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose",
-                  "export", "select_layers", "fetch")
+                  "export", "select_layers", "fetch", "tune")
 
 
 def load_commands():

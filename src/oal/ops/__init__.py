@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 
 import torch
 
@@ -12,7 +14,7 @@ from oal.ops.kernel import cached_coefficients, feature_dim, packed_pairs
 from oal.ops.recurrent import recurrent_attention
 from oal.ops.reference import reference_attention
 
-__all__ = ["BACKENDS", "feature_dim", "oal_attention", "split_state", "empty_state"]
+__all__ = ["BACKENDS", "cpu_bf16", "feature_dim", "oal_attention", "split_state", "empty_state"]
 
 BACKENDS = ("auto", "reference", "recurrent", "chunked", "triton")
 DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on top of an initial state with the token loop
@@ -41,6 +43,22 @@ def _auto_triton(q: torch.Tensor, v: torch.Tensor, causal: bool, chunk_size: int
 
 
 _FALLBACK_WARNED: set[str] = set()
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    from oal.ops.tuning import cpu_info
+
+    return any(f in cpu_info()["flags"] for f in ("avx512_bf16", "amx_bf16"))
+
+
+def cpu_bf16() -> bool:
+    """Whether bf16 inputs on the CPU run bf16 features and GEMMs (fp32 accumulation, fp32 state): on CPUs with
+    native bf16 dot products (avx512_bf16 or AMX), where bf16 GEMMs run at several times the fp32 rate (here 4.5x).
+    Elsewhere bf16 has no GEMM instructions of its own, and bf16 inputs run the fp32 path (exact; outputs in bf16).
+    OAL_CPU_BF16=1 or 0 overrides the detection."""
+    forced = os.environ.get("OAL_CPU_BF16", "")
+    return forced != "0" if forced else _cpu_has_bf16()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -206,8 +224,10 @@ def oal_attention(
         backend = "recurrent" if state is not None and q.shape[2] <= DECODE_TOKENS else "chunked"
     if q.numel() == 0 or k.numel() == 0:  # N = 0 or B = 0: an empty result (and the state unchanged)
         backend = "reference"
-    # bf16 inputs keep bf16 features and GEMMs (fp32 accumulation inside the GEMM); states stay in `dtype`
-    low = backend == "chunked" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    # bf16 inputs keep bf16 features and GEMMs (fp32 accumulation inside the GEMM) where the hardware has bf16
+    # GEMMs (`cpu_bf16`; GPUs do); states stay in `dtype`
+    low = (backend == "chunked" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+           and (q.device.type != "cpu" or cpu_bf16()))
     q, k, v = (t.to(torch.bfloat16 if low else dtype) for t in (q, k, v))
     if backend == "reference":
         out, final = reference_attention(

@@ -6,11 +6,12 @@ For chunk c with queries Q_c and the state S_{c-1} = sum_{j before c} psi(k_j)^T
 
 Chunks are processed a block at a time, so that Python overhead is per block, not per chunk. Everything is
 computed transposed (num^T = S^T phi^T), which lets one feature-major buffer serve every GEMM without a copy:
-- features: per chunk and KV head one [F, slots * C] buffer, slots = the KV head's query heads and its keys.
-  In this layout each pair block x_r * x[r:] is one contiguous stretch, and each query head's coefficients are
-  one in-place multiply (phi = w * psi, Eq. 6);
-- state: the chunks' increments psi(K_c)^T U_c are one batched GEMM, written after the initial state and
-  summed in place (exclusive prefix sum, Eq. 5);
+- features: per chunk and KV head a dense [F, rep * C] buffer of query features (rep = the KV head's query
+  heads), and per KV head a [F, T] one of the block's key features. In this layout each pair block x_r * x[r:]
+  is one contiguous stretch; the query heads' coefficients are folded into the pair products (phi = w * psi,
+  Eq. 6), so phi is written once, and each chunk's readout operand is one dense matrix;
+- state: the state before chunk c+1 is the one before chunk c plus psi(K_c)^T U_c, one GEMM per chunk that adds
+  as it writes (Eq. 5), so each chunk state is written once;
 - readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from oal.ops import workers
-from oal.ops.kernel import feature_dim, features, query_coefficients
+from oal.ops import tuning, workers
+from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
 NAN_SCRATCH = False
@@ -41,6 +42,7 @@ NAN_SCRATCH = False
 # Below this length, a sequence with no initial state is one dense chunk: cheaper than building the
 # d(d+1)/2-wide query features, and still O(N) memory per query row.
 DENSE_MAX = 256
+# The fixed defaults (`ops.tuning` measures the machine's own and caches them; OAL_NO_TUNE=1 keeps these).
 # Tokens per chunk (fp32/fp64, bf16) and per block, chosen by measurement (1 thread, CPU clock): at N=16384, fp32
 # chunks of 32 were 3.6% faster than 64 (intra-chunk work halves, prefix states double; 3 interleaved runs); in
 # bf16, 64 beat 32 by 7% at N=8192 (`benchmarks.operator --sweep 8192`), and chunks of 128 were 15-25% slower in
@@ -50,6 +52,18 @@ CHUNK, CHUNK_BF16, BLOCK = 32, 64, 512
 
 def default_chunk(dtype: torch.dtype) -> int:
     return CHUNK_BF16 if dtype == torch.bfloat16 else CHUNK
+
+
+def current_settings(dtype: torch.dtype) -> tuning.Settings:
+    """The settings a call in `dtype` runs with now: forced or tuned ones (`ops.tuning`), else the fixed defaults
+    above (CHUNK, CHUNK_BF16, BLOCK; pipelined, automatic KV split)."""
+    tuned = tuning.settings_for(dtype)
+    return fixed_settings(dtype) if tuned is None else tuned
+
+
+def fixed_settings(dtype: torch.dtype) -> tuning.Settings:
+    chunk = default_chunk(dtype)
+    return tuning.Settings(chunk, max(BLOCK // chunk, 1))
 
 
 _WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buffer, kept between calls
@@ -90,52 +104,89 @@ def _slots(x: torch.Tensor, n_kv: int, n_c: int, chunk: int) -> torch.Tensor:
     return x.view(bsz, n_kv, heads // n_kv, n_c, chunk, d).permute(3, 0, 1, 5, 2, 4)
 
 
-def _features(q, k, n_kv: int, n_c: int, chunk: int, ws):
-    """Feature-major psi of one block's queries and keys: [nc, B, Hkv, F, slots, C] (Eq. 5).
+def _feature_major(x: torch.Tensor, n_kv: int, n_c: int, chunk: int, ws, name: str) -> torch.Tensor:
+    """x [B, Hkv * s, nc * C, d] -> a contiguous copy [nc, B, Hkv, d, s, C] (the scratch `name` when ws)."""
+    xs = _slots(x, n_kv, n_c, chunk)
+    return xs.contiguous() if ws is None else _scratch(ws, name, xs.shape, x.dtype, x.device).copy_(xs)
 
-    q [B, Hq, nc*C, d] (query head kv*rep + s in slot s) and k [B, Hkv, nc*C, d] (the last slot); either may
-    be None. Rows 1..d hold q and k themselves, feature-major.
-    """
-    parts = [_slots(t, n_kv, n_c, chunk) for t in (q, k) if t is not None]
-    src = parts[0]
+
+def _key_features(k, ws):
+    """psi(K) feature-major [B, Hkv, F, T] of one block's keys k [B, Hkv, T, d] (Eq. 5).
+
+    Rows 1..d hold k itself; each pair block x_r * x[r:] is one contiguous stretch over the block's tokens, and
+    chunk c's operand psi(K_c) is the column slice [c*C, (c+1)*C) (one matrix, leading dimension T)."""
+    xk = k.transpose(-1, -2)  # [B, Hkv, d, T]
+    d = xk.shape[2]
     with record_function("oal.features"):
-        shape = src.shape[:3] + (feature_dim(src.shape[3]), sum(p.shape[4] for p in parts), chunk)
-        feat = _scratch(ws, "feat", shape, src.dtype, src.device)
+        feat = _scratch(ws, "featk", xk.shape[:2] + (feature_dim(d), xk.shape[3]), k.dtype, k.device)
         if feat is None:  # autograd: out of place
-            return features(torch.cat(parts, dim=4), dim=3)
-        start = 0
-        for part in parts:
-            feat[:, :, :, 1 : 1 + part.shape[3], start : start + part.shape[4]] = part
-            start += part.shape[4]
-        return features(feat[:, :, :, 1 : 1 + src.shape[3]], dim=3, out=feat)
+            return features(xk, dim=2)
+        feat[:, :, 1 : 1 + d] = xk
+        return features(feat[:, :, 1 : 1 + d], dim=2, out=feat)
 
 
-def _query_part(feat, w, d: int, ws):
-    """phi = w * psi(q) [nc, B, Hkv, F, rep * C] from the first rep slots of `feat`, in place when ws (Eq. 6).
+def _query_features(xq, w, ws):
+    """phi(Q_c) = w * psi(Q_c) feature-major [nc, B, Hkv, F, rep * C] from xq [nc, B, Hkv, d, rep, C] (Eq. 6).
 
-    For bf16 features also returns the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the
-    state's), from the exact bf16 inputs (see `_readout`); otherwise None.
+    One buffer per block, contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix (it
+    was rep of the rep + 1 slots of a buffer shared with the keys). The weights are folded into the pair
+    products (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant
+    and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see
+    `_readout`); otherwise None.
     """
-    rep, lin = w.shape[2], 1 + d
+    d = xq.shape[3]
+    lin, dev = 1 + d, xq.device
+    shape = xq.shape[:3] + (feature_dim(d),) + xq.shape[4:]
     with record_function("oal.features"):
         phi_lin = None
-        if feat.dtype != w.dtype:
-            phi_lin = (feat[..., :lin, :rep, :].to(w.dtype) * w[:, :lin]).flatten(-2)
-        rows = lin if phi_lin is not None else 0  # bf16: rows 0..d are read from phi_lin only
-        wg = w[:, rows:].to(feat.dtype)  # a mixed-dtype in-place multiply is several times slower
-        if ws is not None:
-            feat[..., rows:, :rep, :].mul_(wg)
-            phi = feat[..., :rep, :]
+        if xq.dtype != w.dtype:
+            phi_lin = _scratch(ws, "phi_lin", xq.shape[:3] + (lin,) + xq.shape[4:], w.dtype, dev)
+            if phi_lin is None:
+                phi_lin = torch.cat([w[:, :1].expand(xq.shape[:3] + (1,) + xq.shape[4:]), xq.to(w.dtype) * w[:, 1:lin]],
+                                    dim=3)
+            else:
+                phi_lin[:, :, :, :1] = w[:, :1]
+                torch.mul(xq, w[:, 1:lin], out=phi_lin[:, :, :, 1:])
+            phi_lin = phi_lin.flatten(-2)
+        wg = w.to(xq.dtype)  # a mixed-dtype multiply is several times slower
+        phi = _scratch(ws, "featq", shape, xq.dtype, dev)
+        if phi is None:
+            phi = features(xq, dim=3) * wg
         else:
-            phi = torch.cat([feat[..., :rows, :rep, :], feat[..., rows:, :rep, :] * wg], dim=-3)
+            phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev))
     return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
 
 
-def _increments(psi, ub, out=None):
-    """psi [nc, B, Hkv, F, C] and ub [nc, B, Hkv, C, dv+1] -> psi(K_c)^T U_c [nc, B, Hkv, F, dv+1] (Eq. 5)."""
-    if out is not None and out.dtype != ub.dtype:  # bf16 GEMM into the fp32 state
-        return out.copy_(torch.matmul(psi, ub))
-    return torch.matmul(psi, ub, out=out)
+def _chunk_states(start, psi, ug, chunk: int, ws=None):
+    """The state before each chunk and after the last: prev [nc+1, B, Hkv, F, dv+1], prev[0] = start and
+    prev[c+1] = prev[c] + psi(K_c)^T U_c (Eq. 5), in start's dtype.
+
+    psi [B, Hkv, F, T] and ug [B, Hkv, T, dv+1] (T = nc * chunk) in the GEMM dtype. In the state's dtype each step
+    is one GEMM that adds onto the previous state as it writes the next (baddbmm), so every chunk state is written
+    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation) summed in fp32.
+    """
+    n_c = psi.shape[-1] // chunk
+    bsz, n_kv, feats, dv1 = start.shape
+    sdt = start.dtype
+    with record_function("oal.state"):
+        prev = _scratch(ws, "prev", (n_c + 1, bsz, n_kv, feats, dv1), sdt, start.device)
+        if prev is None:  # autograd: out of place
+            incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
+            return torch.cat([start.unsqueeze(0), start + torch.stack(incs).to(sdt).cumsum(0)])
+        prev[0].copy_(start)
+        inc = None if psi.dtype == sdt else _scratch(ws, "inc", start.shape, psi.dtype, start.device)
+        for c in range(n_c):
+            ps, us = psi[..., c * chunk : (c + 1) * chunk], ug[:, :, c * chunk : (c + 1) * chunk]
+            if inc is None:
+                torch.baddbmm(prev[c].flatten(0, 1), ps.flatten(0, 1), us.flatten(0, 1), out=prev[c + 1].flatten(0, 1))
+            else:
+                torch.add(prev[c], torch.matmul(ps, us, out=inc), out=prev[c + 1])
+        return prev
+
+
+def _increments(psi, ub):
+    """psi [..., F, T] and ub [..., T, dv+1] -> psi(K)^T U [..., F, dv+1] (Eq. 5)."""
+    return torch.matmul(psi, ub)
 
 
 def _readout(phi, states, ws=None, phi_lin=None):
@@ -151,7 +202,9 @@ def _readout(phi, states, ws=None, phi_lin=None):
         if phi_lin is None:
             return torch.matmul(s_t.to(phi.dtype), phi, out=_scratch(ws, "num", shape, phi.dtype, phi.device))
         lin = phi_lin.shape[-2]
-        low = torch.matmul(s_t[..., lin:].to(phi.dtype), phi[..., lin:, :],
+        s_low = _scratch(ws, "s_low", states[..., lin:, :].shape, phi.dtype, phi.device)  # a transposing copy is
+        s_low = states[..., lin:, :].to(phi.dtype) if s_low is None else s_low.copy_(states[..., lin:, :])  # 15x slower
+        low = torch.matmul(s_low.transpose(-1, -2), phi[..., lin:, :],
                            out=_scratch(ws, "num_low", shape, phi.dtype, phi.device))
         if ws is None:
             return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
@@ -176,12 +229,10 @@ def _normalise(num_t, n_q: int, out=None, raw: bool = False):
     return out if out is not None else res.permute(1, 2, 4, 0, 5, 3).reshape(bsz, n_q, -1, res.shape[3])
 
 
-def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
-    """First half of one causal block: features, the intra-chunk query weights and the chunk states (Eq. 5-7).
-
-    Returns the parts `_block_finish` needs; parts["prev"][c] is the state before chunk c, counted from `state`
-    (from zero when state is None: a pipelined block whose incoming state is not known yet), and
-    parts["prev"][nc] the state after the block. `fresh`: one chunk from a zero state, no features, no state.
+def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
+    """First half of one causal block: features and the intra-chunk query weights (Eq. 6-7), everything that does
+    not need the state before the block. `_chunk_states` then builds the chunk states from it (parts["psi"],
+    parts["ug"]). `fresh`: one chunk from a zero state, no features, no state.
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
@@ -191,51 +242,27 @@ def _block_prefix(state, q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
     parts = {"ub": ub.to(sdt).contiguous(), "k": k, "n_c": n_c, "prev": None, "phi": None}
-    if fresh:  # queries feature-major, as the intra-chunk GEMM wants them
-        xq = _slots(q, n_kv, n_c, chunk)
-        xq = xq.contiguous() if ws is None else _scratch(ws, "xq", xq.shape, gdt, dev).copy_(xq)
-    else:
-        feat = _features(q, k, n_kv, n_c, chunk, ws)
-        xq = feat[:, :, :, 1 : 1 + d, :rep]
-    with record_function("oal.intra"):  # before _query_part, which scales the features in place
+    xq = _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # queries feature-major [nc, B, Hkv, d, rep, C]
+    with record_function("oal.intra"):
         n_m = wz.shape[-2]
         qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
     parts["qw"] = qw
     if not fresh:
-        (parts["phi"], parts["phi_lin"]), psi = _query_part(feat, w, d, ws), feat[..., rep, :]
-        with record_function("oal.state"):
-            # state before each chunk: exclusive prefix sum of the chunks' increments (Eq. 5), in place
-            ub = parts["ub"]
-            ug = ub if gdt == sdt else ub.to(gdt)
-            shape = (bsz, n_kv, psi.shape[-2], dv1)
-            prev = _scratch(ws, "prev", (n_c + 1,) + shape, sdt, dev)
-            if prev is None:
-                start = state if state is not None else torch.zeros(shape, dtype=sdt, device=dev)
-                prev = torch.cat([start.unsqueeze(0), _increments(psi, ug).to(sdt)]).cumsum(0)
-            else:
-                if state is None:
-                    prev[0].zero_()
-                else:
-                    prev[0] = state
-                _increments(psi, ug, out=prev[1:])
-                for c in range(1, n_c + 1):
-                    prev[c] += prev[c - 1]
-            parts["prev"] = prev
+        parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
+        parts["psi"] = _key_features(k, ws)
+        parts["ug"] = u.to(gdt)  # [B, Hkv, T, dv+1]
     return parts
 
 
-def _block_finish(parts, offset, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
-    """Second half of one causal block: readout of the chunk states (+ `offset`, the incoming state when the
-    prefix counted from zero), the intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
+def _block_finish(parts, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
+    """Second half of one causal block: readout of the chunk states parts["prev"] (None for a fresh block), the
+    intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
     qw, ub, k, n_c, prev = parts["qw"], parts["ub"], parts["k"], parts["n_c"], parts["prev"]
     _, bsz, n_kv, d, rep, n_m, _ = qw.shape
     dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
     num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
     num = None
     if prev is not None:
-        if offset is not None:
-            with record_function("oal.state"):
-                prev[:n_c] += offset
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
@@ -270,23 +297,30 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
     and their GEMMs run in q's dtype (bf16 for bf16 inputs); the state, the intra-chunk kernel and the numerator in
     the state's dtype (wz's).
     """
-    parts = _block_prefix(state, q, k, u, w, wz, chunk, fresh, ws)
-    after = None if fresh else parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
-    return _block_finish(parts, None, l0, eps, chunk, q.shape[1], raw, out, ws), after
+    parts = _block_prefix(q, k, u, w, wz, chunk, fresh, ws)
+    after = None
+    if not fresh:
+        parts["prev"] = _chunk_states(state, parts["psi"], parts["ug"], chunk, ws)
+        after = parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
+    return _block_finish(parts, l0, eps, chunk, q.shape[1], raw, out, ws), after
 
 
-def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int):
+def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int,
+               kv_groups: int = 0):
     """The causal blocks on `threads` single-threaded workers (`ops.workers`), inference only.
 
-    Block b's item builds its features and chunk states from zero, publishes the state after it as soon as the
-    state before it is known (one addition), then adds that incoming state to its chunk states and reads out.
-    Items start in order, so a worker only ever waits for a block that another worker has already started. KV
-    heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy.
+    Block b's item builds its features, takes the state before it (published by block b-1), builds its chunk
+    states from it and publishes the state after it, then reads out. The chain of chunk states is the only serial
+    part (about a seventh of a block's work, measured in FLOPs), so in steady state a worker finds the state
+    before its block already published; the chunk states are written once, not built from zero and then
+    offset. Items start in order, so a worker only ever waits for a block that another worker has already started. KV
+    heads are split into groups (their own state chains) when there are too few blocks to keep the workers busy,
+    or into `kv_groups` groups when that is given (a tuned layout: smaller items, each with its own heads' state).
     """
     n, n_kv = q.shape[2], k.shape[1]
     rep = q.shape[1] // n_kv
     starts = list(range(0, n, block))
-    n_groups = min(n_kv, -(-2 * threads // len(starts)))
+    n_groups = min(n_kv, kv_groups or -(-2 * threads // len(starts)))
     bounds = [(g * n_kv // n_groups, (g + 1) * n_kv // n_groups) for g in range(n_groups)]
     chain = workers.Chain({(g, 0): state[:, a:b] for g, (a, b) in enumerate(bounds)})
 
@@ -294,11 +328,10 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        parts = _block_prefix(None, q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False,
-                              ws)
-        before = chain.take((g, i))
-        chain.put((g, i + 1), before + parts["prev"][parts["n_c"]])
-        _block_finish(parts, before, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
+        parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False, ws)
+        prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
+        chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
+        _block_finish(parts, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
 
     workers.workers(threads).run(item, [(g, i) for i in range(len(starts)) for g in range(n_groups)], chain)
     return torch.cat([chain.take((g, len(starts))) for g in range(n_groups)], dim=1)
@@ -306,15 +339,15 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
 
 def _key_step(state, k, u, ws=None):
     """Non-causal pass 1: state + psi(K)^T U over one block of keys (Eq. 5)."""
-    psi = _features(None, k, k.shape[1], 1, k.shape[2], ws)[..., 0, :]
-    ub = u.to(k.dtype).unsqueeze(0)
+    psi = _key_features(k, ws)
     with record_function("oal.state"):
-        return state + _increments(psi, ub)[0].to(state.dtype)
+        return state + _increments(psi, u.to(k.dtype)).to(state.dtype)
 
 
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
-    phi, phi_lin = _query_part(_features(q, None, state.shape[1], 1, q.shape[2], ws), w, q.shape[-1], ws)
+    xq = _feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq")
+    phi, phi_lin = _query_features(xq, w, ws)
     return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out, raw)
 
 
@@ -333,8 +366,9 @@ def chunked_attention(
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_q // n_kv
-    chunk = min(chunk_size or default_chunk(dtype), max(n, 1))  # a short call (decoding) is one chunk
-    block = chunk * (block_chunks or max(BLOCK // chunk, 1))
+    settings = current_settings(dtype)
+    chunk = min(chunk_size or settings.chunk, max(n, 1))  # a short call (decoding) is one chunk
+    block = chunk * (block_chunks or max(settings.chunk * settings.block_chunks // chunk, 1))
     u = v if raw else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w = query_coefficients(*coeffs, scale) if weights is None else weights
@@ -371,9 +405,10 @@ def chunked_attention(
     padded = -(-n // chunk) * chunk
     out = None if use_ckpt else torch.empty(bsz, n_q, padded, v.shape[-1], dtype=dtype, device=q.device)
     threads = torch.get_num_threads()
-    if not (use_ckpt or fresh) and n > block and threads > 1 and q.device.type == "cpu" and workers.enabled():
+    pipelined = settings.pipeline and threads > 1 and q.device.type == "cpu" and workers.enabled()
+    if not (use_ckpt or fresh) and n > block and pipelined:
         q, k, u = (_pad_to(t, padded) for t in (q, k, u))
-        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads)
+        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads, settings.kv_groups)
         return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state
     outs, init = [], state
     for start in range(0, n, block):

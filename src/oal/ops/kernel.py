@@ -30,6 +30,7 @@ __all__ = [
     "query_coefficients",
     "query_features",
     "taylor_factor",
+    "weighted_features",
 ]
 
 # Cholesky factor of the Taylor quadratic 1 + s + s^2/2 as M = [[1, 1/2], [1/2, 1/2]].
@@ -184,6 +185,28 @@ def features(x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) ->
     start = 1 + d
     for r in range(d):
         torch.mul(x.narrow(dim, r, 1), x.narrow(dim, r, d - r), out=out.narrow(dim, start, d - r))
+        start += d - r
+    return out
+
+
+def weighted_features(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Tensor, tmp: torch.Tensor | None = None):
+    """w * psi(x) along an outer `dim` of x, written into `out` in one pass (inference; x is not a view of out).
+
+    The reference is `features(x, dim) * w` (w broadcasts against out, F at `dim`). Pair block r is built as
+    (x[r:] * w_r) * x_r: the small product stays in cache (`tmp`, x's shape, optional), and the F-wide result is
+    written once instead of written and then scaled in place, which was a second full pass over it.
+    """
+    dim = dim % x.dim()
+    d = x.shape[dim]
+    wdim = dim - (out.dim() - w.dim())  # the feature dim of w, aligned from the right
+    tmp = torch.empty(x.shape, dtype=out.dtype, device=x.device) if tmp is None else tmp
+    head = out.narrow(dim, 0, 1)
+    head.copy_(w.narrow(wdim, 0, 1).expand_as(head))
+    torch.mul(x, w.narrow(wdim, 1, d), out=out.narrow(dim, 1, d))
+    start = 1 + d
+    for r in range(d):
+        xw = torch.mul(x.narrow(dim, r, d - r), w.narrow(wdim, start, d - r), out=tmp.narrow(dim, 0, d - r))
+        torch.mul(xw, x.narrow(dim, r, 1), out=out.narrow(dim, start, d - r))
         start += d - r
     return out
 

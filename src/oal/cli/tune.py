@@ -1,0 +1,33 @@
+"""`oal tune-cpu`: measure the chunked CPU operator's settings on this machine and cache them (`oal.ops.tuning`)."""
+
+from __future__ import annotations
+
+import typer
+
+from oal.cli.app import app
+
+
+@app.command("tune-cpu")
+def tune_cpu(
+    dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes to tune: float32, bfloat16."),
+    threads: int = typer.Option(None, min=1, help="Torch threads to tune for (default: torch's own choice)."),
+    length: int = typer.Option(8192, min=256, help="Sequence length timed."),
+    repeats: int = typer.Option(2, min=1, help="Calls per candidate (the best counts)."),
+    force: bool = typer.Option(False, help="Measure again even when cached for this torch version."),
+) -> None:
+    """Time a pruned grid of chunk size, block length and worker layout and cache the best per CPU, threads and
+    dtype (under a minute per dtype on 2 quiet cores). The operator reads the cache; OAL_NO_TUNE=1 ignores it."""
+    import torch
+
+    from oal.ops import tuning
+
+    names = [d.strip() for d in dtypes.split(",") if d.strip()]
+    bad = [d for d in names if d not in ("float32", "bfloat16")]
+    if bad or not names:
+        raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
+    res = tuning.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo)
+    for name, entry in res.items():
+        default = entry.get("default_time_s") or float("nan")
+        typer.echo(f"{name}: {tuning.Settings(**entry['settings']).label()}: {entry['time_s']:.3f} s at "
+                   f"N={entry['n']} (fixed defaults {default:.3f} s; tuning took {entry['tuning_s']:.0f} s)")
+    typer.echo(f"cache: {tuning.cache_path()}")

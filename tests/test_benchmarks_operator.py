@@ -1,0 +1,33 @@
+"""benchmarks.operator's acceptance table (issue 36): a run with the fixed defaults beside a tuned one."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.operator import compare, oal_flops
+
+
+def _run(path, settings, ratios, pct):
+    summary = [{"n": n, "dtype": dt, "ratio_sdpa_over_oal": r, "pct_of_gemm": p, "gemm_gflops": 160.0, "load": 0.1,
+                "goal": g, "gemm_goal_pct": gg, "settings": settings}
+               for (n, dt, g, gg), r, p in zip([(4096, "float32", 1.0, None), (16384, "float32", 4.0, 60.0),
+                                                 (4096, "bfloat16", 1.5, None)], ratios, pct, strict=True)]
+    cpu = {"model": "Test CPU", "flags": ["avx2", "avx512_bf16"], "capability": "AVX512", "bf16_gemms": True}
+    path.write_text(json.dumps({"summary": summary, "cpu": cpu, "threads": 2, "clock": "wall", "torch": "x"}))
+    return path
+
+
+def test_compare_puts_fixed_and_tuned_side_by_side_with_the_goals(tmp_path):
+    fixed = _run(tmp_path / "fixed.json", {"chunk": 32, "block_chunks": 16, "pipeline": True, "kv_groups": 0},
+                 [0.8, 3.0, 1.0], [40, 45, 10])
+    tuned = _run(tmp_path / "tuned.json", {"chunk": 64, "block_chunks": 4, "pipeline": True, "kv_groups": 2},
+                 [1.1, 4.2, 1.6], [55, 61, 12])
+    text = compare(fixed, tuned)
+    assert "Test CPU (AVX512; flags avx2 avx512_bf16; bf16 GEMMs yes)" in text
+    assert "| float32 | 16384 | 32x16 pipeline / 64x4 pipeline/kv2 | 3.00 | 4.20 | 4, 60% of GEMM | 45% | 61% |" in text
+    assert "float32 N=16384: 61% of GEMM (goal 60%) met" in text and "bfloat16 N=4096: 1.60 (goal 1.5) met" in text
+    assert (tmp_path / "operator_tuning.md").read_text() == text
+
+
+def test_flops_grow_with_the_chunk():
+    assert oal_flops(4096, "float32", 64) > oal_flops(4096, "float32", 32) == oal_flops(4096, "float32")

@@ -1,0 +1,156 @@
+"""CPU settings tuned to the machine (`oal.ops.tuning`): the cache, the switches, and exactness under any setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import oal.ops.chunked as chunked
+from oal.ops import oal_attention, tuning, workers
+from oal.ops.tuning import Settings
+
+F64 = torch.float64
+TINY = dict(hq=4, hkv=2, d=8, g=3)
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """Every test gets its own cache folder, tuning on, and forgets what an earlier test's lookups read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("OAL_NO_TUNE", raising=False)
+    tuning.reload()
+    yield tmp_path / "cache"
+    tuning.reload()
+
+
+def test_cache_lives_in_xdg_cache_home(cache_home):
+    assert tuning.cache_path() == cache_home / "oal" / "cpu_tuning.json"
+
+
+def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch):
+    timed = []
+    real = tuning._time
+    monkeypatch.setattr(tuning, "_time", lambda s, *a: timed.append(s) or real(s, *a))
+    res = tuning.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    grid = len(set(timed))  # the pruned grid, each candidate once, then the winner against the defaults
+    best, default = Settings(**res["settings"]), chunked.fixed_settings(torch.float32)
+    assert grid >= 6 and len(set(timed[:grid])) == grid and set(timed[grid:]) <= {best, default}
+    files = list((cache_home / "oal").iterdir())
+    assert [f.name for f in files] == ["cpu_tuning.json"]  # renamed into place, no temporary left
+    entry = json.loads(files[0].read_text())["entries"][tuning.machine_key(torch.float32, 2)]
+    assert entry["torch"] == torch.__version__ and entry["settings"] == res["settings"]
+    assert entry["revision"] == tuning.OPERATOR_REVISION
+    assert entry["default_time_s"] is not None and entry["tuning_s"] > 0 and entry["cpu"]["model"]
+    assert tuning.settings_for(torch.float32, 2) == best
+    assert tuning.settings_for(torch.float32, 3) is None and tuning.settings_for(torch.bfloat16, 2) is None
+    timed.clear()
+    assert tuning.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"] == entry  # cached
+    assert not timed
+
+
+def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):
+    key = tuning.machine_key(torch.float32, 2)
+    entry = {"settings": {"chunk": 16, "block_chunks": 3, "pipeline": False, "kv_groups": 0},
+             "torch": torch.__version__, "revision": tuning.OPERATOR_REVISION}
+    tuning._write(tuning.cache_path(), {key: entry | {"revision": 0}})
+    assert tuning.settings_for(torch.float32, 2) is None  # another revision of the operator: stale
+    tuning.reload()
+    tuning._write(tuning.cache_path(), {key: entry})
+    assert tuning.settings_for(torch.float32, 2) == Settings(16, 3, False, 0)
+    assert tuning.source(torch.float32, 2) == "tuned"
+    with tuning.forced(Settings(8, 2)):
+        assert tuning.settings_for(torch.float32, 2) == Settings(8, 2) and tuning.source(torch.float32, 2) == "forced"
+    monkeypatch.setenv("OAL_NO_TUNE", "1")
+    assert tuning.settings_for(torch.float32, 2) is None and tuning.source(torch.float32, 2) == "fixed"
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert chunked.current_settings(torch.float32) == chunked.fixed_settings(torch.float32)
+        monkeypatch.delenv("OAL_NO_TUNE")
+        assert chunked.current_settings(torch.float32) == Settings(16, 3, False, 0)
+    finally:
+        torch.set_num_threads(saved)
+    monkeypatch.setattr(torch, "__version__", "0.0-other")  # measured under another torch: not used, re-measured
+    tuning.reload()  # as a new process would
+    assert tuning.settings_for(torch.float32, 2) is None
+    monkeypatch.setattr(tuning, "_time", lambda *a: 1.0)
+    tuning.tune([torch.float32], threads=2, n=64, repeats=1, shape=TINY)
+    assert json.loads(tuning.cache_path().read_text())["entries"][key]["torch"] == "0.0-other"
+
+
+def test_a_failed_write_keeps_the_old_cache_and_leaves_no_temporary(cache_home, monkeypatch):
+    path = tuning.cache_path()
+    tuning._write(path, {"a": {"x": 1}})
+    monkeypatch.setattr(tuning.json, "dump", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        tuning._write(path, {"b": {}})
+    assert [f.name for f in path.parent.iterdir()] == [path.name]
+    assert tuning._read(path) == {"a": {"x": 1}}
+
+
+def test_a_corrupt_cache_is_ignored(cache_home):
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert tuning.settings_for(torch.float32, 2) is None
+
+
+def _make(n, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=F64) * 0.5 for h, d in ((4, 8), (2, 8), (2, 5)))
+    groups = torch.randint(0, 3, (4, 8), generator=gen)
+    factor = torch.randn(4, 4, 4, generator=gen, dtype=F64) * 0.5
+    if requires_grad:
+        for t in (q, k, v, factor):
+            t.requires_grad_(True)
+    return q, k, v, groups, factor
+
+
+# every layout the tuner may pick: chunk sizes, block lengths, pipelined (automatic or per-KV-head split) or serial
+@pytest.mark.parametrize("settings", [Settings(32, 16), Settings(16, 1), Settings(128, 2), Settings(7, 3, True, 2),
+                                      Settings(32, 2, False), Settings(64, 1, True, 1)])
+def test_any_tuned_setting_matches_reference_fp64(settings, monkeypatch):
+    monkeypatch.setattr(chunked, "NAN_SCRATCH", True)
+    monkeypatch.setattr(chunked, "DENSE_MAX", 0)
+    runs = []
+    real = workers.Workers.run
+    monkeypatch.setattr(workers.Workers, "run", lambda self, *a, **kw: runs.append(1) or real(self, *a, **kw))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # the pipeline runs with more than one thread
+    try:
+        init = oal_attention(*_make(37, seed=1), output_final_state=True)[1]
+        q, k, v, groups, factor = _make(301, requires_grad=True)
+        ref, ref_state = oal_attention(q, k, v, groups, factor, backend="reference", initial_state=init,
+                                       output_final_state=True)
+        w = torch.randn_like(ref)
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v, factor))
+        with tuning.forced(settings):
+            with torch.no_grad():  # the inference path: scratch buffers, the pipeline
+                out, state = oal_attention(q, k, v, groups, factor, initial_state=init, output_final_state=True)
+            got_out = oal_attention(q, k, v, groups, factor, initial_state=init)  # autograd: checkpointed blocks
+            got = torch.autograd.grad((got_out * w).sum(), (q, k, v, factor))
+    finally:
+        torch.set_num_threads(saved)
+    assert bool(runs) == (settings.pipeline and settings.chunk * settings.block_chunks < 301)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(state, ref_state, rtol=1e-10, atol=1e-9)
+    torch.testing.assert_close(got_out, ref, rtol=0, atol=1e-10)
+    for name, a, b in zip(("dq", "dk", "dv", "dfactor"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_tune_cpu_command(cache_home, monkeypatch):
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+
+    monkeypatch.setattr(tuning, "_time", lambda s, *a: 1.0 / s.chunk)  # no timing: longer chunks "win"
+    runner = CliRunner()
+    res = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float32", "--threads", "2", "--length", "256"])
+    assert res.exit_code == 0, res.output
+    assert "float32: chunk 256" in res.output and str(tuning.cache_path()) in res.output  # one step past the grid
+    assert tuning.settings_for(torch.float32, 2).chunk == 256
+    bad = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float16"])
+    assert bad.exit_code == 2 and "--dtypes" in bad.output
