@@ -18,6 +18,7 @@ TINY = dict(hq=4, hkv=2, d=8, g=3)
 @pytest.fixture(autouse=True)
 def cache_home(tmp_path, monkeypatch):
     """Every test gets its own cache folder, tuning on, and forgets what an earlier test's lookups read."""
+    monkeypatch.delenv("OAL_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("OAL_NO_TUNE", raising=False)
     tuning.reload()

@@ -3,9 +3,9 @@
 The chunk size, the chunks per block and the worker layout were chosen by measurement on one CPU; on another the
 best choice differs (issue 36). `tune()` times a pruned grid of them at the Qwen head shape and stores the best
 per CPU model (with its SIMD flags), torch thread count and dtype, in the user's cache folder
-(`$XDG_CACHE_HOME/oal/cpu_tuning.json`, default `~/.cache/oal/`), written atomically. An entry measured under
-another torch version (or another OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it
-again.
+(`cpu_tuning.json` under `oal.user_cache.cache_root`: `$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`, else
+`~/.cache/oal`), written atomically. An entry measured under another torch version (or another
+OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it again.
 
 The operator never measures on a user's call: it reads the cache (once per process) and, without an entry, runs
 the fixed defaults. Tuning runs when asked: `oal tune-cpu` or `tune()`, and `benchmarks.operator` before it
@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from oal.user_cache import cache_root
 
 __all__ = ["Settings", "cache_path", "cpu_info", "forced", "lookup", "machine_key", "settings_for", "source",
            "tune"]
@@ -70,8 +72,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "oal" / CACHE_NAME
+    return cache_root(CACHE_NAME)
 
 
 def cpu_info() -> dict:
