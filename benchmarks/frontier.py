@@ -244,9 +244,9 @@ def run(args, log=print) -> dict:
            "machine": {"platform": platform.platform(), "processor": platform.processor(),
                        "threads": torch.get_num_threads()},
            "provenance": {k: f.prov.get(k) for k in ("model", "source", "gguf", "base_model", "state_dict_sha256")}}
+    cands = f.calibrated(args.methods)
     soft = f.row("softmax", [], None)
     res["softmax"] = {k: soft[k] for k in ("ppl", "passkey", "decode_ms", "prefill_s", "peak_mb")}
-    cands = f.calibrated(args.methods)
     rows, res["rankings"] = [], {}
     for name in args.methods:
         order = f.ranking(name, cands[name])

@@ -60,7 +60,7 @@ PRESETS: dict[str, dict] = {
     # the paper's other Llama (App. B: alpha 0.5, gamma 0.5).
     "smollm2-135m": {"model": "smollm2-135m", "layers": list(range(3, 27)), "alpha": 0.5, "gamma": 0.5,
                      "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
-                     "block_len": 512, "adapt_steps": 128, "val_blocks": 8, "plan": "smollm2-135m"},
+                     "block_len": 512, "adapt_steps": 32, "val_blocks": 8, "plan": "smollm2-135m"},
 }
 
 
