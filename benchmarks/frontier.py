@@ -251,7 +251,7 @@ def run(args, log=print) -> dict:
     for name in args.methods:
         order = f.ranking(name, cands[name])
         res["rankings"][name] = order
-        for k in args.k:
+        for k in [k for m, k in args.k if m in (None, name)]:
             if k > len(order):
                 log(f"{name}: K={k} exceeds the {len(order)} candidate layers; skipped")
                 continue
@@ -314,7 +314,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a model oal loads (default: smollm2-135m)")
     p.add_argument("--methods", default="swa,oal-swa,oal", help="comma-separated linear-time methods")
-    p.add_argument("--k", default="8,15,22", help="numbers of converted layers")
+    p.add_argument("--k", default="8,15,22", help="numbers of converted layers; METHOD:K for one method only "
+                   "(e.g. 15,22,swa:28)")
     p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
     p.add_argument("--select-by", choices=("fidelity", "probe"), default="fidelity")
     p.add_argument("--window", type=int, default=64)
@@ -332,7 +333,8 @@ def parse(argv=None):
     a = p.parse_args(argv)
     try:
         a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-        a.k, a.lengths, a.passkey_lengths = _ints(a.k), _ints(a.lengths), _ints(a.passkey_lengths)
+        a.k = [(m or None, int(k)) for m, _, k in (x.strip().rpartition(":") for x in a.k.split(",") if x.strip())]
+        a.lengths, a.passkey_lengths = _ints(a.lengths), _ints(a.passkey_lengths)
         a.depths = [float(x) for x in a.depths.split(",")]
     except ValueError as exc:
         p.error(f"expected comma-separated numbers ({exc})")
@@ -342,7 +344,7 @@ def parse(argv=None):
     bad = [m for m in a.methods if m not in linear]
     if bad or not a.methods:
         p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {', '.join(linear)}")
-    if a.threads < 0 or a.steps < 1 or a.trials < 1 or min(a.k, default=0) < 1:
+    if a.threads < 0 or a.steps < 1 or a.trials < 1 or min((k for _, k in a.k), default=0) < 1:
         p.error("--threads >= 0, --steps >= 1, --trials >= 1 and every --k >= 1 expected")
     if a.quick:
         a.trials, a.lengths = 1, [n for n in a.lengths if n <= 4096] or a.lengths[:1]
