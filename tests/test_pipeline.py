@@ -148,6 +148,22 @@ def test_killed_run_resumes_and_matches(full_run, assets, tmp_path):
     assert _strip_time(again) == _strip_time(ref)
 
 
+def test_run_says_its_stages_on_stderr_and_its_result_on_stdout(assets, tmp_path, capsys):
+    """`oal run`'s stage rules, skip lines and progress bars go to stderr; stdout holds the final table only."""
+    cfg = _cfg(assets, methods=["softmax"], adapt={"steps": 2, "val_every": 2})
+    run(cfg, tmp_path, progress=True)
+    first = capsys.readouterr()
+    assert "adapt:softmax" in first.err and "perplexity:softmax" in first.err  # the stage rules
+    assert "loss" in first.err and "report:" in first.err  # the adaptation's progress bar, the report's path
+    assert "PPL (LoRA)" in first.out  # the summary table
+    run(cfg, tmp_path, progress=True)  # resumed: every stage is skipped
+    again = capsys.readouterr()
+    assert "skip adapt:softmax" in again.err
+    for out in (first.out, again.out):
+        assert "PPL (LoRA)" in out
+        assert not any(word in out for word in ("skip", "adapt:", "perplexity:", "loss", "report:"))
+
+
 def test_aggregate_seeds_mean_and_sample_std():
     def m(seed, ppl):
         return {"model": "x", "converted_layers": [1], "methods": ["oal"], "seed": seed,

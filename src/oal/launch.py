@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Ranks", "env_rank", "launched", "process_device", "ranks", "training_accelerator"]
+__all__ = ["Ranks", "env_rank", "launched", "log_console", "process_device", "ranks", "training_accelerator"]
 
 T = TypeVar("T")
 log = logging.getLogger("oal")
@@ -48,6 +48,14 @@ def launched() -> bool:
 def env_rank() -> int:
     """This process's rank as the launcher set it (0 outside a launch); readable before any process group exists."""
     return int(os.environ.get("RANK", "0"))
+
+
+def log_console():
+    """The rich console of what a command says while it works (stage rules, progress bars, skip lines): stderr, so
+    that stdout keeps its results; quiet on the other processes of a launch (the main process reports)."""
+    from rich.console import Console
+
+    return Console(stderr=True, quiet=env_rank() != 0)
 
 
 def _state(cpu: bool):

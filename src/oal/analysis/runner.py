@@ -35,6 +35,7 @@ from oal.analysis.grouping import (
 )
 from oal.analysis.offset import OffsetAccumulator, offset_summary
 from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
+from oal.launch import log_console
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
 from oal.models.provenance import weights_record
@@ -156,6 +157,7 @@ def analyze(
     batch_size: int = 8,
     figures: bool = True,
     console: Console | None = None,
+    results: Console | None = None,
     meta: dict | None = None,
     budget: int | None = None,
     **grouping,
@@ -165,6 +167,7 @@ def analyze(
     heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
     long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
     **grouping: keyword arguments of `stable_gap_groups`; representative: (layer, head) for the single-head figures.
+    console: progress bars (default: stderr); results: the summary table (default: `console`).
     budget: G for the fixed-budget procedure of Fig. 2(b) (`fixed_budget_groups`: the G - 1 largest adjacent gaps
     of the sorted profile) instead of App. B's stable-gap groups -- a departure from the paper's protocol, which
     uses App. B for conversion; the App. B result is still computed and recorded beside it.
@@ -178,7 +181,7 @@ def analyze(
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget: expected a group budget G >= 1, got {budget!r}")
     seed = params["seed"]
-    console = console or Console()
+    console = console or log_console()
     out = check_out_dir(out_dir)
     layers = sorted(int(i) for i in layers)
     for i in layers:
@@ -323,7 +326,7 @@ def analyze(
 
     if figures:
         _figures(out / "figures", layers, heads_json, calib, summary, stab, rep, li_rep)
-    _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary)
+    _print_table(results or console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary)
     return summary
 
 

@@ -25,6 +25,7 @@ from oal.cli.options import (
     main_console,
     set_threads,
 )
+from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
 
@@ -86,4 +87,4 @@ def run(
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
                                 grouping=procedure, window=window, sinks=sinks)
-    run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=log_console(), results=main_console(), progress=progress, force=force)

@@ -29,7 +29,7 @@ from rich.console import Console
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
 from oal.errors import InputError
-from oal.launch import process_device, ranks
+from oal.launch import log_console, process_device, ranks
 from oal.pipeline.config import RunConfig
 from oal.rundir.claim import claim_run_dir
 from oal.rundir.files import atomic_write_json, check_out_dir
@@ -85,7 +85,7 @@ class StagedRun:
         self.device = process_device(self.cfg.device)
         self.ranks = ranks(self.device)
         # the other processes of a launch compute but say nothing (the main process reports)
-        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
+        self.console = (console or log_console()) if self.ranks.is_main else Console(quiet=True)
         self.progress = progress and self.ranks.is_main
         self.stop_after = stop_after
         self.force = force

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from oal.errors import InputError
-from oal.launch import process_device, ranks
+from oal.launch import log_console, process_device, ranks
 from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
@@ -116,15 +116,19 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
 
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
-        progress: bool = True, force: bool = False) -> dict:
+        progress: bool = True, force: bool = False, results: Console | None = None) -> dict:
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    `console` gets what the stages say while they work (default: stderr), `results` the final table (default:
+    stdout); both on the main process only.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
     A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
     """
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(cfg.device))
-    console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
+    console = (console or log_console()) if group.is_main else Console(quiet=True)  # the main process reports
+    results = (results or Console()) if group.is_main else Console(quiet=True)
     seeds = seeds or [cfg.seed]
     protocol = run_class(cfg)
     with own_dir(out_dir, group):
@@ -139,7 +143,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
                 per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                        force=force)
             metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
-    console.print(protocol.summary(metrics))
+    results.print(protocol.summary(metrics))
     return metrics
 
 
