@@ -139,10 +139,12 @@ def test_model_card(art):
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(art["merged"] / "README.md")
-    assert card.data.library_name == "oal" and "oal" in card.data.tags and card.data.base_model is None  # local base
+    assert card.data.library_name == "oal" and "oal" in card.data.tags
+    assert card.data.base_model == art["base"].name and card.data.license == "unknown"  # a local base: its name
     assert card.data.pipeline_tag == "text-generation"
     text = card.text
-    assert "pip install oal" in text and "import oal" in text and f"Attention layers {LAYERS}" in text
+    assert "pip install oal-attention" in text and "import oal" in text and f"Attention layers {LAYERS}" in text
+    assert str(art["run"].resolve()) not in text and str(art["base"].resolve()) not in text
     assert "merged into the weights" in text and "python -m oal.lm_eval" in text
 
 
@@ -160,7 +162,9 @@ def test_card_metrics_and_hub_base_model(art):
                     "zero-shot piqa, oal (%)": "acc 60, acc_norm 61, n 100"}
     assert card_metrics(metrics, "oal", adapted=False) == {"perplexity (test blocks)": "oal 14"}
     model = oal.load(art["merged"])
-    card = ModelCard(card_text(model, {"base_model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}}, rows))
+    from oal.artefact.base_facts import base_model_facts
+
+    card = ModelCard(card_text(model, {"base": base_model_facts("Qwen/Qwen2.5-0.5B", None)}, rows))
     assert card.data.base_model == "Qwen/Qwen2.5-0.5B" and "| perplexity (test blocks) | softmax 10, oal 11.5 |" in \
         card.text
 
