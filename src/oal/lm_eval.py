@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
-        print("Error: lm-eval is not installed; install it with `pip install 'oal[eval]'` (or `pip install lm-eval`)",
-              file=sys.stderr)
+        print("Error: lm-eval is not installed; install it with `pip install 'oal-attention[eval]'` (or `pip install "
+              "lm-eval`)", file=sys.stderr)
         raise SystemExit(2) from None
     sys.argv = ["python -m oal.lm_eval", *(sys.argv[1:] if argv is None else argv)]
     cli_evaluate()
