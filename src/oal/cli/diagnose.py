@@ -40,7 +40,8 @@ def diagnose_cmd(
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
     max_budget: int = typer.Option(16, min=1, help="Largest group budget G for Fig. 2(b)."),
     layer: int = typer.Option(None, min=0, help="Offset part: the layer (default: the run's representative layer)."),
-    offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits (with 0)."),
+    offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits, at most 1000 "
+                                 "(with 0)."),
     steps: int = typer.Option(None, min=1, help="Offset part: calibration updates per start (default: the run's)."),
     seed: int = typer.Option(None, min=0, help="Seed of query positions, controls, Gaussian draws and calibration "
                              "(default 0; the offset part: the run's, 42 without a run directory)."),

@@ -123,6 +123,7 @@ class StagedRun:
                 self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
+            self._check_windows()
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.recorded or self.cfg.to_dict(),
@@ -149,6 +150,23 @@ class StagedRun:
 
         self._config = config
         self.ranks.on_main(claim)
+
+    def _check_windows(self) -> None:
+        """Refuse a sliding window that covers every block of the run: its methods would be plain softmax there."""
+        from oal.methods.base import get_method
+
+        windowed = [m for m in self.cfg.methods if get_method(m).positional]
+        if not windowed:
+            return
+        longest = max(b.shape[-1] for b in self.blocks.values())
+        if self.cfg.window >= longest:
+            raise InputError(f"{self.cfg.window} covers every block of this run (the longest has {longest} tokens), "
+                             f"so {', '.join(windowed)} would be plain softmax; choose a window below {longest}",
+                             "--window", "window")
+        if "swa" in windowed and self.cfg.window + self.cfg.sinks >= longest:
+            raise InputError(f"{self.cfg.sinks} sinks beside a window of {self.cfg.window} cover every block of this "
+                             f"run (the longest has {longest} tokens), so swa would be plain softmax; choose window + "
+                             f"sinks below {longest}", "--sinks", "sinks")
 
     def record_config(self) -> None:
         """config.json records `cfg` from now on (see `recorded`); the setup record follows (its key is unchanged:
