@@ -37,7 +37,8 @@ def run(
                               "a local encoder folder runs the encoder protocol)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
-    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
+    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all' (every method that "
+                                "applies: an encoder gets all but the causal sliding windows)."),
     preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "

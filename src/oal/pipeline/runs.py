@@ -2,6 +2,7 @@
 a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `adapt_arm` (`oal adapt`) and
 `run_selection` (`oal select-layers`)."""
 
+import logging
 from pathlib import Path
 
 from rich.console import Console
@@ -11,12 +12,26 @@ from oal.launch import log_console, process_device, ranks
 from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
-from oal.pipeline.config import RunConfig
+from oal.pipeline.config import ALL_METHODS, RunConfig
 from oal.pipeline.decoder import SELECTION_FILE, Run
 from oal.rundir.claim import multi_seed_layout
 from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp, load_json
 from oal.rundir.hashes import sha256_file
 from oal.rundir.lock import own_dir
+
+log = logging.getLogger("oal")
+
+
+def for_protocol(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `--methods all` meaning every method that applies: on an encoder, all but the sliding windows
+    (causal only). An explicit list is kept as given (`run_class` refuses a window on an encoder)."""
+    import dataclasses
+
+    if set(cfg.methods) != set(ALL_METHODS) or not is_encoder_model(cfg.model):
+        return cfg
+    kept = [m for m in cfg.methods if not get_method(m).positional]
+    log.info("--methods all on an encoder: %s (the sliding windows are causal)", ", ".join(kept))
+    return dataclasses.replace(cfg, methods=kept)
 
 
 def run_class(cfg: RunConfig) -> type[Run]:
@@ -44,6 +59,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     outputs verify); `force`/`allow_changes`/`recorded`: see `StagedRun`. metrics.json and report.md are always
     rewritten from the stage records that verify, so they describe exactly the files on disk.
     """
+    cfg = for_protocol(cfg)
     r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
                        allow_changes=allow_changes, recorded=recorded)
     with own_dir(r.dir, r.ranks):
@@ -130,6 +146,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     console = (console or log_console()) if group.is_main else Console(quiet=True)  # the main process reports
     results = (results or Console()) if group.is_main else Console(quiet=True)
     seeds = seeds or [cfg.seed]
+    cfg = for_protocol(cfg)
     protocol = run_class(cfg)
     with own_dir(out_dir, group):
         group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
