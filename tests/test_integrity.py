@@ -228,6 +228,28 @@ def test_corrupt_file_is_named(name, assets, run_copy):
         assert tree(run_copy) == before
 
 
+@pytest.mark.parametrize("where", ["../outside.txt", "ABSOLUTE"])
+def test_a_stage_record_naming_a_file_outside_the_run_is_refused_unread(run_copy, monkeypatch, where):
+    """.oal/stages.json that records a path outside the run: one line naming the file, and nothing outside is read."""
+    import oal.rundir.hashes as hashes
+
+    outside = run_copy.parent / "outside.txt"
+    outside.write_text("not the run's")
+    name = str(outside) if where == "ABSOLUTE" else where
+    path = run_copy / ".oal" / "stages.json"
+    stages = json.loads(path.read_text())
+    stages["calibrate"]["outputs"].append(name)
+    stages["calibrate"]["sha256"][name] = "0" * 64
+    path.write_text(json.dumps(stages))
+    read = []
+    real = hashes.sha256_file
+    monkeypatch.setattr(hashes, "sha256_file", lambda p, *a, **k: read.append(Path(p).resolve()) or real(p, *a, **k))
+    before = tree(run_copy)
+    for res in (cli("evaluate", "--out", run_copy), cli("export", "--out", run_copy, "--to", run_copy.parent / "e")):
+        assert_bad_input(res, "stages.json", "outside the run directory")
+    assert outside.resolve() not in read and tree(run_copy) == before
+
+
 def test_corrupt_kernels_json_in_library(full_run, run_copy):
     (run_copy / "kernels.json").write_text("[1, 2")
     from oal.models.registry import load_model
