@@ -250,6 +250,13 @@ def test_a_stage_record_naming_a_file_outside_the_run_is_refused_unread(run_copy
     assert outside.resolve() not in read and tree(run_copy) == before
 
 
+def test_a_refused_command_leaves_no_out_folder(assets, tmp_path):
+    out = tmp_path / "new" / "run"
+    res = cli("run", "--out", out, "--model", assets / "model", "--data", assets / "corpus.txt", "--layers", "99")
+    assert_bad_input(res, "--layers", "99")
+    assert not (tmp_path / "new").exists()  # neither the folder nor the parent it would have needed
+
+
 def test_corrupt_kernels_json_in_library(full_run, run_copy):
     (run_copy / "kernels.json").write_text("[1, 2")
     from oal.models.registry import load_model
