@@ -201,11 +201,22 @@ def test_pickle_files_are_refused_and_never_opened(art, tmp_path, monkeypatch):
     export_dir, adapter = _copy(art["merged"], tmp_path / "e"), _copy(art["adapter"], tmp_path / "a")
     for folder, manifest, name, load, message in (
             (export_dir, MANIFEST, "pytorch_model.bin", oal.load, "a pickle file"),
-            (adapter, ADAPTER_MANIFEST, "adapter_model.bin", check_adapter, "no pickle")):
+            (adapter, ADAPTER_MANIFEST, "adapter_model.bin", check_adapter, "a pickle file")):
         (folder / name).write_bytes(b"not really a pickle")
         _relist(folder, manifest, name)
         with pytest.raises(ValueError, match=message):
             load(folder)
+
+
+def test_an_adapter_recorded_as_a_pickle_is_refused_as_one(art, tmp_path):
+    """A manifest that records adapter_model.bin instead of the safetensors: the refusal says pickle, and why."""
+    adapter = _copy(art["adapter"], tmp_path / "a")
+    data = json.loads((adapter / ADAPTER_MANIFEST).read_text())
+    data["sha256"]["adapter_model.bin"] = data["sha256"].pop("adapter_model.safetensors")
+    (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    (adapter / ADAPTER_MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"records 'adapter_model.bin', a pickle file; .* unpickling a file can run"):
+        check_adapter(adapter)
 
 
 def test_adapter_format_v1_is_still_read(art, tmp_path):
