@@ -219,6 +219,17 @@ def test_an_adapter_recorded_as_a_pickle_is_refused_as_one(art, tmp_path):
         check_adapter(adapter)
 
 
+def test_softmax_twin_of_an_unmerged_export_is_the_merged_ones(art):
+    """The softmax reference of an unmerged export merges its attached LoRA (it failed on the state-dict keys)."""
+    from oal.artefact.export import softmax_twin
+
+    unmerged = oal.load(art["unmerged"])
+    twin = softmax_twin(unmerged, str(art["base"]))
+    assert torch.equal(logits(twin), logits(softmax_twin(oal.load(art["merged"]), str(art["base"]))))
+    assert not torch.equal(logits(twin), logits(_softmax(art)))  # the LoRA is in it
+    assert any("lora_A" in k for k in unmerged.state_dict())  # and the converted model keeps its own
+
+
 def test_adapter_format_v1_is_still_read(art, tmp_path):
     """An adapter folder of an earlier oal (a peft folder: adapter_config.json, no LoRA config in the manifest)."""
     from oal.rundir.hashes import sha256_file

@@ -119,10 +119,28 @@ def _without_paths(record: dict) -> dict:
 
 
 def softmax_twin(model, base_model: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):
-    """`base_model` loaded afresh with converted `model`'s weights (a merged adapter included) and softmax
-    attention everywhere: the reference a converted layer is compared with under frozen attention."""
+    """`base_model` loaded afresh with converted `model`'s weights (its LoRA adapter merged in, whether it came merged
+    or attached: an unmerged export) and softmax attention everywhere: the reference a converted layer is compared
+    with under frozen attention."""
     from oal.models.registry import load_model
 
     twin, _, _ = load_model(base_model, dtype=dtype or next(model.parameters()).dtype, device=device)
-    twin.load_state_dict({k: v for k, v in model.state_dict().items() if ".oal_method." not in k})
+    twin.load_state_dict({k: v for k, v in _merged_state_dict(model).items() if ".oal_method." not in k})
     return twin.eval()
+
+
+def _merged_state_dict(model) -> dict:
+    """`model`'s state dict with any attached LoRA (a peft model, or an unmerged export's adapter) merged into the
+    base weights, under the base model's names; `model` itself is left as it is."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        return model.state_dict()
+    merged = copy.deepcopy(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    for name, module in [(n, m) for n, m in merged.named_modules() if isinstance(m, BaseTunerLayer)]:
+        module.merge()
+        parent, _, child = name.rpartition(".")
+        setattr(merged.get_submodule(parent), child, module.get_base_layer())
+    return merged.state_dict()
