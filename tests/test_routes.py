@@ -135,6 +135,21 @@ def test_routine_edits_keep_the_export_loadable(art, tmp_path):
         oal.load(path)
 
 
+def test_tokenizer_max_length_is_true_and_may_be_edited(art, tmp_path):
+    """The export's tokenizer says the model's true length (not transformers' 1e30); editing model_max_length keeps
+    the folder loadable, editing what changes the numbers does not."""
+    path = _copy(art["merged"], tmp_path / "x")
+    tok_config = path / "tokenizer_config.json"
+    data = json.loads(tok_config.read_text())
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert data["model_max_length"] == positions
+    tok_config.write_text(json.dumps({**data, "model_max_length": 64}, indent=4))
+    assert torch.equal(logits(oal.load(path)), logits(oal.load(art["merged"])))
+    tok_config.write_text(json.dumps({**data, "add_bos_token": not data.get("add_bos_token", False)}))
+    with pytest.raises(ValueError, match="tokenizer_config.json: SHA256 does not match oal.json"):
+        oal.load(path)
+
+
 def test_model_card(art):
     from huggingface_hub import ModelCard
 

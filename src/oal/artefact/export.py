@@ -56,7 +56,7 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
         raise ValueError("model: it has no converted layers; call oal.convert or oal.load first")
     with atomic_dir(to) as tmp:
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            _save_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
         lora = lora_record(model) if peft else None
         if peft:
             base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place
@@ -66,6 +66,19 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files
     return to
+
+
+def _save_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
+    """The tokenizer, with a true model_max_length (the model's positions) where it says "no limit" (transformers'
+    1e30); the tokenizer given is left as it was."""
+    old = getattr(tokenizer, "model_max_length", None)
+    if max_positions and isinstance(old, (int, float)) and old > 1e29:
+        tokenizer.model_max_length = int(max_positions)
+    try:
+        tokenizer.save_pretrained(to)
+    finally:
+        if old is not None:
+            tokenizer.model_max_length = old
 
 
 def _cast_base_weights(model, dtype: torch.dtype) -> None:
