@@ -280,3 +280,14 @@ def test_cli_conventions():
     assert res.exit_code == 2 and "--quiet" in res.output
     out = subprocess.run([sys.executable, "-m", "oal", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"oal {__version__}"
+
+
+def test_shell_completion():
+    """typer's completion: `oal --show-completion bash` prints the script, and the script's query completes a command."""
+    from oal.cli import load_commands
+
+    res = CliRunner().invoke(load_commands(), ["--show-completion", "bash"], prog_name="oal")
+    assert res.exit_code == 0 and "_oal_completion" in res.output
+    env = {"_OAL_COMPLETE": "complete_bash", "COMP_WORDS": "oal ev", "COMP_CWORD": "1"}
+    res = CliRunner(env=env).invoke(load_commands(), [], prog_name="oal")
+    assert res.exit_code == 0 and res.output.split() == ["evaluate"]
