@@ -192,6 +192,11 @@ def test_analyze_bad_input(assets, run_copy, tmp_path):
     assert tree(run_copy) == before
 
 
+def test_demo_refuses_more_groups_than_dimensions():
+    assert_bad_input(cli("demo", "--head-dim", "2", "--n-groups", "5", "--length", "8"), "--n-groups", "at most")
+    assert cli("demo", "--head-dim", "2", "--n-groups", "2", "--length", "8").exit_code == 0
+
+
 def test_demo_diagnose_evaluate_bad_sizes(run_copy, tmp_path):
     for opt in ("--length", "--heads", "--kv-heads", "--head-dim", "--n-groups"):
         for v in ("0", "-3"):
