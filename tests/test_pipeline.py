@@ -283,7 +283,7 @@ def test_cli_conventions():
 
 
 def test_shell_completion():
-    """typer's completion: `oal --show-completion bash` prints the script, and the script's query completes a command."""
+    """typer's completion: `oal --show-completion bash` prints the script; the script's query completes a command."""
     from oal.cli import load_commands
 
     res = CliRunner().invoke(load_commands(), ["--show-completion", "bash"], prog_name="oal")
