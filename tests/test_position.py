@@ -70,3 +70,13 @@ def test_run_with_pair_tied_groups_records_them(assets, tmp_path):  # noqa: F811
         for h in rows:
             g, half = h["groups"], len(h["groups"]) // 2
             assert g[:half] == g[half:] and "app_b" in h
+
+
+def test_the_card_says_whether_the_groups_keep_rope_pairs(tmp_path):
+    from oal.artefact.card import card_text
+
+    base = tiny_model("llama", 97)
+    split = card_text(_converted(base, lambda h, d: torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])).float(), {})
+    tied = card_text(_converted(base, lambda h, d: torch.tensor([0, 1, 1, 0, 0, 1, 1, 0])).float(), {})
+    assert "Outputs depend on absolute positions" in split and "position_ids" in split
+    assert "depend on the distance between query and key only" in tied

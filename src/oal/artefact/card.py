@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from oal.artefact.base_facts import DISTRIBUTION, PAPER, base_model_facts
 from oal.rundir.files import atomic_write_text
 
@@ -46,15 +48,48 @@ LIMITATIONS = [
     "layers 1-4 keeps test perplexity within 14 PPL of softmax but drops passkey retrieval at 512 tokens from 1.00 "
     "to 0.00, before and after adaptation; measure it on this model with `oal evaluate --passkey` before relying "
     "on recall.",
-    "- **Outputs depend on absolute positions.** The kernel groups RoPE dimensions by contribution, so a group can "
-    "hold one dimension of a rotation pair without the other, and its score then depends on the absolute "
-    "positions of query and key, not only on their distance. Pass the same `position_ids` you would for a single "
-    "prompt (left-padded batches: positions that start at 0 at the first real token, as `generate` does); "
-    "`model(**batch)` on a left-padded batch without `position_ids` differs from the single prompts.",
     "- **CPU and GPU paths.** On CPU the chunked path runs (exact to 1e-10 in float64 against the reference); on "
     "CUDA the Triton kernels run when Triton is installed, else the chunked path with a warning. Non-causal calls, "
     "float64 on CUDA and head dims above 128 take the torch paths.",
 ]
+
+
+POSITIONS_SPLIT = (
+    "- **Outputs depend on absolute positions.** The kernel's groups hold one dimension of some RoPE rotation pair "
+    "(r, r + d/2) without the other, so a group's score depends on the absolute positions of query and key, not "
+    "only on their distance. Pass the same `position_ids` you would for a single prompt (left-padded batches: "
+    "`(attention_mask.cumsum(-1) - 1).clamp_min(0)`, as `generate` does); `model(**batch)` on a left-padded batch "
+    "without `position_ids` differs from the single prompts. (`oal run --grouping app-b-pairs` keeps each pair "
+    "in one group.)")
+POSITIONS_TIED = (
+    "- **Positions.** Every group holds whole RoPE rotation pairs (r, r + d/2), so the converted layers depend on "
+    "the distance between query and key only, as softmax does; left-padded batches still want the `position_ids` "
+    "of the single prompts, as for any RoPE model whose padding is counted.")
+
+
+POSITIONS_FEATURES = (
+    "- **Outputs depend on absolute positions.** A feature map of q and k separately sees RoPE's absolute "
+    "rotations, not only the distance between query and key. Pass the same `position_ids` you would for a single "
+    "prompt (left-padded batches: `(attention_mask.cumsum(-1) - 1).clamp_min(0)`, as `generate` does).")
+FEATURE_MAPS = ("performer", "spectraformer", "dijiang")
+
+
+def _positions_line(model) -> str:
+    from oal.models.attention import converted_methods
+
+    if any(m.name in FEATURE_MAPS for m in converted_methods(model).values()):
+        return POSITIONS_FEATURES
+    return POSITIONS_TIED if _pairs_tied(model) else POSITIONS_SPLIT
+
+
+def _pairs_tied(model) -> bool:
+    """Every grouped converted layer keeps each RoPE pair (r, r + d/2) in one group."""
+    from oal.models.attention import converted_methods
+
+    grouped = [m.groups for m in converted_methods(model).values() if isinstance(getattr(m, "groups", None),
+                                                                                 torch.Tensor)]
+    half = [g.shape[-1] // 2 for g in grouped]
+    return all(torch.equal(g[..., :h], g[..., h:2 * h]) for g, h in zip(grouped, half, strict=True))
 
 
 def card_text(model, source: dict | None, metrics: dict[str, str] | None = None) -> str:
@@ -107,7 +142,8 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         lines += ["## Metrics", "", "None quoted: the export was given no verified numbers of the run.", ""]
     if source.get("data_lines"):
         lines += ["## Data", "", *source["data_lines"], ""]
-    lines += ["## Limitations", "", *LIMITATIONS, ""]
+    limits = [LIMITATIONS[0], _positions_line(model), *LIMITATIONS[1:]]
+    lines += ["## Limitations", "", *limits, ""]
     if source.get("run"):
         lines += ["## Provenance", "", f"Exported from the run directory `{source['run']}` (method "
                   f"`{source.get('method')}`); `oal.json` records the SHA256 of its kernels and adapter files.", ""]
