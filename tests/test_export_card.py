@@ -55,6 +55,8 @@ def test_card_licence_is_read_from_the_base_models_files(tmp_path):
     facts = base_model_facts("Org/Name", tmp_path)
     assert facts == {"id": "Org/Name", "license": "apache-2.0", "license_note": "from the base model's LICENSE"}
     assert base_model_facts("default", None)["license"] == "apache-2.0"  # the embedded default ships inside oal
+    assert base_model_facts("smollm2-135m", tmp_path / "3f9a1c")["id"] == "smollm2-135m"  # a registry name, not
+    # the content-addressed folder it resolves to
 
 
 def test_a_number_typed_into_metrics_json_never_reaches_the_card(oal_run, tmp_path):

@@ -60,7 +60,9 @@ def base_model_facts(name: str | None, folder: str | Path | None, identified: st
         return {"id": "oal-default-model", "license": PACKAGE_LICENSE,
                 "license_note": f"the embedded default model ships inside the {DISTRIBUTION} package, under its "
                                 "Apache-2.0 licence (its pretraining text is the CPython standard library, PSF-2.0)"}
-    base_id = identified or hub_id(name) or (folder.name if folder else None) or "unknown"
+    registry_name = name if isinstance(name, str) and name and not any(c in name for c in "/\\") and not Path(
+        name).exists() else None  # a name the model registry resolves (a preset such as a GGUF's), not a path
+    base_id = identified or hub_id(name) or registry_name or (folder.name if folder else None) or "unknown"
     if folder is None or not folder.is_dir():
         return {"id": base_id, "license": "unknown",
                 "license_note": "the base model's folder was not available to read its licence from"}
