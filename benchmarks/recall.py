@@ -328,9 +328,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="trained length 64 (a few minutes on a CPU)")
     p.add_argument("--json", type=Path, help="write the results here (default benchmarks/results/recall.json)")
-    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--threads", type=int, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 0:
+        p.error(f"argument --threads: expected >= 0, got {args.threads}")  # one line, exit code 2
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = setup("quick" if args.quick else "full", seed=args.seed)

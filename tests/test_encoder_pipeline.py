@@ -144,3 +144,18 @@ def test_cli_run_dispatches_to_encoder(assets, tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["protocol"] == "encoder" and math.isfinite(saved["fidelity"]["global"]["relmse"])
     assert torch.tensor(saved["embedding"]["global"]["mean"]["per_passage"]).numel() == 32  # default plan
+
+
+def test_methods_all_on_an_encoder_is_every_method_that_applies(assets, tmp_path):
+    """`--methods all` on an encoder runs every method but the (causal) sliding windows; naming a window is refused."""
+    from oal.errors import InputError
+    from oal.methods.base import get_method
+    from oal.pipeline.config import ALL_METHODS
+
+    metrics = run_seed(_cfg(assets, methods=["all"]), tmp_path / "all", progress=False)
+    recorded = json.loads((tmp_path / "all" / "config.json").read_text())["config"]["methods"]
+    applies = [m for m in ALL_METHODS if not get_method(m).positional]
+    assert recorded == applies and "softmax" in recorded and len(applies) == 7
+    assert set(metrics["fidelity"]) == set(applies) - {"softmax"}
+    with pytest.raises(InputError, match="sliding windows"):
+        run_seed(_cfg(assets, methods=["oal", "swa"]), tmp_path / "swa", progress=False)

@@ -192,6 +192,11 @@ def test_analyze_bad_input(assets, run_copy, tmp_path):
     assert tree(run_copy) == before
 
 
+def test_demo_refuses_more_groups_than_dimensions():
+    assert_bad_input(cli("demo", "--head-dim", "2", "--n-groups", "5", "--length", "8"), "--n-groups", "at most")
+    assert cli("demo", "--head-dim", "2", "--n-groups", "2", "--length", "8").exit_code == 0
+
+
 def test_demo_diagnose_evaluate_bad_sizes(run_copy, tmp_path):
     for opt in ("--length", "--heads", "--kv-heads", "--head-dim", "--n-groups"):
         for v in ("0", "-3"):
@@ -226,6 +231,35 @@ def test_corrupt_file_is_named(name, assets, run_copy):
         with pytest.raises(InputError, match=name.split("/")[-1].replace(".", r"\.")):
             run_seed(_cfg(assets, **CFG), run_copy, progress=False)
         assert tree(run_copy) == before
+
+
+@pytest.mark.parametrize("where", ["../outside.txt", "ABSOLUTE"])
+def test_a_stage_record_naming_a_file_outside_the_run_is_refused_unread(run_copy, monkeypatch, where):
+    """.oal/stages.json that records a path outside the run: one line naming the file, and nothing outside is read."""
+    import oal.rundir.hashes as hashes
+
+    outside = run_copy.parent / "outside.txt"
+    outside.write_text("not the run's")
+    name = str(outside) if where == "ABSOLUTE" else where
+    path = run_copy / ".oal" / "stages.json"
+    stages = json.loads(path.read_text())
+    stages["calibrate"]["outputs"].append(name)
+    stages["calibrate"]["sha256"][name] = "0" * 64
+    path.write_text(json.dumps(stages))
+    read = []
+    real = hashes.sha256_file
+    monkeypatch.setattr(hashes, "sha256_file", lambda p, *a, **k: read.append(Path(p).resolve()) or real(p, *a, **k))
+    before = tree(run_copy)
+    for res in (cli("evaluate", "--out", run_copy), cli("export", "--out", run_copy, "--to", run_copy.parent / "e")):
+        assert_bad_input(res, "stages.json", "outside the run directory")
+    assert outside.resolve() not in read and tree(run_copy) == before
+
+
+def test_a_refused_command_leaves_no_out_folder(assets, tmp_path):
+    out = tmp_path / "new" / "run"
+    res = cli("run", "--out", out, "--model", assets / "model", "--data", assets / "corpus.txt", "--layers", "99")
+    assert_bad_input(res, "--layers", "99")
+    assert not (tmp_path / "new").exists()  # neither the folder nor the parent it would have needed
 
 
 def test_corrupt_kernels_json_in_library(full_run, run_copy):

@@ -106,3 +106,45 @@ def test_without_lm_eval_one_clean_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         entry.main(["--tasks", "x"])
     assert exc.value.code == 2 and "Error: lm-eval is not installed" in capsys.readouterr().err
+
+
+def _bad(art, tmp_path, case):
+    """(argv for python -m oal.lm_eval, words its one-line error must hold) for each kind of bad input."""
+    if case == "missing path":
+        return ["--model_args", f"pretrained={tmp_path / 'nothing'}", "--tasks", "oal_tiny_mc"], ["no such folder"]
+    if case == "run directory":
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"config": {}}))  # what `oal run` writes first
+        return ["--model_args", f"pretrained={run}", "--tasks", "oal_tiny_mc"], ["run directory", "oal export"]
+    if case == "unknown task":
+        return ["--model_args", f"pretrained={art['merged']}", "--tasks", "no_such_task"], ["no_such_task"]
+    import shutil
+
+    broken = shutil.copytree(art["merged"], tmp_path / "broken")
+    (broken / "config.json").write_text((broken / "config.json").read_text().replace("{", "{ ", 1))
+    return ["--model_args", f"pretrained={broken}", "--tasks", "oal_tiny_mc"], ["config.json", "SHA256"]
+
+
+@pytest.mark.parametrize("case", ["missing path", "run directory", "unknown task", "corrupted export"])
+def test_bad_input_is_one_line_not_a_traceback(art, tmp_path, case):
+    argv, words = _bad(art, tmp_path, case)
+    env = {k: v for k, v in os.environ.items() if k != "OAL_DEBUG"}
+    proc = subprocess.run([sys.executable, "-m", "oal.lm_eval", "--model", "hf", *argv, "--include_path",
+                           str(art["tasks"]), "--limit", "1"], capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_the_device_defaults_to_the_available_one(monkeypatch):
+    from oal import lm_eval as entry
+
+    seen = {}
+    monkeypatch.setattr("lm_eval.__main__.cli_evaluate", lambda: seen.setdefault("argv", list(sys.argv)))
+    entry.main(["--model", "hf", "--tasks", "x"])
+    assert seen["argv"][-2:] == ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    seen.clear()
+    entry.main(["--model", "hf", "--tasks", "x", "--device", "cuda:1"])
+    assert seen["argv"].count("--device") == 1

@@ -200,6 +200,8 @@ def test_cli_offset_options(tmp_path):
     args = ["diagnose", "--out", str(tmp_path / "out"), "--model", model, "--parts", "offset"]
     res = runner.invoke(load_commands(), [*args, "--offsets", "1,2"])
     assert res.exit_code == 2 and "--offsets" in res.output and "including 0" in res.output
+    res = runner.invoke(load_commands(), [*args, "--offsets", "0,1e308"])  # finite, yet far beyond float32's reach
+    assert res.exit_code == 2 and "--offsets" in res.output and "[0, 1000]" in res.output, res.output
     res = runner.invoke(load_commands(), [*args, "--layer", "3"])  # 3 layers
     assert res.exit_code == 2 and "--layer" in res.output and "[0, 3)" in res.output
 

@@ -148,6 +148,22 @@ def test_killed_run_resumes_and_matches(full_run, assets, tmp_path):
     assert _strip_time(again) == _strip_time(ref)
 
 
+def test_run_says_its_stages_on_stderr_and_its_result_on_stdout(assets, tmp_path, capsys):
+    """`oal run`'s stage rules, skip lines and progress bars go to stderr; stdout holds the final table only."""
+    cfg = _cfg(assets, methods=["softmax"], adapt={"steps": 2, "val_every": 2})
+    run(cfg, tmp_path, progress=True)
+    first = capsys.readouterr()
+    assert "adapt:softmax" in first.err and "perplexity:softmax" in first.err  # the stage rules
+    assert "loss" in first.err and "report:" in first.err  # the adaptation's progress bar, the report's path
+    assert "PPL (LoRA)" in first.out  # the summary table
+    run(cfg, tmp_path, progress=True)  # resumed: every stage is skipped
+    again = capsys.readouterr()
+    assert "skip adapt:softmax" in again.err
+    for out in (first.out, again.out):
+        assert "PPL (LoRA)" in out
+        assert not any(word in out for word in ("skip", "adapt:", "perplexity:", "loss", "report:"))
+
+
 def test_aggregate_seeds_mean_and_sample_std():
     def m(seed, ppl):
         return {"model": "x", "converted_layers": [1], "methods": ["oal"], "seed": seed,
@@ -217,7 +233,8 @@ def test_cli_adapt_reruns_one_arm(full_run, tmp_path):
 
 def test_all_methods_run_end_to_end(assets, tmp_path):
     """`--methods all`: every baseline is calibrated (when trainable), converted, adapted and evaluated."""
-    metrics = run_seed(_cfg(assets, methods=["all"], adapt={"steps": 2, "val_every": 2}), tmp_path, progress=False)
+    metrics = run_seed(_cfg(assets, methods=["all"], adapt={"steps": 2, "val_every": 2}, window=16, sinks=2), tmp_path,
+                       progress=False)  # blocks of 64 tokens: the windows must be shorter
     kernel_methods = ["oal", "global", "performer", "spectraformer", "dijiang", "taylorshift", "swa", "oal-swa",
                       "global-swa"]
     assert set(metrics["fidelity"]) == set(kernel_methods)
@@ -263,3 +280,14 @@ def test_cli_conventions():
     assert res.exit_code == 2 and "--quiet" in res.output
     out = subprocess.run([sys.executable, "-m", "oal", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"oal {__version__}"
+
+
+def test_shell_completion():
+    """typer's completion: `oal --show-completion bash` prints the script; the script's query completes a command."""
+    from oal.cli import load_commands
+
+    res = CliRunner().invoke(load_commands(), ["--show-completion", "bash"], prog_name="oal")
+    assert res.exit_code == 0 and "_oal_completion" in res.output
+    env = {"_OAL_COMPLETE": "complete_bash", "COMP_WORDS": "oal ev", "COMP_CWORD": "1"}
+    res = CliRunner(env=env).invoke(load_commands(), [], prog_name="oal")
+    assert res.exit_code == 0 and res.output.split() == ["evaluate"]

@@ -72,3 +72,12 @@ def test_bad_arguments():
         mqar(2, 32, 9, 64, seed=0)
     with pytest.raises(ValueError, match="vocab"):
         mqar(2, 64, 8, 16, seed=0)
+
+
+def test_negative_threads_is_one_usage_line(capsys):
+    from benchmarks.recall import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--threads", "-1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--threads: expected >= 0, got -1" in err and "Traceback" not in err

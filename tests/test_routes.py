@@ -135,14 +135,31 @@ def test_routine_edits_keep_the_export_loadable(art, tmp_path):
         oal.load(path)
 
 
+def test_tokenizer_max_length_is_true_and_may_be_edited(art, tmp_path):
+    """The export's tokenizer says the model's true length (not transformers' 1e30); editing model_max_length keeps
+    the folder loadable, editing what changes the numbers does not."""
+    path = _copy(art["merged"], tmp_path / "x")
+    tok_config = path / "tokenizer_config.json"
+    data = json.loads(tok_config.read_text())
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert data["model_max_length"] == positions
+    tok_config.write_text(json.dumps({**data, "model_max_length": 64}, indent=4))
+    assert torch.equal(logits(oal.load(path)), logits(oal.load(art["merged"])))
+    tok_config.write_text(json.dumps({**data, "add_bos_token": not data.get("add_bos_token", False)}))
+    with pytest.raises(ValueError, match="tokenizer_config.json: SHA256 does not match oal.json"):
+        oal.load(path)
+
+
 def test_model_card(art):
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(art["merged"] / "README.md")
-    assert card.data.library_name == "oal" and "oal" in card.data.tags and card.data.base_model is None  # local base
+    assert card.data.library_name == "oal" and "oal" in card.data.tags
+    assert card.data.base_model == art["base"].name and card.data.license == "unknown"  # a local base: its name
     assert card.data.pipeline_tag == "text-generation"
     text = card.text
-    assert "pip install oal" in text and "import oal" in text and f"Attention layers {LAYERS}" in text
+    assert "pip install oal-attention" in text and "import oal" in text and f"Attention layers {LAYERS}" in text
+    assert str(art["run"].resolve()) not in text and str(art["base"].resolve()) not in text
     assert "merged into the weights" in text and "python -m oal.lm_eval" in text
 
 
@@ -160,7 +177,9 @@ def test_card_metrics_and_hub_base_model(art):
                     "zero-shot piqa, oal (%)": "acc 60, acc_norm 61, n 100"}
     assert card_metrics(metrics, "oal", adapted=False) == {"perplexity (test blocks)": "oal 14"}
     model = oal.load(art["merged"])
-    card = ModelCard(card_text(model, {"base_model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}}, rows))
+    from oal.artefact.base_facts import base_model_facts
+
+    card = ModelCard(card_text(model, {"base": base_model_facts("Qwen/Qwen2.5-0.5B", None)}, rows))
     assert card.data.base_model == "Qwen/Qwen2.5-0.5B" and "| perplexity (test blocks) | softmax 10, oal 11.5 |" in \
         card.text
 
@@ -197,11 +216,33 @@ def test_pickle_files_are_refused_and_never_opened(art, tmp_path, monkeypatch):
     export_dir, adapter = _copy(art["merged"], tmp_path / "e"), _copy(art["adapter"], tmp_path / "a")
     for folder, manifest, name, load, message in (
             (export_dir, MANIFEST, "pytorch_model.bin", oal.load, "a pickle file"),
-            (adapter, ADAPTER_MANIFEST, "adapter_model.bin", check_adapter, "no pickle")):
+            (adapter, ADAPTER_MANIFEST, "adapter_model.bin", check_adapter, "a pickle file")):
         (folder / name).write_bytes(b"not really a pickle")
         _relist(folder, manifest, name)
         with pytest.raises(ValueError, match=message):
             load(folder)
+
+
+def test_an_adapter_recorded_as_a_pickle_is_refused_as_one(art, tmp_path):
+    """A manifest that records adapter_model.bin instead of the safetensors: the refusal says pickle, and why."""
+    adapter = _copy(art["adapter"], tmp_path / "a")
+    data = json.loads((adapter / ADAPTER_MANIFEST).read_text())
+    data["sha256"]["adapter_model.bin"] = data["sha256"].pop("adapter_model.safetensors")
+    (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    (adapter / ADAPTER_MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"records 'adapter_model.bin', a pickle file; .* unpickling a file can run"):
+        check_adapter(adapter)
+
+
+def test_softmax_twin_of_an_unmerged_export_is_the_merged_ones(art):
+    """The softmax reference of an unmerged export merges its attached LoRA (it failed on the state-dict keys)."""
+    from oal.artefact.export import softmax_twin
+
+    unmerged = oal.load(art["unmerged"])
+    twin = softmax_twin(unmerged, str(art["base"]))
+    assert torch.equal(logits(twin), logits(softmax_twin(oal.load(art["merged"]), str(art["base"]))))
+    assert not torch.equal(logits(twin), logits(_softmax(art)))  # the LoRA is in it
+    assert any("lora_A" in k for k in unmerged.state_dict())  # and the converted model keeps its own
 
 
 def test_adapter_format_v1_is_still_read(art, tmp_path):

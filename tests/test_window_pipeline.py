@@ -112,6 +112,17 @@ def test_cli_refuses_a_bad_window(tmp_path):
     assert "--window" in res.output and "--sinks" in res.output
 
 
+@pytest.mark.parametrize(("window", "sinks", "option"), [(64, 0, "--window"), (100, 4, "--window"), (62, 2, "--sinks")])
+def test_a_window_that_covers_every_block_is_refused(assets, tmp_path, window, sinks, option):  # noqa: F811
+    """The run's blocks have 64 tokens: a window of 64 (or window + sinks of 64) makes the window arms plain softmax."""
+    from oal.errors import InputError
+
+    with pytest.raises(InputError, match="would be plain softmax") as exc:
+        run_seed(_cfg(assets, methods=["swa", "oal-swa"], window=window, sinks=sinks), tmp_path / "run",
+                 progress=False)
+    assert exc.value.param == option and not (tmp_path / "run" / "config.json").exists()
+
+
 def test_encoder_runs_refuse_the_windows(tmp_path):
     from _tiny_encoders import save_tiny_encoder
 

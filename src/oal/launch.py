@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Ranks", "env_rank", "launched", "process_device", "ranks", "training_accelerator"]
+__all__ = ["Ranks", "env_rank", "launched", "log_console", "process_device", "ranks", "training_accelerator"]
 
 T = TypeVar("T")
 log = logging.getLogger("oal")
@@ -48,6 +48,14 @@ def launched() -> bool:
 def env_rank() -> int:
     """This process's rank as the launcher set it (0 outside a launch); readable before any process group exists."""
     return int(os.environ.get("RANK", "0"))
+
+
+def log_console():
+    """The rich console of what a command says while it works (stage rules, progress bars, skip lines): stderr, so
+    that stdout keeps its results; quiet on the other processes of a launch (the main process reports)."""
+    from rich.console import Console
+
+    return Console(stderr=True, quiet=env_rank() != 0)
 
 
 def _state(cpu: bool):
@@ -136,8 +144,8 @@ def ranks(device: torch.device | str | None = None) -> Ranks:
 
     dev = resolve_device(device or "auto")
     if "this" not in _RANKS:
+        _refuse_one_process_launch()
         _RANKS["this"] = Ranks(dev)
-        _warn_one_process_launch()
     elif _RANKS["this"].state is not None:
         _state(dev.type == "cpu")
     return _RANKS["this"]
@@ -157,10 +165,10 @@ def _requested_processes(argv: list[str]) -> int | None:
     return None
 
 
-def _warn_one_process_launch() -> None:
+def _refuse_one_process_launch() -> None:
     """`accelerate launch --cpu --num_processes N` starts one process (its simple launcher; it sets no WORLD_SIZE),
-    so oal would silently train alone: say so, with the launcher that starts N CPU processes. The request is read
-    from the launcher's command line (/proc, Linux); elsewhere nothing is said."""
+    so oal would train alone while N were asked for: refuse it (ValueError), with the launchers that start N CPU
+    processes. The request is read from the launcher's command line (/proc, Linux); elsewhere nothing is said."""
     if launched() or "ACCELERATE_USE_CPU" not in os.environ:  # not accelerate's one-process launcher
         return
     try:
@@ -170,9 +178,10 @@ def _warn_one_process_launch() -> None:
         return
     asked = _requested_processes(argv)
     if asked is not None and asked > 1:
-        log.warning("accelerate launch started 1 process, not the %d asked for (with --cpu it runs its one-process "
-                    "launcher); for %d CPU processes use `torchrun --nproc_per_node %d -m oal ...`", asked, asked,
-                    asked)
+        raise ValueError(f"--num_processes {asked}: accelerate launch --cpu starts 1 process, not {asked} (its "
+                         f"one-process launcher); for {asked} CPU processes run `torchrun --nproc_per_node {asked} "
+                         f"$(which oal) ...` (or `accelerate launch --multi_gpu --num_processes {asked}`, which runs "
+                         "on the CPU with gloo on a machine without a GPU)")
 
 
 def process_device(spec: str | torch.device | None) -> torch.device:

@@ -46,6 +46,7 @@ _FORMAT_V1 = "oal-adapter/1"  # a peft folder (adapter_config.json) beside the k
 LORA_FILE = "adapter_model.safetensors"
 KERNEL_FILE = "kernel_params.safetensors"
 _ALLOWED_SUFFIXES = (".json", ".safetensors")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _PEFT_CARD = "README.md"  # peft's model card in a format-1 folder: hashed, never parsed
 
 
@@ -135,6 +136,11 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt not in (ADAPTER_FORMAT, _FORMAT_V1) or not isinstance(manifest.get("sha256"), dict):
         raise ValueError(f"{manifest_path}: expected format {ADAPTER_FORMAT!r} with file hashes, got {fmt!r}")
+    pickled = [n for n in manifest["sha256"] if Path(n).suffix in _PICKLE_SUFFIXES]
+    if pickled:
+        raise ValueError(f"{manifest_path}: records {pickled[0]!r}, a pickle file; oal loads adapter weights from "
+                         "safetensors only, since unpickling a file can run any code it holds (an adapter saved by "
+                         f"oal holds {LORA_FILE}: adapt again with oal)")
     needed = [LORA_FILE] + (["adapter_config.json"] if fmt == _FORMAT_V1 else [])
     if fmt == ADAPTER_FORMAT and not isinstance(manifest.get("lora"), dict):
         raise ValueError(f"{manifest_path}: expected the LoRA's peft config under 'lora'")

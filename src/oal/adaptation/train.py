@@ -37,7 +37,7 @@ from oal.adaptation.checkpoint import read_checkpoint, restore_checkpoint, rng_s
 from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
-from oal.launch import Ranks, ranks, training_accelerator
+from oal.launch import Ranks, log_console, ranks, training_accelerator
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["adapt", "kernel_parameter_names", "wrap_lora"]
@@ -105,7 +105,7 @@ def _progress(enabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"), TextColumn("val NLL {task.fields[val]}"), TimeRemainingColumn(),
-        transient=False, disable=not enabled,
+        transient=False, disable=not enabled, console=log_console(),
     )
 
 

@@ -304,14 +304,30 @@ def fixed_budget_groups(chi: torch.Tensor, n_groups: int, *, eps: float = 1e-12)
     return _groups_from_cuts(order, cand, selected).reshape(chi.shape)
 
 
+def pair_tied_groups(chi_per_prompt: torch.Tensor, **params) -> torch.Tensor:
+    """App. B on RoPE's rotation pairs: groups [..., d] in which dims r and r + d/2 (the pair RoPE rotates together,
+    HF's rotate_half layout) always share a group. Each pair's profile is chi_r + chi_{r+d/2}; `stable_gap_groups`
+    (with `params`) groups the d/2 pairs. A group sum over whole pairs depends on the distance between query and key
+    only, as softmax's logit does; a group holding one dim of a pair also sees their absolute positions."""
+    d = chi_per_prompt.shape[-1]
+    if d % 2:
+        raise ValueError(f"chi_per_prompt: pair-tied groups need an even head dim (RoPE pairs), got d = {d}")
+    pairs = chi_per_prompt[..., : d // 2] + chi_per_prompt[..., d // 2:]
+    g = stable_gap_groups(pairs, **params).groups
+    return torch.cat([g, g], dim=-1)
+
+
 def parse_grouping(spec: str) -> dict:
     """`--grouping`: "app-b" (App. B stable-gap groups, the paper's protocol) -> {}; "budget:G" -> {"budget": G},
     Fig. 2(b)'s fixed budget (the G - 1 largest adjacent gaps of each head's sorted profile), a departure from the
-    paper, which converts with App. B's groups."""
+    paper, which converts with App. B's groups; "app-b-pairs" -> {"pairs": True}, App. B over RoPE pairs
+    (`pair_tied_groups`), also a departure."""
     text = str(spec).strip().lower()
     if text in ("app-b", "app_b", "appb", "stable-gap"):
         return {}
+    if text in ("app-b-pairs", "pairs"):
+        return {"pairs": True}
     name, _, value = text.partition(":")
     if name == "budget" and value.strip().isdigit() and int(value) >= 1:
         return {"budget": int(value)}
-    raise ValueError(f"grouping: expected 'app-b' or 'budget:G' with an integer G >= 1, got {spec!r}")
+    raise ValueError(f"grouping: expected 'app-b', 'app-b-pairs' or 'budget:G' with an integer G >= 1, got {spec!r}")

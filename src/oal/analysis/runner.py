@@ -31,10 +31,12 @@ from oal.analysis.grouping import (
     check_settings,
     fixed_budget_groups,
     grouping_params,
+    pair_tied_groups,
     stable_gap_groups,
 )
 from oal.analysis.offset import OffsetAccumulator, offset_summary
 from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
+from oal.launch import log_console
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
 from oal.models.provenance import weights_record
@@ -156,8 +158,10 @@ def analyze(
     batch_size: int = 8,
     figures: bool = True,
     console: Console | None = None,
+    results: Console | None = None,
     meta: dict | None = None,
     budget: int | None = None,
+    pairs: bool = False,
     **grouping,
 ) -> dict:
     """Group every query head of `layers` from `prompts` (token blocks [P, L] or strings) and write the outputs.
@@ -165,9 +169,12 @@ def analyze(
     heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
     long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
     **grouping: keyword arguments of `stable_gap_groups`; representative: (layer, head) for the single-head figures.
+    console: progress bars (default: stderr); results: the summary table (default: `console`).
     budget: G for the fixed-budget procedure of Fig. 2(b) (`fixed_budget_groups`: the G - 1 largest adjacent gaps
     of the sorted profile) instead of App. B's stable-gap groups -- a departure from the paper's protocol, which
     uses App. B for conversion; the App. B result is still computed and recorded beside it.
+    pairs: App. B over RoPE's rotation pairs (`pair_tied_groups`: dims r and r + d/2 share a group, so that every
+    group sum depends on relative positions only), also a departure, with App. B's result recorded beside it.
     Also records the attention regime of the prompts (`oal.analysis.regime`) in analysis.json["regime"], and
     their per-query offsets under the groups used (`oal.analysis.offset`) in analysis.json["offset"].
     Returns the analysis summary (also written to analysis.json).
@@ -177,8 +184,10 @@ def analyze(
                                          "eps")))
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget: expected a group budget G >= 1, got {budget!r}")
+    if budget is not None and pairs:
+        raise ValueError("pairs: choose one of a group budget and pair-tied groups")
     seed = params["seed"]
-    console = console or Console()
+    console = console or log_console()
     out = check_out_dir(out_dir)
     layers = sorted(int(i) for i in layers)
     for i in layers:
@@ -231,7 +240,8 @@ def analyze(
     n_layers, n_heads, _, d = chi_pp.shape
     t1 = time.perf_counter()
     res = stable_gap_groups(chi_pp, **params)  # all heads of all layers in one vectorised call
-    used = res.groups if budget is None else fixed_budget_groups(res.chi, min(budget, d))  # [L, Hq, d]
+    used = (fixed_budget_groups(res.chi, min(budget, d)) if budget is not None  # [L, Hq, d]
+            else pair_tied_groups(chi_pp, **params) if pairs else res.groups)
     n_used = used.amax(-1) + 1
     t_group = time.perf_counter() - t1
     chi = res.chi  # [L, Hq, d]
@@ -263,7 +273,7 @@ def analyze(
                 support=r.support.tolist(), natural=r.natural.tolist(), top5=top_dims[li, h].tolist(),
                 top5_concentration=float(real_top[li, h]),
             )
-            if budget is not None:  # the groups used are the budget's; App. B's stay as evidence
+            if budget is not None or pairs:  # the groups used are the budget's (pairs'); App. B's stay as evidence
                 g = used[li, h]
                 row.update(app_b=dict(n_groups=r.n_groups, groups=r.groups.tolist(), cuts=r.cuts,
                                       fallback_cuts=r.fallback),
@@ -271,7 +281,7 @@ def analyze(
                            cuts=[int(k) for k in range(1, d) if g[r.order[k]] != g[r.order[k - 1]]])
             rows.append(row)
         heads_json[str(layer)] = rows
-    procedure = "app_b" if budget is None else f"budget:{budget}"
+    procedure = f"budget:{budget}" if budget is not None else "app_b_pairs" if pairs else "app_b"
     info = dict(meta or {}, layers=layers, n_prompts=n_prompts, prompt_lengths=prompt_lengths, head_dim=d,
                 n_heads=n_heads, n_kv_heads=int(calib.abs_k[layers[0]].shape[0]), grouping=params,
                 procedure=procedure,
@@ -323,7 +333,7 @@ def analyze(
 
     if figures:
         _figures(out / "figures", layers, heads_json, calib, summary, stab, rep, li_rep)
-    _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary)
+    _print_table(results or console, layers, res, real_top, gauss_top, gauss_at_real, stab, summary)
     return summary
 
 
@@ -380,7 +390,8 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
     console.print(f"group-count histogram: {summary['n_groups']['histogram']} "
                   f"(Gaussian control: {summary['n_groups']['gaussian_histogram']})")
     if summary["procedure"] != "app_b":
-        console.print(f"groups used: {summary['procedure']} (Fig. 2(b)'s fixed budget, a departure from App. B; "
+        what = ("App. B over RoPE pairs" if summary["procedure"] == "app_b_pairs" else "Fig. 2(b)'s fixed budget")
+        console.print(f"groups used: {summary['procedure']} ({what}, a departure from App. B; "
                       f"App. B would give {summary['n_groups']['app_b_histogram']})")
     console.print(f"attention regime on these prompts: {summary['regime']['verdict']['text']}")
     console.print(f"per-query offsets: this model {summary['offset']['verdict']['text']}")

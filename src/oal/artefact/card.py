@@ -1,5 +1,6 @@
-"""The model card of a converted-model folder: README.md with Hugging Face front matter (library, base model, tags),
-the conversion, the run's metrics for this model, and how to load it (`pip install oal`, then `import oal`).
+"""The model card of a converted-model folder: README.md with Hugging Face front matter (library, base model, licence,
+datasets, tags), the conversion and the paper, the run's verified metrics for this model and the data behind them,
+its limitations, and how to load it (`pip install oal-attention`, then `import oal`); no path of the machine.
 
 The card describes the model; it does not define it, so oal.json does not hash it (`models.pretrained.UNHASHED`):
 editing or replacing it never makes the folder unloadable.
@@ -7,22 +8,14 @@ editing or replacing it never makes the folder unloadable.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+import torch
+
+from oal.artefact.base_facts import DISTRIBUTION, PAPER, base_model_facts
 from oal.rundir.files import atomic_write_text
 
 __all__ = ["card_metrics", "card_text", "write_card"]
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _hub_id(name) -> str | None:
-    """`name` when it is a hub repository id (the front matter's base_model), not a local path."""
-    if isinstance(name, str) and _REPO_ID.match(name) and not Path(name).exists():
-        return name
-    return None
-
 
 def card_metrics(metrics: dict, method: str, adapted: bool) -> dict[str, str]:
     """The run's numbers for `method` as exported (`adapted`: with its adapter) beside the softmax reference's, out
@@ -35,6 +28,9 @@ def card_metrics(metrics: dict, method: str, adapted: bool) -> dict[str, str]:
     got = metrics.get(fid, {}).get(method)
     if isinstance(got, dict):
         out["attention fidelity (relative MSE)"] = _row({k: got[k] for k in ("relmse", "relmse_post_o") if k in got})
+    elif adapted and isinstance(got := metrics.get("fidelity", {}).get(method), dict):  # `oal run` measures these
+        out["attention fidelity of the calibrated kernels, before adaptation (relative MSE)"] = _row(
+            {k: got[k] for k in ("relmse", "relmse_post_o") if k in got})
     if adapted:
         for m in ("softmax", method):
             for task, res in sorted((metrics.get("zeroshot", {}).get(m) or {}).items()):
@@ -47,20 +43,72 @@ def _row(values: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
 
 
+LIMITATIONS = [
+    "- **Long-context retrieval is lost on the converted layers.** On oal's embedded default model, converting "
+    "layers 1-4 keeps test perplexity within 14 PPL of softmax but drops passkey retrieval at 512 tokens from 1.00 "
+    "to 0.00, before and after adaptation; measure it on this model with `oal evaluate --passkey` before relying "
+    "on recall.",
+    "- **CPU and GPU paths.** On CPU the chunked path runs (exact to 1e-10 in float64 against the reference); on "
+    "CUDA the Triton kernels run when Triton is installed, else the chunked path with a warning. Non-causal calls, "
+    "float64 on CUDA and head dims above 128 take the torch paths.",
+]
+
+
+POSITIONS_SPLIT = (
+    "- **Outputs depend on absolute positions.** The kernel's groups hold one dimension of some RoPE rotation pair "
+    "(r, r + d/2) without the other, so a group's score depends on the absolute positions of query and key, not "
+    "only on their distance. Pass the same `position_ids` you would for a single prompt (left-padded batches: "
+    "`(attention_mask.cumsum(-1) - 1).clamp_min(0)`, as `generate` does); `model(**batch)` on a left-padded batch "
+    "without `position_ids` differs from the single prompts. (`oal run --grouping app-b-pairs` keeps each pair "
+    "in one group.)")
+POSITIONS_TIED = (
+    "- **Positions.** Every group holds whole RoPE rotation pairs (r, r + d/2), so the converted layers depend on "
+    "the distance between query and key only, as softmax does; left-padded batches still want the `position_ids` "
+    "of the single prompts, as for any RoPE model whose padding is counted.")
+
+
+POSITIONS_FEATURES = (
+    "- **Outputs depend on absolute positions.** A feature map of q and k separately sees RoPE's absolute "
+    "rotations, not only the distance between query and key. Pass the same `position_ids` you would for a single "
+    "prompt (left-padded batches: `(attention_mask.cumsum(-1) - 1).clamp_min(0)`, as `generate` does).")
+FEATURE_MAPS = ("performer", "spectraformer", "dijiang")
+
+
+def _positions_line(model) -> str:
+    from oal.models.attention import converted_methods
+
+    if any(m.name in FEATURE_MAPS for m in converted_methods(model).values()):
+        return POSITIONS_FEATURES
+    return POSITIONS_TIED if _pairs_tied(model) else POSITIONS_SPLIT
+
+
+def _pairs_tied(model) -> bool:
+    """Every grouped converted layer keeps each RoPE pair (r, r + d/2) in one group."""
+    from oal.models.attention import converted_methods
+
+    grouped = [m.groups for m in converted_methods(model).values() if isinstance(getattr(m, "groups", None),
+                                                                                 torch.Tensor)]
+    half = [g.shape[-1] // 2 for g in grouped]
+    return all(torch.equal(g[..., :h], g[..., h:2 * h]) for g, h in zip(grouped, half, strict=True))
+
+
 def card_text(model, source: dict | None, metrics: dict[str, str] | None = None) -> str:
-    """README.md of a converted model folder."""
+    """README.md of a converted model folder. `source` may hold "base" (`base_facts.base_model_facts`: id,
+    licence), "datasets" and "data_lines" (`base_facts.data_facts`), "run" (the run folder's name) and "method"."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from oal.models.attention import converted_methods
     from oal.models.encoder import is_encoder
 
     source = source or {}
-    base = source.get("base_model") or {}
-    name = base.get("name_or_path") or getattr(model.config, "_name_or_path", None) or "unknown"
+    record = source.get("base_model") or {}
+    facts = source.get("base") or base_model_facts(None, None)
+    name = facts["id"]
     methods = converted_methods(model)
     kinds = sorted({m.name for m in methods.values()})
     encoder = is_encoder(model)
-    data = ModelCardData(library_name="oal", base_model=_hub_id(name),
+    data = ModelCardData(library_name="oal", base_model=name, license=facts["license"],
+                         datasets=source.get("datasets") or None,
                          pipeline_tag="feature-extraction" if encoder else "text-generation",
                          tags=["oal", "linear-attention", *kinds, model.config.model_type])
     auto = "AutoModel" if encoder else "AutoModelForCausalLM"
@@ -68,12 +116,14 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
     lines = [
         f"# {', '.join(kinds)} conversion of {name}", "",
         f"Attention layers {sorted(methods)} of `{name}` (state dict SHA256 "
-        f"`{str(base.get('state_dict_sha256', '?'))[:16]}`) run {', '.join(kinds)} attention instead of softmax "
-        "(Outlier-Aware Attention Linearization, `oal`); the other layers are unchanged. "
+        f"`{str(record.get('state_dict_sha256', '?'))[:16]}`) run {', '.join(kinds)} attention instead of softmax "
+        f"(Outlier-Aware Attention Linearization, [paper]({PAPER}), library `oal`); the other layers are "
+        "unchanged. "
         + ("No LoRA adapter." if not adapter else
            f"With the run's LoRA adapter ({'merged into the weights' if adapter.get('merged') else 'kept unmerged'})"
            " and trained kernels."),
-        "", "## Use", "", "```bash", "pip install oal", "```", "", "```python",
+        "", f"Licence: `{facts['license']}` ({facts['license_note']}).", "",
+        "## Use", "", "```bash", f"pip install {DISTRIBUTION}", "```", "", "```python",
         "import oal  # registers the converted model types with transformers; without it loading fails",
         f"from transformers import {auto}, AutoTokenizer", "",
         f'model = {auto}.from_pretrained("<this folder>")  # or oal.load("<this folder>")',
@@ -83,10 +133,19 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         '--model_args pretrained=<this folder> --tasks ...`.', "",
     ]
     if metrics:
-        lines += ["## Metrics (from the run that made it)", "", "| metric | values |", "| --- | --- |"]
+        lines += ["## Metrics (from the run that made it)", "",
+                  "Rebuilt from the run's verified records (the files they were computed from still have the SHA256 "
+                  "recorded with them); a number edited into the run's metrics.json is never quoted.", "",
+                  "| metric | values |", "| --- | --- |"]
         lines += [f"| {key} | {values} |" for key, values in metrics.items()] + [""]
-    if source.get("run_dir"):
-        lines += ["## Provenance", "", f"Exported from the run directory `{source['run_dir']}` (method "
+    else:
+        lines += ["## Metrics", "", "None quoted: the export was given no verified numbers of the run.", ""]
+    if source.get("data_lines"):
+        lines += ["## Data", "", *source["data_lines"], ""]
+    limits = [LIMITATIONS[0], _positions_line(model), *LIMITATIONS[1:]]
+    lines += ["## Limitations", "", *limits, ""]
+    if source.get("run"):
+        lines += ["## Provenance", "", f"Exported from the run directory `{source['run']}` (method "
                   f"`{source.get('method')}`); `oal.json` records the SHA256 of its kernels and adapter files.", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from oal.artefact.arms import load_converted
+from oal.artefact.base_facts import base_model_facts, data_facts
 from oal.artefact.card import card_metrics, write_card
 from oal.calibration.kernels import KERNELS_FILE, META_FILE
 from oal.rundir.files import atomic_dir, load_json
 from oal.rundir.hashes import sha256_files
-from oal.rundir.metrics import read_metrics
 
 __all__ = ["export", "save_converted", "softmax_twin"]
 
@@ -56,7 +56,7 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
         raise ValueError("model: it has no converted layers; call oal.convert or oal.load first")
     with atomic_dir(to) as tmp:
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            _save_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
         lora = lora_record(model) if peft else None
         if peft:
             base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place
@@ -68,6 +68,19 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
     return to
 
 
+def _save_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
+    """The tokenizer, with a true model_max_length (the model's positions) where it says "no limit" (transformers'
+    1e30); the tokenizer given is left as it was."""
+    old = getattr(tokenizer, "model_max_length", None)
+    if max_positions and isinstance(old, (int, float)) and old > 1e29:
+        tokenizer.model_max_length = int(max_positions)
+    try:
+        tokenizer.save_pretrained(to)
+    finally:
+        if old is not None:
+            tokenizer.model_max_length = old
+
+
 def _cast_base_weights(model, dtype: torch.dtype) -> None:
     """The base model's floating parameters to `dtype`; kernel tensors keep theirs (fp32 factors, fp64 features)."""
     for name, p in model.named_parameters():
@@ -76,35 +89,71 @@ def _cast_base_weights(model, dtype: torch.dtype) -> None:
 
 
 def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = True, merge: bool = True,
-           model: str | None = None, dtype: torch.dtype | None = None) -> Path:
+           model: str | None = None, dtype: torch.dtype | None = None, metrics: dict | None = None,
+           config: dict | None = None) -> Path:
     """Write the run's converted `method` model (with its adapter unless `adapter=False`) as one folder `to`.
 
     The folder reloads with `oal.load(to)`, or with `AutoModelForCausalLM.from_pretrained(to)` after `import oal`.
+    `metrics`: the run's numbers to quote in the card, as metrics.json lays them out, from verified records only
+    (`oal export` passes `oal.pipeline.publish.verified_metrics`); `config`: the run's config.json (its corpus
+    record, for the card's data section). Without `metrics` the card quotes no number.
     """
+    from oal.models.registry import identify
+
     run_dir = Path(run_dir)
     # loaded in the run's dtype (what its kernels and adapter were made on and are checked against), then cast
     mdl, tok, info = load_converted(run_dir, method, adapter, model=model, merge=merge)
     if dtype is not None:
         _cast_base_weights(mdl, dtype)
     kdir = Path(info["kernels"])
+    folder = Path(mdl.config.name_or_path)
+    datasets, data_lines = data_facts(config, metrics)
     source = {
-        "run_dir": str(run_dir.resolve()), "method": method,
-        "base_model": load_json(kdir / META_FILE).get("base_model", {}),
+        "run": run_dir.resolve().name, "method": method,  # a name, not the machine's path
+        "base_model": _without_paths(load_json(kdir / META_FILE).get("base_model", {})),
+        "base": base_model_facts(info["base_model"], folder, identify(folder)[0] if folder.is_dir() else None),
+        "datasets": datasets, "data_lines": data_lines,
         "kernels": {f: v for f, v in sha256_files(kdir).items() if f in (KERNELS_FILE, META_FILE)},
         "adapter": None if info["adapter"] is None else {"sha256": sha256_files(info["adapter"]),
                                                          "merged": info["merged"]},
     }
-    metrics = card_metrics(read_metrics(run_dir), method, adapted=info["adapter"] is not None)
-    out = save_converted(mdl, to, tok, source, metrics)
+    rows = card_metrics(metrics, method, adapted=info["adapter"] is not None) if metrics else None
+    out = save_converted(mdl, to, tok, source, rows)
     log.info("exported %s (%s) to %s", run_dir, method, out)
     return out
 
 
+def _without_paths(record: dict) -> dict:
+    """The kernels' base-model record with a local folder named by its last component only."""
+    name = record.get("name_or_path")
+    if isinstance(name, str) and Path(name).is_absolute():
+        return {**record, "name_or_path": Path(name).name}
+    return dict(record)
+
+
 def softmax_twin(model, base_model: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):
-    """`base_model` loaded afresh with converted `model`'s weights (a merged adapter included) and softmax
-    attention everywhere: the reference a converted layer is compared with under frozen attention."""
+    """`base_model` loaded afresh with converted `model`'s weights (its LoRA adapter merged in, whether it came merged
+    or attached: an unmerged export) and softmax attention everywhere: the reference a converted layer is compared
+    with under frozen attention."""
     from oal.models.registry import load_model
 
     twin, _, _ = load_model(base_model, dtype=dtype or next(model.parameters()).dtype, device=device)
-    twin.load_state_dict({k: v for k, v in model.state_dict().items() if ".oal_method." not in k})
+    twin.load_state_dict({k: v for k, v in _merged_state_dict(model).items() if ".oal_method." not in k})
     return twin.eval()
+
+
+def _merged_state_dict(model) -> dict:
+    """`model`'s state dict with any attached LoRA (a peft model, or an unmerged export's adapter) merged into the
+    base weights, under the base model's names; `model` itself is left as it is."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        return model.state_dict()
+    merged = copy.deepcopy(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    for name, module in [(n, m) for n, m in merged.named_modules() if isinstance(m, BaseTunerLayer)]:
+        module.merge()
+        parent, _, child = name.rpartition(".")
+        setattr(merged.get_submodule(parent), child, module.get_base_layer())
+    return merged.state_dict()

@@ -9,6 +9,7 @@ import torch
 
 from oal.calibration.data import CalibConfig, LayerCalibration, LayerData
 from oal.calibration.fit import calibrate_oal_layer
+from oal.launch import log_console
 
 __all__ = ["calibrate_model", "capture_layer_data"]
 
@@ -41,7 +42,8 @@ def calibrate_model(model, train_ids: torch.Tensor, val_ids: torch.Tensor, group
     cfg = cfg or CalibConfig()
     out = {}
     device = next(model.parameters()).device
-    with Progress(disable=not progress) as bar, tempfile.TemporaryDirectory(prefix="oal-capture-") as tmp:
+    with (Progress(disable=not progress, console=log_console()) as bar,
+          tempfile.TemporaryDirectory(prefix="oal-capture-") as tmp):
         # one forward per block for all layers (not one per layer), each layer's data streamed to its own files
         store = capture_to_disk(model, {"train": train_ids, "val": val_ids}, sorted(groups), tmp, key="calibrate")
         task = bar.add_task("calibrating", total=len(groups))

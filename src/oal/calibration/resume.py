@@ -35,6 +35,7 @@ from oal.calibration.kernels import (
     model_fingerprint,
     save_kernels,
 )
+from oal.launch import log_console
 from oal.rundir.files import atomic_write_json, remove
 from oal.rundir.hashes import config_hash
 
@@ -99,7 +100,7 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
     from oal.launch import ranks as this_ranks
 
     group = ranks or this_ranks()
-    console = console or Console()
+    console = console or log_console()
     results: dict[int, dict] = {}  # layer -> {method: (AttentionMethod, summary)}, on the main process
     if group.is_main and checkpoints is not None:
         for layer in layers:
@@ -182,7 +183,7 @@ class OnePassCapture:
 
         if self.store is None:
             t0 = time.perf_counter()
-            with Progress(disable=not self.progress, transient=True) as bar:
+            with Progress(disable=not self.progress, transient=True, console=log_console()) as bar:
                 total = sum(block_ids(r, self.blocks[r])[0].shape[0] for r in self.ROLES)
                 task = bar.add_task("capture", total=total)
                 self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,

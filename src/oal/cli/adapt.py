@@ -41,12 +41,12 @@ def adapt_cmd(
     config.json): calibration reruns, and the other window arms' results leave metrics.json until they are adapted
     again with the new window. Data-parallel under torchrun / accelerate launch (see README)."""
     from oal.cli.options import main_console
+    from oal.launch import log_console
     from oal.pipeline.runs import adapt_arm
 
     set_threads(threads)
-    console = main_console()
     metrics = adapt_arm(out, method, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                         lora_dropout=lora_dropout, window=window, sinks=sinks, device=device, dtype=dtype,
-                        console=console, progress=progress)
+                        console=log_console(), progress=progress)
     ppl = metrics["perplexity"].get(method)
-    console.print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")
+    main_console().print(f"{method}: test PPL after adaptation = {ppl:.4f}" if ppl is not None else f"{method}: no PPL")

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from oal.cli.app import app
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, ModelOpt
+from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
@@ -46,7 +47,8 @@ def analyze_cmd(
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
 
-    console = Console()
+    console = log_console()  # progress and notes on stderr; the summary table is the result (stdout)
+    results = Console()
     try:
         procedure = parse_grouping(grouping)
     except ValueError as exc:
@@ -88,12 +90,12 @@ def analyze_cmd(
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
     summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
                       long_sequence=inputs["long_sequence"], seed=seed, representative=rep, batch_size=batch_size,
-                      figures=figures, console=console, meta=meta, **kw)
+                      figures=figures, console=console, results=results, meta=meta, **kw)
     conc = summary["concentration"]["mean"]
     line = (f"top-5 share {100 * conc['real_top5']:.1f}% vs Gaussian {100 * conc['gaussian_top5']:.1f}% "
             f"(at real coords {100 * conc['gaussian_at_real_top5']:.1f}%)")
     if "stability_inputs" in summary:
         s = summary["stability_inputs"]
         line += f"; held-out Spearman {s['mean_spearman']:.3f}, top-5 overlap {s['mean_top5_overlap']:.2f}/5"
-    console.print(line)
+    results.print(line)
     console.print(f"wrote {Path(out) / 'groups.json'}, {Path(out) / 'analysis.json'} and {Path(out) / 'figures'}")

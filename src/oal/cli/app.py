@@ -57,7 +57,7 @@ app = typer.Typer(
     help="Outlier-Aware Attention Linearization: convert a causal LM's softmax attention into a positive "
     "grouped quadratic kernel that runs in linear time.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_show_locals=False,
 )
 

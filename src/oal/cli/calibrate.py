@@ -9,6 +9,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, ModelOpt, SinksOpt, WindowOpt, main_console
+from oal.launch import log_console
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 
@@ -41,7 +42,7 @@ def calibrate_cmd(
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
 
-    console = main_console()  # under torchrun the processes share the layers out; the main one reports
+    console = log_console()  # under torchrun the processes share the layers out; the main one reports
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in method_names()]
     if not wanted or unknown:
@@ -77,5 +78,5 @@ def calibrate_cmd(
             heads = report[m][str(layer)]["heads"]
             cells.append(f"{sum(h['val_mse'] for h in heads) / len(heads):.4g}" if heads else "-")
         table.add_row(str(layer), *cells)
-    console.print(table)
+    main_console().print(table)
     console.print(f"wrote {out / 'kernels.safetensors'} and {out / 'calibration.json'}")

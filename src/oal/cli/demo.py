@@ -21,7 +21,8 @@ def demo(
     heads: int = typer.Option(4, min=1, help="Query heads Hq."),
     kv_heads: int = typer.Option(2, min=1, help="Key/value heads Hkv."),
     head_dim: int = typer.Option(64, min=1, help="Head dimension d (= dv)."),
-    n_groups: int = typer.Option(3, min=1, help="Groups G per head."),
+    n_groups: int = typer.Option(3, min=1, help="Groups G per head, at most --head-dim (each dimension is in "
+                                 "one)."),
     seed: int = typer.Option(0, min=0, help="Random seed."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
@@ -29,6 +30,9 @@ def demo(
     """Run every backend of the OAL operator on random inputs and compare it with the dense reference."""
     if heads % kv_heads:
         raise typer.BadParameter(f"must divide --heads={heads}", param_hint="--kv-heads")
+    if n_groups > head_dim:  # every dimension has one group id: more groups than dims leave some groups empty
+        raise typer.BadParameter(f"expected at most --head-dim={head_dim} groups (each of the d dimensions belongs "
+                                 f"to one group), got {n_groups}", param_hint="--n-groups")
     need, have = _bytes_needed(length, heads, kv_heads, head_dim, n_groups, dtype), _available_bytes(device)
     if have is not None and need > have:
         raise typer.BadParameter(f"N={length} needs about {need / 2**30:.3g} GiB (the dense reference holds an N x N "

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from oal.cli.app import app
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt
+from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
@@ -39,7 +40,8 @@ def diagnose_cmd(
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
     max_budget: int = typer.Option(16, min=1, help="Largest group budget G for Fig. 2(b)."),
     layer: int = typer.Option(None, min=0, help="Offset part: the layer (default: the run's representative layer)."),
-    offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits (with 0)."),
+    offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits, at most 1000 "
+                                 "(with 0)."),
     steps: int = typer.Option(None, min=1, help="Offset part: calibration updates per start (default: the run's)."),
     seed: int = typer.Option(None, min=0, help="Seed of query positions, controls, Gaussian draws and calibration "
                              "(default 0; the offset part: the run's, 42 without a run directory)."),
@@ -59,7 +61,7 @@ def diagnose_cmd(
     from oal.pipeline.config import RunConfig
     from oal.rundir.files import check_out_dir
 
-    console = Console()
+    console = log_console()  # progress and notes on stderr; the tables are the results (stdout)
     check_out_dir(out)
     part_list = _names(parts, PARTS, "--parts")
     method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else _names(methods, TABLE2_METHODS,
@@ -107,7 +109,8 @@ def diagnose_cmd(
                   + (f", B = {t1.n_controls} matched controls" if "table1" in part_list else ""))
     diagnose(mdl, blocks, layer_list, out, parts=part_list, table2_methods=method_list, grouping=grouping,
              table1_cfg=t1, calib_cfg=calib, budget_head=budget_head, budgets=tuple(range(1, max_budget + 1)),
-             table1_sequences=sequences, seed=seed or 0, offset=offset, console=console)
+             table1_sequences=sequences, seed=seed or 0, offset=offset, console=console,
+             tables=Console())
     if run is not None and (out / "metrics.json").is_file():  # the run's report shows the new diagnostics
         from oal.pipeline.report import write_report
 

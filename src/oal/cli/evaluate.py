@@ -21,6 +21,7 @@ from oal.cli.options import (
     TasksOpt,
     ZeroshotDirOpt,
 )
+from oal.launch import log_console
 
 
 @app.command("evaluate")
@@ -64,7 +65,7 @@ def evaluate_cmd(
         raise typer.BadParameter("choose one of --zeroshot and --passkey (run `oal evaluate` once for each)",
                                  param_hint="--zeroshot / --passkey")
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
-    console = Console()
+    console = log_console()  # progress on stderr; the tables are the results (stdout)
     if log_samples and not zeroshot:
         raise typer.BadParameter("needs --zeroshot (it logs the zero-shot examples)", param_hint="--log-samples")
     if passkey:
@@ -79,7 +80,7 @@ def evaluate_cmd(
 
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
                             blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
-    console.print(fidelity_table(res))
+    Console().print(fidelity_table(res))
 
 
 def _numbers(text: str | None, kind, option: str) -> list | None:
@@ -99,7 +100,7 @@ def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device
     res = evaluate_passkey_run(out, run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
                                depths=depths, trials=trials, adapter=adapter, device=device,
                                dtype=resolve_dtype(dtype) if dtype else None, console=console)
-    console.print(passkey_rich_table(res))
+    Console().print(passkey_rich_table(res))
 
 
 def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
@@ -115,4 +116,4 @@ def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, 
                                console=console, log_samples=log_samples)
     if not scores:  # nothing to score: metrics.json records why the columns are missing; say so by the exit code
         raise typer.Exit(code=1)
-    console.print(zeroshot_table(scores))
+    Console().print(zeroshot_table(scores))

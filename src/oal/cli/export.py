@@ -11,11 +11,12 @@ from oal.cli.options import BaseModelOpt
 
 
 def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
-    """`oal.artefact.export.export`; bad input becomes a clean error on the option it concerns."""
-    from oal.artefact.export import export
+    """`oal.pipeline.publish.export_run` (the card quotes verified numbers only); bad input becomes a clean error on
+    the option it concerns."""
+    from oal.pipeline.publish import export_run
 
     try:
-        path = export(out, method, to, **kwargs)
+        path = export_run(out, method, to, **kwargs)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--to" if str(exc).startswith("to:") else "--out") from None
     typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "

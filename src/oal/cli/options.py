@@ -39,8 +39,10 @@ DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
                                        help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
                                        "calibration stay float32).")]
 GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap groups (the paper's protocol); "
+                                          "'app-b-pairs': App. B over RoPE's rotation pairs, each pair (r, r + d/2) "
+                                          "in one group, so outputs depend on relative positions only; "
                                           "'budget:G': Fig. 2(b)'s fixed budget of G groups per head, cut at the "
-                                          "G - 1 largest contribution gaps (a departure from the paper).")]
+                                          "G - 1 largest contribution gaps (both departures from the paper).")]
 AdapterOpt = Annotated[bool | None, typer.Option(
     "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
     "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]

@@ -25,6 +25,7 @@ from oal.cli.options import (
     main_console,
     set_threads,
 )
+from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
 
@@ -36,7 +37,8 @@ def run(
                               "a local encoder folder runs the encoder protocol)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
-    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all'."),
+    methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all' (every method that "
+                                "applies: an encoder gets all but the causal sliding windows)."),
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
                                "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
@@ -87,4 +89,4 @@ def run(
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
                                 grouping=procedure, window=window, sinks=sinks)
-    run_pipeline(cfg, out, seed_list, console=main_console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=log_console(), results=main_console(), progress=progress, force=force)

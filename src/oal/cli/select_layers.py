@@ -10,6 +10,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.options import DeviceOpt, DtypeOpt, SelectByOpt, ThreadsOpt, set_threads
+from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
 
@@ -41,12 +42,11 @@ def select_layers_cmd(
     set_threads(threads)
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
-    console = Console()
-    sel = run_selection(cfg, out, console=console, progress=progress, force=force)
+    sel = run_selection(cfg, out, console=log_console(), progress=progress, force=force)
     table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "
                         f"(paper range {sel['paper_layers']})")
     for col in SELECTION_COLUMNS:
         table.add_column(col, justify="right")
     for row in selection_rows(sel):
         table.add_row(*row)
-    console.print(table)
+    Console().print(table)

@@ -45,14 +45,19 @@ class OffsetSettings:
         return {**asdict(self), "cfg": self.cfg.to_dict(), "stds": [float(s) for s in self.stds]}
 
 
+MAX_STD = 1000.0  # logits; the experiment plants 0-6
+
+
 def parse_stds(spec: str | Sequence[float]) -> list[float]:
-    """Offset stds (logits) from '0,1,2,3,6' or a sequence: finite values >= 0, with 0 (the unplanted control)."""
+    """Offset stds (logits) from '0,1,2,3,6' or a sequence: values in [0, MAX_STD], with 0 (the unplanted control)."""
     try:
         stds = [float(x) for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     except ValueError:
         stds = []
-    if not stds or 0.0 not in stds or not all(0 <= x < float("inf") for x in stds) or len(set(stds)) != len(stds):
-        raise InputError(f"expected distinct offset stds >= 0 (logits) including 0, got {spec!r}", "--offsets", "stds")
+    if not stds or 0.0 not in stds or not all(0 <= x <= MAX_STD for x in stds) or len(set(stds)) != len(stds):
+        raise InputError(f"expected distinct offset stds in [0, {MAX_STD:g}] logits including 0, got {spec!r} (real "
+                         "per-query offsets are a few logits; far larger ones overflow float32 in the planted q/k "
+                         "and the kernel's squared scores)", "--offsets", "stds")
     return sorted(stds)
 
 

@@ -39,6 +39,7 @@ from oal.diagnostics.fidelity_table import table2 as run_table2
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
 from oal.errors import InputError
+from oal.launch import log_console
 from oal.methods.base import newer_versions
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
@@ -106,11 +107,13 @@ def diagnose(
     seed: int = 0,
     offset=None,
     console: Console | None = None,
+    tables: Console | None = None,
 ) -> dict:
     """Run the requested diagnostics on `model` with token `blocks` per role ("grouping", "calib_train",
     "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files.
     `offset`: the `diagnostics.offset_part.OffsetSettings` of the offset part (the run's calibration, grouping and
-    seed; required for it)."""
+    seed; required for it). `console`: progress and notes (default: stderr); `tables`: Table 1 and Table 2 (default:
+    `console`)."""
     from oal.calibration.data import CalibConfig
 
     bad = set(parts) - set(PARTS)
@@ -120,7 +123,7 @@ def diagnose(
                                          or table1_sequences < 1):
         raise InputError(f"expected a number of held-out sequences >= 1, got {table1_sequences!r}", "--sequences",
                          "table1_sequences")
-    console = console or Console()
+    console = console or log_console()
     out = Path(out_dir)
     diag = out / "diagnostics"
     diag.mkdir(parents=True, exist_ok=True)
@@ -167,7 +170,7 @@ def diagnose(
             atomic_write_text(diag / "table1.md", "# Table 1\n\n" + table1_markdown(real, gauss))
         plot_table1(done["high_contribution"], done["gaussian"], out / "figures" / "retained_error.png")
         results["table1"] = done
-        console.print(table1_markdown(done["high_contribution"], done["gaussian"]))
+        (tables or console).print(table1_markdown(done["high_contribution"], done["gaussian"]))
 
     need_calib = "budget" in parts or "table2" in parts
     if need_calib:
@@ -215,7 +218,7 @@ def diagnose(
                 f"blocks of {fid_blocks.shape[1]} tokens. Lower is better."))
         _merge_metrics(out / "metrics.json", done["fidelity"])
         results["table2"] = done
-        console.print(table2_markdown(done["fidelity"]))
+        (tables or console).print(table2_markdown(done["fidelity"]))
     return results
 
 

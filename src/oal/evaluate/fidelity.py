@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from oal.launch import log_console
+
 __all__ = ["fidelity", "sequence_errors", "summarize"]
 
 
@@ -97,7 +99,7 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
 
     from rich.progress import Progress
 
-    with Progress(disable=not progress, transient=True) as bar:
+    with Progress(disable=not progress, transient=True, console=log_console()) as bar:
         task = bar.add_task("fidelity", total=blocks.shape[0])
         for start in range(0, blocks.shape[0], batch_size):
             mask = None if attention_mask is None else attention_mask[start : start + batch_size]

@@ -151,7 +151,7 @@ def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None =
     backend = None if fused is False else fused_backend(hidden.device, head)
     if fused and backend is None:
         raise ValueError("fused: the fused cross-entropy needs CUDA, a plain nn.Linear head and liger-kernel "
-                         "(pip install 'oal[fused-ce]')")
+                         "(pip install 'oal-attention[fused-ce]')")
     if backend == "liger":
         return _liger_loss(hidden, head, labels)
     total, count = chunked_cross_entropy(hidden, head, labels, chunk=chunk)

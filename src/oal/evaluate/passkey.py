@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from oal.launch import log_console
+
 __all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "default_lengths",
            "evaluate_passkey", "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "prompt_pieces",
            "score_answer"]
@@ -147,7 +149,7 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     acc: dict[str, dict[str, float]] = {}
     examples: dict[str, dict[str, str]] = {}
     try:
-        with Progress(transient=True, disable=not progress) as bar:
+        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
             task = bar.add_task(description, total=len(lengths) * len(depths) * trials)
             for n in lengths:
                 acc[str(n)] = {}

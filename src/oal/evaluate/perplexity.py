@@ -14,6 +14,7 @@ import torch
 from rich.progress import Progress
 
 from oal.evaluate.loss import causal_lm_nll
+from oal.launch import log_console
 
 __all__ = ["block_nll", "perplexity"]
 
@@ -39,7 +40,7 @@ def block_nll(model, blocks: torch.Tensor, *, batch_size: int = 1, progress: boo
     model.eval()
     total, count = 0.0, 0
     try:
-        with Progress(transient=True, disable=not progress) as bar:
+        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
             task = bar.add_task(description, total=blocks.shape[0])
             for start in range(0, blocks.shape[0], batch_size):
                 ids = blocks[start : start + batch_size].to(device)

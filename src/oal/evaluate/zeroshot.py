@@ -32,6 +32,7 @@ import torch
 from rich.progress import Progress
 
 from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
+from oal.launch import log_console
 
 __all__ = ["TASKS", "Example", "accuracies", "evaluate_task", "evaluate_tasks", "load_task", "load_tasks",
            "loglikelihoods", "merge_metrics", "sample_records", "score_candidates", "score_examples", "to_example"]
@@ -150,7 +151,7 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: i
     was_training = model.training
     model.eval()
     try:
-        with Progress(transient=True, disable=not progress) as bar:
+        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
             task = bar.add_task(description, total=len(pairs))
             for s in range(0, len(order), batch_size):
                 idx = order[s : s + batch_size]

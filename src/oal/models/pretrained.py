@@ -32,6 +32,7 @@ memory after `oal.convert` (design.md: kernels stay in fp32).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from pathlib import Path, PurePosixPath
@@ -54,6 +55,10 @@ FORMAT = "oal-model/2"  # /1: weights in model.safetensors (the family class loa
 VARIANT = "oal"  # the weights file is model.oal.safetensors (transformers' `variant`)
 LORA_FILE = "adapter_model.safetensors"  # an unmerged export's LoRA tensors (peft's state-dict names)
 UNHASHED = frozenset({"README.md", "generation_config.json"})  # routine edits (model card, sampling defaults)
+# JSON files hashed without the keys that change no number (tokenizer_config.json's model_max_length, which
+# transformers writes as 1e30 for "no limit": a user may set the true one), so that editing them keeps the folder
+# loadable; every other key, and every other file, is bound byte for byte.
+FREE_KEYS = {"tokenizer_config.json": ("model_max_length",)}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SPEC_FORMAT = "oal-conversion/1"
 _INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size", "window", "sinks")  # JSON-able constructor settings
@@ -125,9 +130,27 @@ def write_manifest(directory: str | Path, source: dict | None = None) -> Path:
         rel = p.relative_to(directory)
         if p.is_file() and rel.as_posix() not in UNHASHED | {MANIFEST} and not any(
                 x.startswith(".") for x in rel.parts):
-            files[rel.as_posix()] = sha256_file(p)
+            files[rel.as_posix()] = _digest(p, rel.as_posix())
     return atomic_write_json(directory / MANIFEST, {"format": FORMAT, "sha256": files, "source": source or {},
                                                      "versions": versions()})
+
+
+def _digest(path: Path, name: str, recorded: str | None = None) -> str:
+    """What oal.json records of a file: its SHA256, or for a `FREE_KEYS` file that is a JSON object,
+    "json-without-KEYS:" + the SHA256 of its canonical JSON without those keys. With `recorded` (a manifest's
+    value), the digest of that kind (a manifest of an earlier oal holds plain SHA256 for every file)."""
+    free = FREE_KEYS.get(name)
+    prefix = f"json-without-{','.join(free)}:" if free else None
+    if prefix is None or (recorded is not None and not str(recorded).startswith(prefix)):
+        return sha256_file(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        return sha256_file(path)
+    text = json.dumps({k: v for k, v in data.items() if k not in free}, sort_keys=True, separators=(",", ":"))
+    return prefix + hashlib.sha256(text.encode()).hexdigest()
 
 
 def read_json_object(path: Path, expected: str) -> dict:
@@ -178,7 +201,7 @@ def verify_manifest(directory: str | Path) -> dict:
                              "weights only")
         if not f.is_file():
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
-        if sha256_file(f) != want:
+        if _digest(f, name, want) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
     # files transformers would read as weights or attach as an adapter, added after the manifest was written
     extra = sorted(p.name for p in directory.iterdir() if p.name not in files and (

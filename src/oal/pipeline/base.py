@@ -29,7 +29,7 @@ from rich.console import Console
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
 from oal.errors import InputError
-from oal.launch import process_device, ranks
+from oal.launch import log_console, process_device, ranks
 from oal.pipeline.config import RunConfig
 from oal.rundir.claim import claim_run_dir
 from oal.rundir.files import atomic_write_json, check_out_dir
@@ -85,7 +85,7 @@ class StagedRun:
         self.device = process_device(self.cfg.device)
         self.ranks = ranks(self.device)
         # the other processes of a launch compute but say nothing (the main process reports)
-        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
+        self.console = (console or log_console()) if self.ranks.is_main else Console(quiet=True)
         self.progress = progress and self.ranks.is_main
         self.stop_after = stop_after
         self.force = force
@@ -123,6 +123,7 @@ class StagedRun:
                 self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
                 raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
+            self._check_windows()
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.recorded or self.cfg.to_dict(),
@@ -149,6 +150,23 @@ class StagedRun:
 
         self._config = config
         self.ranks.on_main(claim)
+
+    def _check_windows(self) -> None:
+        """Refuse a sliding window that covers every block of the run: its methods would be plain softmax there."""
+        from oal.methods.base import get_method
+
+        windowed = [m for m in self.cfg.methods if get_method(m).positional]
+        if not windowed:
+            return
+        longest = max(b.shape[-1] for b in self.blocks.values())
+        if self.cfg.window >= longest:
+            raise InputError(f"{self.cfg.window} covers every block of this run (the longest has {longest} tokens), "
+                             f"so {', '.join(windowed)} would be plain softmax; choose a window below {longest}",
+                             "--window", "window")
+        if self.cfg.window + self.cfg.sinks >= longest:  # every window method keeps the same S sinks
+            raise InputError(f"{self.cfg.sinks} sinks beside a window of {self.cfg.window} cover every block of this "
+                             f"run (the longest has {longest} tokens), so {', '.join(windowed)} would be plain "
+                             f"softmax; choose window + sinks below {longest}", "--sinks", "sinks")
 
     def record_config(self) -> None:
         """config.json records `cfg` from now on (see `recorded`); the setup record follows (its key is unchanged:

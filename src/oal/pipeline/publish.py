@@ -5,6 +5,9 @@ run` directory, the run's own stage outputs whose records verify plus the evalua
 metrics.json and report.md (`StagedRun.publish`, the same code `oal run` ends with); in any other directory, the
 evaluation records alone make metrics.json. A number edited into metrics.json is never read back.
 
+`verified_metrics` rebuilds the same numbers without writing anything: what `oal export` quotes in a model card
+(`export_run`), so an edited metrics.json never reaches a card either.
+
 `check_publishable` runs first, before any model is loaded: a run directory whose stage outputs (or the files they
 read) have changed since they were recorded is refused, since its other numbers would describe files that are no
 longer on disk.
@@ -12,6 +15,7 @@ longer on disk.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from rich.console import Console
@@ -25,7 +29,9 @@ from oal.rundir.hashes import sha256_file
 from oal.rundir.metrics import METRICS_FILE, publish_evaluations
 from oal.rundir.stages import StageLog
 
-__all__ = ["check_publishable", "republish"]
+__all__ = ["check_publishable", "export_run", "republish", "verified_metrics"]
+
+log = logging.getLogger("oal")
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -85,3 +91,32 @@ def republish(run_dir: str | Path, console: Console | None = None) -> dict:
         return publish_evaluations(run_dir, tidy_zeroshot)
     r = _recorded_run(run_dir, console)
     return r.publish(r.log.verified)
+
+
+def verified_metrics(run_dir: str | Path) -> dict:
+    """The numbers of `run_dir` rebuilt from its records that verify, as `republish` would write them (nothing is
+    written): an `oal run` directory whose stage files changed since they were recorded is refused (ValueError, as
+    `oal evaluate` refuses it); a number edited into metrics.json is not read, and a warning says it is left out."""
+    from oal.rundir.metrics import apply_entries, verified_evaluations
+
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        entries, defaults, inputs = verified_evaluations(run_dir)
+        return tidy_zeroshot({**apply_entries(dict(defaults), entries), "sha256": inputs})
+    check_publishable(run_dir)
+    r = _recorded_run(run_dir, None)
+    if (run_dir / METRICS_FILE).is_file() and METRICS_FILE in r.log.damaged("report"):
+        log.warning("%s was changed since oal wrote it; its numbers are rebuilt from the verified records (the "
+                    "edited numbers are not quoted)", run_dir / METRICS_FILE)
+    return r.metrics(r.log.verified)
+
+
+def export_run(run_dir: str | Path, method: str, to: str | Path, **kwargs) -> Path:
+    """`oal export`: `artefact.export.export` with a model card that quotes the run's verified numbers
+    (`verified_metrics`) and its corpus (config.json, checked against its stage record in an `oal run` directory)."""
+    from oal.artefact.export import export
+
+    run_dir = Path(run_dir)
+    metrics = verified_metrics(run_dir)
+    config = load_json(run_dir / "config.json") if is_run_dir(run_dir) else None
+    return export(run_dir, method, to, metrics=metrics, config=config, **kwargs)

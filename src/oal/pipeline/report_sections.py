@@ -81,7 +81,9 @@ def analysis_section(run_dir: Path, figures: list[str]) -> list[str]:
         out.append(f"- group-count histogram over heads: {ng.get('histogram')} "
                    f"(isotropic Gaussian control: {ng.get('gaussian_histogram')})")
         if summary.get("procedure", "app_b") != "app_b":
-            out.append(f"- groups used: `{summary['procedure']}`, Fig. 2(b)'s fixed budget per head, a departure "
+            what = ("App. B over RoPE's rotation pairs (dims r and r + d/2 share a group)"
+                    if summary["procedure"] == "app_b_pairs" else "Fig. 2(b)'s fixed budget per head")
+            out.append(f"- groups used: `{summary['procedure']}`, {what}, a departure "
                        f"from the paper's App. B protocol (App. B would give {ng.get('app_b_histogram')})")
         if conc:
             out.append(f"- mean top-5 contribution concentration: {conc.get('real_top5', float('nan')):.3f} "

@@ -2,21 +2,36 @@
 a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `adapt_arm` (`oal adapt`) and
 `run_selection` (`oal select-layers`)."""
 
+import logging
 from pathlib import Path
 
 from rich.console import Console
 
 from oal.errors import InputError
-from oal.launch import process_device, ranks
+from oal.launch import log_console, process_device, ranks
 from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
-from oal.pipeline.config import RunConfig
+from oal.pipeline.config import ALL_METHODS, RunConfig
 from oal.pipeline.decoder import SELECTION_FILE, Run
 from oal.rundir.claim import multi_seed_layout
 from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp, load_json
 from oal.rundir.hashes import sha256_file
 from oal.rundir.lock import own_dir
+
+log = logging.getLogger("oal")
+
+
+def for_protocol(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `--methods all` meaning every method that applies: on an encoder, all but the sliding windows
+    (causal only). An explicit list is kept as given (`run_class` refuses a window on an encoder)."""
+    import dataclasses
+
+    if set(cfg.methods) != set(ALL_METHODS) or not is_encoder_model(cfg.model):
+        return cfg
+    kept = [m for m in cfg.methods if not get_method(m).positional]
+    log.info("--methods all on an encoder: %s (the sliding windows are causal)", ", ".join(kept))
+    return dataclasses.replace(cfg, methods=kept)
 
 
 def run_class(cfg: RunConfig) -> type[Run]:
@@ -44,6 +59,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     outputs verify); `force`/`allow_changes`/`recorded`: see `StagedRun`. metrics.json and report.md are always
     rewritten from the stage records that verify, so they describe exactly the files on disk.
     """
+    cfg = for_protocol(cfg)
     r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
                        allow_changes=allow_changes, recorded=recorded)
     with own_dir(r.dir, r.ranks):
@@ -116,16 +132,21 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
 
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
-        progress: bool = True, force: bool = False) -> dict:
+        progress: bool = True, force: bool = False, results: Console | None = None) -> dict:
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    `console` gets what the stages say while they work (default: stderr), `results` the final table (default:
+    stdout); both on the main process only.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
     A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
     """
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(cfg.device))
-    console = (console or Console()) if group.is_main else Console(quiet=True)  # the main process reports
+    console = (console or log_console()) if group.is_main else Console(quiet=True)  # the main process reports
+    results = (results or Console()) if group.is_main else Console(quiet=True)
     seeds = seeds or [cfg.seed]
+    cfg = for_protocol(cfg)
     protocol = run_class(cfg)
     with own_dir(out_dir, group):
         group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
@@ -139,7 +160,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
                 per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
                                        force=force)
             metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
-    console.print(protocol.summary(metrics))
+    results.print(protocol.summary(metrics))
     return metrics
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from oal.evaluate.perplexity import block_nll
+from oal.launch import log_console
 from oal.models.convert import convert
 
 __all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "parse_auto",
@@ -67,7 +68,7 @@ def swap_probe(make_model: Callable[[], nn.Module], methods: Mapping[int, nn.Mod
     from rich.progress import Progress
 
     out = {}
-    with Progress(transient=True, disable=not progress) as bar:
+    with Progress(transient=True, disable=not progress, console=log_console()) as bar:
         task = bar.add_task("swap probe", total=len(methods))
         for i in sorted(methods):
             out[i] = _ppl(convert(make_model(), [i], {i: methods[i]}), blocks, batch_size)
@@ -86,7 +87,7 @@ def conversion_curve(make_model: Callable[[], nn.Module], order: Sequence[int], 
     if missing:
         raise ValueError(f"order: layers {missing} have no calibrated method")
     out = []
-    with Progress(transient=True, disable=not progress) as bar:
+    with Progress(transient=True, disable=not progress, console=log_console()) as bar:
         task = bar.add_task("conversion curve", total=len(order))
         for k in range(1, len(order) + 1):
             chosen = sorted(order[:k])

@@ -74,8 +74,9 @@ def _acquire(path: Path) -> int | None:
         os.close(fd)
 
 
-def _take(path: Path) -> tuple[bool, int | None]:
-    """(this process held `path` already, the locked fd): refuse links that leave `path`, then lock it."""
+def _take(path: Path) -> tuple[bool, int | None, list[Path]]:
+    """(this process held `path` already, the locked fd, the folders it created for `path`, deepest first): refuse
+    links that leave `path`, then lock it."""
     with confined(path):
         links = escaping_links(path) if path.is_dir() else []
         if links:
@@ -84,12 +85,25 @@ def _take(path: Path) -> tuple[bool, int | None]:
                              "directory: remove them, or copy their targets in", "--out", "out_dir")
         key = os.path.realpath(path)
         if key in _HELD:  # an enclosing command of this process holds it
-            return True, None
+            return True, None, []
+        created = [] if path.is_dir() else [p for p in (path, *path.parents) if not p.exists()]
         if not path.is_dir():
             path.mkdir(parents=True, exist_ok=True)  # another process may create it meanwhile
         fd = _acquire(path)
         _HELD.add(key)
-        return False, fd
+        return False, fd, created
+
+
+def _remove_if_unused(path: Path, created: list[Path]) -> None:
+    """A command that wrote nothing (refused) leaves no folder behind: the lock file, then the folders it created for
+    `path`, while it still holds the lock."""
+    try:
+        if created and {p.name for p in path.iterdir()} == {LOCK_FILE}:
+            os.unlink(path / LOCK_FILE)
+            for p in created:
+                p.rmdir()
+    except OSError:  # another process wrote there meanwhile: keep it
+        pass
 
 
 @contextlib.contextmanager
@@ -100,7 +114,7 @@ def own_dir(path: str | Path, group=None) -> Iterator[Path]:
     Refused (InputError on --out) when another process holds the lock, or when a symbolic link below `path` leads
     outside it (oal would write or delete through it)."""
     path = Path(path)
-    held, fd = group.on_main(lambda: _take(path)) if group is not None else _take(path)
+    held, fd, created = group.on_main(lambda: _take(path)) if group is not None else _take(path)
     if group is not None and not group.is_main:  # writes nothing below `path` (its scratch: a private temp folder)
         yield path
         return
@@ -109,6 +123,7 @@ def own_dir(path: str | Path, group=None) -> Iterator[Path]:
             yield path
     finally:
         if not held:
+            _remove_if_unused(path, created)
             _HELD.discard(os.path.realpath(path))
             if fd is not None:
                 os.close(fd)  # releases the flock

@@ -24,7 +24,7 @@ from oal.rundir.files import atomic_write_json, load_json
 from oal.rundir.hashes import config_hash
 from oal.rundir.stages import StageLog
 
-__all__ = ["EVALUATIONS", "METRICS_FILE", "apply_entries", "publish_evaluations", "read_metrics", "record_evaluation",
+__all__ = ["EVALUATIONS", "METRICS_FILE", "apply_entries", "publish_evaluations", "record_evaluation",
            "verified_evaluations"]
 
 log = logging.getLogger("oal")
@@ -34,17 +34,6 @@ EVALUATIONS = "evaluations.json"  # below DIR/.oal/, beside stages.json
 _VALUES = ".oal/evaluate"
 
 Entry = tuple[Sequence[str], object]  # (key path in metrics.json, value), e.g. (("fidelity", "oal"), {...})
-
-
-def read_metrics(run_dir: str | Path) -> dict:
-    """DIR/metrics.json as a dict ({} when absent); a damaged file is a ValueError naming it."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return {}
-    metrics = load_json(path)
-    if not isinstance(metrics, dict):
-        raise ValueError(f"{path}: damaged, expected a JSON object")
-    return metrics
 
 
 def record_evaluation(run_dir: str | Path, name: str, entries: Iterable[Entry], inputs: Mapping[str, str], *,

@@ -30,6 +30,12 @@ class StageLog:
         self.stages: dict = load_json(self.path) if self.path.exists() else {}
         if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
             raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
+        for stage, rec in self.stages.items():  # checked before any recorded file is read (hashed)
+            outside = [p for p in _recorded_paths(rec) if not _within(self.run_dir, p)]
+            if outside:
+                raise ValueError(f"{self.path}: stage {stage!r} records {outside[0]!r}, a path outside the run "
+                                 "directory; oal reads nothing outside it (restore the file, or start the run again "
+                                 "with --force)")
         self._verified: set[str] = set()
 
     def outputs_hash(self, outputs) -> dict[str, str]:
@@ -88,6 +94,24 @@ class StageLog:
 
     def elapsed(self) -> dict[str, float]:
         return {k: v["elapsed_s"] for k, v in self.stages.items()}
+
+
+def _recorded_paths(rec: dict) -> list:
+    """Every path a stage record names: its outputs and the keys of its output and input hashes."""
+    paths = list(rec.get("outputs") or [])
+    for key in ("sha256", "inputs"):
+        if isinstance(rec.get(key), dict):
+            paths += list(rec[key])
+    return paths
+
+
+def _within(root: Path, rel) -> bool:
+    """`rel` is a relative path that stays below `root`, lexically and with its links resolved."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return False
+    base = root.resolve()
+    target = (root / rel).resolve()
+    return target == base or base in target.parents
 
 
 class Timer:

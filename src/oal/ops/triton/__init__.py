@@ -17,7 +17,7 @@ from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, device_shared, refus
 
 __all__ = ["available", "interpreted", "refusal", "triton_attention", "unsupported"]
 
-INSTALL_HINT = "install the gpu extra: pip install 'oal[gpu]'"
+INSTALL_HINT = "install the gpu extra: pip install 'oal-attention[gpu]'"
 
 
 def available() -> bool:
