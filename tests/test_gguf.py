@@ -57,7 +57,8 @@ def test_missing_gguf_file_and_package(tmp_path, monkeypatch):
         load_model(str(tmp_path / "absent.gguf"))
     path = _write_gguf(tmp_path / "m.gguf")
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
-    with pytest.raises(InputError, match=r"needs the `gguf` package.*pip install 'gguf>=0.10'.*`gguf` extra"):
+    with pytest.raises(InputError, match=r"needs the `gguf` package; install the gguf extra: "
+                                         r"pip install 'oal-attention\[gguf\]'"):
         load_model(str(path))
 
 

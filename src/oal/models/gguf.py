@@ -39,8 +39,8 @@ def _reader(path: Path):
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise bad_model(f"{path}: reading a GGUF file needs the `gguf` package; install it with "
-                        "pip install 'gguf>=0.10' (the project's `gguf` extra)") from None
+        raise bad_model(f"{path}: reading a GGUF file needs the `gguf` package; install the gguf extra: "
+                        "pip install 'oal-attention[gguf]' (or pip install 'gguf>=0.10')") from None
     try:
         return GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, OSError) as exc:
