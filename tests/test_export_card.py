@@ -83,3 +83,21 @@ def test_export_refuses_a_run_whose_records_no_longer_verify(oal_run, tmp_path, 
     res = _export(run, tmp_path / "exp")
     assert res.exit_code == 2 and name in res.output and "rerun `oal run" in res.output, res.output
     assert not (tmp_path / "exp").exists()
+
+
+def test_a_dequantised_gguf_folder_is_named_by_its_source(tmp_path):
+    """A GGUF folder (named by a hash) is named in the card by the upstream id its fetch recorded, else its file."""
+    import json
+
+    from oal.artefact.base_facts import base_model_facts
+
+    folder = tmp_path / "b179c9523d0e6a0f-float32"
+    folder.mkdir()
+    record = {"file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "0" * 64}
+    (folder / "config.json").write_text(json.dumps({"oal_gguf": record}))
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    assert base_model_facts(str(tmp_path / "m.gguf"), folder)["id"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    record["base_model"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (folder / "config.json").write_text(json.dumps({"oal_gguf": record}))
+    facts = base_model_facts("smollm2-135m", folder)
+    assert (facts["id"], facts["license"]) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")

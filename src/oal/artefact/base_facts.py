@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -52,6 +53,16 @@ def _license_file(folder: Path) -> tuple[str, str] | None:
     return None
 
 
+def _gguf_source(folder: Path | None) -> str | None:
+    """What a dequantised GGUF folder (`oal.models.gguf`) came from: the upstream model id its fetch recorded, else
+    the GGUF file's name (the folder itself is named by a hash)."""
+    try:
+        record = json.loads((folder / "config.json").read_text()).get("oal_gguf") or {}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return record.get("base_model") or record.get("file")
+
+
 def base_model_facts(name: str | None, folder: str | Path | None, identified: str | None = None) -> dict:
     """{"id", "license", "license_note"} of the base model `name` loaded from `folder` (`identified`: the pinned hub
     checkpoint the folder's files were identified as, if any)."""
@@ -62,7 +73,8 @@ def base_model_facts(name: str | None, folder: str | Path | None, identified: st
                                 "Apache-2.0 licence (its pretraining text is the CPython standard library, PSF-2.0)"}
     registry_name = name if isinstance(name, str) and name and not any(c in name for c in "/\\") and not Path(
         name).exists() else None  # a name the model registry resolves (a preset such as a GGUF's), not a path
-    base_id = identified or hub_id(name) or registry_name or (folder.name if folder else None) or "unknown"
+    base_id = identified or hub_id(name) or _gguf_source(folder) or registry_name or (folder.name if folder else
+                                                                                      None) or "unknown"
     if folder is None or not folder.is_dir():
         return {"id": base_id, "license": "unknown",
                 "license_note": "the base model's folder was not available to read its licence from"}

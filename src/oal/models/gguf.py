@@ -137,7 +137,8 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         record = {"file": path.name, "sha256": sha, "dtype": dname, "architecture": meta["architecture"],
-                  "weights_sha256": file_sha256(tmp / _WEIGHTS)}
+                  "weights_sha256": file_sha256(tmp / _WEIGHTS),
+                  **({"base_model": source["base_model"]} if source else {})}
         cfg_path = tmp / "config.json"
         written = json.loads(cfg_path.read_text())
         written[GGUF_RECORD] = record
