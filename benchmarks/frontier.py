@@ -164,32 +164,56 @@ class Frontier:
                           for i in self.candidates}
         return out
 
-    def ranking(self, name: str, methods: dict[int, torch.nn.Module]) -> list[int]:
-        """Candidate layers best first by `--select-by` (`oal.pipeline.selection`), cached in the work folder."""
+    def ranking(self, name: str, methods: dict[int, torch.nn.Module], select: str) -> list[int]:
+        """Candidate layers best first by `select` (`oal.pipeline.selection`; "+recall": retrieval layers last),
+        cached in the work folder."""
         import json
 
         from oal.evaluate.fidelity import fidelity
         from oal.pipeline.selection import rank_layers, swap_probe
         from oal.rundir.files import atomic_write_json
 
-        path = self.work / f"ranking_{name}_{self.args.select_by}.json"
-        key = _row_key({**self.base_key, "method": name, "by": self.args.select_by, "options": self.options,
+        by, _, recall = select.partition("+")
+        path = self.work / f"ranking_{name}_{by}.json"
+        key = _row_key({**self.base_key, "method": name, "by": by, "options": self.options,
                         "candidates": self.candidates})
         if path.is_file() and json.loads(path.read_text()).get("key") == key:
-            return json.loads(path.read_text())["order"]
-        self.log(f"ranking the layers for {name} by {self.args.select_by}")
-        if self.args.select_by == "fidelity":
+            order = json.loads(path.read_text())["order"]
+            return self.recall_last(order) if recall else order
+        self.log(f"ranking the layers for {name} by {by}")
+        if by == "fidelity":
             per = fidelity(self.model, self.blocks["calib_val"], {"m": methods}, self.candidates)["m"]["per_layer"]
             scores = {i: per[str(i)]["relmse_post_o"] for i in self.candidates}
         else:
             scores = swap_probe(lambda: copy.deepcopy(self.model), methods, self.blocks["val"], progress=True)
         order = rank_layers(scores)
         atomic_write_json(path, {"key": key, "order": order, "scores": {str(i): s for i, s in scores.items()}})
-        return order
+        return self.recall_last(order) if recall else order
+
+    def recall_last(self, order: list[int]) -> list[int]:
+        """`order` with the retrieval layers last (`oal.analysis.retrieval`; the needle mass is cached)."""
+        import json
+
+        from oal.analysis.retrieval import needle_attention, retrieval_last
+        from oal.rundir.files import atomic_write_json
+
+        path = self.work / "needle_attention.json"
+        key = _row_key({"model": self.base_key["model"], "length": 2048})
+        if path.is_file() and json.loads(path.read_text()).get("key") == key:
+            mass = {int(i): v for i, v in json.loads(path.read_text())["mass"].items()}
+        else:
+            self.log("measuring each layer's attention on a passkey needle (3 prompts of 2048 tokens)")
+            mass = needle_attention(self.model, self.tok, length=2048)
+            atomic_write_json(path, {"key": key, "mass": {str(i): v for i, v in mass.items()}})
+        out = retrieval_last(order, mass, self.args.recall_threshold)
+        self.log(f"retrieval layers (a head with >= {self.args.recall_threshold} of its weight on the needle), "
+                 f"kept last: {out[len(out) - sum(max(mass[i]) >= self.args.recall_threshold for i in order):]}")
+        return out
 
     # ------------------------------------------------------------------------------------------------- rows
 
-    def row(self, name: str, layers: list[int], methods: dict[int, torch.nn.Module] | None) -> dict:
+    def row(self, name: str, layers: list[int], methods: dict[int, torch.nn.Module] | None,
+            select: str = "fidelity") -> dict:
         """Adapt and measure one arm (`methods` None: the softmax model), or read it back from the work folder."""
         import json
 
@@ -206,12 +230,13 @@ class Frontier:
                 "trials": a.trials, "depths": a.depths,
                 "kernels": {i: sorted(m.state_dict()) for i, m in (methods or {}).items()}}
         key = _row_key(spec)
-        path = self.work / "rows" / f"{name}-{len(layers)}.json"
+        tag = "" if select == "fidelity" or not methods else f"-{select}"  # the first rows' names stay
+        path = self.work / "rows" / f"{name}-{len(layers)}{tag}.json"
         if path.is_file():
             saved = json.loads(path.read_text())
             if saved.get("key") == key:
                 self.log(f"{name} K={len(layers)}: done earlier")
-                return saved["row"]
+                return {**saved["row"], "select_by": select if methods else None}
         self.log(f"{name} K={len(layers)}: layers {layers}; adapt {a.steps} steps, then measure")
         t0 = time.perf_counter()
         model = copy.deepcopy(self.model)
@@ -226,7 +251,8 @@ class Frontier:
         pk = evaluate_passkey(model, self.tok, lengths=a.passkey_lengths, depths=a.depths, trials=a.trials,
                               progress=True, description=f"passkey {name}")
         times = timing(model, self.text, a.lengths, a.decode_tokens)
-        row = {"method": name, "layers": layers, "n_linear": len(layers) if methods else 0,
+        row = {"method": name, "select_by": select if methods else None, "layers": layers,
+               "n_linear": len(layers) if methods else 0,
                "ppl": math.exp(total / count), "passkey": pk["by_length"], "decode_ms": times["decode_ms"],
                "prefill_s": times["prefill_s"], "peak_mb": times["peak_mb"], "best_val_nll": result.best_val_nll,
                "seconds": round(time.perf_counter() - t0, 1)}
@@ -239,7 +265,9 @@ class Frontier:
 def run(args, log=print) -> dict:
     t0 = time.perf_counter()
     f = Frontier(args, log)
-    res = {"model": args.model, "preset": f.preset, "select_by": args.select_by, "steps": args.steps,
+    res = {"model": args.model, "preset": f.preset, "select_by": args.select_by,
+           "recall_threshold": args.recall_threshold if any("recall" in x for x in args.select_by) else None,
+           "steps": args.steps,
            "window": args.window, "sinks": args.sinks, "candidates": f.candidates,
            "machine": {"platform": platform.platform(), "processor": platform.processor(),
                        "threads": torch.get_num_threads()},
@@ -248,14 +276,15 @@ def run(args, log=print) -> dict:
     soft = f.row("softmax", [], None)
     res["softmax"] = {k: soft[k] for k in ("ppl", "passkey", "decode_ms", "prefill_s", "peak_mb")}
     rows, res["rankings"] = [], {}
-    for name in args.methods:
-        order = f.ranking(name, cands[name])
-        res["rankings"][name] = order
-        for k in [k for m, k in args.k if m in (None, name)]:
-            if k > len(order):
-                log(f"{name}: K={k} exceeds the {len(order)} candidate layers; skipped")
-                continue
-            rows.append(f.row(name, sorted(order[:k]), cands[name]))
+    for select in args.select_by:
+        for name in args.methods:
+            order = f.ranking(name, cands[name], select)
+            res["rankings"][f"{name} by {select}"] = order
+            for k in [k for m, k in args.k if m in (None, name)]:
+                if k > len(order):
+                    log(f"{name}: K={k} exceeds the {len(order)} candidate layers; skipped")
+                    continue
+                rows.append(f.row(name, sorted(order[:k]), cands[name], select))
     res["rows"] = rows
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
@@ -266,6 +295,12 @@ def model_tag(name: str) -> str:
         Path(name).name.lower()
 
 
+def arm(r: dict) -> str:
+    """A row's label: the method, and its selection when that is not the default fidelity ranking."""
+    sel = r.get("select_by")
+    return r["method"] if sel in (None, "fidelity") else f"{r['method']} ({sel})"
+
+
 def table_rows(res: dict) -> tuple[list[str], list[list[str]]]:
     lengths = list(res["softmax"]["decode_ms"])
     pk = list(res["softmax"]["passkey"])
@@ -273,7 +308,7 @@ def table_rows(res: dict) -> tuple[list[str], list[list[str]]]:
               *(f"prefill s {n}" for n in lengths), "peak MB"]
     out = []
     for r in [{"method": "softmax", "n_linear": 0, **res["softmax"]}, *res["rows"]]:
-        out.append([r["method"], str(r["n_linear"]), f"{r['ppl']:.2f}", *(f"{r['passkey'][n]:.2f}" for n in pk),
+        out.append([arm(r), str(r["n_linear"]), f"{r['ppl']:.2f}", *(f"{r['passkey'][n]:.2f}" for n in pk),
                     *(f"{r['decode_ms'][n]:.1f}" for n in lengths), *(f"{r['prefill_s'][n]:.2f}" for n in lengths),
                     f"{r['peak_mb']:.0f}" if r.get("peak_mb") else "-"])
     return header, out
@@ -291,8 +326,8 @@ def figure(res: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     s = res["softmax"]
     ax.scatter([s["decode_ms"][longest]], [s["ppl"]], marker="*", s=160, color="black", label="softmax", zorder=3)
-    for name in dict.fromkeys(r["method"] for r in res["rows"]):
-        pts = sorted((r for r in res["rows"] if r["method"] == name), key=lambda r: r["n_linear"])
+    for name in dict.fromkeys(arm(r) for r in res["rows"]):
+        pts = sorted((r for r in res["rows"] if arm(r) == name), key=lambda r: r["n_linear"])
         ax.plot([r["decode_ms"][longest] for r in pts], [r["ppl"] for r in pts], "o-", label=name)
         for r in pts:
             ax.annotate(f"K={r['n_linear']}", (r["decode_ms"][longest], r["ppl"]), fontsize=7,
@@ -317,7 +352,10 @@ def parse(argv=None):
     p.add_argument("--k", default="8,15,22", help="numbers of converted layers; METHOD:K for one method only "
                    "(e.g. 15,22,swa:28)")
     p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
-    p.add_argument("--select-by", choices=("fidelity", "probe"), default="fidelity")
+    p.add_argument("--select-by", default="fidelity", help="comma list of rankings, each fidelity or probe, "
+                   "with +recall: the retrieval layers last (oal.analysis.retrieval); rows for each")
+    p.add_argument("--recall-threshold", type=float, default=0.1,
+                   help="+recall: a layer retrieves when one of its heads puts this share of its weight on the needle")
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--lengths", default="2048,4096,8192", help="prefill / decode timing lengths")
@@ -335,6 +373,7 @@ def parse(argv=None):
         a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
         a.k = [(m or None, int(k)) for m, _, k in (x.strip().rpartition(":") for x in a.k.split(",") if x.strip())]
         a.lengths, a.passkey_lengths = _ints(a.lengths), _ints(a.passkey_lengths)
+        a.select_by = [x.strip() for x in a.select_by.split(",") if x.strip()]
         a.depths = [float(x) for x in a.depths.split(",")]
     except ValueError as exc:
         p.error(f"expected comma-separated numbers ({exc})")
@@ -344,6 +383,10 @@ def parse(argv=None):
     bad = [m for m in a.methods if m not in linear]
     if bad or not a.methods:
         p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {', '.join(linear)}")
+    bad_select = [x for x in a.select_by if x.partition("+")[0] not in ("fidelity", "probe")
+                  or x.partition("+")[2] not in ("", "recall")]
+    if bad_select or not a.select_by:
+        p.error(f"--select-by: expected fidelity, probe, fidelity+recall or probe+recall, got {bad_select}")
     if a.threads < 0 or a.steps < 1 or a.trials < 1 or min((k for _, k in a.k), default=0) < 1:
         p.error("--threads >= 0, --steps >= 1, --trials >= 1 and every --k >= 1 expected")
     if a.quick:
@@ -369,7 +412,7 @@ def main(argv=None) -> int:
     figure(res, args.json.with_suffix(".png"))
     header, rows = table_rows(res)
     table = Table(title=f"conversion frontier: {res['model']} ({res['steps']} adaptation steps, select by "
-                        f"{res['select_by']}, window {res['window']}, sinks {res['sinks']})")
+                        f"{', '.join(res['select_by'])}, window {res['window']}, sinks {res['sinks']})")
     for col in header:
         table.add_column(col, justify="right")
     for r in rows:

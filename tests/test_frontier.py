@@ -27,7 +27,7 @@ def test_schema_and_rows(result):
     assert set(res["softmax"]["passkey"]) == {"128"} and set(res["softmax"]["decode_ms"]) == {"64", "128"}
     assert [(r["method"], r["n_linear"]) for r in res["rows"]] == [("swa", 1), ("swa", 2), ("oal", 1), ("oal", 2)]
     for r in res["rows"]:
-        assert r["layers"] == sorted(res["rankings"][r["method"]][: r["n_linear"]])
+        assert r["layers"] == sorted(res["rankings"][f"{r['method']} by fidelity"][: r["n_linear"]])
         assert r["ppl"] > 1 and 0 <= r["passkey"]["128"] <= 1 and r["decode_ms"]["128"] > 0
     assert res["candidates"] == [1, 2, 3, 4]  # all but the first and last of six layers
     assert (tmp / "out.png").stat().st_size > 0
