@@ -354,7 +354,7 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
     p.add_argument("--select-by", default="fidelity", help="comma list of rankings, each fidelity or probe, "
                    "with +recall: the retrieval layers last (oal.analysis.retrieval); rows for each")
-    p.add_argument("--recall-threshold", type=float, default=0.1,
+    p.add_argument("--recall-threshold", type=float, default=0.2,
                    help="+recall: a layer retrieves when one of its heads puts this share of its weight on the needle")
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sinks", type=int, default=4)

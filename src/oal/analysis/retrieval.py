@@ -31,9 +31,11 @@ def _needle_span(tokenizer, length: int, depth: float, seed: int) -> tuple[list[
 
 @torch.no_grad()
 def needle_attention(model, tokenizer, *, length: int = 2048, depths: Sequence[float] = (0.1, 0.5, 0.9),
-                     seed: int = 0) -> dict[int, list[float]]:
+                     seed: int = 1) -> dict[int, list[float]]:
     """{layer: [mean over prompts of the softmax weight on the needle, per query head]} for every layer, from the
-    question's last token (where the answer is written next): sum_{j in needle} softmax(q_i . k_j * scale)."""
+    question's last token (where the answer is written next): sum_{j in needle} softmax(q_i . k_j * scale).
+    The default seed 1 draws other keys than `oal evaluate --passkey` (seed 0), so a selection made with it is not
+    fitted to the evaluation's prompts (their filler and template are the same)."""
     from oal.models.capture import capture
 
     n_layers = model.config.num_hidden_layers
