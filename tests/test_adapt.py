@@ -167,3 +167,17 @@ def test_config_validation(kw, name):
 def test_bad_blocks_rejected():
     with pytest.raises(ValueError, match="train_blocks"):
         adapt(_tiny_model(), torch.zeros(3, dtype=torch.long), _blocks(2, 8, 0), AdaptConfig(**CFG), progress=False)
+
+
+def test_a_checkpoint_of_another_conversion_is_not_resumed(tmp_path):
+    """swa has no tensors, so layer 0 or layer 1 converted give one tensor fingerprint; the checkpoint key still
+    tells them apart, and a finished checkpoint of one is not taken for the other."""
+    cfg = AdaptConfig(**{**CFG, "steps": 2, "val_every": 2, "ckpt_every": 1})
+    steps = {}
+    for layer in (0, 1):
+        model = _tiny_model()
+        convert_model(model, [layer], {layer: build_method("swa", 4, 2, 16, window=4, sinks=1, layer_idx=layer)})
+        steps[layer] = []
+        adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), cfg, ckpt_dir=tmp_path / "ckpt", progress=False,
+              on_step=steps[layer].append)
+    assert steps == {0: [1, 2], 1: [1, 2]}  # the second trained from the start

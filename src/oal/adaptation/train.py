@@ -38,6 +38,7 @@ from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
 from oal.launch import Ranks, log_console, ranks, training_accelerator
+from oal.models.attention import converted_methods
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["adapt", "kernel_parameter_names", "wrap_lora"]
@@ -55,8 +56,6 @@ def kernel_parameter_names(model) -> list[str]:
 
 def _count_kernel_params(model) -> int:
     """Trained kernel coefficients of the converted layers, as the paper counts them (no padding)."""
-    from oal.models.attention import converted_methods
-
     return sum(m.n_kernel_params for m in converted_methods(model).values())
 
 
@@ -135,6 +134,9 @@ def adapt(
             got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
             raise ValueError(f"{name}: expected a non-empty integer tensor [n_blocks, L >= 2], got {got}")
     base_sha256 = converted_model_sha256(model)
+    # which layers run which method: a method without tensors (swa) leaves no trace in the tensor fingerprint, and a
+    # checkpoint of another conversion must not be resumed
+    conversion = {i: [m.name, {k: getattr(m, k) for k in m.settings}] for i, m in converted_methods(model).items()}
     peft_model, kernel_names = wrap_lora(model, cfg)
     params = _trainable(peft_model)
     kernel_set = set(kernel_names)
@@ -153,7 +155,8 @@ def adapt(
     order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
     key = config_hash({"cfg": adapt_identity(cfg, group.size), "train": tensor_hash(train_blocks),
                        "val": tensor_hash(val_blocks), "params": sorted(params),
-                       "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256})
+                       "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256,
+                       "conversion": conversion})
 
     state = {"key": key, "step": 0, "best_step": -1, "best_val_nll": math.inf, "history": [], "validation": []}
     best = {n: p.detach().clone() for n, p in params.items()}
