@@ -191,10 +191,10 @@ class Frontier:
         return self.recall_last(order) if recall else order
 
     def recall_last(self, order: list[int]) -> list[int]:
-        """`order` with the retrieval layers last (`oal.analysis.retrieval`; the needle mass is cached)."""
+        """`order` with the retrieval layers last (`oal.evaluate.retrieval`; the needle mass is cached)."""
         import json
 
-        from oal.analysis.retrieval import needle_attention, retrieval_last
+        from oal.evaluate.retrieval import needle_attention, retrieval_last
         from oal.rundir.files import atomic_write_json
 
         path = self.work / "needle_attention.json"
@@ -353,7 +353,7 @@ def parse(argv=None):
                    "(e.g. 15,22,swa:28)")
     p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
     p.add_argument("--select-by", default="fidelity", help="comma list of rankings, each fidelity or probe, "
-                   "with +recall: the retrieval layers last (oal.analysis.retrieval); rows for each")
+                   "with +recall: the retrieval layers last (oal.evaluate.retrieval); rows for each")
     p.add_argument("--recall-threshold", type=float, default=0.2,
                    help="+recall: a layer retrieves when one of its heads puts this share of its weight on the needle")
     p.add_argument("--window", type=int, default=64)

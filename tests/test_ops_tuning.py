@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import oal.ops.chunked as chunked
-from oal.ops import oal_attention, tuning, workers
+from oal.ops import autotune, oal_attention, tuning, workers
 from oal.ops.tuning import Settings
 
 F64 = torch.float64
@@ -32,9 +32,9 @@ def test_cache_lives_in_xdg_cache_home(cache_home):
 
 def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch):
     timed = []
-    real = tuning._time
-    monkeypatch.setattr(tuning, "_time", lambda s, *a: timed.append(s) or real(s, *a))
-    res = tuning.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    real = autotune._time
+    monkeypatch.setattr(autotune, "_time", lambda s, *a: timed.append(s) or real(s, *a))
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
     grid = len(set(timed))  # the pruned grid, each candidate once, then the winner against the defaults
     best, default = Settings(**res["settings"]), chunked.fixed_settings(torch.float32)
     assert grid >= 6 and len(set(timed[:grid])) == grid and set(timed[grid:]) <= {best, default}
@@ -47,7 +47,7 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     assert tuning.settings_for(torch.float32, 2) == best
     assert tuning.settings_for(torch.float32, 3) is None and tuning.settings_for(torch.bfloat16, 2) is None
     timed.clear()
-    assert tuning.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"] == entry  # cached
+    assert autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"] == entry  # cached
     assert not timed
 
 
@@ -76,8 +76,8 @@ def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):
     monkeypatch.setattr(torch, "__version__", "0.0-other")  # measured under another torch: not used, re-measured
     tuning.reload()  # as a new process would
     assert tuning.settings_for(torch.float32, 2) is None
-    monkeypatch.setattr(tuning, "_time", lambda *a: 1.0)
-    tuning.tune([torch.float32], threads=2, n=64, repeats=1, shape=TINY)
+    monkeypatch.setattr(autotune, "_time", lambda *a: 1.0)
+    autotune.tune([torch.float32], threads=2, n=64, repeats=1, shape=TINY)
     assert json.loads(tuning.cache_path().read_text())["entries"][key]["torch"] == "0.0-other"
 
 
@@ -147,7 +147,7 @@ def test_tune_cpu_command(cache_home, monkeypatch):
 
     from oal.cli import load_commands
 
-    monkeypatch.setattr(tuning, "_time", lambda s, *a: 1.0 / s.chunk)  # no timing: longer chunks "win"
+    monkeypatch.setattr(autotune, "_time", lambda s, *a: 1.0 / s.chunk)  # no timing: longer chunks "win"
     runner = CliRunner()
     res = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float32", "--threads", "2", "--length", "256"])
     assert res.exit_code == 0, res.output

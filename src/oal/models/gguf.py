@@ -21,7 +21,7 @@ import torch
 from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.models.folders import bad_model, first_line
 from oal.models.provenance import file_sha256
-from oal.user_cache import cache_root
+from oal.rundir.user_cache import cache_root
 
 __all__ = ["GGUF_RECORD", "gguf_metadata", "is_gguf", "materialize_gguf"]
 
@@ -98,6 +98,9 @@ def _card(meta: dict, record: dict, source: dict | None) -> str:
              f"Licence: {lic}" + ("" if meta.get("license") else " (the GGUF file names none)") + "."]
     if source:
         lines += ["", f"Source: {source['source']}.", f"Original model: {source['base_model']}."]
+        card = Path(__file__).resolve().parents[1] / "assets" / source["card"] if source.get("card") else None
+        if card is not None and card.is_file():  # oal's card of this model: its measured tables
+            lines += ["", card.read_text().strip()]
     return "\n".join(lines) + "\n"
 
 

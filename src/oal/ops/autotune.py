@@ -1,0 +1,142 @@
+"""The tuner behind `oal tune-cpu` and `benchmarks.operator`: times a pruned grid of the chunked operator's settings
+on this machine and stores the best in `oal.ops.tuning`'s cache. Apart from `tuning` (which the operator imports to
+read the cache) so that the operator never imports what measures it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from oal.ops import chunked, oal_attention
+from oal.ops.kernel import perturbed_factor, taylor_factor
+from oal.ops.tuning import (
+    _LOCK,
+    OPERATOR_REVISION,
+    TUNE_SHAPE,
+    Settings,
+    _current,
+    _dtype_name,
+    _read,
+    _write,
+    cache_path,
+    cpu_info,
+    forced,
+    machine_key,
+    reload,
+)
+
+__all__ = ["candidates", "tune"]
+
+
+def _inputs(n: int, dtype: torch.dtype, shape: dict):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, shape["hq"], n, shape["d"], generator=gen).to(dtype)
+    k = torch.randn(1, shape["hkv"], n, shape["d"], generator=gen).to(dtype)
+    v = torch.randn(1, shape["hkv"], n, shape["d"], generator=gen).to(dtype)
+    groups = torch.randint(0, shape["g"], (shape["hq"], shape["d"]), generator=gen)
+    factor = perturbed_factor(taylor_factor(shape["hq"], shape["g"]), 0.1, generator=gen)
+    return q, k, v, groups, factor
+
+
+def _fixed(dtype: torch.dtype) -> Settings:
+    return chunked.fixed_settings(dtype)
+
+
+def _time(settings: Settings, inputs, repeats: int) -> float:
+    best = float("inf")
+    with forced(settings), torch.no_grad():
+        oal_attention(*inputs, backend="chunked")  # warm-up: scratch buffers
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            oal_attention(*inputs, backend="chunked")
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+CHUNKS, BLOCK_TOKENS = (32, 64, 128), (128, 256, 512, 1024)
+
+
+def candidates(default: Settings, threads: int, n_kv: int, best: Settings | None = None, stage: int = 0):
+    """The pruned grid, one coordinate at a time: (0) the chunk size at the default block length, (1) the block
+    length at the best chunk, (2) the worker layout at the best chunk and block (only with several threads)."""
+    block_tokens = default.chunk * default.block_chunks
+    if stage == 0:
+        return [dataclasses.replace(default, chunk=c, block_chunks=max(block_tokens // c, 1)) for c in CHUNKS]
+    if stage == 1:
+        return [dataclasses.replace(best, block_chunks=max(t // best.chunk, 1)) for t in BLOCK_TOKENS]
+    if threads <= 1:
+        return []
+    layouts = [dataclasses.replace(best, pipeline=True, kv_groups=0), dataclasses.replace(best, pipeline=False)]
+    if n_kv > 1:
+        layouts.append(dataclasses.replace(best, pipeline=True, kv_groups=n_kv))
+    return layouts
+
+
+def _beyond(best: Settings, stage: int) -> Settings | None:
+    """One step past the edge of the grid when the best lies on it (a CPU that wants longer chunks or blocks)."""
+    if stage == 0 and best.chunk == CHUNKS[-1]:
+        tokens = best.chunk * best.block_chunks
+        return dataclasses.replace(best, chunk=2 * best.chunk, block_chunks=max(tokens // (2 * best.chunk), 1))
+    if stage == 1 and best.chunk * best.block_chunks == BLOCK_TOKENS[-1]:
+        return dataclasses.replace(best, block_chunks=2 * best.block_chunks)
+    return None
+
+
+def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: int = 8192, repeats: int = 2,
+         force: bool = False, shape: dict | None = None, log=None) -> dict:
+    """Measure and cache the best settings for each dtype (wall clock, `threads` torch threads, causal forward of
+    length n at `shape`, best of `repeats` calls per candidate). Entries already cached for this torch version are
+    kept unless `force`. Returns {dtype name: entry}; an entry holds the settings, every candidate's time, the
+    load average before and after, and how long the tuning took."""
+    shape = TUNE_SHAPE if shape is None else shape
+    saved = torch.get_num_threads()
+    threads = saved if threads is None else threads
+    info = cpu_info()
+    results = {}
+    torch.set_num_threads(threads)
+    try:
+        for dtype in dtypes:
+            key = machine_key(dtype, threads, info)
+            old = _read(cache_path()).get(key)
+            if not force and _current(old):
+                results[_dtype_name(dtype)] = old
+                continue
+            t_start, load = time.perf_counter(), os.getloadavg()[0]
+            inputs = _inputs(n, dtype, shape)
+            tried: dict[Settings, float] = {}
+            best, default = None, _fixed(dtype)
+            for stage in range(3):
+                todo = candidates(default, threads, shape["hkv"], best, stage)
+                while todo:
+                    for cand in todo:
+                        if cand not in tried:
+                            tried[cand] = _time(cand, inputs, repeats)
+                            if log:
+                                log(f"  {_dtype_name(dtype)} {cand.label()}: {tried[cand]:.3f} s")
+                    best = min(tried, key=tried.get)
+                    step = _beyond(best, stage)
+                    todo = [step] if step is not None and step not in tried else []
+            if best != default:  # confirm against the defaults, interleaved, so that a drift in load cannot pick it
+                for _ in range(repeats):
+                    for cand in (default, best):
+                        tried[cand] = min(tried[cand], _time(cand, inputs, 1))
+                best = min((default, best), key=tried.get)
+            entry = {"settings": dataclasses.asdict(best), "torch": torch.__version__, "revision": OPERATOR_REVISION,
+                     "cpu": info, "threads": threads,
+                     "n": n, "shape": shape, "default": dataclasses.asdict(default),
+                     "time_s": tried[best], "default_time_s": tried.get(default),
+                     "candidates": [dataclasses.asdict(s) | {"time_s": t} for s, t in tried.items()],
+                     "load_before": load, "load_after": os.getloadavg()[0],
+                     "tuning_s": time.perf_counter() - t_start, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            with _LOCK:  # merge with entries other processes may have written meanwhile
+                entries = _read(cache_path())
+                entries[key] = entry
+                _write(cache_path(), entries)
+            results[_dtype_name(dtype)] = entry
+    finally:
+        torch.set_num_threads(saved)
+        reload()
+    return results
