@@ -57,8 +57,8 @@ PRESETS: dict[str, dict] = {
         # validation MSE is flat after ~150 steps on this model (layers 13-14, 18 heads: the best by step 150 is within
         # 1.6% of the 400-step best, 0.2% on average)
         "calib": {"max_steps": 150, "val_every": 25, "patience": 75},
-        # an update of the 24 converted layers at 256 tokens takes ~6 s on one core: 32 per arm keep three arms
-        # (oal, global, softmax) inside the budget
+        # 32 updates of 256 tokens per arm (with two validations): 175 s (softmax) to 507 s (oal, 24 converted layers)
+        # on one thread at load ~4; 128 would not fit three arms in the budget
         "adapt": {"steps": 32, "val_every": 16, "ckpt_every": 8},
         "zeroshot_limit": 100,
     },
