@@ -14,7 +14,8 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   as it writes (Eq. 5), so each chunk state is written once;
 - readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
-  z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7).
+  z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7). The constant L_0m rides in the GEMM (a row of
+  the query operand against a column of ones beside the keys), which saves a pass over z.
 For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
 running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32.
 torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from oal.ops import tuning, workers
+from oal.ops import kernel, tuning, workers
 from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
@@ -72,6 +73,7 @@ _WORKSPACE = threading.local()  # per thread: (device, dtype, name) -> flat buff
 def clear_workspace() -> None:
     """Release this thread's scratch buffers (they are kept between calls; see `_scratch`)."""
     _WORKSPACE.__dict__.clear()
+    kernel.clear_plans()  # the cached views of the feature maps hold buffers too
 
 
 def _scratch(ws: dict | None, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
@@ -89,6 +91,7 @@ def _scratch(ws: dict | None, name: str, shape: tuple, dtype: torch.dtype, devic
     if buf is None or buf.numel() < n:
         with torch.inference_mode(False):  # a normal tensor: usable both in and outside inference mode
             buf = ws[key] = torch.empty(n, dtype=dtype, device=device)
+        kernel.clear_plans()  # views of the buffer this one replaces must not keep it alive
     if NAN_SCRATCH:
         buf.fill_(float("nan"))
     return buf[:n].view(shape)
@@ -122,18 +125,20 @@ def _key_features(k, ws):
         if feat is None:  # autograd: out of place
             return features(xk, dim=2)
         feat[:, :, 1 : 1 + d] = xk
-        return features(feat[:, :, 1 : 1 + d], dim=2, out=feat)
+        return features(feat[:, :, 1 : 1 + d], dim=2, out=feat, plan=True)
 
 
-def _query_features(xq, w, ws):
+def _query_features(xq, weights, ws):
     """phi(Q_c) = w * psi(Q_c) feature-major [nc, B, Hkv, F, rep * C] from xq [nc, B, Hkv, d, rep, C] (Eq. 6).
 
-    One buffer per block, contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix (it
-    was rep of the rep + 1 slots of a buffer shared with the keys). The weights are folded into the pair
+    `weights`: (w, w in xq's dtype; a mixed-dtype multiply is several times slower). One buffer per block,
+    contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix (it was rep of the rep + 1
+    slots of a buffer shared with the keys). The weights are folded into the pair
     products (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant
     and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see
     `_readout`); otherwise None.
     """
+    w, wg = weights  # wg is converted once per call: the feature maps' cached views are keyed by their tensors
     d = xq.shape[3]
     lin, dev = 1 + d, xq.device
     shape = xq.shape[:3] + (feature_dim(d),) + xq.shape[4:]
@@ -148,12 +153,11 @@ def _query_features(xq, w, ws):
                 phi_lin[:, :, :, :1] = w[:, :1]
                 torch.mul(xq, w[:, 1:lin], out=phi_lin[:, :, :, 1:])
             phi_lin = phi_lin.flatten(-2)
-        wg = w.to(xq.dtype)  # a mixed-dtype multiply is several times slower
         phi = _scratch(ws, "featq", shape, xq.dtype, dev)
         if phi is None:
             phi = features(xq, dim=3) * wg
         else:
-            phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev))
+            phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev), plan=True)
     return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
 
 
@@ -202,10 +206,15 @@ def _readout(phi, states, ws=None, phi_lin=None):
         if phi_lin is None:
             return torch.matmul(s_t.to(phi.dtype), phi, out=_scratch(ws, "num", shape, phi.dtype, phi.device))
         lin = phi_lin.shape[-2]
-        s_low = _scratch(ws, "s_low", states[..., lin:, :].shape, phi.dtype, phi.device)  # a transposing copy is
-        s_low = states[..., lin:, :].to(phi.dtype) if s_low is None else s_low.copy_(states[..., lin:, :])  # 15x slower
-        low = torch.matmul(s_low.transpose(-1, -2), phi[..., lin:, :],
-                           out=_scratch(ws, "num_low", shape, phi.dtype, phi.device))
+        s_low = _scratch(ws, "s_low", states[..., lin:, :].shape, phi.dtype, phi.device)
+        if s_low is None:
+            low = states[..., lin:, :].to(phi.dtype).transpose(-1, -2) @ phi[..., lin:, :]
+        else:  # the bf16 GEMM runs 1.5x faster with its left operand row-major [dv+1, F]; converting and then
+            s_low.copy_(states[..., lin:, :])  # transposing in bf16 was 1.6x cheaper than one transposing copy
+            s_t_low = _scratch(ws, "s_t_low", s_low.shape[:-2] + s_low.shape[-1:] + s_low.shape[-2:-1], phi.dtype,
+                               phi.device).copy_(s_low.transpose(-1, -2))
+            low = torch.bmm(s_t_low.flatten(0, -3), phi[..., lin:, :].flatten(0, -3),
+                            out=_scratch(ws, "num_low", shape, phi.dtype, phi.device).flatten(0, -3)).view(shape)
         if ws is None:
             return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
                                  phi_lin.flatten(0, -3)).view(shape)
@@ -230,9 +239,13 @@ def _normalise(num_t, n_q: int, out=None, raw: bool = False):
 
 
 def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
-    """First half of one causal block: features and the intra-chunk query weights (Eq. 6-7), everything that does
+    """First half of one causal block: features and the intra-chunk operands (Eq. 6-7), everything that does
     not need the state before the block. `_chunk_states` then builds the chunk states from it (parts["psi"],
     parts["ug"]). `fresh`: one chunk from a zero state, no features, no state.
+
+    wz [Hkv, d+1, rep, G+1, 1]: rows 0..d-1 the intra-chunk query weights, row d the constants L_0m. The query
+    operand qw [nc, B, Hkv, d+1, rep, G+1, C] gets them as its last row and the key operand kb [nc, B, Hkv, C,
+    d+1] a column of ones, so that their product is z_m(i, j) with its constant (Eq. 7).
     """
     bsz, n_q, n, d = q.shape
     n_kv, dv1 = k.shape[1], u.shape[-1]
@@ -241,12 +254,22 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     # zero padding: padded keys have u = 0 (no value, no denominator), padded query rows are dropped
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
-    parts = {"ub": ub.to(sdt).contiguous(), "k": k, "n_c": n_c, "prev": None, "phi": None}
+    parts = {"ub": ub.to(sdt).contiguous(), "n_c": n_c, "prev": None, "phi": None}
     xq = _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # queries feature-major [nc, B, Hkv, d, rep, C]
     with record_function("oal.intra"):
         n_m = wz.shape[-2]
-        qw = torch.mul(xq.unsqueeze(5), wz, out=_scratch(ws, "qw", (n_c, bsz, n_kv, d, rep, n_m, chunk), sdt, dev))
-    parts["qw"] = qw
+        kc = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, d]
+        qw = _scratch(ws, "qw", (n_c, bsz, n_kv, d + 1, rep, n_m, chunk), sdt, dev)
+        kb = _scratch(ws, "kb", (n_c, bsz, n_kv, chunk, d + 1), sdt, dev)
+        if qw is None:  # autograd: out of place
+            qw = torch.cat([xq.unsqueeze(5) * wz[:, :d], wz[:, d:].expand(n_c, bsz, n_kv, 1, rep, n_m, chunk)], dim=3)
+            kb = torch.cat([kc.to(sdt), torch.ones(kc.shape[:-1] + (1,), dtype=sdt, device=dev)], dim=-1)
+        else:
+            torch.mul(xq.unsqueeze(5), wz[:, :d], out=qw[:, :, :, :d])
+            qw[:, :, :, d:].copy_(wz[:, d:].expand_as(qw[:, :, :, d:]))
+            kb[..., :d].copy_(kc)
+            kb[..., d:].fill_(1.0)
+    parts["qw"], parts["kb"] = qw, kb
     if not fresh:
         parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
         parts["psi"] = _key_features(k, ws)
@@ -254,11 +277,11 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     return parts
 
 
-def _block_finish(parts, l0, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
+def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, out=None, ws=None):
     """Second half of one causal block: readout of the chunk states parts["prev"] (None for a fresh block), the
     intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
-    qw, ub, k, n_c, prev = parts["qw"], parts["ub"], parts["k"], parts["n_c"], parts["prev"]
-    _, bsz, n_kv, d, rep, n_m, _ = qw.shape
+    qw, kb, ub, n_c, prev = parts["qw"], parts["kb"], parts["ub"], parts["n_c"], parts["prev"]
+    _, bsz, n_kv, d1, rep, n_m, _ = qw.shape
     dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
     num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
     num = None
@@ -266,11 +289,10 @@ def _block_finish(parts, l0, eps: float, chunk: int, n_q: int, raw: bool = False
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
-        kb = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1).to(sdt)  # [nc, B, Hkv, C, d]
-        z = torch.matmul(kb, qw.reshape(n_c, bsz, n_kv, d, -1),
+        z = torch.matmul(kb, qw.reshape(n_c, bsz, n_kv, d1, -1),  # z_m(i, j) with its constant L_0m
                          out=_scratch(ws, "z", (n_c, bsz, n_kv, chunk, rep * n_m * chunk), sdt, dev))
         z = z.view(n_c, bsz, n_kv, chunk, rep, n_m, chunk)
-        sq = z.add_(l0).square_() if ws is not None else (z + l0).square()
+        sq = z.square_() if ws is not None else z.square()
         kappa = torch.sum(sq, dim=5, out=_scratch(ws, "kappa", (n_c, bsz, n_kv, chunk, rep, chunk), sdt, dev))
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_().unsqueeze(1)  # key j <= query i
         if ws is not None:
@@ -288,7 +310,7 @@ def _block_finish(parts, l0, eps: float, chunk: int, n_q: int, raw: bool = False
     return _normalise(num, n_q, out, raw)
 
 
-def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
+def _block_step(state, q, k, u, w, wz, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
                 ws=None):
     """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
 
@@ -302,10 +324,10 @@ def _block_step(state, q, k, u, w, wz, l0, eps: float, chunk: int, fresh: bool, 
     if not fresh:
         parts["prev"] = _chunk_states(state, parts["psi"], parts["ug"], chunk, ws)
         after = parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
-    return _block_finish(parts, l0, eps, chunk, q.shape[1], raw, out, ws), after
+    return _block_finish(parts, eps, chunk, q.shape[1], raw, out, ws), after
 
 
-def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, raw: bool, out, threads: int,
+def _pipelined(state, q, k, u, w, wz, eps: float, chunk: int, block: int, raw: bool, out, threads: int,
                kv_groups: int = 0):
     """The causal blocks on `threads` single-threaded workers (`ops.workers`), inference only.
 
@@ -328,10 +350,11 @@ def _pipelined(state, q, k, u, w, wz, l0, eps: float, chunk: int, block: int, ra
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], w[a:b], wz[a:b], chunk, False, ws)
+        wh = (w[0][a:b], w[1][a:b])
+        parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], wh, wz[a:b], chunk, False, ws)
         prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
         chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
-        _block_finish(parts, l0[a:b], eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
+        _block_finish(parts, eps, chunk, (b - a) * rep, raw, out[:, heads, sl], ws)
 
     workers.workers(threads).run(item, [(g, i) for i in range(len(starts)) for g in range(n_groups)], chain)
     return torch.cat([chain.take((g, len(starts))) for g in range(n_groups)], dim=1)
@@ -373,10 +396,12 @@ def chunked_attention(
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w = query_coefficients(*coeffs, scale) if weights is None else weights
     w = w.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
+    w = (w, w.to(dtype))  # also in the GEMM dtype, converted once per call
     lower = torch.tril(factor)
     wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]
-    l0 = lower[:, 0, :].reshape(n_kv, 1, rep, -1, 1)  # [Hkv, 1, rep, G+1, 1]
+    l0 = lower[:, 0, :].reshape(n_kv, 1, rep, -1, 1)  # [Hkv, 1, rep, G+1, 1]: the constants L_0m
+    wz = torch.cat([wz, l0.to(wz.dtype)], dim=1)  # [Hkv, d+1, rep, G+1, 1] (see `_block_prefix`)
     use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
     ws = None if use_ckpt else _WORKSPACE.__dict__  # scratch buffers shared by blocks and calls (inference only)
 
@@ -408,12 +433,12 @@ def chunked_attention(
     pipelined = settings.pipeline and threads > 1 and q.device.type == "cpu" and workers.enabled()
     if not (use_ckpt or fresh) and n > block and pipelined:
         q, k, u = (_pad_to(t, padded) for t in (q, k, u))
-        state = _pipelined(state, q, k, u, w, wz, l0, eps, chunk, block, raw, out, threads, settings.kv_groups)
+        state = _pipelined(state, q, k, u, w, wz, eps, chunk, block, raw, out, threads, settings.kv_groups)
         return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state
     outs, init = [], state
     for start in range(0, n, block):
         sl = slice(start, start + block)
-        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], w, wz, l0, eps, chunk, fresh, raw)
+        args = (state, q[:, :, sl], k[:, :, sl], u[:, :, sl], w, wz, eps, chunk, fresh, raw)
         o, state = run(_block_step, *args, out=None if out is None else out[:, :, start : start + block])
         outs.append(o)
     out = torch.cat(outs, dim=2) if out is None else out

@@ -12,6 +12,7 @@ query heads of a KV head, and query features phi(q) that carry the per-head coef
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -154,13 +155,14 @@ def key_features(k: torch.Tensor, out=None) -> torch.Tensor:
     return features(k, dim=-1, out=out)
 
 
-def features(x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+def features(x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None, plan: bool = False) -> torch.Tensor:
     """psi(x) = [1, x, x_r x_t (r <= t)] built along `dim` (of size d; the result has F there).
 
     Along the last dim (token-major) the pair products come from `pair_products`. Along an outer dim
     (feature-major) every pair block x_r * x[r:] is one long contiguous stretch, the cheapest layout to build,
     which the GEMMs then read without a copy. With `out` (inference) the result is written in place; x may
-    already be the view out.narrow(dim, 1, d), and is then not copied.
+    already be the view out.narrow(dim, 1, d), and is then not copied. `plan`: x and out are buffers that live on
+    (the chunked operator's scratch), so their views are cached (`_plan`).
     """
     dim = dim % x.dim()
     d = x.shape[dim]
@@ -182,19 +184,19 @@ def features(x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) ->
     if last:
         pair_products(x, out.narrow(dim, 1 + d, d * (d + 1) // 2))
         return out
-    start = 1 + d
-    for r in range(d):
-        torch.mul(x.narrow(dim, r, 1), x.narrow(dim, r, d - r), out=out.narrow(dim, start, d - r))
-        start += d - r
+    for x_r, x_rest, out_r in _plan(_pair_views, x, out, dim=dim, cache=plan):
+        torch.mul(x_r, x_rest, out=out_r)
     return out
 
 
-def weighted_features(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Tensor, tmp: torch.Tensor | None = None):
+def weighted_features(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Tensor, tmp: torch.Tensor | None = None,
+                      plan: bool = False):
     """w * psi(x) along an outer `dim` of x, written into `out` in one pass (inference; x is not a view of out).
 
     The reference is `features(x, dim) * w` (w broadcasts against out, F at `dim`). Pair block r is built as
     (x[r:] * w_r) * x_r: the small product stays in cache (`tmp`, x's shape, optional), and the F-wide result is
-    written once instead of written and then scaled in place, which was a second full pass over it.
+    written once instead of written and then scaled in place, which was a second full pass over it. `plan`: as in
+    `features`, for x, w, out and tmp.
     """
     dim = dim % x.dim()
     d = x.shape[dim]
@@ -203,12 +205,61 @@ def weighted_features(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Ten
     head = out.narrow(dim, 0, 1)
     head.copy_(w.narrow(wdim, 0, 1).expand_as(head))
     torch.mul(x, w.narrow(wdim, 1, d), out=out.narrow(dim, 1, d))
-    start = 1 + d
-    for r in range(d):
-        xw = torch.mul(x.narrow(dim, r, d - r), w.narrow(wdim, start, d - r), out=tmp.narrow(dim, 0, d - r))
-        torch.mul(xw, x.narrow(dim, r, 1), out=out.narrow(dim, start, d - r))
-        start += d - r
+    for x_rest, w_r, tmp_r, x_r, out_r in _plan(_weighted_pair_views, x, w, tmp, out, dim=dim, cache=plan):
+        torch.mul(torch.mul(x_rest, w_r, out=tmp_r), x_r, out=out_r)
     return out
+
+
+def _pair_views(x, out, dim):
+    """Per pair block r of `features`: (x_r, x[r:], out's stretch of the block), all along `dim`."""
+    d, start, views = x.shape[dim], 1 + x.shape[dim], []
+    for r in range(d):
+        views.append((x.narrow(dim, r, 1), x.narrow(dim, r, d - r), out.narrow(dim, start, d - r)))
+        start += d - r
+    return views
+
+
+def _weighted_pair_views(x, w, tmp, out, dim):
+    """Per pair block r of `weighted_features`: (x[r:], w's stretch, tmp, x_r, out's stretch)."""
+    d, start, views = x.shape[dim], 1 + x.shape[dim], []
+    wdim = dim - (out.dim() - w.dim())
+    for r in range(d):
+        views.append((x.narrow(dim, r, d - r), w.narrow(wdim, start, d - r), tmp.narrow(dim, 0, d - r),
+                      x.narrow(dim, r, 1), out.narrow(dim, start, d - r)))
+        start += d - r
+    return views
+
+
+def clear_plans() -> None:
+    """Forget the cached views (and with them the buffers they hold)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
+_PLANS: dict = {}  # (builder, tensors' addresses and layouts, dim) -> the views of `_pair_views` and kin
+_PLANS_MAX = 32
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan(build, *tensors, dim: int, cache: bool):
+    """`build(*tensors, dim)`, cached (with `cache`) by the tensors' addresses, shapes, strides and dtypes.
+
+    The chunked operator calls the feature maps with the same scratch buffers block after block and call after
+    call; building the d views of every pair block again each time was a seventh of its time (tens of thousands
+    of narrow/slice dispatches per 16k-token call). A cached plan holds its tensors, so an address in a key
+    cannot be reused by another tensor while the plan lives; the oldest plans go first, and `clear_plans()` drops
+    them all (the operator calls it when it replaces or releases a scratch buffer)."""
+    if not cache:
+        return build(*tensors, dim)
+    key = (build, dim, *((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+    views = _PLANS.get(key)
+    if views is None:
+        views = build(*tensors, dim)
+        with _PLANS_LOCK:  # the operator's workers build plans concurrently
+            while len(_PLANS) >= _PLANS_MAX:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key] = views
+    return views
 
 
 def _embed_global(lower2: torch.Tensor, n_groups: int) -> torch.Tensor:
