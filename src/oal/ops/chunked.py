@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from oal.ops import kernel, tuning, workers
-from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features
+from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features, weighted_pairs
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
 NAN_SCRATCH = False
@@ -132,33 +132,35 @@ def _query_features(xq, weights, ws):
     """phi(Q_c) = w * psi(Q_c) feature-major [nc, B, Hkv, F, rep * C] from xq [nc, B, Hkv, d, rep, C] (Eq. 6).
 
     `weights`: (w, w in xq's dtype; a mixed-dtype multiply is several times slower). One buffer per block,
-    contiguous, so that each chunk's readout operand is one dense [F, rep * C] matrix (it was rep of the rep + 1
-    slots of a buffer shared with the keys). The weights are folded into the pair
-    products (`kernel.weighted_features`), so phi is written once. For bf16 features also returns the constant
-    and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's dtype (the state's), from the exact bf16 inputs (see
-    `_readout`); otherwise None.
+    contiguous, so that each chunk's readout operand is one dense matrix. The weights are folded into the pair
+    products (`kernel.weighted_features`), so phi is written once. Returns (phi, phi_lin). For bf16 features phi
+    holds only the quadratic rows [nc, B, Hkv, d(d+1)/2, rep * C], a buffer of their own (a slice of a full one
+    made the bf16 GEMM copy it), and phi_lin the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's
+    dtype (the state's), from the exact bf16 inputs (see `_readout`); otherwise phi_lin is None.
     """
     w, wg = weights  # wg is converted once per call: the feature maps' cached views are keyed by their tensors
     d = xq.shape[3]
     lin, dev = 1 + d, xq.device
-    shape = xq.shape[:3] + (feature_dim(d),) + xq.shape[4:]
+    feats = feature_dim(d)
     with record_function("oal.features"):
-        phi_lin = None
-        if xq.dtype != w.dtype:
-            phi_lin = _scratch(ws, "phi_lin", xq.shape[:3] + (lin,) + xq.shape[4:], w.dtype, dev)
-            if phi_lin is None:
-                phi_lin = torch.cat([w[:, :1].expand(xq.shape[:3] + (1,) + xq.shape[4:]), xq.to(w.dtype) * w[:, 1:lin]],
-                                    dim=3)
+        if xq.dtype == w.dtype:
+            phi = _scratch(ws, "featq", xq.shape[:3] + (feats,) + xq.shape[4:], xq.dtype, dev)
+            if phi is None:
+                phi = features(xq, dim=3) * wg
             else:
-                phi_lin[:, :, :, :1] = w[:, :1]
-                torch.mul(xq, w[:, 1:lin], out=phi_lin[:, :, :, 1:])
-            phi_lin = phi_lin.flatten(-2)
-        phi = _scratch(ws, "featq", shape, xq.dtype, dev)
-        if phi is None:
-            phi = features(xq, dim=3) * wg
+                phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev), plan=True)
+            return phi.flatten(-2), None  # rep and C are adjacent: a view
+        phi_lin = _scratch(ws, "phi_lin", xq.shape[:3] + (lin,) + xq.shape[4:], w.dtype, dev)
+        phi = _scratch(ws, "featq", xq.shape[:3] + (feats - lin,) + xq.shape[4:], xq.dtype, dev)
+        if phi_lin is None:  # autograd: out of place
+            phi_lin = torch.cat([w[:, :1].expand(xq.shape[:3] + (1,) + xq.shape[4:]), xq.to(w.dtype) * w[:, 1:lin]],
+                                dim=3)
+            phi = (features(xq, dim=3) * wg)[:, :, :, lin:]
         else:
-            phi = weighted_features(xq, wg, 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev), plan=True)
-    return phi.flatten(-2), phi_lin  # rep and C are adjacent: a view
+            phi_lin[:, :, :, :1] = w[:, :1]
+            torch.mul(xq, w[:, 1:lin], out=phi_lin[:, :, :, 1:])
+            weighted_pairs(xq, wg[:, lin:], 3, phi, tmp=_scratch(ws, "xw", xq.shape, xq.dtype, dev), plan=True)
+    return phi.flatten(-2), phi_lin.flatten(-2)
 
 
 def _chunk_states(start, psi, ug, chunk: int, ws=None):
@@ -173,6 +175,8 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
     bsz, n_kv, feats, dv1 = start.shape
     sdt = start.dtype
     with record_function("oal.state"):
+        if NAN_SCRATCH and ws is not None:  # start may be a view of `prev` itself (`_block_step`): read it before
+            start = start.clone()  # the acquisition NaN-fills the buffer
         prev = _scratch(ws, "prev", (n_c + 1, bsz, n_kv, feats, dv1), sdt, start.device)
         if prev is None:  # autograd: out of place
             incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
@@ -183,8 +187,8 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
             ps, us = psi[..., c * chunk : (c + 1) * chunk], ug[:, :, c * chunk : (c + 1) * chunk]
             if inc is None:
                 torch.baddbmm(prev[c].flatten(0, 1), ps.flatten(0, 1), us.flatten(0, 1), out=prev[c + 1].flatten(0, 1))
-            else:
-                torch.add(prev[c], torch.matmul(ps, us, out=inc), out=prev[c + 1])
+            else:  # converting the bf16 increment in a copy, then adding, beat one mixed-dtype add by 10-15%
+                prev[c + 1].copy_(torch.matmul(ps, us, out=inc)).add_(prev[c])
         return prev
 
 
@@ -196,9 +200,10 @@ def _increments(psi, ub):
 def _readout(phi, states, ws=None, phi_lin=None):
     """states [nc, B, Hkv, F, dv+1]^T phi [nc, B, Hkv, F, rep*C] -> num^T [nc, B, Hkv, dv+1, rep*C] (Eq. 6).
 
-    The result is in the states' dtype. With bf16 phi, the quadratic rows are a bf16 GEMM (fp32 accumulation,
-    output rounded to bf16) and the constant and linear rows `phi_lin` an fp32 GEMM, so that the bf16 rounding of
-    the GEMM output only touches the quadratic part: about 1.3x less error, at the level of bf16 SDPA.
+    The result is in the states' dtype. With bf16 phi (its quadratic rows only, `_query_features`), those are a
+    bf16 GEMM (fp32 accumulation, output rounded to bf16) and the constant and linear rows `phi_lin` an fp32 GEMM,
+    so that the bf16 rounding of the GEMM output only touches the quadratic part: about 1.3x less error, at the
+    level of bf16 SDPA.
     """
     shape = phi.shape[:-2] + (states.shape[-1], phi.shape[-1])
     s_t = states.transpose(-1, -2)
@@ -208,12 +213,12 @@ def _readout(phi, states, ws=None, phi_lin=None):
         lin = phi_lin.shape[-2]
         s_low = _scratch(ws, "s_low", states[..., lin:, :].shape, phi.dtype, phi.device)
         if s_low is None:
-            low = states[..., lin:, :].to(phi.dtype).transpose(-1, -2) @ phi[..., lin:, :]
+            low = states[..., lin:, :].to(phi.dtype).transpose(-1, -2) @ phi
         else:  # the bf16 GEMM runs 1.5x faster with its left operand row-major [dv+1, F]; converting and then
             s_low.copy_(states[..., lin:, :])  # transposing in bf16 was 1.6x cheaper than one transposing copy
             s_t_low = _scratch(ws, "s_t_low", s_low.shape[:-2] + s_low.shape[-1:] + s_low.shape[-2:-1], phi.dtype,
                                phi.device).copy_(s_low.transpose(-1, -2))
-            low = torch.bmm(s_t_low.flatten(0, -3), phi[..., lin:, :].flatten(0, -3),
+            low = torch.bmm(s_t_low.flatten(0, -3), phi.flatten(0, -3),
                             out=_scratch(ws, "num_low", shape, phi.dtype, phi.device).flatten(0, -3)).view(shape)
         if ws is None:
             return torch.baddbmm(low.to(states.dtype).flatten(0, -3), s_t[..., :lin].flatten(0, -3),
@@ -312,7 +317,8 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
 
 def _block_step(state, q, k, u, w, wz, eps: float, chunk: int, fresh: bool, raw: bool = False, out=None,
                 ws=None):
-    """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block).
+    """Causal OAL over one block of tokens. Returns (out [B, Hq, m, dv], state after the block: with `ws` a view
+    of the scratch buffer `prev`, valid until the next block's `_chunk_states` has read it).
 
     m is the block length rounded up to whole chunks (the caller drops padded rows). `fresh`: the block is one
     chunk starting from a zero state, so the state readout is skipped and no state is built (None). The features
@@ -323,7 +329,9 @@ def _block_step(state, q, k, u, w, wz, eps: float, chunk: int, fresh: bool, raw:
     after = None
     if not fresh:
         parts["prev"] = _chunk_states(state, parts["psi"], parts["ug"], chunk, ws)
-        after = parts["prev"][parts["n_c"]].clone()  # not a view: the next block reuses `prev`
+        # with scratch buffers a view: the next block copies it into its first slot before it writes any other
+        # (the caller clones the last one), which saves a copy of the state per block
+        after = parts["prev"][parts["n_c"]]
     return _block_finish(parts, eps, chunk, q.shape[1], raw, out, ws), after
 
 
@@ -442,6 +450,8 @@ def chunked_attention(
         o, state = run(_block_step, *args, out=None if out is None else out[:, :, start : start + block])
         outs.append(o)
     out = torch.cat(outs, dim=2) if out is None else out
+    if ws is not None and state is not None:
+        state = state.clone()  # a view of the scratch buffer `prev` (see `_block_step`)
     if fresh:
         state = state_of(init) if need_state else None
     return out[:, :, :n] if padded == n else out[:, :, :n].contiguous(), state

@@ -32,6 +32,7 @@ __all__ = [
     "query_features",
     "taylor_factor",
     "weighted_features",
+    "weighted_pairs",
 ]
 
 # Cholesky factor of the Taylor quadratic 1 + s + s^2/2 as M = [[1, 1/2], [1/2, 1/2]].
@@ -205,6 +206,17 @@ def weighted_features(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Ten
     head = out.narrow(dim, 0, 1)
     head.copy_(w.narrow(wdim, 0, 1).expand_as(head))
     torch.mul(x, w.narrow(wdim, 1, d), out=out.narrow(dim, 1, d))
+    pairs = out.shape[dim] - 1 - d
+    weighted_pairs(x, w.narrow(wdim, 1 + d, pairs), dim, out.narrow(dim, 1 + d, pairs), tmp, plan)
+    return out
+
+
+def weighted_pairs(x: torch.Tensor, w: torch.Tensor, dim: int, out: torch.Tensor, tmp: torch.Tensor | None = None,
+                   plan: bool = False):
+    """The pair rows of `weighted_features` alone: w_rt x_r x_t (r <= t, packed order) along `dim`, into `out`
+    (d(d+1)/2 there; w holds the pair weights only)."""
+    dim = dim % x.dim()
+    tmp = torch.empty(x.shape, dtype=out.dtype, device=x.device) if tmp is None else tmp
     for x_rest, w_r, tmp_r, x_r, out_r in _plan(_weighted_pair_views, x, w, tmp, out, dim=dim, cache=plan):
         torch.mul(torch.mul(x_rest, w_r, out=tmp_r), x_r, out=out_r)
     return out
@@ -220,8 +232,8 @@ def _pair_views(x, out, dim):
 
 
 def _weighted_pair_views(x, w, tmp, out, dim):
-    """Per pair block r of `weighted_features`: (x[r:], w's stretch, tmp, x_r, out's stretch)."""
-    d, start, views = x.shape[dim], 1 + x.shape[dim], []
+    """Per pair block r of `weighted_pairs`: (x[r:], w's stretch, tmp, x_r, out's stretch)."""
+    d, start, views = x.shape[dim], 0, []
     wdim = dim - (out.dim() - w.dim())
     for r in range(d):
         views.append((x.narrow(dim, r, d - r), w.narrow(wdim, start, d - r), tmp.narrow(dim, 0, d - r),
