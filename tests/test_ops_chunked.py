@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import oal.ops.chunked as chunked
-from oal.ops import oal_attention
-from oal.ops.kernel import features, key_features, perturbed_factor, taylor_factor, weighted_features
+from oal.ops import kernel, oal_attention
+from oal.ops.kernel import features, key_features, perturbed_factor, taylor_factor, weighted_features, weighted_pairs
 
 F64 = torch.float64
 
@@ -44,6 +44,35 @@ def test_weighted_features_equal_features_times_weights(d):
     got = weighted_features(x, w, 2, out, tmp=torch.full_like(x, float("nan")))
     torch.testing.assert_close(got, features(x, dim=2) * w, rtol=1e-15, atol=0)
     torch.testing.assert_close(weighted_features(x, w, 2, out.clone()), got, rtol=0, atol=0)  # without tmp
+    pairs = torch.full((3, 2, d * (d + 1) // 2, 5, 11), float("nan"), dtype=F64)  # the bf16 path's pair rows alone
+    torch.testing.assert_close(weighted_pairs(x, w[:, 1 + d :], 2, pairs), got[:, :, 1 + d :], rtol=0, atol=0)
+
+
+def test_cached_views_follow_the_buffers(monkeypatch):
+    """The feature maps' cached views (`plan=True`) give what fresh views give, call after call, and are dropped
+    with the scratch buffers: a plan must not keep a released or replaced buffer alive, nor write into it."""
+    kernel.clear_plans()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 3, 5, generator=gen, dtype=F64)
+    w = torch.randn(2, 1 + 7 + 28, 3, 1, generator=gen, dtype=F64)
+    out, tmp = torch.empty(2, 36, 3, 5, dtype=F64), torch.empty_like(x)
+    for _ in range(2):  # the second call runs the cached plan; new values in the same buffers
+        x.copy_(torch.randn(x.shape, generator=gen, dtype=F64))
+        torch.testing.assert_close(weighted_features(x, w, 1, out, tmp=tmp, plan=True), features(x, dim=1) * w,
+                                   rtol=1e-15, atol=0)
+    assert len(kernel._PLANS) == 1
+    inputs = make(n=700)
+    with torch.no_grad():
+        first = oal_attention(*inputs)  # allocates the scratch (each new buffer drops the plans so far)
+        again = oal_attention(*inputs)  # runs on plans of the operator's own buffers
+    assert len(kernel._PLANS) >= 2 and torch.equal(first, again)
+    chunked.clear_workspace()
+    assert not kernel._PLANS
+    ws = {}
+    chunked._scratch(ws, "a", (4,), F64, "cpu")
+    weighted_features(x, w, 1, out, tmp=tmp, plan=True)
+    chunked._scratch(ws, "a", (8,), F64, "cpu")  # a larger buffer replaces the first: plans go with it
+    assert not kernel._PLANS
 
 
 @pytest.mark.parametrize("chunk,blocks", [(16, 1), (16, 3), (7, 2), (64, 8)])

@@ -155,3 +155,23 @@ def test_tune_cpu_command(cache_home, monkeypatch):
     assert tuning.settings_for(torch.float32, 2).chunk == 256
     bad = runner.invoke(load_commands(), ["tune-cpu", "--dtypes", "float16"])
     assert bad.exit_code == 2 and "--dtypes" in bad.output
+
+
+def test_tune_searches_chunk_and_block_again_when_the_layout_moves(monkeypatch):
+    # a machine where torch's threads (serial) beat the workers, and serial wants chunks of 64 in blocks of 128
+    # (this Xeon's shape of answer); under the pipeline the best block is 1024, so a one-pass search would keep it
+    def cost(s):
+        tokens = s.chunk * s.block_chunks
+        if s.pipeline:
+            return 2.0 + abs(tokens - 1024) / 1e4 + abs(s.chunk - 32) / 1e3
+        return 1.0 + abs(tokens - 128) / 1e4 + abs(s.chunk - 64) / 1e3
+
+    monkeypatch.setattr(autotune, "_time", lambda s, *a: cost(s))
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    assert Settings(**res["settings"]) == Settings(64, 2, pipeline=False)
+    # where the layout stays, there is no second pass: only the first pass's grid is timed
+    monkeypatch.setattr(autotune, "_time", lambda s, *a: (0.5 if s.pipeline else 1.0) + abs(s.chunk - 32) / 1e3)
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, force=True)["float32"]
+    default = chunked.fixed_settings(torch.float32)
+    assert len(res["candidates"]) == len(autotune.CHUNKS) + len(autotune.BLOCK_TOKENS) + 3 - 2  # shared cells
+    assert Settings(**res["settings"]).pipeline and Settings(**res["settings"]).chunk == default.chunk

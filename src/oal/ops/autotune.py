@@ -61,7 +61,8 @@ CHUNKS, BLOCK_TOKENS = (32, 64, 128), (128, 256, 512, 1024)
 
 def candidates(default: Settings, threads: int, n_kv: int, best: Settings | None = None, stage: int = 0):
     """The pruned grid, one coordinate at a time: (0) the chunk size at the default block length, (1) the block
-    length at the best chunk, (2) the worker layout at the best chunk and block (only with several threads)."""
+    length at the best chunk, (2) the worker layout at the best chunk and block (only with several threads).
+    `tune` runs (0) and (1) again under the best layout when that is not the default's."""
     block_tokens = default.chunk * default.block_chunks
     if stage == 0:
         return [dataclasses.replace(default, chunk=c, block_chunks=max(block_tokens // c, 1)) for c in CHUNKS]
@@ -108,8 +109,15 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
             inputs = _inputs(n, dtype, shape)
             tried: dict[Settings, float] = {}
             best, default = None, _fixed(dtype)
-            for stage in range(3):
-                todo = candidates(default, threads, shape["hkv"], best, stage)
+            base = default
+            for stage in (0, 1, 2, 0, 1):
+                # the second pass (chunk, then block, under the best layout) only when the layout moved: on a
+                # CPU where torch's own threads beat the workers (a Xeon with AMX), their best block differs
+                if stage == 0 and best is not None:
+                    if (best.pipeline, best.kv_groups) == (base.pipeline, base.kv_groups):
+                        break
+                    base = dataclasses.replace(default, pipeline=best.pipeline, kv_groups=best.kv_groups)
+                todo = candidates(base, threads, shape["hkv"], best, stage)
                 while todo:
                     for cand in todo:
                         if cand not in tried:
