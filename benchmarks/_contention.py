@@ -10,24 +10,13 @@ ratios say little. Writes benchmarks/results/operator_contention.{json,png} and 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from oal.ops.autotune import busy_process
+
 GOAL = 1.3  # issue 25: OAL's slowdown at most 1.3x SDPA's
-
-
-@contextlib.contextmanager
-def busy_process():
-    """One competing process spinning a core for the duration of the block (stopped by its own pid)."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str, results: Path, title: str):

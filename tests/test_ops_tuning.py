@@ -34,7 +34,7 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     timed = []
     real = autotune._time
     monkeypatch.setattr(autotune, "_time", lambda s, *a: timed.append(s) or real(s, *a))
-    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, contention=False)["float32"]
     grid = len(set(timed))  # the pruned grid, each candidate once, then the winner against the defaults
     best, default = Settings(**res["settings"]), chunked.fixed_settings(torch.float32)
     assert grid >= 6 and len(set(timed[:grid])) == grid and set(timed[grid:]) <= {best, default}
@@ -175,3 +175,25 @@ def test_tune_searches_chunk_and_block_again_when_the_layout_moves(monkeypatch):
     default = chunked.fixed_settings(torch.float32)
     assert len(res["candidates"]) == len(autotune.CHUNKS) + len(autotune.BLOCK_TOKENS) + 3 - 2  # shared cells
     assert Settings(**res["settings"]).pipeline and Settings(**res["settings"]).chunk == default.chunk
+
+
+def test_a_serial_winner_must_also_hold_beside_a_busy_process(monkeypatch):
+    """Serial (torch's threads) 20% faster quiet but 50% slower beside a busy process: the pipeline is kept; with
+    contention=False, or where serial also holds when loaded, serial is."""
+    quiet = lambda s, *a: 1.0 if not s.pipeline else 1.2  # noqa: E731
+    monkeypatch.setattr(autotune, "_time", quiet)
+    monkeypatch.setattr(autotune, "_time_loaded", lambda s, *a: 3.0 if not s.pipeline else 1.8)
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    assert Settings(**res["settings"]).pipeline
+    assert {c["pipeline"] for c in res["loaded"]} == {True, False}  # both were timed loaded, and recorded
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, force=True, contention=False)
+    assert not Settings(**res["float32"]["settings"]).pipeline and res["float32"]["loaded"] == []
+    monkeypatch.setattr(autotune, "_time_loaded", lambda s, *a: 1.5 if not s.pipeline else 1.8)
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, force=True)["float32"]
+    assert not Settings(**res["settings"]).pipeline
+
+
+def test_busy_process_spins_and_stops():
+    with autotune.busy_process() as proc:
+        assert proc.poll() is None  # running
+    assert proc.poll() is not None

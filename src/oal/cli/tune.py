@@ -14,9 +14,13 @@ def tune_cpu(
     length: int = typer.Option(8192, min=256, help="Sequence length timed."),
     repeats: int = typer.Option(2, min=1, help="Calls per candidate (the best counts)."),
     force: bool = typer.Option(False, help="Measure again even when cached for this torch version."),
+    quiet_only: bool = typer.Option(False, help="Choose by quiet time alone: do not time the serial winner and "
+                                    "the best pipelined layout again beside a busy process."),
 ) -> None:
     """Time a pruned grid of chunk size, block length and worker layout and cache the best per CPU, threads and
-    dtype (under a minute per dtype on 2 quiet cores). The operator reads the cache; OAL_NO_TUNE=1 ignores it."""
+    dtype (under a minute per dtype on 2 quiet cores). Where torch's own threads win quiet, the winner and the best
+    pipelined layout are timed again beside one busy process and the smaller mean of both times is kept. The
+    operator reads the cache; OAL_NO_TUNE=1 ignores it."""
     import torch
 
     from oal.ops import autotune, tuning
@@ -25,7 +29,8 @@ def tune_cpu(
     bad = [d for d in names if d not in ("float32", "bfloat16")]
     if bad or not names:
         raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
-    res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo)
+    res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo,
+                        contention=not quiet_only)
     for name, entry in res.items():
         default = entry.get("default_time_s") or float("nan")
         typer.echo(f"{name}: {tuning.Settings(**entry['settings']).label()}: {entry['time_s']:.3f} s at "
