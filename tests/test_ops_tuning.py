@@ -167,7 +167,7 @@ def test_tune_searches_chunk_and_block_again_when_the_layout_moves(monkeypatch):
         return 1.0 + abs(tokens - 128) / 1e4 + abs(s.chunk - 64) / 1e3
 
     monkeypatch.setattr(autotune, "_time", lambda s, *a: cost(s))
-    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, contention=False)["float32"]
     assert Settings(**res["settings"]) == Settings(64, 2, pipeline=False)
     # where the layout stays, there is no second pass: only the first pass's grid is timed
     monkeypatch.setattr(autotune, "_time", lambda s, *a: (0.5 if s.pipeline else 1.0) + abs(s.chunk - 32) / 1e3)
