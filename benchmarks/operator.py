@@ -1,12 +1,14 @@
 """Causal forward time, peak memory and per-phase split of chunked OAL against SDPA, in fp32 and bf16.
 
 Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, N = 1k..32k, fp32 and bf16 inputs (bf16:
-bf16 features and GEMMs with fp32 accumulation and an fp32 state, against bf16 SDPA). Each (method, N, dtype) runs
-in a fresh subprocess; the reported memory is the peak RSS of its first call above the resident inputs (sampled).
-Each OAL child also measures the GEMM rate of its dtype (2048^3) right before its timing, which is what "% of GEMM"
-refers to, and times one extra call for the phase split (features, intra-chunk, state, readout: the
-torch.profiler ranges of `oal.ops.chunked`). Ratios come from one run; the machine load (os.getloadavg) is
-recorded with every row. Writes benchmarks/results/operator.{json,png} and prints the tables.
+bf16 features and GEMMs with fp32 accumulation and an fp32 state where the CPU has bf16 GEMMs, against bf16 SDPA).
+Each (method, N, dtype) runs in a fresh subprocess; the reported memory is the peak RSS of its first call above the
+resident inputs (sampled).
+Each OAL child also measures the GEMM rate of the dtype its GEMMs run in (2048^3; fp32 for bf16 inputs on a CPU
+without bf16 GEMMs) right before its timing, which is what "% of GEMM" refers to, and times one extra call for the
+phase split (features, intra-chunk, state, readout: the torch.profiler ranges of `oal.ops.chunked`). Ratios come
+from one run; the machine load (os.getloadavg) is recorded with every row. Writes
+benchmarks/results/operator.{json,png} and prints the tables.
 
 Settings (issue 36): before timing, the chunked operator is tuned to this machine (`oal.ops.tuning`: cached per CPU
 model, threads and dtype; measured only when missing or stale, `--retune` measures again), and every OAL row runs
@@ -87,6 +89,20 @@ def gemm_gflops(device: str, dtype: torch.dtype, size: int = 2048, reps: int = 5
     return 2 * size**3 / best / 1e9
 
 
+def gemm_dtype(device: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the GEMMs OAL runs for `dtype` inputs: on a CPU without bf16 GEMMs (no avx512_bf16 or AMX), bf16
+    inputs run the fp32 path, so their "% of GEMM" is against the fp32 rate (bf16 matmul there is an emulated
+    fallback that runs far below it)."""
+    from oal.ops import cpu_bf16
+
+    return torch.float32 if device == "cpu" and dtype == torch.bfloat16 and not cpu_bf16() else dtype
+
+
+def goal_for(dtype: str, n: int, bf16_gemms: bool) -> float | None:
+    """Issue 36's sdpa/oal goal of one row; the bf16 goals hold only on a CPU with bf16 GEMMs."""
+    return None if dtype == "bfloat16" and not bf16_gemms else GOALS.get(dtype, {}).get(n)
+
+
 def _phase_split(call) -> dict:
     """Seconds per phase of one call: the record_function ranges (oal.*) of oal.ops.chunked, on the benchmark clock,
     with the blocks run one after another (`OAL_CPU_PIPELINE=0`)."""
@@ -140,7 +156,8 @@ def _measure(method: str, n: int, repeats: int, device: str, dtype: torch.dtype)
         row["settings_source"] = tuning.source(dtype)  # tuned, fixed (--no-tune) or forced (--sweep)
     with torch.no_grad():
         if method == "oal":  # the GEMM rate of this dtype, measured next to the timing it is compared with
-            row["gemm_gflops"] = gemm_gflops(device, dtype)
+            row["gemm_dtype"] = str(gemm_dtype(device, dtype)).replace("torch.", "")
+            row["gemm_gflops"] = gemm_gflops(device, gemm_dtype(device, dtype))
         with PeakRSS() as mem:
             call()  # warm-up (and the memory measurement: the first call allocates the workspace)
             sync()
@@ -168,6 +185,24 @@ def oal_flops(n: int, dtype: str = "float32", chunk: int | None = None) -> float
     feat, dv1 = 1 + d + d * (d + 1) // 2, d + 1
     chunk = chunk or default_chunk(getattr(torch, dtype))  # the intra-chunk work grows with the chunk
     return 2.0 * n * (hq * feat * dv1 + hkv * feat * dv1 + hq * chunk * ((g + 1) * d + dv1))
+
+
+def parse_settings(text: str):
+    """`--settings`: "CHUNKxBLOCKS" with an optional ",serial" or ",pipeline" and ",kvN" (e.g. "64x2,pipeline,kv2",
+    another machine's tuned choice), as `tuning.Settings`; ValueError with what was expected otherwise."""
+    from oal.ops.tuning import Settings
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        chunk, blocks = (int(x) for x in parts[0].lower().split("x"))
+        layout = {"pipeline": True, "serial": False}[parts[1]] if len(parts) > 1 else True
+        kv = int(parts[2].removeprefix("kv")) if len(parts) > 2 else 0
+        if chunk < 1 or blocks < 1 or kv < 0 or len(parts) > 3:
+            raise ValueError
+    except (ValueError, KeyError, IndexError):
+        raise ValueError(f"--settings: expected CHUNKxBLOCKS[,serial|pipeline[,kvN]] (e.g. 64x2,pipeline), "
+                         f"got {text!r}") from None
+    return Settings(chunk, blocks, layout, kv)
 
 
 def _child(args: list[str]) -> dict:
@@ -264,9 +299,13 @@ def compare(fixed_path: Path, tuned_path: Path) -> str:
         f = next((r for r in runs[0]["summary"] if r["n"] == s["n"] and r["dtype"] == s["dtype"]), None)
         goal, gemm_goal = s.get("goal"), s.get("gemm_goal_pct")
         goal_txt = ", ".join(([f"{goal:g}"] if goal else []) + ([f"{gemm_goal:g}% of GEMM"] if gemm_goal else []))
+        if s["dtype"] == "bfloat16" and not cpu.get("bf16_gemms"):
+            goal_txt = "none (no bf16 GEMMs)"
         cells = [s["dtype"], str(s["n"]), f"{label(f) if f else '-'} / {label(s)}",
                  f"{f['ratio_sdpa_over_oal']:.2f}" if f else "-", f"{s['ratio_sdpa_over_oal']:.2f}", goal_txt,
-                 f"{f['pct_of_gemm']:.0f}%" if f else "-", f"{s['pct_of_gemm']:.0f}%", f"{s['gemm_gflops']:.0f}",
+                 f"{f['pct_of_gemm']:.0f}%" if f else "-", f"{s['pct_of_gemm']:.0f}%",
+                 f"{s['gemm_gflops']:.0f}" + (f" ({s['gemm_dtype']})" if s.get("gemm_dtype", s["dtype"]) != s["dtype"]
+                                               else ""),
                  f"{max(s['load'], f['load'] if f else 0):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
         if goal:
@@ -320,6 +359,9 @@ def main() -> None:
                         help="time OAL and SDPA quiet and beside one busy competing process, side by side")
     parser.add_argument("--no-tune", action="store_true",
                         help="run the operator's fixed default settings, not the ones tuned to this machine")
+    parser.add_argument("--settings", metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
+                        help="run every OAL row with these settings (e.g. another machine's tuned choice), not the "
+                             "tuned or fixed ones")
     parser.add_argument("--retune", action="store_true", help="tune again even when cached for this torch version")
     parser.add_argument("--out", type=Path, default=RESULTS / "operator.json",
                         help="the JSON to write (the PNG goes beside it)")
@@ -342,7 +384,7 @@ def main() -> None:
     if args.child:
         from oal.ops import chunked, tuning
 
-        forced = None
+        forced = parse_settings(os.environ["OAL_BENCH_SETTINGS"]) if os.environ.get("OAL_BENCH_SETTINGS") else None
         if args.chunk or args.block_chunks:  # --sweep: one cell of the grid, whatever is tuned
             base = chunked.fixed_settings(getattr(torch, args.dtype))
             chunk = args.chunk or base.chunk
@@ -351,7 +393,13 @@ def main() -> None:
             row = _measure(args.child[0], int(args.child[1]), args.repeats, args.device, getattr(torch, args.dtype))
         print(json.dumps(row))
         return
-    if args.no_tune:
+    if args.settings:
+        try:
+            pinned = parse_settings(args.settings)
+        except ValueError as err:
+            parser.error(str(err))
+        os.environ["OAL_BENCH_SETTINGS"] = args.settings  # read by every child
+    if args.no_tune or args.settings:
         os.environ["OAL_NO_TUNE"] = "1"  # read by every child
     elif args.device == "cpu" and not args.sweep:
         _tune(dtypes, args.retune)
@@ -363,7 +411,10 @@ def main() -> None:
     from rich.table import Table
 
     lengths = lengths_from(parser, args)
-    cpu, settings = _machine(dtypes)
+    from oal.ops import tuning
+
+    with tuning.forced(pinned if args.settings else None):
+        cpu, settings = _machine(dtypes)
     if args.contention:
         from benchmarks import _contention
 
@@ -397,7 +448,9 @@ def main() -> None:
             share = {p: o["phases"][p] / total for p in (*PHASES, "other")}
             summary.append({"n": n, "dtype": dt, "ratio_sdpa_over_oal": s["time_s"] / o["time_s"], "oal_gflops": gfs,
                             "gemm_gflops": o["gemm_gflops"], "pct_of_gemm": 100 * gfs / o["gemm_gflops"],
-                            "phase_share": share, "goal": GOALS.get(dt, {}).get(n),
+                            "phase_share": share,
+                            "goal": goal_for(dt, n, args.device != "cpu" or cpu["bf16_gemms"]),
+                            "gemm_dtype": o.get("gemm_dtype", dt),
                             "gemm_goal_pct": GEMM_GOAL.get(dt, {}).get(n), "settings": o["settings"],
                             "load": max(s["load_before"], o["load_before"], s["load_after"], o["load_after"])})
             table.add_row(str(n), f"{s['time_s']:.3f}", f"{o['time_s']:.3f}", f"{s['time_s'] / o['time_s']:.2f}",
@@ -415,12 +468,15 @@ def main() -> None:
               if s["gemm_goal_pct"]]
     if goals:
         console.print("goals: " + "; ".join(goals))
+    if "bfloat16" in dtypes and args.device == "cpu" and not cpu["bf16_gemms"]:
+        console.print("bfloat16: no goal on this CPU (no avx512_bf16 or AMX: bf16 inputs run the fp32 path, and "
+                      "% of GEMM is against the fp32 rate)")
     from oal.rundir.files import atomic_write_json
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
               "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME,
-              "cpu": cpu, "tune": not args.no_tune, "settings": settings}
+              "cpu": cpu, "tune": not (args.no_tune or args.settings), "settings": settings}
     atomic_write_json(args.out, result)
     png = args.out.with_suffix(".png")
     _plot(rows, summary, png)
