@@ -1,0 +1,132 @@
+"""Operator settings side by side on this machine: this machine's tuned choice against other machines' (issue 36).
+
+One process, the Qwen head shape (B=1, Hq=14, Hkv=2, d=dv=64, G=5), causal forward at one length. The settings are
+timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift in the machine's speed falls on all of them
+alike, first quiet, then beside one busy competing process (`oal.ops.autotune.busy_process`). Reports the median
+per setting and its ratio to the tuned choice. Writes benchmarks/results/settings_ab.{json,png} and prints a table.
+
+    python -m benchmarks.settings_ab --n 16384 --settings 64x2,pipeline 64x4,serial
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import _common
+from benchmarks._common import add_timing_args, apply_timing_args, clock
+from benchmarks.operator import RESULTS, _inputs, parse_settings
+
+
+def _rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = clock()
+            call()
+            times[name].append(clock() - t0)
+    return times
+
+
+def run(n: int, others: list[str], rounds: int, dtype: torch.dtype, loaded: bool = True) -> dict:
+    """Median seconds of the tuned settings ("tuned": the cache, else the fixed defaults) and of each of `others`
+    (benchmarks.operator --settings strings), quiet and, with `loaded`, beside one busy process."""
+    from oal.ops import chunked, oal_attention, tuning
+    from oal.ops.autotune import busy_process
+
+    load_before = os.getloadavg()[0]
+    q, k, v, groups, factor = _inputs(n, "cpu", dtype)
+    pinned = {"tuned": chunked.current_settings(dtype)} | {s: parse_settings(s) for s in others}
+
+    def make(settings):
+        def call():
+            with tuning.forced(settings), torch.no_grad():
+                oal_attention(q, k, v, groups, factor, backend="chunked")
+        return call
+
+    calls = {name: make(s) for name, s in pinned.items()}
+    for call in calls.values():
+        call()  # warm-up: each setting's scratch and workers
+    result = {"quiet": _rounds(calls, rounds)}
+    if loaded:
+        with busy_process():
+            result["loaded"] = _rounds(calls, rounds)
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "rounds": rounds, "threads": torch.get_num_threads(),
+            "clock": _common.CLOCK_NAME, "load_before": load_before, "load_after": os.getloadavg()[0],
+            "settings": {name: s.label() for name, s in pinned.items()},
+            "source": tuning.source(dtype), "times": result, "cpu": tuning.cpu_info(), "torch": torch.__version__,
+            "median": {cond: {name: statistics.median(ts) for name, ts in times.items()}
+                       for cond, times in result.items()}}
+
+
+def _plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks._common import finish_figure
+
+    names = list(res["settings"])
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(res["median"])
+    for i, (cond, med) in enumerate(res["median"].items()):
+        ax.bar([j + i * width for j in range(len(names))], [med[nm] for nm in names], width, label=cond)
+    ax.set_xticks([j + width * (len(res["median"]) - 1) / 2 for j in range(len(names))],
+                  [f"{nm}\n{res['settings'][nm]}" for nm in names], fontsize=7)
+    ax.set(ylabel=f"median seconds ({res['rounds']} interleaved rounds)")
+    finish_figure(fig, [ax], f"OAL causal forward, N={res['n']}, {res['dtype']}, {res['cpu']['model']}, "
+                             f"{res['threads']} threads", path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=16384, help="sequence length")
+    parser.add_argument("--settings", nargs="+", required=True, metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
+                        help="the other settings to time beside the tuned ones (e.g. another machine's choice)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quiet-only", action="store_true", help="skip the rounds beside a busy process")
+    parser.add_argument("--out", type=Path, default=RESULTS / "settings_ab.json")
+    add_timing_args(parser)
+    args = parser.parse_args()
+    apply_timing_args(parser, args)
+    if args.n < 1 or args.rounds < 1:
+        parser.error("--n and --rounds: expected positive integers")
+    try:
+        for s in args.settings:
+            parse_settings(s)
+    except ValueError as err:
+        parser.error(str(err))
+    res = run(args.n, args.settings, args.rounds, getattr(torch, args.dtype), loaded=not args.quiet_only)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from oal.rundir.files import atomic_write_json
+
+    table = Table(title=f"OAL settings side by side, N={args.n}, {args.dtype}, {res['cpu']['model']}, "
+                        f"{res['threads']} threads, {res['clock']} clock, median of {args.rounds} interleaved rounds")
+    for col in ("settings", "", *(f"{c} (s)" for c in res["median"]), *(f"{c} / tuned" for c in res["median"])):
+        table.add_column(col, justify="right")
+    for name, label in res["settings"].items():
+        med = {c: m[name] for c, m in res["median"].items()}
+        table.add_row(name, label, *(f"{t:.3f}" for t in med.values()),
+                      *(f"{med[c] / res['median'][c]['tuned']:.2f}" for c in med))
+    Console(width=160).print(table)
+    print(f"tuned: this machine's {res['source']} settings; load average (1 min) {res['load_before']:.1f} before, "
+          f"{res['load_after']:.1f} after (quiet means near 0 before)", file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out, res)
+    png = args.out.with_suffix(".png")
+    _plot(res, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
