@@ -14,6 +14,7 @@ import argparse
 import os
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -72,13 +73,15 @@ def _plot(res: dict, path: Path) -> None:
 
     from benchmarks._common import finish_figure
 
-    names = list(res["settings"])
+    names = sorted(res["settings"], key=lambda nm: nm != "tuned")  # tuned first (a JSON read back is key-sorted)
+    conds = sorted(res["median"], key=lambda c: c != "quiet")
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.8 / len(res["median"])
-    for i, (cond, med) in enumerate(res["median"].items()):
+    width = 0.8 / len(conds)
+    for i, cond in enumerate(conds):
+        med = res["median"][cond]
         ax.bar([j + i * width for j in range(len(names))], [med[nm] for nm in names], width, label=cond)
     ax.set_xticks([j + width * (len(res["median"]) - 1) / 2 for j in range(len(names))],
-                  [f"{nm}\n{res['settings'][nm]}" for nm in names], fontsize=7)
+                  [f"{nm}\n" + textwrap.fill(res["settings"][nm], 26) for nm in names], fontsize=7)
     ax.set(ylabel=f"median seconds ({res['rounds']} interleaved rounds)")
     finish_figure(fig, [ax], f"OAL causal forward, N={res['n']}, {res['dtype']}, {res['cpu']['model']}, "
                              f"{res['threads']} threads", path)
