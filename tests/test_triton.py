@@ -236,7 +236,8 @@ def test_unsupported_requests_are_clear_errors(monkeypatch):
         oal_attention(q, k, v, groups, factor, backend="triton", chunk_size=24)
     big = torch.randn(1, 1, 4, 192, device=DEVICE)
     with pytest.raises(ValueError, match="^q/v: .*d, dv <= 128"):
-        oal_attention(big, big, big, torch.zeros(1, 192, dtype=torch.long), torch.randn(1, 2, 2), backend="triton")
+        oal_attention(big, big, big, torch.zeros(1, 192, dtype=torch.long, device=DEVICE),
+                      torch.randn(1, 2, 2, device=DEVICE), backend="triton")
     monkeypatch.setattr(oal_triton, "available", lambda: False)
     with pytest.raises(ValueError, match=r"^backend: 'triton' needs the triton package.*oal-attention\[gpu\]"):
         oal_attention(q, k, v, groups, factor, backend="triton")

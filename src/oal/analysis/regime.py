@@ -81,8 +81,8 @@ class RegimeAccumulator:
 
     @torch.no_grad()
     def __call__(self, c) -> None:
-        q = c.q.double()
-        k = c.k.double().repeat_interleave(q.shape[1] // c.k.shape[1], dim=1)  # GQA: head h reads KV h // rep
+        q = c.q.double().cpu()  # the statistics, masks and running state live on the CPU (a CUDA run captures on GPU)
+        k = c.k.double().cpu().repeat_interleave(q.shape[1] // c.k.shape[1], dim=1)  # GQA: head h reads KV h // rep
         bsz, n_heads, n, d = q.shape
         mask = torch.ones(bsz, n, dtype=torch.bool) if c.attention_mask is None else c.attention_mask.bool().cpu()
         st = self._state(c.layer, n_heads)
