@@ -285,7 +285,7 @@ def compare(fixed_path: Path, tuned_path: Path) -> str:
     cpu, tuned = runs[1]["cpu"], runs[1]
     lines = [f"CPU: {cpu['model']} ({cpu['capability']}; flags {' '.join(cpu['flags'])}; bf16 GEMMs "
              f"{'yes' if cpu.get('bf16_gemms') else 'no'}), {tuned['threads']} threads, {tuned['clock']} clock, "
-             f"torch {tuned['torch']}", "",
+             f"torch {tuned['torch']}; fixed: {_readout_label(runs[0]['cpu'])}; tuned: {_readout_label(cpu)}", "",
              "| dtype | N | settings (fixed / tuned) | sdpa/oal fixed | sdpa/oal tuned | goal | % of GEMM fixed | "
              "% of GEMM tuned | GEMM GFLOP/s | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
@@ -332,14 +332,22 @@ def _tune(dtypes: list[str], force: bool) -> None:
     print(res.stdout.rstrip(), file=sys.stderr)
 
 
+def _readout_label(cpu: dict) -> str:
+    """How the readout ran: the fused kernel (with bf16 dot products or not) or the torch GEMM."""
+    if not cpu.get("fused_readout"):
+        return "torch readout (OAL_CPU_KERNEL=0 or no compiler)"
+    return f"fused readout ({cpu.get('vector_width')}-wide{', bf16 dots' if cpu.get('bf16_dots') else ''})"
+
+
 def _machine(dtypes: list[str]) -> tuple[dict, dict]:
     """The CPU (model, flags, torch's capability, bf16 GEMMs) and the operator settings of each dtype, as the
     children will run them."""
     import dataclasses
 
-    from oal.ops import chunked, cpu_bf16, tuning
+    from oal.ops import chunked, cpu_bf16, cpu_kernel, tuning
 
-    cpu = tuning.cpu_info() | {"bf16_gemms": cpu_bf16()}
+    cpu = tuning.cpu_info() | {"bf16_gemms": cpu_bf16(), "fused_readout": cpu_kernel.available(),
+                               "bf16_dots": cpu_kernel.bf16_dots(), "vector_width": cpu_kernel.vector_width()}
     settings = {}
     for dt in dtypes:
         s = chunked.current_settings(getattr(torch, dt))
@@ -436,7 +444,8 @@ def main() -> None:
         st = settings[dt]
         table = Table(title=f"OAL chunked vs SDPA, causal forward, {dt}, {args.device}, "
                             f"{torch.get_num_threads()} threads, {_common.CLOCK_NAME} clock\n{cpu['model']} "
-                            f"({cpu['capability']}; {' '.join(cpu['flags'])}); {st['label']} ({st['source']})")
+                            f"({cpu['capability']}; {' '.join(cpu['flags'])}); {st['label']} ({st['source']}); "
+                            f"{_readout_label(cpu)}")
         for col in ("N", "SDPA (s)", "OAL (s)", "sdpa/oal", "SDPA MiB", "OAL MiB", "OAL GFLOP/s", "GEMM GFLOP/s",
                     "% of GEMM", *PHASES, "other", "load"):
             table.add_column(col, justify="right")

@@ -12,7 +12,10 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   Eq. 6), so phi is written once, and each chunk's readout operand is one dense matrix;
 - state: the state before chunk c+1 is the one before chunk c plus psi(K_c)^T U_c, one GEMM per chunk that adds
   as it writes (Eq. 5), so each chunk state is written once;
-- readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V;
+- readout: S_{c-1}^T phi(Q_c)^T is one batched GEMM (Eq. 6), GQA without repeating K/V. Inference calls in fp32
+  or bf16 whose chunk is whole vectors run the fused kernel `cpu_kernel.readout` instead, which forms phi in
+  registers from the queries, so phi(Q) is never written (`_block_prefix` then skips `_query_features`); the
+  torch GEMM stays the path under autograd, in fp64 and without a C++ compiler;
 - intra-chunk: z_m(i, j) = L_0m + scale (q_i * w_m) . k_j with w_m[r] = L[g(r)+1, m], so kappa = eps + sum_m
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7). The constant L_0m rides in the GEMM (a row of
   the query operand against a column of ones beside the keys), which saves a pass over z.
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from oal.ops import kernel, tuning, workers
+from oal.ops import cpu_kernel, kernel, tuning, workers
 from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features, weighted_pairs
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
@@ -138,7 +141,7 @@ def _query_features(xq, weights, ws):
     made the bf16 GEMM copy it), and phi_lin the constant and linear rows [nc, B, Hkv, 1 + d, rep * C] in w's
     dtype (the state's), from the exact bf16 inputs (see `_readout`); otherwise phi_lin is None.
     """
-    w, wg = weights  # wg is converted once per call: the feature maps' cached views are keyed by their tensors
+    w, wg = weights[:2]  # wg is converted once per call: the feature maps' cached views are keyed by their tensors
     d = xq.shape[3]
     lin, dev = 1 + d, xq.device
     feats = feature_dim(d)
@@ -228,6 +231,20 @@ def _readout(phi, states, ws=None, phi_lin=None):
         return num
 
 
+def _fused(xq, sdt: torch.dtype, ws) -> bool:
+    """Whether this block's readout runs the fused CPU kernel (inference scratch, and `cpu_kernel.supports`)."""
+    return ws is not None and cpu_kernel.supports(xq, sdt)
+
+
+def _fused_readout(xq, w_rows, states, ws):
+    """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] and w_rows [Hkv * rep, F] (the query
+    coefficients of these heads, Eq. 6) against states [nc, B, Hkv, F, dv+1] -> num^T in the states' dtype."""
+    n_c, bsz, n_kv, d, rep, c = xq.shape
+    num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
+    with record_function("oal.readout"):
+        return cpu_kernel.readout(xq, w_rows.view(n_kv, rep, -1), states, num)
+
+
 def _normalise(num_t, n_q: int, out=None, raw: bool = False):
     """num^T [nc, B, Hkv, dv+1, rep*C] -> out [B, Hq, nc*C, dv] = numerator / denominator (written into `out`).
 
@@ -276,7 +293,10 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
             kb[..., d:].fill_(1.0)
     parts["qw"], parts["kb"] = qw, kb
     if not fresh:
-        parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
+        if _fused(xq, sdt, ws):  # the readout forms phi(Q) itself
+            parts["xq"], parts["w_rows"] = xq, w[2]
+        else:
+            parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
         parts["psi"] = _key_features(k, ws)
         parts["ug"] = u.to(gdt)  # [B, Hkv, T, dv+1]
     return parts
@@ -290,7 +310,9 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
     dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
     num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
     num = None
-    if prev is not None:
+    if prev is not None and "xq" in parts:
+        num = _fused_readout(parts["xq"], parts["w_rows"], prev[:n_c], ws)
+    elif prev is not None:
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
@@ -358,7 +380,7 @@ def _pipelined(state, q, k, u, w, wz, eps: float, chunk: int, block: int, raw: b
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        wh = (w[0][a:b], w[1][a:b])
+        wh = (w[0][a:b], w[1][a:b], w[2][a * rep : b * rep])
         parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], wh, wz[a:b], chunk, False, ws)
         prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
         chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
@@ -378,8 +400,12 @@ def _key_step(state, k, u, ws=None):
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
     xq = _feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq")
-    phi, phi_lin = _query_features(xq, w, ws)
-    return _normalise(_readout(phi, state.unsqueeze(0), ws, phi_lin), q.shape[1], out, raw)
+    if _fused(xq, state.dtype, ws):
+        num = _fused_readout(xq, w[2], state.unsqueeze(0).contiguous(), ws)
+    else:
+        phi, phi_lin = _query_features(xq, w, ws)
+        num = _readout(phi, state.unsqueeze(0), ws, phi_lin)
+    return _normalise(num, q.shape[1], out, raw)
 
 
 def chunked_attention(
@@ -402,9 +428,10 @@ def chunked_attention(
     block = chunk * (block_chunks or max(settings.chunk * settings.block_chunks // chunk, 1))
     u = v if raw else torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
-    w = query_coefficients(*coeffs, scale) if weights is None else weights
-    w = w.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
-    w = (w, w.to(dtype))  # also in the GEMM dtype, converted once per call
+    w_rows = query_coefficients(*coeffs, scale) if weights is None else weights  # [Hq, F]
+    w = w_rows.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
+    # also in the GEMM dtype, converted once per call, and as contiguous rows [Hq, F] for the fused readout
+    w = (w, w.to(dtype), w_rows.contiguous())
     lower = torch.tril(factor)
     wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]

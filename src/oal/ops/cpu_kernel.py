@@ -1,0 +1,195 @@
+"""The fused CPU readout of the chunked operator (`csrc/readout.cpp`), built for the machine it runs on.
+
+The torch path writes the query features phi(Q) to memory, 2145 values per query head and token at d = 64, and
+reads them back in a GEMM; the fused kernel forms them in vector registers inside the GEMM's tiles instead (issue
+36: features and readout were two thirds of a 16k-token call). It is plain C++ without torch headers, compiled
+with the system compiler (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in under a
+second, into the user's cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and
+the CPU, written atomically; later processes load the built file. It is called through ctypes, which releases
+the GIL, so the operator's worker threads run it side by side.
+
+It serves inference calls on CPU tensors in fp32 (and bf16 queries, widened exactly to fp32) whose chunk is a
+multiple of the vector width; everything else, autograd included, runs the torch path, which stays the reference
+(tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere (one
+log line says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from oal.rundir.user_cache import cache_root
+
+__all__ = ["available", "bf16_dots", "build", "describe", "enabled", "readout", "supports", "vector_width"]
+
+log = logging.getLogger("oal")
+
+SOURCE = Path(__file__).with_name("csrc") / "readout.cpp"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+COMPILERS = ("c++", "g++", "clang++")
+
+# bf16 queries run bf16 dot products where the CPU has them; False: the fp32 kernel on the widened queries (tests)
+BF16_DOTS = True
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+_STATUS = ""  # the built library's path, or why there is none
+
+
+def enabled() -> bool:
+    """`OAL_CPU_KERNEL=0` turns the fused kernel off (the torch path then runs everywhere)."""
+    return os.environ.get("OAL_CPU_KERNEL", "1") != "0"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return next((path for path in map(shutil.which, COMPILERS) if path), None)
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and every flag (-march=native compiles for all of them)."""
+    model, flags = "", ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = " ".join(sorted(value.split()))
+    return f"{model}|{flags}" if model or flags else platform.processor()
+
+
+def _key(cxx: str) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    parts = [SOURCE.read_bytes().hex(), " ".join(FLAGS), version, _cpu_identity()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def build(folder: Path | None = None) -> Path:
+    """Compile the kernel for this machine (once: an existing build of the same key is reused) and return the
+    shared library's path. Raises RuntimeError with the compiler's first error line."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler found ($CXX, or one of {', '.join(COMPILERS)} on PATH)")
+    folder = cache_root("kernels") if folder is None else folder
+    path = folder / f"readout-{_key(cxx)}.so"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:  # a temporary file renamed into place: another process never loads a half-written library
+        res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
+            raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {first}")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _LIB, _TRIED, _STATUS
+    with _LOCK:
+        if not _TRIED:
+            _TRIED = True
+            try:
+                path = build()
+                lib = ctypes.CDLL(str(path))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                _STATUS = str(err)
+                log.warning("oal: the fused CPU readout is unavailable (%s); the chunked operator runs its torch "
+                            "path", err)
+            else:
+                ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
+                lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5
+                lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6
+                _LIB, _STATUS = lib, str(path)
+        return _LIB
+
+
+def available() -> bool:
+    """Whether the fused readout runs here (enabled, and built or buildable)."""
+    return enabled() and _load() is not None
+
+
+def describe() -> str:
+    """One line: whether the fused readout runs here, how, and from which file (or why not)."""
+    if not enabled():
+        return "fused CPU readout: off (OAL_CPU_KERNEL=0); the torch path runs"
+    if _load() is None:
+        return f"fused CPU readout: unavailable ({_STATUS}); the torch path runs"
+    dots = "bf16 dot products for bf16" if bf16_dots() else "bf16 widened to fp32"
+    return f"fused CPU readout: {vector_width()}-wide fp32 vectors, {dots} ({_STATUS})"
+
+
+def vector_width() -> int:
+    lib = _load()
+    return lib.oal_readout_vw() if lib is not None else 0
+
+
+def bf16_dots() -> bool:
+    """Whether bf16 queries run bf16 dot products here (the CPU has AVX512_BF16), rather than the fp32 kernel."""
+    lib = _load()
+    return BF16_DOTS and lib is not None and bool(lib.oal_readout_bf16_dots())
+
+
+def supports(x: torch.Tensor, state_dtype: torch.dtype) -> bool:
+    """Whether `readout` takes queries x (feature-major, contiguous) against a state of `state_dtype`: CPU, no
+    autograd, an fp32 state, fp32 or bf16 queries, and a chunk (x's last dim) that is a multiple of the vector
+    width."""
+    if not enabled() or x.device.type != "cpu" or state_dtype != torch.float32 or not x.is_contiguous():
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() and x.requires_grad:
+        return False
+    vw = vector_width()
+    return vw > 0 and x.shape[-1] % vw == 0
+
+
+def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """num^T = S^T phi(Q)^T for every (chunk, batch, KV head), written into `out` (Eq. 6), phi(Q) = w * psi(Q).
+
+    x [nc, B, Hkv, d, rep, C] (fp32 or bf16), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out
+    [nc, B, Hkv, dv+1, rep * C] fp32, all contiguous (`supports`). bf16 x runs bf16 dot products for the quadratic
+    features where the CPU has them (`bf16_dots`), else the fp32 kernel on x widened exactly. With more than one
+    torch thread the items are split over the operator's workers (`ops.workers`)."""
+    lib = _load()
+    n_c, bsz, n_kv, d, rep, c = x.shape
+    dv1 = states.shape[-1]
+    items = n_c * bsz * n_kv
+    dims = (n_kv, d, rep, c, dv1)
+    ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), out.data_ptr())
+    dots = int(bf16_dots())
+
+    def run(begin: int, end: int) -> None:
+        if x.dtype == torch.float32:
+            lib.oal_readout_f32(*ptrs, begin, end, *dims)
+        else:
+            lib.oal_readout_bf16(*ptrs, begin, end, *dims, dots)
+
+    threads = min(torch.get_num_threads(), items)
+    if threads <= 1:
+        run(0, items)
+        return out
+    from oal.ops import workers
+
+    workers.workers(threads).run(run, [(i * items // threads, (i + 1) * items // threads) for i in range(threads)])
+    return out

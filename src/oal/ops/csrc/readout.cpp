@@ -1,0 +1,263 @@
+// Fused OAL readout for the CPU: num^T = S^T phi(Q)^T with the query features phi built in registers (Eq. 6).
+//
+// The torch path writes phi(Q), 1 + d + d(d+1)/2 values per query head and token (2145 at d = 64), to memory and
+// reads it back in a GEMM; at the memory's write rate that was a quarter of the operator's time (issue 36). Here a
+// tile of tokens x outputs keeps its accumulators in vector registers and, for every feature f, forms phi_f for its
+// tokens from two rows of the queries (phi_f = w_f q_r q_t, Eq. 6, packed r <= t) and adds S[f, o] phi_f with one
+// FMA per accumulator. Nothing but the queries, the weights, the state and the result touches memory.
+//
+// Layouts (all contiguous, row-major), per item k = (chunk, batch, KV head) flattened:
+//   x   [items, d, rep, C]     queries feature-major (the operator's "xq" scratch), fp32 or bf16 (uint16 bits)
+//   w   [Hkv, rep, F]          per query head the weights [a, scale b_r, scale^2 m_rt C_rt] (query_coefficients)
+//   s   [items, F, dv1]        the state before each chunk (fp32)
+//   out [items, dv1, rep * C]  the numerator^T (fp32), overwritten
+// F = 1 + d + d(d+1)/2. C must be a multiple of the vector width VW (the caller checks `oal_readout_vw`).
+//
+// bf16 queries on a CPU with AVX512_BF16 (`item_dp`): the constant and linear features stay fp32; the quadratic
+// ones, formed in fp32 and rounded once to bf16, meet the state rounded to bf16 in bf16 dot products (vdpbf16ps: two
+// products per fp32 lane, fp32 accumulation), twice the fp32 FMA rate. Elsewhere bf16 queries are widened exactly
+// to fp32 and run the fp32 kernel.
+//
+// Plain C++ with GCC/Clang vector extensions (and AVX-512 intrinsics for the bf16 dot products), no torch headers:
+// compiled on the user's machine with -march=native by oal.ops.cpu_kernel (about a second), so the vector width
+// and register count are the CPU's own.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__AVX512F__)
+#define VW 16  // floats per vector register
+#define NV 2   // vectors of tokens per tile: 2 x 13 accumulators + 2 query rows + 2 features = 30 of 32 registers
+#define TO 13  // outputs per tile (65 = 5 x 13 at dv = 64)
+#elif defined(__AVX__)
+#define VW 8
+#define NV 1  // 16 registers: 13 accumulators + a query row + a feature + a broadcast
+#define TO 13
+#else
+#define VW 4
+#define NV 1
+#define TO 12
+#endif
+
+// aligned(4) / aligned(2): a pointer to these needs no vector alignment (unaligned loads); may_alias: they read
+// float / uint16 buffers
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+
+static inline vf load(const float* p) { return *(const vf*)p; }
+
+static inline void store(float* p, vf v) { *(vf*)p = v; }
+
+// One tile: T outputs (rows o0..o0+T of out) x V * VW tokens (columns i0..) of one query head.
+//   x: the head's queries at column i0, row r at x + r * xs; w: the head's F weights; s: state column o0, row f at
+//   s + f * ss; out: row o0, column i0, row o at out + o * os.
+template <int T, int V>
+static inline void tile(const float* x, ptrdiff_t xs, const float* w, const float* s, ptrdiff_t ss, float* out,
+                        ptrdiff_t os, int d) {
+    vf acc[T][V];
+    for (int o = 0; o < T; ++o)  // f = 0: the constant feature phi_0 = a
+        for (int v = 0; v < V; ++v) acc[o][v] = (vf){} + s[o] * w[0];
+    const float* wf = w + 1;
+    const float* sf = s + ss;
+    for (int r = 0; r < d; ++r, ++wf, sf += ss) {  // f = 1..d: linear features w_r q_r
+        vf phi[V];
+        for (int v = 0; v < V; ++v) phi[v] = load(x + r * xs + v * VW) * *wf;
+        for (int o = 0; o < T; ++o)
+            for (int v = 0; v < V; ++v) acc[o][v] += sf[o] * phi[v];
+    }
+    for (int r = 0; r < d; ++r) {  // pair features w_rt q_r q_t, t >= r, in packed order
+        vf xr[V];
+        for (int v = 0; v < V; ++v) xr[v] = load(x + r * xs + v * VW);
+        for (int t = r; t < d; ++t, ++wf, sf += ss) {
+            vf phi[V];
+            for (int v = 0; v < V; ++v) phi[v] = load(x + t * xs + v * VW) * *wf * xr[v];
+            for (int o = 0; o < T; ++o)
+                for (int v = 0; v < V; ++v) acc[o][v] += sf[o] * phi[v];
+        }
+    }
+    for (int o = 0; o < T; ++o)
+        for (int v = 0; v < V; ++v) store(out + o * os + v * VW, acc[o][v]);
+}
+
+typedef void (*tile_fn)(const float*, ptrdiff_t, const float*, const float*, ptrdiff_t, float*, ptrdiff_t, int);
+
+template <int V, int T = TO>
+static tile_fn tile_of(int t) {  // the instance for t <= TO outputs (a remainder tile has fewer)
+    if constexpr (T == 0)
+        return nullptr;
+    else
+        return t == T ? tile<T, V> : tile_of<V, T - 1>(t);
+}
+
+// One item: every query head j of the KV head, every tile of tokens and outputs.
+static void item(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
+                 int feats) {
+    const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
+    for (int j = 0; j < rep; ++j) {
+        const float* wj = w + (ptrdiff_t)j * feats;
+        for (int i0 = 0; i0 < c;) {
+            const int wide = (NV > 1 && c - i0 >= NV * VW);
+            for (int o0 = 0; o0 < dv1; o0 += TO) {
+                const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
+                const float* xi = x + (ptrdiff_t)j * c + i0;
+                float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
+                if (wide)
+                    tile_of<NV>(t)(xi, xs, wj, s + o0, dv1, oi, os, d);
+                else
+                    tile_of<1>(t)(xi, xs, wj, s + o0, dv1, oi, os, d);
+            }
+            i0 += wide ? NV * VW : VW;
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && VW == 16
+#include <immintrin.h>
+#define HAVE_DP 1
+
+// Pairs of consecutive quadratic features (r; t, t+1) with t = r, r+2, ... < d, the last one of a row padded with
+// a zero when d - r is odd: the unit of one bf16 dot product.
+static int pair_count(int d) {
+    int n = 0;
+    for (int r = 0; r < d; ++r) n += (d - r + 1) / 2;
+    return n;
+}
+
+// Two fp32 vectors a, b -> one vector of bf16 pairs (a_i, b_i) in 32-bit lane i (round to nearest even).
+static inline __m512i pack_pairs(__m512 a, __m512 b) {
+    static const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                  7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // a in 0..15, b in 16..31
+}
+
+// One tile of the bf16 path: T outputs x V * 16 tokens. s: the fp32 state at column o0 (rows 0..d: constant and
+// linear); sp: the state's bf16 pairs at column o0, pair p at sp + p * dv1; pp: the head's weighted bf16 pair
+// features at token i0, pair p at pp + p * c.
+template <int T, int V>
+static void tile_dp(const float* x, ptrdiff_t xs, const float* w, const float* s, int dv1, const uint32_t* sp,
+                    const uint32_t* pp, int c, int pairs, float* out, ptrdiff_t os, int d) {
+    __m512 acc[T][V];
+    for (int o = 0; o < T; ++o)
+        for (int v = 0; v < V; ++v) acc[o][v] = _mm512_set1_ps(s[o] * w[0]);
+    for (int r = 0; r < d; ++r) {  // linear features in fp32
+        __m512 phi[V];
+        for (int v = 0; v < V; ++v) phi[v] = _mm512_mul_ps(_mm512_loadu_ps(x + r * xs + v * 16), _mm512_set1_ps(w[1 + r]));
+        const float* sr = s + (ptrdiff_t)(1 + r) * dv1;
+        for (int o = 0; o < T; ++o)
+            for (int v = 0; v < V; ++v) acc[o][v] = _mm512_fmadd_ps(_mm512_set1_ps(sr[o]), phi[v], acc[o][v]);
+    }
+    for (int p = 0; p < pairs; ++p, sp += dv1, pp += c) {  // quadratic features, two per dot product
+        __m512i a[V];
+        for (int v = 0; v < V; ++v) a[v] = _mm512_loadu_si512(pp + v * 16);
+        for (int o = 0; o < T; ++o) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)sp[o]);
+            for (int v = 0; v < V; ++v) acc[o][v] = _mm512_dpbf16_ps(acc[o][v], (__m512bh)a[v], b);
+        }
+    }
+    for (int o = 0; o < T; ++o)
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + o * os + v * 16, acc[o][v]);
+}
+
+typedef void (*tile_dp_fn)(const float*, ptrdiff_t, const float*, const float*, int, const uint32_t*,
+                           const uint32_t*, int, int, float*, ptrdiff_t, int);
+
+template <int V, int T = TO>
+static tile_dp_fn tile_dp_of(int t) {
+    if constexpr (T == 0)
+        return nullptr;
+    else
+        return t == T ? tile_dp<T, V> : tile_dp_of<V, T - 1>(t);
+}
+
+// One item of the bf16 path (x already widened to fp32). sp [pairs, dv1] and pp [pairs, c]: the caller's scratch.
+static void item_dp(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
+                    int feats, uint32_t* sp, uint32_t* pp) {
+    const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
+    const int pairs = pair_count(d);
+    int p = 0;  // the state's quadratic rows as bf16 pairs, in pair order
+    for (int r = 0, f = 1 + d; r < d; f += d - r, ++r)
+        for (int t = r; t < d; t += 2, ++p) {
+            const float* s0 = s + (ptrdiff_t)(f + t - r) * dv1;
+            for (int o = 0; o < dv1; o += 16) {
+                const __mmask16 m = dv1 - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv1 - o)) - 1);
+                const __m512 lo = _mm512_maskz_loadu_ps(m, s0 + o);
+                const __m512 hi = t + 1 < d ? _mm512_maskz_loadu_ps(m, s0 + dv1 + o) : _mm512_setzero_ps();
+                _mm512_mask_storeu_epi32(sp + (ptrdiff_t)p * dv1 + o, m, pack_pairs(lo, hi));
+            }
+        }
+    for (int j = 0; j < rep; ++j) {
+        const float* wj = w + (ptrdiff_t)j * feats;
+        const float* xj = x + (ptrdiff_t)j * c;
+        p = 0;  // the head's weighted quadratic features w_rt q_r q_t of its c tokens, as bf16 pairs
+        for (int r = 0, f = 1 + d; r < d; f += d - r, ++r)
+            for (int t = r; t < d; t += 2, ++p) {
+                const __m512 w0 = _mm512_set1_ps(wj[f + t - r]), w1 = _mm512_set1_ps(t + 1 < d ? wj[f + t - r + 1] : 0.f);
+                const float* x1 = xj + (ptrdiff_t)(t + 1 < d ? t + 1 : t) * xs;
+                for (int i = 0; i < c; i += 16) {
+                    const __m512 xr = _mm512_loadu_ps(xj + r * xs + i);
+                    const __m512 lo = _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(xj + t * xs + i)), w0);
+                    const __m512 hi = _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(x1 + i)), w1);
+                    _mm512_storeu_si512(pp + (ptrdiff_t)p * c + i, pack_pairs(lo, hi));
+                }
+            }
+        for (int i0 = 0; i0 < c;) {
+            const int wide = c - i0 >= 32;
+            for (int o0 = 0; o0 < dv1; o0 += TO) {
+                const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
+                float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
+                (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, sp + o0, pp + i0, c, pairs,
+                                                            oi, os, d);
+            }
+            i0 += wide ? 32 : 16;
+        }
+    }
+}
+#else
+#define HAVE_DP 0
+#endif
+
+extern "C" {
+
+int oal_readout_vw(void) { return VW; }
+
+// 1 where bf16 queries run bf16 dot products (AVX512_BF16), 0 where they are widened to fp32.
+int oal_readout_bf16_dots(void) { return HAVE_DP; }
+
+// Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights.
+void oal_readout_f32(const float* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
+                     int hkv, int d, int rep, int c, int dv1) {
+    const int feats = 1 + d + d * (d + 1) / 2;
+    const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
+    for (int64_t k = begin; k < end; ++k)
+        item(x + k * xn, w + (k % hkv) * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats);
+}
+
+// The same with bf16 queries (their uint16 bits), widened exactly to fp32 first; `dots`: the bf16 dot-product
+// path (needs oal_readout_bf16_dots()), else the fp32 kernel.
+void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
+                      int hkv, int d, int rep, int c, int dv1, int dots) {
+    const int feats = 1 + d + d * (d + 1) / 2;
+    const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
+    std::vector<float> wide(xn);
+#if HAVE_DP
+    const int pairs = pair_count(d);
+    std::vector<uint32_t> sp(dots ? (size_t)pairs * dv1 : 0), pp(dots ? (size_t)pairs * c : 0);
+#endif
+    for (int64_t k = begin; k < end; ++k) {
+        const uint16_t* xk = x + k * xn;
+        for (ptrdiff_t i = 0; i < xn; i += VW)  // xn is a multiple of VW (C is)
+            *(vu*)(wide.data() + i) = __builtin_convertvector(*(const vh*)(xk + i), vu) << 16;
+        const float* wk = w + (k % hkv) * (ptrdiff_t)rep * feats;
+#if HAVE_DP
+        if (dots) {
+            item_dp(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, sp.data(), pp.data());
+            continue;
+        }
+#endif
+        item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats);
+    }
+}
+}

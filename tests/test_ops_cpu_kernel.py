@@ -1,0 +1,149 @@
+"""The fused CPU readout (`oal.ops.cpu_kernel`, csrc/readout.cpp) against the torch path and the dense reference:
+odd head dims (padded bf16 pairs), odd value dims (remainder tiles), chunks of one and several vectors, GQA,
+batches, an initial state, both worker layouts, NaN-filled scratch; bf16 queries with and without bf16 dot
+products; where it must not run; and its build (cached, atomic, one clear line without a compiler)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import oal.ops.chunked as chunked
+from oal.ops import cpu_kernel, oal_attention, tuning
+from oal.ops.kernel import perturbed_factor, taylor_factor
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler: the fused readout is not built")
+F64 = torch.float64
+
+
+def make(b, hq, hkv, n, d, dv, g=3, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, dd, generator=gen, dtype=F64) for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
+    q, k, v = (t.to(dtype) for t in (q, k, v))  # the reference runs on the rounded inputs
+    groups = torch.randint(0, g, (hq, d), generator=gen)
+    factor = perturbed_factor(taylor_factor(hq, g, dtype=F64), 0.3, generator=gen)
+    return q, k, v, groups, factor
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused readout's calls; scratch buffers NaN-filled (an unwritten entry shows up)."""
+    monkeypatch.setattr(chunked, "NAN_SCRATCH", True)
+    seen = []
+    real = cpu_kernel.readout
+    monkeypatch.setattr(cpu_kernel, "readout", lambda x, *a: seen.append(x.dtype) or real(x, *a))
+    return seen
+
+
+def _rel(got, want):
+    return float((got.double() - want).norm() / want.norm())
+
+
+# (B, Hq, Hkv, N, d, dv, chunk in vectors): the Qwen head shape; odd d and dv with GQA 3 and a batch of 2; three
+# vectors a chunk (a two-vector tile and a one-vector tile)
+SHAPES = [(1, 14, 2, 1000, 64, 64, 2), (2, 3, 1, 261, 5, 7, 1), (1, 4, 2, 333, 17, 12, 3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_fused_readout_matches_reference_and_torch_path(monkeypatch, calls, shape, pipeline):
+    bsz, hq, hkv, n, d, dv, vectors = shape
+    chunk = vectors * cpu_kernel.vector_width()
+    q, k, v, groups, factor = make(bsz, hq, hkv, n, d, dv)
+    init = torch.randn(bsz, hkv, 1 + d + d * (d + 1) // 2, dv + 1, generator=torch.Generator().manual_seed(1)).abs()
+    want, want_state = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference",
+                                     initial_state=init.double(), output_final_state=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the serial layout splits the items over two workers, the pipelined one runs blocks
+    try:
+        with torch.inference_mode(), tuning.forced(tuning.Settings(chunk, 2, pipeline=pipeline)):
+            got, state = oal_attention(q, k, v, groups, factor.float(), backend="chunked", initial_state=init,
+                                       output_final_state=True)
+            monkeypatch.setenv("OAL_CPU_KERNEL", "0")
+            torch_path = oal_attention(q, k, v, groups, factor.float(), backend="chunked", initial_state=init)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and set(calls) == {torch.float32}  # the fused readout ran, and only where it was on
+    # fp32 level (its sums run in another order than the GEMM's: about 3x the torch path's error, 1e-6 here)
+    assert _rel(got, want) < 1e-5 and _rel(state, want_state) < 1e-5, (_rel(got, want), _rel(state, want_state))
+    assert _rel(got, torch_path.double()) < 1e-5
+
+
+def test_fused_non_causal(calls):
+    q, k, v, groups, factor = make(1, 4, 2, 3 * cpu_kernel.vector_width(), 9, 5)
+    want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference", causal=False)
+    with torch.inference_mode():
+        got = oal_attention(q, k, v, groups, factor.float(), backend="chunked", causal=False)
+    assert calls and _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dots", [True, False])
+@pytest.mark.parametrize("d", [64, 5])
+def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, dots, d):
+    """bf16 queries: with bf16 dot products (quadratic features and state rounded to bf16, fp32 accumulation; odd
+    d pads the last pair of a row) or widened to fp32, the error against float64 is no larger than the torch
+    bf16 path's, and stays at bf16 SDPA's level."""
+    monkeypatch.setenv("OAL_CPU_BF16", "1")
+    monkeypatch.setattr(cpu_kernel, "BF16_DOTS", dots)
+    q, k, v, groups, factor = make(1, 4, 2, 600, d, 64, g=5, dtype=torch.bfloat16)
+    want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
+    with torch.inference_mode():
+        got = oal_attention(q, k, v, groups, factor.float())
+        monkeypatch.setenv("OAL_CPU_KERNEL", "0")
+        torch_path = oal_attention(q, k, v, groups, factor.float())
+    assert calls == [torch.bfloat16] * len(calls) and calls
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa_err = _rel(sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                    sdpa(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True))
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, want) <= 1.02 * _rel(torch_path, want), (_rel(got, want), _rel(torch_path, want))
+    assert _rel(got, want) <= 1.25 * sdpa_err
+
+
+def test_not_used_under_autograd_fp64_or_odd_chunks(calls):
+    """Gradients, float64 and chunks that are not whole vectors run the torch path (and stay exact)."""
+    q, k, v, groups, factor = make(1, 4, 2, 300, 8, 4)
+    q.requires_grad_(True)
+    out = oal_attention(q, k, v, groups, factor.float(), backend="chunked")
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    qd = q.detach().double().requires_grad_(True)
+    want = oal_attention(qd, k.double(), v.double(), groups, factor, backend="reference")
+    (grad_want,) = torch.autograd.grad(want.sum(), qd)
+    assert _rel(grad, grad_want) < 1e-4
+    with torch.inference_mode():
+        oal_attention(q.detach().double(), k.double(), v.double(), groups, factor, backend="chunked")
+        odd = oal_attention(q.detach(), k, v, groups, factor.float(), backend="chunked",
+                            chunk_size=cpu_kernel.vector_width() + 3)
+    assert not calls
+    assert _rel(odd, want.detach()) < 1e-5
+
+
+def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path, caplog):
+    path = cpu_kernel.build(tmp_path)
+    stamp = path.stat().st_mtime_ns
+    assert cpu_kernel.build(tmp_path) == path and path.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_kernel.build(tmp_path / "other")
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_TRIED", False)
+    monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "empty"))
+    q, k, v, groups, factor = make(1, 2, 1, 300, 4, 3)
+    with caplog.at_level(logging.WARNING, logger="oal"), torch.inference_mode():
+        out = oal_attention(q, k, v, groups, factor.float(), backend="chunked")  # the torch path
+    assert not cpu_kernel.available()
+    assert [r.getMessage() for r in caplog.records if "fused CPU readout is unavailable" in r.getMessage()]
+    want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
+    assert _rel(out, want) < 1e-5
+
+
+def test_a_failing_compile_names_the_error(monkeypatch, tmp_path):
+    bad = tmp_path / "readout.cpp"
+    bad.write_text("int broken( {\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", bad)
+    with pytest.raises(RuntimeError, match="readout.cpp: .*error"):
+        cpu_kernel.build(tmp_path / "build")
+    assert not list((tmp_path / "build").iterdir())  # nothing half-written
