@@ -6,6 +6,7 @@ products; where it must not run; and its build (cached, atomic, one clear line w
 from __future__ import annotations
 
 import logging
+import platform
 
 import pytest
 import torch
@@ -125,6 +126,10 @@ def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path,
     stamp = path.stat().st_mtime_ns
     assert cpu_kernel.build(tmp_path) == path and path.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    if platform.machine() in ("x86_64", "AMD64"):  # another target is another build (a mixed cluster's AVX2 nodes)
+        monkeypatch.setenv("OAL_CPU_MARCH", "x86-64-v2")
+        assert cpu_kernel.build(tmp_path) != path
+        monkeypatch.delenv("OAL_CPU_MARCH")
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_kernel.build(tmp_path / "other")

@@ -78,6 +78,7 @@ def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tens
     `n_copies` = I > 1 the method holds I stacked copies of the H heads (one per initialisation).
     `causal=False` (encoders): every key is visible; `key_mask` [B, N] (True = real token) drops padded keys.
     """
+    positions = positions.to(q.device)  # drawn with a CPU generator; the captures may sit on a GPU
     m = int(positions.max()) + 1 if causal else k.shape[2]
     qs, ks = q[:, :, positions], k[:, :, :m]
     if method.positional and not causal:

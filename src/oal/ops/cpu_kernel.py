@@ -3,15 +3,17 @@
 The torch path writes the query features phi(Q) to memory, 2145 values per query head and token at d = 64, and
 reads them back in a GEMM; the fused kernel forms them in vector registers inside the GEMM's tiles instead (issue
 36: features and readout were two thirds of a 16k-token call). It is plain C++ without torch headers, compiled
-with the system compiler (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in under a
+with the system compiler (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in about a
 second, into the user's cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and
-the CPU, written atomically; later processes load the built file. It is called through ctypes, which releases
-the GIL, so the operator's worker threads run it side by side.
+the CPU, written atomically; later processes load the built file. `$OAL_CPU_MARCH` names another target (e.g.
+x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes, which releases the GIL,
+so the operator's worker threads run it side by side. (torch.utils.cpp_extension would compile torch's headers
+too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
 
-It serves inference calls on CPU tensors in fp32 (and bf16 queries, widened exactly to fp32) whose chunk is a
-multiple of the vector width; everything else, autograd included, runs the torch path, which stays the reference
-(tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere (one
-log line says why).
+It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16)
+whose chunk is a multiple of the vector width; everything else, autograd and fp64 included, runs the torch path,
+which stays the reference (tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path
+runs everywhere (one log line says why).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ __all__ = ["available", "bf16_dots", "build", "describe", "enabled", "readout", 
 log = logging.getLogger("oal")
 
 SOURCE = Path(__file__).with_name("csrc") / "readout.cpp"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def _flags() -> list[str]:
+    return [*FLAGS, f"-march={os.environ.get('OAL_CPU_MARCH') or 'native'}"]
 COMPILERS = ("c++", "g++", "clang++")
 
 # bf16 queries run bf16 dot products where the CPU has them; False: the fp32 kernel on the widened queries (tests)
@@ -76,7 +82,7 @@ def _cpu_identity() -> str:
 
 def _key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    parts = [SOURCE.read_bytes().hex(), " ".join(FLAGS), version, _cpu_identity()]
+    parts = [SOURCE.read_bytes().hex(), " ".join(_flags()), version, _cpu_identity()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -94,7 +100,7 @@ def build(folder: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:  # a temporary file renamed into place: another process never loads a half-written library
-        res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cxx, *_flags(), "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
             raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {first}")
