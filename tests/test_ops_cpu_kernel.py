@@ -121,6 +121,21 @@ def test_not_used_under_autograd_fp64_or_odd_chunks(calls):
     assert _rel(odd, want.detach()) < 1e-5
 
 
+def test_readout_refuses_layouts_the_kernel_would_misread():
+    x = torch.zeros(1, 1, 2, 3, 2, cpu_kernel.vector_width())
+    w, states = torch.zeros(2, 2, 10), torch.zeros(1, 1, 2, 10, 4)
+    out = torch.zeros(1, 1, 2, 4, 2 * cpu_kernel.vector_width())
+    cpu_kernel.readout(x, w, states, out)  # the layout it takes
+    with pytest.raises(ValueError, match="w: expected a contiguous float32"):
+        cpu_kernel.readout(x, w.double(), states, out)
+    with pytest.raises(ValueError, match="states: .*shape \\[1, 1, 2, 10, 4\\]"):
+        cpu_kernel.readout(x, w, torch.zeros(1, 1, 2, 9, 4), out)  # F of another head dim
+    with pytest.raises(ValueError, match="out: .*not contiguous"):
+        cpu_kernel.readout(x, w, states, out.transpose(-1, -2).contiguous().transpose(-1, -2))
+    with pytest.raises(ValueError, match="x: expected"):
+        cpu_kernel.readout(x.transpose(-1, -2).contiguous().transpose(-1, -2), w, states, out)
+
+
 def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path, caplog):
     path = cpu_kernel.build(tmp_path)
     stamp = path.stat().st_mtime_ns

@@ -242,7 +242,7 @@ def _fused_readout(xq, w_rows, states, ws):
     n_c, bsz, n_kv, d, rep, c = xq.shape
     num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
     with record_function("oal.readout"):
-        return cpu_kernel.readout(xq, w_rows.view(n_kv, rep, -1), states, num)
+        return cpu_kernel.readout(xq, w_rows.view(n_kv, rep, -1).to(states.dtype), states, num)
 
 
 def _normalise(num_t, n_q: int, out=None, raw: bool = False):

@@ -180,6 +180,16 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     lib = _load()
     n_c, bsz, n_kv, d, rep, c = x.shape
     dv1 = states.shape[-1]
+    feats = 1 + d + d * (d + 1) // 2
+    # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
+    for name, t, shape in (("w", w, (n_kv, rep, feats)), ("states", states, (n_c, bsz, n_kv, feats, dv1)),
+                           ("out", out, (n_c, bsz, n_kv, dv1, rep * c))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a contiguous float32 CPU tensor of shape {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or c % vector_width():
+        raise ValueError(f"x: expected contiguous float32 or bfloat16 queries whose last dim is a multiple of "
+                         f"{vector_width()}, got {x.dtype} {list(x.shape)}")
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)
     ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), out.data_ptr())
