@@ -28,13 +28,28 @@ def make(b, hq, hkv, n, d, dv, g=3, dtype=torch.float32, seed=0):
     return q, k, v, groups, factor
 
 
+class Calls(list):
+    """The fused readout's calls: the queries' dtype of each, and in `intras` whether it took the intra-chunk
+    term."""
+
+    def __init__(self):
+        super().__init__()
+        self.intras = []
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts the fused readout's calls; scratch buffers NaN-filled (an unwritten entry shows up)."""
+    """Records the fused readout's calls (`Calls`); scratch buffers NaN-filled (an unwritten entry shows up)."""
     monkeypatch.setattr(chunked, "NAN_SCRATCH", True)
-    seen = []
+    seen = Calls()
     real = cpu_kernel.readout
-    monkeypatch.setattr(cpu_kernel, "readout", lambda x, *a: seen.append(x.dtype) or real(x, *a))
+
+    def spy(x, w, states, out, intra=None):
+        seen.append(x.dtype)
+        seen.intras.append(intra is not None)
+        return real(x, w, states, out, intra)
+
+    monkeypatch.setattr(cpu_kernel, "readout", spy)
     return seen
 
 
@@ -67,9 +82,27 @@ def test_fused_readout_matches_reference_and_torch_path(monkeypatch, calls, shap
     finally:
         torch.set_num_threads(threads)
     assert calls and set(calls) == {torch.float32}  # the fused readout ran, and only where it was on
+    assert all(calls.intras)  # with the chunks' own keys (the torch intra-chunk GEMMs did not run)
     # fp32 level (its sums run in another order than the GEMM's: about 3x the torch path's error, 1e-6 here)
     assert _rel(got, want) < 1e-5 and _rel(state, want_state) < 1e-5, (_rel(got, want), _rel(state, want_state))
     assert _rel(got, torch_path.double()) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["unused group ids", "more groups than the kernel takes"])
+def test_fused_intra_chunk_term_edge_groups(calls, case):
+    """Group ids a head leaves unused (empty ranges in `bounds`), and G + 1 above GMAX: then the readout is still
+    fused and the intra-chunk term runs the torch GEMMs."""
+    g = 3 if case == "unused group ids" else cpu_kernel.GMAX
+    q, k, v, groups, factor = make(1, 4, 2, 200, 12, 6, g=g)
+    if case == "unused group ids":
+        groups = torch.where(groups == 1, 2, groups)  # id 1 unused in every head
+        groups[0] = 0  # head 0: one group only
+    want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
+    with torch.inference_mode():
+        got = oal_attention(q, k, v, groups, factor.float(), backend="chunked",
+                            chunk_size=cpu_kernel.vector_width())
+    assert calls and all(calls.intras) == (case == "unused group ids")
+    assert _rel(got, want) < 1e-5
 
 
 def test_fused_non_causal(calls):
@@ -94,7 +127,7 @@ def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, dots, d):
         got = oal_attention(q, k, v, groups, factor.float())
         monkeypatch.setenv("OAL_CPU_KERNEL", "0")
         torch_path = oal_attention(q, k, v, groups, factor.float())
-    assert calls == [torch.bfloat16] * len(calls) and calls
+    assert calls == [torch.bfloat16] * len(calls) and calls and all(calls.intras)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_err = _rel(sdpa(q, k, v, is_causal=True, enable_gqa=True),
                     sdpa(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -231,18 +232,39 @@ def _readout(phi, states, ws=None, phi_lin=None):
         return num
 
 
-def _fused(xq, sdt: torch.dtype, ws) -> bool:
-    """Whether this block's readout runs the fused CPU kernel (inference scratch, and `cpu_kernel.supports`)."""
-    return ws is not None and cpu_kernel.supports(xq, sdt)
+def _fused(xq, sdt: torch.dtype, ws, heads) -> bool:
+    """Whether this block's readout runs the fused CPU kernel (inference scratch, the heads' inputs built, and
+    `cpu_kernel.supports`)."""
+    return ws is not None and heads is not None and cpu_kernel.supports(xq, sdt)
 
 
-def _fused_readout(xq, w_rows, states, ws):
-    """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] and w_rows [Hkv * rep, F] (the query
-    coefficients of these heads, Eq. 6) against states [nc, B, Hkv, F, dv+1] -> num^T in the states' dtype."""
+class FusedHeads(NamedTuple):
+    """What the fused kernel needs of the query heads: rows [Hq, F] the query coefficients (Eq. 6), and for its
+    intra-chunk term (`cpu_kernel.Intra`) order, bounds and lower, or None (more groups than it takes)."""
+
+    rows: torch.Tensor
+    order: torch.Tensor | None
+    bounds: torch.Tensor | None
+    lower: torch.Tensor | None
+
+    def heads(self, a: int, b: int) -> FusedHeads:
+        return FusedHeads(*(None if t is None else t[a:b] for t in self))
+
+
+def _fused_heads(w_rows, groups, factor, scale: float, sdt: torch.dtype) -> FusedHeads:
+    intra = cpu_kernel.intra_heads(groups, factor, scale) or (None, None, None)
+    return FusedHeads(w_rows.detach().to(sdt).contiguous(), *intra)
+
+
+def _fused_readout(xq, heads: FusedHeads, states, ws, intra=None):
+    """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] against states [nc, B, Hkv, F, dv+1] ->
+    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7)."""
     n_c, bsz, n_kv, d, rep, c = xq.shape
     num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
+    if intra is not None:
+        intra = cpu_kernel.Intra(intra[0], intra[1], heads.order, heads.bounds, heads.lower, intra[2])
     with record_function("oal.readout"):
-        return cpu_kernel.readout(xq, w_rows.view(n_kv, rep, -1).to(states.dtype), states, num)
+        return cpu_kernel.readout(xq, heads.rows.view(n_kv, rep, -1), states, num, intra)
 
 
 def _normalise(num_t, n_q: int, out=None, raw: bool = False):
@@ -278,23 +300,26 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
     parts = {"ub": ub.to(sdt).contiguous(), "n_c": n_c, "prev": None, "phi": None}
     xq = _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # queries feature-major [nc, B, Hkv, d, rep, C]
+    fused = not fresh and _fused(xq, sdt, ws, w[2])
     with record_function("oal.intra"):
         n_m = wz.shape[-2]
         kc = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, d]
-        qw = _scratch(ws, "qw", (n_c, bsz, n_kv, d + 1, rep, n_m, chunk), sdt, dev)
         kb = _scratch(ws, "kb", (n_c, bsz, n_kv, chunk, d + 1), sdt, dev)
-        if qw is None:  # autograd: out of place
+        if kb is None:  # autograd: out of place
             qw = torch.cat([xq.unsqueeze(5) * wz[:, :d], wz[:, d:].expand(n_c, bsz, n_kv, 1, rep, n_m, chunk)], dim=3)
             kb = torch.cat([kc.to(sdt), torch.ones(kc.shape[:-1] + (1,), dtype=sdt, device=dev)], dim=-1)
         else:
-            torch.mul(xq.unsqueeze(5), wz[:, :d], out=qw[:, :, :, :d])
-            qw[:, :, :, d:].copy_(wz[:, d:].expand_as(qw[:, :, :, d:]))
             kb[..., :d].copy_(kc)
             kb[..., d:].fill_(1.0)
+            qw = None  # the fused kernel builds its kappa blocks from xq and kb itself
+            if not (fused and w[2].order is not None):
+                qw = _scratch(ws, "qw", (n_c, bsz, n_kv, d + 1, rep, n_m, chunk), sdt, dev)
+                torch.mul(xq.unsqueeze(5), wz[:, :d], out=qw[:, :, :, :d])
+                qw[:, :, :, d:].copy_(wz[:, d:].expand_as(qw[:, :, :, d:]))
     parts["qw"], parts["kb"] = qw, kb
     if not fresh:
-        if _fused(xq, sdt, ws):  # the readout forms phi(Q) itself
-            parts["xq"], parts["w_rows"] = xq, w[2]
+        if fused:  # the readout forms phi(Q) itself (and, without qw, the chunks' own keys too)
+            parts["xq"], parts["fused"] = xq, w[2]
         else:
             parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
         parts["psi"] = _key_features(k, ws)
@@ -306,14 +331,17 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
     """Second half of one causal block: readout of the chunk states parts["prev"] (None for a fresh block), the
     intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
     qw, kb, ub, n_c, prev = parts["qw"], parts["kb"], parts["ub"], parts["n_c"], parts["prev"]
+    num = None
+    if prev is not None and "xq" in parts:
+        intra = (kb, ub, eps) if qw is None else None  # None: the torch intra-chunk term below
+        num = _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra)
+        if intra is not None:
+            return _normalise(num, n_q, out, raw)
+    elif prev is not None:
+        num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     _, bsz, n_kv, d1, rep, n_m, _ = qw.shape
     dv1, sdt, dev = ub.shape[-1], ub.dtype, qw.device
     num_shape = (n_c, bsz, n_kv, dv1, rep * chunk)
-    num = None
-    if prev is not None and "xq" in parts:
-        num = _fused_readout(parts["xq"], parts["w_rows"], prev[:n_c], ws)
-    elif prev is not None:
-        num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     # intra-chunk dense kernel (Eq. 7), transposed: kappa^T [C_j, rep, C_i], GQA by grouping query heads
     with record_function("oal.intra"):
         z = torch.matmul(kb, qw.reshape(n_c, bsz, n_kv, d1, -1),  # z_m(i, j) with its constant L_0m
@@ -380,7 +408,7 @@ def _pipelined(state, q, k, u, w, wz, eps: float, chunk: int, block: int, raw: b
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        wh = (w[0][a:b], w[1][a:b], w[2][a * rep : b * rep])
+        wh = (w[0][a:b], w[1][a:b], None if w[2] is None else w[2].heads(a * rep, b * rep))
         parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], wh, wz[a:b], chunk, False, ws)
         prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
         chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
@@ -400,8 +428,8 @@ def _key_step(state, k, u, ws=None):
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
     xq = _feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq")
-    if _fused(xq, state.dtype, ws):
-        num = _fused_readout(xq, w[2], state.unsqueeze(0).contiguous(), ws)
+    if _fused(xq, state.dtype, ws, w[2]):
+        num = _fused_readout(xq, w[2], state.unsqueeze(0).contiguous(), ws)  # no intra-chunk term: not causal
     else:
         phi, phi_lin = _query_features(xq, w, ws)
         num = _readout(phi, state.unsqueeze(0), ws, phi_lin)
@@ -430,8 +458,9 @@ def chunked_attention(
     # per-head weights of the query features (Eq. 6) and of the intra-chunk kernel (Eq. 7)
     w_rows = query_coefficients(*coeffs, scale) if weights is None else weights  # [Hq, F]
     w = w_rows.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
-    # also in the GEMM dtype, converted once per call, and as contiguous rows [Hq, F] for the fused readout
-    w = (w, w.to(dtype), w_rows.contiguous())
+    # also in the GEMM dtype, converted once per call, and what the fused kernel needs of the heads
+    fusable = q.device.type == "cpu" and cpu_kernel.enabled()
+    w = (w, w.to(dtype), _fused_heads(w_rows, groups, factor, scale, state.dtype) if fusable else None)
     lower = torch.tril(factor)
     wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]

@@ -29,12 +29,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from oal.rundir.user_cache import cache_root
 
-__all__ = ["available", "bf16_dots", "build", "describe", "enabled", "readout", "supports", "vector_width"]
+__all__ = ["Intra", "available", "bf16_dots", "build", "describe", "enabled", "intra_heads", "readout", "supports",
+           "vector_width"]
 
 log = logging.getLogger("oal")
 
@@ -45,6 +47,7 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 def _flags() -> list[str]:
     return [*FLAGS, f"-march={os.environ.get('OAL_CPU_MARCH') or 'native'}"]
 COMPILERS = ("c++", "g++", "clang++")
+GMAX = 16  # groups + 1 that the intra-chunk term takes (csrc/readout.cpp)
 
 # bf16 queries run bf16 dot products where the CPU has them; False: the fp32 kernel on the widened queries (tests)
 BF16_DOTS = True
@@ -124,10 +127,11 @@ def _load() -> ctypes.CDLL | None:
                 log.warning("oal: the fused CPU readout is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
             else:
-                ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+                intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
                 lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
-                lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5
-                lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6
+                lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
+                lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
                 _LIB, _STATUS = lib, str(path)
         return _LIB
 
@@ -170,8 +174,39 @@ def supports(x: torch.Tensor, state_dtype: torch.dtype) -> bool:
     return vw > 0 and x.shape[-1] % vw == 0
 
 
-def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """num^T = S^T phi(Q)^T for every (chunk, batch, KV head), written into `out` (Eq. 6), phi(Q) = w * psi(Q).
+class Intra(NamedTuple):
+    """The intra-chunk term's inputs (Eq. 7 inside each chunk), for `readout`: kb [nc, B, Hkv, C, d+1] the chunk's
+    keys token-major (the last column is not read), ub [nc, B, Hkv, C, dv+1] their values with the denominator's
+    column, all fp32; per query head order [Hq, d] its dims sorted by group and bounds [Hq, G+1] where each group
+    starts in that order (bounds[:, G] = d), int32; lower [Hq, G+1, G+1] fp32, L with rows 1..G times scale."""
+
+    kb: torch.Tensor
+    ub: torch.Tensor
+    order: torch.Tensor
+    bounds: torch.Tensor
+    lower: torch.Tensor
+    eps: float
+
+
+def intra_heads(groups: torch.Tensor, factor: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...] | None:
+    """(order, bounds, lower) of `Intra` for every query head, or None when G + 1 exceeds the kernel's GMAX."""
+    g1 = factor.shape[-1]
+    if g1 > GMAX:
+        return None
+    groups = groups.long()
+    order = groups.argsort(dim=1, stable=True).to(torch.int32).contiguous()
+    counts = torch.nn.functional.one_hot(groups, g1 - 1).sum(1)
+    bounds = torch.cat([counts.new_zeros(counts.shape[0], 1), counts.cumsum(1)], dim=1).to(torch.int32)
+    lower = torch.tril(factor.detach()).to(torch.float32).clone()
+    lower[:, 1:] *= scale  # s_g carries the scale (Eq. 7)
+    return order, bounds.contiguous(), lower.contiguous()
+
+
+def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
+            intra: Intra | None = None) -> torch.Tensor:
+    """num^T = S^T phi(Q)^T for every (chunk, batch, KV head), written into `out` (Eq. 6), phi(Q) = w * psi(Q);
+    with `intra` plus each chunk's own keys, sum_{l <= i in the chunk} kappa(i, l) u_l (Eq. 7), so that `out` is
+    the whole numerator.
 
     x [nc, B, Hkv, d, rep, C] (fp32 or bf16), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out
     [nc, B, Hkv, dv+1, rep * C] fp32, all contiguous (`supports`). bf16 x runs bf16 dot products for the quadratic
@@ -190,6 +225,20 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or c % vector_width():
         raise ValueError(f"x: expected contiguous float32 or bfloat16 queries whose last dim is a multiple of "
                          f"{vector_width()}, got {x.dtype} {list(x.shape)}")
+    extra = (None, None, None, None, None, 0, 0.0)
+    if intra is not None:
+        g1 = intra.lower.shape[-1]
+        for name, t, shape, dtype in (("kb", intra.kb, (n_c, bsz, n_kv, c, d + 1), torch.float32),
+                                      ("ub", intra.ub, (n_c, bsz, n_kv, c, dv1), torch.float32),
+                                      ("order", intra.order, (n_kv * rep, d), torch.int32),
+                                      ("bounds", intra.bounds, (n_kv * rep, g1), torch.int32),
+                                      ("lower", intra.lower, (n_kv * rep, g1, g1), torch.float32)):
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"intra.{name}: expected a contiguous {dtype} CPU tensor of shape {list(shape)}, "
+                                 f"got {t.dtype} {list(t.shape)}")
+        if g1 > GMAX:
+            raise ValueError(f"intra.lower: at most {GMAX - 1} groups, got {g1 - 1}")
+        extra = (*(t.data_ptr() for t in intra[:5]), g1 - 1, float(intra.eps))
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)
     ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), out.data_ptr())
@@ -197,9 +246,9 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
 
     def run(begin: int, end: int) -> None:
         if x.dtype == torch.float32:
-            lib.oal_readout_f32(*ptrs, begin, end, *dims)
+            lib.oal_readout_f32(*ptrs, begin, end, *dims, *extra)
         else:
-            lib.oal_readout_bf16(*ptrs, begin, end, *dims, dots)
+            lib.oal_readout_bf16(*ptrs, begin, end, *dims, dots, *extra)
 
     threads = min(torch.get_num_threads(), items)
     if threads <= 1:

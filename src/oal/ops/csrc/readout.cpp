@@ -6,11 +6,20 @@
 // tokens from two rows of the queries (phi_f = w_f q_r q_t, Eq. 6, packed r <= t) and adds S[f, o] phi_f with one
 // FMA per accumulator. Nothing but the queries, the weights, the state and the result touches memory.
 //
+// With `Intra` it also adds the chunk's own keys (Eq. 7 inside the chunk): per query head the kernel block
+// kappa(i, l) = eps + sum_m z_m^2, z = L^T [1, s_1, ..., s_G], s_g = scale sum_{r in g} q_r k_r, zero for l > i,
+// is built once into a C x C buffer (the group sums cost d multiply-adds per pair, not (G+1) d as the torch GEMMs
+// do), and the tiles then take the keys l like C more features with weights u_l. The numerator is then complete.
+//
 // Layouts (all contiguous, row-major), per item k = (chunk, batch, KV head) flattened:
 //   x   [items, d, rep, C]     queries feature-major (the operator's "xq" scratch), fp32 or bf16 (uint16 bits)
 //   w   [Hkv, rep, F]          per query head the weights [a, scale b_r, scale^2 m_rt C_rt] (query_coefficients)
 //   s   [items, F, dv1]        the state before each chunk (fp32)
 //   out [items, dv1, rep * C]  the numerator^T (fp32), overwritten
+//   kb  [items, C, d+1]        the chunk's keys, token-major (the last column is not read)      } Intra, optional
+//   ub  [items, C, dv1]        their values with the denominator's column                      }
+//   order [Hkv * rep, d], bounds [Hkv * rep, G+1] (int32): each head's dims sorted by group and where each group
+//   starts in that order (bounds[G] = d); lower [Hkv * rep, G+1, G+1]: L with rows 1..G times scale
 // F = 1 + d + d(d+1)/2. C must be a multiple of the vector width VW (the caller checks `oal_readout_vw`).
 //
 // bf16 queries on a CPU with AVX512_BF16 (`item_dp`): the constant and linear features stay fp32; the quadratic
@@ -51,12 +60,54 @@ static inline vf load(const float* p) { return *(const vf*)p; }
 
 static inline void store(float* p, vf v) { *(vf*)p = v; }
 
+#define GMAX 16  // groups + 1 the intra-chunk term takes (the caller checks)
+
+// The intra-chunk inputs of one call (kb == nullptr: none).
+struct Intra {
+    const float *kb, *ub;
+    const int32_t *order, *bounds;
+    const float* lower;
+    int groups;
+    float eps;
+};
+
+// kappa[l, i] for one query head and one item: eps + sum_m z_m(i, l)^2 for keys l <= i, else 0 (Eq. 7).
+static void kappa_block(const float* x, ptrdiff_t xs, const float* keys, int d, int c, const int32_t* order,
+                        const int32_t* bounds, const float* lower, int groups, float eps, float* kappa) {
+    vf lane;
+    for (int t = 0; t < VW; ++t) lane[t] = (float)t;
+    const int g1 = groups + 1;
+    for (int l = 0; l < c; ++l) {
+        const float* kl = keys + (ptrdiff_t)l * (d + 1);
+        for (int i0 = 0; i0 < c; i0 += VW) {
+            float* dst = kappa + (ptrdiff_t)l * c + i0;
+            if (i0 + VW <= l) {  // every query of this vector comes before key l
+                store(dst, (vf){});
+                continue;
+            }
+            vf z[GMAX];
+            for (int m = 0; m < g1; ++m) z[m] = (vf){} + lower[m];  // row 0: the constants L_0m
+            for (int g = 0; g < groups; ++g) {
+                vf sg = {};  // s_g / scale (scale is in L's rows 1..G)
+                for (int p = bounds[g]; p < bounds[g + 1]; ++p) sg += load(x + order[p] * xs + i0) * kl[order[p]];
+                const float* lg = lower + (ptrdiff_t)(g + 1) * g1;
+                for (int m = 0; m < g1; ++m) z[m] += lg[m] * sg;
+            }
+            vf kap = (vf){} + eps;
+            for (int m = 0; m < g1; ++m) kap += z[m] * z[m];
+            store(dst, lane + (float)i0 >= (float)l ? kap : (vf){});  // query i0 + t sees key l when i0 + t >= l
+        }
+    }
+}
+
 // One tile: T outputs (rows o0..o0+T of out) x V * VW tokens (columns i0..) of one query head.
 //   x: the head's queries at column i0, row r at x + r * xs; w: the head's F weights; s: state column o0, row f at
 //   s + f * ss; out: row o0, column i0, row o at out + o * os.
+//   kap: the head's kappa block at column i0 (row l at kap + l * c), u: the values at column o0 (row l at
+//   u + l * ss), keys = the keys that can reach these queries (0: no intra-chunk term).
 template <int T, int V>
 static inline void tile(const float* x, ptrdiff_t xs, const float* w, const float* s, ptrdiff_t ss, float* out,
-                        ptrdiff_t os, int d) {
+                        ptrdiff_t os, int d, const float* kap, const float* u, int keys, int c) {
     vf acc[T][V];
     for (int o = 0; o < T; ++o)  // f = 0: the constant feature phi_0 = a
         for (int v = 0; v < V; ++v) acc[o][v] = (vf){} + s[o] * w[0];
@@ -78,11 +129,18 @@ static inline void tile(const float* x, ptrdiff_t xs, const float* w, const floa
                 for (int v = 0; v < V; ++v) acc[o][v] += sf[o] * phi[v];
         }
     }
+    for (int l = 0; l < keys; ++l, u += ss) {  // the chunk's own keys: kappa(i, l) u_l (Eq. 7)
+        vf kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = load(kap + (ptrdiff_t)l * c + v * VW);
+        for (int o = 0; o < T; ++o)
+            for (int v = 0; v < V; ++v) acc[o][v] += u[o] * kv[v];
+    }
     for (int o = 0; o < T; ++o)
         for (int v = 0; v < V; ++v) store(out + o * os + v * VW, acc[o][v]);
 }
 
-typedef void (*tile_fn)(const float*, ptrdiff_t, const float*, const float*, ptrdiff_t, float*, ptrdiff_t, int);
+typedef void (*tile_fn)(const float*, ptrdiff_t, const float*, const float*, ptrdiff_t, float*, ptrdiff_t, int,
+                        const float*, const float*, int, int);
 
 template <int V, int T = TO>
 static tile_fn tile_of(int t) {  // the instance for t <= TO outputs (a remainder tile has fewer)
@@ -92,24 +150,47 @@ static tile_fn tile_of(int t) {  // the instance for t <= TO outputs (a remainde
         return t == T ? tile<T, V> : tile_of<V, T - 1>(t);
 }
 
+// The intra-chunk inputs of item k (kv: its KV head in the call) and its kappa buffer; pointers into `in`.
+struct ItemIntra {
+    const float *keys, *u;
+    const int32_t *order, *bounds;
+    const float* lower;
+    float* kappa;  // c * c floats, the caller's
+};
+
+static ItemIntra item_intra(const Intra* in, int64_t k, int kv, int d, int rep, int c, int dv1, float* kappa) {
+    if (in == nullptr || in->kb == nullptr) return ItemIntra{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    const int g1 = in->groups + 1;
+    const ptrdiff_t h = (ptrdiff_t)kv * rep;  // the KV head's first query head
+    return ItemIntra{in->kb + k * c * (d + 1), in->ub + k * c * dv1, in->order + h * d, in->bounds + h * g1,
+                     in->lower + h * g1 * g1, kappa};
+}
+
 // One item: every query head j of the KV head, every tile of tokens and outputs.
 static void item(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
-                 int feats) {
+                 int feats, const ItemIntra& it, const Intra* in) {
     const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
     for (int j = 0; j < rep; ++j) {
         const float* wj = w + (ptrdiff_t)j * feats;
+        if (it.keys) {
+            const int g1 = in->groups + 1;
+            kappa_block(x + (ptrdiff_t)j * c, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d,
+                        it.bounds + (ptrdiff_t)j * g1, it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps,
+                        it.kappa);
+        }
         for (int i0 = 0; i0 < c;) {
             const int wide = (NV > 1 && c - i0 >= NV * VW);
+            const int width = wide ? NV * VW : VW;
+            const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;  // keys after the last query: 0
             for (int o0 = 0; o0 < dv1; o0 += TO) {
                 const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
                 const float* xi = x + (ptrdiff_t)j * c + i0;
                 float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
-                if (wide)
-                    tile_of<NV>(t)(xi, xs, wj, s + o0, dv1, oi, os, d);
-                else
-                    tile_of<1>(t)(xi, xs, wj, s + o0, dv1, oi, os, d);
+                const float* kap = it.kappa ? it.kappa + i0 : nullptr;
+                const float* u = it.u ? it.u + o0 : nullptr;
+                (wide ? tile_of<NV>(t) : tile_of<1>(t))(xi, xs, wj, s + o0, dv1, oi, os, d, kap, u, keys, c);
             }
-            i0 += wide ? NV * VW : VW;
+            i0 += width;
         }
     }
 }
@@ -138,7 +219,8 @@ static inline __m512i pack_pairs(__m512 a, __m512 b) {
 // features at token i0, pair p at pp + p * c.
 template <int T, int V>
 static void tile_dp(const float* x, ptrdiff_t xs, const float* w, const float* s, int dv1, const uint32_t* sp,
-                    const uint32_t* pp, int c, int pairs, float* out, ptrdiff_t os, int d) {
+                    const uint32_t* pp, int c, int pairs, float* out, ptrdiff_t os, int d, const float* kap,
+                    const float* u, int keys) {
     __m512 acc[T][V];
     for (int o = 0; o < T; ++o)
         for (int v = 0; v < V; ++v) acc[o][v] = _mm512_set1_ps(s[o] * w[0]);
@@ -157,12 +239,18 @@ static void tile_dp(const float* x, ptrdiff_t xs, const float* w, const float* s
             for (int v = 0; v < V; ++v) acc[o][v] = _mm512_dpbf16_ps(acc[o][v], (__m512bh)a[v], b);
         }
     }
+    for (int l = 0; l < keys; ++l, u += dv1) {  // the chunk's own keys in fp32 (Eq. 7)
+        __m512 kv[V];
+        for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(kap + (ptrdiff_t)l * c + v * 16);
+        for (int o = 0; o < T; ++o)
+            for (int v = 0; v < V; ++v) acc[o][v] = _mm512_fmadd_ps(_mm512_set1_ps(u[o]), kv[v], acc[o][v]);
+    }
     for (int o = 0; o < T; ++o)
         for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + o * os + v * 16, acc[o][v]);
 }
 
 typedef void (*tile_dp_fn)(const float*, ptrdiff_t, const float*, const float*, int, const uint32_t*,
-                           const uint32_t*, int, int, float*, ptrdiff_t, int);
+                           const uint32_t*, int, int, float*, ptrdiff_t, int, const float*, const float*, int);
 
 template <int V, int T = TO>
 static tile_dp_fn tile_dp_of(int t) {
@@ -174,7 +262,7 @@ static tile_dp_fn tile_dp_of(int t) {
 
 // One item of the bf16 path (x already widened to fp32). sp [pairs, dv1] and pp [pairs, c]: the caller's scratch.
 static void item_dp(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
-                    int feats, uint32_t* sp, uint32_t* pp) {
+                    int feats, uint32_t* sp, uint32_t* pp, const ItemIntra& it, const Intra* in) {
     const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
     const int pairs = pair_count(d);
     int p = 0;  // the state's quadratic rows as bf16 pairs, in pair order
@@ -203,15 +291,23 @@ static void item_dp(const float* x, const float* w, const float* s, float* out, 
                     _mm512_storeu_si512(pp + (ptrdiff_t)p * c + i, pack_pairs(lo, hi));
                 }
             }
+        if (it.keys) {
+            const int g1 = in->groups + 1;
+            kappa_block(xj, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d, it.bounds + (ptrdiff_t)j * g1,
+                        it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps, it.kappa);
+        }
         for (int i0 = 0; i0 < c;) {
             const int wide = c - i0 >= 32;
+            const int width = wide ? 32 : 16;
+            const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;
             for (int o0 = 0; o0 < dv1; o0 += TO) {
                 const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
                 float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
                 (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, sp + o0, pp + i0, c, pairs,
-                                                            oi, os, d);
+                                                            oi, os, d, it.kappa ? it.kappa + i0 : nullptr,
+                                                            it.u ? it.u + o0 : nullptr, keys);
             }
-            i0 += wide ? 32 : 16;
+            i0 += width;
         }
     }
 }
@@ -226,22 +322,31 @@ int oal_readout_vw(void) { return VW; }
 // 1 where bf16 queries run bf16 dot products (AVX512_BF16), 0 where they are widened to fp32.
 int oal_readout_bf16_dots(void) { return HAVE_DP; }
 
-// Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights.
+// Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights. kb == nullptr: no
+// intra-chunk term (the other intra arguments are then not read).
 void oal_readout_f32(const float* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
-                     int hkv, int d, int rep, int c, int dv1) {
+                     int hkv, int d, int rep, int c, int dv1, const float* kb, const float* ub, const int32_t* order,
+                     const int32_t* bounds, const float* lower, int groups, float eps) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
-    for (int64_t k = begin; k < end; ++k)
-        item(x + k * xn, w + (k % hkv) * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats);
+    const Intra in{kb, ub, order, bounds, lower, groups, eps};
+    std::vector<float> kappa(kb ? (size_t)c * c : 0);
+    for (int64_t k = begin; k < end; ++k) {
+        const int kv = (int)(k % hkv);
+        const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
+        item(x + k * xn, w + kv * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
+    }
 }
 
 // The same with bf16 queries (their uint16 bits), widened exactly to fp32 first; `dots`: the bf16 dot-product
 // path (needs oal_readout_bf16_dots()), else the fp32 kernel.
 void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
-                      int hkv, int d, int rep, int c, int dv1, int dots) {
+                      int hkv, int d, int rep, int c, int dv1, int dots, const float* kb, const float* ub,
+                      const int32_t* order, const int32_t* bounds, const float* lower, int groups, float eps) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
-    std::vector<float> wide(xn);
+    const Intra in{kb, ub, order, bounds, lower, groups, eps};
+    std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0);
 #if HAVE_DP
     const int pairs = pair_count(d);
     std::vector<uint32_t> sp(dots ? (size_t)pairs * dv1 : 0), pp(dots ? (size_t)pairs * c : 0);
@@ -250,14 +355,16 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
         const uint16_t* xk = x + k * xn;
         for (ptrdiff_t i = 0; i < xn; i += VW)  // xn is a multiple of VW (C is)
             *(vu*)(wide.data() + i) = __builtin_convertvector(*(const vh*)(xk + i), vu) << 16;
-        const float* wk = w + (k % hkv) * (ptrdiff_t)rep * feats;
+        const int kv = (int)(k % hkv);
+        const float* wk = w + kv * (ptrdiff_t)rep * feats;
+        const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
 #if HAVE_DP
         if (dots) {
-            item_dp(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, sp.data(), pp.data());
+            item_dp(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, sp.data(), pp.data(), it, &in);
             continue;
         }
 #endif
-        item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats);
+        item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
     }
 }
 }
