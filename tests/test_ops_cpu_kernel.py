@@ -1,4 +1,4 @@
-"""The fused CPU readout (`oal.ops.cpu_kernel`, csrc/readout.cpp) against the torch path and the dense reference:
+"""The fused CPU kernel (`oal.ops.cpu_kernel`, csrc/readout.cpp) against the torch path and the dense reference:
 odd head dims (padded bf16 pairs), odd value dims (remainder tiles), chunks of one and several vectors, GQA,
 batches, an initial state, both worker layouts, NaN-filled scratch; bf16 queries with and without bf16 dot
 products; where it must not run; and its build (cached, atomic, one clear line without a compiler)."""
@@ -188,7 +188,7 @@ def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path,
     with caplog.at_level(logging.WARNING, logger="oal"), torch.inference_mode():
         out = oal_attention(q, k, v, groups, factor.float(), backend="chunked")  # the torch path
     assert not cpu_kernel.available()
-    assert [r.getMessage() for r in caplog.records if "fused CPU readout is unavailable" in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records if "fused CPU kernel is unavailable" in r.getMessage()]
     want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
     assert _rel(out, want) < 1e-5
 

@@ -17,7 +17,7 @@ def tune_cpu(
     quiet_only: bool = typer.Option(False, help="Choose by quiet time alone: do not time the serial winner and "
                                     "the best pipelined layout again beside a busy process."),
 ) -> None:
-    """Build the fused CPU readout for this machine (about a second, once), then time a pruned grid of chunk size,
+    """Build the fused CPU kernel for this machine (about two seconds, once), then time a pruned grid of chunk size,
     block length and worker layout and cache the best per CPU, threads and dtype (under a minute per dtype on 2
     quiet cores). Where torch's own threads win quiet, the winner and the best pipelined layout are timed again
     beside one busy process and the smaller mean of both times is kept. The operator reads the cache;

@@ -1,10 +1,12 @@
-"""The fused CPU readout of the chunked operator (`csrc/readout.cpp`), built for the machine it runs on.
+"""The fused CPU kernel of the chunked operator (`csrc/readout.cpp`): readout and intra-chunk term, built for the
+machine it runs on.
 
 The torch path writes the query features phi(Q) to memory, 2145 values per query head and token at d = 64, and
 reads them back in a GEMM; the fused kernel forms them in vector registers inside the GEMM's tiles instead (issue
-36: features and readout were two thirds of a 16k-token call). It is plain C++ without torch headers, compiled
-with the system compiler (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in about a
-second, into the user's cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and
+36: features and readout were two thirds of a 16k-token call), and adds each chunk's own keys from a kappa block
+built from the group sums (Eq. 7). It is plain C++ without torch headers, compiled with the system compiler
+(`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in about two seconds, into the user's
+cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and
 the CPU, written atomically; later processes load the built file. `$OAL_CPU_MARCH` names another target (e.g.
 x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes, which releases the GIL,
 so the operator's worker threads run it side by side. (torch.utils.cpp_extension would compile torch's headers
@@ -124,7 +126,7 @@ def _load() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(path))
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 _STATUS = str(err)
-                log.warning("oal: the fused CPU readout is unavailable (%s); the chunked operator runs its torch "
+                log.warning("oal: the fused CPU kernel is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
             else:
                 ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -144,11 +146,11 @@ def available() -> bool:
 def describe() -> str:
     """One line: whether the fused readout runs here, how, and from which file (or why not)."""
     if not enabled():
-        return "fused CPU readout: off (OAL_CPU_KERNEL=0); the torch path runs"
+        return "fused CPU kernel: off (OAL_CPU_KERNEL=0); the torch path runs"
     if _load() is None:
-        return f"fused CPU readout: unavailable ({_STATUS}); the torch path runs"
+        return f"fused CPU kernel: unavailable ({_STATUS}); the torch path runs"
     dots = "bf16 dot products for bf16" if bf16_dots() else "bf16 widened to fp32"
-    return f"fused CPU readout: {vector_width()}-wide fp32 vectors, {dots} ({_STATUS})"
+    return f"fused CPU kernel: {vector_width()}-wide fp32 vectors, {dots} ({_STATUS})"
 
 
 def vector_width() -> int:
