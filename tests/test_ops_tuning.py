@@ -35,9 +35,11 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     real = autotune._time
     monkeypatch.setattr(autotune, "_time", lambda s, *a: timed.append(s) or real(s, *a))
     res = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY, contention=False)["float32"]
-    grid = len(set(timed))  # the pruned grid, each candidate once, then the winner against the defaults
+    grid = len(set(timed))  # the pruned grid, each candidate once, then the grid's winner against the defaults
     best, default = Settings(**res["settings"]), chunked.fixed_settings(torch.float32)
-    assert grid >= 6 and len(set(timed[:grid])) == grid and set(timed[grid:]) <= {best, default}
+    confirm = set(timed[grid:])  # empty when the defaults won the grid; the defaults may win the confirmation
+    assert grid >= 6 and len(set(timed[:grid])) == grid
+    assert not confirm or (default in confirm and len(confirm) == 2 and (best == default or best in confirm))
     files = list((cache_home / "oal").iterdir())
     assert [f.name for f in files] == ["cpu_tuning.json"]  # renamed into place, no temporary left
     entry = json.loads(files[0].read_text())["entries"][tuning.machine_key(torch.float32, 2)]

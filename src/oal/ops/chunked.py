@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -238,25 +237,7 @@ def _fused(xq, sdt: torch.dtype, ws, heads) -> bool:
     return ws is not None and heads is not None and cpu_kernel.supports(xq, sdt)
 
 
-class FusedHeads(NamedTuple):
-    """What the fused kernel needs of the query heads: rows [Hq, F] the query coefficients (Eq. 6), and for its
-    intra-chunk term (`cpu_kernel.Intra`) order, bounds and lower, or None (more groups than it takes)."""
-
-    rows: torch.Tensor
-    order: torch.Tensor | None
-    bounds: torch.Tensor | None
-    lower: torch.Tensor | None
-
-    def heads(self, a: int, b: int) -> FusedHeads:
-        return FusedHeads(*(None if t is None else t[a:b] for t in self))
-
-
-def _fused_heads(w_rows, groups, factor, scale: float, sdt: torch.dtype) -> FusedHeads:
-    intra = cpu_kernel.intra_heads(groups, factor, scale) or (None, None, None)
-    return FusedHeads(w_rows.detach().to(sdt).contiguous(), *intra)
-
-
-def _fused_readout(xq, heads: FusedHeads, states, ws, intra=None):
+def _fused_readout(xq, heads: cpu_kernel.Heads, states, ws, intra=None):
     """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] against states [nc, B, Hkv, F, dv+1] ->
     num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7)."""
     n_c, bsz, n_kv, d, rep, c = xq.shape
@@ -408,7 +389,7 @@ def _pipelined(state, q, k, u, w, wz, eps: float, chunk: int, block: int, raw: b
         (a, b), sl = bounds[g], slice(starts[i], starts[i] + block)
         heads = slice(a * rep, b * rep)
         ws = _WORKSPACE.__dict__
-        wh = (w[0][a:b], w[1][a:b], None if w[2] is None else w[2].heads(a * rep, b * rep))
+        wh = (w[0][a:b], w[1][a:b], None if w[2] is None else w[2].select(a * rep, b * rep))
         parts = _block_prefix(q[:, heads, sl], k[:, a:b, sl], u[:, a:b, sl], wh, wz[a:b], chunk, False, ws)
         prev = parts["prev"] = _chunk_states(chain.take((g, i)), parts["psi"], parts["ug"], chunk, ws)
         chain.put((g, i + 1), prev[parts["n_c"]].clone())  # not a view: this worker's next block reuses `prev`
@@ -459,14 +440,14 @@ def chunked_attention(
     w_rows = query_coefficients(*coeffs, scale) if weights is None else weights  # [Hq, F]
     w = w_rows.view(n_kv, rep, -1).transpose(1, 2).unsqueeze(-1)
     # also in the GEMM dtype, converted once per call, and what the fused kernel needs of the heads
-    fusable = q.device.type == "cpu" and cpu_kernel.enabled()
-    w = (w, w.to(dtype), _fused_heads(w_rows, groups, factor, scale, state.dtype) if fusable else None)
+    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
+    fusable = q.device.type == "cpu" and not use_ckpt and cpu_kernel.enabled()  # the fused kernel: inference only
+    w = (w, w.to(dtype), cpu_kernel.heads(w_rows, groups, factor, scale) if fusable else None)
     lower = torch.tril(factor)
     wz = torch.gather(lower[:, 1:, :], 1, groups.long().unsqueeze(-1).expand(-1, -1, lower.shape[-1]))
     wz = (wz * scale).view(n_kv, rep, d, -1).transpose(1, 2).unsqueeze(-1)  # [Hkv, d, rep, G+1, 1]
     l0 = lower[:, 0, :].reshape(n_kv, 1, rep, -1, 1)  # [Hkv, 1, rep, G+1, 1]: the constants L_0m
     wz = torch.cat([wz, l0.to(wz.dtype)], dim=1)  # [Hkv, d+1, rep, G+1, 1] (see `_block_prefix`)
-    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, state))
     ws = None if use_ckpt else _WORKSPACE.__dict__  # scratch buffers shared by blocks and calls (inference only)
 
     def run(fn, *args, out=None):

@@ -37,7 +37,7 @@ import torch
 
 from oal.rundir.user_cache import cache_root
 
-__all__ = ["Intra", "available", "bf16_dots", "build", "describe", "enabled", "intra_heads", "readout", "supports",
+__all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "describe", "enabled", "heads", "readout", "supports",
            "vector_width"]
 
 log = logging.getLogger("oal")
@@ -190,18 +190,33 @@ class Intra(NamedTuple):
     eps: float
 
 
-def intra_heads(groups: torch.Tensor, factor: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...] | None:
-    """(order, bounds, lower) of `Intra` for every query head, or None when G + 1 exceeds the kernel's GMAX."""
+class Heads(NamedTuple):
+    """What the kernel needs of the query heads: rows [Hq, F] fp32, the query coefficients (Eq. 6), and for the
+    intra-chunk term (`Intra`) order, bounds and lower, or None (more groups than it takes)."""
+
+    rows: torch.Tensor
+    order: torch.Tensor | None
+    bounds: torch.Tensor | None
+    lower: torch.Tensor | None
+
+    def select(self, a: int, b: int) -> Heads:
+        """Query heads a..b (a KV-head group of the operator's workers)."""
+        return Heads(*(None if t is None else t[a:b] for t in self))
+
+
+def heads(w_rows: torch.Tensor, groups: torch.Tensor, factor: torch.Tensor, scale: float) -> Heads:
+    """`Heads` from the query coefficients w_rows [Hq, F], groups [Hq, d] and factor [Hq, G+1, G+1]."""
+    rows = w_rows.detach().to(torch.float32).contiguous()
     g1 = factor.shape[-1]
     if g1 > GMAX:
-        return None
+        return Heads(rows, None, None, None)
     groups = groups.long()
     order = groups.argsort(dim=1, stable=True).to(torch.int32).contiguous()
     counts = torch.nn.functional.one_hot(groups, g1 - 1).sum(1)
     bounds = torch.cat([counts.new_zeros(counts.shape[0], 1), counts.cumsum(1)], dim=1).to(torch.int32)
     lower = torch.tril(factor.detach()).to(torch.float32).clone()
     lower[:, 1:] *= scale  # s_g carries the scale (Eq. 7)
-    return order, bounds.contiguous(), lower.contiguous()
+    return Heads(rows, order, bounds.contiguous(), lower.contiguous())
 
 
 def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
