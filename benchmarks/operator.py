@@ -13,7 +13,9 @@ benchmarks/results/operator.{json,png} and prints the tables.
 Settings (issue 36): before timing, the chunked operator is tuned to this machine (`oal.ops.tuning`: cached per CPU
 model, threads and dtype; measured only when missing or stale, `--retune` measures again), and every OAL row runs
 the tuned settings. `--no-tune` runs the fixed defaults instead (the first machine's choice, reproducible). The
-CPU model, its flags and the settings of every row go into the JSON and the tables.
+CPU model, its flags and the settings of every row go into the JSON and the tables, and so does how the readout
+ran: the fused CPU kernel (`oal.ops.cpu_kernel`, built for this machine on first use) where it can, the torch
+GEMMs with OAL_CPU_KERNEL=0 or without a C++ compiler.
 
     python -m benchmarks.operator                        # N = 1k..32k, fp32 and bf16
     python -m benchmarks.operator --max-len 8192 --dtypes float32

@@ -110,8 +110,8 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     n_seq, _, n_tok, _ = train.q.shape
     n_q = min(cfg.queries, n_tok)
 
-    def unit_val():
-        v = _val_mse(method, val, n_copies)
+    def unit_val():  # on the CPU, like the rest of the bookkeeping (stopped, steps), also when the data is on a GPU
+        v = _val_mse(method, val, n_copies).detach().cpu()
         return v if per_head else v.mean().reshape(1)
 
     best = {n: p.detach().clone() for n, p in params.items()}
@@ -180,7 +180,7 @@ def _clip_and_mask(params, stopped, clip_norm, per_head):
         g.nan_to_num_(0.0, 0.0, 0.0)
     if per_head:
         sq = sum(g.reshape(g.shape[0], -1).square().sum(1) for g in grads)
-        coef = (clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0) * (~stopped).to(sq.dtype)
+        coef = (clip_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0) * (~stopped).to(device=sq.device, dtype=sq.dtype)
         for g in grads:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
     else:
