@@ -6,7 +6,8 @@ Each (method, N, dtype) runs in a fresh subprocess; the reported memory is the p
 resident inputs (sampled).
 Each OAL child also measures the GEMM rate of the dtype its GEMMs run in (2048^3; fp32 for bf16 inputs on a CPU
 without bf16 GEMMs) right before its timing, which is what "% of GEMM" refers to, and times one extra call for the
-phase split (features, intra-chunk, state, readout: the torch.profiler ranges of `oal.ops.chunked`). Ratios come
+phase split (features, intra-chunk, state, readout: the torch.profiler ranges of `oal.ops.chunked`; the fused
+kernel's intra-chunk term is inside its readout share). Ratios come
 from one run; the machine load (os.getloadavg) is recorded with every row. Writes
 benchmarks/results/operator.{json,png} and prints the tables.
 
