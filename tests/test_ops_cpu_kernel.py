@@ -6,7 +6,11 @@ products; where it must not run; and its build (cached, atomic, one clear line w
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,8 +185,8 @@ def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path,
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_kernel.build(tmp_path / "other")
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_TRIED", False)
+    for name, value in (("_LIB", None), ("_TRIED", False), ("_STATUS", "")):
+        monkeypatch.setattr(cpu_kernel, name, value)
     monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "empty"))
     q, k, v, groups, factor = make(1, 2, 1, 300, 4, 3)
     with caplog.at_level(logging.WARNING, logger="oal"), torch.inference_mode():
@@ -200,3 +204,33 @@ def test_a_failing_compile_names_the_error(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="readout.cpp: .*error"):
         cpu_kernel.build(tmp_path / "build")
     assert not list((tmp_path / "build").iterdir())  # nothing half-written
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("march,width", [("x86-64-v3", 8), ("x86-64", 4)])
+def test_other_vector_widths(monkeypatch, tmp_path, calls, march, width):
+    """The AVX2 (8-wide, 16 registers) and SSE (4-wide) builds of the kernel, as a mixed cluster's older nodes
+    build it, against the reference."""
+    monkeypatch.setenv("OAL_CPU_MARCH", march)
+    monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path))
+    for name, value in (("_LIB", None), ("_TRIED", False), ("_STATUS", "")):  # restored afterwards
+        monkeypatch.setattr(cpu_kernel, name, value)
+    assert cpu_kernel.vector_width() == width
+    q, k, v, groups, factor = make(2, 6, 2, 150, 7, 5, g=4)
+    want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
+    with torch.inference_mode():
+        got = oal_attention(q, k, v, groups, factor.float(), backend="chunked", chunk_size=3 * width)
+    assert calls and all(calls.intras) and _rel(got, want) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="AddressSanitizer through LD_PRELOAD")
+def test_clean_under_address_sanitizer():
+    """scripts/cpu_kernel_asan.py: the kernel built with -fsanitize=address at odd shapes, fp32 and bf16 (about 30
+    s)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cpu_kernel_asan.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    if "has no libasan.so" in res.stderr + res.stdout:
+        pytest.skip("the compiler has no AddressSanitizer runtime")
+    assert res.returncode == 0 and "clean under AddressSanitizer" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]

@@ -1,0 +1,79 @@
+"""Run the fused CPU kernel (src/oal/ops/csrc/readout.cpp) under AddressSanitizer at odd shapes.
+
+The kernel reads and writes raw buffers from C; an off-by-one in a tile or pair loop would corrupt memory silently.
+This builds it with -fsanitize=address into a temporary cache folder, re-executes Python with libasan preloaded,
+and checks fp32 and bf16, causal and not, odd d and dv, GQA, 1 to 15 groups, against the float64 reference. Exit 0
+when clean; ASan aborts the process on a bad access.
+
+    python scripts/cpu_kernel_asan.py                     # -march=native
+    python scripts/cpu_kernel_asan.py --march x86-64-v3   # the AVX2 build (8-wide), x86-64: the 4-wide one
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+# (B, Hq, Hkv, N, d, dv, chunk in vectors, groups)
+SHAPES = [(1, 14, 2, 700, 64, 64, 2, 5), (2, 3, 1, 261, 5, 7, 1, 3), (1, 4, 2, 333, 17, 12, 3, 4),
+          (1, 2, 2, 100, 1, 1, 1, 1), (1, 6, 3, 129, 9, 30, 4, 15)]
+
+
+def _libasan() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    path = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(path):
+        sys.exit(f"{cxx} has no libasan.so (install the compiler's AddressSanitizer runtime)")
+    return path
+
+
+def check() -> float:
+    import torch
+
+    from oal.ops import chunked, cpu_kernel, oal_attention, tuning
+    from oal.ops.kernel import perturbed_factor, taylor_factor
+
+    cpu_kernel.FLAGS = (*cpu_kernel.FLAGS, "-fsanitize=address", "-fno-omit-frame-pointer", "-g")
+    if not cpu_kernel.available():
+        sys.exit(cpu_kernel.describe())
+    print(cpu_kernel.describe())
+    chunked.NAN_SCRATCH = True
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for b, hq, hkv, n, d, dv, vectors, g in SHAPES:
+        q, k, v = (torch.randn(b, h, n, dd, generator=gen) for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
+        groups = torch.randint(0, g, (hq, d), generator=gen)
+        factor = perturbed_factor(taylor_factor(hq, g), 0.3, generator=gen)
+        settings = tuning.Settings(vectors * cpu_kernel.vector_width(), 2)
+        for dtype in (torch.float32, torch.bfloat16):
+            for causal in (True, False):
+                x = [t.to(dtype) for t in (q, k, v)]
+                with torch.inference_mode(), tuning.forced(settings):
+                    out = oal_attention(*x, groups, factor, backend="chunked", causal=causal)
+                ref = oal_attention(*(t.double() for t in x), groups, factor.double(), backend="reference",
+                                    causal=causal)
+                err = float((out.double() - ref).norm() / ref.norm())
+                limit = 1e-5 if dtype == torch.float32 else 2e-2
+                if not (torch.isfinite(out).all() and err < limit):
+                    sys.exit(f"B={b} Hq={hq} d={d} dv={dv} G={g} {dtype} causal={causal}: relative error {err:.2e}")
+                worst = max(worst, err) if dtype == torch.float32 else worst
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--march", default="native", help="the -march target to build for")
+    args = parser.parse_args()
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # the runtime must be loaded before the interpreter
+        env = os.environ | {"LD_PRELOAD": _libasan(), "ASAN_OPTIONS": "detect_leaks=0",
+                            "OAL_CACHE_DIR": tempfile.mkdtemp(prefix="oal-asan-"), "OAL_CPU_MARCH": args.march}
+        sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
+    worst = check()
+    print(f"clean under AddressSanitizer; largest fp32 relative error {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()
