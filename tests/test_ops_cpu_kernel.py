@@ -158,6 +158,11 @@ def test_not_used_under_autograd_fp64_or_odd_chunks(calls):
     assert _rel(odd, want.detach()) < 1e-5
 
 
+def test_group_bound_matches_the_source():
+    """cpu_kernel.GMAX (which calls take the intra-chunk term) is the C kernel's own array bound."""
+    assert f"#define GMAX {cpu_kernel.GMAX} " in cpu_kernel.SOURCE.read_text()
+
+
 def test_readout_refuses_layouts_the_kernel_would_misread():
     x = torch.zeros(1, 1, 2, 3, 2, cpu_kernel.vector_width())
     w, states = torch.zeros(2, 2, 10), torch.zeros(1, 1, 2, 10, 4)

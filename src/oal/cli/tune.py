@@ -30,7 +30,7 @@ def tune_cpu(
     bad = [d for d in names if d not in ("float32", "bfloat16")]
     if bad or not names:
         raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
-    typer.echo(cpu_kernel.describe())  # builds it for this CPU first (about a second), so no timing includes that
+    typer.echo(cpu_kernel.describe())  # builds it for this CPU first (about two seconds), so no timing includes that
     res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo,
                         contention=not quiet_only)
     for name, entry in res.items():

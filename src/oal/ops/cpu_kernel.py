@@ -44,12 +44,8 @@ log = logging.getLogger("oal")
 
 SOURCE = Path(__file__).with_name("csrc") / "readout.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
-
-
-def _flags() -> list[str]:
-    return [*FLAGS, f"-march={os.environ.get('OAL_CPU_MARCH') or 'native'}"]
 COMPILERS = ("c++", "g++", "clang++")
-GMAX = 16  # groups + 1 that the intra-chunk term takes (csrc/readout.cpp)
+GMAX = 16  # groups + 1 that the intra-chunk term takes (GMAX in csrc/readout.cpp)
 
 # bf16 queries run bf16 dot products where the CPU has them; False: the fp32 kernel on the widened queries (tests)
 BF16_DOTS = True
@@ -63,6 +59,10 @@ _STATUS = ""  # the built library's path, or why there is none
 def enabled() -> bool:
     """`OAL_CPU_KERNEL=0` turns the fused kernel off (the torch path then runs everywhere)."""
     return os.environ.get("OAL_CPU_KERNEL", "1") != "0"
+
+
+def _flags() -> list[str]:
+    return [*FLAGS, f"-march={os.environ.get('OAL_CPU_MARCH') or 'native'}"]
 
 
 def _compiler() -> str | None:
@@ -139,12 +139,12 @@ def _load() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the fused readout runs here (enabled, and built or buildable)."""
+    """Whether the fused kernel runs here (enabled, and built or buildable)."""
     return enabled() and _load() is not None
 
 
 def describe() -> str:
-    """One line: whether the fused readout runs here, how, and from which file (or why not)."""
+    """One line: whether the fused kernel runs here, how, and from which file (or why not)."""
     if not enabled():
         return "fused CPU kernel: off (OAL_CPU_KERNEL=0); the torch path runs"
     if _load() is None:

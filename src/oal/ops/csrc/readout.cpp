@@ -33,7 +33,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX512F__)

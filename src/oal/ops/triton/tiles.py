@@ -18,7 +18,7 @@ SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}  # shared memory of one block: H
 # 4 warps (one warpgroup). Measured on the H200 (Triton 3.6.0, 2026-12-04): with 8 warps the backward kernels
 # (_bwd_dq, _bwd_dkv) at 64-token chunks faulted with fp32 inputs (illegal memory access; tf32x3 dots) and
 # gave wrong dq, dk with bf16 inputs at d = dv = 128 (relative error 0.4); the forward kernels were correct.
-# With 4 warps every kernel test and the bf16 check at N = 16k pass there (benchmarks/results/gpu_check_2026-12-04).
+# With 4 warps every kernel test and the bf16 check at N = 16k pass there (benchmarks/reference/gpu_h200_summary.txt).
 # Likely cause, not verified: 8 warps split a 64-row dot over two warpgroups, so the kernels' many 16-column dots
 # become 8-column wgmma tiles (compare triton-lang/triton#10629). The speed at 4 warps is not yet measured.
 NUM_WARPS = 4
