@@ -14,7 +14,7 @@ import torch
 from oal.errors import InputError
 from oal.models.fetch import LOCAL_MODELS, fetch_model
 from oal.models.folders import ModelUnavailableError
-from oal.models.gguf import GGUF_RECORD, _verified, gguf_metadata
+from oal.models.gguf import GGUF_RECORD, cache_problem, gguf_metadata
 from oal.models.registry import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -112,13 +112,13 @@ def test_cached_folder_is_checked(smollm2, tmp_path):
     sha = prov["gguf"]["sha256"]
     copy = tmp_path / "copy"
     shutil.copytree(prov["path"], copy)
-    assert _verified(copy, sha)
-    assert not _verified(copy, "0" * 64)  # another GGUF's folder
+    assert cache_problem(copy, sha) is None
+    assert "records another GGUF" in cache_problem(copy, "0" * 64)  # another GGUF's folder
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    assert not _verified(copy, sha)  # a changed weight is not reused
+    assert cache_problem(copy, sha) == "model.safetensors was changed since the folder was written"  # not reused
 
 
 def test_real_model_one_layer_against_reference(smollm2, monkeypatch):

@@ -3,7 +3,9 @@
 - `base_model_facts(name, folder)`: the base model's id (a hub id when the name is one or the folder is a pinned
   checkpoint; else the folder's name) and its licence, named from the folder's own files: the `license:` of its
   README.md front matter, else a LICENSE file whose text names a licence; the embedded default ships inside oal
-  under oal's own licence. Otherwise the licence is "unknown", with the reason.
+  under oal's own licence. A dequantised GGUF folder in the user's cache is named by the records oal wrote with it
+  and checks (`models.gguf.cached_facts`: the licence of a model oal fetches is oal's record of it), never by its
+  README.md, which the cache writes but a user may edit. Otherwise the licence is "unknown", with the reason.
 - `data_facts(config, metrics)`: the hub datasets behind the numbers (front matter) and one line per corpus.
 """
 
@@ -12,6 +14,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+from oal.models.gguf import RECORD as GGUF_FOLDER_RECORD
+from oal.models.gguf import cached_facts
 
 __all__ = ["DISTRIBUTION", "PACKAGE_LICENSE", "PAPER", "base_model_facts", "data_facts"]
 
@@ -53,14 +58,28 @@ def _license_file(folder: Path) -> tuple[str, str] | None:
     return None
 
 
-def _gguf_source(folder: Path | None) -> str | None:
-    """What a dequantised GGUF folder (`oal.models.gguf`) came from: the upstream model id its fetch recorded, else
-    the GGUF file's name (the folder itself is named by a hash)."""
-    try:
-        record = json.loads((folder / "config.json").read_text()).get("oal_gguf") or {}
-    except (OSError, ValueError, TypeError, AttributeError):
+def _gguf_facts(folder: Path | None) -> dict | None:
+    """What a dequantised GGUF folder (`oal.models.gguf`) came from, from records oal wrote and checks, never from
+    its README.md: {"id" (the upstream model id of a model oal fetches, else the GGUF file's name), "license",
+    "license_note"}; None for a folder that is not one."""
+    if folder is None or not ((folder / GGUF_FOLDER_RECORD).exists() or _has_gguf_record(folder)):
         return None
-    return record.get("base_model") or record.get("file")
+    facts = cached_facts(folder)
+    if facts is None:
+        return {"id": None, "license": "unknown", "license_note": "the dequantised GGUF folder's files do not match "
+                "the record written with them, so nothing in it is quoted; load the model again to rewrite it"}
+    known = facts["base_model"] is not None  # a model oal fetches: its licence is oal's record of it
+    note = ("from oal's record of the model it fetches" if known else "from the GGUF file's general.license"
+            if facts["license"] else "the GGUF file names no licence; check its source before you share this model")
+    return {"id": facts["base_model"] or facts["file"], "license": facts["license"] or "unknown",
+            "license_note": note}
+
+
+def _has_gguf_record(folder: Path) -> bool:
+    try:
+        return "oal_gguf" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def base_model_facts(name: str | None, folder: str | Path | None, identified: str | None = None) -> dict:
@@ -73,8 +92,11 @@ def base_model_facts(name: str | None, folder: str | Path | None, identified: st
                                 "Apache-2.0 licence (its pretraining text is the CPython standard library, PSF-2.0)"}
     registry_name = name if isinstance(name, str) and name and not any(c in name for c in "/\\") and not Path(
         name).exists() else None  # a name the model registry resolves (a preset such as a GGUF's), not a path
-    base_id = identified or hub_id(name) or _gguf_source(folder) or registry_name or (folder.name if folder else
-                                                                                      None) or "unknown"
+    gguf = _gguf_facts(folder if folder is not None and folder.is_dir() else None)
+    base_id = identified or hub_id(name) or (gguf or {}).get("id") or registry_name or (
+        folder.name if folder else None) or "unknown"
+    if gguf is not None:
+        return {"id": base_id, "license": gguf["license"], "license_note": gguf["license_note"]}
     if folder is None or not folder.is_dir():
         return {"id": base_id, "license": "unknown",
                 "license_note": "the base model's folder was not available to read its licence from"}

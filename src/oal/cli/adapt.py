@@ -13,6 +13,7 @@ from oal.cli.options import (
     DtypeOpt,
     GradAccumOpt,
     LoraDropoutOpt,
+    Max,
     SinksOpt,
     ThreadsOpt,
     WindowOpt,
@@ -24,7 +25,8 @@ from oal.cli.options import (
 def adapt_cmd(
     out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run`)."),
     method: str = typer.Option("oal", help="The arm to adapt: a calibrated method of the run, or softmax."),
-    steps: int = typer.Option(None, min=1, help="Adaptation updates for this arm (recorded in config.json)."),
+    steps: int = typer.Option(None, min=1, max=Max.STEPS,
+                              help="Adaptation updates for this arm (recorded in config.json)."),
     batch_size: BatchSizeOpt = None,
     grad_accum: GradAccumOpt = None,
     lora_dropout: LoraDropoutOpt = None,

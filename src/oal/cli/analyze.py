@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, ModelOpt
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, Max, ModelOpt
 from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
@@ -24,16 +24,18 @@ def analyze_cmd(
     tail_fraction: float = typer.Option(None, help="alpha, candidate tail fraction (default: preset)."),
     min_support: float = typer.Option(None, help="gamma, minimum bootstrap support (default: preset)."),
     min_ratio: float = typer.Option(None, help="tau, minimum gap ratio (default: preset)."),
-    min_groups: int = typer.Option(None, min=1, help="G_min, minimum groups per head (default: preset)."),
-    n_bootstrap: int = typer.Option(None, min=1, help="B, bootstrap replicates (default: preset)."),
+    min_groups: int = typer.Option(None, min=1, max=Max.DIM, help="G_min, minimum groups per head (default: preset)."),
+    n_bootstrap: int = typer.Option(None, min=1, max=Max.COUNT, help="B, bootstrap replicates (default: preset)."),
     grouping: GroupingOpt = "app-b",
-    seed: int = typer.Option(0, min=0, help="Seed of the bootstrap and the Gaussian controls."),
+    seed: int = typer.Option(0, min=0, max=Max.SEED, help="Seed of the bootstrap and the Gaussian controls."),
     head: str = typer.Option(None, help="Representative head 'LAYER:HEAD' for single-head figures."),
-    heldout: int = typer.Option(40, min=0, help="Held-out prompts (validation split) for the stability check; "
+    heldout: int = typer.Option(40, min=0, max=Max.COUNT,
+                                help="Held-out prompts (validation split) for the stability check; "
                                 "0 skips."),
-    long_len: int = typer.Option(None, min=1, help="Tokens of the sequence for the length-stability table "
+    long_len: int = typer.Option(None, min=1, max=Max.TOKENS,
+                                 help="Tokens of the sequence for the length-stability table "
                                  "(Table 4)."),
-    batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
+    batch_size: int = typer.Option(8, min=1, max=Max.BATCH, help="Prompts per forward pass."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     figures: bool = typer.Option(True, help="Write figures."),

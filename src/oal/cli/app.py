@@ -31,6 +31,17 @@ def _bad_input_message(exc: Exception) -> str | None:
     return None
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, as rich does on a broken pipe, so that the interpreter's last flush stays quiet."""
+    import os
+    import sys
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (a test runner's)
+        pass
+
+
 class _Group(TyperGroup):
     """Runs a command; turns the errors of bad input into one line and exit code 2 (unless --debug)."""
 
@@ -39,6 +50,9 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
             raise
+        except BrokenPipeError:  # whoever read stdout has gone (`oal fetch NAME | head -0`): nothing to report
+            _drop_stdout()
+            raise typer.Exit(1) from None
         except Exception as exc:
             message = None if _STATE["debug"] else _bad_input_message(exc)
             if message is None:

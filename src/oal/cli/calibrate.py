@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, ModelOpt, SinksOpt, WindowOpt, main_console
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, SinksOpt, WindowOpt, main_console
 from oal.launch import log_console
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
@@ -23,12 +23,13 @@ def calibrate_cmd(
     methods: str = typer.Option("oal,global", help="Comma-separated trainable methods to calibrate."),
     preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
     paper: bool = typer.Option(False, help="App. B budgets: 1000 updates, validation every 100, patience 400."),
-    max_steps: int = typer.Option(None, min=1, help="Updates per initialisation (override)."),
-    val_every: int = typer.Option(None, min=1, help="Validation interval in updates (override)."),
-    patience: int = typer.Option(None, min=1, help="Early-stopping patience in updates (override)."),
+    max_steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Updates per initialisation (override)."),
+    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Validation interval in updates (override)."),
+    patience: int = typer.Option(None, min=1, max=Max.STEPS, help="Early-stopping patience in updates (override)."),
     window: WindowOpt = 64,
     sinks: SinksOpt = 4,
-    seed: int = typer.Option(0, min=0, help="Seed of the sampled sequences/positions and perturbed initialisations."),
+    seed: int = typer.Option(0, min=0, max=Max.SEED,
+                             help="Seed of the sampled sequences/positions and perturbed initialisations."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     progress: bool = typer.Option(True, help="Show progress bars."),

@@ -10,20 +10,21 @@ from rich.console import Console
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DeviceOpt, DtypeOpt
+from oal.cli.options import DeviceOpt, DtypeOpt, Max
 from oal.ops import oal_attention
 from oal.ops.kernel import perturbed_factor, taylor_factor
 
 
 @app.command()
 def demo(
-    length: int = typer.Option(1024, min=1, help="Sequence length N."),
-    heads: int = typer.Option(4, min=1, help="Query heads Hq."),
-    kv_heads: int = typer.Option(2, min=1, help="Key/value heads Hkv."),
-    head_dim: int = typer.Option(64, min=1, help="Head dimension d (= dv)."),
-    n_groups: int = typer.Option(3, min=1, help="Groups G per head, at most --head-dim (each dimension is in "
+    length: int = typer.Option(1024, min=1, max=Max.TOKENS, help="Sequence length N."),
+    heads: int = typer.Option(4, min=1, max=Max.HEADS, help="Query heads Hq."),
+    kv_heads: int = typer.Option(2, min=1, max=Max.HEADS, help="Key/value heads Hkv."),
+    head_dim: int = typer.Option(64, min=1, max=Max.DIM, help="Head dimension d (= dv)."),
+    n_groups: int = typer.Option(3, min=1, max=Max.DIM,
+                                 help="Groups G per head, at most --head-dim (each dimension is in "
                                  "one)."),
-    seed: int = typer.Option(0, min=0, help="Random seed."),
+    seed: int = typer.Option(0, min=0, max=Max.SEED, help="Random seed."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
 ) -> None:

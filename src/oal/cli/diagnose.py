@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, ModelOpt
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, Max, ModelOpt
 from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
@@ -33,18 +33,20 @@ def diagnose_cmd(
     preset: str = typer.Option(None, help="Data/grouping preset (default: detected from the model)."),
     parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2, offset."),
     methods: str = typer.Option("all", help="Table 2 methods: 'all' or a comma list."),
-    controls: int = typer.Option(None, min=0, help="Matched random subsets B for Table 1 (default 100; paper 1000)."),
+    controls: int = typer.Option(None, min=0, max=Max.COUNT, help="Table 1's random subsets B (default 100)."),
     paper: bool = typer.Option(False, help="Paper settings: B = 1000 controls, App. B calibration protocol."),
-    sequences: int = typer.Option(None, min=1, help="Held-out sequences for Table 1 and the offset part (default: "
-                                  "all fidelity blocks)."),
+    sequences: int = typer.Option(None, min=1, max=Max.COUNT, help="Held-out sequences for Table 1 and the offset "
+                                  "part (default: all fidelity blocks)."),
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
-    max_budget: int = typer.Option(16, min=1, help="Largest group budget G for Fig. 2(b)."),
-    layer: int = typer.Option(None, min=0, help="Offset part: the layer (default: the run's representative layer)."),
+    max_budget: int = typer.Option(16, min=1, max=Max.DIM, help="Largest group budget G for Fig. 2(b)."),
+    layer: int = typer.Option(None, min=0, max=Max.LAYERS, help="Offset part: the layer (default: the run's "
+                              "representative layer)."),
     offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits, at most 1000 "
                                  "(with 0)."),
-    steps: int = typer.Option(None, min=1, help="Offset part: calibration updates per start (default: the run's)."),
-    seed: int = typer.Option(None, min=0, help="Seed of query positions, controls, Gaussian draws and calibration "
-                             "(default 0; the offset part: the run's, 42 without a run directory)."),
+    steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Offset part: calibration updates per start "
+                              "(default: the run's)."),
+    seed: int = typer.Option(None, min=0, max=Max.SEED, help="Seed of query positions, controls, Gaussian draws "
+                             "and calibration (default 0; the offset part: the run's, 42 without a run directory)."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
 ) -> None:

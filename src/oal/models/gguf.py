@@ -3,8 +3,12 @@
 transformers reads GGUF through the `gguf` package and dequantises it, but the model it returns is marked quantized
 and refuses `save_pretrained`. So the tensors are loaded into a plain model of the same config and saved with the
 tokenizer into `cache_root("gguf")/<sha256[:16]>-<dtype>/`. From then on every stage sees an ordinary local folder,
-and provenance binds as for any other: its config.json records the GGUF's name and SHA256 (`oal_gguf`) and the
-SHA256 of the weights written, which a reuse checks before it trusts the folder.
+and provenance binds as for any other: its config.json records the GGUF's name and SHA256 (`oal_gguf`), and the
+hidden file `.oal_record` (written with the folder, renamed into place with it) the SHA256 of every file in it:
+config, weights, tokenizer, card. A reuse checks every file against it; one that differs (an edited
+`rms_norm_eps`, two swapped token ids) makes the folder be written again from the GGUF file, with one warning.
+The record's name has no suffix that `models.provenance.hash_model_dir` hashes, so it leaves a run's model
+fingerprint as it was.
 """
 
 from __future__ import annotations
@@ -12,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,14 +23,15 @@ import torch
 from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.models.folders import bad_model, first_line
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import cache_root
+from oal.rundir.user_cache import cache_root, changed_file, files_sha256, read_record, work_dir, write_record
 
-__all__ = ["GGUF_RECORD", "gguf_metadata", "is_gguf", "materialize_gguf"]
+__all__ = ["GGUF_RECORD", "RECORD", "cache_problem", "cached_facts", "gguf_metadata", "is_gguf", "materialize_gguf"]
 
 log = logging.getLogger("oal")
 
 GGUF_RECORD = "oal_gguf"  # the config.json key of a dequantised folder: {"file", "sha256", "dtype", ...}
 _WEIGHTS = "model.safetensors"
+RECORD, RECORD_FORMAT = ".oal_record", "oal-gguf-folder/1"  # the folder's record of its files
 
 
 def is_gguf(name: str | Path) -> bool:
@@ -79,14 +82,37 @@ def gguf_metadata(path: str | Path) -> dict:
             "basename": _field(reader, "general.basename"), "context_length": _field(reader, f"{arch}.context_length")}
 
 
-def _verified(folder: Path, sha: str) -> bool:
-    """The cached folder was written from this GGUF and its weights are those written then."""
-    try:
-        record = json.loads((folder / "config.json").read_text()).get(GGUF_RECORD) or {}
-    except (OSError, ValueError):
-        return False
-    weights = folder / _WEIGHTS
-    return record.get("sha256") == sha and weights.is_file() and file_sha256(weights) == record.get("weights_sha256")
+def cache_problem(folder: Path, sha: str) -> str | None:
+    """None when `folder` holds exactly the files its record lists, as written from the GGUF file of SHA256 `sha`;
+    else what is wrong, naming the file."""
+    if not folder.is_dir():
+        return "missing"
+    record = read_record(folder / RECORD)
+    if record is None:
+        return f"{RECORD} is missing or damaged (no record of the files written)"
+    gguf = record.get("gguf")
+    if not isinstance(gguf, dict) or gguf.get("sha256") != sha:
+        return f"{RECORD} records another GGUF file"
+    changed = changed_file(folder, record.get("files"), file_sha256, skip=(RECORD,))
+    return None if changed is None else f"{changed} since the folder was written"
+
+
+def cached_facts(folder: Path) -> dict | None:
+    """{"file", "sha256", "license", "base_model"} of a dequantised folder whose files match its record (the
+    licence: oal's own record of a model it fetches, else the GGUF file's general.license), or None for a folder
+    that is not one or does not verify."""
+    record = read_record(Path(folder) / RECORD)
+    gguf = record.get("gguf") if record else None
+    if not isinstance(gguf, dict) or cache_problem(Path(folder), gguf.get("sha256")) is not None:
+        return None
+    from oal.models.fetch import LOCAL_MODELS
+
+    spec = next((s for s in LOCAL_MODELS.values() if s["sha256"] == gguf.get("sha256")), None)
+    if spec is not None:
+        return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": spec["license"],
+                "base_model": spec["base_model"]}
+    return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": record.get("license"),
+            "base_model": None}
 
 
 def _card(meta: dict, record: dict, source: dict | None) -> str:
@@ -107,18 +133,37 @@ def _card(meta: dict, record: dict, source: dict | None) -> str:
 def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, source: dict | None = None) -> Path:
     """The safetensors folder of GGUF file `path` in `dtype`, written once (atomically) into the user's cache.
 
+    A cached folder is used only when every file in it is the one its record lists (`cache_problem`); otherwise
+    one warning names the file and the folder is written again from the GGUF file.
     `source` (optional) names where the file came from for the folder's model card ({"source", "base_model"}).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     path = Path(path).expanduser().resolve()
     meta = gguf_metadata(path)
     sha = file_sha256(path)
     dname = str(dtype).replace("torch.", "")
     folder = cache_root("gguf") / f"{sha[:16]}-{dname}"
-    if _verified(folder, sha):
+    problem = cache_problem(folder, sha)
+    if problem is None:
         return folder
+    if problem != "missing":
+        log.warning("%s: %s; writing it again from %s", folder, problem, path.name)
     log.info("dequantising %s to %s (once; cached in %s)", path.name, dname, folder)
+    with work_dir(folder.parent, folder.name) as work:
+        out = work / "folder"
+        _write_folder(path, meta, sha, dtype, source, out)
+        if cache_problem(folder, sha) is None:  # another process wrote it meanwhile
+            return folder
+        if folder.exists() or folder.is_symlink():
+            os.replace(folder, work / "old")  # removed with the work folder
+        os.replace(out, folder)
+    return folder
+
+
+def _write_folder(path: Path, meta: dict, sha: str, dtype: torch.dtype, source: dict | None, out: Path) -> None:
+    """Dequantise GGUF file `path` into folder `out`: weights, config (with the `oal_gguf` record), tokenizer,
+    card, and the record of every file's SHA256 (RECORD)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -134,23 +179,15 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     plain.tie_weights()
     # the GGUF tokenizer says 1e30; the true context is the model's
     tokenizer.model_max_length = int(meta.get("context_length") or config.max_position_embeddings)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        record = {"file": path.name, "sha256": sha, "dtype": dname, "architecture": meta["architecture"],
-                  "weights_sha256": file_sha256(tmp / _WEIGHTS),
-                  **({"base_model": source["base_model"]} if source else {})}
-        cfg_path = tmp / "config.json"
-        written = json.loads(cfg_path.read_text())
-        written[GGUF_RECORD] = record
-        cfg_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-        (tmp / "README.md").write_text(_card(meta, record, source))
-        if folder.exists():  # a stale or damaged earlier write
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    dname = str(dtype).replace("torch.", "")
+    record = {"file": path.name, "sha256": sha, "dtype": dname, "architecture": meta["architecture"],
+              "weights_sha256": file_sha256(out / _WEIGHTS), **({"base_model": source["base_model"]} if source else {})}
+    cfg_path = out / "config.json"
+    written = json.loads(cfg_path.read_text())
+    written[GGUF_RECORD] = record
+    cfg_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").write_text(_card(meta, record, source))
+    write_record(out / RECORD, {"format": RECORD_FORMAT, "gguf": record, "license": meta.get("license"),
+                                "files": files_sha256(out, file_sha256, skip=(RECORD,))})

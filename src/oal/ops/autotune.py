@@ -26,6 +26,7 @@ from oal.ops.tuning import (
     _write,
     cache_path,
     cpu_info,
+    entry_problem,
     forced,
     machine_key,
     reload,
@@ -128,8 +129,12 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
             key = machine_key(dtype, threads, info)
             old = _read(cache_path()).get(key)
             if not force and _current(old):
-                results[_dtype_name(dtype)] = old
-                continue
+                problem = entry_problem(old, times=True)
+                if problem is None:
+                    results[_dtype_name(dtype)] = old
+                    continue
+                if log:
+                    log(f"  {_dtype_name(dtype)}: the cached entry is not usable ({problem}); measuring it again")
             t_start, load = time.perf_counter(), os.getloadavg()[0]
             inputs = _inputs(n, dtype, shape)
             tried: dict[Settings, float] = {}

@@ -6,11 +6,13 @@ reads them back in a GEMM; the fused kernel forms them in vector registers insid
 36: features and readout were two thirds of a 16k-token call), and adds each chunk's own keys from a kappa block
 built from the group sums (Eq. 7). It is plain C++ without torch headers, compiled with the system compiler
 (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in about two seconds, into the user's
-cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and
-the CPU, written atomically; later processes load the built file. `$OAL_CPU_MARCH` names another target (e.g.
-x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes, which releases the GIL,
-so the operator's worker threads run it side by side. (torch.utils.cpp_extension would compile torch's headers
-too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
+cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and the CPU. The build runs in a
+locked temporary folder and only a finished library is renamed into place, beside a record of its SHA256; later
+processes load the built file only when its SHA256 is the recorded one (checked before dlopen: a truncated or
+foreign file is built again, never loaded) and it has every symbol the kernel needs. `$OAL_CPU_MARCH` names
+another target (e.g. x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes,
+which releases the GIL, so the operator's worker threads run it side by side. (torch.utils.cpp_extension would
+compile torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
 
 It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16)
 whose chunk is a multiple of the vector width; everything else, autograd and fp64 included, runs the torch path,
@@ -28,14 +30,14 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from oal.rundir.user_cache import cache_root
+from oal.rundir.hashes import sha256_file
+from oal.rundir.user_cache import cache_root, read_record, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "describe", "enabled", "heads", "readout", "supports",
            "vector_width"]
@@ -54,11 +56,18 @@ _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
+_SAID_OFF = False
+SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16")
 
 
 def enabled() -> bool:
-    """`OAL_CPU_KERNEL=0` turns the fused kernel off (the torch path then runs everywhere)."""
-    return os.environ.get("OAL_CPU_KERNEL", "1") != "0"
+    """`OAL_CPU_KERNEL=0` turns the fused kernel off (the torch path then runs everywhere; one log line says so)."""
+    global _SAID_OFF
+    on = os.environ.get("OAL_CPU_KERNEL", "1") != "0"
+    if not on and not _SAID_OFF:
+        _SAID_OFF = True
+        log.info("OAL_CPU_KERNEL=0: the fused CPU kernel is off; the chunked operator runs its torch path")
+    return on
 
 
 def _flags() -> list[str]:
@@ -91,29 +100,62 @@ def _key(cxx: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def _record(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _problem(path: Path) -> str | None:
+    """None when `path` is a library this module built (its SHA256 is the one recorded at the build), else why not."""
+    if not path.is_file():
+        return "missing"
+    record = read_record(_record(path))
+    if record is None:
+        return f"no record of its build ({_record(path).name} missing or damaged)"
+    try:
+        sha = sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded at its build"
+
+
 def build(folder: Path | None = None) -> Path:
-    """Compile the kernel for this machine (once: an existing build of the same key is reused) and return the
-    shared library's path. Raises RuntimeError with the compiler's first error line."""
+    """Compile the kernel for this machine (once: an existing build of the same key whose SHA256 is the recorded one
+    is reused; another file in its place is built again, with a warning) and return the shared library's path.
+    Raises RuntimeError with the compiler's first error line."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found ($CXX, or one of {', '.join(COMPILERS)} on PATH)")
     folder = cache_root("kernels") if folder is None else folder
-    path = folder / f"readout-{_key(cxx)}.so"
-    if path.is_file():
+    key = _key(cxx)
+    path = folder / f"readout-{key}.so"
+    problem = _problem(path)
+    if problem is None:
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:  # a temporary file renamed into place: another process never loads a half-written library
-        res = subprocess.run([cxx, *_flags(), "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
+    if problem != "missing":
+        log.warning("%s: %s; building it again", path, problem)
+    with work_dir(folder, path.stem) as tmp:  # only a finished library leaves it: never a half-written one
+        out = tmp / path.name
+        res = subprocess.run([cxx, *_flags(), "-o", str(out), str(SOURCE)], capture_output=True, text=True,
+                             timeout=300)
+        if res.returncode != 0 or not out.is_file():
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
             raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {first}")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        write_record(_record(path), {"sha256": sha256_file(out), "key": key, "flags": _flags(), "compiler": cxx})
+        os.replace(out, path)
     return path
+
+
+def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """`lib` with its functions' signatures set, or OSError when one is missing (another library in its place)."""
+    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise OSError(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
+    lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
+    lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
+    lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
+    return lib
 
 
 def _load() -> ctypes.CDLL | None:
@@ -122,18 +164,13 @@ def _load() -> ctypes.CDLL | None:
         if not _TRIED:
             _TRIED = True
             try:
-                path = build()
-                lib = ctypes.CDLL(str(path))
+                path = build()  # its SHA256 checked: a truncated file never reaches dlopen
+                lib = _symbols(ctypes.CDLL(str(path)), path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 _STATUS = str(err)
                 log.warning("oal: the fused CPU kernel is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
             else:
-                ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-                intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
-                lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
-                lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
-                lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
                 _LIB, _STATUS = lib, str(path)
         return _LIB
 

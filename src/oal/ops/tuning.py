@@ -5,7 +5,9 @@ best choice differs (issue 36). `tune()` times a pruned grid of them at the Qwen
 per CPU model (with its SIMD flags), torch thread count and dtype, in the user's cache folder
 (`cpu_tuning.json` under `oal.rundir.user_cache.cache_root`: `$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`, else
 `~/.cache/oal`), written atomically. An entry measured under another torch version (or another
-OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it again.
+OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it again. So is an entry whose fields
+are not what `tune()` writes (`entry_problem`: a chunk of 0 or "abc", a missing time), with one warning line; a
+file that is not JSON is reported once and read as empty.
 
 The operator never measures on a user's call: it reads the cache (once per process) and, without an entry, runs
 the fixed defaults. Tuning runs when asked: `oal tune-cpu` or `oal.ops.autotune.tune()`, and
@@ -21,6 +23,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
+import math
 import os
 import tempfile
 import threading
@@ -28,9 +32,12 @@ from pathlib import Path
 
 import torch
 
-from oal.rundir.user_cache import cache_root
+from oal.rundir.user_cache import cache_root, clean_stale
 
-__all__ = ["Settings", "cache_path", "cpu_info", "forced", "lookup", "machine_key", "settings_for", "source"]
+__all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "lookup", "machine_key", "settings_for",
+           "source"]
+
+log = logging.getLogger("oal")
 
 CACHE_NAME = "cpu_tuning.json"
 # SIMD flags that change which GEMM and elementwise kernels torch runs; two CPUs with one model name and different
@@ -40,6 +47,9 @@ TUNE_SHAPE = dict(hq=14, hkv=2, d=64, g=5)  # the Qwen2.5-0.5B head shape, as in
 # Bump when a change to the chunked path can move the best settings: entries of another revision are stale, like
 # entries measured under another torch version.
 OPERATOR_REVISION = 3  # 3: the fused CPU kernel (ops.cpu_kernel: readout and intra-chunk term)
+# What a Settings may hold: far beyond what the tuner tries (chunks up to 256 tokens, blocks up to 2048 tokens),
+# small enough that a block's scratch memory stays bounded
+MAX_CHUNK, MAX_BLOCK_CHUNKS, MAX_KV_GROUPS = 4096, 4096, 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,14 @@ class Settings:
     block_chunks: int
     pipeline: bool = True
     kv_groups: int = 0
+
+    def __post_init__(self):  # an entry of the cache file is read back into this: bad values fail here, by name
+        for name, top in (("chunk", MAX_CHUNK), ("block_chunks", MAX_BLOCK_CHUNKS), ("kv_groups", MAX_KV_GROUPS)):
+            value, low = getattr(self, name), 0 if name == "kv_groups" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                raise ValueError(f"{name}: expected an integer in [{low}, {top}], got {value!r}")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"pipeline: expected true or false, got {self.pipeline!r}")
 
     def label(self) -> str:
         layout = f"pipeline, kv groups {self.kv_groups or 'auto'}" if self.pipeline else "serial"
@@ -105,17 +123,61 @@ def machine_key(dtype: torch.dtype, threads: int, info: dict | None = None) -> s
 
 
 def _read(path: Path) -> dict:
+    """The cache file's entries ({} when there is none; a damaged file is reported once and treated as empty)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        _warn_once(f"{path}: unreadable ({exc}); the operator runs its fixed settings (`oal tune-cpu` rewrites it)")
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
     entries = data.get("entries") if isinstance(data, dict) else None
-    return entries if isinstance(entries, dict) else {}
+    if not isinstance(entries, dict):
+        _warn_once(f"{path}: not a settings cache (damaged JSON); the operator runs its fixed settings (`oal "
+                   "tune-cpu` rewrites it)")
+        return {}
+    return entries
+
+
+def entry_problem(entry, times: bool = False) -> str | None:
+    """None for a usable cache entry (its settings valid; with `times`, also the times `tune()` records, which `oal
+    tune-cpu` prints), else what is wrong with it."""
+    if not isinstance(entry, dict):
+        return f"expected an object, got {type(entry).__name__}"
+    if not isinstance(entry.get("settings"), dict):
+        return "no settings"
+    try:
+        Settings(**entry["settings"])
+    except (TypeError, ValueError) as exc:
+        return f"settings: {exc}"
+    measured = (("time_s", False), ("default_time_s", True), ("tuning_s", False), ("n", False))
+    for name, optional in measured if times else ():
+        value = entry.get(name)
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            return f"{name}: expected a number >= 0, got {value!r}"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 def _write(path: Path, entries: dict) -> None:
-    """Atomically: a temporary file in the same folder, renamed over the cache file."""
+    """Atomically: a temporary file in the same folder, renamed over the cache file (and those a killed write left
+    are removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -144,17 +206,24 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
             return _FOUND[dtype, threads]
         if _LOADED is None:
             _LOADED = _read(cache_path())
-        entry = _LOADED.get(machine_key(dtype, threads))
+        key = machine_key(dtype, threads)
+        entry = _LOADED.get(key)
         found = None
         if _current(entry):
-            with contextlib.suppress(KeyError, TypeError):
+            problem = entry_problem(entry)
+            if problem is None:
                 found = Settings(**entry["settings"])
+            else:
+                _warn_once(f"{cache_path()}: the entry {key!r} is not usable ({problem}); dropped, the operator "
+                           "runs its fixed settings (`oal tune-cpu` measures it again)")
         _FOUND[dtype, threads] = found
         return found
 
 
 def _current(entry) -> bool:
-    return bool(entry) and entry.get("torch") == torch.__version__ and entry.get("revision") == OPERATOR_REVISION
+    """Measured under this torch and this revision of the operator (valid or not: `entry_problem`)."""
+    return isinstance(entry, dict) and entry.get("torch") == torch.__version__ and \
+        entry.get("revision") == OPERATOR_REVISION
 
 
 def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | None:

@@ -1,12 +1,36 @@
-"""The user's cache folder for what oal derives once and reuses (dequantised GGUF models, fetched model files):
-`$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`, else `~/.cache/oal`."""
+"""The user's cache folder for what oal derives once and reuses (dequantised GGUF models, fetched model files,
+compiled kernels, tuned settings): `$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`, else `~/.cache/oal`.
+
+Nothing read from it is trusted as found: what oal writes there comes with a record of the SHA256 of every file,
+written with it (`write_record`), and a reader checks the files against it (`changed_file`) and rebuilds what differs.
+Work in progress lives in temporary folders (`work_dir`) that hold a lock while their process runs, so the next use
+removes what a killed process left (`clean_stale`) and never a running one's.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
 import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["cache_root"]
+from oal.rundir.hashes import sha256_file
+
+__all__ = ["cache_root", "changed_file", "clean_stale", "files_sha256", "read_record", "work_dir", "write_record"]
+
+log = logging.getLogger("oal")
+
+TMP_SUFFIX = ".tmp"  # every temporary name oal makes in the cache: ".<label>.<random>.tmp"
+_LOCK = ".lock"  # inside a temporary folder: flock-ed by the process filling it
+# A temporary entry without a lock (a file, or a folder of an oal that took none) is stale once this old: longer
+# than any single write or compile (the C++ build's timeout is 300 s).
+STALE_S = 900
 
 
 def cache_root(*parts: str) -> Path:
@@ -18,3 +42,114 @@ def cache_root(*parts: str) -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "oal"
     return root.joinpath(*parts)
+
+
+# ----------------------------------------------------------------------------------------------- file records
+
+
+def files_sha256(folder: Path, hasher: Callable[[Path], str] = sha256_file, skip: tuple[str, ...] = ()) -> dict:
+    """{relative path: SHA256} of every file below `folder` (links and the names in `skip` aside)."""
+    return {p.relative_to(folder).as_posix(): hasher(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.relative_to(folder).as_posix() not in skip}
+
+
+def write_record(path: Path, record: dict) -> None:
+    """`record` as JSON at `path`, written to a temporary name and renamed."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def read_record(path: Path) -> dict | None:
+    """The JSON object at `path`, or None (missing, unreadable, damaged, not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def changed_file(folder: Path, recorded, hasher: Callable[[Path], str] = sha256_file,
+                 skip: tuple[str, ...] = ()) -> str | None:
+    """None when the files below `folder` are exactly those of `recorded` ({relative path: SHA256}), else which
+    differs first and how ("config.json was changed", "x.json was added", "tokenizer.json is missing")."""
+    if not isinstance(recorded, dict) or not recorded:
+        return "the record lists no files"
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir() or p.is_symlink()}
+    found -= set(skip)
+    for name in sorted(found | set(recorded)):
+        path = folder / name
+        if name not in recorded:
+            return f"{name} was added"
+        if name not in found:
+            return f"{name} is missing"
+        try:
+            if path.is_symlink() or hasher(path) != recorded[name]:
+                return f"{name} was changed"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- temporaries
+
+
+@contextlib.contextmanager
+def work_dir(parent: Path, label: str) -> Iterator[Path]:
+    """A fresh temporary folder `.<label>.<random>.tmp` in `parent`, locked while the block runs and removed after
+    it (what the block renames out of it stays). Stale ones in `parent` are removed first."""
+    parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TMP_SUFFIX, dir=parent))
+    fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def _held(folder: Path) -> bool | None:
+    """Whether a running process holds `folder`'s lock; None when it has no lock file."""
+    try:
+        fd = os.open(folder / _LOCK, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock taken just now
+    return False
+
+
+def clean_stale(parent: Path, legacy: tuple[str, ...] = (".fetch.",)) -> list[Path]:
+    """Remove the temporary entries in `parent` that no running process uses: a folder whose lock is free, a file
+    (or a folder without a lock: names starting with `legacy` included, those of earlier versions) older than
+    STALE_S. Returns what was removed."""
+    if not parent.is_dir():
+        return []
+    removed = []
+    now = time.time()
+    for p in parent.iterdir():
+        if not (p.name.startswith(".") and (p.name.endswith(TMP_SUFFIX) or p.name.startswith(legacy))):
+            continue
+        held = _held(p) if p.is_dir() and not p.is_symlink() else None
+        with contextlib.suppress(OSError):
+            if held is False or (held is None and now - p.lstat().st_mtime > STALE_S):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink()
+                removed.append(p)
+    if removed:
+        log.info("removed %d temporary file(s) an interrupted oal process left in %s", len(removed), parent)
+    return removed
