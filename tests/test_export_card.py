@@ -85,19 +85,28 @@ def test_export_refuses_a_run_whose_records_no_longer_verify(oal_run, tmp_path, 
     assert not (tmp_path / "exp").exists()
 
 
-def test_a_dequantised_gguf_folder_is_named_by_its_source(tmp_path):
-    """A GGUF folder (named by a hash) is named in the card by the upstream id its fetch recorded, else its file."""
-    import json
+def test_a_dequantised_gguf_folder_is_named_by_its_records(tmp_path, monkeypatch):
+    """A GGUF folder (named by a hash) is named in the card by what oal recorded and checks: the upstream id and
+    licence of a model oal fetches, else the GGUF file's name and general.license; never by its README.md, which a
+    user may edit (issue 48: the licence edited to `mit` there reached the card)."""
+    pytest.importorskip("gguf")
+    from _tiny_gguf import write_tiny_gguf
 
     from oal.artefact.base_facts import base_model_facts
+    from oal.models.fetch import LOCAL_MODELS
+    from oal.models.gguf import materialize_gguf
+    from oal.models.provenance import file_sha256
 
-    folder = tmp_path / "b179c9523d0e6a0f-float32"
-    folder.mkdir()
-    record = {"file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "0" * 64}
-    (folder / "config.json").write_text(json.dumps({"oal_gguf": record}))
-    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
-    assert base_model_facts(str(tmp_path / "m.gguf"), folder)["id"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    record["base_model"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    (folder / "config.json").write_text(json.dumps({"oal_gguf": record}))
-    facts = base_model_facts("smollm2-135m", folder)
-    assert (facts["id"], facts["license"]) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
+    monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", license="gpl-3.0")
+    folder = materialize_gguf(path)
+    facts = base_model_facts(str(path), folder)
+    assert (facts["id"], facts["license"]) == ("tiny.gguf", "gpl-3.0") and "general.license" in facts["license_note"]
+    monkeypatch.setitem(LOCAL_MODELS, "tiny", {"sha256": file_sha256(path), "license": "apache-2.0",
+                                               "base_model": "Org/Tiny-Instruct"})
+    facts = base_model_facts("tiny", folder)  # a model oal fetches: oal's record of it
+    assert (facts["id"], facts["license"]) == ("Org/Tiny-Instruct", "apache-2.0")
+    readme = folder / "README.md"
+    readme.write_text(readme.read_text().replace("license: gpl-3.0", "license: mit"))
+    facts = base_model_facts("tiny", folder)  # an edited folder is quoted nowhere
+    assert facts["license"] == "unknown" and "do not match the record" in facts["license_note"]
