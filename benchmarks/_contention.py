@@ -5,7 +5,8 @@ a core (`while True: pass`, the "one busy competing process" of issue 25), so th
 configuration are side by side in time. slowdown = loaded / quiet per method, and the figure of merit is
 OAL's slowdown / SDPA's slowdown (issue 25 goal: at most 1.3 at 4k and 16k). The machine's load average is
 recorded with every run: on a machine that is not otherwise quiet the "quiet" runs are not quiet, and the
-ratios say little. Writes benchmarks/results/operator_contention.{json,png} and prints a table.
+ratios say little. Writes `--out` (default benchmarks/results/operator_contention.json) and a PNG beside it, and
+prints a table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from oal.ops.autotune import busy_process
 GOAL = 1.3  # issue 25: OAL's slowdown at most 1.3x SDPA's
 
 
-def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str, results: Path, title: str):
+def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str, out: Path, title: str):
     """Time each configuration quiet then loaded through `child` (benchmarks.operator._child); report and save."""
     from rich.console import Console
     from rich.table import Table
@@ -64,11 +65,10 @@ def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str,
     console.print(f"load average (1 min) over the runs: {min(s['load_min'] for s in summary):.1f}-"
                   f"{max(s['load_max'] for s in summary):.1f} on {os.cpu_count()} CPUs; the quiet runs are only "
                   "quiet when the load before them is near 0")
-    results.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(results / "operator_contention.json", {"rows": rows, "summary": summary, "goal": GOAL,
-                                                              "cpu_count": os.cpu_count(), "title": title})
-    _plot(summary, results / "operator_contention.png", title)
-    console.print(f"wrote {results / 'operator_contention.json'} and {results / 'operator_contention.png'}")
+    atomic_write_json(out, {"rows": rows, "summary": summary, "goal": GOAL, "cpu_count": os.cpu_count(),
+                            "title": title})
+    _plot(summary, out.with_suffix(".png"), title)
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 
 
 def _plot(summary: list[dict], path: Path, title: str) -> None:

@@ -5,32 +5,61 @@ Best of `--repeats` interleaved runs (the CPU is shared). One layer of Qwen2.5-0
 outlier dimensions and their exact softmax outputs as targets, groups with 2-4 groups per head. Both paths run the
 same protocol (global: 3 inits, then OAL: 3 inits; App. B) with the same seed and budgets; the table reports the
 wall time of each, the speedup, and whether they select the same initialisation with the same validation MSE.
-Writes benchmarks/results/calibration.json and calibration.png.
+Writes `--out` (default benchmarks/results/calibration.json) and a PNG beside it, and prints a table.
 
     .venv/bin/python -m benchmarks.calibration [--steps 100 --tokens 256 --heads 14]
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
+
+from benchmarks._common import ToolParser, int_in, output_file, run_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/calibration.json) and a PNG beside it; the table "
+           "on stdout")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = ToolParser(__doc__, OUTPUTS)
+    ap.add_argument("--heads", type=int_in(1, 256), default=14)
+    ap.add_argument("--kv-heads", type=int_in(1, 256), default=2, help="must divide --heads")
+    ap.add_argument("--head-dim", type=int_in(4, 256), default=64)
+    ap.add_argument("--tokens", type=int_in(8, 8192), default=256)
+    ap.add_argument("--steps", type=int_in(1, 10**6), default=100, help="updates per initialisation (paper: 1000)")
+    ap.add_argument("--val-every", type=int_in(1, 10**6), default=25)
+    ap.add_argument("--patience", type=int_in(1, 10**6), default=50)
+    ap.add_argument("--seed", type=int_in(0, 2**31 - 2), default=0)
+    ap.add_argument("--repeats", type=int_in(1, 100), default=3,
+                    help="interleaved repeats; the fastest of each is reported")
+    ap.add_argument("--out", type=output_file, default=RESULTS / "calibration.json",
+                    help="the JSON to write (the PNG goes beside it)")
+    args = ap.parse_args(argv)
+    if args.heads % args.kv_heads:
+        ap.error(f"--kv-heads: expected a divisor of --heads ({args.heads}), got {args.kv_heads}")
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import platform
 import time
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.console import Console
+from rich.table import Table
 
 from oal.calibration.data import CalibConfig, LayerData
-from oal.calibration.fit import calibrate_oal_layer  # noqa: E402
-from oal.methods import build_method  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from oal.calibration.fit import calibrate_oal_layer
+from oal.methods import build_method
+from oal.rundir.files import atomic_save_figure, atomic_write_json
 
 
 def synthetic_layer(n_seq: int, heads: int, kv: int, tokens: int, d: int, seed: int) -> LayerData:
@@ -44,19 +73,7 @@ def synthetic_layer(n_seq: int, heads: int, kv: int, tokens: int, d: int, seed: 
     return LayerData(q, k, v, out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", type=int, default=14)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=100, help="updates per initialisation (paper: 1000)")
-    ap.add_argument("--val-every", type=int, default=25)
-    ap.add_argument("--patience", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the fastest of each is reported")
-    args = ap.parse_args()
-
+def main(args: argparse.Namespace) -> None:
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
     train = synthetic_layer(8, hq, hkv, args.tokens, d, args.seed)
     val = synthetic_layer(2, hq, hkv, args.tokens, d, args.seed + 1)
@@ -90,8 +107,7 @@ def main() -> None:
                         "groups_per_head": (groups.max(1).values + 1).tolist()},
               "config": cfg.to_dict(), "time_s": times, "repeats": args.repeats, "speedup": speedup, "methods": rows,
               "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_json(args.out, record)
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(["batched\n(all heads x inits)", "sequential\n(per head, per init)"],
@@ -99,8 +115,7 @@ def main() -> None:
     ax.set_ylabel("wall time for global + OAL calibration (s)")
     ax.set_title(f"One layer, Hq={hq}, d={d}, N={args.tokens}: {speedup:.1f}x")
     fig.tight_layout()
-    fig.savefig(RESULTS / "calibration.png", dpi=120)
-    plt.close(fig)
+    atomic_save_figure(fig, args.out.with_suffix(".png"), dpi=120)
 
     table = Table(title=f"calibration, one layer (Hq={hq}, Hkv={hkv}, d={d}, N={args.tokens}, {args.steps} updates)")
     for col in ("method", "batched (s)", "sequential (s)", "same inits", "max rel. val-MSE diff", "val MSE"):
@@ -113,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

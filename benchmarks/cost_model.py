@@ -27,7 +27,7 @@ Peak memory per stage = weights (bf16) + what the stage keeps (LoRA params, grad
 for backward at N = 4096: no layer checkpointing on CUDA, as `oal.device.checkpoint_layers` decides; the captured
 calibration data of one layer in fp32) + its largest transient (one op's working set, the logits chunk).
 
-Writes benchmarks/results/cost_model.{json,png} (or --json OUT and a PNG beside it) and prints the table with the
+Writes `--json` (default benchmarks/results/cost_model.json) and a PNG beside it, and prints the table with the
 assumptions under it, then the CPU cross-checks: one Qwen-shaped layer forward at N = 4096 timed on this CPU
 against its GEMM rate (are the counts right?), the adaptation step's memory against benchmarks.memory, the
 calibration update's CPU seconds, and scripts/scale_rehearsal.py's result where /tmp/rehearsal-qwen has one.
@@ -36,13 +36,48 @@ calibration update's CPU seconds, and scripts/scale_rehearsal.py's result where 
     python -m benchmarks.cost_model --json /tmp/cost.json --no-cpu-check
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from benchmarks._common import ToolParser, list_of, output_file, run_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPE_NAMES = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b")
+GPU_NAMES = ("H200", "A100")
+OUTPUTS = ("the JSON of the composition (--json; default benchmarks/results/cost_model.json) and a PNG beside it; the "
+           "table, its assumptions and the CPU cross-checks on stdout")
+
+
+def _name_in(names: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"expected names of {', '.join(names)}, got {text!r}")
+        return text
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ToolParser(__doc__, OUTPUTS)
+    parser.add_argument("--json", type=output_file, default=RESULTS / "cost_model.json",
+                        help="write the result here, and a PNG beside it (default: benchmarks/results/)")
+    parser.add_argument("--shapes", type=list_of(_name_in(SHAPE_NAMES)), default=",".join(SHAPE_NAMES),
+                        help="comma-separated, of " + ", ".join(SHAPE_NAMES))
+    parser.add_argument("--gpus", type=list_of(_name_in(GPU_NAMES)), default=",".join(GPU_NAMES),
+                        help="comma-separated, of " + ", ".join(GPU_NAMES))
+    parser.add_argument("--no-cpu-check", action="store_true",
+                        help="skip the CPU cross-checks (about half a CPU minute)")
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -66,8 +101,6 @@ from benchmarks._cost_counts import (
     with_lora,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 @dataclass(frozen=True)
 class GPU:
@@ -84,6 +117,7 @@ class GPU:
 # 19.5 TFLOPS FP32, 156 TFLOPS TF32, 2,039 GB/s HBM2e, 80 GB (NVIDIA A100 datasheet).
 GPUS = {"H200": GPU("H200 SXM 141GB", 989.0, 67.0, 494.0, 4.8, 141.0),
         "A100": GPU("A100-80GB SXM", 312.0, 19.5, 156.0, 2.039, 80.0)}
+assert tuple(GPUS) == GPU_NAMES  # --gpus' choices, named before the imports
 
 
 @dataclass
@@ -346,9 +380,6 @@ class Shape:
 
 # ----------------------------------------------------------------------------------------------- results
 
-SHAPE_NAMES = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b")
-
-
 def compose(shapes: dict[str, Shape], gpus: dict[str, GPU], a: Assumptions) -> dict:
     """{shape: {"stages": [{name, peak_gb, memory_gb{}, seconds{gpu}, parts[]}], "total_s": {gpu}, ...}}."""
     out = {}
@@ -566,30 +597,15 @@ def run(shape_names=SHAPE_NAMES, gpu_names=tuple(GPUS), cpu_check: bool = True, 
     return result
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, default=RESULTS / "cost_model.json",
-                        help="write the result here, and a PNG beside it (default: benchmarks/results/)")
-    parser.add_argument("--shapes", default=",".join(SHAPE_NAMES), help="comma-separated, of " + ", ".join(SHAPE_NAMES))
-    parser.add_argument("--gpus", default=",".join(GPUS), help="comma-separated, of " + ", ".join(GPUS))
-    parser.add_argument("--no-cpu-check", action="store_true",
-                        help="skip the CPU cross-checks (about half a CPU minute)")
-    args = parser.parse_args(argv)
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
-    if not shapes or any(s not in SHAPE_NAMES for s in shapes):
-        parser.error(f"--shapes: expected names of {', '.join(SHAPE_NAMES)}, got {args.shapes!r}")
-    if not gpus or any(g not in GPUS for g in gpus):
-        parser.error(f"--gpus: expected names of {', '.join(GPUS)}, got {args.gpus!r}")
-    result = run(shapes, gpus, cpu_check=not args.no_cpu_check)
+def main(args: argparse.Namespace) -> None:
+    result = run(args.shapes, args.gpus, cpu_check=not args.no_cpu_check)
     from oal.rundir.files import atomic_write_json
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.json, result)
     figure(result, args.json.with_suffix(".png"))
     print_table(result)
-    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

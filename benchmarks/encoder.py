@@ -4,16 +4,39 @@ Reads an encoder run directory (`oal run --model ENCODER_DIR --out RUN`), rebuil
 and the calibrated kernels from its files, and adds the uncalibrated start: the second-order Taylor kernel
 1 + s + s^2/2 (G = 1), which is also OAL's Taylor start on any groups. For each it reports frozen-attention fidelity
 (Eq. 21-22, non-causal, padding masked) and the cosine of mean- and [CLS]-pooled embeddings against the original.
-Writes benchmarks/results/encoder_<model folder name>.json.
+Writes `--out` (default benchmarks/results/encoder_<model folder name>.json) and prints a table.
 
     .venv/bin/python -m benchmarks.encoder RUN_DIR
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from benchmarks._common import ToolParser, output_file, run_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the comparison (--out; default benchmarks/results/encoder_<model folder name>.json); the "
+           "table on stdout")
+
+
+def _run_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path} is not a run directory (no config.json)")
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = ToolParser(__doc__, OUTPUTS)
+    ap.add_argument("run_dir", type=_run_dir, help="an encoder run directory (`oal run --model ENCODER_DIR`)")
+    ap.add_argument("--out", type=output_file, help="the JSON to write")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
 
 import torch
 import transformers
@@ -29,8 +52,7 @@ from oal.methods import build_method
 from oal.models.convert import convert
 from oal.models.encoder import load_encoder
 from oal.ops.kernel import taylor_factor
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from oal.rundir.files import atomic_write_json, load_json
 
 
 def taylor_start(calibrated: dict) -> dict:
@@ -39,13 +61,11 @@ def taylor_start(calibrated: dict) -> dict:
                                 layer_idx=layer) for layer, m in calibrated.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path)
-    args = ap.parse_args()
-    config = json.loads((args.run_dir / "config.json").read_text())
-    if config.get("protocol") != "encoder":
-        raise SystemExit(f"run_dir: {args.run_dir} is not an encoder run (config.json protocol)")
+def main(args: argparse.Namespace) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    config = load_json(args.run_dir / "config.json")
+    if not isinstance(config, dict) or config.get("protocol") != "encoder":
+        raise ValueError(f"run_dir: {args.run_dir} is not an encoder run (config.json protocol)")
     cfg = config["config"]
     model, tok, _ = load_encoder(cfg["model"])
     plan = PassagePlan.from_dict(config["split_plan"])
@@ -68,14 +88,12 @@ def main() -> None:
                                    "cosine": {p: {k: e[k] for k in ("mean", "min", "p05")} for p, e in emb.items()}}
         table.add_row(name, f"{f['relmse']:.4f}", f"{f['relmse_post_o']:.4f}",
                       *(f"{emb[p]['mean']:.4f} / {emb[p]['min']:.4f}" for p in ("mean", "cls")))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"encoder_{Path(cfg['model']).name}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or RESULTS / f"encoder_{Path(cfg['model']).name}.json"
+    atomic_write_json(out, result)
     Console().print(table)
-    Console().print(f"wrote {out}")
+    Console(stderr=True).print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    transformers.utils.logging.disable_progress_bar()
     with torch.no_grad():
-        main()
+        run_tool(main, ARGS)

@@ -15,28 +15,103 @@ Protocol (the pipeline's own drivers, shared across rows so that each layer is c
    decode raise the process's resident memory (VmHWM, reset before it, less the resident memory before it).
 Rows are kept under `--work` as they finish; a killed run resumes at the next row.
 
-Writes benchmarks/results/frontier_<model>.json (the schema of benchmarks/reference/frontier_smollm2.json),
-frontier_<model>.png (perplexity against decode time at the longest length, one curve per method) and prints a table.
+Writes `--json` (default benchmarks/results/frontier_<model>.json; the schema of
+benchmarks/reference/frontier_smollm2.json) and a PNG beside it (perplexity against decode time at the longest
+length, one curve per method), keeps its rows and calibrations in `--work`, and prints a table.
 
     .venv/bin/python -m benchmarks.frontier                                   # SmolLM2-135M, the default grid
     .venv/bin/python -m benchmarks.frontier --methods swa,oal-swa --k 15 --steps 32 --quick
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from benchmarks._common import (
+    MAX_THREADS,
+    MAX_TOKENS,
+    ToolParser,
+    float_in,
+    int_in,
+    list_of,
+    output_dir,
+    output_file,
+    run_tool,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the frontier (--json; default benchmarks/results/frontier_<model>.json) and a PNG beside it, "
+           "its finished rows and calibrations in --work (default benchmarks/results/frontier_<model>/; a rerun "
+           "reads them back); the table on stdout, progress on stderr")
+
+
+def _k(text: str) -> tuple[str | None, int]:
+    method, _, k = text.rpartition(":")
+    return method or None, int_in(1, 4096)(k)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments, all checked before any work (the method names once oal is imported)."""
+    p = ToolParser(__doc__, OUTPUTS)
+    p.add_argument("--model", default="smollm2-135m", help="a model oal loads (default: smollm2-135m)")
+    p.add_argument("--methods", default="swa,oal-swa,oal", type=list_of(str),
+                   help="comma-separated linear-time methods")
+    p.add_argument("--k", default="8,15,22", type=list_of(_k), help="numbers of converted layers; METHOD:K for one "
+                   "method only (e.g. 15,22,swa:28)")
+    p.add_argument("--steps", type=int_in(1, 10**7), default=64, help="adaptation updates per arm (softmax too)")
+    p.add_argument("--select-by", default="fidelity", type=list_of(_select_by), help="comma list of rankings, each "
+                   "fidelity or probe, with +recall: the retrieval layers last (oal.evaluate.retrieval); rows for each")
+    p.add_argument("--recall-threshold", type=float_in(0.0, 1.0), default=0.2,
+                   help="+recall: a layer retrieves when one of its heads puts this share of its weight on the needle")
+    p.add_argument("--window", type=int_in(1, MAX_TOKENS), default=64)
+    p.add_argument("--sinks", type=int_in(0, MAX_TOKENS), default=4)
+    p.add_argument("--lengths", default="2048,4096,8192", type=list_of(int_in(1, MAX_TOKENS)),
+                   help="prefill / decode timing lengths")
+    p.add_argument("--passkey-lengths", default="1024,2048,4096", type=list_of(int_in(64, MAX_TOKENS)))
+    p.add_argument("--depths", default="0.1,0.5,0.9", type=list_of(float_in(0.0, 1.0)),
+                   help="passkey needle depths, in [0, 1]")
+    p.add_argument("--trials", type=int_in(1, 10**4), default=2, help="passkey keys per length and depth")
+    p.add_argument("--decode-tokens", type=int_in(1, 10**4), default=8)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=42)
+    p.add_argument("--quick", action="store_true", help="1 passkey trial, timing at 2048 and 4096 only")
+    p.add_argument("--work", type=output_dir, help="work folder (default benchmarks/results/frontier_<model>/)")
+    p.add_argument("--json", type=output_file, help="output (default benchmarks/results/frontier_<model>.json)")
+    p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.trials, a.lengths = 1, [n for n in a.lengths if n <= 4096] or a.lengths[:1]
+    tag = model_tag(a.model)
+    a.work = a.work or RESULTS / f"frontier_{tag}"
+    a.json = a.json or RESULTS / f"frontier_{tag}.json"
+    return a
+
+
+def _select_by(text: str) -> str:
+    base, _, extra = text.partition("+")
+    if base not in ("fidelity", "probe") or extra not in ("", "recall"):
+        raise argparse.ArgumentTypeError(f"expected fidelity, probe, fidelity+recall or probe+recall, got {text!r}")
+    return text
+
+
+def model_tag(name: str) -> str:
+    return Path(name).stem.split(".")[0].lower().replace("-instruct", "") if name.endswith(".gguf") else \
+        Path(name).name.lower()
+
+
+ARGS = parse() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import copy
 import gc
 import math
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+KERNEL_METHODS = ("oal", "global", "oal-swa", "global-swa")
 KERNEL_METHODS = ("oal", "global", "oal-swa", "global-swa")
 
 
@@ -108,8 +183,8 @@ class Frontier:
 
         self.args, self.log = args, log
         self.work = Path(args.work)
+        self.model, self.tok, self.prov = load_model(args.model)  # a model that cannot be had leaves no work folder
         self.work.mkdir(parents=True, exist_ok=True)
-        self.model, self.tok, self.prov = load_model(args.model)
         self.preset = preset_for(self.model)
         n = self.model.config.num_hidden_layers
         self.candidates = list(range(1, n - 1)) if n >= 3 else list(range(n))
@@ -122,7 +197,7 @@ class Frontier:
         self.text = torch.cat([self.blocks[r].reshape(-1) for r in roles])[None]
         need = max(args.lengths) + args.decode_tokens + 1
         if self.text.shape[1] < need:
-            raise SystemExit(f"--lengths: the plan's blocks hold {self.text.shape[1]} tokens, fewer than {need}")
+            raise ValueError(f"--lengths: the plan's blocks hold {self.text.shape[1]} tokens, fewer than {need}")
         self.options = {"window": args.window, "sinks": args.sinks}
         self.base_key = {"model": self.prov["state_dict_sha256"], "blocks": {r: list(b.shape)
                                                                             for r, b in self.blocks.items()}}
@@ -290,11 +365,6 @@ def run(args, log=print) -> dict:
     return res
 
 
-def model_tag(name: str) -> str:
-    return Path(name).stem.split(".")[0].lower().replace("-instruct", "") if name.endswith(".gguf") else \
-        Path(name).name.lower()
-
-
 def arm(r: dict) -> str:
     """A row's label: the method, and its selection when that is not the default fidelity ranking."""
     sel = r.get("select_by")
@@ -341,69 +411,28 @@ def figure(res: dict, path: Path) -> None:
     atomic_save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="a model oal loads (default: smollm2-135m)")
-    p.add_argument("--methods", default="swa,oal-swa,oal", help="comma-separated linear-time methods")
-    p.add_argument("--k", default="8,15,22", help="numbers of converted layers; METHOD:K for one method only "
-                   "(e.g. 15,22,swa:28)")
-    p.add_argument("--steps", type=int, default=64, help="adaptation updates per arm (softmax too)")
-    p.add_argument("--select-by", default="fidelity", help="comma list of rankings, each fidelity or probe, "
-                   "with +recall: the retrieval layers last (oal.evaluate.retrieval); rows for each")
-    p.add_argument("--recall-threshold", type=float, default=0.2,
-                   help="+recall: a layer retrieves when one of its heads puts this share of its weight on the needle")
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--lengths", default="2048,4096,8192", help="prefill / decode timing lengths")
-    p.add_argument("--passkey-lengths", default="1024,2048,4096")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="passkey needle depths")
-    p.add_argument("--trials", type=int, default=2, help="passkey keys per length and depth")
-    p.add_argument("--decode-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--quick", action="store_true", help="1 passkey trial, timing at 2048 and 4096 only")
-    p.add_argument("--work", type=Path, help="work folder (default benchmarks/results/frontier_<model>/)")
-    p.add_argument("--json", type=Path, help="output (default benchmarks/results/frontier_<model>.json)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    a = p.parse_args(argv)
-    try:
-        a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-        a.k = [(m or None, int(k)) for m, _, k in (x.strip().rpartition(":") for x in a.k.split(",") if x.strip())]
-        a.lengths, a.passkey_lengths = _ints(a.lengths), _ints(a.passkey_lengths)
-        a.select_by = [x.strip() for x in a.select_by.split(",") if x.strip()]
-        a.depths = [float(x) for x in a.depths.split(",")]
-    except ValueError as exc:
-        p.error(f"expected comma-separated numbers ({exc})")
+def check_methods(methods: list[str]) -> None:
+    """ValueError naming --methods unless every one is a linear-time method oal has."""
     from oal.methods import method_names
 
     linear = [m for m in method_names() if m != "softmax"]
-    bad = [m for m in a.methods if m not in linear]
-    if bad or not a.methods:
-        p.error(f"--methods: unknown or not linear-time: {bad}; expected some of {', '.join(linear)}")
-    bad_select = [x for x in a.select_by if x.partition("+")[0] not in ("fidelity", "probe")
-                  or x.partition("+")[2] not in ("", "recall")]
-    if bad_select or not a.select_by:
-        p.error(f"--select-by: expected fidelity, probe, fidelity+recall or probe+recall, got {bad_select}")
-    if a.threads < 0 or a.steps < 1 or a.trials < 1 or min((k for _, k in a.k), default=0) < 1:
-        p.error("--threads >= 0, --steps >= 1, --trials >= 1 and every --k >= 1 expected")
-    if a.quick:
-        a.trials, a.lengths = 1, [n for n in a.lengths if n <= 4096] or a.lengths[:1]
-    tag = model_tag(a.model)
-    a.work = a.work or RESULTS / f"frontier_{tag}"
-    a.json = a.json or RESULTS / f"frontier_{tag}.json"
-    return a
+    bad = [m for m in methods if m not in linear]
+    if bad:
+        raise ValueError(f"--methods: unknown or not linear-time: {', '.join(bad)}; expected some of "
+                         f"{', '.join(linear)}")
 
 
 def main(argv=None) -> int:
+    return _main(parse(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from oal.rundir.files import atomic_write_json
 
-    args = parse(argv)
+    check_methods(args.methods)
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True)
@@ -423,4 +452,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(_main, ARGS)

@@ -3,33 +3,54 @@
 Shape of Qwen2.5-0.5B: d = 64, P = 40 calibration prompts, B = 1000 bootstrap replicates, synthetic heavy-tailed
 contribution profiles. Compares the vectorised batch call (all 336 heads at once), a per-head loop of the same
 function, and the literal per-replicate reference loop (timed on a few heads and extrapolated, labelled so).
-Writes benchmarks/results/grouping.json and grouping.png and prints a table.
+Writes `--out` (default benchmarks/results/grouping.json) and a PNG beside it, and prints a table.
 
-    .venv/bin/python -P benchmarks/grouping.py [--reference-heads 2]
-
-(-P keeps benchmarks/ off sys.path, so a benchmark file named like a stdlib module cannot shadow it.)
+    .venv/bin/python -m benchmarks.grouping [--reference-heads 2]
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
+
+from benchmarks._common import ToolParser, int_in, output_file, run_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/grouping.json) and a PNG beside it; the table on "
+           "stdout")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = ToolParser(__doc__, OUTPUTS)
+    ap.add_argument("--layers", type=int_in(1, 1024), default=24)
+    ap.add_argument("--heads", type=int_in(1, 1024), default=14)
+    ap.add_argument("--prompts", type=int_in(2, 10**5), default=40)
+    ap.add_argument("--dim", type=int_in(2, 1024), default=64)
+    ap.add_argument("--bootstrap", type=int_in(1, 10**6), default=1000)
+    ap.add_argument("--reference-heads", type=int_in(1, 10**6), default=2, help="heads timed with the literal loop")
+    ap.add_argument("--repeat", type=int_in(1, 100), default=3)
+    ap.add_argument("--out", type=output_file, default=RESULTS / "grouping.json",
+                    help="the JSON to write (the PNG goes beside it)")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import os
 import platform
 import time
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from oal.analysis import stable_gap_groups, stable_gap_groups_reference  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from oal.analysis import stable_gap_groups, stable_gap_groups_reference
+from oal.rundir.files import atomic_save_figure, atomic_write_json
 
 
 def synthetic_profiles(layers: int, heads: int, prompts: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -54,17 +75,7 @@ def _time(fn, repeat: int) -> float:
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--heads", type=int, default=14)
-    ap.add_argument("--prompts", type=int, default=40)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--reference-heads", type=int, default=2, help="heads timed with the literal loop")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-
+def main(args: argparse.Namespace) -> None:
     chi = synthetic_profiles(args.layers, args.heads, args.prompts, args.dim)
     n_heads = args.layers * args.heads
     flat = chi.reshape(n_heads, args.prompts, args.dim)
@@ -74,7 +85,7 @@ def main() -> None:
     res = stable_gap_groups(chi, **kw)
     loop_heads = min(n_heads, 48)
     t_loop = _time(lambda: [stable_gap_groups(flat[i], **kw) for i in range(loop_heads)], 1) * n_heads / loop_heads
-    ref_heads = max(1, args.reference_heads)
+    ref_heads = min(args.reference_heads, n_heads)
     t0 = time.perf_counter()
     refs = [stable_gap_groups_reference(flat[i], **kw) for i in range(ref_heads)]
     t_ref = (time.perf_counter() - t0) * n_heads / ref_heads
@@ -91,10 +102,7 @@ def main() -> None:
         threads=torch.get_num_threads(),
         machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count()),
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / ".grouping.json.tmp"
-    tmp.write_text(json.dumps(out, indent=1))
-    os.replace(tmp, RESULTS / "grouping.json")
+    atomic_write_json(args.out, out)
 
     labels = ["batched (all heads)", "per-head loop*", "literal reference*"]
     secs = [t_batch, t_loop, t_ref]
@@ -106,10 +114,7 @@ def main() -> None:
     ax.set_ylabel("seconds (log)")
     ax.set_title(f"Stable-gap grouping, {n_heads} heads, d={args.dim}, P={args.prompts}, B={args.bootstrap}\n"
                  "* extrapolated from a subset of heads", fontsize=10)
-    tmp_png = RESULTS / ".grouping.png.tmp"
-    fig.savefig(tmp_png, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp_png, RESULTS / "grouping.png")
+    atomic_save_figure(fig, args.out.with_suffix(".png"), dpi=110)
 
     table = Table(title=f"Stable-gap grouping: {n_heads} heads, d={args.dim}, P={args.prompts}, B={args.bootstrap}")
     for col in ("path", "seconds", "vs batched"):
@@ -122,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

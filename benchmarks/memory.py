@@ -10,15 +10,40 @@ the code before issue 24). `--compare-full` also runs the full-logits step in a 
 process cannot be reset) and reports both.
 
 Writes `{"peak_rss_gb": ..., "phases": {...}}` to --json (peak RSS of the process, GB = 1e9 bytes; per phase the
-RSS at its end, its own peak above its start, and seconds), a PNG beside it and prints a table.
+RSS at its end, its own peak above its start, and seconds), a PNG beside it and prints a table (without --json, the
+table only).
 
     python -m benchmarks.memory --shape qwen2.5-0.5b --layers 1 --seq-len 4096 --json OUT.json
     python -m benchmarks.memory --shape qwen2.5-0.5b --layers 1 --seq-len 4096 --json OUT.json --compare-full
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+
+from benchmarks._common import MAX_TOKENS, ToolParser, int_in, output_file, run_tool
+
+OUTPUTS = ("with --json, the result there and a PNG beside it; the table on stdout")
+SHAPE_NAMES = ("llama-3.2-1b", "qwen2.5-0.5b")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ToolParser(__doc__, OUTPUTS)
+    parser.add_argument("--shape", choices=SHAPE_NAMES, default="qwen2.5-0.5b")
+    parser.add_argument("--layers", type=int_in(1, 4096), default=1,
+                        help="decoder layers (the last one converted), at most the shape's")
+    parser.add_argument("--seq-len", type=int_in(2, MAX_TOKENS), default=4096)
+    parser.add_argument("--loss", choices=("chunked", "full"), default="chunked")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--compare-full", action="store_true", help="also run the full-logits step (a child)")
+    parser.add_argument("--json", type=output_file, help="write the result here (and a PNG beside it)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import json
 import resource
 import subprocess
@@ -38,6 +63,7 @@ SHAPES = {  # transformers config values (the published checkpoints' config.json
                                    num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                                    rope_theta=5e5, tie_word_embeddings=True, max_position_embeddings=131072)),
 }
+assert tuple(sorted(SHAPES)) == SHAPE_NAMES  # --shape's choices, named before the imports
 
 
 def _rss_gb() -> float:
@@ -177,19 +203,10 @@ def _figure(results: list[dict], path: Path) -> None:
                   path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--layers", type=int, default=1, help="decoder layers (the last one converted)")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--loss", choices=("chunked", "full"), default="chunked")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--compare-full", action="store_true", help="also run the full-logits step (a child)")
-    parser.add_argument("--json", type=Path, help="write the result here (and a PNG beside it)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.layers < 1 or args.seq_len < 2:
-        parser.error("--layers/--seq-len: expected --layers >= 1 and --seq-len >= 2")
+def main(args: argparse.Namespace) -> None:
+    most = SHAPES[args.shape][1]["num_hidden_layers"]
+    if args.layers > most:
+        raise ValueError(f"--layers: {args.shape} has {most} decoder layers, got {args.layers}")
     if args.child:
         print(json.dumps(step(args.shape, args.layers, args.seq_len, args.loss, getattr(torch, args.dtype))))
         return
@@ -210,8 +227,8 @@ def _write(path: Path | None, results: list[dict]) -> None:
     atomic_write_json(path, dict(results[0], compared={r["loss"]: r for r in results[1:]},
                                  goal_met=results[0]["peak_rss_gb"] <= goal if goal is not None else None))
     _figure(results, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}", flush=True)
+    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

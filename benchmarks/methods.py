@@ -1,8 +1,8 @@
 """Causal forward time of every attention method (built-in registry) against SDPA, at a few lengths.
 
 Shape: Qwen2.5-0.5B heads (B=1, Hq=14, Hkv=2, d=dv=64), fp32, no grad, CPU by default. Methods run in this
-process one after another (time only; see benchmarks/operator.py for memory). Writes
-benchmarks/results/methods.{json,png} and prints a table of milliseconds and the ratio to SDPA.
+process one after another (time only; see benchmarks/operator.py for memory). Writes `--out` (default
+benchmarks/results/methods.json) and a PNG beside it, and prints a table of milliseconds and the ratio to SDPA.
 
     python -m benchmarks.methods                    # N = 256, 1024, 4096
     python -m benchmarks.methods --lens 512 2048    # custom lengths
@@ -16,17 +16,34 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from benchmarks._common import MAX_TOKENS, ToolParser, int_in, output_file, run_tool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("softmax", "oal", "global", "performer", "spectraformer", "dijiang", "taylorshift")
 HQ, HKV, D = 14, 2, 64
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/methods.json) and a PNG beside it; the table on "
+           "stdout")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = ToolParser(__doc__, OUTPUTS)
+    ap.add_argument("--lens", type=int_in(1, MAX_TOKENS), nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--repeats", type=int_in(1, 1000), default=3)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--out", type=output_file, default=RESULTS / "methods.json",
+                    help="the JSON to write (the PNG goes beside it)")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 
 def _build(name: str):
@@ -48,12 +65,11 @@ def _time(fn, repeats: int) -> float:
     return 1000 * sorted(times)[len(times) // 2]  # median, ms
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lens", type=int, nargs="+", default=[256, 1024, 4096])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
+    from oal.rundir.files import atomic_save_figure, atomic_write_json
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA device")
     torch.manual_seed(0)
     rows = []
     with torch.no_grad():
@@ -68,10 +84,9 @@ def main() -> None:
     base = {r["N"]: r["ms"] for r in rows if r["method"] == "softmax"}
     for r in rows:
         r["ratio_to_sdpa"] = r["ms"] / base[r["N"]]
-    RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "d": D}, "dtype": "float32", "device": args.device,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
-    (RESULTS / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    atomic_write_json(args.out, {"meta": meta, "rows": rows})
 
     table = Table(title=f"causal forward, B=1 Hq={HQ} Hkv={HKV} d={D}, fp32, {args.device}")
     table.add_column("method")
@@ -98,9 +113,8 @@ def main() -> None:
     ax.set_title("Causal attention forward, all methods")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "methods.png")
-    plt.close(fig)
+    atomic_save_figure(fig, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

@@ -21,29 +21,78 @@ layers) + (its softmax layers) x t(layer 0) + (its converted layers) x t(layer 1
 same shape and work, so this sums measured parts; `--check-compose` also composes at the longest whole-model
 length and prints composed/measured. Composed rows report the cache size (K/V and states of all layers, exact)
 but no peak RSS, and the table is followed by the per-layer prefill and decode times (softmax vs converted layer).
-Writes benchmarks/results/model.{json,png} (or `--out`) and prints a table.
+Writes `--out` (default benchmarks/results/model.json) and a PNG beside it, prints the tables on stdout and its
+progress on stderr.
 
     python -m benchmarks.model                                  # both models, L = 1k..32k (long: hours on 2 cores)
     python -m benchmarks.model --models qwen --max-len 4096     # quicker
     python -m benchmarks.model --models qwen --lengths 1024,4096,16384,32768 --compose-from 16384 --check-compose
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from benchmarks._common import (
+    MAX_TOKENS,
+    ToolParser,
+    add_length_args,
+    add_timing_args,
+    check_timing_args,
+    int_in,
+    lengths_from,
+    list_of,
+    output_file,
+    run_tool,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/model.json, rewritten after every length) and a "
+           "PNG beside it; the tables on stdout, progress on stderr")
+
+
+def _model_name(text: str) -> str:
+    if text not in ("qwen", "default"):
+        raise argparse.ArgumentTypeError(f"expected qwen or default, got {text!r}")
+    return text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ToolParser(__doc__, OUTPUTS)
+    parser.add_argument("--models", type=list_of(_model_name), default="qwen,default",
+                        help="comma-separated: qwen, default")
+    add_length_args(parser)
+    parser.add_argument("--decode-tokens", type=int_in(1, 10**4), default=8)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--compose-from", type=int_in(1, MAX_TOKENS), metavar="L",
+                        help="qwen lengths >= L: compose the models from a timed two-layer model (see above)")
+    parser.add_argument("--check-compose", action="store_true",
+                        help="also compose at the longest whole-model length, and print composed/measured")
+    parser.add_argument("--out", type=output_file, default=RESULTS / "model.json",
+                        help="JSON path (the PNG goes beside it)")
+    add_timing_args(parser)
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "LEN"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    check_timing_args(parser, args)
+    args.lengths = lengths_from(parser, args)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import json
 import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from benchmarks import _common as bench
 from benchmarks._common import PeakRSS, clock
 
-RESULTS = Path(__file__).resolve().parent / "results"
 QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                   intermediate_size=4864, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True,
                   max_position_embeddings=40_000)
@@ -278,33 +327,14 @@ def _summary(rows: list[dict], models: list[str], lengths: list[int], console, t
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="qwen,default", help="comma-separated: qwen, default")
-    bench.add_length_args(parser)
-    parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--compose-from", type=int, metavar="L",
-                        help="qwen lengths >= L: compose the models from a timed two-layer model (see above)")
-    parser.add_argument("--check-compose", action="store_true",
-                        help="also compose at the longest whole-model length, and print composed/measured")
-    parser.add_argument("--out", type=Path, default=RESULTS / "model.json", help="JSON path (the PNG goes beside it)")
-    bench.add_timing_args(parser)
-    parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "LEN"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    bench.apply_timing_args(parser, args)
+def main(args: argparse.Namespace) -> None:
+    bench.apply_timing_args(None, args)
     dtype = getattr(torch, args.dtype)
     if args.child:
         name, variant, length = args.child
         print(json.dumps(measure(name, variant, int(length), args.decode_tokens, dtype)))
         return
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in ("qwen", "default"):
-            parser.error(f"--models: expected qwen or default, got {m!r}")
-    if args.decode_tokens < 1:
-        parser.error(f"--decode-tokens: expected at least 1, got {args.decode_tokens}")
-    lengths = bench.lengths_from(parser, args)
+    models, lengths = args.models, args.lengths
 
     from rich.console import Console
     from rich.progress import Progress
@@ -313,9 +343,8 @@ def main() -> None:
 
     console = Console(width=170)
     rows = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     jobs = _jobs(models, lengths, args.compose_from, args.check_compose)
-    with Progress(console=console) as progress:
+    with Progress(console=Console(width=170, stderr=True)) as progress:
         task = progress.add_task("prefill + decode", total=len(jobs))
         for m, n, v in jobs:
             cmd = [sys.executable, "-m", "benchmarks.model", "--child", m, v, str(n), "--decode-tokens",
@@ -344,8 +373,8 @@ def main() -> None:
     atomic_write_json(args.out, {"rows": rows, "summary": summary, "complete": True, "dtype": args.dtype,
                                  "torch": torch.__version__, "clock": args.clock})
     _plot(rows, args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

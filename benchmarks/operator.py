@@ -8,8 +8,8 @@ Each OAL child also measures the GEMM rate of the dtype its GEMMs run in (2048^3
 without bf16 GEMMs) right before its timing, which is what "% of GEMM" refers to, and times one extra call for the
 phase split (features, intra-chunk, state, readout: the torch.profiler ranges of `oal.ops.chunked`; the fused
 kernel's intra-chunk term is inside its readout share). Ratios come
-from one run; the machine load (os.getloadavg) is recorded with every row. Writes
-benchmarks/results/operator.{json,png} and prints the tables.
+from one run; the machine load (os.getloadavg) is recorded with every row. Writes `--out` (default
+benchmarks/results/operator.json) and a PNG beside it, and prints the tables.
 
 Settings (issue 36): before timing, the chunked operator is tuned to this machine (`oal.ops.tuning`: cached per CPU
 model, threads and dtype; measured only when missing or stale, `--retune` measures again), and every OAL row runs
@@ -39,25 +39,90 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    MAX_TOKENS,
+    ToolParser,
+    add_length_args,
+    add_timing_args,
+    check_timing_args,
+    input_file,
+    int_in,
+    lengths_from,
+    list_of,
+    output_file,
+    run_tool,
+    settings_parts,
+    settings_text,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+DTYPES = ("float32", "bfloat16")
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/operator.json, with --sweep operator_sweep.json, "
+           "with --contention operator_contention.json) and a PNG beside it; the tables on stdout, progress on "
+           "stderr; --compare: the table on stdout and operator_tuning.md beside TUNED")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, every one checked before any work (--settings' format, the lengths, the output's folder)."""
+    parser = ToolParser(__doc__, OUTPUTS)
+    add_length_args(parser)
+    parser.add_argument("--repeats", type=int_in(1, 1000), default=3)
+    parser.add_argument("--dtypes", type=list_of(_dtype), default="float32,bfloat16",
+                        help="comma-separated: float32, bfloat16")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu")
+    add_timing_args(parser)
+    parser.add_argument("--sweep", type=int_in(1, MAX_TOKENS), metavar="N",
+                        help="time chunk sizes x blocks at length N instead")
+    parser.add_argument("--contention", action="store_true",
+                        help="time OAL and SDPA quiet and beside one busy competing process, side by side")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="run the operator's fixed default settings, not the ones tuned to this machine")
+    parser.add_argument("--settings", metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]", type=settings_text,
+                        help="run every OAL row with these settings (e.g. another machine's tuned choice), not the "
+                             "tuned or fixed ones")
+    parser.add_argument("--retune", action="store_true", help="tune again even when cached for this torch version")
+    parser.add_argument("--out", type=output_file, help="the JSON to write (the PNG goes beside it)")
+    parser.add_argument("--compare", nargs=2, type=input_file, metavar=("FIXED", "TUNED"),
+                        help="print the acceptance table of two runs' JSON (--no-tune, then tuned) and write it as "
+                             "markdown beside TUNED; times nothing")
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", type=_dtype, default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int_in(1, 4096), help=argparse.SUPPRESS)
+    parser.add_argument("--block-chunks", type=int_in(1, 4096), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    check_timing_args(parser, args)
+    if args.compare and args.out:
+        parser.error("--compare writes beside TUNED; --out does not apply")
+    if args.sweep and args.contention:
+        parser.error("choose one of --sweep and --contention")
+    args.lengths = lengths_from(parser, args)
+    if args.out is None:
+        name = "operator_sweep" if args.sweep else "operator_contention" if args.contention else "operator"
+        args.out = RESULTS / f"{name}.json"
+    return args
+
+
+def _dtype(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected float32 or bfloat16, got {text!r}")
+    return text
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import json  # noqa: E402
 import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-    PeakRSS,
-    add_length_args,
-    add_timing_args,
-    apply_timing_args,
-    clock,
-    finish_figure,
-    lengths_from,
-    timing_flags,
-)
+from benchmarks._common import PeakRSS, apply_timing_args, clock, finish_figure, timing_flags  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
 PHASES = ("features", "intra", "state", "readout")
 # issue 36 (fp32: issue 18's): sdpa/oal at least this, and fp32 at least GEMM_GOAL of the GEMM rate at 16k
@@ -191,21 +256,10 @@ def oal_flops(n: int, dtype: str = "float32", chunk: int | None = None) -> float
 
 
 def parse_settings(text: str):
-    """`--settings`: "CHUNKxBLOCKS" with an optional ",serial" or ",pipeline" and ",kvN" (e.g. "64x2,pipeline,kv2",
-    another machine's tuned choice), as `tuning.Settings`; ValueError with what was expected otherwise."""
+    """`--settings` as `tuning.Settings` (`settings_parts`)."""
     from oal.ops.tuning import Settings
 
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        chunk, blocks = (int(x) for x in parts[0].lower().split("x"))
-        layout = {"pipeline": True, "serial": False}[parts[1]] if len(parts) > 1 else True
-        kv = int(parts[2].removeprefix("kv")) if len(parts) > 2 else 0
-        if chunk < 1 or blocks < 1 or kv < 0 or len(parts) > 3:
-            raise ValueError
-    except (ValueError, KeyError, IndexError):
-        raise ValueError(f"--settings: expected CHUNKxBLOCKS[,serial|pipeline[,kvN]] (e.g. 64x2,pipeline), "
-                         f"got {text!r}") from None
-    return Settings(chunk, blocks, layout, kv)
+    return Settings(*settings_parts(text))
 
 
 def _child(args: list[str]) -> dict:
@@ -254,7 +308,7 @@ def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
     finish_figure(fig, axes, "B=1, Hq=14, Hkv=2, d=dv=64, G=5, CPU", path)
 
 
-def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
+def _sweep(n: int, repeats: int, device: str, dtypes: list[str], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -276,15 +330,15 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str]) -> None:
     Console(width=160).print(table)
     from oal.rundir.files import atomic_write_json
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / "operator_sweep.json", {"n": n, "rows": rows, "torch": torch.__version__})
+    atomic_write_json(out, {"n": n, "rows": rows, "torch": torch.__version__})
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def compare(fixed_path: Path, tuned_path: Path) -> str:
     """The acceptance table (issue 36) of a run with the fixed defaults and one tuned, on one machine: sdpa/oal and
     % of GEMM side by side, each row's settings, and the goals. Printed, and written as markdown beside the tuned
     JSON (operator_tuning.md); returns the markdown."""
-    runs = [json.loads(Path(p).read_text()) for p in (fixed_path, tuned_path)]
+    runs = [_run_json(Path(p)) for p in (fixed_path, tuned_path)]
     cpu, tuned = runs[1]["cpu"], runs[1]
     lines = [f"CPU: {cpu['model']} ({cpu['capability']}; flags {' '.join(cpu['flags'])}; bf16 GEMMs "
              f"{'yes' if cpu.get('bf16_gemms') else 'no'}), {tuned['threads']} threads, {tuned['clock']} clock, "
@@ -326,13 +380,27 @@ def compare(fixed_path: Path, tuned_path: Path) -> str:
     return text
 
 
+def _run_json(path: Path) -> dict:
+    """A JSON this benchmark wrote (its table's fields present); ValueError naming the file otherwise."""
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    keys = ("cpu", "summary", "threads", "clock", "torch")
+    if not isinstance(run, dict) or any(k not in run for k in keys) or not isinstance(run["summary"], list):
+        raise ValueError(f"{path}: not a run of benchmarks.operator (expected the keys {', '.join(keys)})")
+    return run
+
+
 def _tune(dtypes: list[str], force: bool) -> None:
     """Tune the operator to this machine for every dtype timed (cached: only what is missing or stale is measured),
     in a child process like every timing, so that this process holds no scratch memory or worker threads."""
     cmd = [sys.executable, "-m", "oal", "tune-cpu", "--threads", str(torch.get_num_threads()), "--dtypes",
            ",".join(dtypes), *(["--force"] if force else [])]
-    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    print(res.stdout.rstrip(), file=sys.stderr)
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    print("\n".join(x for x in (res.stderr.rstrip(), res.stdout.rstrip()) if x), file=sys.stderr)
+    if res.returncode != 0:
+        raise RuntimeError(f"`oal tune-cpu` failed (exit code {res.returncode}); its output is above")
 
 
 def _readout_label(cpu: dict) -> str:
@@ -358,37 +426,13 @@ def _machine(dtypes: list[str]) -> tuple[dict, dict]:
     return cpu, settings
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_length_args(parser)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add_timing_args(parser)
-    parser.add_argument("--sweep", type=int, metavar="N", help="time chunk sizes x blocks at length N instead")
-    parser.add_argument("--contention", action="store_true",
-                        help="time OAL and SDPA quiet and beside one busy competing process, side by side")
-    parser.add_argument("--no-tune", action="store_true",
-                        help="run the operator's fixed default settings, not the ones tuned to this machine")
-    parser.add_argument("--settings", metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
-                        help="run every OAL row with these settings (e.g. another machine's tuned choice), not the "
-                             "tuned or fixed ones")
-    parser.add_argument("--retune", action="store_true", help="tune again even when cached for this torch version")
-    parser.add_argument("--out", type=Path, default=RESULTS / "operator.json",
-                        help="the JSON to write (the PNG goes beside it)")
-    parser.add_argument("--compare", nargs=2, type=Path, metavar=("FIXED", "TUNED"),
-                        help="print the acceptance table of two runs' JSON (--no-tune, then tuned) and write it as "
-                             "markdown beside TUNED; times nothing")
-    parser.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--block-chunks", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    for dt in dtypes + [args.dtype]:
-        if dt not in ("float32", "bfloat16"):
-            parser.error(f"--dtypes: expected float32 or bfloat16, got {dt!r}")
-    apply_timing_args(parser, args)
+def main(args: argparse.Namespace) -> None:
+    dtypes = args.dtypes
+    apply_timing_args(None, args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA device")
     if args.compare:
         compare(*args.compare)
         return
@@ -405,23 +449,20 @@ def main() -> None:
         print(json.dumps(row))
         return
     if args.settings:
-        try:
-            pinned = parse_settings(args.settings)
-        except ValueError as err:
-            parser.error(str(err))
+        pinned = parse_settings(args.settings)
         os.environ["OAL_BENCH_SETTINGS"] = args.settings  # read by every child
     if args.no_tune or args.settings:
         os.environ["OAL_NO_TUNE"] = "1"  # read by every child
     elif args.device == "cpu" and not args.sweep:
         _tune(dtypes, args.retune)
     if args.sweep:
-        _sweep(args.sweep, args.repeats, args.device, dtypes)
+        _sweep(args.sweep, args.repeats, args.device, dtypes, args.out)
         return
 
     from rich.console import Console
     from rich.table import Table
 
-    lengths = lengths_from(parser, args)
+    lengths = args.lengths
     from oal.ops import tuning
 
     with tuning.forced(pinned if args.settings else None):
@@ -429,7 +470,7 @@ def main() -> None:
     if args.contention:
         from benchmarks import _contention
 
-        _contention.run(_child, lengths, dtypes, args.repeats, args.device, RESULTS,
+        _contention.run(_child, lengths, dtypes, args.repeats, args.device, args.out,
                         f"B=1, Hq=14, Hkv=2, d=dv=64, G=5, {args.device}, {torch.get_num_threads()} threads, "
                         f"{_common.CLOCK_NAME} clock")
         return
@@ -485,15 +526,14 @@ def main() -> None:
                       "% of GEMM is against the fp32 rate)")
     from oal.rundir.files import atomic_write_json
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
               "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME,
               "cpu": cpu, "tune": not (args.no_tune or args.settings), "settings": settings}
     atomic_write_json(args.out, result)
     png = args.out.with_suffix(".png")
     _plot(rows, summary, png)
-    console.print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

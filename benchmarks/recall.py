@@ -23,29 +23,47 @@ Protocol:
    of a method at a length is the bytes its generation cache holds after a prefill of that length
    (`oal.models.cache.state_nbytes`, float32): softmax's K/V grows with the length, the others' does not.
 
-Writes benchmarks/results/recall.json (`{"trained_length": L, "accuracy": {method: {length: acc}},
-"accuracy_by_pairs": {method: {pairs: acc}}, "state_bytes": {method: {length: bytes}}, ...}`), recall.png, and
-prints the tables.
+Writes `--json` (default benchmarks/results/recall.json: `{"trained_length": L, "accuracy": {method: {length:
+acc}}, "accuracy_by_pairs": {method: {pairs: acc}}, "state_bytes": {method: {length: bytes}}, ...}`) and a PNG
+beside it, prints the tables on stdout and its progress on stderr.
 
     .venv/bin/python -m benchmarks.recall --quick      # trained length 64: 6 CPU minutes on one thread
                                                        # (20 min of wall time on a 2-core machine at load 13)
     .venv/bin/python -m benchmarks.recall              # trained length 256
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from benchmarks._common import MAX_THREADS, ToolParser, int_in, output_file, run_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the results (--json; default benchmarks/results/recall.json) and a PNG beside it; the tables "
+           "on stdout, progress on stderr; exit code 1 when the softmax model does not learn the task (void)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = ToolParser(__doc__, OUTPUTS)
+    p.add_argument("--quick", action="store_true", help="trained length 64 (a few minutes on a CPU)")
+    p.add_argument("--json", type=output_file, help="write the results here (default benchmarks/results/recall.json)")
+    p.add_argument("--threads", type=int_in(0, MAX_THREADS), help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import copy
 import platform
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("oal", "global", "swa", "oal-swa", "global-swa")
 IGNORE = -100
 
@@ -322,22 +340,18 @@ def run(cfg: SimpleNamespace, log=print) -> dict:
 
 
 def main(argv=None) -> int:
+    return _main(parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="trained length 64 (a few minutes on a CPU)")
-    p.add_argument("--json", type=Path, help="write the results here (default benchmarks/results/recall.json)")
-    p.add_argument("--threads", type=int, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 0:
-        p.error(f"argument --threads: expected >= 0, got {args.threads}")  # one line, exit code 2
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = setup("quick" if args.quick else "full", seed=args.seed)
-    console = Console()
-    res = run(cfg, log=console.print)
+    progress, console = Console(stderr=True), Console()
+    res = run(cfg, log=progress.print)
     out = args.json or RESULTS / "recall.json"
     from oal.rundir.files import atomic_write_json
 
@@ -351,10 +365,10 @@ def main(argv=None) -> int:
             for row in rows:
                 table.add_row(*row)
             console.print(table)
-        console.print(f"{res['seconds'] / 60:.1f} min ({res['cpu_seconds'] / 60:.1f} CPU min); wrote {out} and "
-                      f"{out.with_suffix('.png')}")
+        progress.print(f"{res['seconds'] / 60:.1f} min ({res['cpu_seconds'] / 60:.1f} CPU min); wrote {out} and "
+                       f"{out.with_suffix('.png')}")
     return 1 if res["void"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(_main, ARGS)

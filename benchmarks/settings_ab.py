@@ -3,25 +3,62 @@
 One process, the Qwen head shape (B=1, Hq=14, Hkv=2, d=dv=64, G=5), causal forward at one length. The settings are
 timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift in the machine's speed falls on all of them
 alike, first quiet, then beside one busy competing process (`oal.ops.autotune.busy_process`). Reports the median
-per setting and its ratio to the tuned choice. Writes benchmarks/results/settings_ab.{json,png} and prints a table.
+per setting and its ratio to the tuned choice. Writes `--out` (default benchmarks/results/settings_ab.json) and a PNG
+beside it, and prints a table.
 
     python -m benchmarks.settings_ab --n 16384 --settings 64x2,pipeline 64x4,serial
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from benchmarks._common import (
+    MAX_TOKENS,
+    ToolParser,
+    add_timing_args,
+    check_timing_args,
+    int_in,
+    output_file,
+    run_tool,
+    settings_text,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/settings_ab.json) and a PNG beside it; the table "
+           "on stdout, the load averages on stderr")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ToolParser(__doc__, OUTPUTS)
+    parser.add_argument("--n", type=int_in(1, MAX_TOKENS), default=16384, help="sequence length")
+    parser.add_argument("--settings", nargs="+", required=True, type=settings_text,
+                        metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
+                        help="the other settings to time beside the tuned ones (e.g. another machine's choice)")
+    parser.add_argument("--rounds", type=int_in(1, 1000), default=5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quiet-only", action="store_true", help="skip the rounds beside a busy process")
+    parser.add_argument("--out", type=output_file, default=RESULTS / "settings_ab.json")
+    add_timing_args(parser)
+    args = parser.parse_args(argv)
+    check_timing_args(parser, args)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
 import os
 import statistics
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
 from benchmarks import _common
-from benchmarks._common import add_timing_args, apply_timing_args, clock
-from benchmarks.operator import RESULTS, _inputs, parse_settings
+from benchmarks._common import apply_timing_args, clock
+from benchmarks.operator import _inputs, parse_settings
 
 
 def _rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
@@ -87,25 +124,8 @@ def _plot(res: dict, path: Path) -> None:
                              f"{res['threads']} threads", path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=16384, help="sequence length")
-    parser.add_argument("--settings", nargs="+", required=True, metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
-                        help="the other settings to time beside the tuned ones (e.g. another machine's choice)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--quiet-only", action="store_true", help="skip the rounds beside a busy process")
-    parser.add_argument("--out", type=Path, default=RESULTS / "settings_ab.json")
-    add_timing_args(parser)
-    args = parser.parse_args()
-    apply_timing_args(parser, args)
-    if args.n < 1 or args.rounds < 1:
-        parser.error("--n and --rounds: expected positive integers")
-    try:
-        for s in args.settings:
-            parse_settings(s)
-    except ValueError as err:
-        parser.error(str(err))
+def main(args: argparse.Namespace) -> None:
+    apply_timing_args(None, args)
     res = run(args.n, args.settings, args.rounds, getattr(torch, args.dtype), loaded=not args.quiet_only)
 
     from rich.console import Console
@@ -124,12 +144,11 @@ def main() -> None:
     Console(width=160).print(table)
     print(f"tuned: this machine's {res['source']} settings; load average (1 min) {res['load_before']:.1f} before, "
           f"{res['load_after']:.1f} after (quiet means near 0 before)", file=sys.stderr)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, res)
     png = args.out.with_suffix(".png")
     _plot(res, png)
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

@@ -3,27 +3,59 @@ SDPA, fp32, at the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), W=64, S
 
 Prefill: one causal call on N tokens (window_attention backend "banded", oal_attention "chunked", SDPA). Decode:
 one new token on the state of N tokens (the windows' ring buffer plus OAL prefix, OAL's state) against SDPA on the
-N cached keys. Best of --repeats calls in one process; the machine load is recorded with every row. Writes
-benchmarks/results/window.{json,png} and prints the table.
+N cached keys. Best of --repeats calls in one process; the machine load is recorded with every row. Writes `--out`
+(default benchmarks/results/window.json) and a PNG beside it, and prints the table.
 
     python -m benchmarks.window --lengths 1024,2048,4096 --threads 1 --clock cpu   # a shared machine
 """
 
+# ruff: noqa: E402  (the arguments are parsed before the heavy imports)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
-import torch
-
-from benchmarks import _common
-from benchmarks._common import add_length_args, add_timing_args, apply_timing_args, clock, finish_figure, lengths_from
+from benchmarks._common import (
+    ToolParser,
+    add_length_args,
+    add_timing_args,
+    check_timing_args,
+    int_in,
+    lengths_from,
+    output_file,
+    run_tool,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(hq=14, hkv=2, d=64, g=5, window=64, sinks=4)
 METHODS = ("sdpa", "oal", "swa", "oal-swa")
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/window.json) and a PNG beside it; the table on "
+           "stdout")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ToolParser(__doc__, OUTPUTS)
+    add_length_args(parser)
+    add_timing_args(parser)
+    parser.add_argument("--repeats", type=int_in(1, 1000), default=3)
+    parser.add_argument("--out", type=output_file, default=RESULTS / "window.json",
+                        help="the JSON to write (the PNG goes beside it)")
+    parser.set_defaults(min_len=1024, max_len=4096)
+    args = parser.parse_args(argv)
+    check_timing_args(parser, args)
+    args.lengths = lengths_from(parser, args)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
+import os
+import sys
+
+import torch
+
+from benchmarks import _common
+from benchmarks._common import apply_timing_args, clock, finish_figure
 
 
 def _inputs(n: int):
@@ -90,35 +122,28 @@ def _plot(rows: list[dict], path: Path) -> None:
     finish_figure(fig, axes, f"B=1, Hq=14, Hkv=2, d=64, W=64, S=4 (swa), G=5, CPU, {_common.CLOCK_NAME} clock", path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_length_args(parser)
-    add_timing_args(parser)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.set_defaults(min_len=1024, max_len=4096)
-    args = parser.parse_args()
-    apply_timing_args(parser, args)
+def main(args: argparse.Namespace) -> None:
+    apply_timing_args(None, args)
     rows = []
     with torch.no_grad():
-        for n in lengths_from(parser, args):
+        for n in args.lengths:
             for method in METHODS:
                 load = os.getloadavg()[0]
                 prefill, decode = _calls(method, n)
                 rows.append({"method": method, "n": n, "prefill_s": _best(prefill, args.repeats),
                              "decode_s": _best(decode, args.repeats), "load_before": load,
                              "load_after": os.getloadavg()[0]})
-    RESULTS.mkdir(exist_ok=True)
     from oal.rundir.files import atomic_write_json
 
-    atomic_write_json(RESULTS / "window.json", {"shape": SHAPE, "threads": torch.get_num_threads(),
-                                                "clock": _common.CLOCK_NAME, "rows": rows})
-    _plot(rows, RESULTS / "window.png")
+    atomic_write_json(args.out, {"shape": SHAPE, "threads": torch.get_num_threads(), "clock": _common.CLOCK_NAME,
+                                 "rows": rows})
+    _plot(rows, args.out.with_suffix(".png"))
     print(f"{'method':>8} {'N':>6} {'prefill s':>10} {'decode ms':>10} {'load':>5}")
     for r in rows:
         print(f"{r['method']:>8} {r['n']:>6} {r['prefill_s']:>10.4f} {1e3 * r['decode_s']:>10.3f} "
               f"{r['load_before']:>5.1f}")
-    print(json.dumps({"wrote": [str(RESULTS / "window.json"), str(RESULTS / "window.png")]}))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

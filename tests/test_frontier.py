@@ -42,7 +42,6 @@ def test_rerun_reads_the_rows_back(result, capsys):
 
 
 def test_bad_methods_are_refused():
-    with pytest.raises(SystemExit):
-        frontier.parse(["--methods", "softmax"])
-    with pytest.raises(SystemExit):
-        frontier.parse(["--methods", "nope"])
+    for bad in ("softmax", "nope"):
+        with pytest.raises(ValueError, match=f"--methods: unknown or not linear-time: {bad}"):
+            frontier.check_methods(frontier.parse(["--methods", bad]).methods)
