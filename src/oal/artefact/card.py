@@ -15,7 +15,7 @@ import torch
 from oal.artefact.base_facts import DISTRIBUTION, PAPER, base_model_facts
 from oal.rundir.files import atomic_write_text
 
-__all__ = ["card_metrics", "card_text", "write_card"]
+__all__ = ["card_metrics", "card_text", "reference_card_text", "write_card"]
 
 def card_metrics(metrics: dict, method: str, adapted: bool) -> dict[str, str]:
     """The run's numbers for `method` as exported (`adapted`: with its adapter) beside the softmax reference's, out
@@ -132,21 +132,57 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         "checks the SHA256 of the files listed in `oal.json`. lm-eval: `python -m oal.lm_eval --model hf "
         '--model_args pretrained=<this folder> --tasks ...`.', "",
     ]
-    if metrics:
-        lines += ["## Metrics (from the run that made it)", "",
-                  "Rebuilt from the run's verified records (the files they were computed from still have the SHA256 "
-                  "recorded with them); a number edited into the run's metrics.json is never quoted.", "",
-                  "| metric | values |", "| --- | --- |"]
-        lines += [f"| {key} | {values} |" for key, values in metrics.items()] + [""]
-    else:
-        lines += ["## Metrics", "", "None quoted: the export was given no verified numbers of the run.", ""]
-    if source.get("data_lines"):
-        lines += ["## Data", "", *source["data_lines"], ""]
+    lines += _metrics_lines(metrics) + _data_lines(source)
     limits = [LIMITATIONS[0], _positions_line(model), *LIMITATIONS[1:]]
     lines += ["## Limitations", "", *limits, ""]
-    if source.get("run"):
-        lines += ["## Provenance", "", f"Exported from the run directory `{source['run']}` (method "
-                  f"`{source.get('method')}`); `oal.json` records the SHA256 of its kernels and adapter files.", ""]
+    lines += _provenance_lines(source, "its kernels and adapter files")
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def _metrics_lines(metrics: dict[str, str] | None) -> list[str]:
+    if not metrics:
+        return ["## Metrics", "", "None quoted: the export was given no verified numbers of the run.", ""]
+    return ["## Metrics (from the run that made it)", "",
+            "Rebuilt from the run's verified records (the files they were computed from still have the SHA256 "
+            "recorded with them); a number edited into the run's metrics.json is never quoted.", "",
+            "| metric | values |", "| --- | --- |", *(f"| {key} | {values} |" for key, values in metrics.items()), ""]
+
+
+def _data_lines(source: dict) -> list[str]:
+    return ["## Data", "", *source["data_lines"], ""] if source.get("data_lines") else []
+
+
+def _provenance_lines(source: dict, recorded: str) -> list[str]:
+    if not source.get("run"):
+        return []
+    return ["## Provenance", "", f"Exported from the run directory `{source['run']}` (method `{source.get('method')}`)"
+            f"; `oal.json` records the SHA256 of {recorded}.", ""]
+
+
+def reference_card_text(source: dict, metrics: dict[str, str] | None = None) -> str:
+    """README.md of a run's exported softmax arm (`artefact.softmax_export`): the base model with the run's LoRA
+    adapter for softmax merged, loaded by transformers alone. `source` as for `card_text`."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    facts = source.get("base") or base_model_facts(None, None)
+    name = facts["id"]
+    adapter = source.get("adapter")
+    data = ModelCardData(library_name="transformers", base_model=name, license=facts["license"],
+                         datasets=source.get("datasets") or None, pipeline_tag="text-generation",
+                         tags=["oal", "softmax-reference"])
+    lines = [f"# Softmax reference of {name}", "",
+             f"`{name}` with softmax attention in every layer, the reference arm of an oal run (library `oal`, "
+             f"[paper]({PAPER})): "
+             + ("adapted with the run's LoRA adapter for softmax (merged into the weights), the same budget as the "
+                "converted arms, so that it is what they are compared against." if adapter else
+                "without an adapter (the run adapted none for softmax)."),
+             "", f"Licence: `{facts['license']}` ({facts['license_note']}).", "",
+             "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             'model = AutoModelForCausalLM.from_pretrained("<this folder>")  # no oal needed',
+             'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
+             "`oal.json` records the SHA256 of every file that defines the model and of the run files it came "
+             "from; `oal.models.pretrained.verify_manifest(folder)` checks them.", ""]
+    lines += _metrics_lines(metrics) + _data_lines(source) + _provenance_lines(source, "its adapter files")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 

@@ -91,7 +91,8 @@ def _cast_base_weights(model, dtype: torch.dtype) -> None:
 def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = True, merge: bool = True,
            model: str | None = None, dtype: torch.dtype | None = None, metrics: dict | None = None,
            config: dict | None = None) -> Path:
-    """Write the run's converted `method` model (with its adapter unless `adapter=False`) as one folder `to`.
+    """Write the run's converted `method` model (with its adapter unless `adapter=False`) as one folder `to`; for
+`method="softmax"`, the reference arm as a plain transformers folder (`artefact.softmax_export`).
 
     The folder reloads with `oal.load(to)`, or with `AutoModelForCausalLM.from_pretrained(to)` after `import oal`.
     `metrics`: the run's numbers to quote in the card, as metrics.json lays them out, from verified records only
@@ -100,6 +101,11 @@ def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = 
     """
     from oal.models.registry import identify
 
+    if method == "softmax":  # the reference arm: a plain transformers model (artefact.softmax_export)
+        from oal.artefact.softmax_export import export_softmax
+
+        return export_softmax(run_dir, to, adapter=adapter, merge=merge, model=model, dtype=dtype, metrics=metrics,
+                              config=config)
     run_dir = Path(run_dir)
     # loaded in the run's dtype (what its kernels and adapter were made on and are checked against), then cast
     mdl, tok, info = load_converted(run_dir, method, adapter, model=model, merge=merge)

@@ -21,6 +21,7 @@ from oal.cli.options import (
     TaskFileOpt,
     TasksOpt,
     ZeroshotDirOpt,
+    parse_numbers,
 )
 from oal.launch import log_console
 
@@ -70,8 +71,8 @@ def evaluate_cmd(
     if log_samples and not zeroshot:
         raise typer.BadParameter("needs --zeroshot (it logs the zero-shot examples)", param_hint="--log-samples")
     if passkey:
-        _passkey(out, model, wanted, _numbers(lengths, int, "--lengths"), _numbers(depths, float, "--depths"),
-                 trials, adapter, device, dtype, console)
+        _passkey(out, model, wanted, parse_numbers(lengths, int, "--lengths", 16, Max.TOKENS),
+                 parse_numbers(depths, float, "--depths", 0.0, 1.0), trials, adapter, device, dtype, console)
         return
     if zeroshot:
         _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console,
@@ -82,15 +83,6 @@ def evaluate_cmd(
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
                             blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
     Console().print(fidelity_table(res))
-
-
-def _numbers(text: str | None, kind, option: str) -> list | None:
-    if text is None:
-        return None
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
 
 
 def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console) -> None:

@@ -18,16 +18,21 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
     try:
         path = export_run(out, method, to, **kwargs)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--to" if str(exc).startswith("to:") else "--out") from None
-    typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "
-               f"AutoModelForCausalLM.from_pretrained('{path}') (an encoder: AutoModel) after `import oal`")
+        hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    if method == "softmax":
+        typer.echo(f"wrote {path}: reload it with AutoModelForCausalLM.from_pretrained('{path}')")
+    else:
+        typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "
+                   f"AutoModelForCausalLM.from_pretrained('{path}') (an encoder: AutoModel) after `import oal`")
     return path
 
 
 @app.command("export")
 def export_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory (`oal run`)."),
-    method: str = typer.Option("oal", help="Which converted model: oal, global, performer, ..."),
+    method: str = typer.Option("oal", help="Which arm: a converted one (oal, global, performer, ...) or softmax (the "
+                               "reference, its adapter merged: a plain transformers folder)."),
     to: Path = typer.Option(..., "--to", help="Folder to write (created; an earlier export there is replaced)."),
     adapter: bool = typer.Option(True, "--adapter/--no-adapter", help="Include the run's LoRA adapter and trained "
                                  "kernels (--no-adapter: the calibrated kernels alone)."),

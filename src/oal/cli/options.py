@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
 
-
-class Max:
-    """Upper bounds of the numeric options: far above any real use, low enough that a typo is refused at once (with
-    typer's one-line error) rather than found later as a crash (`--threads 100000` segfaults OpenMP) or an
-    allocation of terabytes."""
-
-    THREADS = 4 * (os.cpu_count() or 1)  # more torch threads than that only wait on each other
-    SEED = 2**32 - 1  # numpy's seeds
-    STEPS, TOKENS, WINDOW = 10**7, 2**20, 2**20  # updates (intervals, patience); sequence lengths, new tokens
-    COUNT, TRIALS, REPEATS, BATCH = 10**6, 10**4, 1000, 4096  # examples, sequences, blocks, bootstrap draws: COUNT
-    HEADS, DIM, LAYERS = 1024, 1024, 4096  # DIM: head dims and group counts
+from oal.cli.bounds import Max, parse_numbers  # noqa: F401  (the commands import them from here)
 
 # `name: ModelOpt = "default"`: one declaration of each option the commands share.
 ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]

@@ -24,6 +24,7 @@ from oal.cli.options import (
     WindowOpt,
     ZeroshotDirOpt,
     main_console,
+    parse_numbers,
     set_threads,
 )
 from oal.launch import log_console
@@ -64,6 +65,10 @@ def run(
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
     progress: bool = typer.Option(True, help="Show progress bars."),
+    passkey: str = typer.Option(None, help="After the run, passkey retrieval of every arm (adapted) at these "
+                                "comma-separated lengths, e.g. 1024,2048,4096, into metrics.json and report.md."),
+    passkey_depths: str = typer.Option(None, help="--passkey: needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)."),
+    passkey_trials: int = typer.Option(4, min=1, max=Max.TRIALS, help="--passkey: keys per length and depth."),
 ) -> None:
     """Analyze -> group -> calibrate -> convert -> adapt -> evaluate (perplexity, zero-shot) -> report, writing the run
     directory. Zero-shot tasks whose data is neither local nor reachable are skipped with one line. With --model
@@ -74,10 +79,13 @@ def run(
     """
     from oal.analysis import parse_grouping
     from oal.data.zeroshot import parse_task_files
+    from oal.models.encoder import is_encoder_model
     from oal.pipeline.config import RunConfig, parse_methods, parse_seeds
     from oal.pipeline.runs import run as run_pipeline
 
     set_threads(threads)
+    lengths = parse_numbers(passkey, int, "--passkey", 16, Max.TOKENS)
+    depths = parse_numbers(passkey_depths, float, "--passkey-depths", 0.0, 1.0)
     try:
         procedure = parse_grouping(grouping)
     except ValueError as exc:
@@ -90,4 +98,15 @@ def run(
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
                                 grouping=procedure, window=window, sinks=sinks)
+    if lengths and len(seed_list) > 1:
+        raise typer.BadParameter("one seed at a time; measure each seed's run with `oal evaluate --passkey --out "
+                                 f"{out}/seed-<s>`", param_hint="--passkey")
+    if lengths and is_encoder_model(cfg.model):
+        raise typer.BadParameter("an encoder has no passkey retrieval (causal LMs only)", param_hint="--passkey")
     run_pipeline(cfg, out, seed_list, console=log_console(), results=main_console(), progress=progress, force=force)
+    if lengths:
+        from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_rich_table
+
+        res = passkey_after_run(out, cfg.methods, lengths=lengths, depths=depths, trials=passkey_trials,
+                                device=cfg.device, console=log_console())
+        main_console().print(passkey_rich_table(res))

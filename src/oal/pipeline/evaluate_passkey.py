@@ -1,4 +1,4 @@
-"""Passkey retrieval of a run directory's arms (`oal evaluate --passkey`), into its metrics.json.
+"""Passkey retrieval of a run directory's arms (`oal evaluate --passkey`, `oal run --passkey`), into its metrics.json.
 
 Every arm is measured twice when it can be: before adaptation (calibrated kernels, no adapter) and after (the run's
 LoRA adapter, merged). The softmax arm is the reference. Results go to metrics.json["passkey"][<method>] as
@@ -22,7 +22,7 @@ from oal.rundir.files import atomic_write_json, load_json
 from oal.rundir.hashes import config_hash
 from oal.rundir.lock import own_dir
 
-__all__ = ["evaluate_passkey_run"]
+__all__ = ["evaluate_passkey_run", "passkey_after_run", "passkey_rich_table"]
 
 log = logging.getLogger("oal")
 
@@ -88,6 +88,20 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
     if results:
         republish(out_dir, console)
     return results
+
+
+def passkey_after_run(out_dir: str | Path, methods: Sequence[str], *, lengths: Sequence[int],
+                      depths: Sequence[float] | None = None, trials: int = 4, device: str = "cpu",
+                      console=None) -> dict[str, dict]:
+    """`oal run --passkey`: passkey retrieval of every arm of a finished run, into its metrics.json and report.md:
+    the adapted arms where the run adapted every one of them (what the run's perplexity is quoted for), else each
+    arm before adaptation and, where it has an adapter, after."""
+    from oal.artefact.arms import adapter_dir
+
+    out_dir = Path(out_dir)
+    adapted = all((adapter_dir(out_dir, m) / "oal_adapter.json").is_file() for m in methods)
+    return evaluate_passkey_run(out_dir, methods, lengths=lengths, depths=depths, trials=trials,
+                                adapter=True if adapted else None, device=device, console=console)
 
 
 def passkey_rich_table(res: dict) -> Table:

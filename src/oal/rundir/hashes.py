@@ -62,14 +62,18 @@ def sha256_tree(root: str | Path, rel: str | Path) -> dict[str, str]:
     return {}
 
 
+# the distributions behind the names recorded: oal is installed as `oal-attention` (`oal` on PyPI is another project)
+_DISTRIBUTIONS = {"oal": "oal-attention"}
+
+
 def versions() -> dict[str, str]:
     """Versions of the interpreter and of the libraries whose numerics the results depend on."""
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
     for mod in ("torch", "transformers", "peft", "safetensors", "datasets", "numpy", "oal"):
         try:
-            from importlib.metadata import version
-
-            out[mod] = version(mod)
-        except Exception:  # not installed: record the absence rather than fail a run
+            out[mod] = version(_DISTRIBUTIONS.get(mod, mod))
+        except (PackageNotFoundError, ValueError):  # not installed: record the absence rather than fail a run
             out[mod] = "absent"
     return out
