@@ -17,7 +17,7 @@ from oal.ops.kernel import perturbed_factor, taylor_factor
 
 @app.command()
 def demo(
-    length: int = typer.Option(1024, min=1, max=Max.TOKENS, help="Sequence length N."),
+    length: int = typer.Option(1024, min=1, max=2**31 - 1, help="Sequence length N (memory checked below)."),
     heads: int = typer.Option(4, min=1, max=Max.HEADS, help="Query heads Hq."),
     kv_heads: int = typer.Option(2, min=1, max=Max.HEADS, help="Key/value heads Hkv."),
     head_dim: int = typer.Option(64, min=1, max=Max.DIM, help="Head dimension d (= dv)."),

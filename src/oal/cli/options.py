@@ -58,7 +58,7 @@ BatchSizeOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Adaptatio
                                            "grad accum blocks).")]
 GradAccumOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Micro-batches accumulated per adaptation "
                                            "update (default: 1).")]
-LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
+LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
                                                "several processes reproduce one process exactly).")]
 # zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
 TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]

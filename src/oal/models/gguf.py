@@ -94,7 +94,7 @@ def cache_problem(folder: Path, sha: str) -> str | None:
     if not isinstance(gguf, dict) or gguf.get("sha256") != sha:
         return f"{RECORD} records another GGUF file"
     changed = changed_file(folder, record.get("files"), file_sha256, skip=(RECORD,))
-    return None if changed is None else f"{changed} since the folder was written"
+    return None if changed is None else f"its files differ from the record written with them ({changed})"
 
 
 def cached_facts(folder: Path) -> dict | None:

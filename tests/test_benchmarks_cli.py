@@ -1,0 +1,118 @@
+"""Every benchmark is a tool with the command line's manners (issue 48): --help says what it writes, a bad argument
+is one line `Error: ...` and exit code 2 before any work, --out / --json are checked first and respected, progress
+goes to stderr and results to stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def tool(name: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.NAME ARGS` from the repository root (a generous timeout: this is no timing)."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+
+
+def assert_refused(res: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 2, one line `Error: ...` naming what was wrong, no traceback, nothing on stdout."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_help_names_the_outputs_and_a_bad_argument_is_one_line(name):
+    res = tool(name, "--help")
+    assert res.returncode == 0 and "Outputs: " in res.stdout, res.stderr
+    outputs = res.stdout.split("Outputs: ", 1)[1]
+    assert "stdout" in outputs or ".json" in outputs, outputs  # says where results go
+    assert_refused(tool(name, "--no-such-option", "1"))
+
+
+@pytest.mark.parametrize("name, args, needles", [
+    ("operator", ["--lengths", "abc"], ["--lengths", "'abc'"]),  # was refused only after tuning
+    ("operator", ["--repeats", "0"], ["--repeats"]),  # was a traceback
+    ("operator", ["--out", "{tmp}"], ["--out", "is a folder"]),  # ran to the end, then a traceback
+    ("operator", ["--out", "{tmp}/file.txt/x.json"], ["--out", "not a folder"]),
+    ("operator", ["--compare", "{tmp}/a.json", "{tmp}/b.json"], ["--compare", "no such file"]),  # a traceback
+    ("operator", ["--settings", "0x2"], ["--settings"]),
+    ("operator", ["--clock", "cpu"], ["--clock cpu", "--threads 1"]),
+    ("settings_ab", ["--settings", "64x2", "--out", "{tmp}"], ["--out", "is a folder"]),
+    ("frontier", ["--lengths", "0"], ["--lengths"]),  # were checked only after minutes of work
+    ("frontier", ["--depths", "5"], ["--depths"]),
+    ("frontier", ["--window", "-3"], ["--window"]),
+    ("frontier", ["--json", "{tmp}"], ["--json", "is a folder"]),
+    ("frontier", ["--work", "{tmp}/file.txt"], ["--work", "not a folder"]),
+    ("frontier", ["--select-by", "speed"], ["--select-by"]),
+    ("recall", ["--json", "{tmp}"], ["--json", "is a folder"]),
+    ("recall", ["--threads", "100000"], ["--threads"]),
+    ("model", ["--models", "gpt5"], ["--models"]),
+    ("memory", ["--seq-len", "1"], ["--seq-len"]),
+    ("cost_model", ["--gpus", "H300"], ["--gpus"]),
+    ("encoder", ["{tmp}"], ["not a run directory"]),
+    ("calibration", ["--heads", "14", "--kv-heads", "3"], ["--kv-heads"]),
+    ("capture", ["--depths", "2,40"], ["--depths"]),
+    ("grouping", ["--bootstrap", "0"], ["--bootstrap"]),
+    ("methods", ["--lens", "0"], ["--lens"]),
+    ("window", ["--max-len", "0"], ["--max-len"]),
+])
+def test_the_trial_s_bad_arguments_are_refused_before_any_work(tmp_path, name, args, needles):
+    (tmp_path / "file.txt").write_text("x")
+    assert_refused(tool(name, *(a.format(tmp=tmp_path) for a in args)), *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing written
+
+
+def test_a_missing_model_is_one_line_and_leaves_no_work_folder(tmp_path):
+    """`frontier --model missing` gave a traceback and left an empty work folder behind."""
+    res = tool("frontier", "--model", tmp_path / "missing", "--work", tmp_path / "work", "--json",
+               tmp_path / "out.json", "--steps", "1")
+    assert_refused(res, "missing")
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out.json").exists()
+
+
+def test_compare_refuses_a_file_of_another_kind(tmp_path):
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "b.json").write_text("not json")
+    assert_refused(tool("operator", "--compare", tmp_path / "a.json", tmp_path / "a.json"), "a.json",
+                   "not a run of benchmarks.operator")
+    assert_refused(tool("operator", "--compare", tmp_path / "b.json", tmp_path / "a.json"), "b.json", "not JSON")
+
+
+def test_operator_sweep_writes_where_out_says(tmp_path, monkeypatch):
+    """`operator --sweep --out X` ignored X and wrote inside the package."""
+    from benchmarks import operator
+
+    row = {"dtype": "float32", "time_s": 0.5, "gemm_gflops": 10.0, "peak_mib": 1.0, "load_before": 0.1}
+    monkeypatch.setattr(operator, "_child", lambda args: dict(row))
+    args = operator.parse_args(["--sweep", "256", "--dtypes", "float32", "--out", str(tmp_path / "sweep.json")])
+    operator._sweep(args.sweep, args.repeats, "cpu", args.dtypes, args.out)
+    written = json.loads((tmp_path / "sweep.json").read_text())
+    assert written["n"] == 256 and len(written["rows"]) == 12
+    assert operator.parse_args(["--sweep", "256"]).out.name == "operator_sweep.json"
+    assert operator.parse_args(["--contention"]).out.name == "operator_contention.json"
+
+
+def test_recall_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
+    """benchmarks.recall printed its progress on stdout, where its tables go."""
+    from benchmarks import recall
+
+    def run(cfg, log):
+        log("training the softmax model on MQAR")
+        return {"void": True, "seconds": 1.0, "cpu_seconds": 1.0}
+
+    monkeypatch.setattr(recall, "run", run)
+    monkeypatch.setattr(recall, "setup", lambda kind, seed: None)
+    assert recall.main(["--json", str(tmp_path / "r.json")]) == 1  # void: exit code 1, as documented
+    out, err = capsys.readouterr()
+    assert "training the softmax model" in err and "training" not in out
+    assert json.loads((tmp_path / "r.json").read_text())["void"]
