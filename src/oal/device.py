@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "checkpoint_layers", "enable_layer_checkpointing", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "checkpoint_layers", "enable_layer_checkpointing", "module_device", "resolve_device",
+           "resolve_dtype", "to_device"]
 
 # --dtype choices for the base model (float64 is accepted by the library for exactness tests)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,6 +55,31 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
             raise ValueError(f"device: {spec!r} requested but MPS is not available in this torch build/machine")
         return dev
     raise ValueError(f"device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {spec!r}")
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where `module`'s tensors live: its first parameter's device (else its first buffer's, else the CPU). The
+    device a stage moves its inputs to (see the module doc)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(obj, device: torch.device | str):
+    """`obj` on `device`: a tensor (moved), a module (moved in place and returned), None, or a dict / list / tuple of
+    those (rebuilt). The one move a stage makes at its boundary (see the module doc)."""
+    if obj is None:
+        return None
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    raise TypeError(f"to_device: expected tensors, modules, or dicts / lists / tuples of them, got "
+                    f"{type(obj).__name__}")
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

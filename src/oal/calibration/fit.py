@@ -127,7 +127,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
         s = int(torch.randint(n_seq, (1,), generator=gen))
         key_mask = None if train.mask is None else train.mask[s : s + 1]
         if key_mask is None:
-            pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values
+            pos = torch.randperm(n_tok, generator=gen)[:n_q].sort().values.to(train.q.device)
         else:  # real tokens only
             real = key_mask[0].nonzero().flatten()
             pos = real[torch.randperm(real.numel(), generator=gen)[:n_q].to(real.device)].sort().values
@@ -205,7 +205,9 @@ def _prepare(method, inits, train, val, cfg):
     inits = dict(inits) if inits else {"default": {}}
     copies = {}
     for name, values in inits.items():
-        m = copy.deepcopy(method).to(dtype)
+        # the stage's boundary: the copies that train live where the captured data lives (parameters and buffers:
+        # random features and projections too); `_select` brings the chosen values back to `method`'s device
+        m = copy.deepcopy(method).to(device=train.q.device, dtype=dtype)
         named = dict(m.named_parameters())
         with torch.no_grad():
             for pname, value in values.items():
@@ -232,9 +234,10 @@ def _select(method, layer, copies, results, per_head, t0) -> LayerCalibration:
             continue
         stacked = torch.stack([results[n][0][pname] for n in names])  # [I, ...]
         if per_head:
-            params[pname] = stacked[choice, torch.arange(stacked.shape[1])].to(p.dtype)
+            params[pname] = stacked[choice.to(stacked.device), torch.arange(stacked.shape[1], device=stacked.device)]
         else:
-            params[pname] = stacked[int(choice[0])].to(p.dtype)
+            params[pname] = stacked[int(choice[0])]
+        params[pname] = params[pname].to(device=p.device, dtype=p.dtype)
     heads = []
     for u in range(vals.shape[1]):
         i = names[int(choice[u])]
@@ -355,7 +358,7 @@ def calibrate_methods(names: Sequence[str], train: LayerData, val: LayerData, *,
     (whose kernel, like the hybrid's, is weighed against the window's e^s, so the scale it learned carries over).
     `options`: the run's method settings ({"window": W, "sinks": S}); each method takes those it has
     (`AttentionMethod.settings`). A method without trainable parameters is returned as built, with None for its
-    calibration.
+    calibration. The methods are returned on the data's device.
     """
     from oal.methods import build_method, get_method
     from oal.methods.base import method_settings
@@ -381,7 +384,8 @@ def calibrate_methods(names: Sequence[str], train: LayerData, val: LayerData, *,
         kwargs = method_settings(name, options)
         if get_method(name).uses_groups:
             kwargs.update(groups=groups, n_groups=int(groups.max()) + 1)
-        method = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed, **kwargs)
+        # built where the layer's data lives, as a stage's methods are (random features and projections included)
+        method = build_method(name, hq, hkv, d, layer_idx=layer, seed=seed, **kwargs).to(train.q.device)
         res = results.get(name)
         if res is None and method.trainable:
             res = calibrate_layer(method, train, val, cfg, layer=layer)

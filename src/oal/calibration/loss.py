@@ -31,7 +31,7 @@ def _is_window_oal(method) -> bool:
 def _group_scores(groups, n_groups: int, q, k):
     """s_bar [B, H, G+1, n, M] = [1, s_1, ..., s_G], s_g = scale * sum_{r in g} q_r k_r (the vector in Eq. 7)."""
     bsz, heads, n, d = q.shape
-    onehot = torch.nn.functional.one_hot(groups.long().to(q.device), n_groups).to(q.dtype).transpose(1, 2)  # [H, G, d]
+    onehot = torch.nn.functional.one_hot(groups.long(), n_groups).to(q.dtype).transpose(1, 2)  # [H, G, d]
     kr = repeat_kv(k, heads // k.shape[1])  # [B, H, M, d]
     qg = (q.unsqueeze(2) * onehot[None, :, :, None, :] / math.sqrt(d)).reshape(bsz, heads, n_groups * n, d)
     s = (qg @ kr.transpose(-1, -2)).view(bsz, heads, n_groups, n, -1)  # one GEMM per head, no broadcast copy
@@ -47,7 +47,7 @@ def _oal_dense_kernel(method, q, k, n_copies: int = 1):
     """
     bsz, heads, n = q.shape[:3]
     g1 = method.factor.shape[-1]
-    lower = torch.tril(method.factor).to(device=q.device, dtype=q.dtype).view(n_copies, heads, g1, g1)
+    lower = torch.tril(method.factor).to(q.dtype).view(n_copies, heads, g1, g1)
     s_bar = _group_scores(method.groups[:heads], g1 - 1, q, k)  # [B, H, G+1, n, M]
     m = s_bar.shape[-1]
     # all copies' L^T stacked per head, so one matmul per head and no broadcast copy of s_bar
@@ -78,7 +78,6 @@ def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tens
     `n_copies` = I > 1 the method holds I stacked copies of the H heads (one per initialisation).
     `causal=False` (encoders): every key is visible; `key_mask` [B, N] (True = real token) drops padded keys.
     """
-    positions = positions.to(q.device)  # drawn with a CPU generator; the captures may sit on a GPU
     m = int(positions.max()) + 1 if causal else k.shape[2]
     qs, ks = q[:, :, positions], k[:, :, :m]
     if method.positional and not causal:

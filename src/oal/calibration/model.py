@@ -9,15 +9,18 @@ import torch
 
 from oal.calibration.data import CalibConfig, LayerCalibration, LayerData
 from oal.calibration.fit import calibrate_oal_layer
+from oal.device import module_device
 from oal.launch import log_console
 
 __all__ = ["calibrate_model", "capture_layer_data"]
 
 
 def capture_layer_data(model, input_ids: torch.Tensor, layer: int, batch_size: int = 4) -> LayerData:
-    """Frozen q/k/v/softmax-out of `layer` for the blocks `input_ids` [S, N] (via `oal.models.capture`)."""
+    """Frozen q/k/v/softmax-out of `layer` for the blocks `input_ids` [S, N] (via `oal.models.capture`), on the
+    model's device (the blocks go there first)."""
     from oal.models.capture import capture
 
+    input_ids = input_ids.to(module_device(model))
     got = []
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
@@ -41,7 +44,7 @@ def calibrate_model(model, train_ids: torch.Tensor, val_ids: torch.Tensor, group
 
     cfg = cfg or CalibConfig()
     out = {}
-    device = next(model.parameters()).device
+    device = module_device(model)
     with (Progress(disable=not progress, console=log_console()) as bar,
           tempfile.TemporaryDirectory(prefix="oal-capture-") as tmp):
         # one forward per block for all layers (not one per layer), each layer's data streamed to its own files

@@ -58,7 +58,7 @@ def budget_curve(train, val, heldout, chi: torch.Tensor, head: int, budgets: Seq
             method = res.apply(method)
         with torch.no_grad():
             dt = ho.q.dtype
-            y = method.to(dt)(ho.q, ho.k, ho.v, causal=True)
+            y = method.to(device=ho.q.device, dtype=dt)(ho.q, ho.k, ho.v, causal=True)  # where the data is
             mse = float((y.double() - ho.out.double()).pow(2).mean())  # pooled over tokens and dims
         point = {"G": g, "coefficients": coefficients_per_head(g), "heldout_mse": mse,
                  "val_mse": res.heads[0].val_mse, "init": res.heads[0].init, "groups": groups[0].tolist()}

@@ -174,19 +174,23 @@ def matched_controls(groups: torch.Tensor, n_controls: int, gen: torch.Generator
 
 
 def _sequence_errors(make: Callable[[int], AttentionMethod], seeds, seq: SequenceQKV, pos, masks, batch, dtype):
-    """MSE vs exact softmax for each mask [C], averaged over seeds (Eq. 12-13 before the ratio)."""
+    """MSE vs exact softmax for each mask [C], averaged over seeds (Eq. 12-13 before the ratio); on the CPU.
+
+    The positions and masks (drawn with CPU generators, the same draws on every device) and the methods go where the
+    sequence lives; the errors come back once, at the end."""
     q, k, v = (t.to(dtype) for t in (seq.q, seq.k, seq.v))
+    pos, masks = pos.to(q.device), masks.to(q.device)
     m = int(pos.max()) + 1
     rep = q.shape[1] // k.shape[1]
     ref = _softmax_output(q[:, :, pos], repeat_kv(k[:, :, :m], rep), repeat_kv(v[:, :, :m], rep), pos)
-    total = torch.zeros(masks.shape[0], dtype=torch.float64)
+    total = torch.zeros(masks.shape[0], dtype=torch.float64, device=q.device)
     with torch.no_grad():
         for s in seeds:
-            method = copy.deepcopy(make(s)).to(dtype)  # never cast the caller's module in place
+            method = copy.deepcopy(make(s)).to(device=q.device, dtype=dtype)  # never cast the caller's module
             for c0 in range(0, masks.shape[0], batch):
                 y = hybrid_output(method, q, k, v, pos, masks[c0 : c0 + batch])
-                total[c0 : c0 + batch] += (y - ref).pow(2).mean(dim=(1, 2, 3)).double().cpu()
-    return total / len(seeds)
+                total[c0 : c0 + batch] += (y - ref).pow(2).mean(dim=(1, 2, 3)).double()
+    return total.cpu() / len(seeds)
 
 
 def retained_error(
@@ -287,8 +291,9 @@ def gaussian_control(method, data: Mapping[int, Sequence[SequenceQKV]], cfg: Ret
     for layer, seqs in data.items():
         hq, d = seqs[0].q.shape[1], seqs[0].q.shape[-1]
         g_groups[layer] = gaussian_groups(hq, d, cfg, gen)
-        g_data[layer] = [SequenceQKV(torch.randn(s.q.shape, generator=gen, dtype=torch.float64),
-                                     torch.randn(s.k.shape, generator=gen, dtype=torch.float64), s.v)
+        # drawn on the CPU (the same draws on every device), then placed beside the values they meet
+        g_data[layer] = [SequenceQKV(torch.randn(s.q.shape, generator=gen, dtype=torch.float64).to(s.v.device),
+                                     torch.randn(s.k.shape, generator=gen, dtype=torch.float64).to(s.v.device), s.v)
                          for s in seqs]
     no_ctrl = copy.copy(cfg)
     no_ctrl.n_controls = 0

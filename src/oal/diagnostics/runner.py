@@ -27,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from oal.device import module_device, to_device
 from oal.diagnostics.budget import budget_curve, plot_budget
 from oal.diagnostics.fidelity_table import (
     TABLE2_METHODS,
@@ -133,6 +134,7 @@ def diagnose(
     t1cfg.grouping = dict(grouping)  # the Gaussian control groups with the same App. B procedure and settings
     ccfg = calib_cfg or CalibConfig(seed=seed)
     results: dict = {}
+    blocks = to_device(dict(blocks), module_device(model))  # the stage's boundary: every part runs where the model is
     fid_blocks = blocks["fidelity"]
     if "offset" in parts:
         from oal.diagnostics.offset_part import run_offset

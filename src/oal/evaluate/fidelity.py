@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from oal.device import module_device, to_device
 from oal.launch import log_console
 
 __all__ = ["fidelity", "sequence_errors", "summarize"]
@@ -64,6 +65,9 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
     every method set covers. Returns {name: {"mse", "relmse", "mse_post_o", "relmse_post_o", "per_layer": {...}}}
     as in metrics.json["fidelity"]; "per_layer" holds the same four numbers for each layer on its own.
     `attention_mask` [B, N] (encoders' padded passages) leaves padded positions out.
+
+    Devices: the blocks, the mask and the methods (moved in place) go to the model's device here, once; the sums
+    stay there until the four numbers come back at the end.
     """
     from oal.models.capture import capture, output_projection
     from oal.models.encoder import noncausal_attention
@@ -78,6 +82,8 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
     layers = sorted(common) if layers is None else sorted(layers)
     if not layers or not set(layers) <= common:
         raise ValueError(f"layers: every method set must cover the evaluated layers {layers}; common: {sorted(common)}")
+    device = module_device(model)
+    blocks, attention_mask, methods = to_device((blocks, attention_mask, methods), device)
     keys = ("pre", "post")
     # acc[name][layer][key] = list of (err [b], energy [b], n [b])
     acc = {name: {i: {k: [] for k in keys} for i in layers} for name in methods}
@@ -95,7 +101,8 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
             y = m(q, k, v, causal=True) if c.causal else noncausal_attention(m, q, k, v, valid)
             for key, (ex, ap) in {"pre": (c.out, y), "post": (exact_post, _post_o(o_proj, y))}.items():
                 err, energy, n = sequence_errors(ex, ap, weights[key])
-                acc[name][c.layer][key].append((err, energy, torch.as_tensor(n, dtype=torch.float64).expand_as(err)))
+                n = torch.as_tensor(n, dtype=torch.float64, device=err.device).expand_as(err)
+                acc[name][c.layer][key].append((err, energy, n))
 
     from rich.progress import Progress
 
