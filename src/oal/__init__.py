@@ -1,7 +1,9 @@
 """oal: Outlier-Aware Attention Linearization for pretrained HF causal LMs.
 
-The public face: `oal.convert` (`models.convert`), `oal.load` (`artefact.load`), `oal.save_kernels`
-(`calibration.kernels`) and `oal.ops.oal_attention`; the packages below follow the pipeline (README "Layout").
+The public face: `oal.linearize` (`pipeline.linearize`: analysis, grouping, calibration and the swap in one call),
+`oal.add_lora` (its adaptation, in any training loop), `oal.convert` (`models.convert`), `oal.load`
+(`artefact.load`), `oal.save_kernels` (`calibration.kernels`) and `oal.ops.oal_attention`; the packages below
+follow the pipeline (docs/design/architecture.md).
 
 Top-level helpers are imported lazily so that `import oal` stays light (no transformers import). Importing oal
 registers the converted-model types ("oal_qwen2", ...) with transformers' Auto classes as soon as transformers
@@ -10,26 +12,26 @@ loads them (`models.auto`), so `AutoModelForCausalLM.from_pretrained(DIR)` rebui
 
 from __future__ import annotations
 
+import importlib
+
 from oal.models import auto as _auto
 
 __version__ = "0.1.0"
-__all__ = ["convert", "load", "save_kernels"]
+__all__ = ["add_lora", "convert", "linearize", "load", "save_kernels"]
+
+# name -> the module that defines it, imported on first use
+_LAZY = {"add_lora": "oal.pipeline.linearize", "convert": "oal.models.convert", "linearize": "oal.pipeline.linearize",
+         "load": "oal.artefact.load", "save_kernels": "oal.calibration.kernels"}
 
 
 def __getattr__(name: str):
-    if name == "convert":
-        from oal.models.convert import convert
-
-        return convert
-    if name == "load":
-        from oal.artefact.load import load
-
-        return load
-    if name == "save_kernels":
-        from oal.calibration.kernels import save_kernels
-
-        return save_kernels
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'oal' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 _auto.install()

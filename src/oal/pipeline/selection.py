@@ -23,8 +23,8 @@ from oal.evaluate.perplexity import block_nll
 from oal.launch import log_console
 from oal.models.convert import convert
 
-__all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "parse_auto",
-           "rank_layers", "select_layers", "selection_rows", "selection_section", "swap_probe"]
+__all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "layer_scores",
+           "parse_auto", "rank_layers", "select_layers", "selection_rows", "selection_section", "swap_probe"]
 
 CRITERIA = ("fidelity", "probe")
 # The probe by default, as measured on the embedded default before its passkey stages (`oal run --layers auto:2`):
@@ -97,6 +97,23 @@ def conversion_curve(make_model: Callable[[], nn.Module], order: Sequence[int], 
     return out
 
 
+def layer_scores(model: nn.Module, methods: Mapping[int, nn.Module], by: str, *, fidelity_blocks=None,
+                 val_blocks=None, batch_size: int = 1, progress: bool = False) -> dict[int, float]:
+    """{layer: score} of one criterion for every calibrated candidate in `methods` (lower is better): `fidelity`
+    reads `fidelity_blocks` (held out from calibration training), `probe` the perplexity `val_blocks`."""
+    import copy
+
+    from oal.evaluate.fidelity import fidelity
+
+    if by not in CRITERIA:
+        raise ValueError(f"by: expected one of {', '.join(CRITERIA)}, got {by!r}")
+    if by == "fidelity":
+        fid = fidelity(model, fidelity_blocks, {"m": methods}, sorted(methods), batch_size=batch_size,
+                       progress=progress)["m"]["per_layer"]
+        return {i: fid[str(i)]["relmse_post_o"] for i in sorted(methods)}
+    return swap_probe(lambda: copy.deepcopy(model), methods, val_blocks, batch_size=batch_size, progress=progress)
+
+
 def select_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, k: int, by: str, fidelity_blocks,
                   val_blocks, paper_layers: Sequence[int], batch_size: int = 1, progress: bool = False) -> dict:
     """Score every calibrated candidate layer by both criteria, keep the `k` best by `by`, and draw the perplexity
@@ -108,8 +125,6 @@ def select_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, k: int,
     """
     import copy
 
-    from oal.evaluate.fidelity import fidelity
-
     if by not in CRITERIA:
         raise ValueError(f"by: expected one of {', '.join(CRITERIA)}, got {by!r}")
     candidates = sorted(methods)
@@ -119,10 +134,8 @@ def select_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, k: int,
     def fresh():
         return copy.deepcopy(model)
 
-    fid = fidelity(model, fidelity_blocks, {"m": methods}, candidates, batch_size=batch_size,
-                   progress=progress)["m"]["per_layer"]
-    scores = {"fidelity": {i: fid[str(i)]["relmse_post_o"] for i in candidates},
-              "probe": swap_probe(fresh, methods, val_blocks, batch_size=batch_size, progress=progress)}
+    scores = {c: layer_scores(model, methods, c, fidelity_blocks=fidelity_blocks, val_blocks=val_blocks,
+                              batch_size=batch_size, progress=progress) for c in CRITERIA}
     order = {c: rank_layers(s) for c, s in scores.items()}
     paper = [i for i in paper_layers if i in methods]
     curves = {"criterion": conversion_curve(fresh, order[by], methods, val_blocks, batch_size=batch_size,
