@@ -5,6 +5,8 @@ goes to stderr and results to stdout."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +18,18 @@ BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.
 
 
 def tool(name: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m benchmarks.NAME ARGS` from the repository root (a generous timeout: this is no timing)."""
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=timeout)
+    """`python -m benchmarks.NAME ARGS` from the repository root (a generous timeout: this is no timing; past it the
+    tool and any child it started are stopped, and the test fails)."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd[2:])} still ran after {timeout} s: it did not refuse its arguments first")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def assert_refused(res: subprocess.CompletedProcess, *needles: str) -> None:

@@ -109,9 +109,10 @@ def cached_facts(folder: Path) -> dict | None:
 
     spec = next((s for s in LOCAL_MODELS.values() if s["sha256"] == gguf.get("sha256")), None)
     if spec is not None:
-        return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": spec["license"],
-                "base_model": spec["base_model"]}
-    return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": record.get("license"),
+        return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": spec.get("license"),
+                "base_model": spec.get("base_model")}
+    lic = record.get("license")
+    return {"file": gguf.get("file"), "sha256": gguf["sha256"], "license": lic if isinstance(lic, str) else None,
             "base_model": None}
 
 
