@@ -13,6 +13,7 @@ import math
 import torch
 from rich.progress import Progress
 
+from oal.device import module_device
 from oal.evaluate.loss import causal_lm_nll
 from oal.launch import log_console
 
@@ -31,26 +32,28 @@ def _check_blocks(blocks) -> torch.Tensor:
 @torch.no_grad()
 def block_nll(model, blocks: torch.Tensor, *, batch_size: int = 1, progress: bool = False,
               description: str = "perplexity") -> tuple[float, int]:
-    """Summed next-token NLL (nats, accumulated in fp64) and the number of scored tokens over `blocks`."""
+    """Summed next-token NLL (nats, accumulated in fp64) and the number of scored tokens over `blocks`.
+
+    The blocks go to the model's device once; the sum stays there and comes back as one number at the end."""
     blocks = _check_blocks(blocks)
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-    device = next(model.parameters()).device
+    blocks = blocks.to(module_device(model))
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = blocks.new_zeros((), dtype=torch.float64), 0
     try:
         with Progress(transient=True, disable=not progress, console=log_console()) as bar:
             task = bar.add_task(description, total=blocks.shape[0])
             for start in range(0, blocks.shape[0], batch_size):
-                ids = blocks[start : start + batch_size].to(device)
+                ids = blocks[start : start + batch_size]
                 nll, n = causal_lm_nll(model, ids)
-                total += float(nll.double())
+                total += nll.double()
                 count += n
                 bar.advance(task, ids.shape[0])
     finally:
         model.train(was_training)
-    return total, count
+    return float(total), count
 
 
 def perplexity(model, blocks: torch.Tensor, *, batch_size: int = 1, progress: bool = False) -> float:

@@ -32,6 +32,7 @@ import torch
 from rich.progress import Progress
 
 from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
+from oal.device import module_device
 from oal.launch import log_console
 
 __all__ = ["TASKS", "Example", "accuracies", "evaluate_task", "evaluate_tasks", "load_task", "load_tasks",
@@ -143,11 +144,11 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: i
     """log p(continuation | context) for each (context ids, continuation ids) pair; batches are right-padded."""
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-    device = next(model.parameters()).device
+    device = module_device(model)
     keep = _accepts_logits_to_keep(model)
     windows = [_window(ctx, cont, max_length) for ctx, cont in pairs]
     order = sorted(range(len(pairs)), key=lambda i: -len(windows[i][0]))  # similar lengths together: little padding
-    out = [0.0] * len(pairs)
+    out: list = [None] * len(pairs)  # per pair a 0-dim tensor on the model's device; numbers once, at the end
     was_training = model.training
     model.eval()
     try:
@@ -172,11 +173,11 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: i
                     rows = logits[r, start : start + len(cont)]
                     logp = torch.log_softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)
                     target = torch.tensor(cont, device=logp.device)[:, None]
-                    out[i] = float(logp.gather(1, target).double().sum())
+                    out[i] = logp.gather(1, target).double().sum()
                 bar.advance(task, len(idx))
     finally:
         model.train(was_training)
-    return out
+    return torch.stack(out).tolist() if out else []
 
 
 def score_examples(model, tokenizer, examples: list[Example], *, batch_size: int = 8, progress: bool = False,
