@@ -80,14 +80,15 @@ def _verified(log: StageLog, stage: str, where: Path) -> None:
 
 def read_arms(path: Path, only: list[str] | None = None) -> list[Arm]:
     """The adapted arms of run directory `path` (each seed of a multi-seed run), or only the methods in `only`
-    (each of which must be there). Arms whose adaptation has not finished are left out unless named in `only`."""
+    (each of which must be there). Arms not yet adapted and measured are left out unless named in `only`."""
     arms: list[Arm] = []
     for d in run_dirs(path):
         log = StageLog(d)
         _verified(log, "setup", d)
         config = _load(d / "config.json")
         cfg = config["config"]
-        methods = only or [m for m in cfg["methods"] if f"adapt:{m}" in log.stages]
+        methods = only or [m for m in cfg["methods"]
+                           if f"adapt:{m}" in log.stages and f"perplexity:{m}" in log.stages]
         missing = [m for m in methods if m not in cfg["methods"]]
         if missing:
             raise RecordError(f"{d}: no arm {missing[0]!r} (its methods: {', '.join(cfg['methods'])})")

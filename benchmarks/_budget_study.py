@@ -145,9 +145,12 @@ def plot(data: dict, path: Path) -> None:
         label = f"{m} (test {data['test_ppl'][m]:.2f})"
         line, = ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3, label=label)
         ax.axhline(data["test_ppl"][m], color=line.get_color(), ls=":", lw=0.8)
+        calibrated = data["arms"][m]["test_ppl_calibrated"]
+        if calibrated is not None:  # where the arm started (test blocks, not validation: a cross, not a point)
+            ax.plot([0], [calibrated], marker="x", color=line.get_color(), ls="none")
     ax.set_yscale("log")
     ax.set_xlabel("LoRA updates")
-    ax.set_ylabel("validation PPL (dotted: test PPL after adaptation)")
+    ax.set_ylabel("validation PPL\n(x: test PPL calibrated; dotted: test PPL adapted)")
     for m, pts in sorted(data["gap_ratio"].get("val", {}).items()):
         gx.plot([s for s, _ in pts], [g for _, g in pts], marker="o", ms=3,
                 label=f"{m}: ({m} - softmax) / (global - softmax)")

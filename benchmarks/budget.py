@@ -4,14 +4,14 @@ method) and whether OAL's lead over the learned global quadratic survives LoRA a
 Three subcommands, each over the pipeline's own drivers and records:
 
   run      an `oal run` (`oal.pipeline.runs.run`) with the preset's protocol but a split plan of other block
-           lengths: adaptation blocks of --adapt-len tokens, validation and test blocks of --eval-len, fidelity
-           blocks of --fidelity-len (the preset's grouping and calibration blocks are kept). Resumable: run the same
-           command again. With the preset's lengths and counts (--adapt-len 256 --adapt-blocks 256, the other
-           defaults) the plan is the preset's own: `oal run --preset smollm2-135m --steps N --val-every V`.
+           lengths: calibration blocks of --calib-len tokens, adaptation blocks of --adapt-len, validation and test
+           blocks of --eval-len, fidelity blocks of --fidelity-len (the preset's grouping prompts are kept).
+           Resumable: run the same command again. With the preset's lengths and counts (--adapt-blocks 256 and the
+           other defaults) the plan is the preset's own: `oal run --preset smollm2-135m --steps N --val-every V`.
   table2   `oal diagnose --parts table2` (every method calibrated on frozen attention, App. B protocol, then
-           held-out fidelity) with fidelity blocks of --fidelity-len tokens, written to a directory that is not a
-           run directory, so its numbers are recorded with the SHA256 of diagnostics/table2.json; the block count
-           and length are recorded beside them.
+           held-out fidelity) with calibration blocks of --calib-len and fidelity blocks of --fidelity-len tokens,
+           written to a directory that is not a run directory, so its numbers are recorded with the SHA256 of
+           diagnostics/table2.json; the fidelity blocks' count and length are recorded beside them.
   collect  reads run directories and Table 2 directories (verified records only: `benchmarks._budget_records`) and
            writes the study's JSON and a figure of the learning curves.
 
@@ -40,7 +40,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_METHODS = "oal,global,softmax"
 
 
-
 class UsageError(Exception):
     """Bad input: printed as one line `Error: ...`, exit status 2."""
 
@@ -53,45 +52,52 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------------- the split plan
 
 
-def budget_plan(*, adapt_len: int = 256, eval_len: int = 512, fidelity_len: int = 512, val_blocks: int = 8,
-                test_blocks: int = 16, fidelity_blocks: int = 8, adapt_blocks: int = 0, preset: str = "smollm2-135m"
-                ) -> dict:
+def budget_plan(*, adapt_len: int = 256, eval_len: int = 512, fidelity_len: int = 512, calib_len: int = 512,
+                val_blocks: int = 8, test_blocks: int = 16, fidelity_blocks: int = 8, adapt_blocks: int = 0,
+                preset: str = "smollm2-135m") -> dict:
     """The preset's split plan with other block lengths (a `SplitPlan.to_dict()`).
 
-    Grouping and calibration keep the preset's blocks. The fidelity blocks follow them on the train split, the
-    adaptation blocks follow those (`adapt_blocks` of them, 0: every block to the end of the split). Validation and
-    test take the first `val_blocks` / `test_blocks` blocks of their splits (`test_blocks` 0: every complete block).
-    With the preset's lengths and counts (adapt_blocks 256) this is the preset's plan."""
+    The grouping prompts are the preset's. On the train split after them, in this order: the preset's numbers of
+    calibration blocks (training, then validation) of `calib_len` tokens, `fidelity_blocks` of `fidelity_len`, and
+    the adaptation blocks of `adapt_len` (`adapt_blocks` of them; 0: every block to the end of the split).
+    Validation and test take the first `val_blocks` / `test_blocks` blocks of their splits (`test_blocks` 0: every
+    complete block). With the preset's lengths and counts (adapt_blocks 256) this is the preset's plan."""
     from dataclasses import replace
 
     from oal.data.splits import BlockSet, default_plan
 
     for name, value, low in (("--adapt-len", adapt_len, 2), ("--eval-len", eval_len, 2),
-                             ("--fidelity-len", fidelity_len, 2), ("--val-blocks", val_blocks, 1),
-                             ("--test-blocks", test_blocks, 0), ("--fidelity-blocks", fidelity_blocks, 1),
-                             ("--adapt-blocks", adapt_blocks, 0)):
+                             ("--fidelity-len", fidelity_len, 2), ("--calib-len", calib_len, 2),
+                             ("--val-blocks", val_blocks, 1), ("--test-blocks", test_blocks, 0),
+                             ("--fidelity-blocks", fidelity_blocks, 1), ("--adapt-blocks", adapt_blocks, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UsageError(f"{name}: expected an integer >= {low}, got {value!r}")
     base = default_plan(preset)
-    taken = max(end for role in ("grouping", "calib_train", "calib_val")
-                for _, end in getattr(base, role).token_ranges())
-    fid_first = -(-int(taken) // fidelity_len)
-    fid_end = (fid_first + fidelity_blocks) * fidelity_len
-    adapt_first = -(-fid_end // adapt_len)
-    adapt = (BlockSet("train", adapt_len, list(range(adapt_first, adapt_first + adapt_blocks))) if adapt_blocks
-             else BlockSet("train", adapt_len, [adapt_first], through_end=True))
+    end = int(max(hi for _, hi in base.grouping.token_ranges()))
+
+    def following(length: int, count: int) -> BlockSet:  # `count` blocks of `length` on train after token `end`
+        nonlocal end
+        first = -(-end // length)
+        end = (first + count) * length
+        return BlockSet("train", length, list(range(first, first + count)))
+
+    calib_train = following(calib_len, len(base.calib_train.indices))
+    calib_val = following(calib_len, len(base.calib_val.indices))
+    fidelity = following(fidelity_len, fidelity_blocks)
+    adapt = (following(adapt_len, adapt_blocks) if adapt_blocks
+             else BlockSet("train", adapt_len, [-(-end // adapt_len)], through_end=True))
     test = (BlockSet("test", eval_len, list(range(test_blocks))) if test_blocks
             else BlockSet("test", eval_len, [0], through_end=True))
-    plan = replace(base, fidelity=BlockSet("train", fidelity_len, list(range(fid_first, fid_first + fidelity_blocks))),
-                   adapt_train=adapt, val=BlockSet("validation", eval_len, list(range(val_blocks))), test=test,
-                   notes=f"{base.notes}; benchmarks.budget: adaptation blocks of {adapt_len} tokens, validation and "
-                   f"test {eval_len}, fidelity {fidelity_len}")
+    plan = replace(base, calib_train=calib_train, calib_val=calib_val, fidelity=fidelity, adapt_train=adapt,
+                   val=BlockSet("validation", eval_len, list(range(val_blocks))), test=test,
+                   notes=f"{base.notes}; benchmarks.budget: blocks of {calib_len} tokens for calibration, "
+                   f"{fidelity_len} for fidelity, {adapt_len} for adaptation, {eval_len} for validation and test")
     return plan.to_dict()
 
 
 def _plan_of(args) -> dict:
     return budget_plan(adapt_len=args.adapt_len, eval_len=args.eval_len, fidelity_len=args.fidelity_len,
-                       val_blocks=args.val_blocks, test_blocks=args.test_blocks,
+                       calib_len=args.calib_len, val_blocks=args.val_blocks, test_blocks=args.test_blocks,
                        fidelity_blocks=args.fidelity_blocks, adapt_blocks=args.adapt_blocks, preset=args.preset)
 
 
@@ -101,6 +107,7 @@ def _plan_of(args) -> dict:
 def cmd_run(args) -> None:
     """`oal run` with the budget plan (resumable), through the pipeline's driver."""
     from oal.cli.options import set_threads
+    from oal.device import resolve_device
     from oal.pipeline.config import RunConfig, parse_methods, parse_seeds
     from oal.pipeline.inputs import layer_selection
     from oal.pipeline.runs import run
@@ -110,7 +117,8 @@ def cmd_run(args) -> None:
         seeds = parse_seeds(args.seeds)
         adapt = {"steps": args.steps, "val_every": args.val_every, "batch_size": args.batch_size}
         cfg = RunConfig.from_preset(args.preset, model=args.model, methods=parse_methods(args.methods), plan=plan,
-                                    **layer_selection(args.layers, "fidelity"), seed=seeds[0], device=args.device,
+                                    **layer_selection(args.layers, "fidelity"), seed=seeds[0],
+                                    device=str(resolve_device(args.device)),  # recorded: where the arms trained
                                     dtype=args.dtype, adapt=adapt, zeroshot_tasks=[], window=args.window,
                                     sinks=args.sinks)
     except ValueError as exc:
@@ -214,6 +222,8 @@ def _plan_args(p) -> None:
     p.add_argument("--model", default=None, help="model (default: the preset's)")
     p.add_argument("--fidelity-len", type=int, default=512, help="tokens per fidelity block (default 512)")
     p.add_argument("--fidelity-blocks", type=int, default=8, help="fidelity blocks (default 8)")
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration block (default 512, the "
+                   "preset's; 8 training and 2 validation blocks)")
     p.add_argument("--layers", default=None, help="converted layers, e.g. 3-26 or 5,15,25 (default: the preset's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="base model dtype")

@@ -59,6 +59,12 @@ def test_long_blocks_follow_calibration_and_stay_disjoint():
     fid_end = (plan["fidelity"]["indices"][-1] + 1) * 2048
     assert plan["adapt_train"]["indices"] == [fid_end // 2048] and plan["adapt_train"]["through_end"]
     assert plan["test"]["through_end"] and plan["val"]["indices"] == list(range(8))
+    assert plan["calib_train"] == default_plan("smollm2-135m").to_dict()["calib_train"]  # the preset's calibration
+    long = budget.budget_plan(calib_len=2048, fidelity_len=2048)  # calibrated at the length it is measured at
+    SplitPlan.from_dict(long)
+    assert long["calib_train"]["block_len"] == long["calib_val"]["block_len"] == 2048
+    assert long["calib_train"]["indices"] == list(range(3, 11)) and long["calib_val"]["indices"] == [11, 12]
+    assert long["fidelity"]["indices"][0] == 13  # 40 grouping prompts of 128 tokens end at token 5120 = 2.5 x 2048
 
 
 def test_run_hands_the_pipeline_the_budget_plan(monkeypatch, tmp_path):
