@@ -12,7 +12,8 @@ Protocol (the pipeline's own drivers, shared across rows so that each layer is c
 4. Every row, and the softmax arm, is adapted with the same budget (LoRA + kernel, `oal.adaptation.train.adapt`),
    merged, then measured: test perplexity, passkey accuracy (`oal.evaluate.passkey`), prefill seconds and decode
    ms/token (median) after a prefill of real test text at each length, and how much the longest prefill and its
-   decode raise the process's resident memory (VmHWM, reset before it, less the resident memory before it).
+   decode raise the process's resident memory (VmHWM, reset before it, less the resident memory before it; with
+   `--device cuda`: the device's peak allocation, and synchronised times).
 Rows are kept under `--work` as they finish; a killed run resumes at the next row.
 
 Writes `--json` (default benchmarks/results/frontier_<model>.json; the schema of
@@ -79,6 +80,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--work", type=output_dir, help="work folder (default benchmarks/results/frontier_<model>/)")
     p.add_argument("--json", type=output_file, help="output (default benchmarks/results/frontier_<model>.json)")
     p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N; on CUDA the "
+                   "times are synchronised and the memory is the device's peak allocation")
     a = p.parse_args(argv)
     if a.quick:
         a.trials, a.lengths = 1, [n for n in a.lengths if n <= 4096] or a.lengths[:1]
@@ -124,6 +127,12 @@ def _peak_reset() -> bool:
         return False
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously: a time read without it measures the launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _status_mb(field: str) -> float | None:
     """A memory field of /proc/self/status ("VmHWM", "VmRSS") in MB; None off Linux."""
     try:
@@ -139,30 +148,43 @@ def _status_mb(field: str) -> float | None:
 def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) -> dict:
     """{"prefill_s": {L: s}, "decode_ms": {L: ms}, "peak_mb": MB}: one prefill of the first L tokens of `text` [1, M]
     into a fresh cache, then `decode_tokens` greedy tokens (median ms; the first is a warm-up). peak_mb: how far the
-    longest prefill and its decode raised the process's resident memory above what it held before (activations
-    and cache; the weights already resident are not counted)."""
+    longest prefill and its decode raised the memory above what it held before (activations and cache; the weights
+    already there are not counted): the process's resident memory on the CPU, the device's allocation on CUDA."""
     from transformers import DynamicCache
 
+    from oal.device import module_device
+
+    device = module_device(model)
+    text = text.to(device)
+    cuda = device.type == "cuda"
     out = {"prefill_s": {}, "decode_ms": {}, "peak_mb": None}
     for n in lengths:
         longest = n == max(lengths)
         gc.collect()
-        reset = longest and _peak_reset()
-        before = _status_mb("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            reset, before = longest, torch.cuda.memory_allocated(device) / 2**20
+        else:
+            reset, before = longest and _peak_reset(), _status_mb("VmRSS")
         cache = DynamicCache(config=model.config)
+        _sync(device)
         t0 = time.perf_counter()
         logits = model(text[:, :n], cache=cache, use_cache=True).logits
+        _sync(device)
         out["prefill_s"][str(n)] = time.perf_counter() - t0
         tok, times = logits[:, -1:].argmax(-1), []
         for i in range(decode_tokens + 1):
+            position = torch.tensor([[n + i]], device=device)
+            _sync(device)
             t0 = time.perf_counter()
-            logits = model(tok, cache=cache, use_cache=True,
-                           position_ids=torch.tensor([[n + i]])).logits
+            logits = model(tok, cache=cache, use_cache=True, position_ids=position).logits
+            _sync(device)
             times.append(time.perf_counter() - t0)
             tok = logits[:, -1:].argmax(-1)
         out["decode_ms"][str(n)] = 1e3 * statistics.median(times[1:])
         if reset and before is not None:
-            out["peak_mb"] = _status_mb("VmHWM") - before
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else _status_mb("VmHWM")
+            out["peak_mb"] = peak - before
         del cache, logits
     return out
 
@@ -179,11 +201,14 @@ class Frontier:
     def __init__(self, args, log):
         from oal.data.sources import load_corpus
         from oal.data.splits import PLAN_PRESETS, bind_pretraining, default_plan, plan_blocks
+        from oal.device import resolve_device
         from oal.models.registry import load_model, preset_for
 
         self.args, self.log = args, log
         self.work = Path(args.work)
-        self.model, self.tok, self.prov = load_model(args.model)  # a model that cannot be had leaves no work folder
+        self.device = resolve_device(args.device)
+        # a model that cannot be had leaves no work folder
+        self.model, self.tok, self.prov = load_model(args.model, device=self.device)
         self.work.mkdir(parents=True, exist_ok=True)
         self.preset = preset_for(self.model)
         n = self.model.config.num_hidden_layers
@@ -200,7 +225,9 @@ class Frontier:
             raise ValueError(f"--lengths: the plan's blocks hold {self.text.shape[1]} tokens, fewer than {need}")
         self.options = {"window": args.window, "sinks": args.sinks}
         self.base_key = {"model": self.prov["state_dict_sha256"], "blocks": {r: list(b.shape)
-                                                                            for r, b in self.blocks.items()}}
+                                                                            for r, b in self.blocks.items()},
+                         # rows timed on another kind of device are other rows (CPU rows keep their keys)
+                         **({"device": self.device.type} if self.device.type != "cpu" else {})}
 
     # ------------------------------------------------------------------------------------------- candidates
 
@@ -345,7 +372,8 @@ def run(args, log=print) -> dict:
            "steps": args.steps,
            "window": args.window, "sinks": args.sinks, "candidates": f.candidates,
            "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "device": str(f.device),
+                       **({"gpu": torch.cuda.get_device_name(f.device)} if f.device.type == "cuda" else {})},
            "provenance": {k: f.prov.get(k) for k in ("model", "source", "gguf", "base_model", "state_dict_sha256")}}
     cands = f.calibrated(args.methods)
     soft = f.row("softmax", [], None)
@@ -402,7 +430,8 @@ def figure(res: dict, path: Path) -> None:
         for r in pts:
             ax.annotate(f"K={r['n_linear']}", (r["decode_ms"][longest], r["ppl"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))
-    ax.set_xlabel(f"decode ms/token at {longest} tokens (CPU, {res['machine']['threads']} threads)")
+    where = res["machine"].get("gpu") or f"CPU, {res['machine']['threads']} threads"
+    ax.set_xlabel(f"decode ms/token at {longest} tokens ({where})")
     ax.set_ylabel("test perplexity (adapted)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)

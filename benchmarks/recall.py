@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=output_file, help="write the results here (default benchmarks/results/recall.json)")
     p.add_argument("--threads", type=int_in(0, MAX_THREADS), help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     return p.parse_args(argv)
 
 
@@ -72,9 +73,10 @@ IGNORE = -100
 
 
 def mqar(n_examples: int, seq_len: int, n_pairs: int, vocab: int, seed: int, *, power_a: float = 0.01,
-         noise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+         noise: bool = True, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """MQAR sequences (inputs [n, L], targets [n, L]); targets are IGNORE except at the query positions, where
-    they hold the queried key's value (the next token the model must write). A pure function of its arguments.
+    they hold the queried key's value (the next token the model must write). A pure function of its arguments
+    (drawn on the CPU, then placed on `device`: the same sequences on every device).
 
     Keys are distinct draws from [1, vocab // 2), values from [vocab // 2, vocab). The first 2N positions are
     k_1 v_1 ... k_N v_N; each key is then queried once, at position 2N + 2g with the gaps g distinct draws from
@@ -103,7 +105,7 @@ def mqar(n_examples: int, seq_len: int, n_pairs: int, vocab: int, seed: int, *, 
     at = 2 * n_pairs + 2 * gaps
     inputs.scatter_(1, at, keys)
     targets = torch.full_like(inputs, IGNORE).scatter_(1, at, values)
-    return inputs, targets
+    return inputs.to(device), targets.to(device)
 
 
 def recall_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
@@ -120,7 +122,7 @@ def recall_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def accuracy(model, length: int, pairs: int, cfg: SimpleNamespace, seed: int) -> float:
-    inputs, targets = mqar(cfg.eval_examples, length, pairs, cfg.vocab, seed)
+    inputs, targets = mqar(cfg.eval_examples, length, pairs, cfg.vocab, seed, device=cfg.device)
     model.eval()
     hits = total = 0
     for i in range(0, inputs.shape[0], cfg.batch):
@@ -138,7 +140,7 @@ def accuracy(model, length: int, pairs: int, cfg: SimpleNamespace, seed: int) ->
 # length; calibration on `calib_examples` sequences per trained number of pairs; adaptation: `adapt_steps` at
 # `adapt_lr`, the same for every method. swa, oal-swa and global-swa look back `window` tokens.
 BASE = dict(vocab=256, hidden=64, heads=2, kv_heads=2, window=16, batch=64, lr=3e-3, eval_examples=256,
-            calib_examples=16, calib_steps=200, adapt_lr=1e-3, seed=0)
+            calib_examples=16, calib_steps=200, adapt_lr=1e-3, seed=0, device="cpu")
 QUICK = dict(BASE, trained_length=64, train_pairs=(2, 4, 8, 16), lengths=(64, 128, 256, 512), pairs=(2, 4, 8, 16),
              eval_pairs=8, max_steps=1500, eval_every=100, adapt_steps=100)
 FULL = dict(BASE, trained_length=256, train_pairs=(4, 8, 16, 32, 64), lengths=(256, 512, 1024, 2048),
@@ -159,7 +161,7 @@ def build_model(cfg: SimpleNamespace):
                          num_hidden_layers=2, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                          max_position_embeddings=max(cfg.lengths) + 8, rope_theta=10000.0,
                          tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(cfg.device)
 
 
 # ------------------------------------------------------------------------------------------------- training
@@ -175,7 +177,7 @@ def train_softmax(cfg: SimpleNamespace, log) -> tuple[object, dict]:
     for step in range(1, cfg.max_steps + 1):
         model.train()
         pairs = cfg.train_pairs[step % len(cfg.train_pairs)]
-        x, y = mqar(cfg.batch, cfg.trained_length, pairs, cfg.vocab, seed=10_000_000 + step)
+        x, y = mqar(cfg.batch, cfg.trained_length, pairs, cfg.vocab, seed=10_000_000 + step, device=cfg.device)
         loss = recall_loss(model(input_ids=x).logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -199,7 +201,8 @@ def _capture(model, cfg: SimpleNamespace, seed: int):
     from oal.calibration.data import LayerData
     from oal.models.capture import capture
 
-    rows = [mqar(cfg.calib_examples, cfg.trained_length, p, cfg.vocab, seed=seed + p)[0] for p in cfg.train_pairs]
+    rows = [mqar(cfg.calib_examples, cfg.trained_length, p, cfg.vocab, seed=seed + p, device=cfg.device)[0]
+            for p in cfg.train_pairs]
     got: dict[int, list] = {0: [], 1: []}
     with torch.no_grad():
         capture(model, torch.cat(rows), [0, 1], lambda c: got[c.layer].append(c))
@@ -239,7 +242,7 @@ def adapt(model, cfg: SimpleNamespace) -> tuple[object, list[float]]:
     peft_model.train()
     for step in range(cfg.adapt_steps):
         pairs = cfg.train_pairs[step % len(cfg.train_pairs)]
-        x, y = mqar(cfg.batch, cfg.trained_length, pairs, cfg.vocab, seed=40_000_000 + step)
+        x, y = mqar(cfg.batch, cfg.trained_length, pairs, cfg.vocab, seed=40_000_000 + step, device=cfg.device)
         loss = recall_loss(peft_model(input_ids=x).logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -256,7 +259,7 @@ def state_bytes(model, length: int, cfg: SimpleNamespace) -> int:
 
     from oal.models.cache import state_nbytes
 
-    x = mqar(1, length, cfg.eval_pairs, cfg.vocab, seed=7)[0]
+    x = mqar(1, length, cfg.eval_pairs, cfg.vocab, seed=7, device=cfg.device)[0]
     cache = DynamicCache(config=model.config)
     model(input_ids=x, cache=cache, use_cache=True)
     return sum(state_nbytes(cache).values())
@@ -320,7 +323,7 @@ def run(cfg: SimpleNamespace, log=print) -> dict:
     base, training = train_softmax(cfg, log)
     res = {"trained_length": cfg.trained_length, "eval_pairs": cfg.eval_pairs, "setup": vars(cfg),
            "training": training, "void": not training["solved"],
-           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()}}
+           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": cfg.device}}
     if res["void"]:
         log(f"VOID: the softmax model did not solve MQAR at length {cfg.trained_length} in {cfg.max_steps} steps")
         return res
@@ -349,7 +352,9 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = setup("quick" if args.quick else "full", seed=args.seed)
+    from oal.device import resolve_device
+
+    cfg = setup("quick" if args.quick else "full", seed=args.seed, device=str(resolve_device(args.device)))
     progress, console = Console(stderr=True), Console()
     res = run(cfg, log=progress.print)
     out = args.json or RESULTS / "recall.json"
