@@ -114,10 +114,24 @@ def _within(root: Path, rel) -> bool:
     return target == base or base in target.parents
 
 
+def _wait_for_cuda() -> None:
+    """Wait for the work queued on CUDA (it runs asynchronously), so that a stage's time includes it; nothing when
+    CUDA was never used in this process."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class Timer:
+    """Wall time of a block (a stage): on CUDA, the device's queued work is waited for at both ends, so the time per
+    stage in metrics.json and report.md means on a GPU what it means on the CPU."""
+
     def __enter__(self):
+        _wait_for_cuda()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
+        _wait_for_cuda()
         self.seconds = time.perf_counter() - self.t0
