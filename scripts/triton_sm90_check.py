@@ -2,7 +2,9 @@
 
 For every (d, dv) with d and dv in --head-dims, every input dtype and every target, unless `oal.ops.triton.refusal`
 refuses that shape (then it says why): each kernel at G = 5, Hq/Hkv = 7 and 64-token chunks, with the tiles and
-launch options of `oal.ops.triton.function.tiles`. Reports compile time, shared memory, registers and spills
+launch options of `oal.ops.triton.function.tiles`; the output kernel also with every tile its autotuner may pick
+(`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.CONFIGS`), and the two
+decoding kernels. Reports compile time, shared memory, registers and spills
 (ptxas -v, the ptxas bundled with triton) and the number of tensor-core MMA instructions in the PTX (wgmma on
 sm_90, mma.sync on sm_80). Exits 1 when a kernel fails to compile or needs more shared memory than one block of
 the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99 KB, are not
@@ -31,8 +33,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import oal.ops.triton as oal_triton
+from oal.ops.triton import decode as D
 from oal.ops.triton import function as F
 from oal.ops.triton import kernels as K
+from oal.ops.triton import parallel as P
+from oal.ops.triton import tiles as T
 
 C, REP, G1 = 64, 7, 6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,7 +64,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     half = dt != "fp32"
     dot = "bf16" if half else "fp32"  # fp16 inputs use bf16 dots (function.triton_forward)
     lay = F.layout(d)
-    cfg = F.Config(1e-6, G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch)
+    cfg = F.Config(G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch)
     bv = max(16, F.triton_next_pow2(dv))
     x, a = "*" + dt, "*fp32"
 
@@ -69,31 +74,62 @@ def kernels(d: int, dv: int, dt: str, arch: int):
         return dict(consts, NB=lay.nb, C=C, BV=bv, NPAIR=lay.npair, **extra), options
 
     scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST=a, STN=a, TOT=a, TOTN=a, CARRY=a, CARRYN=a,
-                    N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32", has_carry="i32")
+                    PREV=a, PREVN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
+                    has_carry="i32", add_prev="i32")
     yield ("scan keys", K._state_scan, scan_sig, *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False))
     yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
            *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
-    yield ("fwd", K._fwd_out, dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=a, STN=a, O=x,
-                                   DEN=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", eps="fp32",
-                                   g1="i32"), *split("fwd", **big))
+    fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, PAIRS="*i32", ST=a, STN=a, O=x, DEN=a,
+                   N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
+    yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big))
+    for rh, stages in T.FWD_CANDIDATES[half, max(d, dv) > 64, arch]:
+        const, options = split("fwd", **big)
+        yield (f"fwd tuned RH={rh} st={stages}", K._fwd_out, fwd_sig, dict(const, RH=rh),
+               dict(options, num_stages=stages))
     yield ("dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=a,
                                  STN=a, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32", d="i32", dv="i32",
                                  R="i32", P="i32", g1="i32"), *split("dq", **big))
-    yield ("dkv", K._bwd_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, PAIRS="*i32", ST=a, STN=a,
-                                   CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32", seg_len="i32",
-                                   n_seg="i32", d="i32", dv="i32", R="i32", eps="fp32", g1="i32"),
+    yield ("dkv", K._bwd_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, PAIRS="*i32", ST=a,
+                                   STN=a, CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32",
+                                   seg_len="i32", n_seg="i32", d="i32", dv="i32", R="i32", g1="i32"),
            *split("dkv", **big))
+    par = dict(REP=REP, GMAX=F._gmax(G1), BD=lay.bd, BV=bv, DOT_DT=F._tl(cfg.dot_dtype), ACC_DT=F._tl(torch.float32),
+               PREC=F._consts(cfg, "fwd", d, dv)["PREC"], LOOP_FOR=True)
+    tail = dict(N="i32", n_q="i32", d="i32", dv="i32", g1="i32", NBKT="i32")
+    par_sigs = {
+        "par fwd": (P._par_fwd, dict(Q=x, K=x, V=x, WS=a, L0=a, EPS=a, O=x, DEN=a, **tail)),
+        "par dq": (P._par_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, DQ=x, PART=a, **tail)),
+        "par dkv": (P._par_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, DK=x, DV=x, **tail)),
+    }
+    for name, (fn, sig) in par_sigs.items():
+        for bm, bn, stages in P.CONFIGS:
+            yield (f"{name} {bm}x{bn} st={stages}", fn, sig, dict(par, BM=bm, BN=bn),
+                   dict(num_warps=P.NUM_WARPS, num_stages=stages))
+    yield ("decode step", D._dec_step,
+           dict(Q=x, K=x, V=x, W=a, ROWR="*i32", ROWT="*i32", S=a, PART=a, PARTN=a, STATUS=a, F="i32", d="i32",
+                dv="i32", n_q="i32", n_bq="i32", scale_abs="fp32", s_limit="fp32"),
+           dict(T=1, REP=REP, RB=D.RB, BV=bv, BDQ=lay.bd, ACC_DT=F._tl(torch.float32)), {})
+    yield ("decode out", D._dec_out, dict(PART=a, PARTN=a, O=x, STATUS=a, n_rows="i32", dv="i32"),
+           dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.RB), BV=bv), {})
 
 
-KERNELS = ("scan keys", "scan query", "fwd", "dq", "dkv")
+KERNELS = ("scan keys", "scan query", "fwd", "fwd tuned", "dq", "dkv", "par fwd", "par dq", "par dkv", "decode step",
+           "decode out")
+
+
+def _selected(d: int, dv: int, dt: str, arch: int, names) -> list[int]:
+    """Indices into `kernels(...)` of the kernels whose name starts with one of `names`."""
+    rows = [name for name, *_ in kernels(d, dv, dt, arch)]
+    return [i for i, row in enumerate(rows) if any(row == n or row.startswith(n + " ") for n in names)]
 
 
 def _job(job):
     """Compile one kernel; a row of the report (in a worker process when --jobs > 1)."""
     d, dv, dt, arch, index, limit_kb = job
     name, fn, sig, const, options = list(kernels(d, dv, dt, arch))[index]
-    head = f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} {name:10s} RH={const['RH']:<2d} {options}"
+    tile = f"RH={const['RH']:<2d}" if "RH" in const else ""
+    head = f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} {name:22s} {tile:5s} {options}"
     try:
         r = compile_one(fn, sig, const, options, arch)
     except Exception as err:  # report every kernel, then fail
@@ -117,7 +153,7 @@ def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int 
                     if reason:
                         out(f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} refused (auto runs chunked): {reason}")
                         continue
-                    todo += [(d, dv, dt, arch, KERNELS.index(n), limit_kb) for n in names]
+                    todo += [(d, dv, dt, arch, i, limit_kb) for i in _selected(d, dv, dt, arch, names)]
     ok = True
     with ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         for fits, row in (pool.map(_job, todo) if pool else map(_job, todo)):

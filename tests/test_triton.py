@@ -1,7 +1,7 @@
 """The Triton backend against the dense reference (Eq. 7): outputs, final states and gradients.
 
 On a machine without CUDA the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set by
-conftest.py before triton is first imported); with CUDA (scripts/gpu_check.sh) they run compiled.
+conftest.py before triton is first imported); with CUDA (scripts/gpu_perf.sh) they run compiled.
 OAL_TEST_DEVICE=cpu|cuda overrides the choice. The interpreter is slow, so the shapes are small and chosen to
 cover the cases rather than to form a grid.
 
@@ -170,7 +170,7 @@ def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
 
     Under Triton's interpreter (CPU) this tests no bf16 arithmetic: the interpreter cannot multiply bf16, so the
     kernels take fp32 dots and only the inputs and outputs are bf16; it checks the dtype handling and the
-    long-sequence scan. The bf16 dots are checked on a GPU by tests/test_triton_gpu.py (scripts/gpu_check.sh), at
+    long-sequence scan. The bf16 dots are checked on a GPU by tests/test_triton_gpu.py (scripts/gpu_perf.sh), at
     N = 16k against fp64 and beside bf16 SDPA. On a GPU the dots take bf16 operands (features, and the fp32
     per-chunk states rounded as they are read); running this test's inputs with bf16 dots emulated gave relative
     errors of 7e-3 (output), 4e-3 to 9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum over all tokens); bf16-rounded
@@ -216,7 +216,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("override", BAD)
-def test_bad_input_raises_like_the_other_backends(override):
+def test_bad_input_raises_like_the_other_backends(override, monkeypatch):
+    monkeypatch.setenv("OAL_SYNC_CHECKS", "1")  # on CUDA the value checks otherwise report late (test_ops_deferred)
     kw = dict(q=torch.randn(1, 2, 8, 16), k=torch.randn(1, 1, 8, 16), v=torch.randn(1, 1, 8, 4),
               groups=torch.zeros(2, 16, dtype=torch.long), factor=torch.randn(2, 3, 3))
     kw.update(override)

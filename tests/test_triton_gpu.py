@@ -1,7 +1,7 @@
 """bf16 arithmetic of the Triton kernels on a GPU, at N = 16k and the paper-scale head (d = dv = 128).
 
 Triton's CPU interpreter cannot multiply bf16, so under it the kernels take fp32 dots and tests/test_triton.py
-checks no bf16 arithmetic. This test does, on CUDA only (scripts/gpu_check.sh runs it): the kernels' bf16 output
+checks no bf16 arithmetic. This test does, on CUDA only (scripts/gpu_perf.sh runs it): the kernels' bf16 output
 and gradients against the fp64 torch path on the same bf16-rounded inputs, beside bf16 SDPA (flash) against fp64
 softmax attention on the same inputs. Both errors are printed; the kernels must stay within a small factor of
 SDPA's, so that rounding the features or states to bf16 in the dots costs no more than a softmax kernel loses.

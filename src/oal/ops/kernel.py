@@ -81,26 +81,43 @@ def coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float):
 _COEFF_CACHE = WeakIdKeyDictionary()
 
 
+def version(t: torch.Tensor) -> tuple[int, int]:
+    """(version counter, address) of a tensor, what the caches keyed "by version" compare. Inference tensors have
+    no counter (-1): they can only be written inside inference mode."""
+    return (-1 if t.is_inference() else t._version), t.data_ptr()
+
+
 def _unchanged(then: torch.Tensor, now: torch.Tensor) -> bool:
     # compared by value (the kernel is a few hundred numbers), so any write, `.data` ones included, invalidates
     return then.dtype == now.dtype and then.shape == now.shape and then.device == now.device and torch.equal(then, now)
 
 
-def cached_coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float, scale: float):
+def cached_coefficients(factor: torch.Tensor, groups: torch.Tensor, eps: float, scale: float, *,
+                        by_version: bool = False, dtype: torch.dtype | None = None):
     """((a, b, c), w): `coefficients` and `query_coefficients`, built once and reused while factor, groups, eps and
     scale are unchanged. Where gradients must reach the factor (grad mode and factor.requires_grad) both are
-    built fresh every call."""
+    built fresh every call. `dtype`: built from the factor in this dtype (default: its own).
+
+    `by_version` (devices where a read of a value stalls the host, `checks.deferred`): "unchanged" means the same
+    tensors with the same version counters, not the same values; a write through `.data` bypasses the counter and
+    is not seen there."""
+    dtype = factor.dtype if dtype is None else dtype
     if torch.is_grad_enabled() and factor.requires_grad:
-        coeffs = coefficients(factor, groups, eps)
+        coeffs = coefficients(factor.to(dtype), groups, eps)
         return coeffs, query_coefficients(*coeffs, scale)
-    key = (float(eps), float(scale), torch.is_inference_mode_enabled())
+    key = (float(eps), float(scale), torch.is_inference_mode_enabled(), dtype)
+    if by_version:
+        key += (version(factor), id(groups), version(groups))
     hit = _COEFF_CACHE.get(factor)
-    if hit is not None and hit[0] == key and _unchanged(hit[1], factor) and _unchanged(hit[2], groups):
+    if hit is not None and hit[0] == key and (
+            by_version or (_unchanged(hit[1], factor) and _unchanged(hit[2], groups))):
         return hit[3], hit[4]
     with torch.no_grad():
-        coeffs = coefficients(factor, groups, eps)
+        coeffs = coefficients(factor.to(dtype), groups, eps)
         w = query_coefficients(*coeffs, scale)
-        _COEFF_CACHE[factor] = (key, factor.detach().clone(), groups.detach().clone(), coeffs, w)
+        # by version: keep groups itself (its id is in the key, so it must not be reused), never the factor (the key)
+        kept = (None, groups) if by_version else (factor.detach().clone(), groups.detach().clone())
+        _COEFF_CACHE[factor] = (key, *kept, coeffs, w)
     return coeffs, w
 
 

@@ -11,20 +11,27 @@ import torch
 from oal.ops.kernel import key_features, query_features
 
 
-def _update(state, k_t, v_t):
-    """state + psi(k_t)^T [v_t; 1] (Eq. 5, lines 7-9 of Algorithm 1) in one pass over the state."""
+def _update(state, k_t, v_t, inplace: bool = False):
+    """state + psi(k_t)^T [v_t; 1] (Eq. 5, lines 7-9 of Algorithm 1) in one pass over the state.
+
+    `inplace`: written into `state` itself (the generation cache's own state, `checks.updatable`): a new state was
+    a copy of the whole state per token, a third of a decoding step."""
     u_t = torch.cat([v_t, torch.ones_like(v_t[..., :1])], dim=-1)
     psi = key_features(k_t).transpose(-1, -2)  # [B, Hkv, F, 1]
-    return torch.baddbmm(state.flatten(0, 1), psi.flatten(0, 1), u_t.flatten(0, 1)).view_as(state)
+    flat = state.flatten(0, 1)
+    if inplace and flat.data_ptr() == state.data_ptr():  # flatten is a view: the update lands in the state
+        flat.baddbmm_(psi.flatten(0, 1), u_t.flatten(0, 1))
+        return state
+    return torch.baddbmm(flat, psi.flatten(0, 1), u_t.flatten(0, 1)).view_as(state)
 
 
-def recurrent_step(state, q_t, k_t, v_t, coeffs, scale, weights=None):
+def recurrent_step(state, q_t, k_t, v_t, coeffs, scale, weights=None, inplace: bool = False):
     """One token: update the state with (k_t, v_t), then read out for q_t. Shapes [B, H, 1, *].
 
     `weights`: the query coefficients already built from `coeffs` (`kernel.cached_coefficients`), or None."""
     a, b, c = coeffs
     rep = q_t.shape[1] // k_t.shape[1]
-    state = _update(state, k_t, v_t)
+    state = _update(state, k_t, v_t, inplace)
     phi = query_features(q_t, a, b, c, scale, weights=weights)  # [B, Hq, 1, F]
     bsz, n_q = phi.shape[:2]
     phi = phi.view(bsz, n_q // rep, rep, phi.shape[-1])
@@ -32,15 +39,18 @@ def recurrent_step(state, q_t, k_t, v_t, coeffs, scale, weights=None):
     return state, num.view(bsz, n_q, 1, -1)
 
 
-def recurrent_attention(q, k, v, coeffs, *, scale, causal, state, weights=None):
-    """Causal: loop over tokens. Non-causal: accumulate all keys first, then read out every query."""
+def recurrent_attention(q, k, v, coeffs, *, scale, causal, state, weights=None, inplace: bool = False):
+    """Causal: loop over tokens. Non-causal: accumulate all keys first, then read out every query.
+
+    `inplace`: update `state` itself (causal; see `_update`)."""
     outs = []
     if causal:
         for i in range(q.shape[2]):
             sl = slice(i, i + 1)
-            state, num = recurrent_step(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], coeffs, scale, weights)
+            state, num = recurrent_step(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], coeffs, scale, weights,
+                                        inplace)
             outs.append(num)
-        num = torch.cat(outs, dim=2)
+        num = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     else:
         for i in range(k.shape[2]):
             state = _update(state, k[:, :, i : i + 1], v[:, :, i : i + 1])

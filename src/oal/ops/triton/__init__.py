@@ -13,9 +13,10 @@ import sys
 
 import torch
 
+from oal.ops.triton.routes import decodes
 from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, device_shared, refusal
 
-__all__ = ["available", "interpreted", "refusal", "triton_attention", "unsupported"]
+__all__ = ["available", "decodes", "interpreted", "refusal", "triton_attention", "unsupported"]
 
 INSTALL_HINT = "install the gpu extra: pip install 'oal-attention[gpu]'"
 
@@ -54,10 +55,12 @@ def unsupported(q, v, chunk_size=None) -> str | None:
     return refusal(d, dv, q.dtype, arch)
 
 
-def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None):
-    """Causal OAL attention on the Triton kernels. Inputs validated by `oal_attention` (`_check`).
+def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None, need_state=True,
+                     rescale=None, inplace=False, status=None):
+    """Causal OAL attention on the Triton kernels. Inputs validated by `oal_attention` (`oal.ops.checks`).
 
-    Returns (out [B, Hq, N, dv] in q's dtype, final state [B, Hkv, F, dv+1] in fp32, fp64 for fp64 inputs).
+    Returns (out [B, Hq, N, dv] in q's dtype, final state [B, Hkv, F, dv+1] in fp32, fp64 for fp64 inputs; None
+    when not `need_state` on a fresh sequence). `rescale`, `inplace`, `status`: see `function.triton_forward`.
     """
     if not available():
         raise ValueError(f"backend: 'triton' needs the triton package; {INSTALL_HINT}")
@@ -73,4 +76,4 @@ def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None,
     from oal.ops.triton.function import triton_forward
 
     return triton_forward(q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, need_state=need_state, rescale=rescale, inplace=inplace, status=status)

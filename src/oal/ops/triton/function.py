@@ -1,9 +1,12 @@
 """Host side of the Triton operator: coefficient tensors, state layouts, launches and the autograd Function.
 
-Forward (causal):
+Which kernels run (`triton_forward`, decided by `routes.py`): the decoding kernels (`decode.py`) for a few tokens on
+a state, the parallel kernels (`parallel.py`) for a short fresh sequence, the chunked form below for the rest.
+
+Chunked forward (causal):
   1. state scan: per-chunk prefix states of every KV head (`_state_scan`, keys mode). The sequence is split into
-     segments so that enough programs run when B * Hkv is small: a first pass sums each segment, torch turns
-     the sums into each segment's carry-in, a second pass starts from it and stores the state before each chunk.
+     segments so that enough programs run when B * Hkv is small: a first pass sums each segment, a second pass
+     starts from the sums of the segments before it (added in the kernel) and stores the state before each chunk.
   2. output: intra-chunk Eq. 7 plus the readout of the chunk's prefix state (`_fwd_out`).
 Backward: the states are recomputed (1.), the output gradient is divided by the normaliser, `_bwd_dq` gives dq
 and the coefficient gradients, a reverse scan in query mode gives each chunk's state gradient, and `_bwd_dkv`
@@ -16,10 +19,13 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import oal.ops.triton.kernels as K
-from oal.ops.kernel import coefficients, feature_dim
-from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
+from oal.ops import checks
+from oal.ops.kernel import cached_coefficients, coefficients, feature_dim, packed_pairs, version
+from oal.ops.triton import decode, parallel, routes
+from oal.ops.triton.tiles import FWD_CANDIDATES, NUM_WARPS, SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
 
 
 def interpreted() -> bool:
@@ -29,6 +35,7 @@ def interpreted() -> bool:
 
 # Tokens per chunk: Hopper's tensor-core MMAs want M >= 64 (gpu-notes).
 CHUNK = 64
+
 # Chunks per segment of the state scans; None picks it from the device's multiprocessor count. Tests set it to
 # exercise the carry between segments on short sequences.
 SEGMENT_CHUNKS: int | None = None
@@ -101,7 +108,6 @@ def blocks_to_state(blk: torch.Tensor, blkn: torch.Tensor, batch: int, d: int):
 
 @dataclass(frozen=True)
 class Config:
-    eps: float
     n_groups1: int  # G + 1
     chunk: int
     dot_dtype: torch.dtype
@@ -145,12 +151,23 @@ def _segments(n_chunks: int, programs_per_segment: int, device: torch.device) ->
     if SEGMENT_CHUNKS is not None:
         seg_len = SEGMENT_CHUNKS
     elif device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * _multiprocessors(device)
         seg_len = -(-n_chunks // max(1, target // programs_per_segment))
     else:
         seg_len = n_chunks
     seg_len = 1 << 2 * ((max(1, min(seg_len, n_chunks)).bit_length() - 1) // 2)  # largest power of 4 <= it
     return seg_len, -(-n_chunks // seg_len)
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@cache
+def _device_maps(d: int, device: torch.device):
+    """`_maps(d)` on `device`, copied there once (a copy per call was a host-to-device transfer per call)."""
+    return tuple(t.to(device) for t in _maps(d))
 
 
 def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, reverse: bool, carry, two_pass):
@@ -172,32 +189,26 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
     totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
     a, bs, cs = coefs
-    pairs = _maps(lay.d)[0].to(x.device)
+    pairs = _device_maps(lay.d, x.device)[0]
     bv = max(16, triton_next_pow2(dv))
+    init = carry if carry is not None else (tot, totn)  # placeholders where there is no initial state
 
-    def launch(store, carry_t, carryn_t):
+    def launch(store, add_prev, out, outn, with_carry=carry is not None):
         K._state_scan[(blocks, n_seg, bsz * n_kv)](
-            x, y, nw if nw is not None else y, a, bs, cs, pairs, st, stn, tot, totn,
-            carry_t if carry_t is not None else tot, carryn_t if carryn_t is not None else totn,
-            n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(carry_t is not None),
+            x, y, nw if nw is not None else y, a, bs, cs, pairs, st, stn, out, outn, *init, tot, totn,
+            n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(with_carry), int(add_prev),
             NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query,
             REVERSE=reverse, **consts,
         )
 
-    if not two_pass:
-        launch(True, None, None)
+    if not two_pass or n_seg == 1:
+        launch(True, False, tot, totn)
         return st, stn, tot, totn, seg_len
-    seg_carry = carry
-    if n_seg > 1:  # pass 1: segment sums, then each segment's carry-in (exclusive prefix over segments)
-        launch(False, None, None)
-        ex, exn = torch.cumsum(tot, 1) - tot, torch.cumsum(totn, 1) - totn
-        if carry is not None:
-            ex, exn = ex + carry[0][:, None], exn + carry[1][:, None]
-        seg_carry = (ex.contiguous(), exn.contiguous())
-    elif carry is not None:
-        seg_carry = (carry[0][:, None].contiguous(), carry[1][:, None].contiguous())
-    launch(True, *(seg_carry if seg_carry is not None else (None, None)))
-    return st, stn, tot, totn, seg_len
+    # pass 1: the segment sums; pass 2 starts each segment from the sums before it and writes the running totals
+    launch(False, False, tot, totn, with_carry=False)
+    run, runn = torch.empty_like(tot), torch.empty_like(totn)
+    launch(True, True, run, runn)
+    return st, stn, run, runn, seg_len
 
 
 def _params(factor, groups, eps, scale, lay: Layout, acc_dtype):
@@ -213,7 +224,28 @@ def _params(factor, groups, eps, scale, lay: Layout, acc_dtype):
     return a.contiguous(), bs.contiguous(), cs.contiguous(), ws.contiguous(), lower[:, 0, :].contiguous()
 
 
-def _forward(q, k, v, a, bs, cs, ws, l0, init, cfg: Config, lay: Layout):
+def _fwd_out(q, d: int, dv: int, cfg: Config):
+    """`_fwd_out` and its compile-time arguments: autotuned over tiles.FWD_CANDIDATES on a GPU (the first call per
+    head dims, G, dtypes and length bucket benchmarks them), the table's first entry under the interpreter."""
+    consts = _consts(cfg, "fwd", d, dv)
+    if q.device.type != "cuda":
+        return K._fwd_out, consts
+    half = cfg.dot_dtype in (torch.float16, torch.bfloat16)
+    for name in ("RH", "num_warps", "num_stages"):
+        del consts[name]
+    return _tuned_fwd_out(half, max(d, dv) > 64, cfg.arch), consts
+
+
+@cache
+def _tuned_fwd_out(half: bool, big: bool, arch: int):
+    import triton
+
+    configs = [triton.Config({"RH": rh}, num_warps=NUM_WARPS, num_stages=st)
+               for rh, st in FWD_CANDIDATES[half, big, arch]]
+    return triton.autotune(configs, key=["d", "dv", "g1", "NBKT"], do_bench=parallel.short_bench)(K._fwd_out)
+
+
+def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout):
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
@@ -221,24 +253,25 @@ def _forward(q, k, v, a, bs, cs, ws, l0, init, cfg: Config, lay: Layout):
                                   carry=init, two_pass=True)
     o = torch.empty(bsz, n_q, n, dv, dtype=q.dtype, device=q.device)
     den = torch.empty(bsz, n_q, n, dtype=cfg.acc_dtype, device=q.device)
-    pairs = _maps(d)[0].to(q.device)
-    K._fwd_out[(n_q, n_c, bsz)](
-        q, k, v, a, bs, cs, ws, l0, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows, cfg.eps,
-        cfg.n_groups1,
+    pairs = _device_maps(d, q.device)[0]
+    kernel, consts = _fwd_out(q, d, dv, cfg)
+    kernel[(n_q, n_c, bsz)](
+        q, k, v, a, bs, cs, ws, l0, eps_t, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows,
+        cfg.n_groups1, parallel.bucket(n),
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, triton_next_pow2(dv)), NPAIR=lay.npair,
-        GMAX=_gmax(cfg.n_groups1), **_consts(cfg, "fwd", d, dv),
+        GMAX=_gmax(cfg.n_groups1), **consts,
     )
     return o, den, tot[:, -1], totn[:, -1]
 
 
-def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, lay: Layout):
+def _backward(q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do, dfin, cfg: Config, lay: Layout):
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
     bv = max(16, triton_next_pow2(dv))
     consts = dict(NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=bv, NPAIR=lay.npair,
                   GMAX=_gmax(cfg.n_groups1))
-    pairs = _maps(d)[0].to(q.device)
+    pairs = _device_maps(d, q.device)[0]
     do = do.to(cfg.acc_dtype)
     go = (do / den[..., None]).to(cfg.dot_dtype).contiguous()  # gradient of the numerator
     dl = ((do * o.to(cfg.acc_dtype)).sum(-1) / den).contiguous()  # minus the gradient of the normaliser
@@ -266,8 +299,8 @@ def _backward(q, k, v, a, bs, cs, ws, l0, init, o, den, do, dfin, cfg: Config, l
     dk, dv_ = torch.empty_like(k), torch.empty_like(v)
     n_seg = gtot.shape[1]
     K._bwd_dkv[(n_kv, n_c, bsz)](
-        q, k, v, go, dl, ws, l0, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
-        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.eps, cfg.n_groups1, **consts,
+        q, k, v, go, dl, ws, l0, eps_t, pairs, gst, gstn, carry.contiguous(), carryn.contiguous(), dk, dv_,
+        n, n_q, gst.shape[1], seg_len, n_seg, d, dv, lay.rows, cfg.n_groups1, **consts,
         **_consts(cfg, "dkv", d, dv)
     )
     grads = _coef_grads(part.sum((0, 1)), cfg, lay)
@@ -293,18 +326,18 @@ class OALTriton(torch.autograd.Function):
     """Causal OAL attention on the Triton kernels; gradients for q, k, v, the coefficients and the initial state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a, bs, cs, ws, l0, init_blk, init_n, cfg: Config):
+    def forward(ctx, q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg: Config):
         lay = layout(q.shape[-1])
         init = (init_blk, init_n) if init_blk is not None else None
-        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, init, cfg, lay)
-        ctx.save_for_backward(q, k, v, a, bs, cs, ws, l0, init_blk, init_n, o, den)
+        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay)
+        ctx.save_for_backward(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, o, den)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
         return o, fin, finn
 
     @staticmethod
     def backward(ctx, do, dfin, dfinn):
-        q, k, v, a, bs, cs, ws, l0, init_blk, init_n, o, den = ctx.saved_tensors
+        q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, o, den = ctx.saved_tensors
         cfg = ctx.cfg
         lay = layout(q.shape[-1])
         init = (init_blk, init_n) if init_blk is not None else None
@@ -317,33 +350,95 @@ class OALTriton(torch.autograd.Function):
             dfinn = dfinn if dfinn is not None else o.new_zeros(*shape, dtype=cfg.acc_dtype)
             dfinal = (dfin.to(cfg.acc_dtype), dfinn.to(cfg.acc_dtype))
         dq, dk, dv, (da, dbs, dcs, dws, dl0), dinit = _backward(
-            q, k, v, a, bs, cs, ws, l0, init, o, den, do.contiguous(), dfinal, cfg, lay
+            q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do.contiguous(), dfinal, cfg, lay
         )
         di, din = dinit if dinit is not None else (None, None)
-        return dq, dk, dv, da, dbs, dcs, dws, dl0, di, din, None
+        return dq, dk, dv, da, dbs, dcs, dws, dl0, None, di, din, None
 
 
-def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_size=None):
-    """Causal OAL on validated inputs in their own dtype. Returns (out [B,Hq,N,dv], final state [B,Hkv,F,dv+1])."""
-    bsz, n_q, n, d = q.shape
-    n_kv, dv = k.shape[1], v.shape[-1]
+_PARAMS = WeakIdKeyDictionary()  # factor -> (key, params): inference calls on deferred devices (see `_cached_params`)
+
+
+def _cached_params(factor, groups, eps, scale, lay: Layout, acc_dtype):
+    """`_params`, built once per kernel where no gradient must reach the factor and the device is `deferred`
+    (keyed on the tensors' identities and version counters, as `kernel.cached_coefficients` does there: a
+    comparison by value would be a host read per call). About 25 small launches saved per call."""
+    if (torch.is_grad_enabled() and factor.requires_grad) or not checks.deferred(factor):
+        return _params(factor, groups, eps, scale, lay, acc_dtype)
+    key = (eps, scale, acc_dtype, version(factor), id(groups), version(groups), torch.is_inference_mode_enabled())
+    hit = _PARAMS.get(factor)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = _PARAMS[factor] = (key, _params(factor, groups, eps, scale, lay, acc_dtype), groups)
+    return hit[1]
+
+
+def _dtypes(q):
+    """(dot dtype, accumulation dtype) for inputs like q."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dot = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.bfloat16  # fp16 sums overflow: use bf16
     if dot == torch.bfloat16 and interpreted():
         dot = torch.float32  # Triton's interpreter multiplies bf16 as raw bits; the GPU check covers bf16 dots
+    return dot, acc
+
+
+def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_size=None, need_state=True,
+                   rescale=None, inplace=False, status=None):
+    """Causal OAL on validated inputs in their own dtype. Returns (out [B,Hq,N,dv], final state [B,Hkv,F,dv+1] or
+    None when not `need_state` and no initial state was given).
+
+    `rescale`: the device multipliers of `checks.device_rescale` (None: q, factor, eps and scale are already
+    rescaled on the host). `inplace`: the initial state may be updated in place (the generation cache's own).
+    `status`: where the decoding kernels put their value checks (`checks.start_decode`)."""
+    bsz, n_q, n, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    dot, acc = _dtypes(q)
+    if routes.decodes(q, k, v, factor, initial_state):
+        return _decode(q, k, v, groups, factor, eps, scale, initial_state, inplace, status, acc)
     lay = layout(d)
-    chunk = chunk_size or CHUNK
-    cfg = Config(float(eps), factor.shape[-1], chunk, dot, acc, device_arch(q.device))
+    cfg = Config(factor.shape[-1], chunk_size or CHUNK, dot, acc, device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
-    groups = groups.to(q.device)
-    a, bs, cs, ws, l0 = _params(factor.to(q.device), groups, eps, scale, lay, acc)
-    init_blk = init_n = None
-    if initial_state is not None:
-        init_blk, init_n = state_to_blocks(initial_state.to(acc), d)
+    a, bs, cs, ws, l0 = _cached_params(factor, groups, eps, scale, lay, acc)
+    if rescale is None:
+        eps_t = torch.full((1,), eps, dtype=acc, device=q.device)
+    else:  # exact for any multipliers (see checks.device_rescale); all 1 unless the scores would overflow
+        qs, m_a, m_b, m_c, m_w, m_l0 = rescale.to(acc).unbind()
+        q = q * qs
+        a, bs, cs, ws, l0 = a * m_a, bs * m_b, cs * m_c, ws * m_w, l0 * m_l0
+        eps_t = (m_a * eps).reshape(1)
     if n == 0 or bsz == 0:
         out = q.new_zeros(bsz, n_q, n, dv)
         fin = initial_state.to(acc) if initial_state is not None else q.new_zeros(bsz, n_kv, feature_dim(d), dv + 1,
                                                                                   dtype=acc)
         return out, fin
-    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, init_blk, init_n, cfg)
+    if routes.parallel(n, initial_state, need_state, chunk_size):
+        return parallel.attention(q, k, v, ws, l0, eps_t, _consts(cfg, "fwd", d, dv), _gmax(cfg.n_groups1)), None
+    init_blk = init_n = None
+    if initial_state is not None:
+        init_blk, init_n = state_to_blocks(initial_state.to(acc), d)
+    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg)
     return o, blocks_to_state(fin, finn, bsz, d)
+
+
+@cache
+def _row_maps(d: int, device: torch.device):
+    """(ROWR, ROWT) int32 [F] of the decoding kernels: row f of a packed state is x_r x_t, -1 standing for 1."""
+    r, t, _ = packed_pairs(d, "cpu")
+    lin = torch.arange(d)
+    rowr = torch.cat([torch.tensor([-1]), lin, r])
+    rowt = torch.cat([torch.tensor([-1]), torch.full((d,), -1), t])
+    return rowr.to(device, torch.int32), rowt.to(device, torch.int32)
+
+
+def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
+    """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
+    `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
+    _, w = cached_coefficients(factor, groups, eps, scale, by_version=checks.deferred(q), dtype=acc)
+    state = state if inplace and state.dtype == acc and state.is_contiguous() else state.to(acc).clone()
+    if status is None:
+        status = torch.zeros(5, dtype=torch.float32, device=q.device)
+    rowr, rowt = _row_maps(q.shape[-1], q.device)
+    _, s_limit = checks.rescale_bound(acc)
+    out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w.to(acc).contiguous(), rowr, rowt, state,
+                        status, scale, s_limit, _tl(acc))
+    return out, state

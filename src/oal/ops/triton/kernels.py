@@ -156,10 +156,48 @@ def _intra_z(q, k, WS, L0, h, m, g1, BD: tl.constexpr, DOT_DT: tl.constexpr, ACC
     return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * g1 + m)
 
 
-@triton.jit(do_not_specialize=["store", "has_carry"])  # run-time flags: one compiled variant serves both
+@triton.jit
+def _kappa_dk(q, k, dkap, dk, causal, WS, L0, eps, h, g1, GMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr):
+    """kappa of a [BM, BN] tile on its causal triangle, and dk += sum_m dz_m^T (q * w_m) with dz_m = 2 z_m dkap
+    (dkap already zero off the triangle): the key side of the intra-chunk (or parallel) backward, per query head."""
+    dcol = tl.arange(0, BD)
+    kap = tl.zeros([BM, BN], ACC_DT) + eps
+    for m in range(GMAX):
+        if m < g1:
+            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            kap += z * z
+            qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
+            dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
+    return tl.where(causal, kap, 0.0), dk
+
+
+@triton.jit
+def _carry_in(acc, CARRY, PREV, bh, seg, n_seg, rows, vcol, dv, R, has_carry, add_prev, NORM: tl.constexpr):
+    """The running value a segment starts from: the initial state (CARRY, one per KV head) and, in the second
+    pass of a split scan, the sums of the segments before it (PREV, the first pass's TOT): the split's fix-up,
+    done here rather than by torch between the passes. NORM: the normaliser column ([rows]), else [rows, BV]."""
+    if has_carry:
+        acc += _rows_of(CARRY, bh.to(tl.int64) * R, rows, vcol, dv, NORM)
+    if add_prev:
+        s2 = 0
+        while s2 < seg:  # a run-time bound: a while loop (the interpreter cannot `range` over one)
+            acc += _rows_of(PREV, (bh * n_seg + s2).to(tl.int64) * R, rows, vcol, dv, NORM)
+            s2 += 1
+    return acc
+
+
+@triton.jit
+def _rows_of(X, base, rows, vcol, dv, NORM: tl.constexpr):
+    if NORM:
+        return tl.load(X + base + rows)
+    return _state(X, base, rows, vcol, dv)
+
+
+@triton.jit(do_not_specialize=["store", "has_carry", "add_prev"])  # run-time flags: one variant serves all
 def _state_scan(
-    X, Y, NW, A, BS, CS, PAIRS, ST, STN, TOT, TOTN, CARRY, CARRYN,
-    N, HX, n_seg, d, dv, R, store, has_carry,
+    X, Y, NW, A, BS, CS, PAIRS, ST, STN, TOT, TOTN, CARRY, CARRYN, PREV, PREVN,
+    N, HX, n_seg, d, dv, R, store, has_carry, add_prev,
     NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     RH: tl.constexpr, QUERY: tl.constexpr, REVERSE: tl.constexpr,
     DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
@@ -169,8 +207,9 @@ def _state_scan(
     Keys mode (QUERY=False, REP=1): X = k, Y = v; the increment of chunk c is psi(K_c)^T [V_c | 1] (Eq. 5).
     Query mode (QUERY=True): X = q, Y = dO / den, NW = -delta, summed over the REP query heads of the KV head:
     phi(Q_c)^T [Y_c | NW_c], the gradient that chunk c's readout sends to its state (Eq. 6, backward).
-    The running value starts at CARRY (one per segment; when `has_carry`) or zero and ends in TOT; with `store`
-    it is also written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
+    The running value starts at zero, plus CARRY (the initial state of the KV head) when `has_carry`, plus the sums
+    of the earlier segments in PREV when `add_prev` (`_carry_in`), and ends in TOT; with `store` it is also
+    written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
     States are written in fp32 whatever the dot type: rounded only where a dot reads them, and the normaliser
     and the backward's carries add in fp32.
     SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
@@ -195,11 +234,10 @@ def _state_scan(
         I = tl.load(PAIRS + 2 * p)
         J = tl.load(PAIRS + 2 * p + 1)
         rows = 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16)
-        acc = tl.zeros([RH * 16, BV], ACC_DT)
-        accn = tl.zeros([RH, 16], ACC_DT)
-        if has_carry:
-            acc += _state(CARRY, tot_base, rows, vcol, dv)
-            accn += tl.reshape(tl.load(CARRYN + tot_base + rows), [RH, 16])
+        acc = _carry_in(tl.zeros([RH * 16, BV], ACC_DT), CARRY, PREV, bh, seg, n_seg, rows, vcol, dv, R, has_carry,
+                        add_prev, False)
+        accn = tl.reshape(_carry_in(tl.zeros([RH * 16], ACC_DT), CARRYN, PREVN, bh, seg, n_seg, rows, vcol, dv, R,
+                                    has_carry, add_prev, True), [RH, 16])
         for i in range(SEG):
             c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
@@ -221,11 +259,10 @@ def _state_scan(
     elif pid_t < NPAIR * NS + NB:  # H1, one 16-wide block
         I1 = pid_t - NPAIR * NS
         rows1 = 1 + I1 * 16 + tl.arange(0, 16)
-        acc1 = tl.zeros([16, BV], ACC_DT)
-        accn1 = tl.zeros([16], ACC_DT)
-        if has_carry:
-            acc1 += _state(CARRY, tot_base, rows1, vcol, dv)
-            accn1 += tl.load(CARRYN + tot_base + rows1)
+        acc1 = _carry_in(tl.zeros([16, BV], ACC_DT), CARRY, PREV, bh, seg, n_seg, rows1, vcol, dv, R, has_carry,
+                         add_prev, False)
+        accn1 = _carry_in(tl.zeros([16], ACC_DT), CARRYN, PREVN, bh, seg, n_seg, rows1, vcol, dv, R, has_carry,
+                          add_prev, True)
         for i in range(SEG):
             c1, tok1, tmask1 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
@@ -244,11 +281,10 @@ def _state_scan(
         tl.store(TOTN + tot_base + rows1, accn1)
     else:  # H0
         one = tl.arange(0, 1)
-        acc0 = tl.zeros([BV], ACC_DT)
-        accn0 = tl.zeros([1], ACC_DT)
-        if has_carry:
-            acc0 += tl.load(CARRY + tot_base * dv + vcol, mask=vmask, other=0.0)
-            accn0 += tl.load(CARRYN + tot_base + one)
+        acc0 = tl.reshape(_carry_in(tl.zeros([1, BV], ACC_DT), CARRY, PREV, bh, seg, n_seg, one, vcol, dv, R,
+                                    has_carry, add_prev, False), [BV])
+        accn0 = _carry_in(tl.zeros([1], ACC_DT), CARRYN, PREVN, bh, seg, n_seg, one, vcol, dv, R, has_carry, add_prev,
+                          True)
         for i in range(SEG):
             c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
@@ -268,8 +304,8 @@ def _state_scan(
 
 @triton.jit
 def _fwd_out(
-    Q, K, V, A, BS, CS, WS, L0, PAIRS, ST, STN, O, DEN,
-    N, n_q, n_cs, d, dv, R, eps, g1,
+    Q, K, V, A, BS, CS, WS, L0, EPS, PAIRS, ST, STN, O, DEN,
+    N, n_q, n_cs, d, dv, R, g1, NBKT,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -277,13 +313,15 @@ def _fwd_out(
 
     Grid (Hq, n_c, B): the query heads of a KV head are adjacent, so K, V and the chunk's state come from L2.
     Loops run at run time: unrolled, the compiler keeps every iteration's tiles live and runs out of registers.
+    EPS: eps as a device scalar (the overflow rescaling changes it without a host read). NBKT (the length's
+    power-of-two bucket) is read by nothing: it is the autotuner's key.
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
                                                                           ACC_DT, DOT_DT)
     j16 = tl.arange(0, 16)
     # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
-    kap = tl.zeros([C, C], ACC_DT) + eps
+    kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS)
     for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
         if m < g1:
             z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
@@ -391,8 +429,8 @@ def _bwd_dq(
 
 @triton.jit
 def _bwd_dkv(
-    Q, K, V, GO, DL, WS, L0, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
-    N, n_q, n_cs, seg_len, n_seg, d, dv, R, eps, g1,
+    Q, K, V, GO, DL, WS, L0, EPS, PAIRS, ST, STN, CARRY, CARRYN, DK, DV,
+    N, n_q, n_cs, seg_len, n_seg, d, dv, R, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
     NPAIR: tl.constexpr, GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
     PREC: tl.constexpr,
@@ -420,14 +458,7 @@ def _bwd_dkv(
         dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
         dkap = tl.dot(_tile(goh, tok, tmask, vcol, dv).to(DOT_DT), tl.trans(v), input_precision=PREC, out_dtype=ACC_DT)
         dkap = tl.where(causal, dkap - dl[:, None], 0.0)
-        kap = tl.zeros([C, C], ACC_DT) + eps
-        for m in range(GMAX):
-            if m < g1:
-                z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
-                kap += z * z
-                qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
-                dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
-        kap = tl.where(causal, kap, 0.0)
+        kap, dk = _kappa_dk(q, k, dkap, dk, causal, WS, L0, tl.load(EPS), h, g1, GMAX, C, C, BD, DOT_DT, ACC_DT, PREC)
         # go loaded again rather than kept: its shared-memory copy would be live across the loop over L's columns
         # (the eviction hint keeps the compiler from merging the two loads)
         go = tl.load(goh + tok[:, None] * dv + vcol[None, :], mask=tmask[:, None] & (vcol < dv)[None, :], other=0.0,

@@ -37,6 +37,20 @@ TILES = {
 }
 
 
+# What `triton.autotune` may pick for _fwd_out on a GPU, per table key as above: (RH, stages), the TILES entry first.
+# Every candidate is compiled for its target by scripts/triton_sm90_check.py ("fwd tuned").
+FWD_CANDIDATES = {
+    (True, False, 90): [(16, 3), (16, 2), (8, 3)],
+    (True, False, 80): [(16, 3), (16, 2), (8, 3)],
+    (True, True, 90): [(8, 2), (8, 3), (4, 3)],
+    (True, True, 80): [(8, 2), (4, 3)],
+    (False, False, 90): [(16, 1), (8, 2)],
+    (False, False, 80): [(16, 1), (8, 2)],
+    (False, True, 90): [(8, 1), (4, 2)],
+    (False, True, 80): [(4, 1)],
+}
+
+
 def tiles(kernel: str, d: int, dv: int, half: bool, arch: int) -> dict:
     """RH and the launch options of `kernel` ('scan', 'fwd', 'dq', 'dkv') for head dims (d, dv), half-precision
     dots or not, on `arch` (90 or 80)."""

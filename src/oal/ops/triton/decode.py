@@ -1,0 +1,143 @@
+"""Triton kernels of one decoding step on a state: two launches for a few new tokens of every head.
+
+The state stays in the packed layout of the contract, [B, Hkv, F, dv+1] (rows H0, H1, H2 with r <= t, the last
+column the normaliser; `oal.ops`), and is updated in place. `_dec_step`: one program per block of RB state rows of
+one (batch row, KV head); for each new token it adds psi(k) [v, 1] to its rows (Eq. 5), then reads them out for
+every query head of the KV head: phi(q) . S over its rows (Eq. 6), one partial sum per program. `_dec_out` adds
+the partials of a (batch row, query head, token) and divides by the normaliser. The token loop of the torch path
+(`ops.recurrent`) is the reference.
+
+Row f of the state holds the product psi_f(x) = x_r x_t with (r, t) = (ROWR[f], ROWT[f]), where -1 stands for a
+factor 1 (row 0: 1; row 1 + r: x_r); phi_f(q) = W[h, f] psi_f(q) with W the per-head query coefficients
+(`kernel.query_coefficients`, the scale folded in).
+
+Overflow (`checks.rescaled`): a program whose scores could overflow (|scale| d max|q_h| max|k| above the
+dtype's max^(1/4)) evaluates kappa / lam exactly, with q / max|q_h| and the row weights W divided by lam and
+multiplied by max|q_h|^(order of the row); num / den does not change.
+Value checks on the device (`checks`): STATUS[0..4] = (q, k, v non-finite, max |k|, out non-finite), by atomic
+max (the values are >= 0); the host reads them later.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from oal.ops.triton import parallel
+
+
+@triton.jit
+def _nonfinite(x):
+    """1.0 if the vector x holds NaN or Inf, else 0.0: x - x is 0 only for finite x."""
+    return tl.max(tl.where(x - x == 0.0, 0.0, 1.0), axis=0)
+
+
+@triton.jit
+def _gather_product(X, rr, tt, rmask, qs, ACC_DT: tl.constexpr):
+    """psi_f(x) for the rows given by (rr, tt): x_r x_t with -1 meaning 1, x scaled by qs."""
+    xr = tl.where(rr >= 0, tl.load(X + rr, mask=rmask & (rr >= 0), other=0.0).to(ACC_DT) * qs, 1.0)
+    xt = tl.where(tt >= 0, tl.load(X + tt, mask=rmask & (tt >= 0), other=0.0).to(ACC_DT) * qs, 1.0)
+    return xr * xt
+
+
+@triton.jit
+def _dec_step(
+    Q, K, V, W, ROWR, ROWT, S, PART, PARTN, STATUS,
+    F, d, dv, n_q, n_bq, scale_abs, s_limit,
+    T: tl.constexpr, REP: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, BDQ: tl.constexpr,
+    ACC_DT: tl.constexpr,
+):
+    """State rows [blk RB, blk RB + RB) of KV head (b, hk): T tokens' updates and readouts. Grid (NBLK, B * Hkv).
+
+    Q [B, Hq, T, d], K [B, Hkv, T, d], V [B, Hkv, T, dv] contiguous; S [B, Hkv, F, dv+1] fp32 (or fp64);
+    PART [NBLK, B * Hq * T, BV], PARTN [NBLK, B * Hq * T]."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    n_kv = n_q // REP
+    b = bh // n_kv
+    hk = bh % n_kv
+    rows = blk * RB + tl.arange(0, RB)
+    rmask = rows < F
+    rr = tl.load(ROWR + rows, mask=rmask, other=-1)
+    tt = tl.load(ROWT + rows, mask=rmask, other=-1)
+    vcol = tl.arange(0, BV)
+    vmask = vcol < dv
+    dcol = tl.arange(0, BDQ)
+    dmask = dcol < d
+    sbase = S + bh.to(tl.int64) * F * (dv + 1)
+    smask = rmask[:, None] & vmask[None, :]
+    st = tl.load(sbase + rows[:, None] * (dv + 1) + vcol[None, :], mask=smask, other=0.0)
+    sn = tl.load(sbase + rows * (dv + 1) + dv, mask=rmask, other=0.0)
+    for t in range(T):
+        kb = K + (bh * T + t).to(tl.int64) * d
+        kvec = tl.load(kb + dcol, mask=dmask, other=0.0).to(ACC_DT)
+        vv = tl.load(V + (bh * T + t).to(tl.int64) * dv + vcol, mask=vmask, other=0.0).to(ACC_DT)
+        psi = _gather_product(kb, rr, tt, rmask, 1.0, ACC_DT)
+        st += psi[:, None] * vv[None, :]
+        sn += tl.where(rmask, psi, 0.0)
+        kmax = tl.max(tl.abs(kvec), axis=0)
+        if blk == 0:
+            tl.atomic_max(STATUS + 1, _nonfinite(kvec).to(tl.float32))
+            tl.atomic_max(STATUS + 2, _nonfinite(vv).to(tl.float32))
+            tl.atomic_max(STATUS + 3, tl.where(kmax == kmax, kmax, 0.0).to(tl.float32))
+        for r in range(REP):
+            row = (b * n_q + hk * REP + r) * T + t
+            qb = Q + row.to(tl.int64) * d
+            qvec = tl.load(qb + dcol, mask=dmask, other=0.0).to(ACC_DT)
+            qmax = tl.max(tl.abs(qvec), axis=0)
+            if blk == 0:
+                tl.atomic_max(STATUS + 0, _nonfinite(qvec).to(tl.float32))
+            s_max = scale_abs * d * qmax * kmax
+            big = s_max > s_limit
+            qs = tl.where(big, 1.0 / qmax, 1.0)
+            inv_s = tl.where(big, 1.0 / s_max, 1.0)  # lam = s_max^2 is never formed: it can overflow
+            ratio = tl.where(big, qmax, 1.0) * inv_s  # 1 / (|scale| d max|k|) when rescaled
+            mult = tl.where(rr < 0, inv_s * inv_s, tl.where(tt < 0, ratio * inv_s, ratio * ratio))
+            w = tl.load(W + (hk * REP + r) * F + rows, mask=rmask, other=0.0).to(ACC_DT)
+            phi = w * mult * _gather_product(qb, rr, tt, rmask, qs, ACC_DT)
+            out = blk.to(tl.int64) * n_bq * T + row
+            tl.store(PART + out * BV + vcol, tl.sum(phi[:, None] * st, axis=0))
+            tl.store(PARTN + out, tl.sum(phi * sn, axis=0))
+    tl.store(sbase + rows[:, None] * (dv + 1) + vcol[None, :], st, mask=smask)
+    tl.store(sbase + rows * (dv + 1) + dv, sn, mask=rmask)
+
+
+@triton.jit
+def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.constexpr):
+    """out = sum of the partial numerators / sum of the partial normalisers, for one (batch row, query head,
+    token). Grid (B * Hq * T,)."""
+    row = tl.program_id(0)
+    vcol = tl.arange(0, BV)
+    num = tl.load(PART + row.to(tl.int64) * BV + vcol)
+    den = tl.load(PARTN + row)
+    for i in range(1, NBLK):
+        off = i * n_rows + row.to(tl.int64)
+        num += tl.load(PART + off * BV + vcol)
+        den += tl.load(PARTN + off)
+    out = num / den
+    tl.store(O + row.to(tl.int64) * dv + vcol, out.to(O.dtype.element_ty), mask=vcol < dv)
+    tl.atomic_max(STATUS + 4, _nonfinite(tl.where(vcol < dv, out, 0.0)).to(tl.float32))
+
+
+RB = 64  # state rows per program of _dec_step
+
+
+def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt):
+    """One decoding call: `state` [B, Hkv, F, dv+1] updated in place; returns out [B, Hq, T, dv] in q's dtype.
+    `acc_dt`: the state's dtype as a triton type."""
+    bsz, n_q, n_t, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    f = state.shape[2]
+    nblk = triton.cdiv(f, RB)
+    bv = max(16, triton.next_power_of_2(dv))
+    n_rows = bsz * n_q * n_t
+    part = parallel.empty(state, nblk, n_rows, bv)
+    partn = parallel.empty(state, nblk, n_rows)
+    _dec_step[(nblk, bsz * n_kv)](
+        q, k, v, w, rowr, rowt, state, part, partn, status, f, d, dv, n_q, bsz * n_q, abs(scale), s_limit,
+        T=n_t, REP=n_q // n_kv, RB=RB, BV=bv, BDQ=max(16, triton.next_power_of_2(d)), ACC_DT=acc_dt,
+    )
+    out = parallel.empty(q, bsz, n_q, n_t, dv)
+    _dec_out[(n_rows,)](part, partn, out, status, n_rows, dv, NBLK=nblk, BV=bv)
+    return out
+

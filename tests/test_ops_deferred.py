@@ -1,0 +1,199 @@
+"""The operator's value checks on the device (`oal.ops.checks`, CUDA by default): no host read on the kernels' path,
+the same errors reported late, and few launches per call.
+
+CI has no GPU, so these run the device path on CPU tensors (the CPU is added to `checks.DEFERRED_DEVICES`) with
+the Triton kernels under the interpreter. A host read of a tensor value is what stalls a GPU: the tests count
+every `item`, `float`, `int`, `bool`, `tolist` and `torch.equal` that oal's own code calls on a tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_triton import DEVICE, F64, make_inputs, rel_err  # noqa: E402
+
+from oal.ops import oal_attention  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parents[1] / "src" / "oal")
+ops = importlib.import_module("oal.ops")
+checks = getattr(ops, "checks", None)  # absent before the device checks existed: the sync count then fails
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """The CPU stands in for a device whose value checks are deferred."""
+    if checks is not None:
+        monkeypatch.setattr(checks, "DEFERRED_DEVICES", {"cpu", "cuda"})
+        monkeypatch.delenv("OAL_SYNC_CHECKS", raising=False)
+        yield
+        checks.check_errors()  # nothing left pending for the next test
+    else:
+        yield
+
+
+class HostReads:
+    """Counts the reads of tensor values into Python made by oal's code (the calls that stall a GPU)."""
+
+    NAMES = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), name))
+        monkeypatch.setattr(torch, "equal", self._wrap(torch.equal, "equal"))
+
+    def _wrap(self, fn, name):
+        def counted(*args, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.startswith(SRC):
+                self.calls.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _calls(q, k, v, groups, factor):
+    """The kernels' paths: a short prefill (parallel), a prefill with its state (chunked), training, decoding."""
+    out = oal_attention(q, k, v, groups, factor, backend="triton")
+    _, state = oal_attention(q, k, v, groups, factor, backend="triton", output_final_state=True)
+    leaf = q.clone().requires_grad_()
+    torch.autograd.grad(oal_attention(leaf, k, v, groups, factor, backend="triton").sum(), leaf)
+    step = [t[:, :, -1:] for t in (q, k, v)]
+    with torch.no_grad(), checks.cache_owned(state) if checks else torch.no_grad():
+        oal_attention(*step, groups, factor, backend="triton", initial_state=state, output_final_state=True)
+    return out
+
+
+def test_no_host_reads_on_the_kernels_path(on_device, monkeypatch):
+    """After one call per kernel (group ids and the factor are read once and cached), no call reads a value."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 40, 16, 8, 3)
+    _calls(q, k, v, groups, factor)  # first calls: the per-kernel reads
+    reads = HostReads(monkeypatch)
+    _calls(q, k, v, groups, factor)
+    assert reads.calls == [], reads.calls
+
+
+def test_device_path_gives_the_host_path_results(on_device, monkeypatch):
+    q, k, v, groups, factor = make_inputs(2, 4, 2, 30, 20, 12, 4, seed=2)
+    got = oal_attention(q, k, v, groups, factor, backend="triton")
+    monkeypatch.setattr(checks, "DEFERRED_DEVICES", set())
+    want = oal_attention(q, k, v, groups, factor, backend="triton")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+BAD = [
+    pytest.param(dict(q=float("nan")), "^q: contains NaN or Inf values", id="q-nan"),
+    pytest.param(dict(v=float("inf")), "^v: contains NaN or Inf values", id="v-inf"),
+    pytest.param(dict(k=1e19), r"^k: values up to .* overflow the torch.float32 state", id="k-overflow"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD)
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_bad_values_are_reported_late_with_the_same_message(on_device, bad, message, path):
+    """The call itself does not stop; the error names the argument, raised by `check_errors()` or the next call."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 12, 16, 8, 3, seed=3)
+    _, state = oal_attention(q, k, v, groups, factor, backend="triton", output_final_state=True)
+    inputs = dict(q=q[:, :, -1:].clone(), k=k[:, :, -1:].clone(), v=v[:, :, -1:].clone())
+    name, value = next(iter(bad.items()))
+    inputs[name][..., 0] = value
+    kw = dict(initial_state=state) if path == "decode" else {}
+    with torch.no_grad():
+        oal_attention(inputs["q"], inputs["k"], inputs["v"], groups, factor, backend="triton", **kw)
+    with pytest.raises(ValueError, match=message + r".*found on cpu after an earlier call"):
+        checks.check_errors()
+    oal_attention(q, k, v, groups, factor, backend="triton")  # reported once: the next call runs
+    with pytest.raises(ValueError, match=message):  # or the next call raises it
+        oal_attention(inputs["q"], inputs["k"], inputs["v"], groups, factor, backend="triton", **kw)
+        oal_attention(q, k, v, groups, factor, backend="triton")
+
+
+def test_a_state_given_by_the_caller_is_still_checked(on_device):
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 5, 16, 8, 3)
+    _, state = oal_attention(q, k, v, groups, factor, backend="triton", output_final_state=True)
+    state[0, 0, 0, -1] = -1.0  # a negative token count
+    with torch.no_grad():
+        oal_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], groups, factor, backend="triton", initial_state=state)
+    with pytest.raises(ValueError, match="^initial_state: its denominator column"):
+        checks.check_errors()
+
+
+def test_group_ids_are_read_once_per_tensor(on_device):
+    """Ids out of range are refused in the call itself (read once per groups tensor, and again after a write)."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 5, 16, 8, 3)
+    oal_attention(q, k, v, groups, factor, backend="triton")
+    groups[0, 0] = 7
+    with pytest.raises(ValueError, match=r"^groups: ids must lie in \[0, G=3\)"):
+        oal_attention(q, k, v, groups, factor, backend="triton")
+
+
+@pytest.mark.parametrize("q_scale,k_scale", [(1e10, 1.0), (1e15, 1e3)])
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_huge_scores_are_rescaled_exactly_on_the_device(on_device, q_scale, k_scale, path):
+    """The overflow rescaling from device maxima (`checks.device_rescale`, and in the decoding kernels)."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 20, 16, 8, 3, seed=5)
+    q, k = q * q_scale, k * k_scale
+    want = oal_attention(q.to(F64), k.to(F64), v.to(F64), groups, factor.to(F64), backend="reference")
+    if path == "prefill":
+        got = oal_attention(q, k, v, groups, factor, backend="triton")
+    else:
+        _, state = oal_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19], groups, factor, backend="triton",
+                                 output_final_state=True)
+        with torch.no_grad():
+            got = torch.cat([oal_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19], groups, factor),
+                             oal_attention(q[:, :, 19:], k[:, :, 19:], v[:, :, 19:], groups, factor,
+                                           backend="triton", initial_state=state)], dim=2)
+    checks.check_errors()
+    assert rel_err(got, want) < 1e-4
+
+
+class Launches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch operators that launch work on a device (not views, not allocations)."""
+
+    FREE = {"view", "_unsafe_view", "as_strided", "t", "transpose", "unsqueeze", "squeeze", "expand", "detach",
+            "alias", "empty", "empty_strided", "new_empty", "slice", "select", "unbind", "permute", "lift_fresh",
+            "_to_copy_noop", "split", "unflatten", "reshape"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.FREE:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the torch side of a call; the GPU run measures time")
+def test_a_decoding_step_is_a_few_launches(on_device, monkeypatch):
+    """A decoding step on the cache's state: the status buffer and two kernels (on a GPU, and the status copy to
+    the host); torch adds no other work (the coefficients are cached, the state is updated in place)."""
+    from oal.ops.triton import decode
+
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 9, 16, 8, 3, seed=7)
+    _, state = oal_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], groups, factor, backend="triton",
+                             output_final_state=True)
+    step = [t[:, :, 8:].contiguous() for t in (q, k, v)]  # one token, laid out as a model's projections give it
+    kernels = []
+    launch = decode.launch
+
+    def counted(*args, **kwargs):  # the two kernels; what the interpreter does to run them is not counted
+        kernels.append(2)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "launch", counted)
+    with torch.no_grad(), checks.cache_owned(state):
+        oal_attention(*step, groups, factor, backend="triton", initial_state=state)  # builds the cached coefficients
+        kernels.clear()
+        with Launches() as mode:
+            oal_attention(*step, groups, factor, backend="triton", initial_state=state)
+    print("decoding step: torch operators", mode.ops, "+ triton kernels", sum(kernels) // 2)
+    assert mode.ops == ["zeros.default"] and sum(kernels) == 2
