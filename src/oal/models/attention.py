@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -51,6 +52,8 @@ from oal.methods.base import AttentionMethod, build_method, repeat_kv
 from oal.models import encoder
 from oal.models.cache import OALStateLayer
 from oal.models.registry import default_layers
+from oal.ops.checks import cache_owned
+from oal.ops.kernel import version
 
 __all__ = ["converted_methods", "is_converted", "kernel_parameters", "swap_attention"]
 
@@ -101,8 +104,18 @@ def _key_validity(mask, n_new: int) -> torch.Tensor | None:
     """
     if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
         return None
-    cols = mask[:, 0, :, -n_new:]
-    return (cols if cols.dtype == torch.bool else cols == 0).any(dim=1)
+    key = (version(mask), n_new)
+    hit = _VALIDITY.get(mask)
+    if hit is None or hit[0] != key:
+        cols = mask[:, 0, :, -n_new:]
+        valid = (cols if cols.dtype == torch.bool else cols == 0).any(dim=1)
+        # None when nothing is padded: read once per mask (every layer of a forward gets the same one), not once
+        # per layer, since on a GPU the read waits for the device
+        hit = _VALIDITY[mask] = (key, None if bool(valid.all()) else valid)
+    return hit[1]
+
+
+_VALIDITY = WeakIdKeyDictionary()  # 4-D mask -> (its version, address, n_new; the key validity or None)
 
 
 def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
@@ -118,9 +131,11 @@ def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
     return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
 
 
-def _run(method, q, k, v, state, want_state):
+def _run(method, q, k, v, state, want_state, owned: bool = False):
     if want_state:
-        return method(q, k, v, causal=True, initial_state=state, output_final_state=True)
+        # the cache's own state is handed back as such: not checked again, updated in place (`models.cache`)
+        with cache_owned(state if owned else None):
+            return method(q, k, v, causal=True, initial_state=state, output_final_state=True)
     return method(q, k, v, causal=True), None
 
 
@@ -141,8 +156,8 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
     want = layer is not None
     state = layer.state if want else None
     n = q.shape[2]
-    if valid is None or bool(valid.all()):
-        out, state = _run(method, q, k, v, state, want)
+    if valid is None:  # nothing padded (`_key_validity`)
+        out, state = _run(method, q, k, v, state, want, owned=want and layer.owned)
     else:
         start, stop = _real_spans(valid)
         if not want and not bool(start.any()):
@@ -165,7 +180,7 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
             out = torch.cat(outs)
             state = torch.cat(states) if want else None
     if want:
-        layer.state = state
+        layer.keep(state)
     return out
 
 

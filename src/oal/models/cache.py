@@ -10,6 +10,10 @@ method with `initial_state=layer.state, output_final_state=True` and stores the 
 [B, Hkv, 1 + d + d(d+1)/2, dv + 1] (H0, H1, packed H2 and the denominator column, see `oal.ops`). Its size does
 not depend on the context length.
 
+A state the operator returned is the cache's own (`OALStateLayer.keep`, `owned`): the attention function hands it
+back under `oal.ops.checks.cache_owned`, so the operator neither checks it again nor copies it (it updates it in
+place). A state put into `layer.state` from outside is not owned, and is checked like any caller's.
+
 Methods without a recurrent state (`supports_state = False`: softmax, kernels without a prefix state) in a
 converted layer get `OALStateLayer(stateful=False)`, which stores K/V like a dynamic layer; decoding then
 recomputes the dense kernel of the new queries against all cached keys (exact, O(N) per token, not O(1)).
@@ -36,11 +40,24 @@ class OALStateLayer(CacheLayerMixin):
     def __init__(self, stateful: bool = True, **kwargs):
         super().__init__()
         self.stateful = stateful
-        self.state: torch.Tensor | None = None
+        self._state: torch.Tensor | None = None
+        self.owned = False  # whether the state is one the operator returned, held by nobody else
         self.seen = 0
 
     def __repr__(self):
         return f"OALStateLayer(stateful={self.stateful}, seen={self.seen})"
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        return self._state
+
+    @state.setter
+    def state(self, value: torch.Tensor | None) -> None:  # from outside: checked again by the operator
+        self._state, self.owned = value, False
+
+    def keep(self, state: torch.Tensor | None) -> None:
+        """Store the state the operator returned (the attention function does): the cache's own from now on."""
+        self._state, self.owned = state, state is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -76,8 +93,8 @@ class OALStateLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _map_batch(self, fn) -> None:
-        if self.state is not None:
-            self.state = fn(self.state)
+        if self._state is not None:  # a new tensor made from the cache's own: still its own
+            self._state = fn(self._state)
         if not self.stateful and self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
 

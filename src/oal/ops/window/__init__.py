@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from oal.ops import _check as _check_oal
-from oal.ops import _compute_dtype, _max_abs, _rescaled
-from oal.ops.kernel import coefficients
+from oal.ops import checks
+from oal.ops.checks import compute_dtype as _compute_dtype
+from oal.ops.checks import max_abs as _max_abs
+from oal.ops.checks import rescaled as _rescaled
+from oal.ops.kernel import cached_coefficients
 from oal.ops.window.banded import banded_window_attention
 from oal.ops.window.recurrent import recurrent_window_attention
 from oal.ops.window.reference import reference_window_attention, window_log_weights
@@ -60,6 +62,7 @@ class Kernel:
     eps: float
     scale: float
     lam: float
+    weights: torch.Tensor | None = None  # the query coefficients of `coeffs` (`kernel.cached_coefficients`)
 
 
 def _positive_int(name: str, value, low: int) -> int:
@@ -68,26 +71,15 @@ def _positive_int(name: str, value, low: int) -> int:
     return value
 
 
-def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size):
-    """Validate everything but the kernel's own arguments; returns (max |q|, max |k|)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a 4-D tensor [B, H, N, d], got {shape}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size, check_state=True):
+    """Validate everything but the kernel's own arguments; returns (max |q|, max |k|). `check_state`: read the
+    initial state's values (not for the generation cache's own state, `checks.owned`)."""
+    checks.qkv_shapes(q, k, v)
+    for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
     bsz, n_q, n, d = q.shape
-    if d == 0:
-        raise ValueError("q: expected a head dimension d >= 1, got d = 0")
-    if k.shape[0] != bsz or k.shape[2] != n or k.shape[3] != d:
-        raise ValueError(f"k: expected shape [{bsz}, Hkv, {n}, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
     n_kv = k.shape[1]
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v: expected shape [{bsz}, {n_kv}, {n}, dv] to match k, got {tuple(v.shape)}")
-    if n_kv == 0 or n_q % n_kv != 0:
-        raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
     _positive_int("window", window, 1)
     _positive_int("sinks", sinks, 0)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -109,7 +101,8 @@ def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial
         if backend == "reference":
             raise ValueError("initial_state: the reference evaluates a whole sequence from its start; "
                              "use backend 'banded' or 'recurrent' to continue one")
-        _max_abs("initial_state", initial_state)
+        if check_state:
+            _max_abs("initial_state", initial_state)
     qmax, kmax = _max_abs("q", q), _max_abs("k", k)
     _max_abs("v", v)
     return qmax, kmax
@@ -139,9 +132,12 @@ def window_attention(
     if (groups is None) != (factor is None):
         raise ValueError("groups/factor: give both (oal-swa) or neither (swa)")
     has_kernel = groups is not None
-    qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size)
+    own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
+    qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size,
+                        check_state=not own)
     if has_kernel:  # the kernel's own arguments (groups ids, factor shape, eps), as oal_attention checks them
-        _check_oal(q, k, v, groups, factor, eps, scale, None, "auto")
+        checks.check_shapes(q, k, v, groups, factor, eps, scale, None, "auto")
+        _max_abs("factor", factor)
     out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
@@ -151,7 +147,8 @@ def window_attention(
     kernel = None
     if has_kernel:
         kq, kfactor, keps, kscale, lam = _rescaled(q.to(dtype), qmax, kmax, factor.to(dtype), eps, scale, dtype)
-        kernel = Kernel(kq, groups, kfactor, coefficients(kfactor, groups, keps), keps, kscale, lam)
+        coeffs, weights = cached_coefficients(kfactor, groups, keps, kscale)  # once per kernel, not per token
+        kernel = Kernel(kq, groups, kfactor, coeffs, keps, kscale, lam, weights)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     state = None if initial_state is None else initial_state.to(dtype)
     if backend == "auto":
@@ -167,11 +164,17 @@ def window_attention(
         out = reference_window_attention(q, k, v, window=window, sinks=sinks, kernel=ref_kernel, scale=scale)
         final = sequence_state(k, v, window, sinks, has_kernel) if output_final_state else None
     elif backend == "recurrent":
-        slots, prefix = split_window_state(state if state is not None else make_state(), d, dv, window, sinks,
-                                           has_kernel)
-        out, slots, prefix = recurrent_window_attention(q, k, v, sinks=sinks, kernel=kernel, scale=scale,
-                                                        slots=slots, prefix=prefix)
-        final = join_window_state(slots, prefix)
+        base = state if state is not None else make_state()
+        # the state is written in place where nobody else holds it: a new one, or the cache's own (`checks.owned`)
+        inplace = (state is None or (own and state is initial_state)) and checks.updatable(base, q, k, v, factor)
+        slots, prefix = split_window_state(base, d, dv, window, sinks, has_kernel)
+        out, new_slots, new_prefix = recurrent_window_attention(q, k, v, sinks=sinks, kernel=kernel, scale=scale,
+                                                                slots=slots, prefix=prefix, inplace=inplace)
+        if inplace:  # the prefix was updated in place; the slots (a few rows) are written back
+            slots.copy_(new_slots)
+            final = base
+        else:
+            final = join_window_state(new_slots, new_prefix)
     else:
         slots, prefix = None, None
         if state is not None:

@@ -30,9 +30,10 @@ def _push(slots, row, sinks: int):
     return torch.cat([sink_rows, buf], dim=2), left
 
 
-def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slots, prefix):
+def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slots, prefix, inplace: bool = False):
     """out [B, Hq, n, dv] and the state's (slots, prefix) after the call. slots [B, Hkv, S + W, d+dv+1];
-    prefix [B, Hkv, F, dv+1] (kernel) or None."""
+    prefix [B, Hkv, F, dv+1] (kernel) or None. `inplace`: the prefix is updated in place (the slots, a few rows,
+    are always new tensors): a copy of the whole prefix per token was most of a step's memory traffic."""
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_q // n_kv
@@ -47,9 +48,14 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
         older = None
         if kernel is not None:
             psi = key_features(left[:, :, None, :d]).transpose(-1, -2)  # Eq. 5 for the evicted row, in one pass
-            prefix = torch.baddbmm(prefix.flatten(0, 1), psi.flatten(0, 1), left[:, :, None, d:].flatten(0, 1))
-            prefix = prefix.view(bsz, n_kv, *prefix.shape[1:])
-            phi = query_features(kernel.q[:, :, t : t + 1], *kernel.coeffs, kernel.scale)  # [B, Hq, 1, F]
+            flat = prefix.flatten(0, 1)
+            if inplace and flat.data_ptr() == prefix.data_ptr():  # a view: the update lands in the state
+                flat.baddbmm_(psi.flatten(0, 1), left[:, :, None, d:].flatten(0, 1))
+            else:
+                prefix = torch.baddbmm(flat, psi.flatten(0, 1), left[:, :, None, d:].flatten(0, 1))
+                prefix = prefix.view(bsz, n_kv, *prefix.shape[1:])
+            phi = query_features(kernel.q[:, :, t : t + 1], *kernel.coeffs, kernel.scale,
+                                 weights=kernel.weights)  # [B, Hq, 1, F]
             older = phi.view(bsz, n_kv, rep, -1) @ prefix
         outs.append(normalise(m, acc, older, kernel.lam if kernel is not None else 1.0))
     out = torch.stack(outs, dim=3).reshape(bsz, n_q, n, -1)
