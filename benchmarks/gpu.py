@@ -1,23 +1,32 @@
-"""GPU benchmark: the Triton OAL kernels against SDPA (flash, math) and the torch `chunked` path (issue 10).
+"""GPU benchmark: the Triton OAL kernels against torch's default SDPA dispatch, what HF models call (issue 46).
 
-Shape: the Qwen2.5-0.5B head shape of the paper's Fig. 3 (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, causal,
-N = 1k..64k. Forward (no autograd) and forward+backward. SDPA runs with `enable_gqa` (K/V never repeated) and
-one backend forced through `torch.nn.attention.sdpa_kernel`; the math backend is skipped once its estimated
-peak exceeds --math-fraction of free memory (as in the paper's App. E), `chunked` above --chunked-max.
-Times: CUDA events, median of --repeats after --warmup calls. Memory: torch.cuda.max_memory_allocated over one
-call, inputs included (as in Fig. 3). Writes benchmarks/results/gpu.{json,png} and prints a table with the ratio
-sdpa_flash / oal (above 1: OAL is faster). Needs a CUDA device.
+Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, causal, N = 2k..128k. Methods:
+  oal            oal_attention(backend="auto"): the parallel kernels up to routes.PARALLEL_MAX, the chunked above;
+  oal_parallel   the parallel kernels forced (quadratic; up to --parallel-max-n), to place the crossover;
+  oal_chunked    the chunked kernels forced;
+  sdpa           F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), torch's default
+                 dispatch; which backend it picked is read off a torch.profiler trace of one call;
+  sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it.
+Forward (no autograd) and forward + backward. Times: CUDA events around each call, median of --repeats after
+--warmup calls (the first calls compile and autotune). Memory: torch.cuda.max_memory_allocated over one call,
+inputs included. Before timing, the kernels' bf16 output and gradients are compared with the fp32 torch path
+(`sanity`), on both OAL routes.
 
-    python -m benchmarks.gpu                      # N = 1k..64k
-    python -m benchmarks.gpu --max-len 16384      # quicker
+Writes --out (JSON; `rows` hold n, oal_fwd_ms, sdpa_fwd_ms, oal_fwdbwd_ms, sdpa_fwdbwd_ms and the other methods'
+times, null where not measured), a PNG beside it, and prints a table and the issue's goals.
+
+    python -m benchmarks.gpu --out benchmarks/reference/gpu_h200.json     # N = 2k..128k
+    python -m benchmarks.gpu --lengths 2048,16384 --no-backward            # quicker
+    python -m benchmarks.gpu --profile 16384 --profile-out prof.txt       # kernel table of one OAL forward
+    python -m benchmarks.gpu --device cpu --lengths 64 --repeats 1        # smoke test (Triton's interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import platform
-import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -25,13 +34,14 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
-METHODS = ("oal_triton", "sdpa_flash", "sdpa_math", "oal_chunked")
-LABELS = {"oal_triton": "OAL Triton (G=5)", "sdpa_flash": "SDPA flash", "sdpa_math": "SDPA math",
-          "oal_chunked": "OAL torch chunked"}
+METHODS = ("oal", "oal_parallel", "oal_chunked", "sdpa", "sdpa_flash", "sdpa_cudnn")
+LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
+REQUIRED = ("oal_fwd_ms", "sdpa_fwd_ms", "oal_fwdbwd_ms", "sdpa_fwdbwd_ms")
+MODES = {"fwd": False, "fwdbwd": True}
 
 
-def inputs(n: int, *, grad: bool, seed: int = 0):
-    """q, k, v (bf16, CUDA), groups and a calibrated-looking factor (perturbed Taylor), and an output gradient."""
+def inputs(n: int, device: str, *, grad: bool, seed: int = 0):
+    """q, k, v (bf16), groups and a calibrated-looking factor (perturbed Taylor), and an output gradient."""
     from oal.ops.kernel import perturbed_factor, taylor_factor
 
     gen = torch.Generator().manual_seed(seed)
@@ -40,100 +50,223 @@ def inputs(n: int, *, grad: bool, seed: int = 0):
     v = torch.randn(SHAPE["B"], SHAPE["hkv"], n, SHAPE["dv"], generator=gen)
     groups = torch.randint(0, SHAPE["g"], (SHAPE["hq"], SHAPE["d"]), generator=gen)
     factor = perturbed_factor(taylor_factor(SHAPE["hq"], SHAPE["g"]), 0.1, generator=gen)
-    q, k, v = (t.to("cuda", torch.bfloat16).requires_grad_(grad) for t in (q, k, v))
-    factor = factor.cuda().requires_grad_(grad)
-    do = torch.randn(SHAPE["B"], SHAPE["hq"], n, SHAPE["dv"], generator=gen).to("cuda", torch.bfloat16)
-    return q, k, v, groups.cuda(), factor, do
+    q, k, v = (t.to(device, torch.bfloat16).requires_grad_(grad) for t in (q, k, v))
+    do = torch.randn(SHAPE["B"], SHAPE["hq"], n, SHAPE["dv"], generator=gen).to(device, torch.bfloat16)
+    return q, k, v, groups.to(device), factor.to(device).requires_grad_(grad), do
+
+
+@contextlib.contextmanager
+def triton_route(method: str):
+    """Force the parallel (oal_parallel) or the chunked (oal_chunked) kernels; `oal` keeps the library's choice."""
+    from oal.ops.triton import routes
+
+    saved = routes.PARALLEL_MAX
+    routes.PARALLEL_MAX = {"oal_parallel": 1 << 40, "oal_chunked": 0}.get(method, saved)
+    try:
+        yield
+    finally:
+        routes.PARALLEL_MAX = saved
 
 
 def attention(method: str):
     """A function (q, k, v, groups, factor) -> out for one method."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from oal.ops import oal_attention
 
-    if method.startswith("oal_"):
-        backend = method.removeprefix("oal_")
-        return lambda q, k, v, groups, factor: oal_attention(q, k, v, groups, factor, backend=backend)
-    sdp = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_math": SDPBackend.MATH}[method]
+    if method.startswith("oal"):
+        backend = "triton" if method != "oal" else "auto"
+
+        def oal(q, k, v, groups, factor):
+            with triton_route(method):
+                return oal_attention(q, k, v, groups, factor, backend=backend)
+
+        return oal
 
     def sdpa(q, k, v, groups, factor):
-        with sdpa_kernel(sdp):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    return sdpa
+    if method == "sdpa":
+        return sdpa
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[method]
+
+    def forced_sdpa(q, k, v, groups, factor):
+        with sdpa_kernel(forced):
+            return sdpa(q, k, v, groups, factor)
+
+    return forced_sdpa
 
 
-def math_peak_bytes(n: int, backward: bool) -> int:
-    """Rough peak of the math backend: a few fp32 [Hq, N, N] tensors (scores, mask, softmax; more backward)."""
-    return (6 if backward else 3) * SHAPE["hq"] * n * n * 4
+class Timer:
+    """CUDA events on a GPU (device time between the two records), the host clock on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            res = fn()
+            end.record()
+            torch.cuda.synchronize()
+            del res
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
 
 
-def measure(method: str, n: int, backward: bool, warmup: int, repeats: int) -> dict:
-    """Median time (ms) over `repeats` CUDA-event-timed calls and the peak memory of one call."""
+def measure(method: str, n: int, backward: bool, args) -> dict:
+    """Median time (ms) over `repeats` calls and the peak memory of one call (MiB; GPU only)."""
     fn = attention(method)
-    q, k, v, groups, factor, do = inputs(n, grad=backward)
+    q, k, v, groups, factor, do = inputs(n, args.device, grad=backward)
 
     def call():
         if backward:
             out = fn(q, k, v, groups, factor)
-            grads = torch.autograd.grad(out, (q, k, v) + ((factor,) if method.startswith("oal_") else ()), do)
-            return out, grads
+            leaves = (q, k, v) + ((factor,) if method.startswith("oal") else ())
+            return out, torch.autograd.grad(out, leaves, do)
         with torch.no_grad():
             return fn(q, k, v, groups, factor)
 
-    for _ in range(warmup):  # compilation, autotuning of cuBLAS/SDPA, allocator warm-up
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        res = call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-        del res
-    torch.cuda.reset_peak_memory_stats()
-    res = call()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**20
-    del res
-    times.sort()
-    return {"method": method, "n": n, "mode": "fwd+bwd" if backward else "fwd", "ms": times[len(times) // 2],
-            "ms_all": times, "peak_mib": peak}
+    timer = Timer(args.device)
+    for _ in range(args.warmup):  # compilation, autotuning, allocator warm-up
+        timer(call)
+    times = [timer(call) for _ in range(args.repeats)]
+    peak = None
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        timer(call)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    return {"ms": statistics.median(times), "ms_all": times, "peak_mib": peak}
 
 
-def skip_reason(method: str, n: int, backward: bool, args) -> str | None:
-    if method == "oal_chunked" and n > args.chunked_max:
-        return f"N > --chunked-max {args.chunked_max}"
-    if method == "sdpa_math":
-        free, _ = torch.cuda.mem_get_info()
-        if math_peak_bytes(n, backward) > args.math_fraction * free:
-            return f"estimated peak {math_peak_bytes(n, backward) / 2**30:.0f} GiB > {args.math_fraction:.0%} of free"
+def skip_reason(method: str, n: int, args) -> str | None:
+    if method == "oal_parallel" and n > args.parallel_max_n:
+        return f"N > --parallel-max-n {args.parallel_max_n} (quadratic)"
+    if method == "sdpa_cudnn" and args.device != "cuda":
+        return "cuDNN needs CUDA"
     return None
 
 
-def sanity(n: int = 2048) -> dict:
-    """The kernels against the torch path on the benchmark's inputs: relative errors (in norm) of the output and of
-    the q, k, v and factor gradients, bf16 on the kernels against fp32 on `chunked` (so a wrong backward is not
-    timed unnoticed: on the H200, 8 warps gave dq, dk off by 0.4 at d = 128 with a correct output)."""
-    q, k, v, groups, factor, do = inputs(n, grad=True, seed=1)
+# (backend, substrings of an aten operator or kernel name), the first match wins: cuDNN's kernel names contain
+# "flash" too, and the operators name the backend outright
+BACKEND_NAMES = (
+    ("cudnn", ("_scaled_dot_product_cudnn_attention", "cudnn")),
+    ("flash", ("_scaled_dot_product_flash_attention", "flash")),
+    ("efficient", ("_scaled_dot_product_efficient_attention", "efficient_attention", "fmha_cutlass")),
+    ("math", ("_scaled_dot_product_attention_math", "softmax")),
+)
 
-    def run(method, dtype):
+
+def sdpa_backend(names) -> str:
+    """The SDPA backend that a profiler trace's event names (aten operators and kernels) show, or 'unknown'."""
+    lowered = [name.lower() for name in names]
+    for backend, keys in BACKEND_NAMES:
+        if any(key in name for name in lowered for key in keys):
+            return backend
+    return "unknown"
+
+
+def default_backend(n: int, device: str) -> dict:
+    """Which backend the default SDPA dispatch picks for the benchmark's inputs at length n (forward and
+    backward), from the event names of a torch.profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, groups, factor, do = inputs(n, device, grad=True)
+    fn = attention("sdpa")
+    fn(q, k, v, groups, factor)  # warm-up outside the trace
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        out = fn(q, k, v, groups, factor)
+        torch.autograd.grad(out, (q, k, v), do)
+    names = sorted({evt.name for evt in prof.events()})
+    kernels = [name for name in names if not name.startswith(("aten::", "autograd::", "cuda", "Memcpy", "Memset"))]
+    return {"n": n, "backend": sdpa_backend(names), "kernels": kernels[:12]}
+
+
+def sanity(device: str, n: int) -> dict:
+    """The kernels (bf16) against the torch path (fp32) on the benchmark's inputs, on both routes: relative errors
+    (in norm) of the output and of the q, k, v and factor gradients (a wrong backward is not timed unnoticed)."""
+    q, k, v, groups, factor, do = inputs(n, device, grad=True, seed=1)
+
+    def run(method, dtype, backend=None):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + [factor.detach().requires_grad_()]
-        out = attention(method)(*leaves[:3], groups, leaves[3])
+        if backend:  # the torch path
+            from oal.ops import oal_attention
+
+            out = oal_attention(*leaves[:3], groups, leaves[3], backend=backend)
+        else:
+            out = attention(method)(*leaves[:3], groups, leaves[3])
         return [out, *torch.autograd.grad(out, leaves, do.to(out.dtype))]
 
-    got, want = run("oal_triton", torch.bfloat16), run("oal_chunked", torch.float32)
-    names = ("out", "dq", "dk", "dv", "dfactor")
-    errs = {name: float((g.detach().float() - w.detach().float()).norm() / w.detach().float().norm())
-            for name, g, w in zip(names, got, want, strict=True)}
-    return {"n": n, "rel_err_vs_chunked_fp32": errs["out"], "rel_err": errs}
+    want = run("", torch.float32, backend="chunked")
+    errs = {}
+    for method in ("oal_parallel", "oal_chunked"):
+        got = run(method, torch.bfloat16)
+        errs[method] = {name: float((g.detach().float() - w.detach().float()).norm() / w.detach().float().norm())
+                        for name, g, w in zip(("out", "dq", "dk", "dv", "dfactor"), got, want, strict=True)}
+    return {"n": n, "rel_err_vs_chunked_fp32": errs}
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def row_of(n: int, measured: dict) -> dict:
+    """One JSON row: n, then <method>_<mode>_ms (null where not measured) and the peaks."""
+    row = {"n": n}
+    for method in METHODS:
+        for mode in MODES:
+            r = measured.get((method, n, mode), {})
+            row[f"{method}_{mode}_ms"] = r.get("ms")
+            if mode == "fwd":
+                row[f"{method}_peak_mib"] = r.get("peak_mib")
+    return row
+
+
+def schema_errors(record: dict) -> list[str]:
+    """What keeps `record` from the schema the issue asks for (empty when it fits)."""
+    errors = []
+    rows = record.get("rows")
+    if not isinstance(rows, list):
+        return ["rows: expected a list"]
+    for i, row in enumerate(rows):
+        if not isinstance(row.get("n"), int) or isinstance(row.get("n"), bool):
+            errors.append(f"rows[{i}].n: expected an int")
+        for key in REQUIRED:
+            if key not in row or not (row[key] is None or isinstance(row[key], float)):
+                errors.append(f"rows[{i}].{key}: expected a float (null where not measured)")
+    return errors
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's acceptance on an H200, checked on the measured rows (None: not measured)."""
+    by_n = {r["n"]: r for r in rows}
+
+    def ratio(n, mode):
+        r = by_n.get(n, {})
+        sdpa, oal = r.get(f"sdpa_{mode}_ms"), r.get(f"oal_{mode}_ms")
+        return sdpa / oal if sdpa and oal else None
+
+    def from_16k(mode):
+        vals = [ratio(n, mode) for n in by_n if n >= 16384 and ratio(n, mode) is not None]
+        return all(v >= 1 for v in vals) if vals else None
+
+    def at(n, mode, x):
+        val = ratio(n, mode)
+        return None if val is None else val >= x
+
+    fwd_2k = by_n.get(2048, {}).get("oal_fwd_ms")
+    return {
+        "forward >= default SDPA from 16k": from_16k("fwd"),
+        "forward >= 3x default SDPA at 64k": at(65536, "fwd", 3),
+        "forward >= 6x default SDPA at 128k": at(131072, "fwd", 6),
+        "forward + backward >= default SDPA from 16k": from_16k("fwdbwd"),
+        "forward at 2k under 0.3 ms": None if fwd_2k is None else fwd_2k < 0.3,
+    }
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,147 +276,183 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for method in METHODS:
-        for ax, mode in ((axes[0], "fwd"), (axes[1], "fwd+bwd")):
-            pts = sorted((r["n"], r["ms"]) for r in rows if r["method"] == method and r["mode"] == mode and "ms" in r)
+        for ax, mode in zip(axes[:2], MODES, strict=True):
+            pts = [(r["n"], r[f"{method}_{mode}_ms"]) for r in rows if r.get(f"{method}_{mode}_ms")]
             if pts:
-                ax.loglog(*zip(*pts, strict=True), "o-", label=LABELS[method], base=2)
-        pts = sorted((r["n"], r["peak_mib"]) for r in rows if r["method"] == method and r["mode"] == "fwd"
-                     and "peak_mib" in r)
+                ax.loglog(*zip(*pts, strict=True), "o-", label=method, base=2)
+    for mode in MODES:
+        pts = [(r["n"], r[f"sdpa_{mode}_ms"] / r[f"oal_{mode}_ms"]) for r in rows
+               if r.get(f"sdpa_{mode}_ms") and r.get(f"oal_{mode}_ms")]
         if pts:
-            axes[2].loglog(*zip(*pts, strict=True), "o-", label=LABELS[method], base=2)
-    for ax, title, ylabel in ((axes[0], "Causal forward", "time (ms)"), (axes[1], "Forward + backward", "time (ms)"),
-                              (axes[2], "Peak memory, forward", "max_memory_allocated (MiB)")):
-        ax.set(xlabel="sequence length N", ylabel=ylabel, title=title)
+            axes[2].semilogx(*zip(*pts, strict=True), "o-", label=mode, base=2)
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    for ax, name, ylabel in ((axes[0], "Causal forward", "time (ms)"), (axes[1], "Forward + backward", "time (ms)"),
+                             (axes[2], "default SDPA / OAL (above 1: OAL faster)", "ratio")):
+        ax.set(xlabel="sequence length N", ylabel=ylabel, title=name)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{torch.cuda.get_device_name()}: B=1, Hq=14, Hkv=2, d=dv=64, G=5, bf16")
+    fig.suptitle(title)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)
 
 
-def summary(rows: list[dict], lengths: list[int]) -> tuple[list[dict], dict]:
-    """Per N: flash / OAL ratios; and the issue's goals, checked on the measured numbers."""
-    def ms(method, n, mode):
-        return next((r["ms"] for r in rows if (r["method"], r["n"], r["mode"]) == (method, n, mode) and "ms" in r),
-                    None)
-
-    out = []
-    for n in lengths:
-        row = {"n": n}
-        for mode in ("fwd", "fwd+bwd"):
-            flash, oal = ms("sdpa_flash", n, mode), ms("oal_triton", n, mode)
-            row[f"ratio_{mode}"] = flash / oal if flash and oal else None
-        out.append(row)
-    ratio = {(r["n"], mode): r[f"ratio_{mode}"] for r in out for mode in ("fwd", "fwd+bwd")}
-
-    def faster_from(n0, mode):  # None: not measured
-        vals = [ratio[n, mode] for n in lengths if n >= n0 and ratio[n, mode] is not None]
-        return all(v > 1 for v in vals) if vals else None
-
-    at_64k = ratio.get((65536, "fwd"))
-    goals = {
-        "forward faster than sdpa_flash from N=8k": faster_from(8192, "fwd"),
-        "forward >= 3x sdpa_flash at N=64k": None if at_64k is None else at_64k >= 3,
-        "fwd+bwd faster than sdpa_flash from N=16k": faster_from(16384, "fwd+bwd"),
-    }
-    return out, goals
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--min-len", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=65536)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--chunked-max", type=int, default=16384, help="longest N for the torch chunked path")
-    parser.add_argument("--math-fraction", type=float, default=0.8, help="skip SDPA math above this share of free")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu.json and gpu.png")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.gpu: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine, "
-                 "see README 'GPU'")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        sys.exit(f"benchmarks.gpu: --methods: unknown {unknown}, expected a subset of {METHODS}")
-
-    from rich.console import Console
+def table(rows: list[dict], title: str, backend: str):
     from rich.table import Table
 
-    from oal.rundir.files import atomic_write_json
-    from oal.rundir.hashes import versions
+    t = Table(title=title)
+    cols = [("N", None), (f"sdpa ({backend})", "sdpa_fwd"), ("OAL", "oal_fwd"), ("sdpa/OAL", "ratio_fwd"),
+            ("flash", "sdpa_flash_fwd"), ("cudnn", "sdpa_cudnn_fwd"), ("OAL parallel", "oal_parallel_fwd"),
+            ("OAL chunked", "oal_chunked_fwd"), ("sdpa f+b", "sdpa_fwdbwd"), ("OAL f+b", "oal_fwdbwd"),
+            ("sdpa/OAL f+b", "ratio_fwdbwd")]
+    for name, _ in cols:
+        t.add_column(name, justify="right")
+    for r in rows:
+        cells = [str(r["n"])]
+        for _, key in cols[1:]:
+            if key.startswith("ratio"):
+                mode = key.removeprefix("ratio_")
+                sdpa, oal = r.get(f"sdpa_{mode}_ms"), r.get(f"oal_{mode}_ms")
+                cells.append(f"{sdpa / oal:.2f}" if sdpa and oal else "-")
+            else:
+                val = r.get(f"{key}_ms")
+                cells.append("-" if val is None else f"{val:.3f}")
+        t.add_row(*cells)
+    return t
 
-    console = Console(width=max(Console().width, 140))  # the table's 11 columns, also in a log (80 by default)
-    lengths = [1 << p for p in range(max(0, math.ceil(math.log2(args.min_len))), 17) if
-               args.min_len <= 1 << p <= args.max_len]
-    args.out.mkdir(parents=True, exist_ok=True)
-    check = sanity()
-    console.print(f"sanity: triton (bf16) vs fp32 chunked at N={check['n']}: relative error "
-                  + ", ".join(f"{name} {err:.2e}" for name, err in check["rel_err"].items()))
-    if not all(err < 5e-2 for err in check["rel_err"].values()):
-        console.print("[bold red]sanity: an error above 5e-2: the kernels' results are wrong on this device[/]")
-    rows = []
-    t0 = time.time()
+
+def profile_forward(n: int, device: str, out: Path) -> str:
+    """A kernel table (torch.profiler, top 15 by device time) of one OAL forward at length n, written to `out`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, groups, factor, _ = inputs(n, device, grad=False)
+    fn = attention("oal")
+    with torch.no_grad():
+        for _ in range(3):  # compile and autotune outside the trace
+            fn(q, k, v, groups, factor)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                fn(q, k, v, groups, factor)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    text = (f"OAL forward, N={n}, B=1 Hq=14 Hkv=2 d=dv=64 G=5 bf16, 5 calls, {device}\n"
+            + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    from oal.rundir.files import atomic_write_text
+
+    atomic_write_text(out, text)
+    return text
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated N values")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--parallel-max-n", type=int, default=32768, help="longest N for oal_parallel")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--sanity-n", type=int, default=2048, help="length of the accuracy check (0: skip)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke test of this script under Triton's interpreter (no numbers)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json", help="the JSON file (PNG beside it)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="instead: profile one OAL forward at length N and write --profile-out")
+    parser.add_argument("--profile-out", type=Path, default=RESULTS / "gpu_profile.txt")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
+    if not args.lengths or min(args.lengths) < 1:
+        parser.error(f"--lengths: expected positive integers, got {args.lengths}")
+    for name in ("warmup", "parallel_max_n", "sanity_n", "profile"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}: expected an integer >= 0, got {getattr(args, name)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in args.methods if m not in METHODS]:
+        parser.error(f"--methods: unknown {unknown}, expected a subset of {METHODS}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: cuda is not available here (torch.cuda.is_available() is False); run it on a GPU "
+                     "machine, or --device cpu for a smoke test")
+    return args
+
+
+def _versions() -> dict:
     import triton
 
-    def save(per_n=None, goals=None, interrupted=False):  # after every length: a time-out keeps what finished
-        result = {"shape": SHAPE | {"dtype": "bfloat16", "causal": True}, "device": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "triton": triton.__version__, "versions": versions(),
-                  "host": platform.node(), "args": {k: str(v) for k, v in vars(args).items()}, "sanity": check,
-                  "rows": rows, "summary": per_n, "goals": goals, "interrupted": interrupted,
-                  "elapsed_s": time.time() - t0}
-        atomic_write_json(args.out / "gpu.json", result)
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from rich.console import Console
+
+    from oal.ops.triton import routes
+    from oal.rundir.files import atomic_write_json
+
+    console = Console(width=max(Console().width, 160), stderr=False)
+    if args.profile:
+        console.print(profile_forward(args.profile, args.device, args.profile_out))
+        return
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    title = f"Causal attention, {device_name}, bf16, B=1 Hq=14 Hkv=2 d=dv=64 G=5 (ms)"
+    t0 = time.time()
+    check = sanity(args.device, args.sanity_n) if args.sanity_n else None
+    if check:
+        for route, errs in check["rel_err_vs_chunked_fp32"].items():
+            console.print(f"sanity ({route}, bf16 vs fp32 torch, N={check['n']}): "
+                          + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+            if not all(err < 5e-2 for err in errs.values()):
+                console.print(f"[bold red]sanity: {route} has an error above 5e-2: wrong on this device[/]")
+    picked = default_backend(min(args.lengths), args.device)
+    console.print(f"default SDPA picks: {picked['backend']} (kernels: {', '.join(picked['kernels'][:4])})")
+    measured: dict = {}
+    skipped: dict = {}
+
+    def record(interrupted: bool) -> dict:
+        rows = [row_of(n, measured) for n in args.lengths if any(key[1] == n for key in measured)]
+        return {"shape": SHAPE | {"dtype": "bfloat16", "causal": True}, "device": device_name,
+                "versions": _versions(), "host": platform.node(), "parallel_max": routes.PARALLEL_MAX,
+                "default_sdpa_backend": picked, "sanity": check, "rows": rows, "skipped": skipped,
+                "goals": goals(rows), "args": {k: str(v) for k, v in vars(args).items()},
+                "interrupted": interrupted, "elapsed_s": time.time() - t0}
 
     interrupted = False
     try:
-        for n in lengths:
-            for backward in (False,) if args.no_backward else (False, True):
-                for method in methods:
-                    reason = skip_reason(method, n, backward, args)
-                    mode = "fwd+bwd" if backward else "fwd"
+        for n in args.lengths:
+            for mode, backward in MODES.items():
+                if backward and args.no_backward:
+                    continue
+                for method in args.methods:
+                    reason = skip_reason(method, n, args)
+                    if reason is None:
+                        try:
+                            measured[method, n, mode] = measure(method, n, backward, args)
+                        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:  # e.g. no cuDNN kernel here
+                            reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
                     if reason:
-                        rows.append({"method": method, "n": n, "mode": mode, "skipped": reason})
-                        continue
-                    try:
-                        rows.append(measure(method, n, backward, args.warmup, args.repeats))
-                    except torch.cuda.OutOfMemoryError:
-                        rows.append({"method": method, "n": n, "mode": mode, "skipped": "out of memory"})
-                    torch.cuda.empty_cache()
-                    r = rows[-1]
-                    console.print(f"  {method:12s} {mode:8s} N={n:6d} "
-                                  + (f"{r['ms']:9.3f} ms {r['peak_mib']:9.0f} MiB" if "ms" in r else r["skipped"]))
-            save()
+                        skipped[f"{method} {mode} {n}"] = reason
+                    r = measured.get((method, n, mode))
+                    console.print(f"  {method:13s} {mode:7s} N={n:7d} " + (f"{r['ms']:9.3f} ms" if r else reason))
+            atomic_write_json(args.out, record(False))  # after every length: a time-out keeps what finished
     except KeyboardInterrupt:  # a time limit (timeout --signal=INT): report what was measured
         interrupted = True
         console.print("interrupted: reporting the lengths measured so far")
-        lengths = sorted({r["n"] for r in rows})
-    per_n, goals = summary(rows, lengths)
-
-    def cell(method, n, mode, key="ms", fmt="{:.2f}"):
-        r = next((r for r in rows if (r["method"], r["n"], r["mode"]) == (method, n, mode)), None)
-        return "-" if r is None or key not in r else fmt.format(r[key])
-
-    table = Table(title=f"Causal attention, {torch.cuda.get_device_name()}, bf16, B=1 Hq=14 Hkv=2 d=dv=64 G=5 (ms)")
-    cols = ["N", "flash fwd", "OAL fwd", "flash/OAL fwd", "flash f+b", "OAL f+b", "flash/OAL f+b", "math fwd",
-            "chunked fwd", "flash MiB", "OAL MiB"]
-    for col in cols:
-        table.add_column(col, justify="right")
-    for n, s in zip(lengths, per_n, strict=True):
-        table.add_row(
-            str(n), cell("sdpa_flash", n, "fwd"), cell("oal_triton", n, "fwd"),
-            "-" if s["ratio_fwd"] is None else f"{s['ratio_fwd']:.2f}",
-            cell("sdpa_flash", n, "fwd+bwd"), cell("oal_triton", n, "fwd+bwd"),
-            "-" if s["ratio_fwd+bwd"] is None else f"{s['ratio_fwd+bwd']:.2f}",
-            cell("sdpa_math", n, "fwd"), cell("oal_chunked", n, "fwd"),
-            cell("sdpa_flash", n, "fwd", "peak_mib", "{:.0f}"), cell("oal_triton", n, "fwd", "peak_mib", "{:.0f}"))
-    console.print(table)
-    for goal, met in goals.items():
+    result = record(interrupted)
+    if errors := schema_errors(result):
+        console.print(f"[bold red]schema: {errors}[/]")
+    atomic_write_json(args.out, result)
+    console.print(table(result["rows"], title, picked["backend"]))
+    for goal, met in result["goals"].items():
         console.print(f"goal: {goal}: {'not measured' if met is None else 'met' if met else 'NOT met'}")
-    save(per_n, goals, interrupted)
-    plot(rows, args.out / "gpu.png")
-    console.print(f"wrote {args.out / 'gpu.json'} and {args.out / 'gpu.png'}")
+    if result["rows"]:
+        plot(result["rows"], title, args.out.with_suffix(".png"))
+    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""benchmarks.gpu without a GPU: its arguments, the JSON rows the issue asks for, the goals, and which SDPA backend a
+profiler trace shows (on canned event names: the real ones come from the GPU run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import gpu
+
+# event names as torch.profiler reports them for one SDPA call (operator, then kernels), per backend
+TRACES = {
+    "cudnn": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention",
+              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0"],
+    "flash": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
+              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false>>"],
+    "efficient": ["aten::_efficient_attention_forward", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEff)"],
+    "math": ["aten::_scaled_dot_product_attention_math", "aten::_softmax", "ampere_bf16_s16816gemm_bf16_128x64"],
+}
+
+
+@pytest.mark.parametrize("backend", TRACES)
+def test_the_backend_is_read_off_the_trace(backend):
+    assert gpu.sdpa_backend(TRACES[backend]) == backend
+
+
+def test_cudnn_kernels_named_flash_are_cudnn_and_kernels_alone_suffice():
+    # cuDNN's kernel names contain "flash": cuDNN wins; without the operator names the kernel names decide
+    assert gpu.sdpa_backend(TRACES["cudnn"][2:]) == "cudnn"
+    assert gpu.sdpa_backend(TRACES["flash"][2:]) == "flash"
+    assert gpu.sdpa_backend(["ampere_sgemm_128x64_nn"]) == "unknown"
+
+
+def _measured(n, values):
+    return {(m, n, mode): {"ms": ms, "peak_mib": 10.0} for (m, mode), ms in values.items()}
+
+
+def test_rows_have_the_issue_schema_and_nulls_where_not_measured():
+    measured = _measured(16384, {("oal", "fwd"): 3.0, ("sdpa", "fwd"): 4.0, ("oal", "fwdbwd"): 9.0,
+                                 ("sdpa", "fwdbwd"): 12.0, ("sdpa_flash", "fwd"): 6.0})
+    measured |= _measured(2048, {("oal", "fwd"): 0.25, ("sdpa", "fwd"): 0.05})
+    rows = [gpu.row_of(n, measured) for n in (2048, 16384)]
+    assert rows[1]["oal_fwd_ms"] == 3.0 and rows[1]["sdpa_flash_fwd_ms"] == 6.0 and rows[1]["sdpa_cudnn_fwd_ms"] is None
+    assert rows[0]["oal_fwdbwd_ms"] is None
+    assert gpu.schema_errors({"rows": rows}) == []
+    bad = [dict(rows[0], n=2048.0), {k: v for k, v in rows[1].items() if k != "sdpa_fwd_ms"}]
+    assert gpu.schema_errors({"rows": bad}) == ["rows[0].n: expected an int",
+                                                "rows[1].sdpa_fwd_ms: expected a float (null where not measured)"]
+    goals = gpu.goals(rows)
+    assert goals["forward >= default SDPA from 16k"] is True and goals["forward at 2k under 0.3 ms"] is True
+    assert goals["forward >= 3x default SDPA at 64k"] is None  # not measured
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lengths", "2k"], "--lengths: expected comma-separated integers"),
+    (["--lengths", "0,1024"], "--lengths: expected positive integers"),
+    (["--repeats", "0"], "--repeats: expected an integer >= 1"),
+    (["--methods", "oal,flash"], "--methods: unknown ['flash']"),
+    (["--warmup", "-1"], "--warmup: expected an integer >= 0"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse_args([*argv, "--device", "cpu"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cuda_is_asked_for_where_there_is_none(capsys, monkeypatch):
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        gpu.parse_args([])
+    assert "--device: cuda is not available here" in capsys.readouterr().err
