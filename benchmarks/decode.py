@@ -8,11 +8,12 @@ cost does not depend on the weights' values). Three variants of each:
   oal       - App. F conversion: every layer but the first and last (hybrid: 2 softmax layers keep K/V);
   oal-all   - every layer converted (pure recurrent decoding).
 For a context of L tokens the cache is set up directly instead of prefilling L tokens (decode cost depends only on
-the cache's size): 64 real prompt tokens are prefilled, then softmax layers get random K/V of length L and converted
-layers keep their real state with the token count set to L (the state's size does not depend on L); decoding
-continues at position L. RoPE's max_position_embeddings is raised to cover 32k. Times are medians over tokens,
-`--threads` torch threads (default: torch's). Writes benchmarks/results/decode.json, decode.png and prints a table
-per shape.
+the cache's size; `_long_context`): 64 real prompt tokens are prefilled, then softmax layers get random K/V of length
+L and converted layers keep their real state with the token count set to L (the state's size does not depend on
+L); decoding continues at position L. For long-context generation at batch sizes, on a GPU too, and the recipe's
+sliding-window conversion: `benchmarks.generate`. RoPE's max_position_embeddings is raised to cover 32k. Times
+are medians over tokens, `--threads` torch threads (default: torch's). Writes benchmarks/results/decode.json,
+decode.png and prints a table per shape.
 
     .venv/bin/python -m benchmarks.decode                       # quick: 1k, 4k, 32k; both shapes
     .venv/bin/python -m benchmarks.decode --full                # 1k, 2k, 4k, 8k, 16k, 32k
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import matplotlib
@@ -34,9 +34,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from oal.models.cache import OALStateLayer, state_nbytes  # noqa: E402
+from benchmarks import _long_context as lc  # noqa: E402
+from oal.models.cache import state_nbytes  # noqa: E402
 from oal.models.convert import convert
 from oal.models.registry import default_layers  # noqa: E402
 from oal.rundir.files import atomic_write_json  # noqa: E402
@@ -45,30 +46,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POS = 40_000
 
 
-# Qwen2.5-0.5B's published config (the revision pinned in oal.models.registry.HUB_MODELS)
-QWEN_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1000000.0,
-                  tie_word_embeddings=True)
 SHAPES = ("default", "qwen2.5-0.5b")
 
 
 def base_model(shape: str = "default"):
     if shape == "qwen2.5-0.5b":
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_SHAPE)).eval()
-        source = "random init of Qwen2.5-0.5B's shape"
-    else:
-        try:
-            from oal.models.registry import load_model
+        return lc.build(shape, max_positions=MAX_POS)
+    try:
+        from oal.models.registry import load_model
 
-            model, _, prov = load_model("default")
-            source = f"embedded default model ({prov.get('path')})"
-        except Exception as exc:  # the embedded model may not be built yet
-            torch.manual_seed(0)
-            cfg = Qwen2Config(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
-            model = Qwen2ForCausalLM(cfg).eval()
-            source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
+        model, _, prov = load_model("default")
+        source = f"embedded default model ({prov.get('path')})"
+    except Exception as exc:  # the embedded model may not be built yet
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(cfg).eval()
+        source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
     model.config.max_position_embeddings = MAX_POS
     return model.eval(), source
 
@@ -83,31 +77,12 @@ def variant(name: str, shape: str = "default"):
     return model, source
 
 
-@torch.no_grad()
 def decode_time(model, context: int, tokens: int, warmup: int = 2) -> tuple[float, dict[int, int]]:
-    cfg = model.config
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 64), generator=gen)
-    cache = DynamicCache(config=cfg)
-    model(prompt, cache=cache, use_cache=True)
-    for layer in cache.layers:
-        if isinstance(layer, OALStateLayer):
-            layer.seen = context
-        else:
-            shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
-            layer.keys = torch.randn(shape, generator=gen)
-            layer.values = torch.randn(shape, generator=gen)
-    times = []
-    tok = prompt[:, -1:]
-    for i in range(warmup + tokens):
-        pos = torch.tensor([[context + i]])
-        t0 = time.perf_counter()
-        logits = model(tok, cache=cache, use_cache=True, position_ids=pos).logits
-        dt = time.perf_counter() - t0
-        tok = logits[:, -1:].argmax(-1)
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times), state_nbytes(cache)
+    """Median seconds per decoded token at `context` (`_long_context`: 64 real prompt tokens, then the context's
+    K/V), and the cache's bytes per layer."""
+    cache = lc.long_cache(model, context, prompt=64)
+    res = lc.decode(model, cache, context, tokens, warmup)
+    return statistics.median(res["step_s"]), state_nbytes(cache)
 
 
 def measure(shape: str, contexts: list[int], tokens: int) -> dict:
