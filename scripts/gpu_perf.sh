@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The next GPU session's run for issue 46 (speed), in one call of the `device` tool on the lent H200:
+#
+#   run(command="bash scripts/gpu_perf.sh", timeout_s=450)          # no carry needed
+#
+# Parts, each under its own `timeout` (a failing or timed-out part does not stop the next; the benchmarks write
+# their JSON after every step, so a time-out keeps what finished):
+#   env       (ENV_S)    versions and the device
+#   tests     (TESTS_S)  the Triton kernels compiled on the GPU against the fp64 reference: tests/test_triton.py,
+#                        tests/test_triton_paths.py (parallel and decoding kernels), tests/test_ops_deferred.py
+#                        (the value checks on the device, here on real CUDA)
+#   bench     (BENCH_S)  benchmarks.gpu: OAL against torch's default SDPA (and forced flash, cuDNN), N = 2k..128k
+#   generate  (GEN_S)    benchmarks.generate: tokens/s and peak memory, SmolLM2-135M and Qwen2.5-0.5B shapes,
+#                        softmax / the preset's oal / the recipe's oal-swa, contexts 8k, 32k, 64k, batch 1 and max
+#   bf16      (BF16_S)   tests/test_triton_gpu.py: bf16 dots at N = 16k, d = dv = 128, against fp64 and bf16 SDPA
+#   profile   (PROF_S)   a torch.profiler kernel table of one OAL forward at 16k (and with NCU=1, an Nsight Compute
+#                        summary of its kernels appended, NCU_S)
+# About 6 minutes at most with the defaults, usually less. What comes back in $OUT (8 files): summary.txt,
+# tests.log, bench.log, gpu_h200.json/.png, generate_h200.json/.png, profile.txt. Copy the JSON and PNG files to
+# benchmarks/reference/ (the README cites them).
+#
+# The machine has python3 3.12, torch 2.11 (cu130), triton 3.6.0, transformers, peft, pytest, pytest-xdist; `oal`
+# runs from src via PYTHONPATH (never pip install it there: it pins torch 2.13.0 and nothing can be downloaded).
+#
+# DEVICE=cpu (or DRY_RUN=1): every part at tiny sizes on the CPU, the kernels under Triton's interpreter, to test
+# this script's logic without a GPU (tests/test_gpu_perf_script.py). Outside the device tool, OUT defaults to
+# benchmarks/results/gpu_perf (ignored by git).
+set -u
+OUT="${OUT:-$PWD/benchmarks/results/gpu_perf}"
+mkdir -p "$OUT"
+[ "${DRY_RUN:-0}" = "1" ] && DEVICE=cpu
+DEVICE="${DEVICE:-cuda}"
+ENV_S="${ENV_S:-20}"
+TESTS_S="${TESTS_S:-100}"
+BENCH_S="${BENCH_S:-110}"
+GEN_S="${GEN_S:-100}"
+BF16_S="${BF16_S:-50}"
+PROF_S="${PROF_S:-40}"
+NCU_S="${NCU_S:-60}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# part NAME LOG SECONDS CMD...: run CMD under a time limit, append to $OUT/LOG, record the outcome, never abort
+part() {
+    local name="$1" log="$OUT/$2" limit="$3"
+    shift 3
+    local t0=$SECONDS rc
+    echo "== $name (limit ${limit}s): $*" | tee -a "$log"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+        note "$name: ok ($((SECONDS - t0)) s)"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 130 ] || [ "$rc" -eq 137 ]; then
+        note "$name: TIMED OUT after $((SECONDS - t0)) s (rc $rc); partial output in $(basename "$log")"
+    else
+        note "$name: FAILED rc $rc ($((SECONDS - t0)) s); see $(basename "$log")"
+    fi
+    return 0
+}
+
+if [ "$DEVICE" = "cpu" ]; then  # tiny sizes, the interpreter
+    export TRITON_INTERPRET=1 OAL_TEST_DEVICE=cpu OPENBLAS_NUM_THREADS=1
+    TESTS=(tests/test_triton_paths.py -k "N1 or T1")
+    XDIST=()
+    BENCH=(--device cpu --lengths 32 --repeats 1 --warmup 0 --sanity-n 32 --methods oal,oal_chunked,sdpa)
+    GEN=(--device cpu --shapes smollm2-135m --contexts 128 --batches 1 --tokens 1 --warmup 0 --prompt 80)
+    PROF=(--device cpu --profile 64)
+else
+    unset TRITON_INTERPRET
+    export OAL_TEST_DEVICE=cuda
+    TESTS=(tests/test_triton.py tests/test_triton_paths.py tests/test_ops_deferred.py)
+    XDIST=()
+    if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi  # spreads the compilations over the CPU cores
+    BENCH=(--repeats 10 --warmup 3)
+    GEN=(--tokens 8 --warmup 2)
+    PROF=(--profile 16384)
+fi
+
+part env summary.txt "$ENV_S" "$PY" -c "
+import sys, torch, triton, transformers
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton',
+      triton.__version__, '| transformers', transformers.__version__, '| device',
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+
+part tests tests.log "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" -rfE --durations=8
+
+part bench bench.log "$BENCH_S" "$PY" -m benchmarks.gpu "${BENCH[@]}" --out "$OUT/gpu_h200.json"
+
+part generate bench.log "$GEN_S" "$PY" -m benchmarks.generate "${GEN[@]}" --out "$OUT/generate_h200.json"
+
+if [ "$DEVICE" = "cpu" ]; then
+    note "bf16: skipped (needs CUDA)"
+else
+    part bf16 tests.log "$BF16_S" "$PY" -m pytest -q -s -p no:cacheprovider tests/test_triton_gpu.py -rfE
+fi
+
+part profile bench.log "$PROF_S" "$PY" -m benchmarks.gpu "${PROF[@]}" --profile-out "$OUT/profile.txt"
+if [ "${NCU:-0}" = "1" ] && [ "$DEVICE" != "cpu" ] && command -v ncu >/dev/null; then
+    part ncu bench.log "$NCU_S" bash -c "ncu --launch-count 6 -k 'regex:_fwd_out|_state_scan|_par_fwd' \
+        --section SpeedOfLight --section Occupancy --csv $PY -m benchmarks.gpu --profile 16384 \
+        --profile-out /tmp/oal_ncu_unused.txt >>'$OUT/profile.txt' 2>&1"
+fi
+
+echo "== summary"
+cat "$SUMMARY"
+# the benchmarks' tables and goal lines, for a reader of summary.txt alone
+grep -hE "^(goal|sanity|default SDPA)|│|┃" "$OUT/bench.log" 2>/dev/null | tee -a "$SUMMARY" >/dev/null
+echo "files in $OUT:"
+ls -1 "$OUT"

@@ -1,0 +1,36 @@
+"""scripts/gpu_perf.sh, the next GPU session's one call, run on the CPU at tiny sizes (DEVICE=cpu): every part runs,
+its outcome is in summary.txt, and what comes back fits the device tool's limit of 8 files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", PYTHON=sys.executable, TESTS_S="600", BENCH_S="900",
+               GEN_S="600", PROF_S="300")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_perf.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    for name in ("env", "tests", "bench", "generate", "profile"):
+        assert f"{name}: ok" in summary, summary
+    assert "bf16: skipped (needs CUDA)" in summary
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 8, files
+    gpu = json.loads((tmp_path / "gpu_h200.json").read_text())
+    assert [r["n"] for r in gpu["rows"]] == [32] and isinstance(gpu["rows"][0]["oal_fwd_ms"], float)
+    gen = json.loads((tmp_path / "generate_h200.json").read_text())
+    assert {r["method"] for r in gen["rows"]} == {"softmax", "oal", "oal-swa"}
+    assert "OAL forward, N=64" in (tmp_path / "profile.txt").read_text()
