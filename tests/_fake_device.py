@@ -22,11 +22,11 @@ dispatched in Python (tens of microseconds): keep models and budgets tiny.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import safetensors.torch
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["FAKE", "FakeDeviceTensor", "fake_device", "is_fake"]
@@ -143,19 +143,22 @@ class _Factories(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _from_data(original):
-    """`torch.tensor`-like factories build from Python data on the CPU without an aten op that names the device
-    (the CPU ignores the index of `cpu:1`): their result goes to the fake device when that was asked for, by
-    `device=` or by a `torch.device(FAKE)` context."""
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 
-    @functools.wraps(original)
-    def make(*args, **kwargs):
-        out = original(*args, **kwargs)
-        device = kwargs.get("device")
-        device = torch.empty(0).device if device is None else device  # the default, or a `torch.device(...)` context's
-        return out.to(FAKE) if _is_fake_device(device) and not is_fake(out) else out
 
-    return make
+class _FromData(TorchFunctionMode):
+    """`torch.tensor`-like factories build from Python data on the CPU without an aten op that names the device (the
+    CPU ignores the index of `cpu:1`): their result goes to the fake device when `device=FAKE` was asked for, also
+    by a `torch.device(FAKE)` context (that mode sits above this one and passes the device on). A mode rather than
+    patched functions: torch caches the set of factory functions it knows the first time it needs it, and
+    transformers reads the device context through `torch.tensor([]).device`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _FROM_DATA and _is_fake_device(kwargs.get("device")) and not is_fake(out):
+            return out.to(FAKE)
+        return out
 
 
 def _safetensors_to_ndarray(original):
@@ -206,13 +209,8 @@ def fake_device():
     torch.__future__.set_swap_module_params_on_conversion(True)  # model.to(FAKE) swaps in FakeDeviceTensors
     os.environ["OAL_CPU_KERNEL"] = "0"  # the fused C++ kernel reads data_ptr(): a CPU-only path
     try:
-        with contextlib.ExitStack() as stack:
-            for owner, name in ((torch, "tensor"), (torch, "as_tensor"), (torch, "asarray"),
-                                (torch.Tensor, "new_tensor")):
-                stack.enter_context(_patched(owner, name, _from_data))
-            stack.enter_context(_patched(safetensors.torch, "_to_ndarray", _safetensors_to_ndarray))
-            stack.enter_context(_patched(torch.utils, "swap_tensors", _swap_unless_same))
-            stack.enter_context(_Factories())
+        with (_patched(safetensors.torch, "_to_ndarray", _safetensors_to_ndarray),
+              _patched(torch.utils, "swap_tensors", _swap_unless_same), _Factories(), _FromData()):
             yield FAKE
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)

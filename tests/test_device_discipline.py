@@ -1,13 +1,20 @@
-"""Device discipline on a CPU (design.md "Contract: devices", issue 45): every stage, every method's calibration,
+"""Device discipline on a CPU (design.md "Contract: devices", issue 45): the stages, every method's calibration,
 evaluation, generation, export and reload run with the model on a fake second device (`_fake_device`), where a
 tensor left on the CPU raises as it does beside a model on CUDA.
 
-The first tests check the fake device itself. The focused stage tests each pin one place that failed on the H200
-(they fail on dff268e, before the fixes): fidelity's kernels loaded from disk, fidelity's per-sequence sums, the
-sliding windows' fidelity in bf16, the budget stage's capture, and calibration of the random-feature baselines.
-Then one `oal run` with every method, one bf16 run with the windows and `--layers auto:K`, and the commands that
-read a run directory (evaluate: fidelity, zero-shot, passkey; adapt; generate; convert; export and reload;
-diagnose), through the library functions and the command line the user calls.
+- the fake device itself: mixing raises, one device runs (values and gradients as on the CPU), 0-dim tensors and
+  CPU indices mix, `.to` / `.cpu` round trip, `module.to`, the host side (`numpy`, `item`, generators);
+- one test per place that failed on the H200 (each fails on dff268e): fidelity's kernels loaded from disk into
+  oal_attention, fidelity's per-sequence sums (`summarize`: err / n), the sliding windows' fidelity in bf16
+  (window_attention), the budget stage's capture of CPU input_ids, and calibration of every method (DiJiang's
+  projection, SpectraFormer's and Performer's random features, but also oal, global, TaylorShift and the windows,
+  which failed there too), and the library entry points given CPU blocks;
+- `oal run --methods all` (analyze, calibrate, fidelity, regime, budget, adapt, perplexity, zero-shot on the piqa
+  fixture, report) and a bf16 run of oal, global, softmax, swa, oal-swa with `--layers auto:1` (select, compare);
+- the commands on that run directory through the command line: `evaluate` (fidelity, `--zeroshot` on a fixture,
+  `--passkey`), `adapt`, `generate`, `convert --export`, `export`, and the exports reloaded with `oal.load` and
+  `AutoModelForCausalLM` generating through the cache; `diagnose` (Table 1, Fig. 2(b), Table 2) through its library
+  function; the encoder protocol with every method.
 """
 
 import json
@@ -347,3 +354,24 @@ def test_diagnose(base, tmp_path):
                        table1_cfg=RetainedErrorConfig.preset("default", n_controls=2), budgets=(1, 2),
                        calib_cfg=CalibConfig(max_steps=2, val_every=1, patience=2))
     assert set(res) == {"table1", "budget", "table2"}
+
+
+def test_encoder_run(tmp_path):
+    """The encoder protocol (a tiny BERT): analysis, calibration of every method, fidelity, pooled embeddings."""
+    import random
+
+    from _tiny_encoders import save_tiny_encoder
+    from test_encoder_pipeline import WORDS
+    from test_encoder_pipeline import _cfg as encoder_config
+
+    from oal.pipeline.runs import run
+
+    save_tiny_encoder(tmp_path / "model", WORDS)
+    rng = random.Random(0)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 50))) + "." for _ in range(900)))
+    cfg = encoder_config(tmp_path, methods=["all"], device=str(FAKE))
+    cfg.calib = {"max_steps": 2, "val_every": 1, "patience": 2}
+    with fake_device():
+        metrics = run(cfg, tmp_path / "run", progress=False)
+    assert set(metrics["fidelity"]) >= {"oal", "performer", "dijiang"} and metrics["embedding"]
