@@ -35,6 +35,7 @@ from transformers import get_cosine_schedule_with_warmup
 from oal.adaptation.adapter import converted_model_sha256, quiet_peft, strip_peft_prefix
 from oal.adaptation.checkpoint import read_checkpoint, restore_checkpoint, rng_state, save_checkpoint
 from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
+from oal.device import module_device
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
 from oal.launch import Ranks, log_console, ranks, training_accelerator
@@ -141,7 +142,8 @@ def adapt(
     params = _trainable(peft_model)
     kernel_set = set(kernel_names)
     kernel_start = {n: p.detach().clone() for n, p in params.items() if strip_peft_prefix(n) in kernel_set}
-    device = next(peft_model.parameters()).device
+    device = module_device(peft_model)
+    train_blocks, val_blocks = train_blocks.to(device), val_blocks.to(device)  # once, where the model is
     acc = training_accelerator(device, cfg.grad_accum)
     group = ranks(device)
     optimizer = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
@@ -177,7 +179,7 @@ def adapt(
             losses = []
             for micro in range(cfg.grad_accum):  # this process's batch_size blocks of each micro-batch
                 start = first + (micro * group.size + group.index) * cfg.batch_size
-                ids = train_blocks[order[start : start + cfg.batch_size]].to(device)
+                ids = train_blocks[order[start : start + cfg.batch_size]]
                 with acc.accumulate(train_model):  # gradients are averaged across processes on the last one
                     loss = train_model(ids)
                     acc.backward(loss)  # divided by grad_accum

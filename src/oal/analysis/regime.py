@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from oal.device import module_device
+
 __all__ = ["ANALYZE_LOGITS", "ANALYZE_ROWS", "PEAKED_MAX_WEIGHT", "REGIME_FILE", "VERTEX_EXCESS", "RegimeAccumulator",
            "attention_regime", "regime_markdown", "regime_verdict"]
 
@@ -216,9 +218,9 @@ def attention_regime(model, blocks: torch.Tensor, layers: Sequence[int], *,
     if not torch.is_tensor(blocks) or blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"blocks: expected a LongTensor [B, N] with B >= 1, got {getattr(blocks, 'shape', blocks)}")
     acc = RegimeAccumulator(kernels=kernels, min_keys=min(min_keys, blocks.shape[1]))
-    device = next(model.parameters()).device
+    blocks = blocks.to(module_device(model))  # once, where the model is
     for start in range(0, blocks.shape[0], batch_size):
-        capture(model, blocks[start : start + batch_size].to(device), list(layers), acc, stop_after_last=True)
+        capture(model, blocks[start : start + batch_size], list(layers), acc, stop_after_last=True)
     res = acc.summary()
     res["settings"].update(blocks=list(blocks.shape))
     return res

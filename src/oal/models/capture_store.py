@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from oal.device import module_device, to_device
 from oal.models.capture import Captured, capture
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, remove
 from oal.rundir.hashes import sha256_file
@@ -127,10 +128,10 @@ def capture_to_disk(model, blocks: Mapping[str, torch.Tensor | Mapping[str, torc
     root = Path(root)
     remove(root)  # a store of another key, or a partial one left by a kill
     layers = sorted(int(i) for i in layers)
-    device = next(model.parameters()).device
+    device = module_device(model)
     manifest: dict = {"key": key, "layers": layers, "roles": {}, "sha256": {}}
     for role, data in blocks.items():
-        ids, mask = block_ids(role, data)
+        ids, mask = to_device(block_ids(role, data), device)  # the role's blocks go where the model is, once
         files: dict[str, list[str]] = {str(i): [] for i in layers}
         manifest["roles"][role] = files
         for start in range(0, ids.shape[0], batch_size):
@@ -146,8 +147,8 @@ def capture_to_disk(model, blocks: Mapping[str, torch.Tensor | Mapping[str, torc
                 files[str(c.layer)].append(rel)
 
             with torch.no_grad():
-                part = None if mask is None else mask[start : start + batch_size].to(device)
-                capture(model, ids[start : start + batch_size].to(device), layers, write, part, stop_after_last=True)
+                part = None if mask is None else mask[start : start + batch_size]
+                capture(model, ids[start : start + batch_size], layers, write, part, stop_after_last=True)
             if on_batch is not None:
                 on_batch(role, min(batch_size, ids.shape[0] - start))
     atomic_write_json(root / MANIFEST, manifest)  # last: a store without its manifest is never reused
