@@ -1,8 +1,20 @@
-"""Device and dtype choice for every command that runs a model (design.md "Scale and devices").
+"""Device and dtype choice for every command that runs a model (design.md "Scale and devices", "Contract: devices").
 
 `resolve_device("auto")` is CUDA when this torch build sees a GPU, else the CPU; an explicit device that this
 torch build lacks (`cuda` on a CPU-only wheel, `cuda:3` on a one-GPU machine, `mps` off Apple) is a one-line
 ValueError, never a traceback from deep inside a model load.
+
+Where tensors live (docs/design/devices.md; tests/test_device_discipline.py checks it on the CPU with a fake second
+device that refuses to mix, as CUDA does):
+- a method's tensors (kernel factors, group ids, random features, projections) are parameters or registered buffers
+  of its module, so they move with the model (`oal.convert` moves each method to the model's device); a method
+  never moves its own tensors in `forward`;
+- what a stage loads from disk or builds from data (token blocks, masks, groups, kernels, captures) goes to the
+  model's device once, where the stage begins: `to_device(obj, module_device(model))`; the functions below take
+  their inputs where the model is. Random draws come from CPU generators (the same numbers on every device) and
+  are moved once;
+- bookkeeping that ends in a Python number accumulates on the device and comes back once, at the end; no host
+  synchronisation inside an operator call; times on CUDA wait for the device (`oal.rundir.stages.Timer`).
 
 Mixed precision (how `--dtype` is applied): the base model's weights and activations are in `--dtype`; everything
 the method owns stays in float32, by explicit casts rather than autocast:
