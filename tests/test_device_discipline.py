@@ -14,7 +14,7 @@ tensor left on the CPU raises as it does beside a model on CUDA.
 - the commands on that run directory through the command line: `evaluate` (fidelity, `--zeroshot` on a fixture,
   `--passkey`), `adapt`, `generate`, `convert --export`, `export`, and the exports reloaded with `oal.load` and
   `AutoModelForCausalLM` generating through the cache; `diagnose` (Table 1, Fig. 2(b), Table 2) through its library
-  function; the encoder protocol with every method.
+  function; the encoder protocol with every method; a killed adaptation resumed from its checkpoint; `oal.linearize`.
 """
 
 import json
@@ -375,3 +375,47 @@ def test_encoder_run(tmp_path):
     with fake_device():
         metrics = run(cfg, tmp_path / "run", progress=False)
     assert set(metrics["fidelity"]) >= {"oal", "performer", "dijiang"} and metrics["embedding"]
+
+
+def test_adaptation_resumes_on_the_device(tmp_path):
+    """A killed adaptation resumes from its checkpoint (optimizer state, best tensors, RNG) on the device, to the
+    same result as an uninterrupted one."""
+    from test_adapt import CFG, _blocks, _tiny_model
+
+    from oal.adaptation.config import AdaptConfig
+    from oal.adaptation.train import adapt
+
+    class Kill(Exception):
+        pass
+
+    def run(ckpt, kill_after=None):
+        def on_step(step):
+            if step == kill_after:
+                raise Kill
+
+        model = _tiny_model(convert="oal").to(FAKE)
+        return adapt(model, _blocks(5, 12, 0), _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 4}), ckpt_dir=ckpt,
+                     progress=False, on_step=on_step)
+
+    with fake_device():
+        _, ref = run(tmp_path / "ref")
+        with pytest.raises(Kill):
+            run(tmp_path / "killed", kill_after=3)
+        model, res = run(tmp_path / "killed")
+    assert res.history == ref.history and res.best_val_nll == ref.best_val_nll
+    assert all(is_fake(p) for p in model.parameters())
+
+
+def test_linearize(base):
+    """`oal.linearize` on a model on the device: analysis, calibration and the swap, then generation."""
+    import oal
+
+    model, tok, _ = base
+    texts = [" ".join(["alpha beta gamma delta kernel query key value head group"] * 40)] * 4
+    with fake_device():
+        converted = oal.linearize(_on_device(model), tok, texts, layers=[LAYER], block_len=64, calib_blocks=2,
+                                  calib={"max_steps": 2, "val_every": 1, "patience": 2}, progress=False)
+        ids = torch.tensor([[5, 17, 99]], device=FAKE)
+        seq = converted.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                 do_sample=False, pad_token_id=0)
+    assert is_fake(seq) and seq.shape == (1, 6)
