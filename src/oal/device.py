@@ -41,7 +41,8 @@ _LIBRARY_DTYPES = (*DTYPES, "float64")
 
 
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
-    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps' -> a torch.device this build can use."""
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps' -> a torch.device this build can use;
+    an explicit 'cuda:N' also becomes this process's current CUDA device."""
     if isinstance(spec, torch.device):
         spec = str(spec)
     spec = "auto" if spec is None else str(spec).strip().lower()
@@ -61,6 +62,10 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise ValueError(f"device: {spec!r} requested but only {n} CUDA device(s) are visible")
+        if dev.index is not None:
+            # the process's current CUDA device too: Triton launches, torch.cuda.synchronize() and CUDA events use
+            # the current device, not the tensors' (cuda:1 with the default current device 0 would launch on 0)
+            torch.cuda.set_device(dev)
         return dev
     if dev.type == "mps":
         if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
