@@ -121,7 +121,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     steps = torch.zeros(n_units, dtype=torch.long)
     stopped = torch.zeros(n_units, dtype=torch.bool)
     curves: list[list[list[float]]] = [[[0, float(best_val[u]), math.nan]] for u in range(n_units)]
-    train_sum = torch.zeros(n_units, dtype=torch.float64)
+    train_sum = torch.zeros(n_units, dtype=torch.float64, device=train.q.device)  # read at validations only
     train_count = 0
     for step in range(1, cfg.max_steps + 1):
         s = int(torch.randint(n_seq, (1,), generator=gen))
@@ -148,7 +148,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
             opt.step()
             active = ~stopped
             steps[active] = step
-            train_sum += (err if per_head else err.mean().reshape(1)).double().nan_to_num(math.inf).cpu()
+            train_sum += (err if per_head else err.mean().reshape(1)).double().nan_to_num(math.inf)
             train_count += 1
             if step % cfg.val_every == 0 or step == cfg.max_steps:
                 cur = unit_val()
@@ -160,7 +160,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
                         best[n][improved] = p[improved]
                     elif bool(improved[0]):
                         best[n].copy_(p)
-                tr = train_sum / train_count
+                tr = (train_sum / train_count).cpu()
                 for u in torch.nonzero(active).flatten().tolist():
                     curves[u].append([step, float(cur[u]), float(tr[u])])
                 train_sum.zero_()
@@ -185,7 +185,7 @@ def _clip_and_mask(params, stopped, clip_norm, per_head):
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
     else:
         norm = torch.sqrt(sum(g.square().sum() for g in grads))
-        coef = 0.0 if bool(stopped[0]) else min(1.0, clip_norm / (float(norm) + 1e-6))
+        coef = 0.0 if bool(stopped[0]) else (clip_norm / (norm + 1e-6)).clamp(max=1.0)  # no host read
         for g in grads:
             g.mul_(coef)
 
