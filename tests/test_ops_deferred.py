@@ -197,3 +197,22 @@ def test_a_decoding_step_is_a_few_launches(on_device, monkeypatch):
             oal_attention(*step, groups, factor, backend="triton", initial_state=state)
     print("decoding step: torch operators", mode.ops, "+ triton kernels", sum(kernels) // 2)
     assert mode.ops == ["zeros.default"] and sum(kernels) == 2
+
+
+@pytest.mark.parametrize("q_scale,k_scale", [(1.0, 1.0), (1e10, 1.0), (1e15, 1e3), (1e-30, 1e30)])
+def test_the_guard_kernel_matches_its_reference(q_scale, k_scale):
+    """`triton.guard` (one launch: maxima, non-finite flags, overflow multipliers) against torch and
+    `checks.device_rescale`; a NaN is flagged, not taken for a maximum."""
+    from oal.ops.triton import guard
+
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 5000, 16, 8, 3, seed=11)  # q spans several blocks
+    q, k = q * q_scale, k * k_scale
+    v[0, 0, 7, 3] = float("nan")
+    status = torch.zeros(guard.SLOTS, device=q.device)
+    guard.launch(status, [q, k, v, factor], first=0, scale=0.25, d=16,
+                 s_limit=checks.rescale_bound(torch.float32)[1], mults=True)
+    qmax, kmax = q.abs().amax(), k.abs().amax()
+    assert status[0] == qmax and status[2] == kmax and status[6] == factor.abs().amax()
+    assert status[1] == status[3] == status[7] == 0 and status[5] == 1
+    want = checks.device_rescale(qmax, kmax, 0.25, 16, torch.float32)
+    torch.testing.assert_close(status[guard.MULT : guard.MULT + 6], want, rtol=1e-6, atol=0)

@@ -46,13 +46,14 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
     inplace = own and checks.updatable(initial_state, q, k, v, factor)
     kw = dict(eps=float(eps), scale=scale, initial_state=initial_state, chunk_size=chunk_size,
               need_state=output_final_state, inplace=inplace)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     if decodes(q, k, v, factor, initial_state):  # the decoding kernels check their inputs themselves
         chk, status = checks.start_decode(q, factor, initial_state, dtype, eps, check_state=not own)
         out, final = triton_attention(q, k, v, groups, factor, status=status, **kw)
-        checks.finish_decode(chk, status)
+        checks.finish(chk)
     else:
-        chk = checks.start(q, k, v, factor, initial_state, dtype, eps, check_state=not own)
-        out, final = triton_attention(q, k, v, groups, factor, rescale=checks.device_rescale(chk, scale, d), **kw)
+        chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
+        out, final = triton_attention(q, k, v, groups, factor, rescale=mults, **kw)
         checks.finish(chk, out)
     return (out, final) if output_final_state else out
 

@@ -6,14 +6,15 @@ state, a non-finite output) are checked in one of two ways:
 
 - On the host (`check`; the CPU, and CUDA with OAL_SYNC_CHECKS=1): read on every call, before the kernels run.
 - On the device (`deferred` devices, CUDA by default): reading a value stalls the host until the device has
-  caught up (the floor of about 1.6 ms per call on the H200). There `start` computes the maxima on the device,
-  `finish` adds the output's and copies the few numbers to pinned host memory without waiting, and `drain` reads
-  them once they have arrived: at the start of every later operator call on that device, and in `check_errors()`.
+  caught up (the floor of about 1.6 ms per call on the H200). There `start` checks the inputs on the device in one
+  launch (`triton.guard`), `finish` the output, and copies the few numbers to pinned host memory without waiting;
+  `drain` reads them once they have arrived: at the start of every later operator call on that device, and in
+  `check_errors()`.
   A bad input still gets its ValueError with the same message, one call late or a few (a call waits for the
   oldest check once MAX_PENDING are outstanding), suffixed with where it was found. Its output may be NaN until
   then. Group ids are read once per groups tensor (cached by identity and version counter: `groups_checked`).
   The overflow rescaling (`rescaled`, Eq. 7) is computed from the device maxima as device multipliers
-  (`device_rescale`), so no decision needs a value on the host.
+  (`device_rescale`, computed by the guard kernel), so no decision needs a value on the host.
 
 A state the generation cache produced and hands back (`owned`, set by `models.attention` through `cache_owned`)
 is not checked again: the operator checked what went into it. The public `initial_state=` is always checked.
@@ -27,7 +28,7 @@ import contextvars
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -249,53 +250,52 @@ def deferred(q) -> bool:
             and os.environ.get("OAL_SYNC_CHECKS", "0") != "1")
 
 
-# the order of the device statistics: (lo, hi) of q, k, v, factor, [of the initial state, its smallest token count
-# and sum of squares,] of the output
-_NAMES = ("q", "k", "v", "factor")
-
-
 @dataclass
 class DeviceCheck:
-    """The device side of one call's value checks (see `start` and `finish`, or `start_decode`)."""
+    """One call's value checks on the device: `status` holds them in the slots of `triton.guard`."""
 
     device: torch.device
     dtype: torch.dtype  # the compute dtype (for the overflow bound)
     eps: float
-    parts: list = field(default_factory=list)  # 0-d device tensors, in _NAMES order (then the moments)
-    decode: bool = False  # the decoding kernels' status comes first (`start_decode`)
-
-    def maxima(self):
-        """(max |q|, max |k|) as 0-d device tensors."""
-        return torch.maximum(-self.parts[0], self.parts[1]), torch.maximum(-self.parts[2], self.parts[3])
+    status: torch.Tensor
 
 
-def _lohi(t: torch.Tensor):
-    if t.numel() == 0:
-        zero = t.new_zeros((), dtype=torch.float32)
-        return [zero, zero]
-    return list(torch.aminmax(t.detach()))
+def _status(device) -> torch.Tensor:
+    from oal.ops.triton import guard
+
+    return torch.zeros(guard.SLOTS, dtype=torch.float32, device=device)
 
 
-def start(q, k, v, factor, initial_state, dtype: torch.dtype, eps: float, *, check_state=True) -> DeviceCheck:
-    """Begin a call's value checks on the device (no host read). Errors found by earlier calls are raised first."""
+def _state_stats(guard, status, state: torch.Tensor, d: int) -> None:
+    """A caller's state: NaN/Inf, and its token counts and sums of squares (negated: above 0 when negative)."""
+    count, squares = _moments(state.detach(), d)
+    guard.launch(status, [state.detach()], first=4, signed=-torch.cat([count.reshape(-1), squares.reshape(-1)]))
+
+
+def start(q, k, v, factor, initial_state, dtype: torch.dtype, eps: float, *, scale: float, check_state=True):
+    """Begin a call's value checks on the device, one launch (`triton.guard`), no host read; returns the check and
+    the overflow multipliers [qs, m_a, m_b, m_c, m_w, m_l0] of `device_rescale` (a view of its status). Errors found
+    by earlier calls are raised first. q, k, v contiguous."""
+    from oal.ops.triton import guard
+
     drain(q.device)
-    chk = DeviceCheck(q.device, dtype, float(eps))
-    for t in (q, k, v, factor):
-        chk.parts += _lohi(t)
+    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device))
+    d = q.shape[-1]
+    guard.launch(chk.status, [t.detach() for t in (q, k, v, factor)], first=0, scale=scale, d=d,
+                 s_limit=rescale_bound(dtype)[1], mults=True)
     if initial_state is not None and check_state:
-        count, squares = _moments(initial_state.detach(), q.shape[-1])
-        chk.parts += _lohi(initial_state) + [count.amin(), squares.amin()]
-    return chk
+        _state_stats(guard, chk.status, initial_state, d)
+    return chk, chk.status[guard.MULT : guard.MULT + 6]
 
 
-def device_rescale(chk: DeviceCheck, scale: float, d: int) -> torch.Tensor:
-    """`rescaled` as device multipliers [qs, m_a, m_b, m_c, m_w, m_l0] (fp32, fp64 for fp64 inputs): the kernels
-    evaluate kappa / lam with q * qs and, for their per-head coefficients, a * m_a (eps too), scale b * m_b,
-    scale^2 C * m_c, scale w_m * m_w, L_0m * m_l0; all 1 when nothing needs rescaling (s_max <= max^(1/4))."""
-    qmax, kmax = (m.to(chk.dtype) for m in chk.maxima())
-    _, s_limit = rescale_bound(chk.dtype)
+def device_rescale(qmax: torch.Tensor, kmax: torch.Tensor, scale: float, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """`rescaled` as device multipliers [qs, m_a, m_b, m_c, m_w, m_l0] from the device maxima of |q| and |k|: the
+    kernels evaluate kappa / lam with q * qs and, for their per-head coefficients, a * m_a (eps too), scale b * m_b,
+    scale^2 C * m_c, scale w_m * m_w, L_0m * m_l0; all 1 when nothing needs rescaling (s_max <= max^(1/4)).
+    The reference of what `triton.guard` computes in its last program."""
+    _, s_limit = rescale_bound(dtype)
     s_max = abs(scale) * d * qmax * kmax
-    one = torch.ones((), dtype=chk.dtype, device=chk.device)
+    one = torch.ones((), dtype=s_max.dtype, device=s_max.device)
     big = s_max > s_limit
     safe_q = torch.where(big, qmax, one)
     inv_s = torch.where(big, 1.0 / torch.where(big, s_max, one), one)
@@ -315,50 +315,38 @@ def factor_checked(factor: torch.Tensor) -> None:
         _FACTOR_OK[factor] = key
 
 
-# the decoding kernels' status (triton/decode.py): non-finite q, k, v (0 or 1), max |k|, non-finite out
-_STATUS = 5
-
-
 def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, check_state=True):
     """The checks of a call on the decoding kernels, which check q, k, v and their output themselves into the
     returned status buffer; the factor is read once per version, a state not the cache's own on the device."""
     drain(q.device)
     factor_checked(factor)
-    chk = DeviceCheck(q.device, dtype, float(eps), decode=True)
+    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device))
     if check_state:
-        count, squares = _moments(initial_state.detach(), q.shape[-1])
-        chk.parts += _lohi(initial_state) + [count.amin(), squares.amin()]
-    return chk, torch.zeros(_STATUS, dtype=torch.float32, device=q.device)
+        from oal.ops.triton import guard
 
-
-def finish_decode(chk: DeviceCheck, status: torch.Tensor) -> None:
-    _enqueue(chk, [status, *chk.parts])
+        _state_stats(guard, chk.status, initial_state, q.shape[-1])
+    return chk, chk.status
 
 
 _PENDING: dict = collections.defaultdict(collections.deque)  # device -> deque of (event, host values, check)
 
 
-def finish(chk: DeviceCheck, out: torch.Tensor) -> None:
-    """Add the output's statistics and copy all of them to the host without waiting."""
-    chk.parts += _lohi(out)
-    _enqueue(chk, chk.parts)
+def finish(chk: DeviceCheck, out: torch.Tensor | None = None) -> None:
+    """Check the output (unless the kernels did: decoding) and copy the status to the host without waiting."""
+    if out is not None:
+        from oal.ops.triton import guard
 
-
-def _enqueue(chk: DeviceCheck, parts: list) -> None:
+        guard.launch(chk.status, [out.detach()], first=guard.OUT)
     if chk.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # inside a CUDA graph capture: no host copy can be recorded (the checks are not reported there)
-    if len(parts) == 1:  # the decoding kernels' status alone: no concatenation
-        values = parts[0]
-    else:
-        values = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
     event = None
-    if values.device.type == "cuda":
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+    if chk.device.type == "cuda":
+        host = torch.empty(chk.status.shape, dtype=chk.status.dtype, pin_memory=True)
+        host.copy_(chk.status, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
     else:  # a device whose memory the host reads directly (the tests' CPU stand-in)
-        host = values
+        host = chk.status
     _PENDING[str(chk.device)].append((event, host, chk))
 
 
@@ -384,26 +372,16 @@ def check_errors(device=None) -> None:
 
 
 def _inspect(vals: list, chk: DeviceCheck) -> None:
+    """Raise the first error `vals` (the status slots of `triton.guard`) show, in the order of the host checks."""
     where = f" (found on {chk.device} after an earlier call: the device checks report late, see oal.ops.checks)"
-    if chk.decode:
-        q_bad, k_bad, v_bad, kmax, out_bad = vals[:_STATUS]
-        state = vals[_STATUS:]
-        for name, bad in (("q", q_bad), ("k", k_bad), ("v", v_bad)):
-            if bad:
-                raise ValueError(f"{name}: contains NaN or Inf values{where}")
-        out = [0.0, 1.0 if out_bad else 0.0]
-    else:
-        kmax = max(-vals[2], vals[3])
-        for name, i in zip(_NAMES, range(0, 8, 2), strict=False):
-            if not (math.isfinite(vals[i]) and math.isfinite(vals[i + 1])):
-                raise ValueError(f"{name}: contains NaN or Inf values{where}")
-        state, out = vals[8:-2], vals[-2:]
-    if state:  # (lo, hi) of the state, then its smallest token count and sum of squares
-        if not (math.isfinite(state[0]) and math.isfinite(state[1])):
-            raise ValueError(f"initial_state: contains NaN or Inf values{where}")
-        if state[2] < 0 or state[3] < 0:
-            raise ValueError(_denominator_message(state[2], state[3]) + where)
-    if kmax * kmax > rescale_bound(chk.dtype)[0]:
-        raise ValueError(_k_overflow_message(kmax, chk.dtype) + where)
-    if not (math.isfinite(out[0]) and math.isfinite(out[1])) or (chk.decode and out[1]):
+    for name, slot in (("q", 1), ("k", 3), ("v", 5), ("factor", 7), ("initial_state", 9)):
+        if vals[slot]:
+            raise ValueError(f"{name}: contains NaN or Inf values{where}")
+    if vals[10] > 0:  # a negative token count or sum of squares (the moments were negated)
+        raise ValueError(f"initial_state: its denominator column (index dv) must hold key moments (token count >= 0, "
+                         f"sums of squares k_r^2 >= 0), got one down to {-vals[10]:.4g}; pass the state a previous "
+                         f"call returned{where}")
+    if vals[2] * vals[2] > rescale_bound(chk.dtype)[0]:
+        raise ValueError(_k_overflow_message(vals[2], chk.dtype) + where)
+    if vals[13]:
         raise ValueError(out_message(chk.eps, chk.dtype) + where)

@@ -14,8 +14,8 @@ factor 1 (row 0: 1; row 1 + r: x_r); phi_f(q) = W[h, f] psi_f(q) with W the per-
 Overflow (`checks.rescaled`): a program whose scores could overflow (|scale| d max|q_h| max|k| above the
 dtype's max^(1/4)) evaluates kappa / lam exactly, with q / max|q_h| and the row weights W divided by lam and
 multiplied by max|q_h|^(order of the row); num / den does not change.
-Value checks on the device (`checks`): STATUS[0..4] = (q, k, v non-finite, max |k|, out non-finite), by atomic
-max (the values are >= 0); the host reads them later.
+Value checks on the device (`checks`): non-finite q, k, v and out, and max |k|, into the slots of `guard.py` by
+atomic max (the values are >= 0); the host reads them later.
 """
 
 from __future__ import annotations
@@ -77,16 +77,16 @@ def _dec_step(
         sn += tl.where(rmask, psi, 0.0)
         kmax = tl.max(tl.abs(kvec), axis=0)
         if blk == 0:
-            tl.atomic_max(STATUS + 1, _nonfinite(kvec).to(tl.float32))
-            tl.atomic_max(STATUS + 2, _nonfinite(vv).to(tl.float32))
-            tl.atomic_max(STATUS + 3, tl.where(kmax == kmax, kmax, 0.0).to(tl.float32))
+            tl.atomic_max(STATUS + 3, _nonfinite(kvec).to(tl.float32))
+            tl.atomic_max(STATUS + 5, _nonfinite(vv).to(tl.float32))
+            tl.atomic_max(STATUS + 2, tl.where(kmax == kmax, kmax, 0.0).to(tl.float32))
         for r in range(REP):
             row = (b * n_q + hk * REP + r) * T + t
             qb = Q + row.to(tl.int64) * d
             qvec = tl.load(qb + dcol, mask=dmask, other=0.0).to(ACC_DT)
             qmax = tl.max(tl.abs(qvec), axis=0)
             if blk == 0:
-                tl.atomic_max(STATUS + 0, _nonfinite(qvec).to(tl.float32))
+                tl.atomic_max(STATUS + 1, _nonfinite(qvec).to(tl.float32))
             s_max = scale_abs * d * qmax * kmax
             big = s_max > s_limit
             qs = tl.where(big, 1.0 / qmax, 1.0)
@@ -116,7 +116,7 @@ def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.cons
         den += tl.load(PARTN + off)
     out = num / den
     tl.store(O + row.to(tl.int64) * dv + vcol, out.to(O.dtype.element_ty), mask=vcol < dv)
-    tl.atomic_max(STATUS + 4, _nonfinite(tl.where(vcol < dv, out, 0.0)).to(tl.float32))
+    tl.atomic_max(STATUS + 13, _nonfinite(tl.where(vcol < dv, out, 0.0)).to(tl.float32))
 
 
 RB = 64  # state rows per program of _dec_step

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import oal.ops.triton.kernels as K
 from oal.ops import checks
 from oal.ops.kernel import cached_coefficients, coefficients, feature_dim, packed_pairs, version
-from oal.ops.triton import decode, parallel, routes
+from oal.ops.triton import decode, guard, parallel, routes
 from oal.ops.triton.tiles import FWD_CANDIDATES, NUM_WARPS, SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
 
 
@@ -436,7 +436,7 @@ def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
     _, w = cached_coefficients(factor, groups, eps, scale, by_version=checks.deferred(q), dtype=acc)
     state = state if inplace and state.dtype == acc and state.is_contiguous() else state.to(acc).clone()
     if status is None:
-        status = torch.zeros(5, dtype=torch.float32, device=q.device)
+        status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
     rowr, rowt = _row_maps(q.shape[-1], q.device)
     _, s_limit = checks.rescale_bound(acc)
     out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w.to(acc).contiguous(), rowr, rowt, state,
