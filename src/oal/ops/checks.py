@@ -344,7 +344,7 @@ def finish(chk: DeviceCheck, out: torch.Tensor | None = None) -> None:
         host = torch.empty(chk.status.shape, dtype=chk.status.dtype, pin_memory=True)
         host.copy_(chk.status, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(chk.device))  # the stream of the copy (q's device may not be current)
     else:  # a device whose memory the host reads directly (the tests' CPU stand-in)
         host = chk.status
     _PENDING[str(chk.device)].append((event, host, chk))
