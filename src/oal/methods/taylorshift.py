@@ -31,9 +31,10 @@ class TaylorShiftMethod(AttentionMethod):
     def __init__(self, n_heads, n_kv_heads, head_dim, *, layer_idx: int = 0, seed: int = 0, **_ignored):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.tau = nn.Parameter(torch.ones(n_heads))
-        # fixed: one group and the Taylor factor, buffers so that they move with the model (not saved)
+        # fixed: one group and the Taylor factor, buffers so that they move with the model (not saved; not named
+        # `factor`, which marks the calibrated OAL-family kernels elsewhere)
         self.register_buffer("groups", torch.zeros(n_heads, head_dim, dtype=torch.long), persistent=False)
-        self.register_buffer("factor", taylor_factor(n_heads, 1, dtype=torch.float64), persistent=False)
+        self.register_buffer("taylor", taylor_factor(n_heads, 1, dtype=torch.float64), persistent=False)
 
     def _normalised(self, q, k):
         qn = torch.nn.functional.normalize(q, dim=-1) * self.tau.to(q.dtype)[None, :, None, None]
@@ -48,6 +49,6 @@ class TaylorShiftMethod(AttentionMethod):
     def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
         check_qkv(self, q, k, v)
         qn, kn = self._normalised(q, k)
-        factor = self.factor.to(qn.dtype)  # exact in every dtype (entries 1, 1/2, 0)
+        factor = self.taylor.to(qn.dtype)  # exact in every dtype (entries 1, 1/2, 0)
         return oal_attention(qn, kn, v, self.groups, factor, eps=0.0, scale=1.0, causal=causal,
                              initial_state=initial_state, output_final_state=output_final_state)
