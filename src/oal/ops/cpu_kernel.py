@@ -9,7 +9,8 @@ built from the group sums (Eq. 7). It is plain C++ without torch headers, compil
 cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and the CPU. The build runs in a
 locked temporary folder and only a finished library is renamed into place, beside a record of its SHA256; later
 processes load the built file only when its SHA256 is the recorded one (checked before dlopen: a truncated or
-foreign file is built again, never loaded) and it has every symbol the kernel needs. `$OAL_CPU_MARCH` names
+foreign file is built again, never loaded) and it has every symbol the kernel needs (else this process runs the
+torch path and the file goes, so that the next one builds it again). `$OAL_CPU_MARCH` names
 another target (e.g. x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes,
 which releases the GIL, so the operator's worker threads run it side by side. (torch.utils.cpp_extension would
 compile torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from oal.rundir.hashes import sha256_file
-from oal.rundir.user_cache import cache_root, read_record, work_dir, write_record
+from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "describe", "enabled", "heads", "readout", "supports",
            "vector_width"]
@@ -128,6 +129,7 @@ def build(folder: Path | None = None) -> Path:
     folder = cache_root("kernels") if folder is None else folder
     key = _key(cxx)
     path = folder / f"readout-{key}.so"
+    clean_stale(folder)  # what a killed build left, on every use
     problem = _problem(path)
     if problem is None:
         return path
@@ -145,11 +147,15 @@ def build(folder: Path | None = None) -> Path:
     return path
 
 
+class _NotTheKernel(OSError):
+    """A library whose SHA256 is its record's but that lacks the kernel's functions (both put there by hand)."""
+
+
 def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
-    """`lib` with its functions' signatures set, or OSError when one is missing (another library in its place)."""
+    """`lib` with its functions' signatures set, or _NotTheKernel when one is missing (another library there)."""
     missing = [name for name in SYMBOLS if not hasattr(lib, name)]
     if missing:
-        raise OSError(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
+        raise _NotTheKernel(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
     lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
@@ -167,6 +173,10 @@ def _load() -> ctypes.CDLL | None:
                 path = build()  # its SHA256 checked: a truncated file never reaches dlopen
                 lib = _symbols(ctypes.CDLL(str(path)), path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                if isinstance(err, _NotTheKernel):  # this process keeps the torch path; the next builds it again
+                    for stale in (path, _record(path)):
+                        with contextlib.suppress(OSError):
+                            stale.unlink()
                 _STATUS = str(err)
                 log.warning("oal: the fused CPU kernel is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
