@@ -1,5 +1,6 @@
 """The distribution's name (issue 37): `oal` on PyPI is another project, so the package is published as
-`oal-attention` and every install line in the code, the README and the model card names that."""
+`oal-attention` and every install line in the code, the README, the documentation site and the model card names
+that."""
 
 import re
 from pathlib import Path
@@ -22,7 +23,8 @@ def test_the_distribution_is_not_the_other_projects_oal():
 
 
 def test_every_install_line_names_the_distribution():
-    texts = {p: p.read_text() for p in [ROOT / "README.md", *(ROOT / "src").rglob("*.py")]}
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py")]
+    texts = {p: p.read_text() for p in pages}
     for path, text in texts.items():
         for line in re.findall(r"pip install [^`\n]*", text):
             assert not re.search(r"pip install (-e )?'?oal(\[|\b(?!-attention))", line), (path, line)

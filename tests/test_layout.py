@@ -1,4 +1,5 @@
-"""The shape of the package (README "Layout"): no import cycles, nothing imports upward, a thin root and small files.
+"""The shape of the package (docs/design/architecture.md): no import cycles, nothing imports upward, a thin root and
+small files.
 
 Read from the source with `ast` (every import, the ones inside functions too), so a cycle hidden behind a lazy
 import counts as a cycle.

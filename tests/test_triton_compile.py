@@ -3,8 +3,8 @@
 Runs scripts/triton_sm90_check.py (Triton's compiler and the ptxas it bundles; no GPU). The full grid (d, dv in
 {64, 128}, bf16/fp16/fp32, both targets: 120 compilations) takes minutes even on free cores, so CI compiles the two
 largest kernels: dkv at d = dv = 128, bf16 for sm_90 (176 of 227 KB) and fp32 for sm_80 (160 of 163 KB, the closest
-to its limit), about 20-30 s of CPU each. The grid itself is run by hand (README "GPU"). The interpreter setting
-of conftest.py is removed for the subprocess, since the interpreter does not compile.
+to its limit), about 20-30 s of CPU each. The grid itself is run by hand (docs/performance/gpu.md). The
+interpreter setting of conftest.py is removed for the subprocess, since the interpreter does not compile.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Verdict (`offset_verdict`): a head has the structure OAL exploits when one of it
 high-contribution dims, App. B groups >= 1) is mostly per-query offset (share >= ISOLATED_SHARE) and that offset is
 large (offset std >= ISOLATED_OFFSET_STD logits); the model has it when at least half of its heads do. The
 threshold is where `oal diagnose --parts offset` measured OAL's held-out error to fall clearly below global's on
-the embedded model (README "Will OAL help my model?").
+the embedded model (docs/guides/regime.md).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def adapt_cmd(
     are rewritten to match. Resumable. --dtype defaults to the run's own; another dtype is refused. Settings given
     here are recorded in config.json for this arm. --window / --sinks change the run's sliding windows (recorded in
     config.json): calibration reruns, and the other window arms' results leave metrics.json until they are adapted
-    again with the new window. Data-parallel under torchrun / accelerate launch (see README)."""
+    again with the new window. Data-parallel under torchrun / accelerate launch (docs/guides/distributed.md)."""
     from oal.cli.options import main_console
     from oal.launch import log_console
     from oal.pipeline.runs import adapt_arm

@@ -10,11 +10,9 @@ import logging
 import typer
 from typer.core import TyperGroup
 
+from oal.cli.docs import docs_line
+
 _STATE = {"debug": False}
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def _bad_input_message(exc: Exception) -> str | None:
@@ -45,6 +43,11 @@ def _drop_stdout() -> None:
 class _Group(TyperGroup):
     """Runs a command; turns the errors of bad input into one line and exit code 2 (unless --debug)."""
 
+    def get_command(self, ctx, name):  # a command's help ends with the page that explains it (`oal.cli.docs`)
+        if (command := super().get_command(ctx, name)) is not None:
+            command.epilog = docs_line(name)
+        return command
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -61,7 +64,7 @@ class _Group(TyperGroup):
             from oal.launch import env_rank
 
             if env_rank() == 0:  # every process of a launch gets the main one's error; one of them says it
-                typer.echo(f"Error: {_one_line(message)}", err=True)
+                typer.echo(f"Error: {' '.join(str(message).split())}", err=True)
             raise typer.Exit(code) from None
 
 
@@ -71,6 +74,7 @@ app = typer.Typer(
     help="Outlier-Aware Attention Linearization: convert a causal LM's softmax attention into a positive "
     "grouped quadratic kernel that runs in linear time.",
     no_args_is_help=True,
+    epilog=docs_line(""),
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_show_locals=False,
 )

@@ -75,7 +75,7 @@ def run(
     PATH to a local BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA), the encoder protocol runs
     instead: non-causal analysis and calibration on padded passages, fidelity and pooled-embedding cosine against
     the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
-    calibration and adaptation run on every process (see README).
+    calibration and adaptation run on every process (docs/guides/distributed.md).
     """
     from oal.analysis import parse_grouping
     from oal.data.zeroshot import parse_task_files

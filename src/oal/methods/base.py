@@ -43,11 +43,13 @@ def _load_builtin() -> None:
 
 
 def method_names() -> list[str]:
+    """The registered methods' names, the built-in ones first (what `--methods` and `oal.linearize` accept)."""
     _load_builtin()
     return list(METHODS)
 
 
 def get_method(name: str) -> type[AttentionMethod]:
+    """The `AttentionMethod` subclass registered as `name`; ValueError naming the known ones otherwise."""
     _load_builtin()
     if name not in METHODS:
         raise ValueError(f"method: unknown {name!r}; expected one of {', '.join(METHODS)}")
@@ -55,6 +57,8 @@ def get_method(name: str) -> type[AttentionMethod]:
 
 
 def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwargs) -> AttentionMethod:
+    """A new, uncalibrated `name` method for a layer of `n_heads` query and `n_kv_heads` KV heads of `head_dim`;
+    `kwargs` are its constructor's (`layer_idx`, `seed`, and the method's own: `groups`, `window`, ...)."""
     return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
 
 
@@ -119,6 +123,7 @@ class AttentionMethod(nn.Module):
 
     @property
     def trainable(self) -> bool:
+        """Whether the method has parameters to calibrate and adapt (softmax and the sliding window have none)."""
         return any(p.requires_grad for p in self.parameters())
 
     @property
@@ -140,4 +145,7 @@ class AttentionMethod(nn.Module):
         return (w @ repeat_kv(v, self.n_rep)) / w.sum(-1, keepdim=True)
 
     def forward(self, q, k, v, *, causal: bool = True, initial_state=None, output_final_state: bool = False):
+        """The method's attention output [B, Hq, N, dv] for q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv], in
+        linear time where the method has a fast path; methods with `supports_state` continue from `initial_state`
+        and return `(out, state)` when `output_final_state`."""
         raise NotImplementedError

@@ -50,7 +50,7 @@ PRESETS: dict[str, dict] = {
     },
     # SmolLM2-135M from its GGUF (`oal fetch smollm2-135m`): the paper's protocol scaled to a 2-core CPU. The corpus
     # is the builtin one (WikiText is not reachable offline) with the default plan's block sizes; the budgets keep the
-    # whole `oal run --preset smollm2-135m` under 30 minutes on 2 cores (README, "The real model").
+    # whole `oal run --preset smollm2-135m` under 30 minutes on 2 cores (docs/results/smollm2.md).
     "smollm2-135m": {
         "model": "smollm2-135m",
         "data": "builtin",
@@ -116,6 +116,10 @@ def parse_select(spec) -> dict:
 
 @dataclass
 class RunConfig:
+    """The configuration of `oal run` (what config.json records): the model, corpus and preset, the methods, the
+    converted layers (or `select` for `auto:K`), the seed, the calibration, adaptation and evaluation settings.
+    `RunConfig.from_preset(name, **overrides)` fills it from a preset, as the command line does."""
+
     model: str = "default"
     data: str = "builtin"
     preset: str = "default"
@@ -201,6 +205,7 @@ class RunConfig:
         return RunConfig(**d)
 
     def to_dict(self) -> dict:
+        """A JSON-able copy of every field (config.json's `config`; `from_dict` reads it back)."""
         return copy.deepcopy(asdict(self))
 
     @classmethod
