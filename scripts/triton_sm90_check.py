@@ -3,8 +3,8 @@
 For every (d, dv) with d and dv in --head-dims, every input dtype and every target, unless `oal.ops.triton.refusal`
 refuses that shape (then it says why): each kernel at G = 5, Hq/Hkv = 7 and 64-token chunks, with the tiles and
 launch options of `oal.ops.triton.function.tiles`; the output kernel also with every tile its autotuner may pick
-(`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.CONFIGS`), and the two
-decoding kernels. Reports compile time, shared memory, registers and spills
+(`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.CONFIGS`), the two
+decoding kernels and the device checks' kernel (`guard`). Reports compile time, shared memory, registers and spills
 (ptxas -v, the ptxas bundled with triton) and the number of tensor-core MMA instructions in the PTX (wgmma on
 sm_90, mma.sync on sm_80). Exits 1 when a kernel fails to compile or needs more shared memory than one block of
 the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99 KB, are not
@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 import oal.ops.triton as oal_triton
 from oal.ops.triton import decode as D
 from oal.ops.triton import function as F
+from oal.ops.triton import guard as G
 from oal.ops.triton import kernels as K
 from oal.ops.triton import parallel as P
 from oal.ops.triton import tiles as T
@@ -98,9 +99,10 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                PREC=F._consts(cfg, "fwd", d, dv)["PREC"], LOOP_FOR=True)
     tail = dict(N="i32", n_q="i32", d="i32", dv="i32", g1="i32", NBKT="i32")
     par_sigs = {
-        "par fwd": (P._par_fwd, dict(Q=x, K=x, V=x, WS=a, L0=a, EPS=a, O=x, DEN=a, **tail)),
-        "par dq": (P._par_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, DQ=x, PART=a, **tail)),
-        "par dkv": (P._par_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, DK=x, DV=x, **tail)),
+        "par fwd": (P._par_fwd, dict(Q=x, K=x, V=x, WS=a, L0=a, EPS=a, QS=a, O=x, DEN=a, **tail)),
+        "par dq": (P._par_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, QS=a, DQ=x, PART=a, **tail)),
+        "par dkv": (P._par_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, QS=a, DK=x, DV=x,
+                                     **tail)),
     }
     for name, (fn, sig) in par_sigs.items():
         for bm, bn, stages in P.CONFIGS:
@@ -112,10 +114,13 @@ def kernels(d: int, dv: int, dt: str, arch: int):
            dict(T=1, REP=REP, RB=D.RB, BV=bv, BDQ=lay.bd, ACC_DT=F._tl(torch.float32)), {})
     yield ("decode out", D._dec_out, dict(PART=a, PARTN=a, O=x, STATUS=a, n_rows="i32", dv="i32"),
            dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.RB), BV=bv), {})
+    guard_sig = dict(X0=x, X1=x, X2=x, X3=a, X4=a, X5=a, **{f"n{i}": "i32" for i in range(6)}, STATUS=a,
+                     **{f"c{i}": "i32" for i in range(1, 6)}, total="i32", scale_abs="fp32", d="i32", s_limit="fp32")
+    yield ("guard", G._guard, guard_sig, dict(FIRST=0, TICKET=14, MULTS=True, BLOCK=G.BLOCK), {})
 
 
 KERNELS = ("scan keys", "scan query", "fwd", "fwd tuned", "dq", "dkv", "par fwd", "par dq", "par dkv", "decode step",
-           "decode out")
+           "decode out", "guard")
 
 
 def _selected(d: int, dv: int, dt: str, arch: int, names) -> list[int]:

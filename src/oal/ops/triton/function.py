@@ -399,20 +399,21 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     cfg = Config(factor.shape[-1], chunk_size or CHUNK, dot, acc, device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
     a, bs, cs, ws, l0 = _cached_params(factor, groups, eps, scale, lay, acc)
-    if rescale is None:
-        eps_t = torch.full((1,), eps, dtype=acc, device=q.device)
-    else:  # exact for any multipliers (see checks.device_rescale); all 1 unless the scores would overflow
-        qs, m_a, m_b, m_c, m_w, m_l0 = rescale.to(acc).unbind()
-        q = q * qs
-        a, bs, cs, ws, l0 = a * m_a, bs * m_b, cs * m_c, ws * m_w, l0 * m_l0
-        eps_t = (m_a * eps).reshape(1)
     if n == 0 or bsz == 0:
         out = q.new_zeros(bsz, n_q, n, dv)
         fin = initial_state.to(acc) if initial_state is not None else q.new_zeros(bsz, n_kv, feature_dim(d), dv + 1,
                                                                                   dtype=acc)
         return out, fin
-    if routes.parallel(n, initial_state, need_state, chunk_size):
-        return parallel.attention(q, k, v, ws, l0, eps_t, _consts(cfg, "fwd", d, dv), _gmax(cfg.n_groups1)), None
+    if rescale is None:
+        eps_t = torch.full((1,), eps, dtype=acc, device=q.device)
+        qs = torch.ones(1, dtype=acc, device=q.device)
+    else:  # exact for any multipliers (see checks.device_rescale); all 1 unless the scores would overflow
+        qs, m_a, m_b, m_c, m_w, m_l0 = rescale.to(acc).split(1)
+        ws, l0, eps_t = ws * m_w, l0 * m_l0, m_a * eps
+    if routes.parallel(n, initial_state, need_state, chunk_size):  # q is scaled by qs as the kernels load it
+        return parallel.attention(q, k, v, ws, l0, eps_t, qs, _consts(cfg, "fwd", d, dv), _gmax(cfg.n_groups1)), None
+    if rescale is not None:
+        q, a, bs, cs = q * qs, a * m_a, bs * m_b, cs * m_c
     init_blk = init_n = None
     if initial_state is not None:
         init_blk, init_n = state_to_blocks(initial_state.to(acc), d)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oal.ops.triton.intra import _intra_z, _kappa_dk
+
 BLK = 16  # feature block width: a block pair is 16 x 16 = 256 features, tl.dot's smallest K is 16
 
 
@@ -148,31 +150,6 @@ def _pair_step(I, J, p, s, xh, tok, tmask, d, D16, RH: tl.constexpr, ACC_DT: tl.
 
 
 @triton.jit
-def _intra_z(q, k, WS, L0, h, m, g1, BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
-             PREC: tl.constexpr):
-    """z_m(i, j) = L[0, m] + scale sum_r q_ir L[g(r)+1, m] k_jr for one chunk, [C, C] (Eq. 7, one column of L)."""
-    w = tl.load(WS + (h * g1 + m) * BD + tl.arange(0, BD))
-    qw = (q.to(ACC_DT) * w[None, :]).to(DOT_DT)
-    return tl.dot(qw, tl.trans(k), input_precision=PREC, out_dtype=ACC_DT) + tl.load(L0 + h * g1 + m)
-
-
-@triton.jit
-def _kappa_dk(q, k, dkap, dk, causal, WS, L0, eps, h, g1, GMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr):
-    """kappa of a [BM, BN] tile on its causal triangle, and dk += sum_m dz_m^T (q * w_m) with dz_m = 2 z_m dkap
-    (dkap already zero off the triangle): the key side of the intra-chunk (or parallel) backward, per query head."""
-    dcol = tl.arange(0, BD)
-    kap = tl.zeros([BM, BN], ACC_DT) + eps
-    for m in range(GMAX):
-        if m < g1:
-            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
-            kap += z * z
-            qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
-            dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
-    return tl.where(causal, kap, 0.0), dk
-
-
-@triton.jit
 def _carry_in(acc, CARRY, PREV, bh, seg, n_seg, rows, vcol, dv, R, has_carry, add_prev, NORM: tl.constexpr):
     """The running value a segment starts from: the initial state (CARRY, one per KV head) and, in the second
     pass of a split scan, the sums of the segments before it (PREV, the first pass's TOT): the split's fix-up,
@@ -189,9 +166,11 @@ def _carry_in(acc, CARRY, PREV, bh, seg, n_seg, rows, vcol, dv, R, has_carry, ad
 
 @triton.jit
 def _rows_of(X, base, rows, vcol, dv, NORM: tl.constexpr):
-    if NORM:
-        return tl.load(X + base + rows)
-    return _state(X, base, rows, vcol, dv)
+    if NORM:  # a compile-time branch: the two shapes never meet
+        x = tl.load(X + base + rows)
+    else:
+        x = _state(X, base, rows, vcol, dv)
+    return x
 
 
 @triton.jit(do_not_specialize=["store", "has_carry", "add_prev"])  # run-time flags: one variant serves all

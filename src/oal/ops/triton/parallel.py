@@ -23,13 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from oal.ops.triton.kernels import _intra_z, _kappa_dk, _tile
+from oal.ops.triton.intra import _intra_z, _kappa_dk
+from oal.ops.triton.kernels import _tile
 
 
 @triton.jit
-def _query_rows(Q, K, V, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """Program (query block, query head h, batch row b) of a per-query-head kernel: its rows, their tile of q and
-    the key and value pointers of h's KV head."""
+def _query_rows(Q, K, V, QS, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                ACC_DT: tl.constexpr):
+    """Program (query block, query head h, batch row b) of a per-query-head kernel: its rows, their tile of q
+    (times QS, the overflow multiplier, in ACC_DT) and the key and value pointers of h's KV head."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -37,7 +39,7 @@ def _query_rows(Q, K, V, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr, BD:
     offs_m = pid * BM + tl.arange(0, BM)
     mmask = offs_m < N
     qrow = (b * n_q + h).to(tl.int64)
-    q = _tile(Q + qrow * N * d, offs_m, mmask, tl.arange(0, BD), d)
+    q = _tile(Q + qrow * N * d, offs_m, mmask, tl.arange(0, BD), d).to(ACC_DT) * tl.load(QS)
     return pid, h, b, qrow, offs_m, mmask, q, K + bh * N * d, V + bh * N * dv
 
 
@@ -68,7 +70,7 @@ def _fwd_block(acc, den, q, kh, vh, WS, L0, eps, h, g1, s, offs_m, N, d, dv, GMA
 
 @triton.jit
 def _par_fwd(
-    Q, K, V, WS, L0, EPS, O, DEN,
+    Q, K, V, WS, L0, EPS, QS, O, DEN,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
     ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -76,7 +78,7 @@ def _par_fwd(
     """Output (and normaliser) of one block of BM queries of one query head. Grid (cdiv(N, BM), Hq, B).
 
     NBKT (the length's power-of-two bucket) is read by nothing: it is the autotuner's key."""
-    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, N, n_q, d, dv, REP, BM, BD)
+    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, QS, N, n_q, d, dv, REP, BM, BD, ACC_DT)
     eps = tl.load(EPS)
     acc = tl.zeros([BM, BV], ACC_DT)
     den = tl.zeros([BM], ACC_DT)
@@ -124,14 +126,14 @@ def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, d
 
 @triton.jit
 def _par_dq(
-    Q, K, V, GO, DL, WS, L0, DQ, PART,
+    Q, K, V, GO, DL, WS, L0, QS, DQ, PART,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
     ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """dq of one block of BM queries of one query head, and its share of d(WS) [GMAX, BD] and d(L0) [GMAX] in
     PART[b, pid, h] (GMAX * BD + GMAX entries). Grid (cdiv(N, BM), Hq, B)."""
-    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, N, n_q, d, dv, REP, BM, BD)
+    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, QS, N, n_q, d, dv, REP, BM, BD, ACC_DT)
     dcol = tl.arange(0, BD)
     go = _tile(GO + qrow * N * dv, offs_m, mmask, tl.arange(0, BV), dv).to(DOT_DT)
     dl = tl.load(DL + qrow * N + offs_m, mask=mmask, other=0.0)
@@ -149,6 +151,7 @@ def _par_dq(
             dq, dws, dl0 = _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, dv, GMAX, BM,
                                      BN, BD, BV, DOT_DT, ACC_DT, PREC)
             s += BN
+    dq = dq * tl.load(QS)  # the gradient for the caller's q (the kernel's is q * QS)
     tl.store(DQ + qrow * N * d + offs_m[:, None] * d + dcol[None, :], dq.to(DQ.dtype.element_ty),
              mask=mmask[:, None] & (dcol < d)[None, :])
     part = PART + ((b * tl.num_programs(0) + pid) * n_q + h).to(tl.int64) * (GMAX * BD + GMAX)
@@ -158,7 +161,7 @@ def _par_dq(
 
 
 @triton.jit
-def _dkv_block(dk, dv_acc, k, v, qh, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX: tl.constexpr,
+def _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
                ACC_DT: tl.constexpr, PREC: tl.constexpr):
     """One query block's share of dk and dv for the key block (k, v) and query head h."""
@@ -166,7 +169,7 @@ def _dkv_block(dk, dv_acc, k, v, qh, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N,
     mmask = offs_m < N
     dcol = tl.arange(0, BD)
     vcol = tl.arange(0, BV)
-    q = _tile(qh, offs_m, mmask, dcol, d)
+    q = _tile(qh, offs_m, mmask, dcol, d).to(ACC_DT) * qs
     go = _tile(goh, offs_m, mmask, vcol, dv).to(DOT_DT)
     dl = tl.load(dlh + offs_m, mask=mmask, other=0.0)
     causal = (offs_m[:, None] >= offs_n[None, :]) & (offs_n < N)[None, :]
@@ -178,7 +181,7 @@ def _dkv_block(dk, dv_acc, k, v, qh, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N,
 
 @triton.jit
 def _par_dkv(
-    Q, K, V, GO, DL, WS, L0, EPS, DK, DV,
+    Q, K, V, GO, DL, WS, L0, EPS, QS, DK, DV,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
     ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -197,6 +200,7 @@ def _par_dkv(
     k = _tile(K + bh * N * d, offs_n, nmask, dcol, d).to(ACC_DT).to(DOT_DT)
     v = _tile(V + bh * N * dv, offs_n, nmask, vcol, dv).to(ACC_DT).to(DOT_DT)
     eps = tl.load(EPS)
+    qs = tl.load(QS)
     dk = tl.zeros([BN, BD], ACC_DT)
     dv_acc = tl.zeros([BN, BV], ACC_DT)
     lo = (pid * BN // BM) * BM  # the query block holding this key block's first key
@@ -208,13 +212,13 @@ def _par_dkv(
         dlh = DL + qrow * N
         if LOOP_FOR:
             for s in range(lo, N, BM):
-                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX,
-                                        BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
+                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
+                                        GMAX, BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
         else:
             s = lo
             while s < N:
-                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX,
-                                        BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
+                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
+                                        GMAX, BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
                 s += BM
     tl.store(DK + bh * N * d + offs_n[:, None] * d + dcol[None, :], dk.to(DK.dtype.element_ty),
              mask=nmask[:, None] & (dcol < d)[None, :])
@@ -270,20 +274,20 @@ class OALParallel(torch.autograd.Function):
     torch, as for the chunked kernels)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ws, l0, eps_t, consts: dict, gmax: int, acc_dtype: torch.dtype):
+    def forward(ctx, q, k, v, ws, l0, eps_t, qs, consts: dict, gmax: int, acc_dtype: torch.dtype):
         bsz, n_q, n, _ = q.shape
         c = _consts(q, v, consts, gmax)
         o = empty(q, bsz, n_q, n, v.shape[-1])
         den = empty(q, bsz, n_q, n, dtype=acc_dtype)
-        args = (q, k, v, ws, l0, eps_t, o, den, n, n_q, q.shape[-1], v.shape[-1], ws.shape[1], bucket(n))
+        args = (q, k, v, ws, l0, eps_t, qs, o, den, n, n_q, q.shape[-1], v.shape[-1], ws.shape[1], bucket(n))
         _launch(_par_fwd, lambda bm, bn: (triton.cdiv(n, bm), n_q, bsz), *args, **c)
-        ctx.save_for_backward(q, k, v, ws, l0, eps_t, o, den)
+        ctx.save_for_backward(q, k, v, ws, l0, eps_t, qs, o, den)
         ctx.c = c
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, ws, l0, eps_t, o, den = ctx.saved_tensors
+        q, k, v, ws, l0, eps_t, qs, o, den = ctx.saved_tensors
         c = ctx.c
         bsz, n_q, n, d = q.shape
         n_kv, dv = k.shape[1], v.shape[-1]
@@ -295,14 +299,15 @@ class OALParallel(torch.autograd.Function):
         width = c["GMAX"] * c["BD"] + c["GMAX"]
         part = q.new_zeros(bsz * triton.cdiv(n, MIN_BM) * n_q, width, dtype=acc)
         tail = (n, n_q, d, dv, g1, bucket(n))
-        _launch(_par_dq, lambda bm, bn: (triton.cdiv(n, bm), n_q, bsz), q, k, v, go, dl, ws, l0, dq, part, *tail, **c)
-        _launch(_par_dkv, lambda bm, bn: (triton.cdiv(n, bn), n_kv, bsz), q, k, v, go, dl, ws, l0, eps_t, dk, dv_,
+        _launch(_par_dq, lambda bm, bn: (triton.cdiv(n, bm), n_q, bsz), q, k, v, go, dl, ws, l0, qs, dq, part, *tail,
+                **c)
+        _launch(_par_dkv, lambda bm, bn: (triton.cdiv(n, bn), n_kv, bsz), q, k, v, go, dl, ws, l0, eps_t, qs, dk, dv_,
                 *tail, **c)
         # the partials of every (batch row, query block) of head h: rows b * blocks * Hq + block * Hq + h
         part = part.view(-1, n_q, width).sum(0)
         dws = part[:, : c["GMAX"] * c["BD"]].view(n_q, c["GMAX"], c["BD"])[:, :g1]
         dl0 = part[:, c["GMAX"] * c["BD"]:][:, :g1]
-        return dq, dk, dv_, dws, dl0, None, None, None, None
+        return dq, dk, dv_, dws, dl0, None, None, None, None, None
 
 
 def bucket(n: int) -> int:
@@ -310,7 +315,8 @@ def bucket(n: int) -> int:
     return max(0, (n - 1).bit_length())
 
 
-def attention(q, k, v, ws, l0, eps_t, consts: dict, gmax: int):
+def attention(q, k, v, ws, l0, eps_t, qs, consts: dict, gmax: int):
     """Causal OAL of a fresh sequence without its state: out [B, Hq, N, dv] in q's dtype. q, k, v contiguous;
-    ws [Hq, G+1, BD], l0 [Hq, G+1] as `function._params` builds them; eps_t [1] on the device."""
-    return OALParallel.apply(q, k, v, ws, l0, eps_t, consts, gmax, eps_t.dtype)
+    ws [Hq, G+1, BD], l0 [Hq, G+1] as `function._params` builds them; eps_t and qs (q's overflow multiplier,
+    applied as q is loaded) 1-element tensors on the device."""
+    return OALParallel.apply(q, k, v, ws, l0, eps_t, qs, consts, gmax, eps_t.dtype)
