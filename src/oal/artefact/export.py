@@ -24,6 +24,7 @@ import torch
 from oal.artefact.arms import load_converted
 from oal.artefact.base_facts import base_model_facts, data_facts
 from oal.artefact.card import card_metrics, write_card
+from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
 from oal.calibration.kernels import KERNELS_FILE, META_FILE
 from oal.rundir.files import atomic_dir, load_json
 from oal.rundir.hashes import sha256_files
@@ -31,14 +32,6 @@ from oal.rundir.hashes import sha256_files
 __all__ = ["export", "save_converted", "softmax_twin"]
 
 log = logging.getLogger("oal")
-
-
-def _writable_target(to: Path) -> None:
-    """Refuse to replace a folder that is not an export: `atomic_dir` swaps the whole folder."""
-    from oal.models.pretrained import MANIFEST
-
-    if to.exists() and (not to.is_dir() or (any(to.iterdir()) and not (to / MANIFEST).is_file())):
-        raise ValueError(f"to: {to} exists and is not a converted-model folder; choose a new or empty folder")
 
 
 def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = None,
@@ -49,14 +42,14 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
     from oal.models.attention import is_converted
 
     to = Path(to)
-    _writable_target(to)
+    writable_target(to)
     peft = hasattr(model, "peft_config") and hasattr(model, "unload")
     base = model.get_base_model() if peft else model
     if not is_converted(base):
         raise ValueError("model: it has no converted layers; call oal.convert or oal.load first")
     with atomic_dir(to) as tmp:
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
+            save_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
         lora = lora_record(model) if peft else None
         if peft:
             base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place
@@ -66,26 +59,6 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files
     return to
-
-
-def _save_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
-    """The tokenizer, with a true model_max_length (the model's positions) where it says "no limit" (transformers'
-    1e30); the tokenizer given is left as it was."""
-    old = getattr(tokenizer, "model_max_length", None)
-    if max_positions and isinstance(old, (int, float)) and old > 1e29:
-        tokenizer.model_max_length = int(max_positions)
-    try:
-        tokenizer.save_pretrained(to)
-    finally:
-        if old is not None:
-            tokenizer.model_max_length = old
-
-
-def _cast_base_weights(model, dtype: torch.dtype) -> None:
-    """The base model's floating parameters to `dtype`; kernel tensors keep theirs (fp32 factors, fp64 features)."""
-    for name, p in model.named_parameters():
-        if ".oal_method." not in name and p.is_floating_point():
-            p.data = p.data.to(dtype)
 
 
 def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = True, merge: bool = True,
@@ -110,13 +83,13 @@ def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = 
     # loaded in the run's dtype (what its kernels and adapter were made on and are checked against), then cast
     mdl, tok, info = load_converted(run_dir, method, adapter, model=model, merge=merge)
     if dtype is not None:
-        _cast_base_weights(mdl, dtype)
+        cast_base_weights(mdl, dtype)
     kdir = Path(info["kernels"])
     folder = Path(mdl.config.name_or_path)
     datasets, data_lines = data_facts(config, metrics)
     source = {
         "run": run_dir.resolve().name, "method": method,  # a name, not the machine's path
-        "base_model": _without_paths(load_json(kdir / META_FILE).get("base_model", {})),
+        "base_model": without_paths(load_json(kdir / META_FILE).get("base_model", {})),
         "base": base_model_facts(info["base_model"], folder, identify(folder)[0] if folder.is_dir() else None),
         "datasets": datasets, "data_lines": data_lines,
         "kernels": {f: v for f, v in sha256_files(kdir).items() if f in (KERNELS_FILE, META_FILE)},
@@ -127,14 +100,6 @@ def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = 
     out = save_converted(mdl, to, tok, source, rows)
     log.info("exported %s (%s) to %s", run_dir, method, out)
     return out
-
-
-def _without_paths(record: dict) -> dict:
-    """The kernels' base-model record with a local folder named by its last component only."""
-    name = record.get("name_or_path")
-    if isinstance(name, str) and Path(name).is_absolute():
-        return {**record, "name_or_path": Path(name).name}
-    return dict(record)
 
 
 def softmax_twin(model, base_model: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):

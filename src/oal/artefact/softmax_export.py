@@ -33,7 +33,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     from oal.artefact.arms import load_arm
     from oal.artefact.base_facts import base_model_facts, data_facts
     from oal.artefact.card import card_metrics, reference_card_text
-    from oal.artefact.export import _cast_base_weights, _save_tokenizer, _without_paths, _writable_target
+    from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
     from oal.models.pretrained import read_json_object, write_manifest
     from oal.models.registry import identify
 
@@ -41,16 +41,16 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
         raise ValueError("merge: the softmax arm is written as a plain transformers model, its adapter merged into "
                          "the weights (--no-merge applies to the converted arms)")
     run_dir, to = Path(run_dir), Path(to)
-    _writable_target(to)
+    writable_target(to)
     mdl, tok, info = load_arm(run_dir, "softmax", adapter, model=model)  # checked against the run's record
     if dtype is not None:
-        _cast_base_weights(mdl, dtype)
+        cast_base_weights(mdl, dtype)
     record = read_json_object(run_dir / "config.json", "the configuration of an `oal run` run directory")["model"]
     folder = Path(mdl.config.name_or_path)
     datasets, data_lines = data_facts(config, metrics)
     source = {
         "run": run_dir.resolve().name, "method": "softmax",
-        "base_model": _without_paths({"name_or_path": record.get("model"), "dtype": record.get("dtype"),
+        "base_model": without_paths({"name_or_path": record.get("model"), "dtype": record.get("dtype"),
                                       "state_dict_sha256": record.get("state_dict_sha256")}),
         "base": base_model_facts(info["base_model"], folder, identify(folder)[0] if folder.is_dir() else None),
         "datasets": datasets, "data_lines": data_lines,
@@ -58,7 +58,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     }
     rows = card_metrics(metrics, "softmax", adapted=info["adapter"] is not None) if metrics else None
     with atomic_dir(to) as tmp:
-        _save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
+        save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
         mdl.save_pretrained(tmp)  # the family's own form: config.json, model.safetensors, generation_config.json
         write_manifest(tmp, source)
         atomic_write_text(tmp / "README.md", reference_card_text(source, rows))
