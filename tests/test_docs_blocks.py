@@ -158,6 +158,14 @@ def test_the_python_blocks_of_a_page_run_in_order(session, tmp_path, monkeypatch
         assert used == {old for old, _ in substitutions}, f"{name}: a substitution no longer applies"
 
 
+def test_the_python_quick_start_converts_in_five_lines():
+    first = next(text for lang, text, _ in blocks(ROOT / "README.md") if lang == "python")
+    lines = [row for row in first.splitlines() if row.strip()]
+    assert len(lines) <= 5 and QUICK_START in first and SMOLLM2_PATH in first
+    convert_guide = [text for lang, text, _ in blocks(ROOT / "docs" / "guides" / "convert.md") if lang == "python"]
+    assert convert_guide[0] == first  # the guide opens with the same lines
+
+
 def _smollm2_folder() -> Path | None:
     """The fetched SmolLM2-135M's safetensors folder, or None when it was never fetched (no download here)."""
     import torch
