@@ -232,7 +232,9 @@ def _plan_args(p) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m benchmarks.budget", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="Outputs: run: the run directory (--out); table2: Table 2 in --out; collect: the study's JSON "
+                        "(--json; default benchmarks/results/smollm2_budget.json) and a PNG beside it (--png)")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="an `oal run` with the budget plan (resumable)")
     r.add_argument("--out", type=Path, required=True, help="run directory (created or resumed)")

@@ -22,7 +22,6 @@ decode.png and prints a table per shape.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 from pathlib import Path
@@ -140,7 +139,9 @@ def table(shape: str, record: dict, contexts: list[int], threads: int, tokens: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
+
+    ap = ToolParser(__doc__, "benchmarks/results/decode.json and decode.png; a table per shape on stdout")
     ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
     ap.add_argument("--tokens", type=int, default=None, help="timed tokens per context (default 5, full 15)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -26,7 +26,6 @@ peak_mib), a PNG beside it, and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from pathlib import Path
@@ -196,7 +195,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
+
+    ap = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/generate.json) and a PNG beside "
+                    "it; the table on stdout")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default=",".join(lc.SHAPES), help=f"comma-separated subset of {tuple(lc.SHAPES)}")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")

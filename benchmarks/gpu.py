@@ -23,7 +23,6 @@ times, null where not measured), a PNG beside it, and prints a table and the iss
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import platform
 import statistics
@@ -345,7 +344,10 @@ def profile_forward(n: int, device: str, out: Path) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
+
+    parser = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/gpu.json, rewritten after "
+                        "every length) and a PNG beside it; the table on stdout")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated N values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
