@@ -3,7 +3,7 @@
 For every (d, dv) with d and dv in --head-dims, every input dtype and every target, unless `oal.ops.triton.refusal`
 refuses that shape (then it says why): each kernel at G = 5, Hq/Hkv = 7 and 64-token chunks, with the tiles and
 launch options of `oal.ops.triton.function.tiles`; the output kernel also with every tile its autotuner may pick
-(`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.CONFIGS`), the two
+(`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.configs`), the two
 decoding kernels and the device checks' kernel (`guard`). Reports compile time, shared memory, registers and spills
 (ptxas -v, the ptxas bundled with triton) and the number of tensor-core MMA instructions in the PTX (wgmma on
 sm_90, mma.sync on sm_80). Exits 1 when a kernel fails to compile or needs more shared memory than one block of
@@ -105,15 +105,15 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                                      **tail)),
     }
     for name, (fn, sig) in par_sigs.items():
-        for bm, bn, stages in P.CONFIGS:
+        for bm, bn, stages in P.configs(half, max(d, dv) > 64):
             yield (f"{name} {bm}x{bn} st={stages}", fn, sig, dict(par, BM=bm, BN=bn),
                    dict(num_warps=P.NUM_WARPS, num_stages=stages))
     yield ("decode step", D._dec_step,
            dict(Q=x, K=x, V=x, W=a, ROWR="*i32", ROWT="*i32", S=a, PART=a, PARTN=a, STATUS=a, F="i32", d="i32",
                 dv="i32", n_q="i32", n_bq="i32", scale_abs="fp32", s_limit="fp32"),
-           dict(T=1, REP=REP, RB=D.RB, BV=bv, BDQ=lay.bd, ACC_DT=F._tl(torch.float32)), {})
+           dict(T=1, REP=REP, RB=D.rows_per_program(bv), BV=bv, BDQ=lay.bd, ACC_DT=F._tl(torch.float32)), {})
     yield ("decode out", D._dec_out, dict(PART=a, PARTN=a, O=x, STATUS=a, n_rows="i32", dv="i32"),
-           dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.RB), BV=bv), {})
+           dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.rows_per_program(bv)), BV=bv), {})
     guard_sig = dict(X0=x, X1=x, X2=x, X3=a, X4=a, X5=a, **{f"n{i}": "i32" for i in range(6)}, STATUS=a,
                      **{f"c{i}": "i32" for i in range(1, 6)}, total="i32", scale_abs="fp32", d="i32", s_limit="fp32")
     yield ("guard", G._guard, guard_sig, dict(FIRST=0, TICKET=14, MULTS=True, BLOCK=G.BLOCK), {})

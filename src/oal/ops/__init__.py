@@ -38,7 +38,7 @@ def _wants_triton(q, v, causal: bool, backend: str, chunk_size) -> bool:
 def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state, chunk_size):
     """The Triton kernels with the value checks on the device (`checks.start` ... `checks.finish`) and the overflow
     rescaling applied through device multipliers: no host read."""
-    from oal.ops.triton import decodes, triton_attention  # optional dependency, imported on use
+    from oal.ops.triton import decodes, triton_attention  # no triton import until the kernels are launched
 
     dtype = _compute_dtype(q.dtype)
     d = q.shape[-1]

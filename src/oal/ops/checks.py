@@ -207,6 +207,7 @@ def _k_overflow_message(kmax: float, dtype: torch.dtype) -> str:
     return f"k: values up to {kmax:.3g} overflow the {dtype} state (k_r k_t); use float64"
 
 
+@functools.cache
 def rescale_bound(dtype: torch.dtype) -> tuple[float, float]:
     """(largest max|k|^2 the state holds, largest score bound evaluated without rescaling) in `dtype`."""
     info = torch.finfo(dtype)

@@ -119,7 +119,10 @@ def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.cons
     tl.atomic_max(STATUS + 13, _nonfinite(tl.where(vcol < dv, out, 0.0)).to(tl.float32))
 
 
-RB = 64  # state rows per program of _dec_step
+def rows_per_program(bv: int) -> int:
+    """State rows of one _dec_step program: [RB, BV] fp32 tiles of 4096 entries (64 x 64; 32 x 128 for dv > 64,
+    where 64 rows spilled 2.5 KB of registers at d = dv = 128)."""
+    return 4096 // bv
 
 
 def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt):
@@ -128,14 +131,15 @@ def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, 
     bsz, n_q, n_t, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     f = state.shape[2]
-    nblk = triton.cdiv(f, RB)
     bv = max(16, triton.next_power_of_2(dv))
+    rb = rows_per_program(bv)
+    nblk = triton.cdiv(f, rb)
     n_rows = bsz * n_q * n_t
     part = parallel.empty(state, nblk, n_rows, bv)
     partn = parallel.empty(state, nblk, n_rows)
     _dec_step[(nblk, bsz * n_kv)](
         q, k, v, w, rowr, rowt, state, part, partn, status, f, d, dv, n_q, bsz * n_q, abs(scale), s_limit,
-        T=n_t, REP=n_q // n_kv, RB=RB, BV=bv, BDQ=max(16, triton.next_power_of_2(d)), ACC_DT=acc_dt,
+        T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, triton.next_power_of_2(d)), ACC_DT=acc_dt,
     )
     out = parallel.empty(q, bsz, n_q, n_t, dv)
     _dec_out[(n_rows,)](part, partn, out, status, n_rows, dv, NBLK=nblk, BV=bv)

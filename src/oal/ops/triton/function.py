@@ -435,7 +435,8 @@ def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
     """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
     _, w = cached_coefficients(factor, groups, eps, scale, by_version=checks.deferred(q), dtype=acc)
-    state = state if inplace and state.dtype == acc and state.is_contiguous() else state.to(acc).clone()
+    if not (inplace and state.dtype == acc and state.is_contiguous()):
+        state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
     rowr, rowt = _row_maps(q.shape[-1], q.device)

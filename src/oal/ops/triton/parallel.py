@@ -227,14 +227,22 @@ def _par_dkv(
 
 
 # Tiles of the parallel kernels: BM queries x BN keys, 4 warps (8 warps with chained dots: see tiles.NUM_WARPS).
-# Compiled, `triton.autotune` picks among CONFIGS on the first call per (d, dv, G, dtypes, length bucket); every
-# config is compiled for sm_90 and sm_80 by scripts/triton_sm90_check.py. The interpreter runs DEFAULT.
+# Compiled, `triton.autotune` picks among the configs of the shape (`configs`) on the first call per (d, dv, G,
+# dtypes, length bucket); every config is compiled for sm_90 and sm_80 by scripts/triton_sm90_check.py. fp32 inputs
+# at d or dv > 64 (tf32x3 dots keep two operand copies) need smaller tiles: 64 x 64 took 256 KB of shared memory
+# for the dk/dv kernel on sm_90. The interpreter runs DEFAULT.
 CONFIGS = [(64, 64, 2), (64, 64, 3), (128, 64, 2), (128, 32, 3)]  # (BM, BN, stages)
+CONFIGS_FP32_BIG = [(32, 32, 2), (64, 32, 2), (32, 64, 2)]
 DEFAULT = (64, 64, 2)
 NUM_WARPS = 4
-MIN_BM = min(bm for bm, _, _ in CONFIGS)
+MIN_BM = min(bm for bm, _, _ in CONFIGS + CONFIGS_FP32_BIG)  # the dq partials are allocated for it
 # Tests set this to fill the outputs with NaN before the kernels write them, so that an unwritten entry shows up.
 NAN_SCRATCH = False
+
+
+def configs(half: bool, big: bool) -> list[tuple[int, int, int]]:
+    """The (BM, BN, stages) the autotuner may pick for half-precision dots or not, max(d, dv) > 64 or not."""
+    return CONFIGS_FP32_BIG if big and not half else CONFIGS
 
 
 def empty(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
@@ -248,16 +256,19 @@ def short_bench(fn, quantiles):
 
 
 @functools.cache
-def tuned(kernel):
-    """`kernel` autotuned over CONFIGS (compiled runs only)."""
-    configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=NUM_WARPS, num_stages=st) for bm, bn, st in CONFIGS]
-    return triton.autotune(configs, key=["d", "dv", "g1", "NBKT"], do_bench=short_bench)(kernel)
+def tuned(kernel, half: bool, big: bool):
+    """`kernel` autotuned over `configs(half, big)` (compiled runs only)."""
+    options = [triton.Config({"BM": bm, "BN": bn}, num_warps=NUM_WARPS, num_stages=st)
+               for bm, bn, st in configs(half, big)]
+    return triton.autotune(options, key=["d", "dv", "g1", "NBKT"], do_bench=short_bench)(kernel)
 
 
 def _launch(kernel, grid, *args, **consts):
     """Launch with the tuned tiles on a GPU, DEFAULT under the interpreter; grid(BM, BN) -> the grid."""
     if args[0].device.type == "cuda":
-        tuned(kernel)[lambda meta: grid(meta["BM"], meta["BN"])](*args, **consts, LOOP_FOR=True)
+        half = consts["DOT_DT"] in (tl.bfloat16, tl.float16)
+        big = max(consts["BD"], consts["BV"]) > 64
+        tuned(kernel, half, big)[lambda meta: grid(meta["BM"], meta["BN"])](*args, **consts, LOOP_FOR=True)
     else:
         bm, bn, stages = DEFAULT
         kernel[grid(bm, bn)](*args, **consts, LOOP_FOR=False, BM=bm, BN=bn, num_warps=NUM_WARPS, num_stages=stages)
