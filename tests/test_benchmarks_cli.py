@@ -122,7 +122,7 @@ def test_recall_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
         return {"void": True, "seconds": 1.0, "cpu_seconds": 1.0}
 
     monkeypatch.setattr(recall, "run", run)
-    monkeypatch.setattr(recall, "setup", lambda kind, seed: None)
+    monkeypatch.setattr(recall, "setup", lambda kind, seed, **kwargs: None)
     assert recall.main(["--json", str(tmp_path / "r.json")]) == 1  # void: exit code 1, as documented
     out, err = capsys.readouterr()
     assert "training the softmax model" in err and "training" not in out
