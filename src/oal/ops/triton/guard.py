@@ -33,7 +33,8 @@ def _block_stats(X, n, blk, S, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
     tl.atomic_max(S + 1, tl.max(tl.where(mask & ~finite, 1.0, 0.0), axis=0))
 
 
-@triton.jit
+# the sizes are run-time values: one compiled variant whatever the tensors (no specialisation on 1 or multiples of 16)
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3", "n4", "n5", "c1", "c2", "c3", "c4", "c5", "total", "d"])
 def _guard(
     X0, X1, X2, X3, X4, X5, n0, n1, n2, n3, n4, n5, STATUS, c1, c2, c3, c4, c5, total, scale_abs, d, s_limit,
     FIRST: tl.constexpr, TICKET: tl.constexpr, MULTS: tl.constexpr, BLOCK: tl.constexpr,
