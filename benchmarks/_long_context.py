@@ -40,7 +40,8 @@ def build(shape: str, *, weights: str = "random", max_positions: int, dtype=torc
     else:
         config_cls, model_cls, kw = SHAPES[shape]
         torch.manual_seed(0)
-        model = model_cls(config_cls(**kw, max_position_embeddings=max_positions)).to(device, dtype)
+        with torch.device(device):  # initialised where it runs (a 0.5B model's init on the host took seconds)
+            model = model_cls(config_cls(**kw, max_position_embeddings=max_positions)).to(dtype)
         source = f"random init of {shape}'s published config"
     model.config.max_position_embeddings = max(max_positions, model.config.max_position_embeddings)
     return model.eval(), source + f"; max_position_embeddings raised to {model.config.max_position_embeddings}"
