@@ -122,9 +122,10 @@ def _run_fidelity(log: StageLog, d: Path) -> dict:
 
 
 def read_table2(path: Path) -> dict:
-    """{"dir", "layers", "blocks", "methods": {method: {relmse, relmse_post_o, mse, mse_post_o}}} of a Table 2
-    directory, from its verified evaluation records. "blocks" ([n, length] of the held-out blocks) is known when
-    `benchmarks.budget table2` wrote the directory (its `fidelity_blocks` record), else None."""
+    """{"dir", "layers", "blocks", "calib_blocks", "methods": {method: {relmse, relmse_post_o, mse, mse_post_o}}} of
+    a Table 2 directory, from its verified evaluation records. "blocks" and "calib_blocks" ([n, length] of the
+    held-out and the calibration training blocks) are known when `benchmarks.budget table2` wrote the directory (its
+    `table2_blocks` record), else None."""
     entries, _, inputs = verified_evaluations(path)
     table = path / TABLE2_FILE
     if TABLE2_FILE not in inputs:
@@ -132,10 +133,11 @@ def read_table2(path: Path) -> dict:
                           "or `oal diagnose --parts table2` there)")
     if not table.is_file() or sha256_file(table) != inputs[TABLE2_FILE]:
         raise RecordError(f"{table}: changed since its fidelity was recorded")
-    methods, blocks = {}, None
+    methods, roles = {}, {}
     for key, value in entries:
         if len(key) == 2 and key[0] == "fidelity":
             methods[key[1]] = {k: float(value[k]) for k in FIDELITY_KEYS}
-        elif tuple(key) == ("fidelity_blocks",):
-            blocks = [int(value["n"]), int(value["length"])]
-    return {"dir": str(path), "layers": list(_load(table)["layers"]), "blocks": blocks, "methods": methods}
+        elif tuple(key) == ("table2_blocks",):
+            roles = {r: [int(v["n"]), int(v["length"])] for r, v in value.items()}
+    return {"dir": str(path), "layers": list(_load(table)["layers"]), "blocks": roles.get("fidelity"),
+            "calib_blocks": roles.get("calib_train"), "methods": methods}

@@ -11,7 +11,7 @@ Three subcommands, each over the pipeline's own drivers and records:
   table2   `oal diagnose --parts table2` (every method calibrated on frozen attention, App. B protocol, then
            held-out fidelity) with calibration blocks of --calib-len and fidelity blocks of --fidelity-len tokens,
            written to a directory that is not a run directory, so its numbers are recorded with the SHA256 of
-           diagnostics/table2.json; the fidelity blocks' count and length are recorded beside them.
+           diagnostics/table2.json; the calibration and fidelity blocks are recorded beside them.
   collect  reads run directories and Table 2 directories (verified records only: `benchmarks._budget_records`) and
            writes the study's JSON and a figure of the learning curves.
 
@@ -168,11 +168,11 @@ def cmd_table2(args) -> None:
     out = Path(args.out)
     diagnose(model, blocks, layers, out, parts=["table2"], table2_methods=methods,  # `oal diagnose`'s defaults:
              grouping=grouping_preset(args.preset), calib_cfg=CalibConfig.preset("default", seed=0), seed=0)
-    fid = blocks["fidelity"]
-    table = "diagnostics/table2.json"
-    record_evaluation(out, "fidelity_blocks", [(("fidelity_blocks",), {
-        "n": fid.shape[0], "length": fid.shape[1], "split": plan.fidelity.split, "indices": plan.fidelity.indices,
-        "sha256_16": tensor_hash(fid)})], {table: sha256_file(out / table)})
+    table = "diagnostics/table2.json"  # the blocks it was measured on, bound to it by its SHA256
+    roles = {r: {"n": blocks[r].shape[0], "length": blocks[r].shape[1], "split": getattr(plan, r).split,
+                 "indices": getattr(plan, r).indices, "sha256_16": tensor_hash(blocks[r])}
+             for r in ("fidelity", "calib_train", "calib_val")}
+    record_evaluation(out, "table2_blocks", [(("table2_blocks",), roles)], {table: sha256_file(out / table)})
     publish_evaluations(out)
 
 

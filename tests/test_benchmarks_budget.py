@@ -138,11 +138,28 @@ def test_collect_takes_named_arms_and_refuses_duplicates(tiny_run, tmp_path, cap
     assert data["arms"]["oal"]["run_dirs"] == [str(tiny_run[0])] and data["arms"]["global"]["run_dirs"] == [str(copy)]
 
 
+def test_collect_keeps_each_budget(tiny_run, tmp_path):
+    from oal.pipeline.runs import adapt_arm
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_run[0], short)
+    for m in ("oal", "global", "softmax"):  # the same arms with 2 updates instead of 4: a smaller budget
+        metrics = adapt_arm(short, m, steps=2, progress=False)
+    code, data = _collect(tmp_path, "--runs", str(tiny_run[0]), str(short))
+    assert code == 0 and sorted(data["budgets"]) == ["2", "4"] and data["updates"] == 4
+    assert data["test_ppl"] == data["budgets"]["4"]["test_ppl"]  # the schema's keys: the largest budget
+    ppl = metrics["perplexity"]
+    assert data["budgets"]["2"]["test_ppl"] == {m: pytest.approx(v) for m, v in ppl.items() if m in data["test_ppl"]}
+    gap = (ppl["oal"] - ppl["softmax"]) / (ppl["global"] - ppl["softmax"])
+    assert data["gap_ratio_by_budget"]["2"]["oal"] == pytest.approx(gap)
+    assert data["goals"]["gap_ratio"]["updates"] == 4
+
+
 def test_table2_records_its_blocks_and_collect_reads_them(tiny_run, tiny_table2, tmp_path):
     code, data = _collect(tmp_path, "--runs", str(tiny_run[0]), "--table2", str(tiny_table2))
     assert code == 0
     table = data["frozen_tables"][0]
-    assert table["blocks"] == [2, 64] and table["layers"] == [1, 2]
+    assert table["blocks"] == [2, 64] and table["calib_blocks"] == [8, 512] and table["layers"] == [1, 2]
     t2 = load_json(tiny_table2 / "diagnostics" / "table2.json")
     assert data["frozen"] == {m: {k: pytest.approx(r[k]) for k in ("relmse", "relmse_post_o", "mse", "mse_post_o")}
                               for m, r in t2["fidelity"].items()}
