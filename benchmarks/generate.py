@@ -179,8 +179,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     for i, shape in enumerate(shapes):
         for j, spec in enumerate(specs):
             for method in METHODS:
-                pts = [(r["context"], r["tokens_per_s"], r["peak_mib"]) for r in rows if r["shape"] == shape
-                       and r["method"] == method and r["batch_spec"] == spec and r["tokens_per_s"]]
+                pts = sorted((r["context"], r["tokens_per_s"], r["peak_mib"]) for r in rows if r["shape"] == shape
+                       and r["method"] == method and r["batch_spec"] == spec and r["tokens_per_s"])
                 if pts:
                     xs, tps, mib = zip(*pts, strict=True)
                     axes[i, 2 * j].plot(xs, tps, "o-", label=method)
