@@ -216,3 +216,29 @@ def test_the_guard_kernel_matches_its_reference(q_scale, k_scale):
     assert status[1] == status[3] == status[7] == 0 and status[5] == 1
     want = checks.device_rescale(qmax, kmax, 0.25, 16, torch.float32)
     torch.testing.assert_close(status[guard.MULT : guard.MULT + 6], want, rtol=1e-6, atol=0)
+
+
+def test_a_stage_does_not_outlive_a_late_error(on_device, tmp_path):
+    """A stage whose last operator call had bad input fails, and is not recorded as done (pipeline.base.stage drains
+    the device checks before it marks the stage), so no late error can let a number be published."""
+    from rich.console import Console
+
+    from oal.launch import ranks
+    from oal.pipeline.base import StagedRun
+    from oal.rundir.stages import StageLog
+
+    run = object.__new__(StagedRun)  # the stage mechanism alone, without a model
+    run.ranks, run.log, run.console = ranks("cpu"), StageLog(tmp_path), Console(quiet=True)
+    run.keys, run.ran, run.skipped, run.stop_after = {}, [], [], None
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 12, 16, 8, 3, seed=3)
+    q[..., 0, 0] = float("nan")
+
+    def fn():
+        (tmp_path / "out.txt").write_text("a number computed from NaN")
+        oal_attention(q, k, v, groups, factor, backend="triton")  # reports late on the device path
+
+    with pytest.raises(ValueError, match="q: contains NaN"):
+        run.stage("probe", {}, ["out.txt"], fn)
+    assert not run.log.done("probe", run.keys["probe"]) and run.ran == []
+    assert run.stage("clean", {}, ["out.txt"], lambda: oal_attention(q.nan_to_num(), k, v, groups, factor,
+                                                                      backend="triton"))

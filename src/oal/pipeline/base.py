@@ -30,6 +30,7 @@ from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_ke
 from oal.data.sources import load_corpus
 from oal.errors import InputError
 from oal.launch import log_console, process_device, ranks
+from oal.ops import check_errors
 from oal.pipeline.config import RunConfig
 from oal.rundir.claim import claim_run_dir
 from oal.rundir.files import atomic_write_json, check_out_dir
@@ -217,6 +218,7 @@ class StagedRun:
         self.console.rule(f"[bold]{name}")
         with Timer() as t:
             fn() if parallel else self.ranks.on_main(fn)
+            check_errors()  # on CUDA the operator's value checks report late: none may outlive the stage it came from
         self.ranks.on_main(lambda: self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read))
         self.ran.append(name)
         if self.stop_after == name:
