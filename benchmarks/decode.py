@@ -22,11 +22,30 @@ decode.png and prints a table per shape.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 from pathlib import Path
 
-import matplotlib
+from benchmarks._common import MAX_THREADS, ToolParser, int_in, run_tool
+
+SHAPES = ("default", "qwen2.5-0.5b")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, checked before the heavy imports (one-line errors, exit code 2; --help names the outputs)."""
+    ap = ToolParser(__doc__, "benchmarks/results/decode.json and decode.png; a table per shape on stdout")
+    ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
+    ap.add_argument("--tokens", type=int_in(1, 10_000), default=None,
+                    help="timed tokens per context (default 5, full 15)")
+    ap.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
+    return ap.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -37,15 +56,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from benchmarks import _long_context as lc  # noqa: E402
 from oal.models.cache import state_nbytes  # noqa: E402
-from oal.models.convert import convert
+from oal.models.convert import convert  # noqa: E402
 from oal.models.registry import default_layers  # noqa: E402
 from oal.rundir.files import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POS = 40_000
-
-
-SHAPES = ("default", "qwen2.5-0.5b")
 
 
 def base_model(shape: str = "default"):
@@ -138,15 +154,7 @@ def table(shape: str, record: dict, contexts: list[int], threads: int, tokens: i
     return t
 
 
-def main() -> None:
-    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
-
-    ap = ToolParser(__doc__, "benchmarks/results/decode.json and decode.png; a table per shape on stdout")
-    ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
-    ap.add_argument("--tokens", type=int, default=None, help="timed tokens per context (default 5, full 15)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [1024, 2048, 4096, 8192, 16384, 32768] if args.full else [1024, 4096, 32768]
@@ -165,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

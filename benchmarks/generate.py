@@ -26,20 +26,77 @@ peak_mib), a PNG beside it, and prints a table.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 from pathlib import Path
 
-import torch
-
-from benchmarks import _long_context as lc
+from benchmarks._common import MAX_THREADS, ToolParser, int_in, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("softmax", "oal", "oal-swa")
 CONTEXTS = (8192, 32768, 65536)
-RECIPE_LAYERS = {"smollm2-135m": [1, 2, 11, 12, 13, 15, 16, 19, 21, 22, 24, 25, 26, 27, 28],
-                 "qwen2.5-0.5b": list(range(1, 24, 2))}
+RECIPE_LAYERS = {"qwen2.5-0.5b": list(range(1, 24, 2)),
+                 "smollm2-135m": [1, 2, 11, 12, 13, 15, 16, 19, 21, 22, 24, 25, 26, 27, 28]}
+SHAPES = tuple(RECIPE_LAYERS)  # the shapes of `_long_context` (a test keeps them equal)
 WINDOW = dict(window=64, sinks=4)
+
+
+def parse_args(argv=None):
+    ap = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/generate.json) and a PNG beside "
+                    "it; the table on stdout")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="auto: cuda when torch sees a GPU")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {SHAPES}")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes and/or 'max' (default: 1,max on "
+                                                    "CUDA, 1 on the CPU)")
+    ap.add_argument("--max-batch", type=int_in(1, 1 << 20), default=2048, help="cap of the batch search")
+    ap.add_argument("--weights", choices=("random", "real"), default="random")
+    ap.add_argument("--tokens", type=int_in(1, 100_000), default=8, help="timed decoding steps per row")
+    ap.add_argument("--warmup", type=int_in(0, 1000), default=2, help="untimed steps first (compilation, caches)")
+    ap.add_argument("--prompt", type=int_in(1, 1 << 20), default=256,
+                    help="real tokens prefilled before the context is set")
+    ap.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0,
+                    help="torch threads on the CPU (0: torch's default)")
+    ap.add_argument("--profile", action="store_true", help="instead: break one decoding step down per layer type")
+    ap.add_argument("--out", type=output_file, default=RESULTS / "generate.json", help="the JSON file (PNG beside it)")
+    args = ap.parse_args(argv)
+    args.shapes = _names(ap, "--shapes", args.shapes, SHAPES)
+    args.methods = _names(ap, "--methods", args.methods, METHODS)
+    try:
+        args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
+    if not args.contexts or min(args.contexts) < 1:
+        ap.error(f"--contexts: expected positive integers, got {args.contexts}")
+    # default: 1 on the CPU, 1,max on CUDA (`auto` is resolved in main, where torch is imported)
+    args.batches = args.batches.split(",") if args.batches else ["1"] if args.device == "cpu" else None
+    if bad := [b for b in args.batches or [] if b != "max" and not (b.isdigit() and int(b) >= 1)]:
+        ap.error(f"--batches: expected positive integers or 'max', got {bad}")
+    if "max" in (args.batches or []) and args.device == "cpu":
+        ap.error("--batches: 'max' searches the GPU's memory; on the CPU give batch sizes")
+    if args.prompt < WINDOW["window"] + WINDOW["sinks"]:
+        ap.error(f"--prompt: at least {WINDOW['window'] + WINDOW['sinks']} tokens, so the windows are full")
+    if args.weights == "real" and args.shapes != ["smollm2-135m"]:
+        ap.error("--weights: real weights exist for --shapes smollm2-135m only")
+    return args
+
+
+def _names(ap, flag: str, value: str, allowed) -> list[str]:
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        ap.error(f"{flag}: expected a subset of {allowed}, got {value!r}")
+    return names
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
+import torch  # noqa: E402
+
+from benchmarks import _long_context as lc  # noqa: E402
 
 
 def convert(model, shape: str, method: str) -> list[int]:
@@ -194,63 +251,16 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     atomic_save_figure(fig, path, dpi=110)
 
 
-def parse_args(argv=None):
-    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
-
-    ap = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/generate.json) and a PNG beside "
-                    "it; the table on stdout")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shapes", default=",".join(lc.SHAPES), help=f"comma-separated subset of {tuple(lc.SHAPES)}")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes and/or 'max' (default: 1,max on "
-                                                    "CUDA, 1 on the CPU)")
-    ap.add_argument("--max-batch", type=int, default=2048, help="cap of the batch search")
-    ap.add_argument("--weights", choices=("random", "real"), default="random")
-    ap.add_argument("--tokens", type=int, default=8, help="timed decoding steps per row")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, caches)")
-    ap.add_argument("--prompt", type=int, default=256, help="real tokens prefilled before the context is set")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
-    ap.add_argument("--profile", action="store_true", help="instead: break one decoding step down per layer type")
-    ap.add_argument("--out", type=Path, default=RESULTS / "generate.json", help="the JSON file (PNG beside it)")
-    args = ap.parse_args(argv)
-    args.shapes = _names(ap, "--shapes", args.shapes, tuple(lc.SHAPES))
-    args.methods = _names(ap, "--methods", args.methods, METHODS)
-    try:
-        args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
-    if not args.contexts or min(args.contexts) < 1:
-        ap.error(f"--contexts: expected positive integers, got {args.contexts}")
-    args.batches = (args.batches or ("1,max" if args.device == "cuda" else "1")).split(",")
-    if bad := [b for b in args.batches if b != "max" and not (b.isdigit() and int(b) >= 1)]:
-        ap.error(f"--batches: expected positive integers or 'max', got {bad}")
-    if "max" in args.batches and args.device != "cuda":
-        ap.error("--batches: 'max' searches the GPU's memory; on the CPU give batch sizes")
-    for name in ("tokens", "max_batch", "prompt"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or args.threads < 0:
-        ap.error("--warmup/--threads: expected integers >= 0")
-    if args.prompt < WINDOW["window"] + WINDOW["sinks"]:
-        ap.error(f"--prompt: at least {WINDOW['window'] + WINDOW['sinks']} tokens, so the windows are full")
+def main(args: argparse.Namespace | list[str] | None = None) -> None:
+    args = args if isinstance(args, argparse.Namespace) else parse_args(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device: cuda is not available here")
-    if args.weights == "real" and args.shapes != ["smollm2-135m"]:
-        ap.error("--weights: real weights exist for --shapes smollm2-135m only")
-    return args
-
-
-def _names(ap, flag: str, value: str, allowed) -> list[str]:
-    names = [x.strip() for x in value.split(",") if x.strip()]
-    bad = [x for x in names if x not in allowed]
-    if bad or not names:
-        ap.error(f"{flag}: expected a subset of {allowed}, got {value!r}")
-    return names
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
+        raise ValueError("--device: cuda is not available here")
+    if args.batches is None:
+        args.batches = ["1", "max"] if args.device == "cuda" else ["1"]
+    if "max" in args.batches and args.device != "cuda":
+        raise ValueError("--batches: 'max' searches the GPU's memory; on the CPU give batch sizes")
     if args.threads:
         torch.set_num_threads(args.threads)
     from rich.console import Console
@@ -292,4 +302,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

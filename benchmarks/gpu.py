@@ -23,18 +23,60 @@ times, null where not measured), a PNG beside it, and prints a table and the iss
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
+# one-line errors, exit code 2; --help names the outputs
+from benchmarks._common import ToolParser, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
 METHODS = ("oal", "oal_parallel", "oal_chunked", "sdpa", "sdpa_flash", "sdpa_cudnn")
 LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
+
+
+def parse_args(argv=None):
+    parser = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/gpu.json, rewritten after "
+                        "every length) and a PNG beside it; the table on stdout")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated N values")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--parallel-max-n", type=int, default=32768, help="longest N for oal_parallel")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--sanity-n", type=int, default=2048, help="length of the accuracy check (0: skip)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke test of this script under Triton's interpreter (no numbers)")
+    parser.add_argument("--out", type=output_file, default=RESULTS / "gpu.json", help="the JSON file (PNG beside it)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="instead: profile one OAL forward at length N and write --profile-out")
+    parser.add_argument("--profile-out", type=output_file, default=RESULTS / "gpu_profile.txt")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
+    if not args.lengths or min(args.lengths) < 1:
+        parser.error(f"--lengths: expected positive integers, got {args.lengths}")
+    for name in ("warmup", "parallel_max_n", "sanity_n", "profile"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}: expected an integer >= 0, got {getattr(args, name)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in args.methods if m not in METHODS]:
+        parser.error(f"--methods: unknown {unknown}, expected a subset of {METHODS}")
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
+
+import torch  # noqa: E402
+
 REQUIRED = ("oal_fwd_ms", "sdpa_fwd_ms", "oal_fwdbwd_ms", "sdpa_fwdbwd_ms")
 MODES = {"fwd": False, "fwdbwd": True}
 
@@ -343,53 +385,17 @@ def profile_forward(n: int, device: str, out: Path) -> str:
     return text
 
 
-def parse_args(argv=None):
-    from benchmarks._common import ToolParser  # one-line errors, exit code 2; --help names the outputs
-
-    parser = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/gpu.json, rewritten after "
-                        "every length) and a PNG beside it; the table on stdout")
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated N values")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--parallel-max-n", type=int, default=32768, help="longest N for oal_parallel")
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--sanity-n", type=int, default=2048, help="length of the accuracy check (0: skip)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: a smoke test of this script under Triton's interpreter (no numbers)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json", help="the JSON file (PNG beside it)")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="instead: profile one OAL forward at length N and write --profile-out")
-    parser.add_argument("--profile-out", type=Path, default=RESULTS / "gpu_profile.txt")
-    args = parser.parse_args(argv)
-    try:
-        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
-    if not args.lengths or min(args.lengths) < 1:
-        parser.error(f"--lengths: expected positive integers, got {args.lengths}")
-    for name in ("warmup", "parallel_max_n", "sanity_n", "profile"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')}: expected an integer >= 0, got {getattr(args, name)}")
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := [m for m in args.methods if m not in METHODS]:
-        parser.error(f"--methods: unknown {unknown}, expected a subset of {METHODS}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device: cuda is not available here (torch.cuda.is_available() is False); run it on a GPU "
-                     "machine, or --device cpu for a smoke test")
-    return args
-
-
 def _versions() -> dict:
     import triton
 
     return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace | list[str] | None = None) -> None:
+    args = args if isinstance(args, argparse.Namespace) else parse_args(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda is not available here (torch.cuda.is_available() is False); run it on a "
+                         "GPU machine, or --device cpu for a smoke test")
     from rich.console import Console
 
     from oal.ops.triton import routes
@@ -458,4 +464,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, ARGS)

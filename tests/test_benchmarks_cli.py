@@ -50,6 +50,17 @@ def test_help_names_the_outputs_and_a_bad_argument_is_one_line(name):
     assert_refused(tool(name, "--no-such-option", "1"))
 
 
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_bad_argument_is_refused_before_torch_is_imported(name):
+    """Within a second, as the issue asks, without timing anything: the arguments are parsed before the heavy
+    imports, so a tool run where torch cannot be imported still refuses a bad argument with one line."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['{name}', '--no-such-option', '1']; "
+            f"runpy.run_module('benchmarks.{name}', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert_refused(res)
+
+
 @pytest.mark.parametrize("name, args, needles", [
     ("operator", ["--lengths", "abc"], ["--lengths", "'abc'"]),  # was refused only after tuning
     ("operator", ["--repeats", "0"], ["--repeats"]),  # was a traceback

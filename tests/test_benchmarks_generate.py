@@ -80,3 +80,8 @@ def test_profile_breaks_a_step_down_per_layer_type(tiny, monkeypatch):
     assert "oal-swa (15 converted layers), context 300" in text
     for label in ("attention (oal-swa)", "attention (softmax)", "mlp", "lm_head", "other"):
         assert label in text
+
+
+def test_the_shapes_named_before_torch_are_long_context_s():
+    """generate names its shapes before it imports torch (bad arguments are refused at once); they are lc's."""
+    assert generate.SHAPES == tuple(lc.SHAPES)

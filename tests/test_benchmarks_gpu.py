@@ -63,8 +63,8 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_cuda_is_asked_for_where_there_is_none(capsys, monkeypatch):
+def test_cuda_is_asked_for_where_there_is_none(monkeypatch):
+    """Checked in main, after the arguments (which need no torch): run_tool makes it one line and exit code 2."""
     monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit):
-        gpu.parse_args([])
-    assert "--device: cuda is not available here" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--device: cuda is not available here"):
+        gpu.main(["--lengths", "64"])
