@@ -31,7 +31,7 @@ import platform
 import time
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, ToolParser, int_in, output_file, run_tool
+from benchmarks._common import MAX_THREADS, MAX_TOKENS, ToolParser, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("softmax", "oal", "oal-swa")
@@ -49,7 +49,8 @@ def parse_args(argv=None):
                     help="auto: cuda when torch sees a GPU")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {SHAPES}")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths")
+    ap.add_argument("--contexts", type=list_of(int_in(1, MAX_TOKENS)), default=",".join(map(str, CONTEXTS)),
+                    help="comma-separated context lengths")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes and/or 'max' (default: 1,max on "
                                                     "CUDA, 1 on the CPU)")
     ap.add_argument("--max-batch", type=int_in(1, 1 << 20), default=2048, help="cap of the batch search")
@@ -65,12 +66,6 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.shapes = _names(ap, "--shapes", args.shapes, SHAPES)
     args.methods = _names(ap, "--methods", args.methods, METHODS)
-    try:
-        args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
-    if not args.contexts or min(args.contexts) < 1:
-        ap.error(f"--contexts: expected positive integers, got {args.contexts}")
     # default: 1 on the CPU, 1,max on CUDA (`auto` is resolved in main, where torch is imported)
     args.batches = args.batches.split(",") if args.batches else ["1"] if args.device == "cpu" else None
     if bad := [b for b in args.batches or [] if b != "max" and not (b.isdigit() and int(b) >= 1)]:

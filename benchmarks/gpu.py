@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 # one-line errors, exit code 2; --help names the outputs
-from benchmarks._common import ToolParser, output_file, run_tool
+from benchmarks._common import MAX_TOKENS, ToolParser, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
@@ -42,7 +42,8 @@ LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
 def parse_args(argv=None):
     parser = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/gpu.json, rewritten after "
                         "every length) and a PNG beside it; the table on stdout")
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated N values")
+    parser.add_argument("--lengths", type=list_of(int_in(1, MAX_TOKENS)), default=",".join(map(str, LENGTHS)),
+                        help="comma-separated N values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
@@ -56,12 +57,6 @@ def parse_args(argv=None):
                         help="instead: profile one OAL forward at length N and write --profile-out")
     parser.add_argument("--profile-out", type=output_file, default=RESULTS / "gpu_profile.txt")
     args = parser.parse_args(argv)
-    try:
-        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
-    if not args.lengths or min(args.lengths) < 1:
-        parser.error(f"--lengths: expected positive integers, got {args.lengths}")
     for name in ("warmup", "parallel_max_n", "sanity_n", "profile"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')}: expected an integer >= 0, got {getattr(args, name)}")

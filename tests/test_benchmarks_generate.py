@@ -58,7 +58,8 @@ def test_a_tiny_run_writes_the_issue_rows(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--contexts", "8k"], "--contexts: expected comma-separated integers"),
+    (["--contexts", "8k"], "--contexts: expected an integer, got '8k'"),
+    (["--contexts", "0"], "--contexts: expected an integer in [1, 1048576], got 0"),
     (["--batches", "max"], "--batches: 'max' searches the GPU's memory"),
     (["--batches", "0"], "--batches: expected positive integers or 'max'"),
     (["--methods", "oal,gla"], "--methods: expected a subset of"),

@@ -51,8 +51,9 @@ def test_rows_have_the_issue_schema_and_nulls_where_not_measured():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--lengths", "2k"], "--lengths: expected comma-separated integers"),
-    (["--lengths", "0,1024"], "--lengths: expected positive integers"),
+    (["--lengths", "2k"], "--lengths: expected an integer, got '2k'"),
+    (["--lengths", "0,1024"], "--lengths: expected an integer in [1, 1048576], got 0"),
+    (["--lengths", ","], "--lengths: expected a comma-separated list"),
     (["--repeats", "0"], "--repeats: expected an integer >= 1"),
     (["--methods", "oal,flash"], "--methods: unknown ['flash']"),
     (["--warmup", "-1"], "--warmup: expected an integer >= 0"),
