@@ -242,3 +242,102 @@ def test_a_stage_does_not_outlive_a_late_error(on_device, tmp_path):
     assert not run.log.done("probe", run.keys["probe"]) and run.ran == []
     assert run.stage("clean", {}, ["out.txt"], lambda: oal_attention(q.nan_to_num(), k, v, groups, factor,
                                                                       backend="triton"))
+
+
+# ------------------------------------------------------------------------------ sliding windows: the decode step
+
+WINDOW = dict(window=5, sinks=2)
+
+
+def _window_steps(q, k, v, groups, factor, *, prefill: int, owned: bool = True):
+    """`window_attention` over q[:prefill] (banded, with its state), then one recurrent call per remaining token on
+    the state (the generation cache's own when `owned`); returns (outputs of every token, final state)."""
+    from oal.ops.window import window_attention
+
+    kw = dict(WINDOW, groups=groups, factor=factor)
+    out, state = window_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], output_final_state=True,
+                                  **kw)
+    outs = [out]
+    with torch.no_grad():
+        for t in range(prefill, q.shape[2]):
+            step = [x[:, :, t : t + 1] for x in (q, k, v)]
+            with checks.cache_owned(state) if owned else torch.no_grad():
+                out, state = window_attention(*step, initial_state=state, output_final_state=True, **kw)
+            outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["oal-swa", "swa"])
+def test_a_window_decode_step_reads_no_value(on_device, monkeypatch, kernel):
+    """The oal-swa / swa decode step on a deferred device: its checks on the device, no host read."""
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 14, 16, 8, 3, seed=6)
+    groups, factor = (groups, factor) if kernel else (None, None)
+    _window_steps(q, k, v, groups, factor, prefill=10)  # first calls: group ids and coefficients, once per tensor
+    reads = HostReads(monkeypatch)
+    _, state = _window_steps(q, k, v, groups, factor, prefill=10)
+    prefill_reads = len(reads.calls)  # the banded prefill keeps the host checks
+    reads.calls.clear()
+    from oal.ops.window import window_attention
+
+    with torch.no_grad(), checks.cache_owned(state):
+        window_attention(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], groups=groups, factor=factor,
+                         initial_state=state, **WINDOW)
+    assert prefill_reads > 0 and reads.calls == [], reads.calls
+
+
+@pytest.mark.parametrize("q_scale,k_scale", [(1.0, 1.0), (1e10, 1.0), (1e15, 1e3)])
+@pytest.mark.parametrize("owned", [True, False], ids=["cache-state", "caller-state"])
+def test_the_window_decode_step_on_the_device_gives_the_host_results(on_device, monkeypatch, q_scale, k_scale, owned):
+    """Outputs and state of the device path equal the host path's, including scores large enough to rescale
+    (the kernel evaluated as kappa / lam, Eq. 7); both against the fp64 dense reference."""
+    from oal.ops.window import window_attention
+
+    q, k, v, groups, factor = make_inputs(2, 4, 2, 13, 16, 8, 3, seed=7)
+    q, k = q * q_scale, k * k_scale
+    got, got_state = _window_steps(q, k, v, groups, factor, prefill=9, owned=owned)
+    checks.check_errors()
+    monkeypatch.setattr(checks, "DEFERRED_DEVICES", set())
+    want, want_state = _window_steps(q, k, v, groups, factor, prefill=9, owned=owned)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got_state, want_state, rtol=0, atol=0)  # keys and values only: no rescaling there
+    ref = window_attention(q.to(F64), k.to(F64), v.to(F64), groups=groups, factor=factor.to(F64), backend="reference",
+                           **WINDOW)
+    assert rel_err(got, ref) < 1e-4
+
+
+@pytest.mark.parametrize("bad,message", [
+    pytest.param(dict(q=float("nan")), "^q: contains NaN or Inf values", id="q-nan"),
+    pytest.param(dict(v=float("inf")), "^v: contains NaN or Inf values", id="v-inf"),
+    pytest.param(dict(k=1e19), r"^k: values up to .* overflow the torch.float32 state", id="k-overflow"),
+])
+def test_a_bad_window_decode_input_is_reported_late_with_the_host_message(on_device, bad, message):
+    from oal.ops.window import window_attention
+
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 12, 16, 8, 3, seed=3)
+    kw = dict(WINDOW, groups=groups, factor=factor)
+    _, state = window_attention(q, k, v, output_final_state=True, **kw)
+    inputs = dict(q=q[:, :, -1:].clone(), k=k[:, :, -1:].clone(), v=v[:, :, -1:].clone())
+    name, value = next(iter(bad.items()))
+    inputs[name][..., 0] = value
+    with torch.no_grad():
+        window_attention(inputs["q"], inputs["k"], inputs["v"], initial_state=state, **kw)
+    with pytest.raises(ValueError, match=message + r".*found on cpu after an earlier call"):
+        checks.check_errors()
+    monkeypatch_free = pytest.MonkeyPatch()
+    with monkeypatch_free.context() as m:  # the host path says the same, in the call itself
+        m.setattr(checks, "DEFERRED_DEVICES", set())
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            window_attention(inputs["q"], inputs["k"], inputs["v"], initial_state=state, **kw)
+
+
+def test_a_plain_window_refuses_no_large_keys_on_the_device(on_device):
+    """swa keeps no state of the keys' products, so keys the OAL state could not hold are fine there, as on the
+    host path."""
+    from oal.ops.window import window_attention
+
+    q, k, v, _, _ = make_inputs(1, 2, 1, 12, 16, 8, 3, seed=3)
+    _, state = window_attention(q, k, v, output_final_state=True, **WINDOW)
+    with torch.no_grad():
+        out = window_attention(q[:, :, -1:], k[:, :, -1:] * 1e17, v[:, :, -1:], initial_state=state, **WINDOW)
+    checks.check_errors()
+    assert torch.isfinite(out).all()

@@ -259,6 +259,7 @@ class DeviceCheck:
     dtype: torch.dtype  # the compute dtype (for the overflow bound)
     eps: float
     status: torch.Tensor
+    state_keys: bool = True  # a state of the keys' products k_r k_t is made (not for plain sliding windows)
 
 
 def _status(device) -> torch.Tensor:
@@ -273,18 +274,24 @@ def _state_stats(guard, status, state: torch.Tensor, d: int) -> None:
     guard.launch(status, [state.detach()], first=4, signed=-torch.cat([count.reshape(-1), squares.reshape(-1)]))
 
 
-def start(q, k, v, factor, initial_state, dtype: torch.dtype, eps: float, *, scale: float, check_state=True):
+def start(q, k, v, factor, initial_state, dtype: torch.dtype, eps: float, *, scale: float, check_state=True,
+          moments=True):
     """Begin a call's value checks on the device, one launch (`triton.guard`), no host read; returns the check and
     the overflow multipliers [qs, m_a, m_b, m_c, m_w, m_l0] of `device_rescale` (a view of its status). Errors found
-    by earlier calls are raised first. q, k, v contiguous."""
+    by earlier calls are raised first. q, k, v contiguous. `factor` None: no kernel (a plain sliding window, whose
+    keys make no state of their products). `moments` False: the initial state is checked for NaN/Inf only (the
+    sliding window's state, whose layout is not OAL's)."""
     from oal.ops.triton import guard
 
     drain(q.device)
-    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device))
+    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
     d = q.shape[-1]
-    guard.launch(chk.status, [t.detach() for t in (q, k, v, factor)], first=0, scale=scale, d=d,
+    tensors = [q, k, v, q.new_empty(0) if factor is None else factor]  # the slots are positional
+    if initial_state is not None and check_state and not moments:
+        tensors.append(initial_state)
+    guard.launch(chk.status, [t.detach() for t in tensors], first=0, scale=scale, d=d,
                  s_limit=rescale_bound(dtype)[1], mults=True)
-    if initial_state is not None and check_state:
+    if initial_state is not None and check_state and moments:
         _state_stats(guard, chk.status, initial_state, d)
     return chk, chk.status[guard.MULT : guard.MULT + 6]
 
@@ -382,7 +389,7 @@ def _inspect(vals: list, chk: DeviceCheck) -> None:
         raise ValueError(f"initial_state: its denominator column (index dv) must hold key moments (token count >= 0, "
                          f"sums of squares k_r^2 >= 0), got one down to {-vals[10]:.4g}; pass the state a previous "
                          f"call returned{where}")
-    if vals[2] * vals[2] > rescale_bound(chk.dtype)[0]:
+    if chk.state_keys and vals[2] * vals[2] > rescale_bound(chk.dtype)[0]:
         raise ValueError(_k_overflow_message(vals[2], chk.dtype) + where)
     if vals[13]:
         raise ValueError(out_message(chk.eps, chk.dtype) + where)

@@ -32,6 +32,7 @@ from oal.ops.checks import compute_dtype as _compute_dtype
 from oal.ops.checks import max_abs as _max_abs
 from oal.ops.checks import rescaled as _rescaled
 from oal.ops.kernel import cached_coefficients
+from oal.ops.triton import available as triton_available
 from oal.ops.window.banded import banded_window_attention
 from oal.ops.window.recurrent import recurrent_window_attention
 from oal.ops.window.reference import reference_window_attention, window_log_weights
@@ -53,7 +54,9 @@ DECODE_TOKENS = 4  # `auto` runs at most this many new tokens on a state with th
 @dataclass(frozen=True)
 class Kernel:
     """OAL's kernel as the older keys' paths evaluate it: kappa / lam, with q and factor rescaled when the scores
-    would overflow (`oal.ops._rescaled`; lam = 1 otherwise)."""
+    would overflow (`checks.rescaled`; lam = 1 otherwise). On a device whose checks are deferred
+    (`_device_kernel`) the rescaling is in q and `weights` only, and log_lam a 0-dim tensor: the token loop reads
+    nothing else."""
 
     q: torch.Tensor
     groups: torch.Tensor
@@ -61,8 +64,20 @@ class Kernel:
     coeffs: tuple
     eps: float
     scale: float
-    lam: float
+    log_lam: float | torch.Tensor
     weights: torch.Tensor | None = None  # the query coefficients of `coeffs` (`kernel.cached_coefficients`)
+
+
+def _device_kernel(q, groups, factor, eps: float, scale: float, mults: torch.Tensor, dtype) -> Kernel:
+    """`checks.rescaled`'s kernel from the device multipliers of `checks.start` (`checks.device_rescale`), with no
+    host read: q * qs, and the query weights [a, scale b, scale^2 C] times m_a, m_b and m_c; lam = 1 / m_a, kept as
+    log lam = -2 log(inv_s) (m_a itself underflows first)."""
+    kfactor = factor.to(dtype)
+    coeffs, weights = cached_coefficients(kfactor, groups, eps, scale, by_version=True)
+    qs, m_a, m_b, m_c, _, inv_s = mults.to(dtype).unbind()
+    d = q.shape[-1]
+    parts = torch.cat([m_a.reshape(1), m_b.expand(d), m_c.expand(weights.shape[-1] - 1 - d)])
+    return Kernel(q * qs, groups, kfactor, coeffs, eps, scale, -2.0 * torch.log(inv_s), weights * parts)
 
 
 def _positive_int(name: str, value, low: int) -> int:
@@ -71,9 +86,11 @@ def _positive_int(name: str, value, low: int) -> int:
     return value
 
 
-def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size, check_state=True):
+def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size, check_state=True,
+           values=True):
     """Validate everything but the kernel's own arguments; returns (max |q|, max |k|). `check_state`: read the
-    initial state's values (not for the generation cache's own state, `checks.owned`)."""
+    initial state's values (not for the generation cache's own state, `checks.owned`). `values` False: no value is
+    read (the device checks do it, `checks.start`); returns (None, None)."""
     checks.qkv_shapes(q, k, v)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
@@ -101,8 +118,10 @@ def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial
         if backend == "reference":
             raise ValueError("initial_state: the reference evaluates a whole sequence from its start; "
                              "use backend 'banded' or 'recurrent' to continue one")
-        if check_state:
+        if check_state and values:
             _max_abs("initial_state", initial_state)
+    if not values:
+        return None, None
     qmax, kmax = _max_abs("q", q), _max_abs("k", k)
     _max_abs("v", v)
     return qmax, kmax
@@ -133,22 +152,36 @@ def window_attention(
         raise ValueError("groups/factor: give both (oal-swa) or neither (swa)")
     has_kernel = groups is not None
     own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
+    n = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    # decoding on CUDA: the value checks on the device (Triton's guard kernel) and no host read (the token loop is
+    # the decode path; a prefill keeps the host checks, once per prompt)
+    deferred = checks.deferred(q) and triton_available() and (backend == "recurrent" or (
+        backend == "auto" and initial_state is not None and n <= DECODE_TOKENS))
     qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size,
-                        check_state=not own)
+                        check_state=not own, values=not deferred)
     if has_kernel:  # the kernel's own arguments (groups ids, factor shape, eps), as oal_attention checks them
-        checks.check_shapes(q, k, v, groups, factor, eps, scale, None, "auto")
-        _max_abs("factor", factor)
+        checks.check_shapes(q, k, v, groups, factor, eps, scale, None, "auto", value_ids=not deferred)
+        if deferred:
+            checks.groups_checked(groups, factor.shape[1] - 1)
+        else:
+            _max_abs("factor", factor)
     out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if abs(scale) * d * qmax * kmax > torch.finfo(dtype).max / 4:
+    chk = None
+    if deferred:
+        chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own,
+                                  moments=False)
+    elif abs(scale) * d * qmax * kmax > torch.finfo(dtype).max / 4:
         raise ValueError(f"q/k: scores up to {abs(scale) * d * qmax * kmax:.3g} overflow {dtype}; use float64")
     kernel = None
-    if has_kernel:
+    if has_kernel and deferred:
+        kernel = _device_kernel(q.to(dtype), groups, factor, eps, scale, mults, dtype)
+    elif has_kernel:
         kq, kfactor, keps, kscale, lam = _rescaled(q.to(dtype), qmax, kmax, factor.to(dtype), eps, scale, dtype)
         coeffs, weights = cached_coefficients(kfactor, groups, keps, kscale)  # once per kernel, not per token
-        kernel = Kernel(kq, groups, kfactor, coeffs, keps, kscale, lam, weights)
+        kernel = Kernel(kq, groups, kfactor, coeffs, keps, kscale, math.log(lam), weights)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     state = None if initial_state is None else initial_state.to(dtype)
     if backend == "auto":
@@ -185,10 +218,13 @@ def window_attention(
                                                      slots=slots, prefix=prefix, need_state=output_final_state,
                                                      chunk_size=chunk_size)
         final = join_window_state(slots, prefix) if output_final_state else None
-    try:  # never a silent NaN: the inputs were finite, so say why
-        _max_abs("out", out)
-    except ValueError:
-        what = "q/k/factor: the kernel" if has_kernel else "q/k: the scores"
-        raise ValueError(f"{what} overflowed {dtype}; use float64 inputs") from None
+    if chk is not None:  # the output's check on the device, reported by a later call (`checks.drain`)
+        checks.finish(chk, out)
+    else:
+        try:  # never a silent NaN: the inputs were finite, so say why
+            _max_abs("out", out)
+        except ValueError:
+            what = "q/k/factor: the kernel" if has_kernel else "q/k: the scores"
+            raise ValueError(f"{what} overflowed {dtype}; use float64 inputs") from None
     out = out.to(out_dtype)
     return (out, final) if output_final_state else out

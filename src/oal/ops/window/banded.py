@@ -147,7 +147,7 @@ def banded_window_attention(q, k, v, *, window: int, sinks: int, kernel, scale: 
     if kernel is not None:
         older, new_prefix = _older_part(kernel, rows, buf, prefix, window, sinks, filled, d, need_state)
         older = older.view(bsz, n_kv, rep, n, -1)
-    out = normalise(m, acc, older, kernel.lam if kernel is not None else 1.0).reshape(bsz, n_q, n, -1)
+    out = normalise(m, acc, older, kernel.log_lam if kernel is not None else 0.0).reshape(bsz, n_q, n, -1)
     if not need_state:
         return out, None, None
     return out, _next_slots(rows, sink_rows, buf, filled, window, sinks), new_prefix

@@ -32,14 +32,16 @@ def merge_max(m: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, u: torch.Tens
     return new, acc * torch.exp(m - new).unsqueeze(-1) + torch.exp(s - new.unsqueeze(-1)) @ u
 
 
-def normalise(m: torch.Tensor, acc: torch.Tensor, older: torch.Tensor | None = None, lam: float = 1.0):
+def normalise(m: torch.Tensor, acc: torch.Tensor, older: torch.Tensor | None = None,
+              log_lam: float | torch.Tensor = 0.0):
     """out [..., n, dv] from the window's (m [..., n], acc [..., n, dv+1]) and the older keys' raw sum
-    older [..., n, dv+1] (kernel divided by lam), or None when there is no kernel part."""
+    older [..., n, dv+1] (kernel divided by lam), or None when there is no kernel part. `log_lam`: log(lam), a
+    number or a 0-dim tensor on the device (the device checks' rescaling, never read on the host)."""
     if older is not None:
         den = older[..., -1].detach()
         filled = den > 0  # no older key (or only rounding noise): weight 0
         safe = torch.where(filled, den, torch.ones_like(den))
-        log_older = (safe.log() + math.log(lam)).masked_fill(~filled, -math.inf)
+        log_older = (safe.log() + log_lam).masked_fill(~filled, -math.inf)
         c = torch.maximum(m, log_older)
         old = older / safe.unsqueeze(-1) * torch.exp(log_older - c).unsqueeze(-1)
         acc = acc * torch.exp(m - c).unsqueeze(-1) + old

@@ -57,6 +57,6 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
             phi = query_features(kernel.q[:, :, t : t + 1], *kernel.coeffs, kernel.scale,
                                  weights=kernel.weights)  # [B, Hq, 1, F]
             older = phi.view(bsz, n_kv, rep, -1) @ prefix
-        outs.append(normalise(m, acc, older, kernel.lam if kernel is not None else 1.0))
+        outs.append(normalise(m, acc, older, kernel.log_lam if kernel is not None else 0.0))
     out = torch.stack(outs, dim=3).reshape(bsz, n_q, n, -1)
     return out, slots, prefix
