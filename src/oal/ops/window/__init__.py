@@ -152,11 +152,12 @@ def window_attention(
         raise ValueError("groups/factor: give both (oal-swa) or neither (swa)")
     has_kernel = groups is not None
     own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
-    n = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if backend == "auto":  # the token loop for a few tokens on a state (decoding), banded otherwise
+        n = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0  # the shapes are checked below
+        backend = "recurrent" if initial_state is not None and n <= DECODE_TOKENS else "banded"
     # decoding on CUDA: the value checks on the device (Triton's guard kernel) and no host read (the token loop is
     # the decode path; a prefill keeps the host checks, once per prompt)
-    deferred = checks.deferred(q) and triton_available() and (backend == "recurrent" or (
-        backend == "auto" and initial_state is not None and n <= DECODE_TOKENS))
+    deferred = checks.deferred(q) and triton_available() and backend == "recurrent"
     qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size,
                         check_state=not own, values=not deferred)
     if has_kernel:  # the kernel's own arguments (groups ids, factor shape, eps), as oal_attention checks them
@@ -184,8 +185,6 @@ def window_attention(
         kernel = Kernel(kq, groups, kfactor, coeffs, keps, kscale, math.log(lam), weights)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     state = None if initial_state is None else initial_state.to(dtype)
-    if backend == "auto":
-        backend = "recurrent" if state is not None and n <= DECODE_TOKENS else "banded"
 
     def make_state():
         return empty_window_state(bsz, n_kv, d, dv, window, sinks, has_kernel, dtype=dtype, device=q.device)
