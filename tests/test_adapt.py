@@ -115,14 +115,18 @@ class _Kill(Exception):
     pass
 
 
-def _run(tmp, kill_after=None, convert="oal"):
+def _run(tmp, kill_after=None, convert="oal", *, steps=7, device=None):
+    """Adapt a fresh tiny model (on `device`) with checkpoints in `tmp`, raising `_Kill` after step `kill_after`:
+    what a killed process leaves, and what a new one resumes from."""
     model = _tiny_model(convert=convert)
+    if device is not None:
+        model = model.to(device)
 
     def maybe_kill(step):
         if kill_after is not None and step == kill_after:
             raise _Kill
 
-    return adapt(model, _blocks(5, 12, 0), _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 7}),
+    return adapt(model, _blocks(5, 12, 0), _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": steps}),
                  ckpt_dir=tmp, progress=False, on_step=maybe_kill)
 
 

@@ -380,26 +380,14 @@ def test_encoder_run(tmp_path):
 def test_adaptation_resumes_on_the_device(tmp_path):
     """A killed adaptation resumes from its checkpoint (optimizer state, best tensors, RNG) on the device, to the
     same result as an uninterrupted one."""
-    from test_adapt import CFG, _blocks, _tiny_model
-
-    from oal.adaptation.config import AdaptConfig
-    from oal.adaptation.train import adapt
-
-    class Kill(Exception):
-        pass
+    from test_adapt import _Kill, _run
 
     def run(ckpt, kill_after=None):
-        def on_step(step):
-            if step == kill_after:
-                raise Kill
-
-        model = _tiny_model(convert="oal").to(FAKE)
-        return adapt(model, _blocks(5, 12, 0), _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 4}), ckpt_dir=ckpt,
-                     progress=False, on_step=on_step)
+        return _run(ckpt, kill_after, steps=4, device=FAKE)
 
     with fake_device():
         _, ref = run(tmp_path / "ref")
-        with pytest.raises(Kill):
+        with pytest.raises(_Kill):
             run(tmp_path / "killed", kill_after=3)
         model, res = run(tmp_path / "killed")
     assert res.history == ref.history and res.best_val_nll == ref.best_val_nll

@@ -360,25 +360,13 @@ def test_adapter_is_checked(assets, run_copy):
 
 
 def test_adaptation_checkpoint_has_no_pickle_and_damage_restarts(tmp_path):
-    from test_adapt import CFG as ADAPT_CFG
-    from test_adapt import _blocks, _tiny_model
-
-    from oal.adaptation.config import AdaptConfig
-    from oal.adaptation.train import adapt
-
-    class Kill(Exception):
-        pass
+    from test_adapt import _Kill, _run
 
     def go(ckpt, kill=None):
-        def on_step(step):
-            if step == kill:
-                raise Kill
-
-        return adapt(_tiny_model(convert="oal"), _blocks(5, 12, 0), _blocks(2, 12, 1),
-                     AdaptConfig(**{**ADAPT_CFG, "steps": 5}), ckpt_dir=ckpt, progress=False, on_step=on_step)
+        return _run(ckpt, kill, steps=5)
 
     _, ref = go(tmp_path / "ref")
-    with pytest.raises(Kill):
+    with pytest.raises(_Kill):
         go(tmp_path / "ck", kill=3)
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert "optimizer.safetensors" in names and "optimizer.json" in names
