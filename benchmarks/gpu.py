@@ -380,6 +380,15 @@ def profile_forward(n: int, device: str, out: Path) -> str:
     return text
 
 
+def tuning(device: str) -> dict | None:
+    """The chunked kernels' tiles and the autotuners' picks so far (CUDA only: the interpreter runs fixed tiles)."""
+    if device != "cuda":
+        return None
+    from oal.ops.triton import function, tiles
+
+    return function.tuning_record(SHAPE["d"], SHAPE["dv"], tiles.device_arch(torch.device("cuda")))
+
+
 def _versions() -> dict:
     import triton
 
@@ -420,6 +429,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
         return {"shape": SHAPE | {"dtype": "bfloat16", "causal": True}, "device": device_name,
                 "versions": _versions(), "host": platform.node(), "parallel_max": routes.PARALLEL_MAX,
                 "default_sdpa_backend": picked, "sanity": check, "rows": rows, "skipped": skipped,
+                "tuning": tuning(args.device),
                 "goals": goals(rows), "args": {k: str(v) for k, v in vars(args).items()},
                 "interrupted": interrupted, "elapsed_s": time.time() - t0}
 

@@ -266,3 +266,21 @@ def test_importing_oal_does_not_import_triton():
     code = "import sys, oal, oal.ops, oal.ops.triton; assert 'triton' not in sys.modules, 'triton imported'"
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_tuning_record_names_the_tiles_and_the_autotuners_picks():
+    """What benchmarks.gpu records beside its timings: the half-precision tiles of the table, and each autotuner's
+    pick per key once it has one."""
+    import triton
+
+    from oal.ops.triton import tiles as ttiles
+
+    rec = tfn.tuning_record(64, 64, 90)
+    assert rec["tiles"]["scan"]["RH"] == ttiles.TILES[True, False, 90]["scan"][0]
+    assert rec["tiles"]["dkv"]["num_stages"] == ttiles.TILES[True, False, 90]["dkv"][1]
+    tuner = tfn._tuned_fwd_out(True, False, 90)
+    tuner.cache[(64, 64, 6, 14)] = triton.Config({"RH": 4}, num_warps=4, num_stages=1)
+    try:
+        assert "RH: 4" in tfn.tuning_record(64, 64, 90)["autotuned"]["fwd"]["(64, 64, 6, 14)"]
+    finally:
+        tuner.cache.clear()

@@ -245,6 +245,18 @@ def _tuned_fwd_out(half: bool, big: bool, arch: int):
     return triton.autotune(configs, key=["d", "dv", "g1", "NBKT"], do_bench=parallel.short_bench)(K._fwd_out)
 
 
+def tuning_record(d: int, dv: int, arch: int) -> dict:
+    """The tiles the chunked kernels use for half-precision inputs of head dims (d, dv) on `arch`, and what the
+    autotuners (the output kernel's, the parallel kernels') have picked in this process, per key: what a benchmark
+    records beside its timings, so that a measurement says which tiles it measured."""
+    big = max(d, dv) > 64
+    tuners = {"fwd": _tuned_fwd_out(True, big, arch)}
+    tuners |= {name: parallel.tuned(getattr(parallel, name), True, big) for name in ("_par_fwd", "_par_dq", "_par_dkv")}
+    return {"tiles": {kernel: tiles(kernel, d, dv, True, arch) for kernel in ("scan", "fwd", "dq", "dkv")},
+            "autotuned": {name: {str(key): str(config) for key, config in tuner.cache.items()}
+                          for name, tuner in tuners.items()}}
+
+
 def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout):
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
