@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from oal.models.cache import OALStateLayer, state_nbytes
+from oal.models.cache import OALStateLayer, cache_kwargs, state_nbytes
 
 # The published configs of the two shapes (decoding cost does not depend on the weights' values). Their RoPE takes
 # any position; max_position_embeddings is raised per run to cover the longest context (`build`).
@@ -56,7 +56,7 @@ def long_cache(model, context: int, batch: int = 1, prompt: int = 256, seed: int
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=gen).to(device)
     cache = DynamicCache(config=cfg)
-    model(ids, cache=cache, use_cache=True)
+    model(ids, **cache_kwargs(model, cache), use_cache=True)
     for layer in cache.layers:
         if isinstance(layer, OALStateLayer):
             if batch > 1:
@@ -86,7 +86,7 @@ def decode(model, cache, context: int, tokens: int, warmup: int = 2, seed: int =
         pos = torch.full((batch, 1), context + i, device=device)
         sync()
         t0 = time.perf_counter()
-        logits = model(tok, cache=cache, use_cache=True, position_ids=pos).logits
+        logits = model(tok, **cache_kwargs(model, cache), use_cache=True, position_ids=pos).logits
         tok = logits[:, -1:].argmax(-1)
         sync()
         if i >= warmup:

@@ -153,6 +153,7 @@ def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) ->
     from transformers import DynamicCache
 
     from oal.device import module_device
+    from oal.models.cache import cache_kwargs
 
     device = module_device(model)
     text = text.to(device)
@@ -169,7 +170,7 @@ def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) ->
         cache = DynamicCache(config=model.config)
         _sync(device)
         t0 = time.perf_counter()
-        logits = model(text[:, :n], cache=cache, use_cache=True).logits
+        logits = model(text[:, :n], **cache_kwargs(model, cache), use_cache=True).logits
         _sync(device)
         out["prefill_s"][str(n)] = time.perf_counter() - t0
         tok, times = logits[:, -1:].argmax(-1), []
@@ -177,7 +178,7 @@ def timing(model, text: torch.Tensor, lengths: list[int], decode_tokens: int) ->
             position = torch.tensor([[n + i]], device=device)
             _sync(device)
             t0 = time.perf_counter()
-            logits = model(tok, cache=cache, use_cache=True, position_ids=position).logits
+            logits = model(tok, **cache_kwargs(model, cache), use_cache=True, position_ids=position).logits
             _sync(device)
             times.append(time.perf_counter() - t0)
             tok = logits[:, -1:].argmax(-1)

@@ -163,7 +163,7 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
     """
     from transformers import DynamicCache
 
-    from oal.models.cache import state_nbytes
+    from oal.models.cache import cache_kwargs, state_nbytes
 
     model, desc, layers = build(name, variant, dtype, n_layers=2 if variant == "mixed" else None)
     spent = _layer_clock(model) if variant == "mixed" else None
@@ -174,7 +174,7 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
         ids = torch.randint(0, vocab, (1, n), generator=gen)
         cache = DynamicCache(config=model.config)
         t0 = clock()
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         return clock() - t0, out.logits[:, -1:].argmax(-1), cache
 
     def decode(tok, cache, start, steps):
@@ -182,7 +182,7 @@ def measure(name: str, variant: str, length: int, decode_tokens: int, dtype: tor
         for i in range(steps):
             pos = torch.tensor([[start + i]])
             t0 = clock()
-            logits = model(tok, past_key_values=cache, use_cache=True, position_ids=pos).logits
+            logits = model(tok, **cache_kwargs(model, cache), use_cache=True, position_ids=pos).logits
             times.append(clock() - t0)
             tok = logits[:, -1:].argmax(-1)
         return times

@@ -257,11 +257,11 @@ def state_bytes(model, length: int, cfg: SimpleNamespace) -> int:
     """Bytes of the generation cache after a prefill of `length` tokens (one sequence)."""
     from transformers import DynamicCache
 
-    from oal.models.cache import state_nbytes
+    from oal.models.cache import cache_kwargs, state_nbytes
 
     x = mqar(1, length, cfg.eval_pairs, cfg.vocab, seed=7, device=cfg.device)[0]
     cache = DynamicCache(config=model.config)
-    model(input_ids=x, cache=cache, use_cache=True)
+    model(input_ids=x, **cache_kwargs(model, cache), use_cache=True)
     return sum(state_nbytes(cache).values())
 
 

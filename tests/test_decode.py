@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from oal.methods import build_method
-from oal.models.cache import OALStateLayer, state_nbytes
+from oal.models.cache import OALStateLayer, cache_kwargs, state_nbytes
 from oal.models.convert import convert
 from oal.ops.kernel import perturbed_factor
 
@@ -55,9 +55,9 @@ def test_incremental_logits_equal_one_forward_and_cache_holds_state():
     ids = _ids(2, 19)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        parts = [model(ids[:, :9], cache=cache, use_cache=True).logits]
+        parts = [model(ids[:, :9], **cache_kwargs(model, cache), use_cache=True).logits]
         for t in range(9, 19):
-            parts.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+            parts.append(model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits)
         full = model(ids).logits
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
     assert isinstance(cache.layers[0], OALStateLayer) and isinstance(cache.layers[1], OALStateLayer)
@@ -71,7 +71,7 @@ def test_state_memory_constant_in_context_length():
     for n in (8, 40):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(_ids(1, n), cache=cache, use_cache=True)
+            model(_ids(1, n), **cache_kwargs(model, cache), use_cache=True)
         sizes.append(state_nbytes(cache))
     assert sizes[0][1] == sizes[1][1] > 0  # converted layer: same bytes at 8 and 40 tokens
     assert sizes[1][0] == 5 * sizes[0][0]  # softmax layer: K/V grows with the context
@@ -142,7 +142,7 @@ def test_stateless_method_falls_back_to_cached_kv():
     torch.testing.assert_close(sc_c, sc_f, rtol=1e-4, atol=1e-5)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
     assert isinstance(cache.layers[1], OALStateLayer) and not cache.layers[1].stateful
     assert cache.layers[1].keys.shape[-2] == 9
 
@@ -159,7 +159,7 @@ def test_prefilled_softmax_cache_is_rejected():
     cache = DynamicCache(config=model.config)
     cache.update(torch.zeros(1, HKV, 3, D), torch.zeros(1, HKV, 3, D), 1)
     with pytest.raises(ValueError, match="already holds softmax K/V"), torch.no_grad():
-        model(_ids(1, 2), cache=cache, use_cache=True)
+        model(_ids(1, 2), **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_embedded_model_generate_with_cache_matches_full_forwards():
@@ -184,3 +184,39 @@ def test_embedded_model_generate_with_cache_matches_full_forwards():
     seq_f, sc_f = _generate(model, ids, False)
     assert torch.equal(seq_c, seq_f)
     torch.testing.assert_close(sc_c, sc_f, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_kwargs_names_the_keyword_the_forward_takes():
+    """transformers renamed `past_key_values` to `cache` (5.17 on the lent GPU machine takes the first, 5.25 the
+    second); each ignores the other's name silently, leaving the caller's cache empty. `cache_kwargs` picks the one
+    the model's forward (or a peft model's base model's) takes, and that one fills the cache."""
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    class Wrapped(torch.nn.Module):  # peft's PeftModel: forward(*args, **kwargs), the base model behind it
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    marker = object()
+    assert cache_kwargs(Old(), marker) == {"past_key_values": marker}
+    assert cache_kwargs(New(), marker) == {"cache": marker}
+    assert cache_kwargs(Wrapped(Old()), marker) == {"past_key_values": marker}
+    assert Wrapped(New())(None, **cache_kwargs(Wrapped(New()), marker)) is marker
+    model = _model(layers=(1,))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(_ids(1, 5), **cache_kwargs(model, cache), use_cache=True)
+    assert cache.get_seq_length() == 5 and isinstance(cache.layers[1], OALStateLayer)

@@ -20,6 +20,7 @@ def _model():
 def test_decode_with_state_matches_full_forward(name):
     from transformers import DynamicCache
 
+    from oal.models.cache import cache_kwargs
     from oal.models.convert import convert
 
     model = convert(_model(), [1], name)
@@ -27,9 +28,9 @@ def test_decode_with_state_matches_full_forward(name):
     with torch.no_grad():
         full = model(input_ids=ids).logits
         cache = DynamicCache()
-        steps = [model(input_ids=ids[:, :8], cache=cache, use_cache=True).logits]
+        steps = [model(input_ids=ids[:, :8], **cache_kwargs(model, cache), use_cache=True).logits]
         for t in range(8, 13):
-            steps.append(model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+            steps.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-8, atol=1e-9)
 
 

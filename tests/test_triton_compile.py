@@ -3,8 +3,9 @@
 Runs scripts/triton_sm90_check.py (Triton's compiler and the ptxas it bundles; no GPU). The full grid (d, dv in
 {64, 128}, bf16/fp16/fp32, both targets: 120 compilations) takes minutes even on free cores, so CI compiles the
 kernels closest to their target's limit: for sm_90 the output kernel at d = dv = 64 in bf16 (129 of 227 KB), for
-sm_80 dk/dv at d = dv = 128 in bf16 (152 of 163 KB) and in fp32 (160 of 163 KB), about 20-30 s of CPU each. The grid itself is run by hand (docs/performance/gpu.md). The
-interpreter setting of conftest.py is removed for the subprocess, since the interpreter does not compile.
+sm_80 dk/dv at d = dv = 128 in bf16 (152 of 163 KB) and in fp32 (160 of 163 KB), about 20-30 s of CPU each. The
+grid itself is run by hand (docs/performance/gpu.md). The interpreter setting of conftest.py is removed for the
+subprocess, since the interpreter does not compile.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _check(kernel: str, head_dims: str, *args: str) -> tuple[int, list[str], str]:
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(ROOT / "scripts" / "triton_sm90_check.py"), "--head-dims", head_dims, "--kernels", kernel,
-           *args]
+    cmd = [sys.executable, str(ROOT / "scripts" / "triton_sm90_check.py"), "--head-dims", head_dims,
+           "--kernels", kernel, *args]
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -14,7 +14,7 @@ import oal
 from oal.calibration.kernels import kernel_dir, load_kernels, method_from_record, method_record, save_kernels
 from oal.methods import build_method
 from oal.models.attention import converted_methods
-from oal.models.cache import OALStateLayer
+from oal.models.cache import OALStateLayer, cache_kwargs
 from oal.models.convert import convert
 from oal.ops.window import window_state_size
 
@@ -50,7 +50,7 @@ def _in_chunks(model, ids, sizes):
     cache, parts, start = DynamicCache(config=model.config), [], 0
     with torch.no_grad():
         for n in sizes:
-            parts.append(model(ids[:, start : start + n], cache=cache, use_cache=True).logits)
+            parts.append(model(ids[:, start : start + n], **cache_kwargs(model, cache), use_cache=True).logits)
             start += n
     return torch.cat(parts, 1), cache
 

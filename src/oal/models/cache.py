@@ -24,10 +24,21 @@ decoding) is not, because a summed state cannot forget tokens.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-__all__ = ["OALStateLayer", "state_nbytes"]
+__all__ = ["OALStateLayer", "cache_kwargs", "state_nbytes"]
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` in the transformers releases that renamed
+    it, `past_key_values` before (5.17 on the lent GPU machine; 5.25 still takes it, with a deprecation warning).
+    Each release ignores the other's name without a word: the model then makes a cache of its own and the caller's
+    stays empty."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model forwards **kwargs
+    return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
 
 
 class OALStateLayer(CacheLayerMixin):
