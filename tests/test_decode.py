@@ -220,3 +220,17 @@ def test_cache_kwargs_names_the_keyword_the_forward_takes():
     with torch.no_grad():
         model(_ids(1, 5), **cache_kwargs(model, cache), use_cache=True)
     assert cache.get_seq_length() == 5 and isinstance(cache.layers[1], OALStateLayer)
+
+
+def test_no_model_call_names_the_cache_keyword_itself():
+    """CI runs one transformers release, which takes one of the two names: a call that writes `cache=` or
+    `past_key_values=` itself passes there and silently loses its cache on the other (see above)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    call = re.compile(r"\bmodel\([^)]*\b(cache|past_key_values)=")
+    found = [f"{path.relative_to(root)}:{i}" for folder in ("src", "benchmarks", "scripts", "tests")
+             for path in sorted((root / folder).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+    assert not found, f"pass the cache with oal.models.cache.cache_kwargs(model, cache): {found}"
