@@ -24,6 +24,7 @@ decoding) is not, because a summed state cannot forget tokens.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -38,7 +39,13 @@ def cache_kwargs(model, cache) -> dict:
     Each release ignores the other's name without a word: the model then makes a cache of its own and the caller's
     stays empty."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model forwards **kwargs
-    return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
+    return {_cache_keyword(type(base)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """Read once per model class: decoding loops call `cache_kwargs` on every step, some inside their timers."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class OALStateLayer(CacheLayerMixin):
