@@ -40,19 +40,8 @@ build() {
 tiny() {  # a tiny random Qwen2 with 1024 positions and a corpus large enough for every command's default blocks
     local dir="$1"
     [ -f "$dir/corpus.txt" ] && return 0
-    "$TWIN/bin/python" - "$dir" <<'EOF'
-import random
-import sys
-from pathlib import Path
-
-from tests.test_pipeline import make_assets
-
-root = make_assets(Path(sys.argv[1]), max_positions=1024)
-rng = random.Random(0)
-words = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group"]
-text = "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))) + "." for _ in range(6000))
-(root / "corpus.txt").write_text(text)
-EOF
+    "$TWIN/bin/python" -c "from pathlib import Path; from tests.test_pipeline import make_assets
+make_assets(Path('$dir'), max_positions=1024, paragraphs=6000)"
 }
 
 [ -x "$TWIN/bin/python" ] || [ "${1:-}" = "" ] || { echo "Error: build the twin first: bash $0" >&2; exit 2; }

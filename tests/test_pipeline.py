@@ -23,15 +23,16 @@ def _byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
 
-def make_assets(root, n_layers: int = 3, max_positions: int = 128, seed: int = 0):
-    """A tiny random Qwen2 (byte tokenizer) in root/model and a word-salad corpus in root/corpus.txt."""
+def make_assets(root, n_layers: int = 3, max_positions: int = 128, seed: int = 0, paragraphs: int = 500):
+    """A tiny random Qwen2 (byte tokenizer) in root/model and a word-salad corpus of `paragraphs` paragraphs in
+    root/corpus.txt."""
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
     save_tiny_model(root / "model", Qwen2ForCausalLM, cfg, _byte_tokenizer())
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group"]
-    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))) + "." for _ in range(500)]
-    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
+    text = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))) + "." for _ in range(paragraphs)]
+    (root / "corpus.txt").write_text("\n\n".join(text))
     return root
 
 
