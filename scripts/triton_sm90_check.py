@@ -39,8 +39,10 @@ from oal.ops.triton import guard as G
 from oal.ops.triton import kernels as K
 from oal.ops.triton import parallel as P
 from oal.ops.triton import tiles as T
+from oal.ops.triton import window_decode as W
 
 C, REP, G1 = 64, 7, 6
+SINKS, WIN = 4, 64  # the recipe's oal-swa window (methods.window)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -95,7 +97,8 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                                    STN=a, CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32",
                                    seg_len="i32", n_seg="i32", d="i32", dv="i32", R="i32", g1="i32"),
            *split("dkv", **big))
-    par = dict(REP=REP, GMAX=F._gmax(G1), BD=lay.bd, BV=bv, DOT_DT=F._tl(cfg.dot_dtype), ACC_DT=F._tl(torch.float32),
+    par = dict(REP=REP, GMAX=F._gmax(G1), BD=lay.bd, BV=bv, DOT_DT=F.tl_dtype(cfg.dot_dtype),
+               ACC_DT=F.tl_dtype(torch.float32),
                PREC=F._consts(cfg, "fwd", d, dv)["PREC"], LOOP_FOR=True)
     tail = dict(N="i32", n_q="i32", d="i32", dv="i32", g1="i32", NBKT="i32")
     par_sigs = {
@@ -108,10 +111,23 @@ def kernels(d: int, dv: int, dt: str, arch: int):
         for bm, bn, stages in P.configs(half, max(d, dv) > 64):
             yield (f"{name} {bm}x{bn} st={stages}", fn, sig, dict(par, BM=bm, BN=bn),
                    dict(num_warps=P.NUM_WARPS, num_stages=stages))
-    yield ("decode step", D._dec_step,
-           dict(Q=x, K=x, V=x, W=a, ROWR="*i32", ROWT="*i32", S=a, PART=a, PARTN=a, STATUS=a, F="i32", d="i32",
-                dv="i32", n_q="i32", n_bq="i32", scale_abs="fp32", s_limit="fp32"),
-           dict(T=1, REP=REP, RB=D.rows_per_program(bv), BV=bv, BDQ=lay.bd, ACC_DT=F._tl(torch.float32)), {})
+    dec_sig = dict(Q=x, K=x, V=x, W=a, ROWR="*i32", ROWT="*i32", S=a, PART=a, PARTN=a, STATUS=a, EK=a, EU=a, LL=a,
+                   F="i32", d="i32", dv="i32", n_q="i32", n_bq="i32", s_stride="i32", scale_abs="fp32",
+                   s_limit="fp32")
+    dec = dict(T=1, REP=REP, RB=D.rows_per_program(bv), BV=bv, BDQ=lay.bd, ACC_DT=F.tl_dtype(torch.float32))
+    yield ("decode step", D._dec_step, dec_sig, dict(dec, EVICT=False), dict(num_warps=D.NUM_WARPS))
+    yield ("decode step evict", D._dec_step, dec_sig, dict(dec, EVICT=True), dict(num_warps=D.NUM_WARPS))
+    rows = F.triton_next_pow2(SINKS + WIN + 1)  # the recipe's window, one new token
+    win = dict(T=1, REP=REP, SINKS=SINKS, WIN=WIN, R=rows, BD=max(16, F.triton_next_pow2(d)), BV=bv,
+               ACC_DT=F.tl_dtype(torch.float32))
+    win_sig = dict(Q=x, K=x, V=x, SL=a, O=x, M=a, ACC=a, ACCN=a, EK=a, EU=a, STATUS=a, size="i32", d="i32",
+                   dv="i32", n_q="i32", scale="fp32")
+    for evict in (False, True):
+        yield (f"window step {'oal-swa' if evict else 'swa'}", W._win_step, win_sig, dict(win, EVICT=evict),
+               dict(num_warps=W.num_warps(rows, bv)))
+    yield ("window out", W._win_out, dict(M=a, ACC=a, ACCN=a, PART=a, PARTN=a, LL=a, O=x, STATUS=a, n_rows="i32",
+                                          dv="i32"),
+           dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.rows_per_program(bv)), BV=bv), {})
     yield ("decode out", D._dec_out, dict(PART=a, PARTN=a, O=x, STATUS=a, n_rows="i32", dv="i32"),
            dict(NBLK=-(-(1 + d + d * (d + 1) // 2) // D.rows_per_program(bv)), BV=bv), {})
     guard_sig = dict(X0=x, X1=x, X2=x, X3=a, X4=a, X5=a, **{f"n{i}": "i32" for i in range(6)}, STATUS=a,
@@ -120,7 +136,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
 
 
 KERNELS = ("scan keys", "scan query", "fwd", "fwd tuned", "dq", "dkv", "par fwd", "par dq", "par dkv", "decode step",
-           "decode out", "guard")
+           "decode out", "window step", "window out", "guard")
 
 
 def _selected(d: int, dv: int, dt: str, arch: int, names) -> list[int]:

@@ -323,16 +323,22 @@ def factor_checked(factor: torch.Tensor) -> None:
         _FACTOR_OK[factor] = key
 
 
-def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, check_state=True):
+def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, check_state=True, moments=True):
     """The checks of a call on the decoding kernels, which check q, k, v and their output themselves into the
-    returned status buffer; the factor is read once per version, a state not the cache's own on the device."""
+    returned status buffer; the factor is read once per version, a state not the cache's own on the device.
+    `factor` None: a plain sliding window (no kernel). `moments` False: the state is checked for NaN/Inf only (the
+    sliding windows' state, whose layout is not OAL's)."""
     drain(q.device)
-    factor_checked(factor)
-    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device))
+    if factor is not None:
+        factor_checked(factor)
+    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
     if check_state:
         from oal.ops.triton import guard
 
-        _state_stats(guard, chk.status, initial_state, q.shape[-1])
+        if moments:
+            _state_stats(guard, chk.status, initial_state, q.shape[-1])
+        else:
+            guard.launch(chk.status, [initial_state.detach()], first=4)
     return chk, chk.status
 
 

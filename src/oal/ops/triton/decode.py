@@ -20,9 +20,13 @@ atomic max (the values are >= 0); the host reads them later.
 
 from __future__ import annotations
 
+from functools import cache
+
+import torch
 import triton
 import triton.language as tl
 
+from oal.ops.kernel import packed_pairs
 from oal.ops.triton import parallel
 
 
@@ -42,15 +46,18 @@ def _gather_product(X, rr, tt, rmask, qs, ACC_DT: tl.constexpr):
 
 @triton.jit
 def _dec_step(
-    Q, K, V, W, ROWR, ROWT, S, PART, PARTN, STATUS,
-    F, d, dv, n_q, n_bq, scale_abs, s_limit,
+    Q, K, V, W, ROWR, ROWT, S, PART, PARTN, STATUS, EK, EU, LL,
+    F, d, dv, n_q, n_bq, s_stride, scale_abs, s_limit,
     T: tl.constexpr, REP: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, BDQ: tl.constexpr,
-    ACC_DT: tl.constexpr,
+    ACC_DT: tl.constexpr, EVICT: tl.constexpr,
 ):
     """State rows [blk RB, blk RB + RB) of KV head (b, hk): T tokens' updates and readouts. Grid (NBLK, B * Hkv).
 
-    Q [B, Hq, T, d], K [B, Hkv, T, d], V [B, Hkv, T, dv] contiguous; S [B, Hkv, F, dv+1] fp32 (or fp64);
-    PART [NBLK, B * Hq * T, BV], PARTN [NBLK, B * Hq * T]."""
+    Q [B, Hq, T, d], K [B, Hkv, T, d], V [B, Hkv, T, dv] contiguous; S: KV head bh's [F, dv+1] rows at
+    S + bh s_stride, fp32 (or fp64); PART [NBLK, B * Hq * T, BV], PARTN [NBLK, B * Hq * T].
+    EVICT (oal-swa's prefix, `window_decode.py`): token t adds the row that left the window instead of its own key,
+    EK [B * Hkv * T, d] and EU [B * Hkv * T, dv + 1] ([v, w], w = 0 for no row), and LL [B * Hq * T] gets
+    log lam of each readout; the checks and the rescaling still read the call's own K and V."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     n_kv = n_q // REP
@@ -64,7 +71,7 @@ def _dec_step(
     vmask = vcol < dv
     dcol = tl.arange(0, BDQ)
     dmask = dcol < d
-    sbase = S + bh.to(tl.int64) * F * (dv + 1)
+    sbase = S + bh.to(tl.int64) * s_stride
     smask = rmask[:, None] & vmask[None, :]
     st = tl.load(sbase + rows[:, None] * (dv + 1) + vcol[None, :], mask=smask, other=0.0)
     sn = tl.load(sbase + rows * (dv + 1) + dv, mask=rmask, other=0.0)
@@ -72,8 +79,14 @@ def _dec_step(
         kb = K + (bh * T + t).to(tl.int64) * d
         kvec = tl.load(kb + dcol, mask=dmask, other=0.0).to(ACC_DT)
         vv = tl.load(V + (bh * T + t).to(tl.int64) * dv + vcol, mask=vmask, other=0.0).to(ACC_DT)
-        psi = _gather_product(kb, rr, tt, rmask, 1.0, ACC_DT)
-        st += psi[:, None] * vv[None, :]
+        if EVICT:  # Eq. 5 for the evicted row u = [v, w]: w is 0 when no row left the window
+            eu = EU + (bh * T + t).to(tl.int64) * (dv + 1)
+            psi = _gather_product(EK + (bh * T + t).to(tl.int64) * d, rr, tt, rmask, 1.0, ACC_DT)
+            psi = psi * tl.load(eu + dv).to(ACC_DT)
+            st += psi[:, None] * tl.load(eu + vcol, mask=vmask, other=0.0).to(ACC_DT)[None, :]
+        else:
+            psi = _gather_product(kb, rr, tt, rmask, 1.0, ACC_DT)
+            st += psi[:, None] * vv[None, :]
         sn += tl.where(rmask, psi, 0.0)
         kmax = tl.max(tl.abs(kvec), axis=0)
         if blk == 0:
@@ -95,6 +108,8 @@ def _dec_step(
             mult = tl.where(rr < 0, inv_s * inv_s, tl.where(tt < 0, ratio * inv_s, ratio * ratio))
             w = tl.load(W + (hk * REP + r) * F + rows, mask=rmask, other=0.0).to(ACC_DT)
             phi = w * mult * _gather_product(qb, rr, tt, rmask, qs, ACC_DT)
+            if EVICT and blk == 0:  # lam = s_max^2 when rescaled, as log lam = -2 log(1 / s_max)
+                tl.store(LL + row, -2.0 * tl.log(inv_s))
             out = blk.to(tl.int64) * n_bq * T + row
             tl.store(PART + out * BV + vcol, tl.sum(phi[:, None] * st, axis=0))
             tl.store(PARTN + out, tl.sum(phi * sn, axis=0))
@@ -103,10 +118,8 @@ def _dec_step(
 
 
 @triton.jit
-def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.constexpr):
-    """out = sum of the partial numerators / sum of the partial normalisers, for one (batch row, query head,
-    token). Grid (B * Hq * T,)."""
-    row = tl.program_id(0)
+def _partial_sums(PART, PARTN, row, n_rows, NBLK: tl.constexpr, BV: tl.constexpr):
+    """(numerator [BV], normaliser) of query row `row`: the sums of `_dec_step`'s NBLK partials."""
     vcol = tl.arange(0, BV)
     num = tl.load(PART + row.to(tl.int64) * BV + vcol)
     den = tl.load(PARTN + row)
@@ -114,9 +127,39 @@ def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.cons
         off = i * n_rows + row.to(tl.int64)
         num += tl.load(PART + off * BV + vcol)
         den += tl.load(PARTN + off)
-    out = num / den
+    return num, den
+
+
+@triton.jit
+def _store_out(O, STATUS, row, out, dv, BV: tl.constexpr):
+    """Row `row` of the output [.., dv] in O's dtype, and its non-finite flag into the output's status slot."""
+    vcol = tl.arange(0, BV)
     tl.store(O + row.to(tl.int64) * dv + vcol, out.to(O.dtype.element_ty), mask=vcol < dv)
     tl.atomic_max(STATUS + 13, _nonfinite(tl.where(vcol < dv, out, 0.0)).to(tl.float32))
+
+
+@triton.jit
+def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.constexpr):
+    """out = sum of the partial numerators / sum of the partial normalisers, for one (batch row, query head,
+    token). Grid (B * Hq * T,)."""
+    row = tl.program_id(0)
+    num, den = _partial_sums(PART, PARTN, row, n_rows, NBLK, BV)
+    _store_out(O, STATUS, row, num / den, dv, BV)
+
+
+@cache
+def row_maps(d: int, device: torch.device):
+    """(ROWR, ROWT) int32 [F] of the decoding kernels: row f of a packed state is x_r x_t, -1 standing for 1."""
+    r, t, _ = packed_pairs(d, "cpu")
+    lin = torch.arange(d)
+    rowr = torch.cat([torch.tensor([-1]), lin, r])
+    rowt = torch.cat([torch.tensor([-1]), torch.full((d,), -1), t])
+    return rowr.to(device, torch.int32), rowt.to(device, torch.int32)
+
+
+# ptxas (scripts/triton_sm90_check.py, sm_90, d = dv = 64): 4 warps spilled 580 bytes per thread, 8 spill 24 (0
+# with EVICT, and 0 at d = dv = 128 where 4 warps spilled 436)
+NUM_WARPS = 8
 
 
 def rows_per_program(bv: int) -> int:
@@ -125,9 +168,9 @@ def rows_per_program(bv: int) -> int:
     return 4096 // bv
 
 
-def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt):
-    """One decoding call: `state` [B, Hkv, F, dv+1] updated in place; returns out [B, Hq, T, dv] in q's dtype.
-    `acc_dt`: the state's dtype as a triton type."""
+def step(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt, evicted=None):
+    """`_dec_step` on `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride); returns
+    (PART, PARTN, NBLK). `evicted`: (EK, EU, LL) of `_dec_step`'s EVICT, or None."""
     bsz, n_q, n_t, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     f = state.shape[2]
@@ -137,10 +180,24 @@ def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, 
     n_rows = bsz * n_q * n_t
     part = parallel.empty(state, nblk, n_rows, bv)
     partn = parallel.empty(state, nblk, n_rows)
+    ek, eu, ll = evicted if evicted is not None else (k, v, part)  # unread without EVICT
     _dec_step[(nblk, bsz * n_kv)](
-        q, k, v, w, rowr, rowt, state, part, partn, status, f, d, dv, n_q, bsz * n_q, abs(scale), s_limit,
+        q, k, v, w, rowr, rowt, state, part, partn, status, ek, eu, ll, f, d, dv, n_q, bsz * n_q,
+        state.stride(1), abs(scale), s_limit,
         T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, triton.next_power_of_2(d)), ACC_DT=acc_dt,
+        EVICT=evicted is not None, num_warps=NUM_WARPS,
     )
+    return part, partn, nblk
+
+
+def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt):
+    """One decoding call: `state` [B, Hkv, F, dv+1] updated in place; returns out [B, Hq, T, dv] in q's dtype.
+    `acc_dt`: the state's dtype as a triton type."""
+    bsz, n_q, n_t, _ = q.shape
+    dv = v.shape[-1]
+    bv = max(16, triton.next_power_of_2(dv))
+    n_rows = bsz * n_q * n_t
+    part, partn, nblk = step(q, k, v, w, rowr, rowt, state, status, scale, s_limit, acc_dt)
     out = parallel.empty(q, bsz, n_q, n_t, dv)
     _dec_out[(n_rows,)](part, partn, out, status, n_rows, dv, NBLK=nblk, BV=bv)
     return out

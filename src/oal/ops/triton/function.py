@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import oal.ops.triton.kernels as K
 from oal.ops import checks
-from oal.ops.kernel import cached_coefficients, coefficients, feature_dim, packed_pairs, version
+from oal.ops.kernel import cached_coefficients, coefficients, feature_dim, version
 from oal.ops.triton import decode, guard, parallel, routes
 from oal.ops.triton.tiles import FWD_CANDIDATES, NUM_WARPS, SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
 
@@ -118,7 +118,7 @@ class Config:
 _TL = {}
 
 
-def _tl(dtype: torch.dtype):
+def tl_dtype(dtype: torch.dtype):
     if not _TL:
         import triton.language as tl
 
@@ -133,7 +133,7 @@ def _consts(cfg: Config, kernel: str, d: int, dv: int):
     # fp32 dots as three tf32 products on the tensor cores (tf32x3: about fp32 accuracy; plain tf32 would give
     # ~3e-4), fp64 exactly; half inputs use bf16 operands with fp32 accumulation (the default)
     prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
-    return dict(DOT_DT=_tl(cfg.dot_dtype), ACC_DT=_tl(cfg.acc_dtype), PREC=prec,
+    return dict(DOT_DT=tl_dtype(cfg.dot_dtype), ACC_DT=tl_dtype(cfg.acc_dtype), PREC=prec,
                 **tiles(kernel, d, dv, half, cfg.arch))
 
 
@@ -433,16 +433,6 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     return o, blocks_to_state(fin, finn, bsz, d)
 
 
-@cache
-def _row_maps(d: int, device: torch.device):
-    """(ROWR, ROWT) int32 [F] of the decoding kernels: row f of a packed state is x_r x_t, -1 standing for 1."""
-    r, t, _ = packed_pairs(d, "cpu")
-    lin = torch.arange(d)
-    rowr = torch.cat([torch.tensor([-1]), lin, r])
-    rowt = torch.cat([torch.tensor([-1]), torch.full((d,), -1), t])
-    return rowr.to(device, torch.int32), rowt.to(device, torch.int32)
-
-
 def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
     """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
@@ -451,8 +441,8 @@ def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
         state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
-    rowr, rowt = _row_maps(q.shape[-1], q.device)
+    rowr, rowt = decode.row_maps(q.shape[-1], q.device)
     _, s_limit = checks.rescale_bound(acc)
     out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w.to(acc).contiguous(), rowr, rowt, state,
-                        status, scale, s_limit, _tl(acc))
+                        status, scale, s_limit, tl_dtype(acc))
     return out, state

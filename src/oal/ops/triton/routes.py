@@ -18,11 +18,25 @@ DECODE_TOKENS = 4  # at most this many new tokens on a state run the decoding ke
 PARALLEL_MAX = 4096
 
 
+WINDOW_TILE = 32768  # candidate rows x head columns of one window decoding program (`window_decode.py`)
+
+
 def decodes(q, k, v, factor, initial_state) -> bool:
-    """Whether a call runs the decoding kernels: a few new tokens on a state, no gradient."""
+    """Whether a call runs the decoding kernels: a few new tokens on a state, no gradient. `factor` None: swa."""
     if initial_state is None or not 0 < q.shape[2] <= DECODE_TOKENS or q.shape[0] == 0:
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, factor, initial_state)))
+    tensors = (q, k, v, factor, initial_state)
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def window_decodes(q, k, v, factor, initial_state, window: int, sinks: int) -> bool:
+    """Whether a swa / oal-swa call runs the window decoding kernels: as `decodes`, and the sinks, the window
+    and the new tokens fit one program's tile (a larger window runs the torch token loop)."""
+    if not decodes(q, k, v, factor, initial_state):
+        return False
+    rows = 1 << (sinks + window + q.shape[2] - 1).bit_length()  # the next power of two
+    cols = max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length())
+    return rows * cols <= WINDOW_TILE
 
 
 def parallel(n: int, initial_state, need_state: bool, chunk_size) -> bool:

@@ -16,8 +16,9 @@ reads KV head h // (Hq // Hkv); groups [Hq, d], factor [Hq, G+1, G+1]. Causal on
 tensor [B, Hkv, size] (layout in `state.py`): continuing from `initial_state` equals one long call.
 
 Backends: "reference" (dense O(N^2), a whole sequence from its start), "banded" (the fast path, O(N (W + C))
-plus OAL's linear-time prefix for oal-swa), "recurrent" (the token loop), "auto" (the token loop for a few tokens
-on a state, banded otherwise). States accumulate in fp32, or fp64 for fp64 inputs; out has q's dtype.
+plus OAL's linear-time prefix for oal-swa), "recurrent" (the token loop; on CUDA, without a gradient, the Triton
+decoding kernels of `oal.ops.triton.window_decode` instead), "auto" (recurrent for a few tokens on a state, banded
+otherwise). States accumulate in fp32, or fp64 for fp64 inputs; out has q's dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from oal.ops.checks import max_abs as _max_abs
 from oal.ops.checks import rescaled as _rescaled
 from oal.ops.kernel import cached_coefficients
 from oal.ops.triton import available as triton_available
+from oal.ops.triton import routes
 from oal.ops.window.banded import banded_window_attention
 from oal.ops.window.recurrent import recurrent_window_attention
 from oal.ops.window.reference import reference_window_attention, window_log_weights
@@ -78,6 +80,20 @@ def _device_kernel(q, groups, factor, eps: float, scale: float, mults: torch.Ten
     d = q.shape[-1]
     parts = torch.cat([m_a.reshape(1), m_b.expand(d), m_c.expand(weights.shape[-1] - 1 - d)])
     return Kernel(q * qs, groups, kfactor, coeffs, eps, scale, -2.0 * torch.log(inv_s), weights * parts)
+
+
+def _triton_decode(q, k, v, groups, factor, *, window, sinks, eps, scale, state, own):
+    """A few tokens on a state on a deferred device: the window decoding kernels (`triton.window_decode`), their
+    checks on the device, no host read; the cache's own state updated in place."""
+    from oal.ops.triton.window_decode import window_decode  # no triton import until the kernels are launched
+
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    chk, status = checks.start_decode(q, factor, state, _compute_dtype(q.dtype), eps, check_state=not own,
+                                      moments=False)
+    out, final = window_decode(q, k, v, groups, factor, window=window, sinks=sinks, eps=eps, scale=scale,
+                               state=state, inplace=own and checks.updatable(state, q, k, v, factor), status=status)
+    checks.finish(chk)
+    return out, final
 
 
 def _positive_int(name: str, value, low: int) -> int:
@@ -170,6 +186,10 @@ def window_attention(
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if deferred and routes.window_decodes(q, k, v, factor, initial_state, window, sinks):
+        out, final = _triton_decode(q, k, v, groups, factor, window=window, sinks=sinks, eps=float(eps),
+                                    scale=scale, state=initial_state, own=own)
+        return (out.to(out_dtype), final) if output_final_state else out.to(out_dtype)
     chk = None
     if deferred:
         chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own,
