@@ -2,8 +2,8 @@
 
 The kernel reads and writes raw buffers from C; an off-by-one in a tile or pair loop would corrupt memory silently.
 This builds it with -fsanitize=address into a temporary cache folder, re-executes Python with libasan preloaded,
-and checks fp32 and bf16, causal and not, odd d and dv, GQA, 1 to 15 groups, against the float64 reference. Exit 0
-when clean; ASan aborts the process on a bad access.
+and checks fp32 and bf16, causal and not, odd d and dv, GQA, 1 to 15 groups, and the decoding step (1 and 3
+tokens on a state), against the float64 reference. Exit 0 when clean; ASan aborts the process on a bad access.
 
     python scripts/cpu_kernel_asan.py                     # -march=native
     python scripts/cpu_kernel_asan.py --march x86-64-v3   # the AVX2 build (8-wide), x86-64: the 4-wide one
@@ -19,7 +19,7 @@ import tempfile
 
 # (B, Hq, Hkv, N, d, dv, chunk in vectors, groups)
 SHAPES = [(1, 14, 2, 700, 64, 64, 2, 5), (2, 3, 1, 261, 5, 7, 1, 3), (1, 4, 2, 333, 17, 12, 3, 4),
-          (1, 2, 2, 100, 1, 1, 1, 1), (1, 6, 3, 129, 9, 30, 4, 15)]
+          (1, 2, 2, 100, 1, 1, 1, 1), (1, 6, 3, 129, 9, 30, 4, 15), (2, 2, 1, 40, 3, 150, 1, 2)]
 
 
 def _libasan() -> str:
@@ -60,6 +60,31 @@ def check() -> float:
                 if not (torch.isfinite(out).all() and err < limit):
                     sys.exit(f"B={b} Hq={hq} d={d} dv={dv} G={g} {dtype} causal={causal}: relative error {err:.2e}")
                 worst = max(worst, err) if dtype == torch.float32 else worst
+        worst = max(worst, _decode(q, k, v, groups, factor))
+    return worst
+
+
+def _decode(q, k, v, groups, factor) -> float:
+    """The decoding step (`oal_decode_f32`): 1, then 3 tokens on a state, against the reference's last outputs."""
+    import torch
+
+    from oal.ops import oal_attention
+
+    n = q.shape[2]
+    _, state = oal_attention(q[:, :, : n - 4], k[:, :, : n - 4], v[:, :, : n - 4], groups, factor,
+                             output_final_state=True)
+    worst = 0.0
+    for t in (1, 3):
+        span = slice(n - 4, n - 4 + t)
+        with torch.inference_mode():
+            out = oal_attention(q[:, :, span], k[:, :, span], v[:, :, span], groups, factor, initial_state=state,
+                                backend="recurrent")
+        ref = oal_attention(*(x[:, :, : n - 4 + t].double() for x in (q, k, v)), groups, factor.double(),
+                            backend="reference")[:, :, -t:]
+        err = float((out.double() - ref).norm() / ref.norm())
+        if not (torch.isfinite(out).all() and err < 1e-5):
+            sys.exit(f"decoding {t} tokens, d={q.shape[-1]} dv={v.shape[-1]}: relative error {err:.2e}")
+        worst = max(worst, err)
     return worst
 
 

@@ -239,3 +239,118 @@ def test_clean_under_address_sanitizer():
     if "has no libasan.so" in res.stderr + res.stdout:
         pytest.skip("the compiler has no AddressSanitizer runtime")
     assert res.returncode == 0 and "clean under AddressSanitizer" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------ the decoding step (oal_decode_f32)
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Records the fused decoding step's calls (their token counts)."""
+    seen = []
+    real = cpu_kernel.decode
+
+    def spy(k, u, q, w, state):
+        seen.append(k.shape[2])
+        return real(k, u, q, w, state)
+
+    monkeypatch.setattr(cpu_kernel, "decode", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dv", [7, 64, 150], ids=["tail-only", "vectors+tail", "wide"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decoding_step_matches_the_token_loop_and_the_reference(monkeypatch, decodes, dv, tokens):
+    """Algorithm 1 (Eq. 5 then Eq. 6) for a few tokens on a state: the C step (one pass per token and head) gives
+    the torch loop's outputs and state and the fp64 reference's outputs; value widths that leave only scalar
+    columns, full vectors and a tail, and more columns than the step keeps in registers."""
+    q, k, v, groups, factor = make(2, 6, 2, 12, 9, dv)
+    _, state = oal_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], groups, factor.float(), output_final_state=True)
+    step = [t[:, :, 9 : 9 + tokens] for t in (q, k, v)]
+    before = state.clone()
+    with torch.inference_mode():
+        got, got_state = oal_attention(*step, groups, factor.float(), initial_state=state, output_final_state=True)
+    assert decodes == [tokens] and torch.equal(state, before)  # a new state: the caller's is left alone
+    monkeypatch.setattr(cpu_kernel, "enabled", lambda: False)
+    with torch.inference_mode():
+        want, want_state = oal_attention(*step, groups, factor.float(), initial_state=state, output_final_state=True)
+    assert decodes == [tokens]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-5)
+    ref = oal_attention(*(t[:, :, : 9 + tokens].double() for t in (q, k, v)), groups, factor, backend="reference")
+    assert _rel(got, ref[:, :, 9:]) < 1e-5
+
+
+def test_decoding_step_updates_the_caches_state_in_place(decodes):
+    from oal.ops import checks
+
+    q, k, v, groups, factor = make(1, 4, 2, 6, 8, 8)
+    _, state = oal_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], groups, factor.float(), output_final_state=True)
+    before = state.clone()
+    with torch.no_grad(), checks.cache_owned(state):
+        _, final = oal_attention(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], groups, factor.float(), initial_state=state,
+                                 output_final_state=True)
+    assert decodes == [1] and final is state and not torch.equal(state, before)
+
+
+def test_decoding_step_split_over_workers_gives_the_same(monkeypatch, decodes):
+    """Batch rows and KV heads split over the operator's workers (a large state) give the single call's result."""
+    q, k, v, groups, factor = make(3, 6, 3, 7, 8, 5)
+    _, state = oal_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], groups, factor.float(), output_final_state=True)
+    step = [t[:, :, 6:] for t in (q, k, v)]
+    with torch.inference_mode():
+        one = oal_attention(*step, groups, factor.float(), initial_state=state)
+        monkeypatch.setattr(cpu_kernel, "DECODE_SPLIT", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        split = oal_attention(*step, groups, factor.float(), initial_state=state)
+    assert decodes == [1, 1] and torch.equal(one, split)
+
+
+def test_decoding_step_is_not_used_under_autograd_or_fp64(decodes):
+    q, k, v, groups, factor = make(1, 2, 1, 5, 6, 4)
+    _, state = oal_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], groups, factor.float(), output_final_state=True)
+    leaf = q[:, :, 4:].clone().requires_grad_()
+    out = oal_attention(leaf, k[:, :, 4:], v[:, :, 4:], groups, factor.float(), initial_state=state)
+    assert torch.autograd.grad(out.sum(), leaf)[0].abs().sum() > 0
+    with torch.inference_mode():
+        oal_attention(*(t[:, :, 4:].double() for t in (q, k, v)), groups, factor, initial_state=state.double())
+    assert decodes == []
+
+
+def test_decoding_step_refuses_shapes_the_kernel_would_misread():
+    k, u, q = torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 6), torch.zeros(1, 4, 1, 4)
+    state, w = torch.zeros(1, 2, 15, 6), torch.zeros(4, 15)
+    with pytest.raises(ValueError, match=r"^u: expected shape \[1, 2, 1, 6\]"):
+        cpu_kernel.decode(k, u[..., :5], q, w, state)
+    with pytest.raises(ValueError, match=r"^w: expected shape \[4, 15\]"):
+        cpu_kernel.decode(k, u, q, w[:3], state)
+    assert not cpu_kernel.decodes(state.transpose(2, 3).contiguous().transpose(2, 3))  # rows not contiguous
+    assert not cpu_kernel.decodes(state.double())
+
+
+def test_oal_swa_prefix_runs_the_decoding_step(monkeypatch, decodes):
+    """The sliding window's token loop adds each evicted row to its prefix state and reads it out with the C step
+    ([v, w] rows: w = 0 while nothing leaves the window): the torch loop's outputs and state."""
+    from oal.ops import checks
+    from oal.ops.window import window_attention
+
+    q, k, v, groups, factor = make(2, 6, 2, 16, 9, 7)
+    kw = dict(window=3, sinks=2, groups=groups, factor=factor.float())
+
+    def decode_all():
+        _, state = window_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], output_final_state=True, **kw)
+        outs = []
+        with torch.no_grad():
+            for t in range(4, 16, 2):
+                with checks.cache_owned(state):
+                    out, state = window_attention(*(x[:, :, t : t + 2] for x in (q, k, v)), initial_state=state,
+                                                  output_final_state=True, **kw)
+                outs.append(out)
+        return torch.cat(outs, 2), state
+
+    got, got_state = decode_all()
+    assert decodes == [1] * 12
+    monkeypatch.setattr(cpu_kernel, "enabled", lambda: False)
+    want, want_state = decode_all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-5)

@@ -299,7 +299,9 @@ def test_the_window_decode_step_on_the_device_gives_the_host_results(on_device, 
     monkeypatch.setattr(checks, "DEFERRED_DEVICES", set())
     want, want_state = _window_steps(q, k, v, groups, factor, prefill=9, owned=owned)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
-    torch.testing.assert_close(got_state, want_state, rtol=0, atol=0)  # keys and values only: no rescaling there
+    slots = (WINDOW["window"] + WINDOW["sinks"]) * (q.shape[-1] + v.shape[-1] + 1)
+    assert torch.equal(got_state[..., :slots], want_state[..., :slots])  # keys and values, copied
+    assert rel_err(got_state[..., slots:], want_state[..., slots:]) < 1e-6  # OAL's prefix: sums in another order
     ref = window_attention(q.to(F64), k.to(F64), v.to(F64), groups=groups, factor=factor.to(F64), backend="reference",
                            **WINDOW)
     assert rel_err(got, ref) < 1e-4

@@ -1,5 +1,5 @@
 """The fused CPU kernel of the chunked operator (`csrc/readout.cpp`): readout and intra-chunk term, built for the
-machine it runs on.
+machine it runs on; and the decoding step of the token loop (`decode`: OAL's, and oal-swa's prefix state).
 
 The torch path writes the query features phi(Q) to memory, 2145 values per query head and token at d = 64, and
 reads them back in a GEMM; the fused kernel forms them in vector registers inside the GEMM's tiles instead (issue
@@ -37,11 +37,12 @@ from typing import NamedTuple
 
 import torch
 
+from oal.ops.kernel import row_maps
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
 
-__all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "describe", "enabled", "heads", "readout", "supports",
-           "vector_width"]
+__all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled", "heads",
+           "readout", "supports", "vector_width"]
 
 log = logging.getLogger("oal")
 
@@ -58,7 +59,8 @@ _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
 _SAID_OFF = False
-SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16")
+DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
+SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16", "oal_decode_f32")
 
 
 def enabled() -> bool:
@@ -161,6 +163,7 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
     lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
     lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
+    lib.oal_decode_f32.argtypes = [ptr] * 7 + [i64, ptr, i64, i64] + [i32] * 5
     return lib
 
 
@@ -322,3 +325,57 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
 
     workers.workers(threads).run(run, [(i * items // threads, (i + 1) * items // threads) for i in range(threads)])
     return out
+
+
+def decodes(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `decode` takes a decoding call on `state` [B, Hkv, F, dv+1]: CPU, fp32, each head's rows contiguous,
+    no autograd through it or `tensors`, and the kernel built."""
+    if not enabled() or state.device.type != "cpu" or state.dtype != torch.float32:
+        return False
+    if state.stride(-1) != 1 or state.stride(-2) != state.shape[-1] or state.stride(0) != state.shape[1] * \
+            state.stride(1):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (state, *tensors)):
+        return False
+    return _load() is not None
+
+
+def decode(k: torch.Tensor, u: torch.Tensor, q: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """T tokens of the token loop on `state`, updated in place (Eq. 5: S += psi(k_t) u_t; `decodes`), and the
+    numerators num [B, Hq, T, dv+1] of each token's queries after its own update (Eq. 6: phi(q) S, phi = w psi).
+
+    k [B, Hkv, T, d], u [B, Hkv, T, dv+1] (the rows added: [v, 1], or a window's evicted [v, w]), q [B, Hq, T, d],
+    w [Hq, F] the query coefficients; any float dtype (made fp32 contiguous here). One pass over the state for all
+    T tokens, in C (`oal_decode_f32`); with more than one torch thread the (batch row, KV head) items are split over
+    the operator's workers."""
+    lib = _load()
+    bsz, n_kv, n_t, d = k.shape
+    n_q, dv1 = q.shape[1], state.shape[-1]
+    feats = 1 + d + d * (d + 1) // 2
+    # the C side trusts these shapes: a wrong one would read or write out of bounds, not raise
+    want = {"u": (bsz, n_kv, n_t, dv1), "q": (bsz, n_q, n_t, d), "w": (n_q, feats), "state": (bsz, n_kv, feats, dv1)}
+    for name, t in (("u", u), ("q", q), ("w", w), ("state", state)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name}: expected shape {list(want[name])}, got {list(t.shape)}")
+    if n_q % n_kv:
+        raise ValueError(f"q: {n_q} query heads is not a multiple of k's {n_kv} KV heads")
+    k, u, q, w = (t.detach().to(torch.float32).contiguous() for t in (k, u, q, w))
+    rowr, rowt = row_maps(d, torch.device("cpu"))
+    num = q.new_empty(bsz, n_q, n_t, dv1)
+    items = bsz * n_kv
+    ptrs = (k.data_ptr(), u.data_ptr(), q.data_ptr(), w.data_ptr(), rowr.data_ptr(), rowt.data_ptr(),
+            state.data_ptr(), state.stride(1), num.data_ptr())
+    dims = (n_kv, d, n_q // n_kv, n_t, dv1)
+
+    def run(begin: int, end: int) -> None:
+        lib.oal_decode_f32(*ptrs, begin, end, *dims)
+
+    # the workers cost about 0.1 ms a call (measured on 2 cores): worth it from a few MB of state, not at batch 1
+    threads = min(torch.get_num_threads(), items, max(1, state[0, 0].numel() * items // DECODE_SPLIT))
+    if threads <= 1:
+        run(0, items)
+        return num
+    from oal.ops import workers
+
+    workers.workers(threads).run(run, [(i * items // threads, (i + 1) * items // threads) for i in range(threads)])
+    return num

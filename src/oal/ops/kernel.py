@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from functools import cache
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -57,6 +58,17 @@ def packed_pairs(d: int, device: torch.device | str = "cpu"):
             mult = torch.where(r == t, 1.0, 2.0).to(device)
         _PAIR_CACHE[key] = (r, t, mult)
     return _PAIR_CACHE[key]
+
+
+@cache
+def row_maps(d: int, device: torch.device):
+    """(ROWR, ROWT) int32 [F] of the decoding kernels (Triton's and the CPU's): row f of a packed state is x_r x_t,
+    -1 standing for 1."""
+    r, t, _ = packed_pairs(d, "cpu")
+    lin = torch.arange(d)
+    rowr = torch.cat([torch.tensor([-1]), lin, r])
+    rowt = torch.cat([torch.tensor([-1]), torch.full((d,), -1), t])
+    return rowr.to(device, torch.int32), rowt.to(device, torch.int32)
 
 
 def factor_to_matrix(factor: torch.Tensor) -> torch.Tensor:

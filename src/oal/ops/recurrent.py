@@ -2,13 +2,17 @@
 
 State of one KV head: rows [H0 (1); H1 (d); H2 (d(d+1)/2)] x (dv + 1) columns, the last column being the
 denominator. Query heads sharing a KV head read the same state with their own coefficients.
+
+On the CPU, for an fp32 state without autograd, the causal loop runs the fused C step (`cpu_kernel.decode`: one
+pass over the state per call); the torch loop below is its reference and runs everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oal.ops.kernel import key_features, query_features
+from oal.ops import cpu_kernel
+from oal.ops.kernel import key_features, query_coefficients, query_features
 
 
 def _update(state, k_t, v_t, inplace: bool = False):
@@ -44,6 +48,11 @@ def recurrent_attention(q, k, v, coeffs, *, scale, causal, state, weights=None, 
 
     `inplace`: update `state` itself (causal; see `_update`)."""
     outs = []
+    if causal and cpu_kernel.decodes(state, q, k, v, *coeffs):
+        state = state if inplace else state.clone()
+        w = weights if weights is not None else query_coefficients(*coeffs, scale)
+        num = cpu_kernel.decode(k, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), q, w, state)
+        return num[..., :-1] / num[..., -1:], state
     if causal:
         for i in range(q.shape[2]):
             sl = slice(i, i + 1)

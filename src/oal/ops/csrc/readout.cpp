@@ -314,6 +314,82 @@ static void item_dp(const float* x, const float* w, const float* s, float* out, 
 #define HAVE_DP 0
 #endif
 
+// One token of the decoding step on one KV head's state rows [F, dv1] (`oal_decode_f32`), in one pass: row f gets
+// S[f, :] += psi_f(xk) u (Eq. 5), then each of the rep query heads h adds w[h, f] psi_f(xq_h) S[f, :] to its
+// numerator out[h] (Eq. 6). The x are [1, x_1 .. x_d], so that psi_f(x) = x[rowr[f] + 1] x[rowt[f] + 1]. The
+// row's NV full vectors stay in registers between its update and its readouts (the dv1 % VW columns after them
+// are scalars); the numerators live in a small buffer in L1. The state is read and written once: passes of
+// their own for the update and each head's readout read it 1 + rep times, from memory when the model's weights
+// have pushed it out of the caches.
+typedef void (*DecodeStep)(float*, const float*, const float*, const float*, const float*, ptrdiff_t, float*,
+                           const int32_t*, const int32_t*, int, int, int, int);
+
+template <int NV_>
+static void decode_step(float* s, const float* xk, const float* u, const float* xq, const float* w, ptrdiff_t ws,
+                        float* out, const int32_t* rowr, const int32_t* rowt, int feats, int d1, int dv1, int rep) {
+    constexpr int N = NV_ > 0 ? NV_ : 1;
+    const int tail = dv1 - NV_ * VW;
+    vf uv[N];
+    for (int i = 0; i < NV_; ++i) uv[i] = load(u + i * VW);
+    std::vector<float> acc((size_t)rep * N * VW, 0.0f), at((size_t)rep * VW, 0.0f);
+    for (int f = 0; f < feats; ++f) {
+        const int a = rowr[f] + 1, b = rowt[f] + 1;
+        const float psi = xk[a] * xk[b];
+        float* row = s + (ptrdiff_t)f * dv1;
+        vf rv[N];
+        for (int i = 0; i < NV_; ++i) {
+            rv[i] = load(row + i * VW) + psi * uv[i];
+            store(row + i * VW, rv[i]);
+        }
+        for (int o = 0; o < tail; ++o) row[NV_ * VW + o] += psi * u[NV_ * VW + o];
+        for (int h = 0; h < rep; ++h) {
+            const float* x = xq + (ptrdiff_t)h * d1;
+            const float phi = w[h * ws + f] * x[a] * x[b];
+            float* ah = acc.data() + (size_t)h * N * VW;
+            for (int i = 0; i < NV_; ++i) store(ah + i * VW, load(ah + i * VW) + phi * rv[i]);
+            for (int o = 0; o < tail; ++o) at[(size_t)h * VW + o] += phi * row[NV_ * VW + o];
+        }
+    }
+    for (int h = 0; h < rep; ++h) {
+        for (int i = 0; i < NV_; ++i) store(out + (ptrdiff_t)h * dv1 + i * VW, load(acc.data() + ((size_t)h * N + i) * VW));
+        for (int o = 0; o < tail; ++o) out[(ptrdiff_t)h * dv1 + NV_ * VW + o] = at[(size_t)h * VW + o];
+    }
+}
+
+// More columns than the registers hold (dv1 > 8 VW + VW - 1: dv above 142 with AVX-512, 70 with AVX2): the
+// update, then each head's readout, row by row in plain loops.
+static void decode_step_wide(float* s, const float* xk, const float* u, const float* xq, const float* w,
+                             ptrdiff_t ws, float* out, const int32_t* rowr, const int32_t* rowt, int feats, int d1,
+                             int dv1, int rep) {
+    for (ptrdiff_t i = 0; i < (ptrdiff_t)rep * dv1; ++i) out[i] = 0.0f;
+    for (int f = 0; f < feats; ++f) {
+        const int a = rowr[f] + 1, b = rowt[f] + 1;
+        const float psi = xk[a] * xk[b];
+        float* row = s + (ptrdiff_t)f * dv1;
+        for (int o = 0; o < dv1; ++o) row[o] += psi * u[o];
+        for (int h = 0; h < rep; ++h) {
+            const float phi = w[h * ws + f] * xq[(ptrdiff_t)h * d1 + a] * xq[(ptrdiff_t)h * d1 + b];
+            float* oh = out + (ptrdiff_t)h * dv1;
+            for (int o = 0; o < dv1; ++o) oh[o] += phi * row[o];
+        }
+    }
+}
+
+static DecodeStep decode_step_of(int nv) {
+    switch (nv) {
+        case 0: return decode_step<0>;
+        case 1: return decode_step<1>;
+        case 2: return decode_step<2>;
+        case 3: return decode_step<3>;
+        case 4: return decode_step<4>;
+        case 5: return decode_step<5>;
+        case 6: return decode_step<6>;
+        case 7: return decode_step<7>;
+        case 8: return decode_step<8>;
+        default: return decode_step_wide;
+    }
+}
+
 extern "C" {
 
 int oal_readout_vw(void) { return VW; }
@@ -364,6 +440,37 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
         }
 #endif
         item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
+    }
+}
+
+// One decoding call of the token loop (Algorithm 1: Eq. 5, then Eq. 6) on the state, for items [begin, end), item
+// = (batch row, KV head): for each of T tokens S[f, :] += psi_f(k_t) u_t, then num[h, t, :] = sum_f w[h, f]
+// psi_f(q_ht) S[f, :] for the rep query heads h of the KV head.
+//   k [items, T, d] and u [items, T, dv1] the keys and the rows they add ([v, 1], or a sliding window's evicted
+//   [v, w]); q [items, rep, T, d]; w [Hkv, rep, F] (item k's KV head is k % hkv); s: item k's [F, dv1] rows at
+//   s + k * s_stride, updated in place; num [items, rep, T, dv1], overwritten. rowr, rowt [F]: row f of the state
+//   is x_r x_t, -1 standing for a factor 1 (oal.ops.kernel.row_maps). All fp32 and contiguous.
+void oal_decode_f32(const float* k, const float* u, const float* q, const float* w, const int32_t* rowr,
+                    const int32_t* rowt, float* s, int64_t s_stride, float* num, int64_t begin, int64_t end, int hkv,
+                    int d, int rep, int tokens, int dv1) {
+    const int feats = 1 + d + d * (d + 1) / 2, d1 = d + 1;
+    const DecodeStep step = decode_step_of(dv1 / VW);
+    std::vector<float> xk(d1), xq((size_t)rep * d1), out((size_t)rep * dv1);
+    for (int64_t item = begin; item < end; ++item) {
+        const float* wk = w + (item % hkv) * (ptrdiff_t)rep * feats;
+        for (int t = 0; t < tokens; ++t) {  // token t's pass reads the state its predecessors left
+            const int64_t kt = item * tokens + t;
+            xk[0] = 1.0f;
+            for (int r = 0; r < d; ++r) xk[1 + r] = k[kt * d + r];
+            for (int h = 0; h < rep; ++h) {
+                xq[(size_t)h * d1] = 1.0f;
+                for (int r = 0; r < d; ++r) xq[(size_t)h * d1 + 1 + r] = q[((item * rep + h) * tokens + t) * d + r];
+            }
+            step(s + item * s_stride, xk.data(), u + kt * dv1, xq.data(), wk, feats, out.data(), rowr, rowt, feats,
+                 d1, dv1, rep);
+            for (int h = 0; h < rep; ++h)
+                for (int o = 0; o < dv1; ++o) num[((item * rep + h) * tokens + t) * dv1 + o] = out[(size_t)h * dv1 + o];
+        }
     }
 }
 }

@@ -20,13 +20,10 @@ atomic max (the values are >= 0); the host reads them later.
 
 from __future__ import annotations
 
-from functools import cache
-
-import torch
 import triton
 import triton.language as tl
 
-from oal.ops.kernel import packed_pairs
+from oal.ops.kernel import row_maps  # noqa: F401  (the decoding kernels' ROWR, ROWT; re-exported)
 from oal.ops.triton import parallel
 
 
@@ -145,16 +142,6 @@ def _dec_out(PART, PARTN, O, STATUS, n_rows, dv, NBLK: tl.constexpr, BV: tl.cons
     row = tl.program_id(0)
     num, den = _partial_sums(PART, PARTN, row, n_rows, NBLK, BV)
     _store_out(O, STATUS, row, num / den, dv, BV)
-
-
-@cache
-def row_maps(d: int, device: torch.device):
-    """(ROWR, ROWT) int32 [F] of the decoding kernels: row f of a packed state is x_r x_t, -1 standing for 1."""
-    r, t, _ = packed_pairs(d, "cpu")
-    lin = torch.arange(d)
-    rowr = torch.cat([torch.tensor([-1]), lin, r])
-    rowt = torch.cat([torch.tensor([-1]), torch.full((d,), -1), t])
-    return rowr.to(device, torch.int32), rowt.to(device, torch.int32)
 
 
 # ptxas (scripts/triton_sm90_check.py, sm_90, d = dv = 64): 4 warps spilled 580 bytes per thread, 8 spill 24 (0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from oal.ops import cpu_kernel
 from oal.ops.kernel import key_features, query_features
 from oal.ops.window.normaliser import normalise
 
@@ -38,6 +39,9 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
     n_kv = k.shape[1]
     rep = n_q // n_kv
     rows = torch.cat([k, v, torch.ones_like(v[..., :1])], dim=-1)
+    fused = kernel is not None and cpu_kernel.decodes(prefix, q, k, v, kernel.q, kernel.weights)
+    if fused and not inplace:  # the C step updates the prefix in place (`cpu_kernel.decode`)
+        prefix = prefix.clone()
     outs = []
     for t in range(n):
         slots, left = _push(slots, rows[:, :, t], sinks)
@@ -46,7 +50,10 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
         m = s.detach().amax(-1)  # finite: the token's own row is filled
         acc = torch.exp(s - m.unsqueeze(-1)) @ slots[..., d:]
         older = None
-        if kernel is not None:
+        if fused:  # Eq. 5 for the evicted row, then Eq. 6, in one pass over the prefix
+            older = cpu_kernel.decode(left[:, :, None, :d], left[:, :, None, d:], kernel.q[:, :, t : t + 1],
+                                      kernel.weights, prefix).view(bsz, n_kv, rep, -1)
+        elif kernel is not None:
             psi = key_features(left[:, :, None, :d]).transpose(-1, -2)  # Eq. 5 for the evicted row, in one pass
             flat = prefix.flatten(0, 1)
             if inplace and flat.data_ptr() == prefix.data_ptr():  # a view: the update lands in the state
