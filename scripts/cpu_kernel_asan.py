@@ -2,8 +2,8 @@
 
 The kernel reads and writes raw buffers from C; an off-by-one in a tile or pair loop would corrupt memory silently.
 This builds it with -fsanitize=address into a temporary cache folder, re-executes Python with libasan preloaded,
-and checks fp32 and bf16, causal and not, odd d and dv, GQA, 1 to 15 groups, and the decoding step (1 and 3
-tokens on a state), against the float64 reference. Exit 0 when clean; ASan aborts the process on a bad access.
+and checks fp32 and bf16, causal and not, odd d and dv, GQA, 1 to 15 groups, and the decoding steps (OAL's and
+the sliding windows'), against the float64 reference. Exit 0 when clean; ASan aborts the process on a bad access.
 
     python scripts/cpu_kernel_asan.py                     # -march=native
     python scripts/cpu_kernel_asan.py --march x86-64-v3   # the AVX2 build (8-wide), x86-64: the 4-wide one
@@ -65,7 +65,8 @@ def check() -> float:
 
 
 def _decode(q, k, v, groups, factor) -> float:
-    """The decoding step (`oal_decode_f32`): 1, then 3 tokens on a state, against the reference's last outputs."""
+    """The decoding steps (`oal_decode_f32`: 1, then 3 tokens on a state; `oal_window_decode_f32`: 4 tokens of
+    oal-swa and of swa) against the reference's last outputs."""
     import torch
 
     from oal.ops import oal_attention
@@ -84,6 +85,19 @@ def _decode(q, k, v, groups, factor) -> float:
         err = float((out.double() - ref).norm() / ref.norm())
         if not (torch.isfinite(out).all() and err < 1e-5):
             sys.exit(f"decoding {t} tokens, d={q.shape[-1]} dv={v.shape[-1]}: relative error {err:.2e}")
+        worst = max(worst, err)
+    from oal.ops.window import window_attention
+
+    for kw in (dict(window=5, sinks=2, groups=groups, factor=factor.float()), dict(window=3, sinks=0)):
+        _, state = window_attention(q[:, :, : n - 4], k[:, :, : n - 4], v[:, :, : n - 4], output_final_state=True,
+                                    **kw)
+        with torch.inference_mode():  # `oal_window_decode_f32`
+            out = window_attention(q[:, :, n - 4 :], k[:, :, n - 4 :], v[:, :, n - 4 :], initial_state=state, **kw)
+        wide = {key: val.double() if key == "factor" else val for key, val in kw.items()}
+        ref = window_attention(q.double(), k.double(), v.double(), backend="reference", **wide)[:, :, n - 4 :]
+        err = float((out.double() - ref).norm() / ref.norm())
+        if not (torch.isfinite(out).all() and err < 1e-5):
+            sys.exit(f"window decoding, {sorted(kw)}, d={q.shape[-1]} dv={v.shape[-1]}: relative error {err:.2e}")
         worst = max(worst, err)
     return worst
 

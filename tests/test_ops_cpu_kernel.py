@@ -226,6 +226,14 @@ def test_other_vector_widths(monkeypatch, tmp_path, calls, march, width):
     with torch.inference_mode():
         got = oal_attention(q, k, v, groups, factor.float(), backend="chunked", chunk_size=3 * width)
     assert calls and all(calls.intras) and _rel(got, want) < 1e-5
+    from oal.ops.window import window_attention  # the decoding steps at this width (value columns 6: a tail)
+
+    kw = dict(window=4, sinks=1, groups=groups, factor=factor)
+    _, state = window_attention(q[:, :, :147], k[:, :, :147], v[:, :, :147], output_final_state=True, **kw)
+    with torch.inference_mode():
+        got = window_attention(q[:, :, 147:], k[:, :, 147:], v[:, :, 147:], initial_state=state, **kw)
+    ref = window_attention(q.double(), k.double(), v.double(), backend="reference", **kw)
+    assert _rel(got, ref[:, :, 147:]) < 1e-5
 
 
 @pytest.mark.slow
@@ -328,29 +336,58 @@ def test_decoding_step_refuses_shapes_the_kernel_would_misread():
     assert not cpu_kernel.decodes(state.double())
 
 
-def test_oal_swa_prefix_runs_the_decoding_step(monkeypatch, decodes):
-    """The sliding window's token loop adds each evicted row to its prefix state and reads it out with the C step
-    ([v, w] rows: w = 0 while nothing leaves the window): the torch loop's outputs and state."""
+@pytest.mark.parametrize("window,sinks,tokens", [(3, 2, 2), (1, 0, 4), (2, 4, 3)],
+                         ids=["W3-S2", "W1-no-sinks", "sinks-fill-during-calls"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["oal-swa", "swa"])
+@pytest.mark.parametrize("q_scale", [1.0, 1e10], ids=["plain", "rescaled"])
+def test_window_decoding_in_c_matches_the_token_loop(monkeypatch, kernel, window, sinks, tokens, q_scale):
+    """swa / oal-swa decoding on the CPU (`oal_window_decode_f32`: sinks, window rows, the evicted row into OAL's
+    prefix (Eq. 5), its readout (Eq. 6) and the window under one normaliser, with the kernel's rescaling when
+    the scores would overflow): the torch token loop's outputs and state, and the fp64 dense reference."""
     from oal.ops import checks
     from oal.ops.window import window_attention
 
-    q, k, v, groups, factor = make(2, 6, 2, 16, 9, 7)
-    kw = dict(window=3, sinks=2, groups=groups, factor=factor.float())
+    q, k, v, groups, factor = make(2, 6, 2, 14, 9, 7, seed=window + sinks)
+    q = q * q_scale
+    kw = dict(window=window, sinks=sinks, groups=groups if kernel else None,
+              factor=factor.float() if kernel else None)
+    seen = []
+    real = cpu_kernel.window_decode
+    monkeypatch.setattr(cpu_kernel, "window_decode", lambda *a, **k: seen.append(1) or real(*a, **k))
 
     def decode_all():
-        _, state = window_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], output_final_state=True, **kw)
+        _, state = window_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], output_final_state=True, **kw)
         outs = []
         with torch.no_grad():
-            for t in range(4, 16, 2):
+            for t in range(2, 14, tokens):
                 with checks.cache_owned(state):
-                    out, state = window_attention(*(x[:, :, t : t + 2] for x in (q, k, v)), initial_state=state,
-                                                  output_final_state=True, **kw)
+                    out, state = window_attention(*(x[:, :, t : t + tokens] for x in (q, k, v)),
+                                                  initial_state=state, output_final_state=True, **kw)
                 outs.append(out)
         return torch.cat(outs, 2), state
 
     got, got_state = decode_all()
-    assert decodes == [1] * 12
+    assert len(seen) == len(range(2, 14, tokens))
     monkeypatch.setattr(cpu_kernel, "enabled", lambda: False)
     want, want_state = decode_all()
+    assert len(seen) == len(range(2, 14, tokens))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-5)
+    slots = (window + sinks) * (9 + 7 + 1)
+    assert torch.equal(got_state[..., :slots], want_state[..., :slots])  # keys and values, copied
+    assert _rel(got_state[..., slots:], want_state[..., slots:]) < 1e-6 if kernel else got_state.shape[-1] == slots
+    ref = window_attention(q.double(), k.double(), v.double(), backend="reference", window=window, sinks=sinks,
+                           groups=kw["groups"], factor=factor if kernel else None)
+    assert _rel(got, ref[:, :, 2:]) < 1e-5
+
+
+def test_window_decoding_in_c_leaves_a_callers_state_alone():
+    from oal.ops.window import window_attention
+
+    q, k, v, groups, factor = make(1, 4, 2, 9, 8, 8)
+    kw = dict(window=3, sinks=1, groups=groups, factor=factor.float())
+    _, state = window_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], output_final_state=True, **kw)
+    before = state.clone()
+    with torch.no_grad():
+        _, final = window_attention(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], initial_state=state,
+                                    output_final_state=True, **kw)
+    assert torch.equal(state, before) and not torch.equal(final, before)

@@ -42,7 +42,7 @@ from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled", "heads",
-           "readout", "supports", "vector_width"]
+           "readout", "supports", "vector_width", "window_decode"]
 
 log = logging.getLogger("oal")
 
@@ -60,7 +60,8 @@ _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
 _SAID_OFF = False
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
-SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16", "oal_decode_f32")
+SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16", "oal_decode_f32",
+           "oal_window_decode_f32")
 
 
 def enabled() -> bool:
@@ -164,6 +165,7 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
     lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
     lib.oal_decode_f32.argtypes = [ptr] * 7 + [i64, ptr, i64, i64] + [i32] * 5
+    lib.oal_window_decode_f32.argtypes = [ptr] * 5 + [i64] + [ptr] * 4 + [i64, i64] + [i32] * 7 + [f32, f32]
     return lib
 
 
@@ -327,15 +329,17 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     return out
 
 
-def decodes(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether `decode` takes a decoding call on `state` [B, Hkv, F, dv+1]: CPU, fp32, each head's rows contiguous,
-    no autograd through it or `tensors`, and the kernel built."""
+def decodes(state: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether `decode` takes a decoding call on `state` [B, Hkv, F, dv+1] (or `window_decode` on a window state
+    [B, Hkv, size]): CPU, fp32, each head's rows contiguous, no autograd through it or `tensors`, and the kernel
+    built."""
     if not enabled() or state.device.type != "cpu" or state.dtype != torch.float32:
         return False
-    if state.stride(-1) != 1 or state.stride(-2) != state.shape[-1] or state.stride(0) != state.shape[1] * \
-            state.stride(1):
+    rows = state.dim() == 3 or (state.stride(-2) == state.shape[-1] and state.stride(0) == state.shape[1] *
+                                state.stride(1))
+    if state.stride(-1) != 1 or not rows:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (state, *tensors)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, *tensors)):
         return False
     return _load() is not None
 
@@ -370,12 +374,53 @@ def decode(k: torch.Tensor, u: torch.Tensor, q: torch.Tensor, w: torch.Tensor, s
     def run(begin: int, end: int) -> None:
         lib.oal_decode_f32(*ptrs, begin, end, *dims)
 
-    # the workers cost about 0.1 ms a call (measured on 2 cores): worth it from a few MB of state, not at batch 1
-    threads = min(torch.get_num_threads(), items, max(1, state[0, 0].numel() * items // DECODE_SPLIT))
+    _split(run, items, state[0, 0].numel())
+    return num
+
+
+def _split(run, items: int, per_item: int) -> None:
+    """run(begin, end) over the items, split over the operator's workers where the state is large enough: they
+    cost about 0.1 ms a call (measured on 2 cores), worth it from a few MB of state, not at batch 1."""
+    threads = min(torch.get_num_threads(), items, max(1, per_item * items // DECODE_SPLIT))
     if threads <= 1:
         run(0, items)
-        return num
+        return
     from oal.ops import workers
 
     workers.workers(threads).run(run, [(i * items // threads, (i + 1) * items // threads) for i in range(threads)])
-    return num
+
+
+def window_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, *, window: int, sinks: int,
+                  scale: float, kernel=None) -> torch.Tensor:
+    """T tokens of swa / oal-swa on `state` [B, Hkv, size] (`oal.ops.window.state`; fp32, contiguous), updated in
+    place, in C (`oal_window_decode_f32`, the token loop of `window.recurrent`); returns out [B, Hq, T, dv] fp32.
+    `kernel`: oal-swa's (kq, weights [Hq, F], log_lam: a number) of `window.Kernel`, or None (swa)."""
+    lib = _load()
+    bsz, n_q, n_t, d = q.shape
+    n_kv, dv = k.shape[1], v.shape[-1]
+    from oal.ops.window.state import window_state_size
+
+    size = window_state_size(d, dv, window, sinks, kernel is not None)
+    if tuple(state.shape) != (bsz, n_kv, size) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state: expected a contiguous float32 tensor of shape {[bsz, n_kv, size]}, got "
+                         f"{state.dtype} {list(state.shape)}")
+    q, k, v = (t.detach().to(torch.float32).contiguous() for t in (q, k, v))
+    kq, w, log_lam = q, None, 0.0
+    if kernel is not None:
+        kq, w, log_lam = kernel
+        feats = 1 + d + d * (d + 1) // 2
+        if tuple(w.shape) != (n_q, feats) or tuple(kq.shape) != tuple(q.shape):
+            raise ValueError(f"kernel: expected queries {list(q.shape)} and weights {[n_q, feats]}, got "
+                             f"{list(kq.shape)} and {list(w.shape)}")
+        kq, w = (t.detach().to(torch.float32).contiguous() for t in (kq, w))
+    rowr, rowt = row_maps(d, torch.device("cpu"))
+    out = q.new_empty(bsz, n_q, n_t, dv)
+    ptrs = (q.data_ptr(), kq.data_ptr(), k.data_ptr(), v.data_ptr(), state.data_ptr(), size,
+            None if w is None else w.data_ptr(), rowr.data_ptr(), rowt.data_ptr(), out.data_ptr())
+    dims = (n_kv, d, dv, n_q // n_kv, n_t, sinks, window, float(scale), float(log_lam))
+
+    def run(begin: int, end: int) -> None:
+        lib.oal_window_decode_f32(*ptrs, begin, end, *dims)
+
+    _split(run, bsz * n_kv, size)
+    return out

@@ -31,6 +31,7 @@
 // compiled on the user's machine with -march=native by oal.ops.cpu_kernel (about a second), so the vector width
 // and register count are the CPU's own.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -351,7 +352,8 @@ static void decode_step(float* s, const float* xk, const float* u, const float* 
         }
     }
     for (int h = 0; h < rep; ++h) {
-        for (int i = 0; i < NV_; ++i) store(out + (ptrdiff_t)h * dv1 + i * VW, load(acc.data() + ((size_t)h * N + i) * VW));
+        const float* ah = acc.data() + (size_t)h * N * VW;
+        for (int i = 0; i < NV_; ++i) store(out + (ptrdiff_t)h * dv1 + i * VW, load(ah + i * VW));
         for (int o = 0; o < tail; ++o) out[(ptrdiff_t)h * dv1 + NV_ * VW + o] = at[(size_t)h * VW + o];
     }
 }
@@ -470,6 +472,86 @@ void oal_decode_f32(const float* k, const float* u, const float* q, const float*
                  d1, dv1, rep);
             for (int h = 0; h < rep; ++h)
                 for (int o = 0; o < dv1; ++o) num[((item * rep + h) * tokens + t) * dv1 + o] = out[(size_t)h * dv1 + o];
+        }
+    }
+}
+
+// One decoding call of swa / oal-swa (oal.ops.window, the token loop of window/recurrent.py) for items [begin,
+// end), item = (batch row, KV head), on its state (window/state.py): slots [S + W, c], c = d + dv + 1, rows
+// [k, v, 1] (all zero when empty: the sinks first, then the window's rows oldest first, right-aligned), at
+// st + item * st_stride, and for oal-swa (w != nullptr) the prefix [F, dv + 1] right after them. Per token: the
+// token fills the next sink row while fewer than S are filled, else it enters the window rows and the oldest
+// leaves them into the prefix (Eq. 5); each query head then reads the filled rows with softmax weights (scores
+// scale q . k) and, for oal-swa, the prefix with the kernel (Eq. 6: queries kq, the rescaled q, and weights w
+// [Hkv, rep, F]), both under one normaliser (window/normaliser.py, log_lam the kernel's log rescaling).
+//   q, kq [items, rep, T, d], k [items, T, d], v [items, T, dv]; out [items, rep, T, dv]. All fp32, contiguous.
+void oal_window_decode_f32(const float* q, const float* kq, const float* k, const float* v, float* st,
+                           int64_t st_stride, const float* w, const int32_t* rowr, const int32_t* rowt, float* out,
+                           int64_t begin, int64_t end, int hkv, int d, int dv, int rep, int tokens, int sinks,
+                           int window, float scale, float log_lam) {
+    const int c = d + dv + 1, dv1 = dv + 1, rows = sinks + window, feats = 1 + d + d * (d + 1) / 2, d1 = d + 1;
+    const DecodeStep step = decode_step_of(dv1 / VW);
+    std::vector<float> row(c), left(c), xk(d1), xq((size_t)rep * d1), older((size_t)rep * dv1), score(rows),
+        acc(dv1);
+    for (int64_t item = begin; item < end; ++item) {
+        float* slots = st + item * st_stride;
+        float* prefix = slots + (ptrdiff_t)rows * c;
+        const float* wk = w ? w + (item % hkv) * (ptrdiff_t)rep * feats : nullptr;
+        for (int t = 0; t < tokens; ++t) {
+            const int64_t kt = item * tokens + t;
+            for (int r = 0; r < d; ++r) row[r] = k[kt * d + r];
+            for (int o = 0; o < dv; ++o) row[d + o] = v[kt * dv + o];
+            row[c - 1] = 1.0f;
+            int filled = 0;  // sinks fill in order: the next free sink row
+            while (filled < sinks && slots[(ptrdiff_t)filled * c + c - 1] > 0.0f) ++filled;
+            for (int o = 0; o < c; ++o) left[o] = 0.0f;
+            if (filled < sinks) {
+                for (int o = 0; o < c; ++o) slots[(ptrdiff_t)filled * c + o] = row[o];
+            } else {
+                float* buf = slots + (ptrdiff_t)sinks * c;
+                for (int o = 0; o < c; ++o) left[o] = buf[o];
+                for (ptrdiff_t o = 0; o < (ptrdiff_t)(window - 1) * c; ++o) buf[o] = buf[o + c];
+                for (int o = 0; o < c; ++o) buf[(ptrdiff_t)(window - 1) * c + o] = row[o];
+            }
+            if (w) {  // the evicted row [k, v, w] into the prefix, then every head's readout, in one pass
+                xk[0] = 1.0f;
+                for (int r = 0; r < d; ++r) xk[1 + r] = left[r];
+                for (int h = 0; h < rep; ++h) {
+                    const float* kqh = kq + ((item * rep + h) * tokens + t) * d;
+                    xq[(size_t)h * d1] = 1.0f;
+                    for (int r = 0; r < d; ++r) xq[(size_t)h * d1 + 1 + r] = kqh[r];
+                }
+                step(prefix, xk.data(), left.data() + d, xq.data(), wk, feats, older.data(), rowr, rowt, feats, d1,
+                     dv1, rep);
+            }
+            for (int h = 0; h < rep; ++h) {
+                const float* qh = q + ((item * rep + h) * tokens + t) * d;
+                float m = -INFINITY;
+                for (int j = 0; j < rows; ++j) {
+                    const float* sj = slots + (ptrdiff_t)j * c;
+                    float dot = 0.0f;
+                    for (int r = 0; r < d; ++r) dot += qh[r] * sj[r];
+                    score[j] = sj[c - 1] > 0.0f ? dot * scale : -INFINITY;
+                    m = score[j] > m ? score[j] : m;  // finite: the token's own row is filled
+                }
+                for (int o = 0; o < dv1; ++o) acc[o] = 0.0f;
+                for (int j = 0; j < rows; ++j) {
+                    if (score[j] == -INFINITY) continue;
+                    const float e = expf(score[j] - m);
+                    const float* uj = slots + (ptrdiff_t)j * c + d;
+                    for (int o = 0; o < dv1; ++o) acc[o] += e * uj[o];
+                }
+                float ww = 1.0f, wo = 0.0f;  // the window's and the older keys' weights (normaliser.py)
+                const float* oh = older.data() + (ptrdiff_t)h * dv1;
+                if (w && oh[dv] > 0.0f) {
+                    const float log_older = logf(oh[dv]) + log_lam, top = m > log_older ? m : log_older;
+                    ww = expf(m - top);
+                    wo = expf(log_older - top) / oh[dv];
+                }
+                float* oht = out + ((item * rep + h) * tokens + t) * dv;
+                const float den = acc[dv] * ww + (w ? oh[dv] * wo : 0.0f);
+                for (int o = 0; o < dv; ++o) oht[o] = (acc[o] * ww + (w ? oh[o] * wo : 0.0f)) / den;
+            }
         }
     }
 }

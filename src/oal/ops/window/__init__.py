@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oal.ops import checks
+from oal.ops import checks, cpu_kernel
 from oal.ops.checks import compute_dtype as _compute_dtype
 from oal.ops.checks import max_abs as _max_abs
 from oal.ops.checks import rescaled as _rescaled
@@ -219,14 +219,20 @@ def window_attention(
         base = state if state is not None else make_state()
         # the state is written in place where nobody else holds it: a new one, or the cache's own (`checks.owned`)
         inplace = (state is None or (own and state is initial_state)) and checks.updatable(base, q, k, v, factor)
-        slots, prefix = split_window_state(base, d, dv, window, sinks, has_kernel)
-        out, new_slots, new_prefix = recurrent_window_attention(q, k, v, sinks=sinks, kernel=kernel, scale=scale,
-                                                                slots=slots, prefix=prefix, inplace=inplace)
-        if inplace:  # the prefix was updated in place; the slots (a few rows) are written back
-            slots.copy_(new_slots)
-            final = base
+        if not deferred and base.is_contiguous() and cpu_kernel.decodes(base, q, k, v, factor):  # the loop in C
+            final = base if inplace else base.clone()
+            args = None if kernel is None else (kernel.q, kernel.weights, kernel.log_lam)
+            out = cpu_kernel.window_decode(q, k, v, final, window=window, sinks=sinks, scale=scale, kernel=args)
         else:
-            final = join_window_state(new_slots, new_prefix)
+            slots, prefix = split_window_state(base, d, dv, window, sinks, has_kernel)
+            out, new_slots, new_prefix = recurrent_window_attention(q, k, v, sinks=sinks, kernel=kernel,
+                                                                    scale=scale, slots=slots, prefix=prefix,
+                                                                    inplace=inplace)
+            if inplace:  # the prefix was updated in place; the slots (a few rows) are written back
+                slots.copy_(new_slots)
+                final = base
+            else:
+                final = join_window_state(new_slots, new_prefix)
     else:
         slots, prefix = None, None
         if state is not None:

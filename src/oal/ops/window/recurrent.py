@@ -4,14 +4,14 @@ Per token: the token fills the next sink row while fewer than S tokens have been
 window rows and the oldest window row leaves them (for oal-swa into OAL's prefix state, Eq. 5; a sink never leaves
 its row, so only keys j >= S enter the prefix). The query then reads the filled rows (sinks and window) with softmax
 weights and, for oal-swa, the prefix state with the kernel (Eq. 6), both in the one normaliser.
-O((S + W)(d + dv) [+ F dv]) per token, independent of the tokens seen.
+O((S + W)(d + dv) [+ F dv]) per token, independent of the tokens seen. On the CPU without autograd the same loop
+runs in C (`cpu_kernel.window_decode`), and on CUDA in Triton (`triton.window_decode`); this one is their reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oal.ops import cpu_kernel
 from oal.ops.kernel import key_features, query_features
 from oal.ops.window.normaliser import normalise
 
@@ -39,9 +39,6 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
     n_kv = k.shape[1]
     rep = n_q // n_kv
     rows = torch.cat([k, v, torch.ones_like(v[..., :1])], dim=-1)
-    fused = kernel is not None and cpu_kernel.decodes(prefix, q, k, v, kernel.q, kernel.weights)
-    if fused and not inplace:  # the C step updates the prefix in place (`cpu_kernel.decode`)
-        prefix = prefix.clone()
     outs = []
     for t in range(n):
         slots, left = _push(slots, rows[:, :, t], sinks)
@@ -50,10 +47,7 @@ def recurrent_window_attention(q, k, v, *, sinks: int, kernel, scale: float, slo
         m = s.detach().amax(-1)  # finite: the token's own row is filled
         acc = torch.exp(s - m.unsqueeze(-1)) @ slots[..., d:]
         older = None
-        if fused:  # Eq. 5 for the evicted row, then Eq. 6, in one pass over the prefix
-            older = cpu_kernel.decode(left[:, :, None, :d], left[:, :, None, d:], kernel.q[:, :, t : t + 1],
-                                      kernel.weights, prefix).view(bsz, n_kv, rep, -1)
-        elif kernel is not None:
+        if kernel is not None:
             psi = key_features(left[:, :, None, :d]).transpose(-1, -2)  # Eq. 5 for the evicted row, in one pass
             flat = prefix.flatten(0, 1)
             if inplace and flat.data_ptr() == prefix.data_ptr():  # a view: the update lands in the state
