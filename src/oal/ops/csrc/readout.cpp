@@ -27,6 +27,10 @@
 // products per fp32 lane, fp32 accumulation), twice the fp32 FMA rate. Elsewhere bf16 queries are widened exactly
 // to fp32 and run the fp32 kernel.
 //
+// The decoding steps (`oal_decode_f32`, `oal_window_decode_f32`, at the end) run the token loops of OAL and of the
+// sliding windows on a state: one pass over the state per token, the update (Eq. 5) and every query head's readout
+// (Eq. 6) together.
+//
 // Plain C++ with GCC/Clang vector extensions (and AVX-512 intrinsics for the bf16 dot products), no torch headers:
 // compiled on the user's machine with -march=native by oal.ops.cpu_kernel (about a second), so the vector width
 // and register count are the CPU's own.
