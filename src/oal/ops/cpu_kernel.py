@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from oal.ops.kernel import row_maps
+from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
 
@@ -284,7 +284,7 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     lib = _load()
     n_c, bsz, n_kv, d, rep, c = x.shape
     dv1 = states.shape[-1]
-    feats = 1 + d + d * (d + 1) // 2
+    feats = feature_dim(d)
     # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
     for name, t, shape in (("w", w, (n_kv, rep, feats)), ("states", states, (n_c, bsz, n_kv, feats, dv1)),
                            ("out", out, (n_c, bsz, n_kv, dv1, rep * c))):
@@ -335,9 +335,12 @@ def decodes(state: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
     built."""
     if not enabled() or state.device.type != "cpu" or state.dtype != torch.float32:
         return False
-    rows = state.dim() == 3 or (state.stride(-2) == state.shape[-1] and state.stride(0) == state.shape[1] *
-                                state.stride(1))
-    if state.stride(-1) != 1 or not rows:
+    if state.dim() == 3:  # a window state: `window_decode` reads it whole
+        rows = state.is_contiguous()
+    else:
+        rows = state.stride(-1) == 1 and state.stride(-2) == state.shape[-1] and \
+            state.stride(0) == state.shape[1] * state.stride(1)
+    if not rows:
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, *tensors)):
         return False
@@ -355,7 +358,7 @@ def decode(k: torch.Tensor, u: torch.Tensor, q: torch.Tensor, w: torch.Tensor, s
     lib = _load()
     bsz, n_kv, n_t, d = k.shape
     n_q, dv1 = q.shape[1], state.shape[-1]
-    feats = 1 + d + d * (d + 1) // 2
+    feats = feature_dim(d)
     # the C side trusts these shapes: a wrong one would read or write out of bounds, not raise
     want = {"u": (bsz, n_kv, n_t, dv1), "q": (bsz, n_q, n_t, d), "w": (n_q, feats), "state": (bsz, n_kv, feats, dv1)}
     for name, t in (("u", u), ("q", q), ("w", w), ("state", state)):
@@ -408,7 +411,7 @@ def window_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torc
     kq, w, log_lam = q, None, 0.0
     if kernel is not None:
         kq, w, log_lam = kernel
-        feats = 1 + d + d * (d + 1) // 2
+        feats = feature_dim(d)
         if tuple(w.shape) != (n_q, feats) or tuple(kq.shape) != tuple(q.shape):
             raise ValueError(f"kernel: expected queries {list(q.shape)} and weights {[n_q, feats]}, got "
                              f"{list(kq.shape)} and {list(w.shape)}")

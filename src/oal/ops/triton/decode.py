@@ -20,10 +20,12 @@ atomic max (the values are >= 0); the host reads them later.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from oal.ops.kernel import row_maps  # noqa: F401  (the decoding kernels' ROWR, ROWT; re-exported)
+from oal.ops import checks
+from oal.ops.kernel import cached_coefficients, row_maps
 from oal.ops.triton import parallel
 
 
@@ -153,6 +155,19 @@ def rows_per_program(bv: int) -> int:
     """State rows of one _dec_step program: [RB, BV] fp32 tiles of 4096 entries (64 x 64; 32 x 128 for dv > 64,
     where 64 rows spilled 2.5 KB of registers at d = dv = 128)."""
     return 4096 // bv
+
+
+def operands(q, groups, factor, eps: float, scale: float, state, inplace: bool, acc, *, by_version: bool):
+    """What a decoding call's kernels take besides q, k, v: the state they update (the caller's own where
+    `inplace` and already contiguous in `acc`, else a contiguous copy in `acc`) and, with a factor, `step`'s
+    (W, ROWR, ROWT, s_limit); None without one (swa)."""
+    if not (inplace and state.dtype == acc and state.is_contiguous()):
+        state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
+    if factor is None:
+        return state, None
+    _, w = cached_coefficients(factor, groups, eps, scale, by_version=by_version, dtype=acc)
+    rowr, rowt = row_maps(q.shape[-1], q.device)
+    return state, (w.to(acc).contiguous(), rowr, rowt, checks.rescale_bound(acc)[1])
 
 
 def step(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt, evicted=None):

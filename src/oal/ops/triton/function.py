@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import oal.ops.triton.kernels as K
 from oal.ops import checks
-from oal.ops.kernel import cached_coefficients, coefficients, feature_dim, version
+from oal.ops.kernel import coefficients, feature_dim, version
 from oal.ops.triton import decode, guard, parallel, routes
 from oal.ops.triton.tiles import FWD_CANDIDATES, NUM_WARPS, SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
 
@@ -436,13 +436,10 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
 def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
     """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
-    _, w = cached_coefficients(factor, groups, eps, scale, by_version=checks.deferred(q), dtype=acc)
-    if not (inplace and state.dtype == acc and state.is_contiguous()):
-        state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
+    state, (w, rowr, rowt, s_limit) = decode.operands(q, groups, factor, eps, scale, state, inplace, acc,
+                                                      by_version=checks.deferred(q))
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
-    rowr, rowt = decode.row_maps(q.shape[-1], q.device)
-    _, s_limit = checks.rescale_bound(acc)
-    out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w.to(acc).contiguous(), rowr, rowt, state,
-                        status, scale, s_limit, tl_dtype(acc))
+    out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w, rowr, rowt, state, status, scale, s_limit,
+                        tl_dtype(acc))
     return out, state

@@ -24,12 +24,10 @@ Value checks as `decode.py`: non-finite q, k, v and out, and max |k| (atomic max
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from oal.ops import checks
-from oal.ops.kernel import cached_coefficients
 from oal.ops.triton import decode, parallel
 from oal.ops.triton.decode import _nonfinite, _partial_sums, _store_out
 from oal.ops.triton.function import tl_dtype
@@ -194,13 +192,7 @@ def window_decode(q, k, v, groups, factor, *, window: int, sinks: int, eps: floa
     kernels, the state updated in place (a copy of it unless `inplace`); returns (out, state). Their value checks
     land in `status` (`checks.start_decode`)."""
     acc = checks.compute_dtype(q.dtype)
-    if not (inplace and state.dtype == acc and state.is_contiguous()):
-        state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
-    kernel = None
-    if factor is not None:
-        _, w = cached_coefficients(factor, groups, eps, scale, by_version=True, dtype=acc)
-        rowr, rowt = decode.row_maps(q.shape[-1], q.device)
-        kernel = (w.to(acc).contiguous(), rowr, rowt, checks.rescale_bound(acc)[1])
+    state, kernel = decode.operands(q, groups, factor, eps, scale, state, inplace, acc, by_version=True)
     out = launch(q.contiguous(), k.contiguous(), v.contiguous(), state, status, window=window, sinks=sinks,
                  scale=scale, acc_dt=tl_dtype(acc), kernel=kernel)
     return out, state

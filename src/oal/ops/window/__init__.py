@@ -219,7 +219,7 @@ def window_attention(
         base = state if state is not None else make_state()
         # the state is written in place where nobody else holds it: a new one, or the cache's own (`checks.owned`)
         inplace = (state is None or (own and state is initial_state)) and checks.updatable(base, q, k, v, factor)
-        if not deferred and base.is_contiguous() and cpu_kernel.decodes(base, q, k, v, factor):  # the loop in C
+        if not deferred and cpu_kernel.decodes(base, q, k, v, factor):  # the loop in C
             final = base if inplace else base.clone()
             args = None if kernel is None else (kernel.q, kernel.weights, kernel.log_lam)
             out = cpu_kernel.window_decode(q, k, v, final, window=window, sinks=sinks, scale=scale, kernel=args)
