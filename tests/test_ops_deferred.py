@@ -249,18 +249,19 @@ def test_a_stage_does_not_outlive_a_late_error(on_device, tmp_path):
 WINDOW = dict(window=5, sinks=2)
 
 
-def _window_steps(q, k, v, groups, factor, *, prefill: int, owned: bool = True):
-    """`window_attention` over q[:prefill] (banded, with its state), then one recurrent call per remaining token on
-    the state (the generation cache's own when `owned`); returns (outputs of every token, final state)."""
+def _window_steps(q, k, v, groups, factor, *, prefill: int, owned: bool = True, tokens: int = 1, **window):
+    """`window_attention` over q[:prefill] (banded, with its state), then recurrent calls of `tokens` new tokens each
+    on the state (the generation cache's own when `owned`); returns (outputs of every token, final state).
+    `window`: window and sinks, WINDOW's by default."""
     from oal.ops.window import window_attention
 
-    kw = dict(WINDOW, groups=groups, factor=factor)
+    kw = dict(WINDOW, groups=groups, factor=factor) | window
     out, state = window_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], output_final_state=True,
                                   **kw)
     outs = [out]
     with torch.no_grad():
-        for t in range(prefill, q.shape[2]):
-            step = [x[:, :, t : t + 1] for x in (q, k, v)]
+        for t in range(prefill, q.shape[2], tokens):
+            step = [x[:, :, t : t + tokens] for x in (q, k, v)]
             with checks.cache_owned(state) if owned else torch.no_grad():
                 out, state = window_attention(*step, initial_state=state, output_final_state=True, **kw)
             outs.append(out)

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_ops_deferred import _window_steps  # noqa: E402
 from test_triton import DEVICE, F64, make_inputs, rel_err  # noqa: E402
 
 from oal.ops import checks  # noqa: E402
@@ -41,22 +42,6 @@ def on_device(monkeypatch):
     checks.check_errors()
 
 
-def _decode(q, k, v, groups, factor, *, window, sinks, prefill, tokens, owned=True):
-    """A banded prefill of `prefill` tokens with its state, then calls of `tokens` new tokens each on the state
-    (the cache's own when `owned`); returns (every output, the final state)."""
-    kw = dict(window=window, sinks=sinks, groups=groups, factor=factor)
-    out, state = window_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], output_final_state=True,
-                                  **kw)
-    outs = [out]
-    with torch.no_grad():
-        for t in range(prefill, q.shape[2], tokens):
-            step = [x[:, :, t : t + tokens] for x in (q, k, v)]
-            with checks.cache_owned(state) if owned else torch.no_grad():
-                out, state = window_attention(*step, initial_state=state, output_final_state=True, **kw)
-            outs.append(out)
-    return torch.cat(outs, dim=2), state
-
-
 CASES = [  # (window, sinks, prefill, new tokens per call): sinks still filling, a window shorter than a call, ...
     pytest.param(5, 2, 1, 1, id="W5-S2-one-token"),
     pytest.param(5, 2, 9, 3, id="W5-S2-three-tokens"),
@@ -73,11 +58,11 @@ def test_the_kernels_give_the_token_loop_and_the_reference(on_device, monkeypatc
     q, k, v, groups, factor = make_inputs(2, 6, 2, 15, 12, 7, 3, seed=window * 10 + sinks)
     groups, factor = (groups, factor) if kernel else (None, None)
     kw = dict(window=window, sinks=sinks, prefill=prefill, tokens=tokens)
-    got, got_state = _decode(q, k, v, groups, factor, **kw)
+    got, got_state = _window_steps(q, k, v, groups, factor, **kw)
     checks.check_errors()
     assert on_device and all(c == kernel for c in on_device)  # every decoding call ran the kernels
     monkeypatch.setattr(checks, "DEFERRED_DEVICES", set())
-    want, want_state = _decode(q, k, v, groups, factor, **kw)
+    want, want_state = _window_steps(q, k, v, groups, factor, **kw)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-6)  # slots copied; the prefix, Eq. 5
     ref = window_attention(q.to(F64), k.to(F64), v.to(F64), groups=groups, backend="reference",
@@ -90,7 +75,7 @@ def test_fp64_matches_the_dense_reference_to_rounding(on_device, kernel):
     """fp64 inputs keep an fp64 state and fp64 sums in the kernels."""
     q, k, v, groups, factor = make_inputs(1, 3, 1, 13, 12, 7, 3, seed=4, dtype=F64)
     groups, factor = (groups, factor) if kernel else (None, None)
-    got, state = _decode(q, k, v, groups, factor, window=4, sinks=2, prefill=3, tokens=2)
+    got, state = _window_steps(q, k, v, groups, factor, window=4, sinks=2, prefill=3, tokens=2)
     ref = window_attention(q, k, v, groups=groups, factor=factor, backend="reference", window=4, sinks=2)
     assert on_device and state.dtype == F64
     assert rel_err(got, ref) < 1e-12
