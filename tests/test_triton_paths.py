@@ -111,7 +111,7 @@ DECODE = [
 def test_decoding_kernels_match_reference(case, monkeypatch):
     """Prefill 9 tokens (reference), then calls of T tokens on the state: outputs and final state as one call."""
     b, hq, hkv, d, dv, g, t = case
-    calls = _count(monkeypatch, decode, "launch")
+    calls = _count(monkeypatch, decode.Plan, "__call__")
     n = 9 + 3 * t
     q, k, v, groups, factor = make_inputs(b, hq, hkv, n, d, dv, g, seed=4)
     want, want_state = oal_attention(*(x.to(F64) for x in (q, k, v)), groups, factor.to(F64), backend="reference",
@@ -135,7 +135,7 @@ def test_decoding_kernels_match_reference(case, monkeypatch):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="fp64 runs on the chunked backend on CUDA")
 def test_decoding_kernels_float64_agree_to_1e10(monkeypatch):
-    calls = _count(monkeypatch, decode, "launch")
+    calls = _count(monkeypatch, decode.Plan, "__call__")
     q, k, v, groups, factor = make_inputs(1, 4, 2, 12, 16, 8, 3, seed=6, dtype=F64)
     want, want_state = oal_attention(q, k, v, groups, factor, backend="reference", output_final_state=True)
     _, state = oal_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], groups, factor, output_final_state=True)
@@ -149,7 +149,7 @@ def test_decoding_kernels_float64_agree_to_1e10(monkeypatch):
 
 def test_decoding_under_autograd_runs_the_chunked_kernels(monkeypatch):
     """The decoding kernels have no backward: with gradients wanted the chunked kernels run, and agree."""
-    calls = _count(monkeypatch, decode, "launch")
+    calls = _count(monkeypatch, decode.Plan, "__call__")
     q, k, v, groups, factor = make_inputs(1, 2, 1, 5, 16, 8, 3, seed=8)
     init = prefix_state(1, 2, 1, 16, 8, groups, factor).float()
     qg = q.clone().requires_grad_()

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_ops_deferred import _window_steps  # noqa: E402
+from test_ops_deferred import _window_steps, count_kernels  # noqa: E402
 from test_triton import DEVICE, F64, make_inputs, rel_err  # noqa: E402
 
 from oal.ops import checks  # noqa: E402
@@ -30,14 +30,14 @@ def on_device(monkeypatch):
 
     monkeypatch.setattr(checks, "DEFERRED_DEVICES", {"cpu", "cuda"})
     monkeypatch.delenv("OAL_SYNC_CHECKS", raising=False)
-    calls = []
-    launch = window_decode.launch
+    calls = []  # per decoding call on the kernels: whether it ran oal-swa's (True) or swa's (False)
+    run = window_decode.Plan.__call__
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("kernel") is not None)
-        return launch(*args, **kwargs)
+    def counted(plan, *args, **kwargs):
+        calls.append(plan.step is not None)
+        return run(plan, *args, **kwargs)
 
-    monkeypatch.setattr(window_decode, "launch", counted)
+    monkeypatch.setattr(window_decode.Plan, "__call__", counted)
     yield calls
     checks.check_errors()
 
@@ -131,7 +131,8 @@ def test_a_gradient_or_a_large_window_runs_the_token_loop(on_device, monkeypatch
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the torch side of a call; the GPU run measures time")
 @pytest.mark.parametrize("kernel", [True, False], ids=["oal-swa", "swa"])
 def test_a_decoding_step_is_one_launch_for_swa_and_three_for_oal_swa(on_device, monkeypatch, kernel):
-    """Torch adds the status buffer (and allocates the kernels' scratch); nothing per head or per token."""
+    """No torch operator: the status buffer is shared by `checks.DECODE_SHARED` calls, the scratch by every plan of
+    its shape, and the call runs the plan the first one kept (`oal.ops.plans`); nothing per head or per token."""
     from test_ops_deferred import Launches
 
     from oal.ops.triton import decode, window_decode
@@ -141,35 +142,16 @@ def test_a_decoding_step_is_one_launch_for_swa_and_three_for_oal_swa(on_device, 
     kw = dict(window=4, sinks=2, groups=groups, factor=factor)
     _, state = window_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], output_final_state=True, **kw)
     step = [t[:, :, 8:].contiguous() for t in (q, k, v)]
-    kernels = []
-
-    def counted(fn):
-        def run(*args, **kwargs):
-            kernels.append(fn)
-            with torch.utils._python_dispatch._disable_current_modes():
-                return fn(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(window_decode, "_win_step", _Grid(counted, window_decode._win_step))
-    monkeypatch.setattr(window_decode, "_win_out", _Grid(counted, window_decode._win_out))
-    monkeypatch.setattr(decode, "_dec_step", _Grid(counted, decode._dec_step))
+    kernels = count_kernels(monkeypatch, window_decode, "_win_step", "_win_out")
+    kernels_dec = count_kernels(monkeypatch, decode, "_dec_step")
     with torch.no_grad(), checks.cache_owned(state):
-        window_attention(*step, initial_state=state, **kw)  # builds the cached coefficients
+        window_attention(*step, initial_state=state, **kw)  # the cached coefficients, the plan
         kernels.clear()
+        kernels_dec.clear()
         with Launches() as mode:
             window_attention(*step, initial_state=state, **kw)
-    print("window decoding step: torch operators", mode.ops, "+ triton kernels", len(kernels))
-    assert len(kernels) == (3 if kernel else 1) and mode.ops == ["zeros.default"], mode.ops
-
-
-class _Grid:
-    """A jitted kernel whose launches (`kernel[grid](...)`) go through `wrap`."""
-
-    def __init__(self, wrap, kernel):
-        self.kernel, self.wrap = kernel, wrap
-
-    def __getitem__(self, grid):
-        return self.wrap(self.kernel[grid])
+    print("window decoding step: torch operators", mode.ops, "+ triton kernels", len(kernels) + len(kernels_dec))
+    assert (len(kernels), len(kernels_dec)) == ((2, 1) if kernel else (1, 0)) and mode.ops == [], mode.ops
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the tiny models of test_window_models are built on the CPU")

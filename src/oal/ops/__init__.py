@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from oal.ops import checks
+from oal.ops import checks, plans
 from oal.ops.checks import BACKENDS, check_errors
 from oal.ops.checks import check as _check  # noqa: F401  (the host checks, for callers of the old name)
 from oal.ops.checks import compute_dtype as _compute_dtype
@@ -35,10 +35,12 @@ def _wants_triton(q, v, causal: bool, backend: str, chunk_size) -> bool:
     return backend == "auto" and _auto_triton(q, v, causal, chunk_size)
 
 
-def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state, chunk_size):
+def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state, chunk_size,
+                     sig=None):
     """The Triton kernels with the value checks on the device (`checks.start` ... `checks.finish`) and the overflow
-    rescaling applied through device multipliers: no host read."""
-    from oal.ops.triton import decodes, triton_attention  # no triton import until the kernels are launched
+    rescaling applied through device multipliers: no host read. `sig`: the call's signature (`plans.signature`;
+    the cache's own state), under which a decoding call keeps its plan."""
+    from oal.ops.triton import decode_plan, decodes, triton_attention  # no triton import until the kernels run
 
     dtype = _compute_dtype(q.dtype)
     d = q.shape[-1]
@@ -49,8 +51,12 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
     q, k, v = (t.contiguous() for t in (q, k, v))
     if decodes(q, k, v, factor, initial_state):  # the decoding kernels check their inputs themselves
         chk, status = checks.start_decode(q, factor, initial_state, dtype, eps, check_state=not own)
-        out, final = triton_attention(q, k, v, groups, factor, status=status, **kw)
+        plan = decode_plan(q, k, v, groups, factor, eps=float(eps), scale=scale, state=initial_state,
+                           chunk_size=chunk_size, inplace=inplace)
+        out, final = plan(q, k, v, initial_state, status)
         checks.finish(chk)
+        if plan.inplace:
+            plans.keep(initial_state, sig, plan)
     else:
         chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
         out, final = triton_attention(q, k, v, groups, factor, rescale=mults, **kw)
@@ -136,11 +142,18 @@ def oal_attention(
     """
     own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
     if checks.deferred(q):  # CUDA: no host read on the kernels' path (see oal.ops.checks)
+        sig = None
+        if own:  # decoding on the cache's state: a plan kept by an earlier call of this signature (oal.ops.plans)
+            sig = plans.signature(q, k, v, initial_state, plans.tensor_key(groups), plans.tensor_key(factor), eps,
+                                  scale, causal, backend, chunk_size)
+            planned = plans.run(q, k, v, factor, eps, initial_state, sig, output_final_state)
+            if planned is not None:
+                return planned
         checks.check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size, value_ids=False)
         checks.groups_checked(groups, factor.shape[1] - 1)
         if _wants_triton(q, v, causal, backend, chunk_size):
             return _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state,
-                                    chunk_size)
+                                    chunk_size, sig)
     # the host checks: every value read before the kernels run (the torch paths need max |q|, |k| as numbers)
     qmax, kmax = checks.check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size,
                               check_state=not own)

@@ -12,7 +12,9 @@ state, a non-finite output) are checked in one of two ways:
   `check_errors()`.
   A bad input still gets its ValueError with the same message, one call late or a few (a call waits for the
   oldest check once MAX_PENDING are outstanding), suffixed with where it was found. Its output may be NaN until
-  then. Group ids are read once per groups tensor (cached by identity and version counter: `groups_checked`).
+  then. Decoding calls on the cache's own state (`decode_check`) share one status buffer among DECODE_SHARED
+  calls, copied to the host once for all of them: their errors come up to DECODE_SHARED calls later. Group ids are
+  read once per groups tensor (cached by identity and version counter: `groups_checked`).
   The overflow rescaling (`rescaled`, Eq. 7) is computed from the device maxima as device multipliers
   (`device_rescale`, computed by the guard kernel), so no decision needs a value on the host.
 
@@ -38,6 +40,9 @@ from oal.ops.kernel import feature_dim, packed_pairs, version
 BACKENDS = ("auto", "reference", "recurrent", "chunked", "triton")
 DEFERRED_DEVICES = {"cuda"}  # device types whose value checks run on the device (tests add "cpu")
 MAX_PENDING = 16  # device checks outstanding before a call waits for the oldest
+# Decoding calls on the cache's own state whose checks share one status buffer: at batch 1 on a GPU a decoding call
+# is bound by the host, and a buffer, its zeroing, a pinned copy and an event per call cost more than its kernels
+DECODE_SHARED = 32
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -260,6 +265,8 @@ class DeviceCheck:
     eps: float
     status: torch.Tensor
     state_keys: bool = True  # a state of the keys' products k_r k_t is made (not for plain sliding windows)
+    shared: tuple | None = None  # `decode_check`'s key: the status is shared by decoding calls
+    calls: int = 0  # the calls that wrote into a shared status
 
 
 def _status(device) -> torch.Tensor:
@@ -327,10 +334,14 @@ def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, ch
     """The checks of a call on the decoding kernels, which check q, k, v and their output themselves into the
     returned status buffer; the factor is read once per version, a state not the cache's own on the device.
     `factor` None: a plain sliding window (no kernel). `moments` False: the state is checked for NaN/Inf only (the
-    sliding windows' state, whose layout is not OAL's)."""
-    drain(q.device)
+    sliding windows' state, whose layout is not OAL's). The cache's own state (not `check_state`): the status is
+    `decode_check`'s shared one."""
     if factor is not None:
         factor_checked(factor)
+    if not check_state:
+        chk = decode_check(q.device, dtype, eps, factor is not None)
+        return chk, chk.status
+    drain(q.device)
     chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
     if check_state:
         from oal.ops.triton import guard
@@ -343,16 +354,45 @@ def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, ch
 
 
 _PENDING: dict = collections.defaultdict(collections.deque)  # device -> deque of (event, host values, check)
+_SHARED: dict = {}  # (device, dtype, eps, state keys) -> the DeviceCheck decoding calls share (`decode_check`)
+
+
+def decode_check(device, dtype: torch.dtype, eps: float, state_keys: bool) -> DeviceCheck:
+    """The check of a decoding call on the cache's own state, after reading earlier calls' checks (`drain`): one
+    status buffer for DECODE_SHARED calls of the same device, dtype and eps (the kernels write their checks by
+    atomic max, so the calls' flags and maxima add up), copied to the host by the last of them (`finish`)."""
+    drain(device)
+    key = (str(device), dtype, float(eps), state_keys)
+    chk = _SHARED.get(key)
+    if chk is None:
+        chk = _SHARED[key] = DeviceCheck(torch.device(device), dtype, float(eps), _status(device), state_keys, key)
+    return chk
 
 
 def finish(chk: DeviceCheck, out: torch.Tensor | None = None) -> None:
-    """Check the output (unless the kernels did: decoding) and copy the status to the host without waiting."""
+    """Check the output (unless the kernels did: decoding) and copy the status to the host without waiting (a
+    shared status: once DECODE_SHARED calls wrote into it)."""
     if out is not None:
         from oal.ops.triton import guard
 
         guard.launch(chk.status, [out.detach()], first=guard.OUT)
     if chk.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # inside a CUDA graph capture: no host copy can be recorded (the checks are not reported there)
+    if chk.shared is not None:
+        chk.calls += 1
+        if chk.calls < DECODE_SHARED:
+            return
+        _SHARED.pop(chk.shared, None)
+    _enqueue(chk)
+
+
+def _flush_shared(device: str) -> None:
+    """Send the shared decoding checks of `device` to the host now (`check_errors`)."""
+    for key in [key for key in _SHARED if key[0] == device]:
+        _enqueue(_SHARED.pop(key))
+
+
+def _enqueue(chk: DeviceCheck) -> None:
     event = None
     if chk.device.type == "cuda":
         host = torch.empty(chk.status.shape, dtype=chk.status.dtype, pin_memory=True)
@@ -367,6 +407,8 @@ def finish(chk: DeviceCheck, out: torch.Tensor | None = None) -> None:
 def drain(device, wait: bool = False) -> None:
     """Read the checks of earlier calls on `device` whose results have arrived (all of them with `wait`, and the
     oldest when more than MAX_PENDING are outstanding); raise the first error found."""
+    if wait:
+        _flush_shared(str(device))
     queue = _PENDING.get(str(device))
     while queue:
         event, host, chk = queue[0]
@@ -381,7 +423,7 @@ def drain(device, wait: bool = False) -> None:
 def check_errors(device=None) -> None:
     """Wait for every outstanding device check (of `device`, or all devices) and raise the first error found.
     Call it where a late error would be too late: after the last operator call of a run, in tests."""
-    for key in [str(torch.device(device))] if device is not None else list(_PENDING):
+    for key in [str(torch.device(device))] if device is not None else {*_PENDING, *(k[0] for k in _SHARED)}:
         drain(key, wait=True)
 
 

@@ -16,7 +16,7 @@ import torch
 from oal.ops.triton.routes import decodes
 from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, device_shared, refusal
 
-__all__ = ["available", "decodes", "interpreted", "refusal", "triton_attention", "unsupported"]
+__all__ = ["available", "decode_plan", "decodes", "interpreted", "refusal", "triton_attention", "unsupported"]
 
 INSTALL_HINT = "install the gpu extra: pip install 'oal-attention[gpu]'"
 
@@ -55,13 +55,8 @@ def unsupported(q, v, chunk_size=None) -> str | None:
     return refusal(d, dv, q.dtype, arch)
 
 
-def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None, need_state=True,
-                     rescale=None, inplace=False, status=None):
-    """Causal OAL attention on the Triton kernels. Inputs validated by `oal_attention` (`oal.ops.checks`).
-
-    Returns (out [B, Hq, N, dv] in q's dtype, final state [B, Hkv, F, dv+1] in fp32, fp64 for fp64 inputs; None
-    when not `need_state` on a fresh sequence). `rescale`, `inplace`, `status`: see `function.triton_forward`.
-    """
+def _usable(q, v, chunk_size) -> None:
+    """A ValueError naming the argument where the kernels cannot run these inputs."""
     if not available():
         raise ValueError(f"backend: 'triton' needs the triton package; {INSTALL_HINT}")
     if q.device.type != "cuda" and not interpreted():
@@ -73,7 +68,27 @@ def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None,
         raise ValueError(reason)
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
         raise ValueError(f"chunk_size: the triton backend needs a power of two >= 16, got {chunk_size}")
+
+
+def triton_attention(q, k, v, groups, factor, *, eps, scale, initial_state=None, chunk_size=None, need_state=True,
+                     rescale=None, inplace=False, status=None):
+    """Causal OAL attention on the Triton kernels. Inputs validated by `oal_attention` (`oal.ops.checks`).
+
+    Returns (out [B, Hq, N, dv] in q's dtype, final state [B, Hkv, F, dv+1] in fp32, fp64 for fp64 inputs; None
+    when not `need_state` on a fresh sequence). `rescale`, `inplace`, `status`: see `function.triton_forward`.
+    """
+    _usable(q, v, chunk_size)
     from oal.ops.triton.function import triton_forward
 
     return triton_forward(q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state,
                           chunk_size=chunk_size, need_state=need_state, rescale=rescale, inplace=inplace, status=status)
+
+
+def decode_plan(q, k, v, groups, factor, *, eps, scale, state, chunk_size=None, inplace=False):
+    """The decoding kernels' plan for a few tokens on `state` (`decodes`; inputs validated by `oal_attention`):
+    `plan(q, k, v, state, status)` returns (out, the updated state) as `triton_attention` would, and runs again for
+    the next calls of the same signature (`oal.ops.plans`)."""
+    _usable(q, v, chunk_size)
+    from oal.ops.triton.function import decode_plan
+
+    return decode_plan(q, k, v, groups, factor, eps, scale, state, inplace)

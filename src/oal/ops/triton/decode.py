@@ -157,50 +157,92 @@ def rows_per_program(bv: int) -> int:
     return 4096 // bv
 
 
-def operands(q, groups, factor, eps: float, scale: float, state, inplace: bool, acc, *, by_version: bool):
-    """What a decoding call's kernels take besides q, k, v: the state they update (the caller's own where
-    `inplace` and already contiguous in `acc`, else a contiguous copy in `acc`) and, with a factor, `step`'s
-    (W, ROWR, ROWT, s_limit); None without one (swa)."""
-    if not (inplace and state.dtype == acc and state.is_contiguous()):
-        state = state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
-    if factor is None:
-        return state, None
+def pow2(n: int) -> int:
+    """The next power of two >= n, on the host (triton.next_power_of_2 is a constexpr function: slow from Python)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def scratch(like: torch.Tensor, name: str, *shape, dtype: torch.dtype) -> torch.Tensor:
+    """The decoding kernels' scratch buffer `name` on `like`'s device, shared by every plan of its shape, dtype,
+    device and stream (their kernels run one after another in that stream's order)."""
+    key = (name, like.device, dtype, shape)
+    if like.device.type == "cuda":
+        key += (torch.cuda.current_stream(like.device).cuda_stream,)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        if len(_SCRATCH) >= 64:  # shapes come and go (batch sizes): keep the recent ones
+            _SCRATCH.clear()
+        buf = _SCRATCH[key] = parallel.empty(like, *shape, dtype=dtype)
+    return buf
+
+
+_SCRATCH: dict = {}
+
+
+def kernel_operands(q, groups, factor, eps: float, scale: float, acc, *, by_version: bool):
+    """`_dec_step`'s (W, ROWR, ROWT, s_limit) for OAL's kernel (groups, factor) in the state's dtype `acc`."""
     _, w = cached_coefficients(factor, groups, eps, scale, by_version=by_version, dtype=acc)
     rowr, rowt = row_maps(q.shape[-1], q.device)
-    return state, (w.to(acc).contiguous(), rowr, rowt, checks.rescale_bound(acc)[1])
+    return w.to(acc).contiguous(), rowr, rowt, checks.rescale_bound(acc)[1]
 
 
-def step(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt, evicted=None):
-    """`_dec_step` on `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride); returns
-    (PART, PARTN, NBLK). `evicted`: (EK, EU, LL) of `_dec_step`'s EVICT, or None."""
-    bsz, n_q, n_t, d = q.shape
-    n_kv, dv = k.shape[1], v.shape[-1]
-    f = state.shape[2]
-    bv = max(16, triton.next_power_of_2(dv))
-    rb = rows_per_program(bv)
-    nblk = triton.cdiv(f, rb)
-    n_rows = bsz * n_q * n_t
-    part = parallel.empty(state, nblk, n_rows, bv)
-    partn = parallel.empty(state, nblk, n_rows)
-    ek, eu, ll = evicted if evicted is not None else (k, v, part)  # unread without EVICT
-    _dec_step[(nblk, bsz * n_kv)](
-        q, k, v, w, rowr, rowt, state, part, partn, status, ek, eu, ll, f, d, dv, n_q, bsz * n_q,
-        state.stride(1), abs(scale), s_limit,
-        T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, triton.next_power_of_2(d)), ACC_DT=acc_dt,
-        EVICT=evicted is not None, num_warps=NUM_WARPS,
-    )
-    return part, partn, nblk
+def own_state(state: torch.Tensor, inplace: bool, acc) -> bool:
+    """Whether the kernels may update `state` itself: `inplace` asked, and already contiguous in `acc`."""
+    return inplace and state.dtype == acc and state.is_contiguous()
 
 
-def launch(q, k, v, w, rowr, rowt, state, status, scale: float, s_limit: float, acc_dt):
-    """One decoding call: `state` [B, Hkv, F, dv+1] updated in place; returns out [B, Hq, T, dv] in q's dtype.
-    `acc_dt`: the state's dtype as a triton type."""
-    bsz, n_q, n_t, _ = q.shape
-    dv = v.shape[-1]
-    bv = max(16, triton.next_power_of_2(dv))
-    n_rows = bsz * n_q * n_t
-    part, partn, nblk = step(q, k, v, w, rowr, rowt, state, status, scale, s_limit, acc_dt)
-    out = parallel.empty(q, bsz, n_q, n_t, dv)
-    _dec_out[(n_rows,)](part, partn, out, status, n_rows, dv, NBLK=nblk, BV=bv)
-    return out
+def state_copy(state: torch.Tensor, acc) -> torch.Tensor:
+    return state.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
 
+
+class Step:
+    """`_dec_step`'s launch for one call signature on states of `rows` rows per head: grid, sizes, constants, meta
+    and the partial sums' scratch (in the state's dtype `acc`, `acc_dt` as a triton type). `kernel`: (W, ROWR, ROWT,
+    s_limit) of `kernel_operands`."""
+
+    def __init__(self, q, k, v, rows: int, kernel, scale: float, acc, acc_dt, *, evict: bool):
+        bsz, n_q, n_t, d = q.shape
+        n_kv, dv = k.shape[1], v.shape[-1]
+        bv = max(16, pow2(dv))
+        rb = rows_per_program(bv)
+        self.bv, self.nblk, self.n_rows = bv, -(-rows // rb), bsz * n_q * n_t
+        self.part = scratch(q, "part", self.nblk, self.n_rows, bv, dtype=acc)
+        self.partn = scratch(q, "partn", self.nblk, self.n_rows, dtype=acc)
+        self.grid = (self.nblk, bsz * n_kv)
+        self.kernel = kernel[:3]
+        self.sizes = (rows, d, dv, n_q, bsz * n_q)
+        self.consts = (abs(scale), kernel[3])
+        self.meta = dict(T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, pow2(d)), ACC_DT=acc_dt, EVICT=evict,
+                         num_warps=NUM_WARPS)
+
+    def __call__(self, q, k, v, state, status, evicted=None) -> None:
+        """Update `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride) and write the
+        readouts' partial sums into `part`, `partn`. `evicted`: (EK, EU, LL) of EVICT."""
+        ek, eu, ll = evicted if evicted is not None else (k, v, self.part)  # unread without EVICT
+        _dec_step[self.grid](q, k, v, *self.kernel, state, self.part, self.partn, status, ek, eu, ll, *self.sizes,
+                             state.stride(1), *self.consts, **self.meta)
+
+
+class Plan:
+    """OAL's decoding call of one signature (`oal.ops.plans`), worked out once: the kernels' operands besides q, k,
+    v and the state, their grids, constants and scratch. `inplace`: the caller's state may be updated itself."""
+
+    def __init__(self, q, k, v, groups, factor, eps: float, scale: float, state, inplace: bool, acc_dt, *,
+                 by_version: bool):
+        self.acc = checks.compute_dtype(q.dtype)
+        self.inplace = own_state(state, inplace, self.acc)
+        kernel = kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=by_version)
+        self.step = Step(q, k, v, state.shape[2], kernel, scale, self.acc, acc_dt, evict=False)
+        self.out_shape = (*q.shape[:3], v.shape[-1])
+        self.out_args = (self.step.n_rows, v.shape[-1])
+        self.out_meta = dict(NBLK=self.step.nblk, BV=self.step.bv)
+
+    def __call__(self, q, k, v, state, status):
+        """One call: (out [B, Hq, T, dv] in q's dtype, the updated state). q, k, v contiguous."""
+        if not self.inplace:
+            state = state_copy(state, self.acc)
+        step = self.step
+        step(q, k, v, state, status)
+        out = parallel.empty(q, *self.out_shape)
+        _dec_out[(step.n_rows,)](step.part, step.partn, out, status, *self.out_args, **self.out_meta)
+        return out, state

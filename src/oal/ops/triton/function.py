@@ -406,7 +406,7 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     n_kv, dv = k.shape[1], v.shape[-1]
     dot, acc = _dtypes(q)
     if routes.decodes(q, k, v, factor, initial_state):
-        return _decode(q, k, v, groups, factor, eps, scale, initial_state, inplace, status, acc)
+        return _decode(q, k, v, groups, factor, eps, scale, initial_state, inplace, status)
     lay = layout(d)
     cfg = Config(factor.shape[-1], chunk_size or CHUNK, dot, acc, device_arch(q.device))
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -433,13 +433,17 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     return o, blocks_to_state(fin, finn, bsz, d)
 
 
-def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status, acc):
+def decode_plan(q, k, v, groups, factor, eps, scale, state, inplace):
+    """`decode.Plan` of a decoding call (`triton.decode_plan`)."""
+    acc = _dtypes(q)[1]
+    return decode.Plan(q, k, v, groups, factor, eps, scale, state, inplace, tl_dtype(acc),
+                       by_version=checks.deferred(q))
+
+
+def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status):
     """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
-    state, (w, rowr, rowt, s_limit) = decode.operands(q, groups, factor, eps, scale, state, inplace, acc,
-                                                      by_version=checks.deferred(q))
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
-    out = decode.launch(q.contiguous(), k.contiguous(), v.contiguous(), w, rowr, rowt, state, status, scale, s_limit,
-                        tl_dtype(acc))
-    return out, state
+    plan = decode_plan(q, k, v, groups, factor, eps, scale, state, inplace)
+    return plan(q.contiguous(), k.contiguous(), v.contiguous(), state, status)

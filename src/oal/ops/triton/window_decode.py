@@ -153,46 +153,54 @@ def num_warps(rows: int, bv: int) -> int:
     return 4 if rows * bv < 8192 else 8
 
 
-def launch(q, k, v, state, status, *, window: int, sinks: int, scale: float, acc_dt, kernel=None):
-    """One decoding call on `state` [B, Hkv, size] (contiguous, the compute dtype), updated in place; returns out
-    [B, Hq, T, dv] in q's dtype. `kernel`: oal-swa's (W, ROWR, ROWT, s_limit) for `decode.step`, or None (swa).
-    q, k, v contiguous."""
-    bsz, n_q, n_t, d = q.shape
-    n_kv, dv = k.shape[1], v.shape[-1]
-    bv = max(16, triton.next_power_of_2(dv))
-    rows = triton.next_power_of_2(sinks + window + n_t)
-    n_rows = bsz * n_q * n_t
-    out = parallel.empty(q, bsz, n_q, n_t, dv)
-    evict = kernel is not None
-    if evict:
-        m, accn = parallel.empty(state, n_rows), parallel.empty(state, n_rows)
-        acc = parallel.empty(state, n_rows, bv)
-        ek, eu = parallel.empty(state, bsz * n_kv * n_t, d), parallel.empty(state, bsz * n_kv * n_t, dv + 1)
-    else:
-        m = accn = acc = ek = eu = out  # unread
-    meta = dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows, BD=max(16, triton.next_power_of_2(d)),
-                BV=bv, EVICT=evict, ACC_DT=acc_dt)
-    _win_step[(bsz * n_kv,)](q, k, v, state, out, m, acc, accn, ek, eu, status, state.shape[-1], d, dv, n_q,
-                             scale, num_warps=num_warps(rows, bv), **meta)
-    if not evict:
-        return out
-    w, rowr, rowt, s_limit = kernel
-    n_slots = (sinks + window) * (d + dv + 1)
-    prefix = state[..., n_slots:].unflatten(-1, (-1, dv + 1))
-    ll = parallel.empty(state, n_rows)
-    part, partn, nblk = decode.step(q, k, v, w, rowr, rowt, prefix, status, scale, s_limit, acc_dt,
-                                    evicted=(ek, eu, ll))
-    _win_out[(n_rows,)](m, acc, accn, part, partn, ll, out, status, n_rows, dv, NBLK=nblk, BV=bv)
-    return out
+class Plan:
+    """A decoding call of swa (groups and factor None) or oal-swa of one signature (`oal.ops.plans`), worked out
+    once: grids, sizes, constants and scratch, and for oal-swa `decode.Step` on the prefix state. `inplace`: the
+    caller's state may be updated itself."""
 
+    def __init__(self, q, k, v, groups, factor, *, window: int, sinks: int, eps: float, scale: float, state,
+                 inplace: bool):
+        bsz, n_q, n_t, d = q.shape
+        n_kv, dv = k.shape[1], v.shape[-1]
+        self.acc = checks.compute_dtype(q.dtype)
+        self.inplace = decode.own_state(state, inplace, self.acc)
+        acc_dt = tl_dtype(self.acc)
+        bv = max(16, decode.pow2(dv))
+        rows = decode.pow2(sinks + window + n_t)
+        n_rows = bsz * n_q * n_t
+        self.out_shape, self.grid = (bsz, n_q, n_t, dv), (bsz * n_kv,)
+        self.sizes = (state.shape[-1], d, dv, n_q, scale)
+        self.meta = dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows, BD=max(16, decode.pow2(d)), BV=bv,
+                         EVICT=factor is not None, ACC_DT=acc_dt, num_warps=num_warps(rows, bv))
+        self.step = None
+        if factor is None:  # swa: one kernel, no scratch
+            return
+        # the window part of each query (max, numerator, normaliser) and the rows that left the window
+        acc, n_new = self.acc, bsz * n_kv * n_t
+        self.win = (decode.scratch(q, "m", n_rows, dtype=acc), decode.scratch(q, "acc", n_rows, bv, dtype=acc),
+                    decode.scratch(q, "accn", n_rows, dtype=acc), decode.scratch(q, "ek", n_new, d, dtype=acc),
+                    decode.scratch(q, "eu", n_new, dv + 1, dtype=acc))
+        self.ll = decode.scratch(q, "ll", n_rows, dtype=acc)  # log lam of each readout
+        self.n_slots, self.dv = (sinks + window) * (d + dv + 1), dv
+        kernel = decode.kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=True)
+        prefix_rows = (state.shape[-1] - self.n_slots) // (dv + 1)
+        self.step = decode.Step(q, k, v, prefix_rows, kernel, scale, acc, acc_dt, evict=True)
+        self.out_args = (n_rows, dv)
+        self.out_meta = dict(NBLK=self.step.nblk, BV=bv)
 
-def window_decode(q, k, v, groups, factor, *, window: int, sinks: int, eps: float, scale: float, state, inplace: bool,
-                  status):
-    """A few tokens of swa (groups and factor None) or oal-swa on `state` [B, Hkv, size]: the window decoding
-    kernels, the state updated in place (a copy of it unless `inplace`); returns (out, state). Their value checks
-    land in `status` (`checks.start_decode`)."""
-    acc = checks.compute_dtype(q.dtype)
-    state, kernel = decode.operands(q, groups, factor, eps, scale, state, inplace, acc, by_version=True)
-    out = launch(q.contiguous(), k.contiguous(), v.contiguous(), state, status, window=window, sinks=sinks,
-                 scale=scale, acc_dt=tl_dtype(acc), kernel=kernel)
-    return out, state
+    def __call__(self, q, k, v, state, status):
+        """One call on `state` [B, Hkv, size]: (out [B, Hq, T, dv] in q's dtype, the updated state). q, k, v
+        contiguous."""
+        if not self.inplace:
+            state = decode.state_copy(state, self.acc)
+        out = parallel.empty(q, *self.out_shape)
+        win = (out,) * 5 if self.step is None else self.win  # unread by swa
+        _win_step[self.grid](q, k, v, state, out, *win, status, *self.sizes, **self.meta)
+        if self.step is None:
+            return out, state
+        step = self.step
+        prefix = state[..., self.n_slots :].unflatten(-1, (-1, self.dv + 1))
+        step(q, k, v, prefix, status, evicted=(*win[3:], self.ll))
+        _win_out[(step.n_rows,)](*win[:3], step.part, step.partn, self.ll, out, status, *self.out_args,
+                                 **self.out_meta)
+        return out, state

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oal.ops import checks, cpu_kernel
+from oal.ops import checks, cpu_kernel, plans
 from oal.ops.checks import compute_dtype as _compute_dtype
 from oal.ops.checks import max_abs as _max_abs
 from oal.ops.checks import rescaled as _rescaled
@@ -82,17 +82,21 @@ def _device_kernel(q, groups, factor, eps: float, scale: float, mults: torch.Ten
     return Kernel(q * qs, groups, kfactor, coeffs, eps, scale, -2.0 * torch.log(inv_s), weights * parts)
 
 
-def _triton_decode(q, k, v, groups, factor, *, window, sinks, eps, scale, state, own):
+def _triton_decode(q, k, v, groups, factor, *, window, sinks, eps, scale, state, own, sig):
     """A few tokens on a state on a deferred device: the window decoding kernels (`triton.window_decode`), their
-    checks on the device, no host read; the cache's own state updated in place."""
-    from oal.ops.triton.window_decode import window_decode  # no triton import until the kernels are launched
+    checks on the device, no host read; the cache's own state updated in place, and the call's plan kept under its
+    signature `sig` (`oal.ops.plans`)."""
+    from oal.ops.triton.window_decode import Plan  # no triton import until the kernels are launched
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     chk, status = checks.start_decode(q, factor, state, _compute_dtype(q.dtype), eps, check_state=not own,
                                       moments=False)
-    out, final = window_decode(q, k, v, groups, factor, window=window, sinks=sinks, eps=eps, scale=scale,
-                               state=state, inplace=own and checks.updatable(state, q, k, v, factor), status=status)
+    plan = Plan(q, k, v, groups, factor, window=window, sinks=sinks, eps=eps, scale=scale, state=state,
+                inplace=own and checks.updatable(state, q, k, v, factor))
+    out, final = plan(q, k, v, state, status)
     checks.finish(chk)
+    if own and plan.inplace:
+        plans.keep(state, sig, plan)
     return out, final
 
 
@@ -168,6 +172,13 @@ def window_attention(
         raise ValueError("groups/factor: give both (oal-swa) or neither (swa)")
     has_kernel = groups is not None
     own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
+    sig = None
+    if own and checks.deferred(q):  # decoding on the cache's state: an earlier call's plan (oal.ops.plans)
+        sig = plans.signature(q, k, v, initial_state, window, sinks, plans.tensor_key(groups),
+                              plans.tensor_key(factor), eps, scale, causal, backend, chunk_size)
+        planned = plans.run(q, k, v, factor, eps, initial_state, sig, output_final_state)
+        if planned is not None:
+            return planned
     if backend == "auto":  # the token loop for a few tokens on a state (decoding), banded otherwise
         n = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0  # the shapes are checked below
         backend = "recurrent" if initial_state is not None and n <= DECODE_TOKENS else "banded"
@@ -188,7 +199,7 @@ def window_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if deferred and routes.window_decodes(q, k, v, factor, initial_state, window, sinks):
         out, final = _triton_decode(q, k, v, groups, factor, window=window, sinks=sinks, eps=float(eps),
-                                    scale=scale, state=initial_state, own=own)
+                                    scale=scale, state=initial_state, own=own, sig=sig)
         return (out.to(out_dtype), final) if output_final_state else out.to(out_dtype)
     chk = None
     if deferred:
