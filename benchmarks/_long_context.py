@@ -27,9 +27,11 @@ SHAPES = {
 }
 
 
-def build(shape: str, *, weights: str = "random", max_positions: int, dtype=torch.float32, device="cpu"):
+def build(shape: str, *, weights: str = "random", max_positions: int, dtype=torch.float32, device="cpu",
+          overrides: dict | None = None):
     """(model, source): `shape`'s model with random weights, or SmolLM2-135M's real ones (weights="real", fetched
-    offline by `oal fetch smollm2-135m`), max_position_embeddings raised to `max_positions`."""
+    offline by `oal fetch smollm2-135m`), max_position_embeddings raised to `max_positions`. `overrides`: config
+    fields of the random model changed (e.g. fewer layers)."""
     if weights == "real":
         if shape != "smollm2-135m":
             raise ValueError(f"--weights: real weights are available for smollm2-135m only, not {shape}")
@@ -39,6 +41,7 @@ def build(shape: str, *, weights: str = "random", max_positions: int, dtype=torc
         source = f"SmolLM2-135M-Instruct real weights ({prov.get('path')})"
     else:
         config_cls, model_cls, kw = SHAPES[shape]
+        kw = kw | (overrides or {})
         torch.manual_seed(0)
         with torch.device(device):  # initialised where it runs (a 0.5B model's init on the host took seconds)
             model = model_cls(config_cls(**kw, max_position_embeddings=max_positions)).to(dtype)

@@ -14,12 +14,15 @@
 #   generate  (GEN_S)    benchmarks.generate: tokens/s and peak memory, SmolLM2-135M and Qwen2.5-0.5B shapes,
 #                        softmax / the preset's oal / the recipe's oal-swa, contexts 32k (the goal's) first, then
 #                        64k and 8k, batch 1 and max
+#   host      (HOST_S)   benchmarks.decode_host: host time per attention layer of a decoding step at batch 1,
+#                        softmax against oal / oal-swa / swa layers in the same steps
 #   bf16      (BF16_S)   tests/test_triton_gpu.py: bf16 dots at N = 16k, d = dv = 128, against fp64 and bf16 SDPA
 #   profile   (PROF_S)   a torch.profiler kernel table of one OAL forward at 16k (and with NCU=1, an Nsight Compute
 #                        summary of its kernels appended, NCU_S)
-# About 7 minutes at most with the defaults (the limits add up to 460 s), usually less. What comes back in $OUT (8 files): summary.txt,
-# tests.log, bench.log, gpu_h200.json/.png, generate_h200.json/.png, profile.txt. Copy the JSON and PNG files to
-# benchmarks/reference/ (the README cites them).
+# A part whose limit is 0 is skipped. About 8 minutes at most with the defaults (the limits add up to 490 s),
+# usually less. What comes back in $OUT (8 files, the device tool's limit): summary.txt, tests.log, bench.log,
+# gpu_h200.json, generate_h200.json, decode_host_h200.json, profile.txt and figures.tar (the PNG of each benchmark).
+# Copy the JSON files and the PNGs (tar -xf figures.tar) to benchmarks/reference/ (the README cites them).
 #
 # The machine has python3 3.12, torch 2.11 (cu130), triton 3.6.0, transformers, peft, pytest, pytest-xdist; `oal`
 # runs from src via PYTHONPATH (never pip install it there: it pins torch 2.13.0 and nothing can be downloaded).
@@ -36,6 +39,7 @@ ENV_S="${ENV_S:-20}"
 TESTS_S="${TESTS_S:-100}"
 BENCH_S="${BENCH_S:-110}"
 GEN_S="${GEN_S:-130}"
+HOST_S="${HOST_S:-30}"
 BF16_S="${BF16_S:-50}"
 PROF_S="${PROF_S:-40}"
 NCU_S="${NCU_S:-60}"
@@ -51,6 +55,10 @@ part() {
     local name="$1" log="$OUT/$2" limit="$3"
     shift 3
     local t0=$SECONDS rc
+    if [ "$limit" = "0" ]; then  # `timeout 0` would mean no limit at all
+        note "$name: skipped (limit 0)"
+        return 0
+    fi
     echo "== $name (limit ${limit}s): $*" | tee -a "$log"
     timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$log" 2>&1
     rc=$?
@@ -71,6 +79,7 @@ if [ "$DEVICE" = "cpu" ]; then  # tiny sizes, the interpreter
     BENCH=(--device cpu --lengths 32 --repeats 1 --warmup 0 --sanity-n 32 --methods oal,oal_chunked,sdpa)
     GEN=(--device cpu --shapes smollm2-135m --contexts 128 --batches 1 --tokens 1 --warmup 0 --prompt 80)
     PROF=(--device cpu --profile 64)
+    HOST=(--device cpu --methods oal,swa --steps 5 --warmup 1 --prompt 8)
 else
     unset TRITON_INTERPRET
     export OAL_TEST_DEVICE=cuda
@@ -80,6 +89,7 @@ else
     BENCH=(--repeats 10 --warmup 3)
     GEN=(--tokens 8 --warmup 2 --contexts 32768,65536,8192)
     PROF=(--profile 16384)
+    HOST=(--steps 200 --warmup 20)
 fi
 
 part env summary.txt "$ENV_S" "$PY" -c "
@@ -94,6 +104,8 @@ part bench bench.log "$BENCH_S" "$PY" -m benchmarks.gpu "${BENCH[@]}" --out "$OU
 
 part generate bench.log "$GEN_S" "$PY" -m benchmarks.generate "${GEN[@]}" --out "$OUT/generate_h200.json"
 
+part host bench.log "$HOST_S" "$PY" -m benchmarks.decode_host "${HOST[@]}" --out "$OUT/decode_host_h200.json"
+
 if [ "$DEVICE" = "cpu" ]; then
     note "bf16: skipped (needs CUDA)"
 else
@@ -106,6 +118,9 @@ if [ "${NCU:-0}" = "1" ] && [ "$DEVICE" != "cpu" ] && command -v ncu >/dev/null;
         --section SpeedOfLight --section Occupancy --csv $PY -m benchmarks.gpu --profile 16384 \
         --profile-out /tmp/oal_ncu_unused.txt >>'$OUT/profile.txt' 2>&1"
 fi
+
+# the figures in one file: the device tool returns at most 8
+(cd "$OUT" && ls ./*.png >/dev/null 2>&1 && tar -cf figures.tar ./*.png && rm -f ./*.png)
 
 echo "== summary"
 cat "$SUMMARY"

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,32 @@ def test_dry_run_runs_every_part(tmp_path):
                          text=True, timeout=3600)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for name in ("env", "tests", "bench", "generate", "profile"):
+    for name in ("env", "tests", "bench", "generate", "host", "profile"):
         assert f"{name}: ok" in summary, summary
     assert "bf16: skipped (needs CUDA)" in summary
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) <= 8, files
+    with tarfile.open(tmp_path / "figures.tar") as tar:
+        assert sorted(Path(n).name for n in tar.getnames()) == ["decode_host_h200.png", "generate_h200.png",
+                                                                "gpu_h200.png"]
+    host = json.loads((tmp_path / "decode_host_h200.json").read_text())
+    assert host["stand_in"] and [r["method"] for r in host["rows"]] == ["oal", "swa"]
     gpu = json.loads((tmp_path / "gpu_h200.json").read_text())
     assert [r["n"] for r in gpu["rows"]] == [32] and isinstance(gpu["rows"][0]["oal_fwd_ms"], float)
     gen = json.loads((tmp_path / "generate_h200.json").read_text())
     assert {r["method"] for r in gen["rows"]} == {"softmax", "oal", "oal-swa"}
     assert "OAL forward, N=64" in (tmp_path / "profile.txt").read_text()
+
+
+def test_a_part_with_limit_zero_is_skipped(tmp_path):
+    """`timeout 0` means no limit at all: a part given 0 seconds must not run (the prepared calls give 0 to the
+    parts they leave out)."""
+    zero = {f"{name}_S": "0" for name in ("TESTS", "BENCH", "GEN", "HOST", "PROF")}
+    env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", PYTHON=sys.executable, **zero)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_perf.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    for name in ("tests", "bench", "generate", "host", "profile"):
+        assert f"{name}: skipped (limit 0)" in summary, summary
+    assert not (tmp_path / "gpu_h200.json").exists()
