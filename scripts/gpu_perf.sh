@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's run for issue 46 (speed), in one call of the `device` tool on the lent H200:
 #
-#   run(command="bash scripts/gpu_perf.sh", timeout_s=480)          # no carry needed
+#   run(command="bash scripts/gpu_perf.sh", timeout_s=540)          # no carry needed
 #
 # Parts, each under its own `timeout` (a failing or timed-out part does not stop the next; the benchmarks write
 # their JSON after every step, so a time-out keeps what finished):
@@ -19,7 +19,7 @@
 #   bf16      (BF16_S)   tests/test_triton_gpu.py: bf16 dots at N = 16k, d = dv = 128, against fp64 and bf16 SDPA
 #   profile   (PROF_S)   a torch.profiler kernel table of one OAL forward at 16k (and with NCU=1, an Nsight Compute
 #                        summary of its kernels appended, NCU_S)
-# A part whose limit is 0 is skipped. About 8 minutes at most with the defaults (the limits add up to 490 s),
+# A part whose limit is 0 is skipped. About 8 minutes at most with the defaults (the limits add up to 480 s),
 # usually less. What comes back in $OUT (8 files, the device tool's limit): summary.txt, tests.log, bench.log,
 # gpu_h200.json, generate_h200.json, decode_host_h200.json, profile.txt and figures.tar (the PNG of each benchmark).
 # Copy the JSON files and the PNGs (tar -xf figures.tar) to benchmarks/reference/ (the README cites them).
