@@ -24,8 +24,11 @@ _PLANS = WeakIdKeyDictionary()  # the cache's own state -> (signature, plan)
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What a signature holds of a kernel tensor: identity, shape and (version counter, address)."""
-    return None if t is None else (id(t), t.shape, version(t))
+    """What a signature holds of a kernel tensor: identity, shape and (version counter, address). Anything else is
+    held by identity (the full path refuses it, so no plan is kept for it)."""
+    if not isinstance(t, torch.Tensor):
+        return None if t is None else ("not a tensor", id(t))
+    return id(t), t.shape, version(t)
 
 
 def signature(q, k, v, state, *options) -> tuple | None:
