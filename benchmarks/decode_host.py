@@ -195,10 +195,12 @@ def main(args: argparse.Namespace) -> None:
         name = cpu_info()["model"]
     how = "real kernels, bf16" if args.device == "cuda" else "CPU stand-in, Triton kernels stubbed, fp32"
     title = f"Host time per attention layer, one decoding step at batch 1: {name} ({how}, {args.shape} shape)"
-    rows = [measure(m, args, args.device) for m in args.methods]
-    atomic_write_json(args.out, {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
-                                 "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
-                                 "rows": rows})
+    rows = []
+    for method in args.methods:  # the JSON after each method: a time-out keeps what finished
+        rows.append(measure(method, args, args.device))
+        atomic_write_json(args.out, {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
+                                     "threads": torch.get_num_threads(),
+                                     "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     plot(rows, title, args.out.with_suffix(".png"))
     Console(width=140).print(table(rows, title))
 
