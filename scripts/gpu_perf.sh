@@ -9,7 +9,8 @@
 #   tests     (TESTS_S)  the Triton kernels compiled on the GPU against the fp64 reference: tests/test_triton.py,
 #                        tests/test_triton_paths.py (parallel and decoding kernels), tests/test_ops_deferred.py
 #                        (the value checks on the device, here on real CUDA), tests/test_window_triton_decode.py
-#                        (the swa / oal-swa decoding kernels)
+#                        (the swa / oal-swa decoding kernels), tests/test_ops_plans.py (decoding calls that run a
+#                        kept plan, and their shared status copied to pinned memory)
 #   bench     (BENCH_S)  benchmarks.gpu: OAL against torch's default SDPA (and forced flash, cuDNN), N = 2k..128k
 #   generate  (GEN_S)    benchmarks.generate: tokens/s and peak memory, SmolLM2-135M and Qwen2.5-0.5B shapes,
 #                        softmax / the preset's oal / the recipe's oal-swa, contexts 32k (the goal's) first, then
@@ -83,7 +84,8 @@ if [ "$DEVICE" = "cpu" ]; then  # tiny sizes, the interpreter
 else
     unset TRITON_INTERPRET
     export OAL_TEST_DEVICE=cuda
-    TESTS=(tests/test_triton.py tests/test_triton_paths.py tests/test_ops_deferred.py tests/test_window_triton_decode.py)
+    TESTS=(tests/test_triton.py tests/test_triton_paths.py tests/test_ops_deferred.py tests/test_window_triton_decode.py
+           tests/test_ops_plans.py)
     XDIST=()
     if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi  # spreads the compilations over the CPU cores
     BENCH=(--repeats 10 --warmup 3)

@@ -111,6 +111,7 @@ def test_a_new_number_of_tokens_makes_a_new_plan(on_device, method):  # noqa: F8
 def test_shared_checks_report_a_bad_call_within_decode_shared_calls(on_device, monkeypatch, method):  # noqa: F811
     """A NaN in one token's q: the calls sharing its status buffer go on; the call after the buffer's last reports
     it with the usual message, and `check_errors()` reports it at once."""
+    checks.check_errors()  # no shared status left open by an earlier test: this one counts its calls from 1
     monkeypatch.setattr(checks, "DECODE_SHARED", 3)
     q, k, v, groups, factor = make_inputs(1, 4, 2, 12, 12, 7, 3, seed=24)
     _, state = _call(method, q[:, :, :6], k[:, :, :6], v[:, :, :6], groups, factor, output_final_state=True)
