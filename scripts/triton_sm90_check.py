@@ -68,7 +68,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     dot = "bf16" if half else "fp32"  # fp16 inputs use bf16 dots (function.triton_forward)
     lay = F.layout(d)
     cfg = F.Config(G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch)
-    bv = max(16, F.triton_next_pow2(dv))
+    bv = max(16, F.next_pow2(dv))
     x, a = "*" + dt, "*fp32"
 
     def split(kernel, **extra):
@@ -117,8 +117,8 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     dec = dict(T=1, REP=REP, RB=D.rows_per_program(bv), BV=bv, BDQ=lay.bd, ACC_DT=F.tl_dtype(torch.float32))
     yield ("decode step", D._dec_step, dec_sig, dict(dec, EVICT=False), dict(num_warps=D.NUM_WARPS))
     yield ("decode step evict", D._dec_step, dec_sig, dict(dec, EVICT=True), dict(num_warps=D.NUM_WARPS))
-    rows = F.triton_next_pow2(SINKS + WIN + 1)  # the recipe's window, one new token
-    win = dict(T=1, REP=REP, SINKS=SINKS, WIN=WIN, R=rows, BD=max(16, F.triton_next_pow2(d)), BV=bv,
+    rows = F.next_pow2(SINKS + WIN + 1)  # the recipe's window, one new token
+    win = dict(T=1, REP=REP, SINKS=SINKS, WIN=WIN, R=rows, BD=max(16, F.next_pow2(d)), BV=bv,
                ACC_DT=F.tl_dtype(torch.float32))
     win_sig = dict(Q=x, K=x, V=x, SL=a, O=x, M=a, ACC=a, ACCN=a, EK=a, EU=a, STATUS=a, size="i32", d="i32",
                    dv="i32", n_q="i32", scale="fp32")

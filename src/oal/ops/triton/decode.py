@@ -27,6 +27,7 @@ import triton.language as tl
 from oal.ops import checks
 from oal.ops.kernel import cached_coefficients, row_maps
 from oal.ops.triton import parallel
+from oal.ops.triton.tiles import next_pow2, tl_dtype
 
 
 @triton.jit
@@ -157,11 +158,6 @@ def rows_per_program(bv: int) -> int:
     return 4096 // bv
 
 
-def pow2(n: int) -> int:
-    """The next power of two >= n, on the host (triton.next_power_of_2 is a constexpr function: slow from Python)."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def scratch(like: torch.Tensor, name: str, *shape, dtype: torch.dtype) -> torch.Tensor:
     """The decoding kernels' scratch buffer `name` on `like`'s device, shared by every plan of its shape, dtype,
     device and stream (their kernels run one after another in that stream's order)."""
@@ -197,13 +193,13 @@ def state_copy(state: torch.Tensor, acc) -> torch.Tensor:
 
 class Step:
     """`_dec_step`'s launch for one call signature on states of `rows` rows per head: grid, sizes, constants, meta
-    and the partial sums' scratch (in the state's dtype `acc`, `acc_dt` as a triton type). `kernel`: (W, ROWR, ROWT,
-    s_limit) of `kernel_operands`."""
+    and the partial sums' scratch (in the state's dtype `acc`). `kernel`: (W, ROWR, ROWT, s_limit) of
+    `kernel_operands`."""
 
-    def __init__(self, q, k, v, rows: int, kernel, scale: float, acc, acc_dt, *, evict: bool):
+    def __init__(self, q, k, v, rows: int, kernel, scale: float, acc, *, evict: bool):
         bsz, n_q, n_t, d = q.shape
         n_kv, dv = k.shape[1], v.shape[-1]
-        bv = max(16, pow2(dv))
+        bv = max(16, next_pow2(dv))
         rb = rows_per_program(bv)
         self.bv, self.nblk, self.n_rows = bv, -(-rows // rb), bsz * n_q * n_t
         self.part = scratch(q, "part", self.nblk, self.n_rows, bv, dtype=acc)
@@ -212,8 +208,8 @@ class Step:
         self.kernel = kernel[:3]
         self.sizes = (rows, d, dv, n_q, bsz * n_q)
         self.consts = (abs(scale), kernel[3])
-        self.meta = dict(T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, pow2(d)), ACC_DT=acc_dt, EVICT=evict,
-                         num_warps=NUM_WARPS)
+        self.meta = dict(T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, next_pow2(d)), ACC_DT=tl_dtype(acc),
+                         EVICT=evict, num_warps=NUM_WARPS)
 
     def __call__(self, q, k, v, state, status, evicted=None) -> None:
         """Update `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride) and write the
@@ -227,12 +223,12 @@ class Plan:
     """OAL's decoding call of one signature (`oal.ops.plans`), worked out once: the kernels' operands besides q, k,
     v and the state, their grids, constants and scratch. `inplace`: the caller's state may be updated itself."""
 
-    def __init__(self, q, k, v, groups, factor, eps: float, scale: float, state, inplace: bool, acc_dt, *,
+    def __init__(self, q, k, v, groups, factor, eps: float, scale: float, state, inplace: bool, *,
                  by_version: bool):
         self.acc = checks.compute_dtype(q.dtype)
         self.inplace = own_state(state, inplace, self.acc)
         kernel = kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=by_version)
-        self.step = Step(q, k, v, state.shape[2], kernel, scale, self.acc, acc_dt, evict=False)
+        self.step = Step(q, k, v, state.shape[2], kernel, scale, self.acc, evict=False)
         self.out_shape = (*q.shape[:3], v.shape[-1])
         self.out_args = (self.step.n_rows, v.shape[-1])
         self.out_meta = dict(NBLK=self.step.nblk, BV=self.step.bv)

@@ -25,7 +25,15 @@ import oal.ops.triton.kernels as K
 from oal.ops import checks
 from oal.ops.kernel import coefficients, feature_dim, version
 from oal.ops.triton import decode, guard, parallel, routes
-from oal.ops.triton.tiles import FWD_CANDIDATES, NUM_WARPS, SHARED_LIMIT, device_arch, tiles  # noqa: F401  (SHARED_LIMIT: for the compile check)
+from oal.ops.triton.tiles import (  # noqa: F401  (SHARED_LIMIT: for the compile check)
+    FWD_CANDIDATES,
+    NUM_WARPS,
+    SHARED_LIMIT,
+    device_arch,
+    next_pow2,
+    tiles,
+    tl_dtype,
+)
 
 
 def interpreted() -> bool:
@@ -56,11 +64,7 @@ class Layout:
 def layout(d: int) -> Layout:
     nb = -(-d // K.BLK)
     npair = nb * (nb + 1) // 2
-    return Layout(d, nb * K.BLK, nb, npair, 1 + nb * K.BLK + 256 * npair, max(16, triton_next_pow2(d)))
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return Layout(d, nb * K.BLK, nb, npair, 1 + nb * K.BLK + 256 * npair, max(16, next_pow2(d)))
 
 
 @cache
@@ -113,18 +117,6 @@ class Config:
     dot_dtype: torch.dtype
     acc_dtype: torch.dtype
     arch: int  # tile table target (device_arch)
-
-
-_TL = {}
-
-
-def tl_dtype(dtype: torch.dtype):
-    if not _TL:
-        import triton.language as tl
-
-        _TL.update({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-                    torch.float64: tl.float64})
-    return _TL[dtype]
 
 
 def _consts(cfg: Config, kernel: str, d: int, dv: int):
@@ -190,7 +182,7 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
     a, bs, cs = coefs
     pairs = _device_maps(lay.d, x.device)[0]
-    bv = max(16, triton_next_pow2(dv))
+    bv = max(16, next_pow2(dv))
     init = carry if carry is not None else (tot, totn)  # placeholders where there is no initial state
 
     def launch(store, add_prev, out, outn, with_carry=carry is not None):
@@ -270,7 +262,7 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout):
     kernel[(n_q, n_c, bsz)](
         q, k, v, a, bs, cs, ws, l0, eps_t, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows,
         cfg.n_groups1, parallel.bucket(n),
-        NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, triton_next_pow2(dv)), NPAIR=lay.npair,
+        NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, next_pow2(dv)), NPAIR=lay.npair,
         GMAX=_gmax(cfg.n_groups1), **consts,
     )
     return o, den, tot[:, -1], totn[:, -1]
@@ -280,7 +272,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do, dfin, cfg: Co
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
-    bv = max(16, triton_next_pow2(dv))
+    bv = max(16, next_pow2(dv))
     consts = dict(NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=bv, NPAIR=lay.npair,
                   GMAX=_gmax(cfg.n_groups1))
     pairs = _device_maps(d, q.device)[0]
@@ -433,17 +425,10 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     return o, blocks_to_state(fin, finn, bsz, d)
 
 
-def decode_plan(q, k, v, groups, factor, eps, scale, state, inplace):
-    """`decode.Plan` of a decoding call (`triton.decode_plan`)."""
-    acc = _dtypes(q)[1]
-    return decode.Plan(q, k, v, groups, factor, eps, scale, state, inplace, tl_dtype(acc),
-                       by_version=checks.deferred(q))
-
-
 def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status):
     """A few tokens on a state: the decoding kernels (`decode.py`), the state updated in place (a copy of it unless
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
-    plan = decode_plan(q, k, v, groups, factor, eps, scale, state, inplace)
+    plan = decode.Plan(q, k, v, groups, factor, eps, scale, state, inplace, by_version=checks.deferred(q))
     return plan(q.contiguous(), k.contiguous(), v.contiguous(), state, status)

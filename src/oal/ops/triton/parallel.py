@@ -25,6 +25,7 @@ import triton.language as tl
 
 from oal.ops.triton.intra import _intra_z, _kappa_dk
 from oal.ops.triton.kernels import _tile
+from oal.ops.triton.tiles import next_pow2
 
 
 @triton.jit
@@ -276,8 +277,8 @@ def _launch(kernel, grid, *args, **consts):
 
 def _consts(q, v, consts: dict, gmax: int) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
-    return dict(REP=q.shape[1] // v.shape[1], GMAX=gmax, BD=max(16, triton.next_power_of_2(d)),
-                BV=max(16, triton.next_power_of_2(dv)), **{name: consts[name] for name in ("DOT_DT", "ACC_DT", "PREC")})
+    return dict(REP=q.shape[1] // v.shape[1], GMAX=gmax, BD=max(16, next_pow2(d)),
+                BV=max(16, next_pow2(dv)), **{name: consts[name] for name in ("DOT_DT", "ACC_DT", "PREC")})
 
 
 class OALParallel(torch.autograd.Function):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from oal.ops.triton.tiles import next_pow2
+
 DECODE_TOKENS = 4  # at most this many new tokens on a state run the decoding kernels
 # An estimate, not a measurement: at 2k tokens the parallel kernels do about 26 GFLOP (0.1 ms at FlashAttention-2
 # rates) against the chunked kernels' fixed cost of scans and launches; their work grows as N^2, the chunked
@@ -34,8 +36,8 @@ def window_decodes(q, k, v, factor, initial_state, window: int, sinks: int) -> b
     and the new tokens fit one program's tile (a larger window runs the torch token loop)."""
     if not decodes(q, k, v, factor, initial_state):
         return False
-    rows = 1 << (sinks + window + q.shape[2] - 1).bit_length()  # the next power of two
-    cols = max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length())
+    rows = next_pow2(sinks + window + q.shape[2])
+    cols = max(16, next_pow2(max(q.shape[-1], v.shape[-1])))
     return rows * cols <= WINDOW_TILE
 
 

@@ -1,6 +1,7 @@
 """Tile sizes and launch options of the Triton kernels per shape and target, and the inputs they refuse.
 
-No triton import: `unsupported` (and so `auto`) reads this without loading the kernels.
+No triton import at load: `unsupported` (and so `auto`) reads this without loading the kernels (`tl_dtype` imports
+triton.language when first called). `next_pow2` and `tl_dtype`: the host side of the launches.
 
 RH is the number of rows of a 16 x 16 feature-block pair that one H2 dot takes (kernels.py): its operands are
 [C, 16 RH] features and [16 RH, dv] state rows, so RH bounds the shared memory and registers of the pair loops.
@@ -13,6 +14,25 @@ two). Not tuned on a device: see docs/performance/gpu.md.
 from __future__ import annotations
 
 import torch
+
+
+def next_pow2(n: int) -> int:
+    """The next power of two >= n, on the host (triton.next_power_of_2 is a constexpr function: slow from Python)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+_TL = {}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The triton type of a torch dtype (triton imported on first use)."""
+    if not _TL:
+        import triton.language as tl
+
+        _TL.update({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                    torch.float64: tl.float64})
+    return _TL[dtype]
+
 
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}  # shared memory of one block: H100/H200 (sm_90), A100 (sm_80)
 # 4 warps (one warpgroup). Measured on the H200 (Triton 3.6.0, 2026-12-04): with 8 warps the backward kernels

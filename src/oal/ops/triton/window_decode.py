@@ -30,7 +30,7 @@ import triton.language as tl
 from oal.ops import checks
 from oal.ops.triton import decode, parallel
 from oal.ops.triton.decode import _nonfinite, _partial_sums, _store_out
-from oal.ops.triton.function import tl_dtype
+from oal.ops.triton.tiles import next_pow2, tl_dtype
 
 
 @triton.jit
@@ -164,14 +164,13 @@ class Plan:
         n_kv, dv = k.shape[1], v.shape[-1]
         self.acc = checks.compute_dtype(q.dtype)
         self.inplace = decode.own_state(state, inplace, self.acc)
-        acc_dt = tl_dtype(self.acc)
-        bv = max(16, decode.pow2(dv))
-        rows = decode.pow2(sinks + window + n_t)
+        bv = max(16, next_pow2(dv))
+        rows = next_pow2(sinks + window + n_t)
         n_rows = bsz * n_q * n_t
         self.out_shape, self.grid = (bsz, n_q, n_t, dv), (bsz * n_kv,)
         self.sizes = (state.shape[-1], d, dv, n_q, scale)
-        self.meta = dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows, BD=max(16, decode.pow2(d)), BV=bv,
-                         EVICT=factor is not None, ACC_DT=acc_dt, num_warps=num_warps(rows, bv))
+        self.meta = dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows, BD=max(16, next_pow2(d)), BV=bv,
+                         EVICT=factor is not None, ACC_DT=tl_dtype(self.acc), num_warps=num_warps(rows, bv))
         self.step = None
         if factor is None:  # swa: one kernel, no scratch
             return
@@ -184,7 +183,7 @@ class Plan:
         self.n_slots, self.dv = (sinks + window) * (d + dv + 1), dv
         kernel = decode.kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=True)
         prefix_rows = (state.shape[-1] - self.n_slots) // (dv + 1)
-        self.step = decode.Step(q, k, v, prefix_rows, kernel, scale, acc, acc_dt, evict=True)
+        self.step = decode.Step(q, k, v, prefix_rows, kernel, scale, acc, evict=True)
         self.out_args = (n_rows, dv)
         self.out_meta = dict(NBLK=self.step.nblk, BV=bv)
 

@@ -95,7 +95,7 @@ def _triton_decode(q, k, v, groups, factor, *, window, sinks, eps, scale, state,
                 inplace=own and checks.updatable(state, q, k, v, factor))
     out, final = plan(q, k, v, state, status)
     checks.finish(chk)
-    if own and plan.inplace:
+    if plan.inplace:  # the cache's own state (`own`): only then is there a signature to keep it under
         plans.keep(state, sig, plan)
     return out, final
 
