@@ -319,13 +319,7 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
         else:
             lib.oal_readout_bf16(*ptrs, begin, end, *dims, dots, *extra)
 
-    threads = min(torch.get_num_threads(), items)
-    if threads <= 1:
-        run(0, items)
-        return out
-    from oal.ops import workers
-
-    workers.workers(threads).run(run, [(i * items // threads, (i + 1) * items // threads) for i in range(threads)])
+    _split(run, items, min(torch.get_num_threads(), items))
     return out
 
 
@@ -377,14 +371,19 @@ def decode(k: torch.Tensor, u: torch.Tensor, q: torch.Tensor, w: torch.Tensor, s
     def run(begin: int, end: int) -> None:
         lib.oal_decode_f32(*ptrs, begin, end, *dims)
 
-    _split(run, items, state[0, 0].numel())
+    _split(run, items, _decode_threads(items, state[0, 0].numel()))
     return num
 
 
-def _split(run, items: int, per_item: int) -> None:
-    """run(begin, end) over the items, split over the operator's workers where the state is large enough: they
-    cost about 0.1 ms a call (measured on 2 cores), worth it from a few MB of state, not at batch 1."""
-    threads = min(torch.get_num_threads(), items, max(1, per_item * items // DECODE_SPLIT))
+def _decode_threads(items: int, per_item: int) -> int:
+    """Workers of a decoding call: the operator's workers cost about 0.1 ms a call (measured on 2 cores), worth it
+    from a few MB of state (DECODE_SPLIT entries each), not at batch 1."""
+    return min(torch.get_num_threads(), items, max(1, per_item * items // DECODE_SPLIT))
+
+
+def _split(run, items: int, threads: int) -> None:
+    """run(begin, end) over the items, split evenly over `threads` of the operator's workers (one: in this
+    thread)."""
     if threads <= 1:
         run(0, items)
         return
@@ -425,5 +424,5 @@ def window_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torc
     def run(begin: int, end: int) -> None:
         lib.oal_window_decode_f32(*ptrs, begin, end, *dims)
 
-    _split(run, bsz * n_kv, size)
+    _split(run, bsz * n_kv, _decode_threads(bsz * n_kv, size))
     return out
