@@ -79,20 +79,21 @@ def stand_in(active: bool):
     if not active:
         yield
         return
+    from unittest import mock
+
     import oal.ops
     from oal.ops import checks
     from oal.ops.triton import decode, window_decode
 
-    saved = (checks.DEFERRED_DEVICES, oal.ops._auto_triton, decode._dec_step, decode._dec_out, window_decode._win_step,
-             window_decode._win_out)
-    checks.DEFERRED_DEVICES = {"cuda", "cpu"}
-    oal.ops._auto_triton = lambda q, v, causal, chunk_size=None: causal  # CUDA's choice of route, on the CPU
-    decode._dec_step = decode._dec_out = window_decode._win_step = window_decode._win_out = _NoLaunch()
-    try:
+    nop = _NoLaunch()
+    patches = [(checks, "DEFERRED_DEVICES", {"cuda", "cpu"}),
+               (oal.ops, "_auto_triton", lambda q, v, causal, chunk_size=None: causal),  # CUDA's route, on the CPU
+               (decode, "_dec_step", nop), (decode, "_dec_out", nop), (window_decode, "_win_step", nop),
+               (window_decode, "_win_out", nop)]
+    with contextlib.ExitStack() as stack:
+        for obj, name, value in patches:
+            stack.enter_context(mock.patch.object(obj, name, value))
         yield
-    finally:
-        (checks.DEFERRED_DEVICES, oal.ops._auto_triton, decode._dec_step, decode._dec_out, window_decode._win_step,
-         window_decode._win_out) = saved
 
 
 def measure(method: str, args, device: str) -> dict:
