@@ -84,10 +84,11 @@ def kernels(d: int, dv: int, dt: str, arch: int):
            *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
     fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, PAIRS="*i32", ST=a, STN=a, O=x, DEN=a,
-                   N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
-    yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big))
+                   STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
+    big_fwd = dict(big, CHECK=True)  # the output's check in the kernel, as on a GPU (deferred checks)
+    yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))
     for rh, stages in T.FWD_CANDIDATES[half, max(d, dv) > 64, arch]:
-        const, options = split("fwd", **big)
+        const, options = split("fwd", **big_fwd)
         yield (f"fwd tuned RH={rh} st={stages}", K._fwd_out, fwd_sig, dict(const, RH=rh),
                dict(options, num_stages=stages))
     yield ("dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=a,
@@ -102,14 +103,15 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                PREC=F._consts(cfg, "fwd", d, dv)["PREC"], LOOP_FOR=True)
     tail = dict(N="i32", n_q="i32", d="i32", dv="i32", g1="i32", NBKT="i32")
     par_sigs = {
-        "par fwd": (P._par_fwd, dict(Q=x, K=x, V=x, WS=a, L0=a, EPS=a, QS=a, O=x, DEN=a, **tail)),
-        "par dq": (P._par_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, QS=a, DQ=x, PART=a, **tail)),
-        "par dkv": (P._par_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, QS=a, DK=x, DV=x,
+        "par fwd": (P._par_fwd, dict(Q=x, K=x, V=x, WS=a, L0=a, EPS=a, MULT=a, O=x, DEN=a, STATUS=a, **tail)),
+        "par dq": (P._par_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, MULT=a, DQ=x, PART=a, **tail)),
+        "par dkv": (P._par_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, MULT=a, DK=x, DV=x,
                                      **tail)),
     }
     for name, (fn, sig) in par_sigs.items():
         for bm, bn, stages in P.configs(half, max(d, dv) > 64):
-            yield (f"{name} {bm}x{bn} st={stages}", fn, sig, dict(par, BM=bm, BN=bn),
+            extra = dict(CHECK=True) if name == "par fwd" else {}
+            yield (f"{name} {bm}x{bn} st={stages}", fn, sig, dict(par, BM=bm, BN=bn, **extra),
                    dict(num_warps=P.NUM_WARPS, num_stages=stages))
     dec_sig = dict(Q=x, K=x, V=x, W=a, ROWR="*i32", ROWT="*i32", S=a, PART=a, PARTN=a, STATUS=a, EK=a, EU=a, LL=a,
                    F="i32", d="i32", dv="i32", n_q="i32", n_bq="i32", s_stride="i32", scale_abs="fp32",

@@ -365,3 +365,64 @@ def test_a_plain_window_refuses_no_large_keys_on_the_device(on_device):
         out = window_attention(q[:, :, -1:], k[:, :, -1:] * 1e17, v[:, :, -1:], initial_state=state, **WINDOW)
     checks.check_errors()
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("route", ["parallel", "chunked"])
+def test_the_forward_kernels_report_a_vanished_kernel_late(on_device, route):
+    """The forward kernels check their own output into the call's status (no output pass of the guard): eps = 0
+    with L = 0 makes every output 0/0, reported with the host path's message."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 20, 16, 8, 3, seed=9)
+    oal_attention(q, k, v, groups, torch.zeros_like(factor), eps=0.0, backend="triton",
+                  output_final_state=route == "chunked")
+    with pytest.raises(ValueError, match=r"^eps: with eps=0 the kernel vanished.*found on cpu after an earlier call"):
+        checks.check_errors()
+
+
+def _rel(got, want):
+    got, want = got.detach().to(F64), want.detach().to(F64)
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("q_scale,k_scale", [(1e10, 1.0), (1e15, 1e3)])
+def test_the_parallel_kernels_rescale_exactly_with_gradients(on_device, q_scale, k_scale):
+    """Scores that would overflow: the parallel kernels multiply z by the guard's 1 / s_max themselves (q, L[0, m],
+    eps by its square: kappa / s_max^2, Eq. 7), so the output and every gradient match fp64 (without a floor: dq is
+    about 1 / q_scale here)."""
+    from oal.ops.triton import parallel
+
+    calls = []
+    monkeypatch = pytest.MonkeyPatch()
+    fn = parallel.attention
+    monkeypatch.setattr(parallel, "attention", lambda *a, **kw: calls.append(1) or fn(*a, **kw))
+    try:
+        q, k, v, groups, factor = make_inputs(1, 2, 1, 30, 16, 8, 3, seed=6)
+        q, k = q * q_scale, k * k_scale
+        got, want = [], []
+        for dtype, backend, out in ((torch.float32, "triton", got), (F64, "reference", want)):
+            leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, factor)]
+            o = oal_attention(*leaves[:3], groups, leaves[3], backend=backend)
+            proj = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+            out += [o, *torch.autograd.grad((o.to(F64) * proj).sum(), leaves)]
+        checks.check_errors()
+    finally:
+        monkeypatch.undo()
+    assert calls == [1], "the fresh sequence did not run the parallel kernels"
+    errs = {name: _rel(x, y) for name, x, y in zip(("out", "dq", "dk", "dv", "dfactor"), got, want, strict=True)}
+    assert all(err < 1e-4 for err in errs.values()), errs
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the torch side of a call; the GPU run measures time")
+def test_a_short_prefill_is_a_few_launches(on_device, monkeypatch):
+    """A fresh sequence on the parallel kernels, no gradient: the guard (the inputs' checks and the overflow
+    multipliers) and the forward kernel, which checks its own output and applies the rescaling itself."""
+    from oal.ops.triton import guard, parallel
+
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 50, 16, 8, 3, seed=8)
+    with torch.no_grad():
+        oal_attention(q, k, v, groups, factor, backend="triton")  # the coefficients, cached per kernel
+        kernels = count_kernels(monkeypatch, guard, "_guard")
+        launched = count_kernels(monkeypatch, parallel, "_par_fwd")
+        with Launches() as mode:
+            oal_attention(q, k, v, groups, factor, backend="triton")
+    print("short prefill: torch operators", mode.ops, "+ triton kernels", len(kernels) + len(launched))
+    assert mode.ops == ["zeros.default"] and len(kernels) == 1 and len(launched) == 1

@@ -59,8 +59,8 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
             plans.keep(initial_state, sig, plan)
     else:
         chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
-        out, final = triton_attention(q, k, v, groups, factor, rescale=mults, **kw)
-        checks.finish(chk, out)
+        out, final = triton_attention(q, k, v, groups, factor, rescale=mults, status=chk.status, **kw)
+        checks.finish(chk)  # the forward kernels checked their output into the status
     return (out, final) if output_final_state else out
 
 

@@ -16,7 +16,7 @@ gives dk and dv. Coefficient gradients flow back to the factor through torch (`c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -249,7 +249,7 @@ def tuning_record(d: int, dv: int, arch: int) -> dict:
                           for name, tuner in tuners.items()}}
 
 
-def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout):
+def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, status=None):
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
@@ -260,10 +260,10 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout):
     pairs = _device_maps(d, q.device)[0]
     kernel, consts = _fwd_out(q, d, dv, cfg)
     kernel[(n_q, n_c, bsz)](
-        q, k, v, a, bs, cs, ws, l0, eps_t, pairs, st, stn, o, den, n, n_q, st.shape[1], d, dv, lay.rows,
-        cfg.n_groups1, parallel.bucket(n),
+        q, k, v, a, bs, cs, ws, l0, eps_t, pairs, st, stn, o, den, eps_t if status is None else status, n, n_q,
+        st.shape[1], d, dv, lay.rows, cfg.n_groups1, parallel.bucket(n),
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, next_pow2(dv)), NPAIR=lay.npair,
-        GMAX=_gmax(cfg.n_groups1), **consts,
+        GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, **consts,
     )
     return o, den, tot[:, -1], totn[:, -1]
 
@@ -330,10 +330,10 @@ class OALTriton(torch.autograd.Function):
     """Causal OAL attention on the Triton kernels; gradients for q, k, v, the coefficients and the initial state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg: Config):
+    def forward(ctx, q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg: Config, status):
         lay = layout(q.shape[-1])
         init = (init_blk, init_n) if init_blk is not None else None
-        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay)
+        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay, status)
         ctx.save_for_backward(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, o, den)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
@@ -357,7 +357,7 @@ class OALTriton(torch.autograd.Function):
             q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do.contiguous(), dfinal, cfg, lay
         )
         di, din = dinit if dinit is not None else (None, None)
-        return dq, dk, dv, da, dbs, dcs, dws, dl0, None, di, din, None
+        return dq, dk, dv, da, dbs, dcs, dws, dl0, None, di, din, None, None
 
 
 _PARAMS = WeakIdKeyDictionary()  # factor -> (key, params): inference calls on deferred devices (see `_cached_params`)
@@ -377,6 +377,21 @@ def _cached_params(factor, groups, eps, scale, lay: Layout, acc_dtype):
     return hit[1]
 
 
+@lru_cache(maxsize=64)
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element device tensor holding `value` (eps for the kernels), made once: no operator per call. Read
+    only; a normal tensor even when first asked for in inference mode (autograd saves it for backward)."""
+    with torch.inference_mode(False):
+        return torch.full((1,), value, dtype=dtype, device=device)
+
+
+@lru_cache(maxsize=16)
+def _unit(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The guard's multiplier vector when nothing is rescaled on the device (all 1; see `checks.device_rescale`)."""
+    with torch.inference_mode(False):
+        return torch.ones(6, dtype=dtype, device=device)
+
+
 def _dtypes(q):
     """(dot dtype, accumulation dtype) for inputs like q."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -393,7 +408,8 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
 
     `rescale`: the device multipliers of `checks.device_rescale` (None: q, factor, eps and scale are already
     rescaled on the host). `inplace`: the initial state may be updated in place (the generation cache's own).
-    `status`: where the decoding kernels put their value checks (`checks.start_decode`)."""
+    `status`: where the decoding kernels put their value checks (`checks.start_decode`), and the forward kernels
+    their output's (`checks.start`; None: the host checks the output)."""
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     dot, acc = _dtypes(q)
@@ -408,20 +424,19 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
         fin = initial_state.to(acc) if initial_state is not None else q.new_zeros(bsz, n_kv, feature_dim(d), dv + 1,
                                                                                   dtype=acc)
         return out, fin
+    if routes.parallel(n, initial_state, need_state, chunk_size):  # the kernels apply the rescaling themselves
+        mult = _unit(acc, q.device) if rescale is None else rescale
+        return parallel.attention(q, k, v, ws, l0, _constant(eps, acc, q.device), mult, _consts(cfg, "fwd", d, dv),
+                                  _gmax(cfg.n_groups1), status), None
     if rescale is None:
-        eps_t = torch.full((1,), eps, dtype=acc, device=q.device)
-        qs = torch.ones(1, dtype=acc, device=q.device)
+        eps_t = _constant(eps, acc, q.device)
     else:  # exact for any multipliers (see checks.device_rescale); all 1 unless the scores would overflow
         qs, m_a, m_b, m_c, m_w, m_l0 = rescale.to(acc).split(1)
-        ws, l0, eps_t = ws * m_w, l0 * m_l0, m_a * eps
-    if routes.parallel(n, initial_state, need_state, chunk_size):  # q is scaled by qs as the kernels load it
-        return parallel.attention(q, k, v, ws, l0, eps_t, qs, _consts(cfg, "fwd", d, dv), _gmax(cfg.n_groups1)), None
-    if rescale is not None:
-        q, a, bs, cs = q * qs, a * m_a, bs * m_b, cs * m_c
+        q, a, bs, cs, ws, l0, eps_t = q * qs, a * m_a, bs * m_b, cs * m_c, ws * m_w, l0 * m_l0, m_a * eps
     init_blk = init_n = None
     if initial_state is not None:
         init_blk, init_n = state_to_blocks(initial_state.to(acc), d)
-    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg)
+    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg, status)
     return o, blocks_to_state(fin, finn, bsz, d)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oal.ops.triton.tiles import cdiv
+
 BLOCK = 4096
 SLOTS = 22
 MULT = 16  # where the multipliers start
@@ -71,6 +73,15 @@ def _guard(
             tl.store(STATUS + 21, inv_s)
 
 
+@triton.jit
+def flag_out(STATUS, out, mask):
+    """A forward kernel's own output check (`checks.finish`'s, in the kernel's launch): the output's non-finite
+    slot (13) set where the values as stored (`out`, in the output's dtype) hold NaN or Inf."""
+    zero = tl.sum(tl.sum(tl.where(mask, out.to(tl.float32) * 0.0, 0.0), axis=1), axis=0)  # NaN iff one was not finite
+    if zero != 0.0:
+        tl.atomic_max(STATUS + 13, 1.0)
+
+
 def launch(status, tensors, *, first: int, signed=None, scale: float = 1.0, d: int = 1, s_limit: float = 0.0,
            mults: bool = False) -> None:
     """Check `tensors` (at most five, in slot pairs from `first`) and `signed` (the negated moments, or None) into
@@ -78,7 +89,7 @@ def launch(status, tensors, *, first: int, signed=None, scale: float = 1.0, d: i
     present = [t.reshape(-1) for t in tensors] + [None] * (5 - len(tensors))
     present.append(None if signed is None else signed.reshape(-1))
     sizes = [0 if t is None else t.numel() for t in present]
-    blocks = [triton.cdiv(n, BLOCK) for n in sizes]
+    blocks = [cdiv(n, BLOCK) for n in sizes]
     bounds = [sum(blocks[: i + 1]) for i in range(5)]
     total = sum(blocks)
     if total == 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oal.ops.triton.guard import flag_out
 from oal.ops.triton.intra import _intra_z, _kappa_dk
 
 BLK = 16  # feature block width: a block pair is 16 x 16 = 256 features, tl.dot's smallest K is 16
@@ -283,17 +284,19 @@ def _state_scan(
 
 @triton.jit
 def _fwd_out(
-    Q, K, V, A, BS, CS, WS, L0, EPS, PAIRS, ST, STN, O, DEN,
+    Q, K, V, A, BS, CS, WS, L0, EPS, PAIRS, ST, STN, O, DEN, STATUS,
     N, n_q, n_cs, d, dv, R, g1, NBKT,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
 
     Grid (Hq, n_c, B): the query heads of a KV head are adjacent, so K, V and the chunk's state come from L2.
     Loops run at run time: unrolled, the compiler keeps every iteration's tiles live and runs out of registers.
-    EPS: eps as a device scalar (the overflow rescaling changes it without a host read). NBKT (the length's
-    power-of-two bucket) is read by nothing: it is the autotuner's key.
+    EPS: eps as a device scalar (the overflow rescaling changes it without a host read). CHECK: the output's value
+    check into STATUS (`guard.flag_out`). NBKT (the length's power-of-two bucket) is read by nothing: it is the
+    autotuner's key.
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
@@ -303,7 +306,7 @@ def _fwd_out(
     kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS)
     for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
         if m < g1:
-            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            z = _intra_z(q, k, WS, L0, 1.0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
             kap += z * z
     kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
     acc = tl.dot(kap.to(DOT_DT), v, input_precision=PREC, out_dtype=ACC_DT)
@@ -331,9 +334,11 @@ def _fwd_out(
             # the normaliser in fp32 from the unrounded features, as for H0, H1 and the intra-chunk part
             sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
             den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
-    out = acc / tl.where(tmask, den, 1.0)[:, None]
-    tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :],
-             out.to(O.dtype.element_ty), mask=tmask[:, None] & (vcol < dv)[None, :])
+    out = (acc / tl.where(tmask, den, 1.0)[:, None]).to(O.dtype.element_ty)
+    omask = tmask[:, None] & (vcol < dv)[None, :]
+    tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :], out, mask=omask)
+    if CHECK:
+        flag_out(STATUS, out, omask)
     tl.store(DEN + (b * n_q + h).to(tl.int64) * N + tok, den, mask=tmask)
 
 
@@ -367,7 +372,7 @@ def _bwd_dq(
     dq = tl.zeros([C, BD], ACC_DT)
     for m in range(GMAX):
         if m < g1:
-            dz = 2.0 * _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            dz = 2.0 * _intra_z(q, k, WS, L0, 1.0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
             tl.store(part + off_l0 + m, tl.sum(tl.sum(dz, axis=1), axis=0))
             t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
             dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]
@@ -437,7 +442,8 @@ def _bwd_dkv(
         dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
         dkap = tl.dot(_tile(goh, tok, tmask, vcol, dv).to(DOT_DT), tl.trans(v), input_precision=PREC, out_dtype=ACC_DT)
         dkap = tl.where(causal, dkap - dl[:, None], 0.0)
-        kap, dk = _kappa_dk(q, k, dkap, dk, causal, WS, L0, tl.load(EPS), h, g1, GMAX, C, C, BD, DOT_DT, ACC_DT, PREC)
+        kap, dk = _kappa_dk(q, k, dkap, dk, causal, WS, L0, tl.load(EPS), 1.0, h, g1, GMAX, C, C, BD, DOT_DT, ACC_DT,
+                            PREC)
         # go loaded again rather than kept: its shared-memory copy would be live across the loop over L's columns
         # (the eviction hint keeps the compiler from merging the two loads)
         go = tl.load(goh + tok[:, None] * dv + vcol[None, :], mask=tmask[:, None] & (vcol < dv)[None, :], other=0.0,

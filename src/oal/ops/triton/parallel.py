@@ -10,6 +10,12 @@ Backward (FlashAttention-2 style, no atomics): GO = dO / den, DL = (dO . o) / de
 `_par_dq` walks the key blocks of a query block (dq and each program's share of d(WS), d(L0)), `_par_dkv` the
 query blocks after a key block, for each query head of its KV head in turn (dk, dv).
 
+Overflow (`checks.rescaled`, Eq. 7): every z is multiplied by zs = MULT[5] (`checks.device_rescale`'s 1 / s_max
+when the scores would overflow, else 1): q as it is loaded, L[0, m] in `_intra_z`, eps by zs^2. That divides every
+kappa by s_max^2, which the output does not see, so the kernels take the caller's coefficients and eps unchanged
+(no torch operator per call for the rescaling). MULT is the guard's multiplier vector [qs, m_a, m_b, m_c, m_w,
+m_l0]; only m_l0 = 1 / s_max is read.
+
 Run-time loop bounds: compiled, the key loops are `for` loops (which Triton software-pipelines); Triton's CPU
 interpreter cannot take a run-time bound in `range`, so under it (LOOP_FOR=False) they are `while` loops. The
 loop bodies are the same jit functions.
@@ -23,16 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+from oal.ops.triton.guard import flag_out
 from oal.ops.triton.intra import _intra_z, _kappa_dk
 from oal.ops.triton.kernels import _tile
-from oal.ops.triton.tiles import next_pow2
+from oal.ops.triton.tiles import cdiv, next_pow2
 
 
 @triton.jit
-def _query_rows(Q, K, V, QS, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+def _query_rows(Q, K, V, zs, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                 ACC_DT: tl.constexpr):
     """Program (query block, query head h, batch row b) of a per-query-head kernel: its rows, their tile of q
-    (times QS, the overflow multiplier, in ACC_DT) and the key and value pointers of h's KV head."""
+    (times zs, the overflow multiplier, in ACC_DT) and the key and value pointers of h's KV head."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -40,69 +47,75 @@ def _query_rows(Q, K, V, QS, N, n_q, d, dv, REP: tl.constexpr, BM: tl.constexpr,
     offs_m = pid * BM + tl.arange(0, BM)
     mmask = offs_m < N
     qrow = (b * n_q + h).to(tl.int64)
-    q = _tile(Q + qrow * N * d, offs_m, mmask, tl.arange(0, BD), d).to(ACC_DT) * tl.load(QS)
+    q = _tile(Q + qrow * N * d, offs_m, mmask, tl.arange(0, BD), d).to(ACC_DT) * zs
     return pid, h, b, qrow, offs_m, mmask, q, K + bh * N * d, V + bh * N * dv
 
 
 @triton.jit
-def _kappa_tile(q, k, WS, L0, eps, h, g1, offs_m, offs_n, N, GMAX: tl.constexpr, BM: tl.constexpr,
+def _kappa_tile(q, k, WS, L0, eps, zs, h, g1, offs_m, offs_n, N, GMAX: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BD: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr):
-    """kappa(q_i, k_j) on the causal triangle of one [BM, BN] tile; zero where j > i or j >= N."""
+    """kappa(q_i, k_j) times zs^2 (eps comes scaled) on the causal triangle of one [BM, BN] tile; zero where j > i
+    or j >= N."""
     kap = tl.zeros([BM, BN], ACC_DT) + eps
     for m in range(GMAX):  # G is a run-time value so that one variant serves every layer
         if m < g1:
-            z = _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            z = _intra_z(q, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
             kap += z * z
     return tl.where((offs_m[:, None] >= offs_n[None, :]) & (offs_n < N)[None, :], kap, 0.0)
 
 
 @triton.jit
-def _fwd_block(acc, den, q, kh, vh, WS, L0, eps, h, g1, s, offs_m, N, d, dv, GMAX: tl.constexpr, BM: tl.constexpr,
+def _fwd_block(acc, den, q, kh, vh, WS, L0, eps, zs, h, g1, s, offs_m, N, d, dv, GMAX: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr,
                PREC: tl.constexpr):
     offs_n = s + tl.arange(0, BN)
     nmask = offs_n < N
     k = _tile(kh, offs_n, nmask, tl.arange(0, BD), d).to(ACC_DT).to(DOT_DT)
     v = _tile(vh, offs_n, nmask, tl.arange(0, BV), dv).to(ACC_DT).to(DOT_DT)
-    kap = _kappa_tile(q, k, WS, L0, eps, h, g1, offs_m, offs_n, N, GMAX, BM, BN, BD, DOT_DT, ACC_DT, PREC)
+    kap = _kappa_tile(q, k, WS, L0, eps, zs, h, g1, offs_m, offs_n, N, GMAX, BM, BN, BD, DOT_DT, ACC_DT, PREC)
     acc = tl.dot(kap.to(DOT_DT), v, acc, input_precision=PREC, out_dtype=ACC_DT)
     return acc, den + tl.sum(kap, axis=1)
 
 
 @triton.jit
 def _par_fwd(
-    Q, K, V, WS, L0, EPS, QS, O, DEN,
+    Q, K, V, WS, L0, EPS, MULT, O, DEN, STATUS,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
-    ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, CHECK: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr,
 ):
     """Output (and normaliser) of one block of BM queries of one query head. Grid (cdiv(N, BM), Hq, B).
 
-    NBKT (the length's power-of-two bucket) is read by nothing: it is the autotuner's key."""
-    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, QS, N, n_q, d, dv, REP, BM, BD, ACC_DT)
-    eps = tl.load(EPS)
+    CHECK: the output's value check into STATUS (`guard.flag_out`). NBKT (the length's power-of-two bucket) is read
+    by nothing: it is the autotuner's key."""
+    zs = tl.load(MULT + 5)
+    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, zs, N, n_q, d, dv, REP, BM, BD, ACC_DT)
+    eps = tl.load(EPS) * zs * zs
     acc = tl.zeros([BM, BV], ACC_DT)
     den = tl.zeros([BM], ACC_DT)
     hi = tl.minimum((pid + 1) * BM, N)
     if LOOP_FOR:
         for s in range(0, hi, BN):
-            acc, den = _fwd_block(acc, den, q, kh, vh, WS, L0, eps, h, g1, s, offs_m, N, d, dv, GMAX, BM, BN, BD, BV,
-                                  DOT_DT, ACC_DT, PREC)
+            acc, den = _fwd_block(acc, den, q, kh, vh, WS, L0, eps, zs, h, g1, s, offs_m, N, d, dv, GMAX, BM, BN, BD,
+                                  BV, DOT_DT, ACC_DT, PREC)
     else:
         s = 0
         while s < hi:
-            acc, den = _fwd_block(acc, den, q, kh, vh, WS, L0, eps, h, g1, s, offs_m, N, d, dv, GMAX, BM, BN, BD, BV,
-                                  DOT_DT, ACC_DT, PREC)
+            acc, den = _fwd_block(acc, den, q, kh, vh, WS, L0, eps, zs, h, g1, s, offs_m, N, d, dv, GMAX, BM, BN, BD,
+                                  BV, DOT_DT, ACC_DT, PREC)
             s += BN
     vcol = tl.arange(0, BV)
-    out = acc / tl.where(mmask, den, 1.0)[:, None]
-    tl.store(O + qrow * N * dv + offs_m[:, None] * dv + vcol[None, :], out.to(O.dtype.element_ty),
-             mask=mmask[:, None] & (vcol < dv)[None, :])
+    out = (acc / tl.where(mmask, den, 1.0)[:, None]).to(O.dtype.element_ty)
+    omask = mmask[:, None] & (vcol < dv)[None, :]
+    tl.store(O + qrow * N * dv + offs_m[:, None] * dv + vcol[None, :], out, mask=omask)
+    if CHECK:
+        flag_out(STATUS, out, omask)
     tl.store(DEN + qrow * N + offs_m, den, mask=mmask)
 
 
 @triton.jit
-def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, dv, GMAX: tl.constexpr,
+def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, zs, h, g1, s, offs_m, N, d, dv, GMAX: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
               ACC_DT: tl.constexpr, PREC: tl.constexpr):
     """One key block's share of dq and of the (G+1) x BD gradient of WS and the G+1 of L0."""
@@ -116,7 +129,7 @@ def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, d
     rows = tl.arange(0, GMAX)
     for m in range(GMAX):
         if m < g1:
-            dz = 2.0 * _intra_z(q, k, WS, L0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            dz = 2.0 * _intra_z(q, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
             t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
             dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]
             # rows of a register tile cannot be indexed at run time: add row m through a mask
@@ -127,14 +140,15 @@ def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, d
 
 @triton.jit
 def _par_dq(
-    Q, K, V, GO, DL, WS, L0, QS, DQ, PART,
+    Q, K, V, GO, DL, WS, L0, MULT, DQ, PART,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
     ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """dq of one block of BM queries of one query head, and its share of d(WS) [GMAX, BD] and d(L0) [GMAX] in
     PART[b, pid, h] (GMAX * BD + GMAX entries). Grid (cdiv(N, BM), Hq, B)."""
-    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, QS, N, n_q, d, dv, REP, BM, BD, ACC_DT)
+    zs = tl.load(MULT + 5)
+    pid, h, b, qrow, offs_m, mmask, q, kh, vh = _query_rows(Q, K, V, zs, N, n_q, d, dv, REP, BM, BD, ACC_DT)
     dcol = tl.arange(0, BD)
     go = _tile(GO + qrow * N * dv, offs_m, mmask, tl.arange(0, BV), dv).to(DOT_DT)
     dl = tl.load(DL + qrow * N + offs_m, mask=mmask, other=0.0)
@@ -144,25 +158,25 @@ def _par_dq(
     hi = tl.minimum((pid + 1) * BM, N)
     if LOOP_FOR:
         for s in range(0, hi, BN):
-            dq, dws, dl0 = _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, dv, GMAX, BM,
+            dq, dws, dl0 = _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, zs, h, g1, s, offs_m, N, d, dv, GMAX, BM,
                                      BN, BD, BV, DOT_DT, ACC_DT, PREC)
     else:
         s = 0
         while s < hi:
-            dq, dws, dl0 = _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, h, g1, s, offs_m, N, d, dv, GMAX, BM,
+            dq, dws, dl0 = _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, zs, h, g1, s, offs_m, N, d, dv, GMAX, BM,
                                      BN, BD, BV, DOT_DT, ACC_DT, PREC)
             s += BN
-    dq = dq * tl.load(QS)  # the gradient for the caller's q (the kernel's is q * QS)
+    dq = dq * zs  # the gradient for the caller's q (the kernel's is q * zs)
     tl.store(DQ + qrow * N * d + offs_m[:, None] * d + dcol[None, :], dq.to(DQ.dtype.element_ty),
              mask=mmask[:, None] & (dcol < d)[None, :])
     part = PART + ((b * tl.num_programs(0) + pid) * n_q + h).to(tl.int64) * (GMAX * BD + GMAX)
     rows = tl.arange(0, GMAX)
     tl.store(part + rows[:, None] * BD + dcol[None, :], dws)
-    tl.store(part + GMAX * BD + rows, dl0)
+    tl.store(part + GMAX * BD + rows, dl0 * zs)  # L[0, m] enters z times zs
 
 
 @triton.jit
-def _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX: tl.constexpr,
+def _dkv_block(dk, dv_acc, k, v, qh, zs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv, GMAX: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
                ACC_DT: tl.constexpr, PREC: tl.constexpr):
     """One query block's share of dk and dv for the key block (k, v) and query head h."""
@@ -170,19 +184,19 @@ def _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n
     mmask = offs_m < N
     dcol = tl.arange(0, BD)
     vcol = tl.arange(0, BV)
-    q = _tile(qh, offs_m, mmask, dcol, d).to(ACC_DT) * qs
+    q = _tile(qh, offs_m, mmask, dcol, d).to(ACC_DT) * zs
     go = _tile(goh, offs_m, mmask, vcol, dv).to(DOT_DT)
     dl = tl.load(dlh + offs_m, mask=mmask, other=0.0)
     causal = (offs_m[:, None] >= offs_n[None, :]) & (offs_n < N)[None, :]
     dkap = tl.where(causal, tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None], 0.0)
-    kap, dk = _kappa_dk(q, k, dkap, dk, causal, WS, L0, eps, h, g1, GMAX, BM, BN, BD, DOT_DT, ACC_DT, PREC)
+    kap, dk = _kappa_dk(q, k, dkap, dk, causal, WS, L0, eps, zs, h, g1, GMAX, BM, BN, BD, DOT_DT, ACC_DT, PREC)
     dv_acc = tl.dot(tl.trans(kap.to(DOT_DT)), go, dv_acc, input_precision=PREC, out_dtype=ACC_DT)
     return dk, dv_acc
 
 
 @triton.jit
 def _par_dkv(
-    Q, K, V, GO, DL, WS, L0, EPS, QS, DK, DV,
+    Q, K, V, GO, DL, WS, L0, EPS, MULT, DK, DV,
     N, n_q, d, dv, g1, NBKT,
     REP: tl.constexpr, GMAX: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, DOT_DT: tl.constexpr,
     ACC_DT: tl.constexpr, PREC: tl.constexpr, LOOP_FOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -200,8 +214,8 @@ def _par_dkv(
     vcol = tl.arange(0, BV)
     k = _tile(K + bh * N * d, offs_n, nmask, dcol, d).to(ACC_DT).to(DOT_DT)
     v = _tile(V + bh * N * dv, offs_n, nmask, vcol, dv).to(ACC_DT).to(DOT_DT)
-    eps = tl.load(EPS)
-    qs = tl.load(QS)
+    zs = tl.load(MULT + 5)
+    eps = tl.load(EPS) * zs * zs
     dk = tl.zeros([BN, BD], ACC_DT)
     dv_acc = tl.zeros([BN, BV], ACC_DT)
     lo = (pid * BN // BM) * BM  # the query block holding this key block's first key
@@ -213,12 +227,12 @@ def _par_dkv(
         dlh = DL + qrow * N
         if LOOP_FOR:
             for s in range(lo, N, BM):
-                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
+                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, zs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
                                         GMAX, BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
         else:
             s = lo
             while s < N:
-                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, qs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
+                dk, dv_acc = _dkv_block(dk, dv_acc, k, v, qh, zs, goh, dlh, WS, L0, eps, h, g1, s, offs_n, N, d, dv,
                                         GMAX, BM, BN, BD, BV, DOT_DT, ACC_DT, PREC)
                 s += BM
     tl.store(DK + bh * N * d + offs_n[:, None] * d + dcol[None, :], dk.to(DK.dtype.element_ty),
@@ -286,20 +300,21 @@ class OALParallel(torch.autograd.Function):
     torch, as for the chunked kernels)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ws, l0, eps_t, qs, consts: dict, gmax: int, acc_dtype: torch.dtype):
+    def forward(ctx, q, k, v, ws, l0, eps_t, mult, status, consts: dict, gmax: int, acc_dtype: torch.dtype):
         bsz, n_q, n, _ = q.shape
         c = _consts(q, v, consts, gmax)
         o = empty(q, bsz, n_q, n, v.shape[-1])
         den = empty(q, bsz, n_q, n, dtype=acc_dtype)
-        args = (q, k, v, ws, l0, eps_t, qs, o, den, n, n_q, q.shape[-1], v.shape[-1], ws.shape[1], bucket(n))
-        _launch(_par_fwd, lambda bm, bn: (triton.cdiv(n, bm), n_q, bsz), *args, **c)
-        ctx.save_for_backward(q, k, v, ws, l0, eps_t, qs, o, den)
+        args = (q, k, v, ws, l0, eps_t, mult, o, den, eps_t if status is None else status, n, n_q, q.shape[-1],
+                v.shape[-1], ws.shape[1], bucket(n))
+        _launch(_par_fwd, lambda bm, bn: (cdiv(n, bm), n_q, bsz), *args, **c, CHECK=status is not None)
+        ctx.save_for_backward(q, k, v, ws, l0, eps_t, mult, o, den)
         ctx.c = c
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, ws, l0, eps_t, qs, o, den = ctx.saved_tensors
+        q, k, v, ws, l0, eps_t, mult, o, den = ctx.saved_tensors
         c = ctx.c
         bsz, n_q, n, d = q.shape
         n_kv, dv = k.shape[1], v.shape[-1]
@@ -309,17 +324,17 @@ class OALParallel(torch.autograd.Function):
         dl = ((do * o.to(acc)).sum(-1) / den).contiguous()
         dq, dk, dv_ = empty(q, *q.shape), empty(k, *k.shape), empty(v, *v.shape)
         width = c["GMAX"] * c["BD"] + c["GMAX"]
-        part = q.new_zeros(bsz * triton.cdiv(n, MIN_BM) * n_q, width, dtype=acc)
+        part = q.new_zeros(bsz * cdiv(n, MIN_BM) * n_q, width, dtype=acc)
         tail = (n, n_q, d, dv, g1, bucket(n))
-        _launch(_par_dq, lambda bm, bn: (triton.cdiv(n, bm), n_q, bsz), q, k, v, go, dl, ws, l0, qs, dq, part, *tail,
+        _launch(_par_dq, lambda bm, bn: (cdiv(n, bm), n_q, bsz), q, k, v, go, dl, ws, l0, mult, dq, part, *tail,
                 **c)
-        _launch(_par_dkv, lambda bm, bn: (triton.cdiv(n, bn), n_kv, bsz), q, k, v, go, dl, ws, l0, eps_t, qs, dk, dv_,
+        _launch(_par_dkv, lambda bm, bn: (cdiv(n, bn), n_kv, bsz), q, k, v, go, dl, ws, l0, eps_t, mult, dk, dv_,
                 *tail, **c)
         # the partials of every (batch row, query block) of head h: rows b * blocks * Hq + block * Hq + h
         part = part.view(-1, n_q, width).sum(0)
         dws = part[:, : c["GMAX"] * c["BD"]].view(n_q, c["GMAX"], c["BD"])[:, :g1]
         dl0 = part[:, c["GMAX"] * c["BD"]:][:, :g1]
-        return dq, dk, dv_, dws, dl0, None, None, None, None, None
+        return dq, dk, dv_, dws, dl0, None, None, None, None, None, None
 
 
 def bucket(n: int) -> int:
@@ -327,8 +342,9 @@ def bucket(n: int) -> int:
     return max(0, (n - 1).bit_length())
 
 
-def attention(q, k, v, ws, l0, eps_t, qs, consts: dict, gmax: int):
+def attention(q, k, v, ws, l0, eps_t, mult, consts: dict, gmax: int, status=None):
     """Causal OAL of a fresh sequence without its state: out [B, Hq, N, dv] in q's dtype. q, k, v contiguous;
-    ws [Hq, G+1, BD], l0 [Hq, G+1] as `function._params` builds them; eps_t and qs (q's overflow multiplier,
-    applied as q is loaded) 1-element tensors on the device."""
-    return OALParallel.apply(q, k, v, ws, l0, eps_t, qs, consts, gmax, eps_t.dtype)
+    ws [Hq, G+1, BD], l0 [Hq, G+1] as `function._params` builds them; eps_t (eps) and mult (the guard's overflow
+    multipliers, see the module docstring) on the device. `status`: the call's device checks, into which the
+    forward kernel writes its output check (None: no check)."""
+    return OALParallel.apply(q, k, v, ws, l0, eps_t, mult, status, consts, gmax, eps_t.dtype)

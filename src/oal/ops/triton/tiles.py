@@ -21,6 +21,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(n: int, block: int) -> int:
+    """ceil(n / block) on the host (triton.cdiv is a constexpr function: about 2 µs a call from Python)."""
+    return -(-n // block)
+
+
 _TL = {}
 
 
