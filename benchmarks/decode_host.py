@@ -17,7 +17,12 @@ at batch 1 take several hundred µs a module and would hide the host time).
                   launches do nothing, their outputs stay uninitialised), so what is timed is oal's host side
                   without Triton's own launch cost. The softmax layers' SDPA runs for real, on a short context.
 
-Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us), a PNG beside it, and prints a table.
+Also the host time of one prefill call of the operator alone (`prefill`: a fresh sequence of --prefill-n tokens at
+the Qwen2.5-0.5B head shape, Hq 14, Hkv 2, d 64, G 5; the parallel kernels' route), median of --steps calls, beside
+default SDPA's on CUDA: at 2k tokens CUDA events around a call include the host's time to issue it.
+
+Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us; `prefill`), a PNG beside it, and prints
+a table.
 
     python -m benchmarks.decode_host --out benchmarks/reference/decode_host_cpu.json
 """
@@ -54,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int_in(5, 100_000), default=200, help="timed decoding steps per method")
     ap.add_argument("--warmup", type=int_in(1, 1000), default=20, help="untimed steps first (plans, compilation)")
     ap.add_argument("--prompt", type=int_in(1, 4096), default=32, help="tokens prefilled before decoding")
+    ap.add_argument("--prefill-n", type=int_in(0, 4096), default=2048,
+                    help="tokens of the timed prefill call (0: skip it)")
     ap.add_argument("--out", type=output_file, default=RESULTS / "decode_host.json",
                     help="the JSON file (PNG beside it)")
     return ap.parse_args(argv)
@@ -83,13 +90,13 @@ def stand_in(active: bool):
 
     import oal.ops
     from oal.ops import checks
-    from oal.ops.triton import decode, window_decode
+    from oal.ops.triton import decode, guard, parallel, window_decode
 
     nop = _NoLaunch()
     patches = [(checks, "DEFERRED_DEVICES", {"cuda", "cpu"}),
                (oal.ops, "_auto_triton", lambda q, v, causal, chunk_size=None: causal),  # CUDA's route, on the CPU
                (decode, "_dec_step", nop), (decode, "_dec_out", nop), (window_decode, "_win_step", nop),
-               (window_decode, "_win_out", nop)]
+               (window_decode, "_win_out", nop), (guard, "_guard", nop), (parallel, "_par_fwd", nop)]
     with contextlib.ExitStack() as stack:
         for obj, name, value in patches:
             stack.enter_context(mock.patch.object(obj, name, value))
@@ -141,6 +148,38 @@ def measure(method: str, args, device: str) -> dict:
     softmax, conv = (statistics.median(times[k]) * 1e6 for k in ("softmax", "converted"))
     return {"method": method, "softmax_us": softmax, "converted_us": conv, "difference_us": conv - softmax,
             "layers_timed": {k: len(v) // args.steps for k, v in times.items()}}
+
+
+def prefill(args, device: str) -> dict:
+    """Median host time (µs) of one oal_attention call on a fresh sequence (no gradient), and of default SDPA's on
+    CUDA (on the CPU SDPA computes for real: not a host time)."""
+    import torch
+    import torch.nn.functional as F
+
+    from oal.ops import checks, oal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, h, args.prefill_n, 64, generator=gen).to(device, dtype) for h in (14, 2, 2))
+    groups = torch.randint(0, 5, (14, 64), generator=gen).to(device)
+    factor = (0.3 * torch.randn(14, 6, 6, generator=gen)).to(device)
+    calls = {"oal": lambda: oal_attention(q, k, v, groups, factor)}
+    if device == "cuda":
+        calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    result = {"n": args.prefill_n, "oal_us": None, "sdpa_us": None}
+    with torch.no_grad(), stand_in(device == "cpu"):
+        for name, call in calls.items():
+            times = []
+            for step in range(args.warmup + args.steps):
+                if device == "cuda" and step % 20 == 0:
+                    torch.cuda.synchronize()  # a bounded queue: the call's time is the host's
+                t0 = time.perf_counter()
+                call()
+                if step >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            result[f"{name}_us"] = statistics.median(times) * 1e6
+        checks.check_errors()
+    return result
 
 
 def table(rows: list[dict], title: str):
@@ -197,13 +236,22 @@ def main(args: argparse.Namespace) -> None:
     how = "real kernels, bf16" if args.device == "cuda" else "CPU stand-in, Triton kernels stubbed, fp32"
     title = f"Host time per attention layer, one decoding step at batch 1: {name} ({how}, {args.shape} shape)"
     rows = []
+    record = {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+              "prefill": None}
     for method in args.methods:  # the JSON after each method: a time-out keeps what finished
         rows.append(measure(method, args, args.device))
-        atomic_write_json(args.out, {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
-                                     "threads": torch.get_num_threads(),
-                                     "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+        atomic_write_json(args.out, record)
+    if args.prefill_n:
+        record["prefill"] = prefill(args, args.device)
+        atomic_write_json(args.out, record)
     plot(rows, title, args.out.with_suffix(".png"))
-    Console(width=140).print(table(rows, title))
+    console = Console(width=140)
+    console.print(table(rows, title))
+    if record["prefill"]:
+        p = record["prefill"]
+        sdpa = "" if p["sdpa_us"] is None else f", default SDPA {p['sdpa_us']:.1f} µs"
+        console.print(f"prefill call, N = {p['n']} (Qwen2.5-0.5B heads): OAL {p['oal_us']:.1f} µs of host time{sdpa}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, caus
                  dispatch; which backend it picked is read off a torch.profiler trace of one call;
   sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it.
 Forward (no autograd) and forward + backward. Times: CUDA events around each call, median of --repeats after
---warmup calls (the first calls compile and autotune). Memory: torch.cuda.max_memory_allocated over one call,
-inputs included. Before timing, the kernels' bf16 output and gradients are compared with the fp32 torch path
-(`sanity`), on both OAL routes.
+--warmup calls (the first calls compile and autotune); beside each forward time, the host's time to issue the call
+(`<method>_fwd_host_ms`: where it exceeds the device's work, as at short lengths, the events measure the host).
+Memory: torch.cuda.max_memory_allocated over one call, inputs included. Before timing, the kernels' bf16 output and
+gradients are compared with the fp32 torch path (`sanity`), on both OAL routes.
 
 Writes --out (JSON; `rows` hold n, oal_fwd_ms, sdpa_fwd_ms, oal_fwdbwd_ms, sdpa_fwdbwd_ms and the other methods'
 times, null where not measured), a PNG beside it, and prints a table and the issue's goals.
@@ -136,23 +137,29 @@ def attention(method: str):
 
 
 class Timer:
-    """CUDA events on a GPU (device time between the two records), the host clock on the CPU."""
+    """CUDA events on a GPU (device time between the two records), the host clock on the CPU. `host` keeps each
+    call's host time (ms): on a GPU the time to issue its work, which the events include where the device waits
+    for the host (short sequences)."""
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
+        self.host: list[float] = []
 
     def __call__(self, fn) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             res = fn()
+            self.host.append(1e3 * (time.perf_counter() - t0))
             end.record()
             torch.cuda.synchronize()
             del res
             return start.elapsed_time(end)
         t0 = time.perf_counter()
         fn()
-        return 1e3 * (time.perf_counter() - t0)
+        self.host.append(1e3 * (time.perf_counter() - t0))
+        return self.host[-1]
 
 
 def measure(method: str, n: int, backward: bool, args) -> dict:
@@ -171,13 +178,15 @@ def measure(method: str, n: int, backward: bool, args) -> dict:
     timer = Timer(args.device)
     for _ in range(args.warmup):  # compilation, autotuning, allocator warm-up
         timer(call)
+    timer.host.clear()
     times = [timer(call) for _ in range(args.repeats)]
+    host = statistics.median(timer.host)
     peak = None
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         timer(call)
         peak = torch.cuda.max_memory_allocated() / 2**20
-    return {"ms": statistics.median(times), "ms_all": times, "peak_mib": peak}
+    return {"ms": statistics.median(times), "ms_all": times, "host_ms": host, "peak_mib": peak}
 
 
 def skip_reason(method: str, n: int, args) -> str | None:
@@ -257,6 +266,7 @@ def row_of(n: int, measured: dict) -> dict:
             row[f"{method}_{mode}_ms"] = r.get("ms")
             if mode == "fwd":
                 row[f"{method}_peak_mib"] = r.get("peak_mib")
+                row[f"{method}_fwd_host_ms"] = r.get("host_ms")  # the host's share (issuing the call)
     return row
 
 
@@ -336,7 +346,8 @@ def table(rows: list[dict], title: str, backend: str):
     from rich.table import Table
 
     t = Table(title=title)
-    cols = [("N", None), (f"sdpa ({backend})", "sdpa_fwd"), ("OAL", "oal_fwd"), ("sdpa/OAL", "ratio_fwd"),
+    cols = [("N", None), (f"sdpa ({backend})", "sdpa_fwd"), ("OAL", "oal_fwd"), ("OAL host", "oal_fwd_host"),
+            ("sdpa/OAL", "ratio_fwd"),
             ("flash", "sdpa_flash_fwd"), ("cudnn", "sdpa_cudnn_fwd"), ("OAL parallel", "oal_parallel_fwd"),
             ("OAL chunked", "oal_chunked_fwd"), ("sdpa f+b", "sdpa_fwdbwd"), ("OAL f+b", "oal_fwdbwd"),
             ("sdpa/OAL f+b", "ratio_fwdbwd")]

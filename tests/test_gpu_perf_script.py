@@ -35,6 +35,7 @@ def test_dry_run_runs_every_part(tmp_path):
                                                                 "gpu_h200.png"]
     host = json.loads((tmp_path / "decode_host_h200.json").read_text())
     assert host["stand_in"] and [r["method"] for r in host["rows"]] == ["oal", "swa"]
+    assert host["prefill"]["oal_us"] > 0 and host["prefill"]["sdpa_us"] is None  # SDPA's on CUDA only
     gpu = json.loads((tmp_path / "gpu_h200.json").read_text())
     assert [r["n"] for r in gpu["rows"]] == [32] and isinstance(gpu["rows"][0]["oal_fwd_ms"], float)
     gen = json.loads((tmp_path / "generate_h200.json").read_text())

@@ -295,19 +295,25 @@ def _consts(q, v, consts: dict, gmax: int) -> dict:
                 BV=max(16, next_pow2(dv)), **{name: consts[name] for name in ("DOT_DT", "ACC_DT", "PREC")})
 
 
+def _forward(q, k, v, ws, l0, eps_t, mult, status, c: dict, acc_dtype: torch.dtype):
+    """(out, normaliser) from one launch of `_par_fwd`; c: its constants (`_consts`)."""
+    bsz, n_q, n, _ = q.shape
+    o = empty(q, bsz, n_q, n, v.shape[-1])
+    den = empty(q, bsz, n_q, n, dtype=acc_dtype)
+    args = (q, k, v, ws, l0, eps_t, mult, o, den, eps_t if status is None else status, n, n_q, q.shape[-1],
+            v.shape[-1], ws.shape[1], bucket(n))
+    _launch(_par_fwd, lambda bm, bn: (cdiv(n, bm), n_q, bsz), *args, **c, CHECK=status is not None)
+    return o, den
+
+
 class OALParallel(torch.autograd.Function):
     """Causal OAL without a state on the parallel kernels; gradients for q, k, v, WS and L0 (the factor's through
     torch, as for the chunked kernels)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ws, l0, eps_t, mult, status, consts: dict, gmax: int, acc_dtype: torch.dtype):
-        bsz, n_q, n, _ = q.shape
         c = _consts(q, v, consts, gmax)
-        o = empty(q, bsz, n_q, n, v.shape[-1])
-        den = empty(q, bsz, n_q, n, dtype=acc_dtype)
-        args = (q, k, v, ws, l0, eps_t, mult, o, den, eps_t if status is None else status, n, n_q, q.shape[-1],
-                v.shape[-1], ws.shape[1], bucket(n))
-        _launch(_par_fwd, lambda bm, bn: (cdiv(n, bm), n_q, bsz), *args, **c, CHECK=status is not None)
+        o, den = _forward(q, k, v, ws, l0, eps_t, mult, status, c, acc_dtype)
         ctx.save_for_backward(q, k, v, ws, l0, eps_t, mult, o, den)
         ctx.c = c
         return o
@@ -346,5 +352,8 @@ def attention(q, k, v, ws, l0, eps_t, mult, consts: dict, gmax: int, status=None
     """Causal OAL of a fresh sequence without its state: out [B, Hq, N, dv] in q's dtype. q, k, v contiguous;
     ws [Hq, G+1, BD], l0 [Hq, G+1] as `function._params` builds them; eps_t (eps) and mult (the guard's overflow
     multipliers, see the module docstring) on the device. `status`: the call's device checks, into which the
-    forward kernel writes its output check (None: no check)."""
-    return OALParallel.apply(q, k, v, ws, l0, eps_t, mult, status, consts, gmax, eps_t.dtype)
+    forward kernel writes its output check (None: no check). Without a gradient to compute, the kernel runs
+    without autograd's bookkeeping (a few µs of host time a call)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, ws, l0)):
+        return OALParallel.apply(q, k, v, ws, l0, eps_t, mult, status, consts, gmax, eps_t.dtype)
+    return _forward(q, k, v, ws, l0, eps_t, mult, status, _consts(q, v, consts, gmax), eps_t.dtype)[0]
