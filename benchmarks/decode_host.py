@@ -21,8 +21,11 @@ Also the host time of one prefill call of the operator alone (`prefill`: a fresh
 the Qwen2.5-0.5B head shape, Hq 14, Hkv 2, d 64, G 5; the parallel kernels' route), median of --steps calls, beside
 default SDPA's on CUDA: at 2k tokens CUDA events around a call include the host's time to issue it.
 
-Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us; `prefill`), a PNG beside it, and prints
-a table.
+--direct-launch (CUDA): each method timed again with OAL_TRITON_DIRECT_LAUNCH=1, the plans' kernels launched
+through the compiled kernels' own launchers (`oal.ops.triton.launch`), in a row's `direct` entry.
+
+Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us, direct; `prefill`), a PNG beside it,
+and prints a table.
 
     python -m benchmarks.decode_host --out benchmarks/reference/decode_host_cpu.json
 """
@@ -59,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int_in(5, 100_000), default=200, help="timed decoding steps per method")
     ap.add_argument("--warmup", type=int_in(1, 1000), default=20, help="untimed steps first (plans, compilation)")
     ap.add_argument("--prompt", type=int_in(1, 4096), default=32, help="tokens prefilled before decoding")
+    ap.add_argument("--direct-launch", action="store_true",
+                    help="CUDA: also time each method with OAL_TRITON_DIRECT_LAUNCH=1 (see above)")
     ap.add_argument("--prefill-n", type=int_in(0, 4096), default=2048,
                     help="tokens of the timed prefill call (0: skip it)")
     ap.add_argument("--out", type=output_file, default=RESULTS / "decode_host.json",
@@ -103,9 +108,14 @@ def stand_in(active: bool):
         yield
 
 
-def measure(method: str, args, device: str) -> dict:
-    """Median forward time (µs) of the softmax and of the converted attention modules over the timed steps."""
+def measure(method: str, args, device: str, direct: bool = False) -> dict:
+    """Median forward time (µs) of the softmax and of the converted attention modules over the timed steps;
+    `direct`: with the plans' kernels launched directly (`oal.ops.triton.launch`)."""
     import torch
+
+    from oal.ops.triton import launch
+
+    os.environ[launch.ENV] = "1" if direct else "0"
 
     from benchmarks._long_context import build
     from oal.models.cache import cache_kwargs
@@ -186,10 +196,15 @@ def table(rows: list[dict], title: str):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("method", "softmax layer (µs)", "converted layer (µs)", "converted - softmax (µs)"):
+    direct = any(r.get("direct") for r in rows)
+    cols = ("method", "softmax layer (µs)", "converted layer (µs)", "converted - softmax (µs)")
+    for col in cols + (("direct launch: converted - softmax (µs)",) if direct else ()):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["method"], f"{r['softmax_us']:.1f}", f"{r['converted_us']:.1f}", f"{r['difference_us']:+.1f}")
+        cells = [r["method"], f"{r['softmax_us']:.1f}", f"{r['converted_us']:.1f}", f"{r['difference_us']:+.1f}"]
+        if direct:
+            cells.append(f"{r['direct']['difference_us']:+.1f}" if r.get("direct") else "-")
+        t.add_row(*cells)
     return t
 
 
@@ -240,8 +255,12 @@ def main(args: argparse.Namespace) -> None:
               "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
               "prefill": None}
     for method in args.methods:  # the JSON after each method: a time-out keeps what finished
-        rows.append(measure(method, args, args.device))
+        rows.append(measure(method, args, args.device) | {"direct": None})
         atomic_write_json(args.out, record)
+        if args.direct_launch and args.device == "cuda":  # the stand-in's stubs compile nothing to launch directly
+            again = measure(method, args, args.device, direct=True)
+            rows[-1]["direct"] = {k: again[k] for k in ("softmax_us", "converted_us", "difference_us")}
+            atomic_write_json(args.out, record)
     if args.prefill_n:
         record["prefill"] = prefill(args, args.device)
         atomic_write_json(args.out, record)

@@ -11,16 +11,21 @@
 #                        (the value checks on the device, here on real CUDA), tests/test_window_triton_decode.py
 #                        (the swa / oal-swa decoding kernels), tests/test_ops_plans.py (decoding calls that run a
 #                        kept plan, and their shared status copied to pinned memory)
+#   direct    (DIRECT_S) the plans' kernels launched through the compiled kernels' own launchers
+#                        (OAL_TRITON_DIRECT_LAUNCH=1, `oal.ops.triton.launch`, opt-in until measured):
+#                        tests/test_ops_plans.py and tests/test_window_triton_decode.py with it, on real CUDA (the
+#                        CPU runs tests/test_triton_launch.py, its stand-in)
 #   bench     (BENCH_S)  benchmarks.gpu: OAL against torch's default SDPA (and forced flash, cuDNN), N = 2k..128k
 #   generate  (GEN_S)    benchmarks.generate: tokens/s and peak memory, SmolLM2-135M and Qwen2.5-0.5B shapes,
 #                        softmax / the preset's oal / the recipe's oal-swa, contexts 32k (the goal's) first, then
 #                        64k and 8k, batch 1 and max
 #   host      (HOST_S)   benchmarks.decode_host: host time per attention layer of a decoding step at batch 1,
-#                        softmax against oal / oal-swa / swa layers in the same steps
+#                        softmax against oal / oal-swa / swa layers in the same steps, each also with the direct
+#                        launches (--direct-launch); and of one 2k prefill call against default SDPA's
 #   bf16      (BF16_S)   tests/test_triton_gpu.py: bf16 dots at N = 16k, d = dv = 128, against fp64 and bf16 SDPA
 #   profile   (PROF_S)   a torch.profiler kernel table of one OAL forward at 16k (and with NCU=1, an Nsight Compute
 #                        summary of its kernels appended, NCU_S)
-# A part whose limit is 0 is skipped. About 8 minutes at most with the defaults (the limits add up to 480 s),
+# A part whose limit is 0 is skipped. About 9 minutes at most with the defaults (the limits add up to 515 s),
 # usually less. What comes back in $OUT (8 files, the device tool's limit): summary.txt, tests.log, bench.log,
 # gpu_h200.json, generate_h200.json, decode_host_h200.json, profile.txt and figures.tar (the PNG of each benchmark).
 # Copy the JSON files and the PNGs (tar -xf figures.tar) to benchmarks/reference/ (the README cites them).
@@ -38,9 +43,10 @@ mkdir -p "$OUT"
 DEVICE="${DEVICE:-cuda}"
 ENV_S="${ENV_S:-20}"
 TESTS_S="${TESTS_S:-100}"
+DIRECT_S="${DIRECT_S:-25}"
 BENCH_S="${BENCH_S:-110}"
 GEN_S="${GEN_S:-130}"
-HOST_S="${HOST_S:-30}"
+HOST_S="${HOST_S:-40}"
 BF16_S="${BF16_S:-50}"
 PROF_S="${PROF_S:-40}"
 NCU_S="${NCU_S:-60}"
@@ -81,6 +87,7 @@ if [ "$DEVICE" = "cpu" ]; then  # tiny sizes, the interpreter
     GEN=(--device cpu --shapes smollm2-135m --contexts 128 --batches 1 --tokens 1 --warmup 0 --prompt 80)
     PROF=(--device cpu --profile 64)
     HOST=(--device cpu --methods oal,swa --steps 5 --warmup 1 --prompt 8)
+    DIRECT=(tests/test_triton_launch.py -k bit_for_bit)
 else
     unset TRITON_INTERPRET
     export OAL_TEST_DEVICE=cuda
@@ -91,7 +98,8 @@ else
     BENCH=(--repeats 10 --warmup 3)
     GEN=(--tokens 8 --warmup 2 --contexts 32768,65536,8192)
     PROF=(--profile 16384)
-    HOST=(--steps 200 --warmup 20)
+    HOST=(--steps 200 --warmup 20 --direct-launch)
+    DIRECT=(tests/test_ops_plans.py tests/test_window_triton_decode.py)
 fi
 
 part env summary.txt "$ENV_S" "$PY" -c "
@@ -101,6 +109,9 @@ print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', 
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
 
 part tests tests.log "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" -rfE --durations=8
+
+part direct tests.log "$DIRECT_S" env OAL_TRITON_DIRECT_LAUNCH=1 "$PY" -m pytest -q -p no:cacheprovider "${DIRECT[@]}" \
+    -rfE
 
 part bench bench.log "$BENCH_S" "$PY" -m benchmarks.gpu "${BENCH[@]}" --out "$OUT/gpu_h200.json"
 

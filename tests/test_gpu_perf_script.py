@@ -25,7 +25,7 @@ def test_dry_run_runs_every_part(tmp_path):
                          text=True, timeout=3600)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for name in ("env", "tests", "bench", "generate", "host", "profile"):
+    for name in ("env", "tests", "direct", "bench", "generate", "host", "profile"):
         assert f"{name}: ok" in summary, summary
     assert "bf16: skipped (needs CUDA)" in summary
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -46,12 +46,12 @@ def test_dry_run_runs_every_part(tmp_path):
 def test_a_part_with_limit_zero_is_skipped(tmp_path):
     """`timeout 0` means no limit at all: a part given 0 seconds must not run (the prepared calls give 0 to the
     parts they leave out)."""
-    zero = {f"{name}_S": "0" for name in ("TESTS", "BENCH", "GEN", "HOST", "PROF")}
+    zero = {f"{name}_S": "0" for name in ("TESTS", "DIRECT", "BENCH", "GEN", "HOST", "PROF")}
     env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", PYTHON=sys.executable, **zero)
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_perf.sh")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for name in ("tests", "bench", "generate", "host", "profile"):
+    for name in ("tests", "direct", "bench", "generate", "host", "profile"):
         assert f"{name}: skipped (limit 0)" in summary, summary
     assert not (tmp_path / "gpu_h200.json").exists()

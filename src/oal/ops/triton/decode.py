@@ -27,6 +27,7 @@ import triton.language as tl
 from oal.ops import checks
 from oal.ops.kernel import cached_coefficients, row_maps
 from oal.ops.triton import parallel
+from oal.ops.triton.launch import Launch
 from oal.ops.triton.tiles import next_pow2, tl_dtype
 
 
@@ -208,15 +209,15 @@ class Step:
         self.kernel = kernel[:3]
         self.sizes = (rows, d, dv, n_q, bsz * n_q)
         self.consts = (abs(scale), kernel[3])
-        self.meta = dict(T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, next_pow2(d)), ACC_DT=tl_dtype(acc),
-                         EVICT=evict, num_warps=NUM_WARPS)
+        self.launch = Launch(self.grid, dict(T=n_t, REP=n_q // n_kv, RB=rb, BV=bv, BDQ=max(16, next_pow2(d)),
+                                             ACC_DT=tl_dtype(acc), EVICT=evict, num_warps=NUM_WARPS))
 
     def __call__(self, q, k, v, state, status, evicted=None) -> None:
         """Update `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride) and write the
         readouts' partial sums into `part`, `partn`. `evicted`: (EK, EU, LL) of EVICT."""
         ek, eu, ll = evicted if evicted is not None else (k, v, self.part)  # unread without EVICT
-        _dec_step[self.grid](q, k, v, *self.kernel, state, self.part, self.partn, status, ek, eu, ll, *self.sizes,
-                             state.stride(1), *self.consts, **self.meta)
+        self.launch(_dec_step, q, k, v, *self.kernel, state, self.part, self.partn, status, ek, eu, ll, *self.sizes,
+                    state.stride(1), *self.consts)
 
 
 class Plan:
@@ -231,7 +232,7 @@ class Plan:
         self.step = Step(q, k, v, state.shape[2], kernel, scale, self.acc, evict=False)
         self.out_shape = (*q.shape[:3], v.shape[-1])
         self.out_args = (self.step.n_rows, v.shape[-1])
-        self.out_meta = dict(NBLK=self.step.nblk, BV=self.step.bv)
+        self.out_launch = Launch((self.step.n_rows,), dict(NBLK=self.step.nblk, BV=self.step.bv))
 
     def __call__(self, q, k, v, state, status):
         """One call: (out [B, Hq, T, dv] in q's dtype, the updated state). q, k, v contiguous."""
@@ -240,5 +241,5 @@ class Plan:
         step = self.step
         step(q, k, v, state, status)
         out = parallel.empty(q, *self.out_shape)
-        _dec_out[(step.n_rows,)](step.part, step.partn, out, status, *self.out_args, **self.out_meta)
+        self.out_launch(_dec_out, step.part, step.partn, out, status, *self.out_args)
         return out, state

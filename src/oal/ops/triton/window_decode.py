@@ -30,6 +30,7 @@ import triton.language as tl
 from oal.ops import checks
 from oal.ops.triton import decode, parallel
 from oal.ops.triton.decode import _nonfinite, _partial_sums, _store_out
+from oal.ops.triton.launch import Launch
 from oal.ops.triton.tiles import next_pow2, tl_dtype
 
 
@@ -169,8 +170,9 @@ class Plan:
         n_rows = bsz * n_q * n_t
         self.out_shape, self.grid = (bsz, n_q, n_t, dv), (bsz * n_kv,)
         self.sizes = (state.shape[-1], d, dv, n_q, scale)
-        self.meta = dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows, BD=max(16, next_pow2(d)), BV=bv,
-                         EVICT=factor is not None, ACC_DT=tl_dtype(self.acc), num_warps=num_warps(rows, bv))
+        self.launch = Launch(self.grid, dict(T=n_t, REP=n_q // n_kv, SINKS=sinks, WIN=window, R=rows,
+                                             BD=max(16, next_pow2(d)), BV=bv, EVICT=factor is not None,
+                                             ACC_DT=tl_dtype(self.acc), num_warps=num_warps(rows, bv)))
         self.step = None
         if factor is None:  # swa: one kernel, no scratch
             return
@@ -185,7 +187,7 @@ class Plan:
         prefix_rows = (state.shape[-1] - self.n_slots) // (dv + 1)
         self.step = decode.Step(q, k, v, prefix_rows, kernel, scale, acc, evict=True)
         self.out_args = (n_rows, dv)
-        self.out_meta = dict(NBLK=self.step.nblk, BV=bv)
+        self.out_launch = Launch((self.step.n_rows,), dict(NBLK=self.step.nblk, BV=bv))
 
     def __call__(self, q, k, v, state, status):
         """One call on `state` [B, Hkv, size]: (out [B, Hq, T, dv] in q's dtype, the updated state). q, k, v
@@ -194,12 +196,11 @@ class Plan:
             state = decode.state_copy(state, self.acc)
         out = parallel.empty(q, *self.out_shape)
         win = (out,) * 5 if self.step is None else self.win  # unread by swa
-        _win_step[self.grid](q, k, v, state, out, *win, status, *self.sizes, **self.meta)
+        self.launch(_win_step, q, k, v, state, out, *win, status, *self.sizes)
         if self.step is None:
             return out, state
         step = self.step
         prefix = state[..., self.n_slots :].unflatten(-1, (-1, self.dv + 1))
         step(q, k, v, prefix, status, evicted=(*win[3:], self.ll))
-        _win_out[(step.n_rows,)](*win[:3], step.part, step.partn, self.ll, out, status, *self.out_args,
-                                 **self.out_meta)
+        self.out_launch(_win_out, *win[:3], step.part, step.partn, self.ll, out, status, *self.out_args)
         return out, state
