@@ -70,6 +70,17 @@ def test_eps_zero_with_zero_factor_is_a_clear_error(backend):
     assert bool(torch.isfinite(out).all())
 
 
+@pytest.mark.parametrize("final", [False, True])
+def test_eps_zero_with_zero_factor_is_a_clear_error_on_the_triton_kernels(final):
+    """The Triton kernels with the host's checks (the CPU under the interpreter; CUDA with OAL_SYNC_CHECKS=1): the
+    same error, from both routes (parallel without the final state, chunked with it). It was a silent NaN."""
+    if not _triton_runs_here():
+        pytest.skip("triton cannot run here")
+    q, k, v, groups, factor = make()
+    with pytest.raises(ValueError, match=r"^eps: with eps=0 the kernel vanished"):
+        oal_attention(q, k, v, groups, torch.zeros_like(factor), eps=0.0, backend="triton", output_final_state=final)
+
+
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
 def test_bad_chunk_size_is_refused(chunk_size):
     q, k, v, groups, factor = make()

@@ -171,6 +171,7 @@ def oal_attention(
             q, k, v, groups, factor, eps=eps, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
             need_state=output_final_state, inplace=own and checks.updatable(initial_state, q, k, v, factor),
         )
+        _check_out(out, eps, dtype)
         return (out, final) if output_final_state else out
     coeffs, weights = cached_coefficients(factor, groups, eps, scale)  # once per kernel, not per decoded token
     state = initial_state.to(dtype) if initial_state is not None else None
@@ -202,9 +203,14 @@ def oal_attention(
                 state_is_zero=fresh and chunk_size is None, need_state=output_final_state, chunk_size=chunk_size,
                 weights=weights,
             )
-    try:  # never a silent NaN: the inputs were finite, so say why
+    _check_out(out, eps, dtype)
+    out = out.to(out_dtype)
+    return (out, final) if output_final_state else out
+
+
+def _check_out(out: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+    """Never a silent NaN: the inputs were finite, so a non-finite output gets a ValueError saying why."""
+    try:
         _max_abs("out", out)
     except ValueError:
         raise ValueError(checks.out_message(eps, dtype)) from None
-    out = out.to(out_dtype)
-    return (out, final) if output_final_state else out
