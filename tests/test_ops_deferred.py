@@ -107,7 +107,7 @@ def test_bad_values_are_reported_late_with_the_same_message(on_device, bad, mess
     kw = dict(initial_state=state) if path == "decode" else {}
     with torch.no_grad():
         oal_attention(inputs["q"], inputs["k"], inputs["v"], groups, factor, backend="triton", **kw)
-    with pytest.raises(ValueError, match=message + r".*found on cpu after an earlier call"):
+    with pytest.raises(ValueError, match=message + r".*found on (cpu|cuda:\d+) after an earlier call"):
         checks.check_errors()
     oal_attention(q, k, v, groups, factor, backend="triton")  # reported once: the next call runs
     with pytest.raises(ValueError, match=message):  # or the next call raises it
@@ -345,7 +345,7 @@ def test_a_bad_window_decode_input_is_reported_late_with_the_host_message(on_dev
     inputs[name][..., 0] = value
     with torch.no_grad():
         window_attention(inputs["q"], inputs["k"], inputs["v"], initial_state=state, **kw)
-    with pytest.raises(ValueError, match=message + r".*found on cpu after an earlier call"):
+    with pytest.raises(ValueError, match=message + r".*found on (cpu|cuda:\d+) after an earlier call"):
         checks.check_errors()
     monkeypatch_free = pytest.MonkeyPatch()
     with monkeypatch_free.context() as m:  # the host path says the same, in the call itself
@@ -374,7 +374,8 @@ def test_the_forward_kernels_report_a_vanished_kernel_late(on_device, route):
     q, k, v, groups, factor = make_inputs(1, 2, 1, 20, 16, 8, 3, seed=9)
     oal_attention(q, k, v, groups, torch.zeros_like(factor), eps=0.0, backend="triton",
                   output_final_state=route == "chunked")
-    with pytest.raises(ValueError, match=r"^eps: with eps=0 the kernel vanished.*found on cpu after an earlier call"):
+    late = r".*found on (cpu|cuda:\d+) after an earlier call"
+    with pytest.raises(ValueError, match=r"^eps: with eps=0 the kernel vanished" + late):
         checks.check_errors()
 
 
@@ -401,7 +402,7 @@ def test_the_parallel_kernels_rescale_exactly_with_gradients(on_device, q_scale,
         for dtype, backend, out in ((torch.float32, "triton", got), (F64, "reference", want)):
             leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, factor)]
             o = oal_attention(*leaves[:3], groups, leaves[3], backend=backend)
-            proj = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+            proj = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to(o.device)
             out += [o, *torch.autograd.grad((o.to(F64) * proj).sum(), leaves)]
         checks.check_errors()
     finally:

@@ -222,6 +222,7 @@ def test_bad_input_raises_like_the_other_backends(override, monkeypatch):
               groups=torch.zeros(2, 16, dtype=torch.long), factor=torch.randn(2, 3, 3))
     kw.update(override)
     init = kw.pop("initial_state", None)
+    init = None if init is None else init.to(DEVICE)  # refused for its shape, not for its device
     args = [kw[name].to(DEVICE) for name in ("q", "k", "v", "groups", "factor")]
     messages = []
     for backend in ("chunked", "triton"):
