@@ -133,3 +133,20 @@ def test_another_kernel_or_an_unknown_parameter_launches_through_triton(compiled
     for _ in range(2):
         call(extra, torch.empty(3, 8))
     assert [how for how, _ in compiled] == ["triton", "triton"] and site.runner is None
+
+
+def test_a_launcher_that_raises_is_dropped_with_a_warning(compiled, monkeypatch, caplog):
+    """A launcher that refuses its arguments (another Triton release's) raises before launching: the call launches
+    through Triton instead, the site keeps no launcher again, and the log says so once."""
+    call, site = _one_launch(monkeypatch)
+    call(decode._dec_out, torch.empty(3, 8))
+
+    def refuses(*args, stream=None):
+        raise TypeError("function takes exactly 30 arguments")
+
+    site.runner = refuses
+    with caplog.at_level("WARNING", logger="oal"):
+        for _ in range(3):
+            call(decode._dec_out, torch.empty(3, 8))
+    assert [how for how, _ in compiled] == ["triton"] * 4 and site.runner is None and site.failed
+    assert sum("direct launch of" in r.message for r in caplog.records) == 1

@@ -15,17 +15,22 @@ constexprs included, as `JITFunction.run` passes them), while what Triton specia
   that alignment: a launch with a misaligned tensor goes through Triton, and its kernel is not kept);
 - the stream is the first launch's: a plan is kept per stream (`oal.ops.plans.signature` holds it).
 
-Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton.
+Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton. A
+launcher that raises (a Triton release whose launcher takes other arguments: it checks them before launching) is
+dropped with a warning, once, and the site launches through Triton from then on.
 Not yet measured on a GPU, so off by default: `scripts/gpu_perf.sh` times it (`benchmarks.decode_host`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 ENV = "OAL_TRITON_DIRECT_LAUNCH"
+log = logging.getLogger("oal")
+_WARNED: set[str] = set()
 
 
 def enabled() -> bool:
@@ -50,14 +55,25 @@ class Launch:
         self.tail: tuple = ()  # the parameters after `args`, in order (constexprs included)
         self.tensors: tuple = ()  # positions of the tensors among `args`
         self.stream = None
+        self.failed = False  # a kept launcher raised: this site launches through Triton only
 
     def __call__(self, fn, *args) -> None:
         if self.runner is not None and fn is self.fn and self._same(args):
-            self.runner(*args, *self.tail, stream=self.stream)
-            return
+            try:
+                self.runner(*args, *self.tail, stream=self.stream)
+                return
+            except (TypeError, ValueError, RuntimeError) as err:  # raised before the launch: launch through Triton
+                self._drop(err)
         compiled = fn[self.grid](*args, **self.meta)
-        if self.runner is None and enabled():
+        if self.runner is None and not self.failed and enabled():
             self._keep(fn, compiled, args)
+
+    def _drop(self, err: Exception) -> None:
+        name = getattr(self.fn, "__name__", str(self.fn))
+        if name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("%s=1: the direct launch of %s failed (%s); launching it through Triton", ENV, name, err)
+        self.runner, self.failed = None, True
 
     def _same(self, args) -> bool:
         """Every tensor 16-byte aligned (the scalars and the stream are the plan's)."""
