@@ -13,6 +13,8 @@ two). Not tuned on a device: see docs/performance/gpu.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -90,6 +92,8 @@ def tiles(kernel: str, d: int, dv: int, half: bool, arch: int) -> dict:
     return dict(RH=rh, num_warps=NUM_WARPS, num_stages=stages)
 
 
+# cached: asked on every call of the kernels' path (`unsupported`, the tiles), and a device's properties do not change
+@functools.cache
 def device_arch(device: torch.device) -> int:
     """The target whose tiles a device uses: 90 for Hopper and later (checked for sm_90 only), else 80 (90 under
     the interpreter)."""
@@ -98,6 +102,7 @@ def device_arch(device: torch.device) -> int:
     return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
 
 
+@functools.cache
 def device_shared(device: torch.device) -> tuple[str, int]:
     """(name, shared memory one block may opt in to, in bytes) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
