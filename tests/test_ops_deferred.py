@@ -427,3 +427,22 @@ def test_a_short_prefill_is_a_few_launches(on_device, monkeypatch):
             oal_attention(q, k, v, groups, factor, backend="triton")
     print("short prefill: torch operators", mode.ops, "+ triton kernels", len(kernels) + len(launched))
     assert mode.ops == ["zeros.default"] and len(kernels) == 1 and len(launched) == 1
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's host path (CUDA defers its checks)")
+def test_the_host_path_reads_the_kernel_once_per_version(monkeypatch):
+    """The CPU's checks (on the host) of a decoding call on the cache's state read q, k, v and the output (max |x|,
+    NaN), not the group ids or the factor again: those are read once per tensor and version (`groups_checked`,
+    `factor_checked`); the coefficients' cache compares them by value (`kernel.cached_coefficients`)."""
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 9, 16, 8, 3, seed=7)
+    _, state = oal_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], groups, factor, output_final_state=True)
+    step = [t[:, :, 8:].contiguous() for t in (q, k, v)]
+    with torch.no_grad(), checks.cache_owned(state):
+        oal_attention(*step, groups, factor, initial_state=state)
+        reads = HostReads(monkeypatch)
+        oal_attention(*step, groups, factor, initial_state=state)
+    values = [c for c in reads.calls if c.startswith("__float__")]
+    assert len(values) == 8 and len(reads.calls) == 10, reads.calls  # 4 tensors x (min, max); 2 comparisons
+    groups[0, 0] = 7  # an in-place write: read again
+    with torch.no_grad(), checks.cache_owned(state), pytest.raises(ValueError, match=r"^groups: ids must lie"):
+        oal_attention(*step, groups, factor, initial_state=state)

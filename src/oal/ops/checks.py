@@ -4,7 +4,8 @@ Shapes, dtypes, devices and options are checked on the host on every call; that 
 (NaN/Inf in q, k, v, the factor and an initial state, a state's denominator, keys whose products overflow the
 state, a non-finite output) are checked in one of two ways:
 
-- On the host (`check`; the CPU, and CUDA with OAL_SYNC_CHECKS=1): read on every call, before the kernels run.
+- On the host (`check`; the CPU, and CUDA with OAL_SYNC_CHECKS=1): read on every call, before the kernels run;
+  the group ids and the factor once per tensor and version (`groups_checked`, `factor_checked`).
 - On the device (`deferred` devices, CUDA by default): reading a value stalls the host until the device has
   caught up (the floor of about 1.6 ms per call on the H200). There `start` checks the inputs on the device in one
   launch (`triton.guard`), `finish` the output, and copies the few numbers to pinned host memory without waiting;
@@ -102,7 +103,8 @@ def qkv_shapes(q, k, v) -> None:
 
 
 def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None, *, value_ids=True):
-    """Everything but tensor values (the group ids too when `value_ids`, read on the host)."""
+    """Everything but tensor values (the group ids too when `value_ids`, read on the host once per groups tensor
+    and version: `groups_checked`)."""
     qkv_shapes(q, k, v)
     bsz, n_q, _, d = q.shape
     n_kv = k.shape[1]
@@ -126,7 +128,7 @@ def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, ch
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
     if value_ids:
-        _group_range(groups, n_groups)
+        groups_checked(groups, n_groups)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
@@ -162,9 +164,11 @@ def groups_checked(groups: torch.Tensor, n_groups: int) -> None:
 
 
 def check(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None, *, check_state=True):
-    """All checks on the host; returns (max |q|, max |k|) as floats."""
+    """All checks on the host; returns (max |q|, max |k|) as floats. The kernel's tensors (group ids, factor) are
+    read once per tensor and version (`groups_checked`, `factor_checked`): a decoding step reads q, k, v only."""
     check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)
-    mags = {name: max_abs(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("factor", factor))}
+    mags = {name: max_abs(name, t) for name, t in (("q", q), ("k", k), ("v", v))}
+    factor_checked(factor)
     if initial_state is not None and check_state:
         max_abs("initial_state", initial_state)
         check_denominator(initial_state, q.shape[-1])

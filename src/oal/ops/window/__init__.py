@@ -192,7 +192,7 @@ def window_attention(
         if deferred:
             checks.groups_checked(groups, factor.shape[1] - 1)
         else:
-            _max_abs("factor", factor)
+            checks.factor_checked(factor)  # once per factor tensor and version
     out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
