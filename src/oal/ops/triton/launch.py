@@ -2,18 +2,19 @@
 
 `kernel[grid](...)` binds and specialises every argument, builds a cache key and checks the kernel's globals on
 every call: about 12 µs of Python per launch for a kernel of 19 arguments (tritonbench's launch-latency study,
-2026), against about 3.4 µs for the compiled kernel's launcher. A decoding plan launches the same kernel with the
-same scalars on every token, so that bookkeeping is repeated work, and at batch 1 on a GPU host time is the step's
-time (docs/performance/gpu.md).
+2026, on a GB200), against about 3.4 µs for the compiled kernel's launcher. A decoding plan launches the same
+kernel with the same scalars on every token, so that bookkeeping is repeated work, and at batch 1 on a GPU host
+time is the step's time (docs/performance/gpu.md).
 
-`Launch` keeps the `CompiledKernel` that its first launch through Triton returns and then calls its launcher
-itself (`compiled[grid](*args, stream=...)`, CompiledKernel's own entry point, with every parameter in order,
-constexprs included, as `JITFunction.run` passes them), while what Triton specialised the kernel on still holds:
+`Launch` keeps the `CompiledKernel` that its first launch through Triton with every tensor aligned returns, and
+then calls its launcher itself (`compiled[grid](*args, stream=...)`, CompiledKernel's own entry point, with every
+parameter in order, constexprs included, as `JITFunction.run` passes them), while what Triton specialised the
+kernel on still holds:
 
 - the scalars are the plan's, fixed by its signature (the caller's contract: one `Launch` per plan);
 - every tensor is 16-byte aligned, as at the launch the compiled kernel came from (Triton specialises pointers on
   that alignment: a launch with a misaligned tensor goes through Triton, and its kernel is not kept);
-- the stream is the first launch's: a plan is kept per stream (`oal.ops.plans.signature` holds it).
+- the stream is that launch's: a plan is kept per stream (`oal.ops.plans.signature` holds it).
 
 Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton. A
 launcher that raises (a Triton release whose launcher takes other arguments: it checks them before launching) is
