@@ -8,7 +8,9 @@ state, a non-finite output) are checked in one of two ways:
   the group ids and the factor once per tensor and version (`groups_checked`, `factor_checked`).
 - On the device (`deferred` devices, CUDA by default): reading a value stalls the host until the device has
   caught up (the floor of about 1.6 ms per call on the H200). There `start` checks the inputs on the device in one
-  launch (`triton.guard`), `finish` the output, and copies the few numbers to pinned host memory without waiting;
+  launch (`triton.guard`); the kernels that write the output flag a non-finite one into the same status (`finish`
+  checks it where they do not: the sliding window's token loop); `finish` copies the few numbers to pinned host
+  memory without waiting;
   `drain` reads them once they have arrived: at the start of every later operator call on that device, and in
   `check_errors()`.
   A bad input still gets its ValueError with the same message, one call late or a few (a call waits for the
