@@ -89,7 +89,6 @@ def decode_plan(q, k, v, groups, factor, *, eps, scale, state, chunk_size=None, 
     `plan(q, k, v, state, status)` returns (out, the updated state) as `triton_attention` would, and runs again for
     the next calls of the same signature (`oal.ops.plans`)."""
     _usable(q, v, chunk_size)
-    from oal.ops import checks
     from oal.ops.triton.decode import Plan
 
-    return Plan(q, k, v, groups, factor, eps, scale, state, inplace, by_version=checks.deferred(q))
+    return Plan(q, k, v, groups, factor, eps, scale, state, inplace)

@@ -28,7 +28,7 @@ from oal.ops import checks
 from oal.ops.kernel import cached_coefficients, row_maps
 from oal.ops.triton import parallel
 from oal.ops.triton.launch import Launch
-from oal.ops.triton.tiles import next_pow2, tl_dtype
+from oal.ops.triton.tiles import cdiv, next_pow2, tl_dtype
 
 
 @triton.jit
@@ -202,7 +202,7 @@ class Step:
         n_kv, dv = k.shape[1], v.shape[-1]
         bv = max(16, next_pow2(dv))
         rb = rows_per_program(bv)
-        self.bv, self.nblk, self.n_rows = bv, -(-rows // rb), bsz * n_q * n_t
+        self.bv, self.nblk, self.n_rows = bv, cdiv(rows, rb), bsz * n_q * n_t
         self.part = scratch(q, "part", self.nblk, self.n_rows, bv, dtype=acc)
         self.partn = scratch(q, "partn", self.nblk, self.n_rows, dtype=acc)
         self.grid = (self.nblk, bsz * n_kv)
@@ -222,13 +222,13 @@ class Step:
 
 class Plan:
     """OAL's decoding call of one signature (`oal.ops.plans`), worked out once: the kernels' operands besides q, k,
-    v and the state, their grids, constants and scratch. `inplace`: the caller's state may be updated itself."""
+    v and the state, their grids, constants and scratch. `inplace`: the caller's state may be updated itself. The
+    coefficients are cached by the kernel tensors' versions on a deferred device (no host read), else by value."""
 
-    def __init__(self, q, k, v, groups, factor, eps: float, scale: float, state, inplace: bool, *,
-                 by_version: bool):
+    def __init__(self, q, k, v, groups, factor, eps: float, scale: float, state, inplace: bool):
         self.acc = checks.compute_dtype(q.dtype)
         self.inplace = own_state(state, inplace, self.acc)
-        kernel = kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=by_version)
+        kernel = kernel_operands(q, groups, factor, eps, scale, self.acc, by_version=checks.deferred(q))
         self.step = Step(q, k, v, state.shape[2], kernel, scale, self.acc, evict=False)
         self.out_shape = (*q.shape[:3], v.shape[-1])
         self.out_args = (self.step.n_rows, v.shape[-1])

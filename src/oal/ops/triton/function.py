@@ -445,5 +445,5 @@ def _decode(q, k, v, groups, factor, eps, scale, state, inplace, status):
     `inplace`). Their value checks land in `status` (a scratch buffer when the host checked already)."""
     if status is None:
         status = torch.zeros(guard.SLOTS, dtype=torch.float32, device=q.device)
-    plan = decode.Plan(q, k, v, groups, factor, eps, scale, state, inplace, by_version=checks.deferred(q))
+    plan = decode.Plan(q, k, v, groups, factor, eps, scale, state, inplace)
     return plan(q.contiguous(), k.contiguous(), v.contiguous(), state, status)
