@@ -149,8 +149,7 @@ def oal_attention(
             planned = plans.run(q, k, v, factor, eps, initial_state, sig, output_final_state)
             if planned is not None:
                 return planned
-        checks.check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size, value_ids=False)
-        checks.groups_checked(groups, factor.shape[1] - 1)
+        checks.check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)
         if _wants_triton(q, v, causal, backend, chunk_size):
             return _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state,
                                     chunk_size, sig)

@@ -104,9 +104,9 @@ def qkv_shapes(q, k, v) -> None:
         raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
 
 
-def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None, *, value_ids=True):
-    """Everything but tensor values (the group ids too when `value_ids`, read on the host once per groups tensor
-    and version: `groups_checked`)."""
+def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None):
+    """Everything but tensor values, and the group ids (read on the host once per groups tensor and version:
+    `groups_checked`)."""
     qkv_shapes(q, k, v)
     bsz, n_q, _, d = q.shape
     n_kv = k.shape[1]
@@ -129,8 +129,7 @@ def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, ch
     for name, t in (("k", k), ("v", v), ("groups", groups), ("factor", factor), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
-    if value_ids:
-        groups_checked(groups, n_groups)
+    groups_checked(groups, n_groups)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
@@ -349,13 +348,12 @@ def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, ch
         return chk, chk.status
     drain(q.device)
     chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
-    if check_state:
-        from oal.ops.triton import guard
+    from oal.ops.triton import guard
 
-        if moments:
-            _state_stats(guard, chk.status, initial_state, q.shape[-1])
-        else:
-            guard.launch(chk.status, [initial_state.detach()], first=4)
+    if moments:
+        _state_stats(guard, chk.status, initial_state, q.shape[-1])
+    else:
+        guard.launch(chk.status, [initial_state.detach()], first=4)
     return chk, chk.status
 
 

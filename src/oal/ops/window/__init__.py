@@ -188,10 +188,8 @@ def window_attention(
     qmax, kmax = _check(q, k, v, window, sinks, has_kernel, scale, causal, backend, initial_state, chunk_size,
                         check_state=not own, values=not deferred)
     if has_kernel:  # the kernel's own arguments (groups ids, factor shape, eps), as oal_attention checks them
-        checks.check_shapes(q, k, v, groups, factor, eps, scale, None, "auto", value_ids=not deferred)
-        if deferred:
-            checks.groups_checked(groups, factor.shape[1] - 1)
-        else:
+        checks.check_shapes(q, k, v, groups, factor, eps, scale, None, "auto")
+        if not deferred:  # on the device, the guard or the decoding call's checks read it
             checks.factor_checked(factor)  # once per factor tensor and version
     out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
     bsz, n_q, n, d = q.shape
