@@ -22,7 +22,8 @@ the Qwen2.5-0.5B head shape, Hq 14, Hkv 2, d 64, G 5; the parallel kernels' rout
 default SDPA's on CUDA: at 2k tokens CUDA events around a call include the host's time to issue it.
 
 --direct-launch (CUDA): each method timed again with OAL_TRITON_DIRECT_LAUNCH=1, the plans' kernels launched
-through the compiled kernels' own launchers (`oal.ops.triton.launch`), in a row's `direct` entry.
+through the compiled kernels' own launchers (`oal.ops.triton.launch`), in a row's `direct` entry (and the prefill
+call in `prefill.oal_direct_us`).
 
 Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us, direct; `prefill`), a PNG beside it,
 and prints a table.
@@ -161,12 +162,14 @@ def measure(method: str, args, device: str, direct: bool = False) -> dict:
 
 
 def prefill(args, device: str) -> dict:
-    """Median host time (µs) of one oal_attention call on a fresh sequence (no gradient), and of default SDPA's on
-    CUDA (on the CPU SDPA computes for real: not a host time)."""
+    """Median host time (µs) of one oal_attention call on a fresh sequence (no gradient; the calls after the first
+    run its plan, `oal.ops.triton.prefill`), with --direct-launch also with the plan's kernels launched directly,
+    and of default SDPA's on CUDA (on the CPU SDPA computes for real: not a host time)."""
     import torch
     import torch.nn.functional as F
 
     from oal.ops import checks, oal_attention
+    from oal.ops.triton import launch
 
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -174,11 +177,15 @@ def prefill(args, device: str) -> dict:
     groups = torch.randint(0, 5, (14, 64), generator=gen).to(device)
     factor = (0.3 * torch.randn(14, 6, 6, generator=gen)).to(device)
     calls = {"oal": lambda: oal_attention(q, k, v, groups, factor)}
+    if args.direct_launch and device == "cuda":  # a new kernel tensor: a new plan, made with the variable set
+        direct_factor = factor.clone()
+        calls["oal_direct"] = lambda: oal_attention(q, k, v, groups, direct_factor)
     if device == "cuda":
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    result = {"n": args.prefill_n, "oal_us": None, "sdpa_us": None}
+    result = {"n": args.prefill_n, "oal_us": None, "oal_direct_us": None, "sdpa_us": None}
     with torch.no_grad(), stand_in(device == "cpu"):
         for name, call in calls.items():
+            os.environ[launch.ENV] = "1" if name == "oal_direct" else "0"
             times = []
             for step in range(args.warmup + args.steps):
                 if device == "cuda" and step % 20 == 0:
@@ -270,6 +277,8 @@ def main(args: argparse.Namespace) -> None:
     if record["prefill"]:
         p = record["prefill"]
         sdpa = "" if p["sdpa_us"] is None else f", default SDPA {p['sdpa_us']:.1f} µs"
+        if p["oal_direct_us"] is not None:
+            sdpa = f", launched directly {p['oal_direct_us']:.1f} µs" + sdpa
         console.print(f"prefill call, N = {p['n']} (Qwen2.5-0.5B heads): OAL {p['oal_us']:.1f} µs of host time{sdpa}")
 
 

@@ -10,11 +10,13 @@
 #                        tests/test_triton_paths.py (parallel and decoding kernels), tests/test_ops_deferred.py
 #                        (the value checks on the device, here on real CUDA), tests/test_window_triton_decode.py
 #                        (the swa / oal-swa decoding kernels), tests/test_ops_plans.py (decoding calls that run a
-#                        kept plan, and their shared status copied to pinned memory)
+#                        kept plan, and their shared status copied to pinned memory), tests/test_ops_prefill_plans.py
+#                        (fresh sequences that run a kept plan, the autotuned forward kernel's)
 #   direct    (DIRECT_S) the plans' kernels launched through the compiled kernels' own launchers
 #                        (OAL_TRITON_DIRECT_LAUNCH=1, `oal.ops.triton.launch`, opt-in until measured):
-#                        tests/test_ops_plans.py and tests/test_window_triton_decode.py with it, on real CUDA (the
-#                        CPU runs tests/test_triton_launch.py, its stand-in)
+#                        tests/test_ops_plans.py, tests/test_ops_prefill_plans.py and
+#                        tests/test_window_triton_decode.py with it, on real CUDA (the CPU runs
+#                        tests/test_triton_launch.py, its stand-in)
 #   bench     (BENCH_S)  benchmarks.gpu: OAL against torch's default SDPA (and forced flash, cuDNN), N = 2k..128k
 #   generate  (GEN_S)    benchmarks.generate: tokens/s and peak memory, SmolLM2-135M and Qwen2.5-0.5B shapes,
 #                        softmax / the preset's oal / the recipe's oal-swa, contexts 32k (the goal's) first, then
@@ -92,14 +94,14 @@ else
     unset TRITON_INTERPRET
     export OAL_TEST_DEVICE=cuda
     TESTS=(tests/test_triton.py tests/test_triton_paths.py tests/test_ops_deferred.py tests/test_window_triton_decode.py
-           tests/test_ops_plans.py)
+           tests/test_ops_plans.py tests/test_ops_prefill_plans.py)
     XDIST=()
     if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi  # spreads the compilations over the CPU cores
     BENCH=(--repeats 10 --warmup 3)
     GEN=(--tokens 8 --warmup 2 --contexts 32768,65536,8192)
     PROF=(--profile 16384)
     HOST=(--steps 200 --warmup 20 --direct-launch)
-    DIRECT=(tests/test_ops_plans.py tests/test_window_triton_decode.py)
+    DIRECT=(tests/test_ops_plans.py tests/test_ops_prefill_plans.py tests/test_window_triton_decode.py)
 fi
 
 part env summary.txt "$ENV_S" "$PY" -c "

@@ -54,6 +54,20 @@ def _decode(method, q, k, v, groups, factor, *, owned: bool, tokens=(1,), edit=N
     return torch.cat(outs, dim=2), state
 
 
+def kernel_edits(groups, factor, factor_at: int, groups_at: int):
+    """Copies (g, f) of the kernel and `edit(i)`, a training step's in-place writes: f scaled before call
+    `factor_at`, g's ids rolled before call `groups_at`."""
+    g, f = groups.clone(), factor.clone()
+
+    def edit(i):
+        if i == factor_at:
+            f.mul_(1.5)
+        if i == groups_at:
+            g.copy_(g.roll(1, dims=-1))
+
+    return g, f, edit
+
+
 def _plans_made(monkeypatch) -> list:
     """Counts the plans kept (each by a call that took the full path)."""
     made = []
@@ -82,14 +96,7 @@ def test_a_plan_follows_the_kernel_written_in_place(on_device, method):  # noqa:
     q, k, v, groups, factor = make_inputs(1, 4, 2, 14, 12, 7, 3, seed=22)
 
     def run(owned):
-        g, f = groups.clone(), factor.clone()
-
-        def edit(i):
-            if i == 3:
-                f.mul_(1.5)
-            if i == 6:
-                g.copy_(g.roll(1, dims=-1))
-
+        g, f, edit = kernel_edits(groups, factor, 3, 6)
         return _decode(method, q, k, v, g, f, owned=owned, edit=edit)
 
     got, state = run(True)

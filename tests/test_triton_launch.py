@@ -8,6 +8,8 @@ results or an error. The real launcher is run by scripts/gpu_perf.sh on a GPU.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -15,9 +17,10 @@ pytest.importorskip("triton")
 
 from test_ops_deferred import on_device  # noqa: E402, F401  (the fixture)
 from test_ops_plans import METHODS, _decode  # noqa: E402
-from test_triton import DEVICE, make_inputs  # noqa: E402
+from test_triton import DEVICE, F64, make_inputs, rel_err  # noqa: E402
 
-from oal.ops.triton import decode, launch, window_decode  # noqa: E402
+from oal.ops import oal_attention, plans  # noqa: E402
+from oal.ops.triton import decode, guard, launch, parallel, window_decode  # noqa: E402
 
 pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="the stand-in of the compiled kernel wraps the interpreter")
 
@@ -53,7 +56,24 @@ class Jit:
         return run
 
 
-KERNELS = {decode: ("_dec_step", "_dec_out"), window_decode: ("_win_step", "_win_out")}
+class Tuned(Jit):
+    """An autotuned kernel: each launch runs the config its autotuner picked (`best_config`), and the grid is a
+    function of that config's constexprs, as `triton.autotune` does."""
+
+    def __init__(self, jit, log, config: dict):
+        super().__init__(jit, log)
+        self.best_config = SimpleNamespace(kwargs=config)
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            meta = {**meta, **self.best_config.kwargs}
+            return Jit.__getitem__(self, grid(meta))(*args, **meta)
+
+        return run
+
+
+KERNELS = {decode: ("_dec_step", "_dec_out"), window_decode: ("_win_step", "_win_out"), guard: ("_guard",),
+           parallel: ("_par_fwd",)}
 
 
 @pytest.fixture
@@ -87,7 +107,8 @@ def test_direct_launches_give_the_planned_results_bit_for_bit(on_device, compile
     first_call = {"oal": 2, "oal-swa": 3, "swa": 1}[method]
     misaligned = 1 if method == "oal-swa" and dv == 8 else 0
     calls = 8  # tokens 6 .. 13, one per call
-    assert len(compiled) - len(direct) == first_call + (calls - 1) * misaligned, compiled
+    prefill = 1 if method == "oal" else 0  # oal's 6-token prefill: its guard (the windows' prefill checks on the host)
+    assert len(compiled) - len(direct) == prefill + first_call + (calls - 1) * misaligned, compiled
 
 
 class Tensor16(torch.Tensor):
@@ -150,3 +171,49 @@ def test_a_launcher_that_raises_is_dropped_with_a_warning(compiled, monkeypatch,
             call(decode._dec_out, torch.empty(3, 8))
     assert [how for how, _ in compiled] == ["triton"] * 4 and site.runner is None and site.failed
     assert sum("direct launch of" in r.message for r in caplog.records) == 1
+
+
+def _prefills(q, k, v, groups, factor, calls=4):
+    with torch.no_grad():
+        outs = [oal_attention(q, k, v, groups, factor, backend="triton") for _ in range(calls)]
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dv", [11, 8])
+def test_a_prefill_plans_launches_are_direct_bit_for_bit(on_device, compiled, monkeypatch, dv):  # noqa: F811
+    """A fresh sequence's plan (`triton.prefill`): the guard and the forward kernel launch directly after the first
+    call, with the same outputs as launches through Triton."""
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 19, 16, dv, 3, seed=4)
+    want = _prefills(q, k, v, groups, factor)
+    assert {how for how, _ in compiled} == {"triton"}
+    compiled.clear()
+    monkeypatch.setenv(launch.ENV, "1")
+    got = _prefills(q.clone(), k.clone(), v.clone(), groups, factor.clone())  # a new kernel tensor: a new plan
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert [how for how, _ in compiled] == ["triton"] * 2 + ["direct"] * 6, compiled
+
+
+def test_an_autotuned_kernel_is_kept_with_its_configs_tiles(on_device, compiled, monkeypatch):  # noqa: F811
+    """The prefill's `_par_fwd` is autotuned on a GPU: the launcher kept runs the autotuner's pick (its BM, BN among
+    the parameters, the grid worked out from BM), with the outputs of launches through the autotuner."""
+    standin = Tuned(parallel._par_fwd.jit, compiled, dict(BM=32, BN=16))
+    monkeypatch.setattr(parallel, "tuned", lambda kernel, half, big: standin)
+    site = parallel._site
+
+    def tuned_site(device, grid, consts):  # the GPU's branch, with the interpreter's loops
+        is_tuned, grid, meta = site(torch.device("cuda"), grid, consts)
+        return is_tuned, grid, dict(meta, LOOP_FOR=False)
+
+    monkeypatch.setattr(parallel, "_site", tuned_site)
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 45, 16, 8, 3, seed=5)
+    want = _prefills(q, k, v, groups, factor, calls=2)
+    compiled.clear()
+    monkeypatch.setenv(launch.ENV, "1")
+    factor = factor.clone()
+    got = _prefills(q, k, v, groups, factor, calls=3)
+    torch.testing.assert_close(got, torch.cat([want, want[:1]]), rtol=0, atol=0)
+    assert [how for how, _ in compiled] == ["triton"] * 2 + ["direct"] * 4, compiled
+    runner = plans._FRESH[factor][1].forward.launch
+    assert runner.fn is standin and runner.tail[-2:] == (32, 16)  # BM, BN: the last parameters
+    want64 = oal_attention(*(t.to(F64) for t in (q, k, v)), groups, factor.to(F64), backend="reference")
+    assert rel_err(got[-1], want64) < 1e-5  # every row written: the grid has the config's 2 query blocks

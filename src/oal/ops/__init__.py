@@ -38,9 +38,10 @@ def _wants_triton(q, v, causal: bool, backend: str, chunk_size) -> bool:
 def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, output_final_state, chunk_size,
                      sig=None):
     """The Triton kernels with the value checks on the device (`checks.start` ... `checks.finish`) and the overflow
-    rescaling applied through device multipliers: no host read. `sig`: the call's signature (`plans.signature`;
-    the cache's own state), under which a decoding call keeps its plan."""
-    from oal.ops.triton import decode_plan, decodes, triton_attention  # no triton import until the kernels run
+    rescaling applied through device multipliers: no host read. `sig`: the call's signature, under which it keeps
+    its plan (`plans.signature` for decoding on the cache's own state, `plans.fresh_signature` for a fresh
+    sequence)."""
+    from oal.ops.triton import decode_plan, decodes, prefill_plan, triton_attention  # no triton import until used
 
     dtype = _compute_dtype(q.dtype)
     d = q.shape[-1]
@@ -57,10 +58,20 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
         checks.finish(chk)
         if plan.inplace:
             plans.keep(initial_state, sig, plan)
-    else:
-        chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
-        out, final = triton_attention(q, k, v, groups, factor, rescale=mults, status=chk.status, **kw)
-        checks.finish(chk)  # the forward kernels checked their output into the status
+        return (out, final) if output_final_state else out
+    plan = None
+    if sig is not None and initial_state is None:
+        plan = prefill_plan(q, k, v, groups, factor, eps=float(eps), scale=scale, initial_state=None,
+                            need_state=output_final_state, chunk_size=chunk_size)
+    if plan is not None:  # a fresh sequence on the parallel route: kept for the next calls of its signature
+        chk = checks.begin(q.device, dtype, eps)
+        out = plan(q, k, v, factor, chk)
+        checks.finish(chk)
+        plans.keep_fresh(factor, sig, plan)
+        return out
+    chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
+    out, final = triton_attention(q, k, v, groups, factor, rescale=mults, status=chk.status, **kw)
+    checks.finish(chk)  # the forward kernels checked their output into the status
     return (out, final) if output_final_state else out
 
 
@@ -147,6 +158,11 @@ def oal_attention(
             sig = plans.signature(q, k, v, initial_state, plans.tensor_key(groups), plans.tensor_key(factor), eps,
                                   scale, causal, backend, chunk_size)
             planned = plans.run(q, k, v, factor, eps, initial_state, sig, output_final_state)
+            if planned is not None:
+                return planned
+        elif initial_state is None and causal and not output_final_state and chunk_size is None:
+            sig = plans.fresh_signature(q, k, v, groups, factor, eps, scale, backend)  # a prefill plan (below)
+            planned = plans.run_fresh(q, k, v, factor, eps, sig)
             if planned is not None:
                 return planned
         checks.check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)

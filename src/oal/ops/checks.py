@@ -280,6 +280,13 @@ def _status(device) -> torch.Tensor:
     return torch.zeros(guard.SLOTS, dtype=torch.float32, device=device)
 
 
+def begin(device, dtype: torch.dtype, eps: float, *, state_keys: bool = True) -> DeviceCheck:
+    """A call's own device check, after reading earlier calls' checks (`drain`, which raises what they found):
+    a fresh status buffer for the kernels and the guard to write into."""
+    drain(device)
+    return DeviceCheck(device, dtype, float(eps), _status(device), state_keys=state_keys)
+
+
 def _state_stats(guard, status, state: torch.Tensor, d: int) -> None:
     """A caller's state: NaN/Inf, and its token counts and sums of squares (negated: above 0 when negative)."""
     count, squares = _moments(state.detach(), d)
@@ -295,8 +302,7 @@ def start(q, k, v, factor, initial_state, dtype: torch.dtype, eps: float, *, sca
     sliding window's state, whose layout is not OAL's)."""
     from oal.ops.triton import guard
 
-    drain(q.device)
-    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
+    chk = begin(q.device, dtype, eps, state_keys=factor is not None)
     d = q.shape[-1]
     tensors = [q, k, v, q.new_empty(0) if factor is None else factor]  # the slots are positional
     if initial_state is not None and check_state and not moments:
@@ -346,8 +352,7 @@ def start_decode(q, factor, initial_state, dtype: torch.dtype, eps: float, *, ch
     if not check_state:
         chk = decode_check(q.device, dtype, eps, factor is not None)
         return chk, chk.status
-    drain(q.device)
-    chk = DeviceCheck(q.device, dtype, float(eps), _status(q.device), state_keys=factor is not None)
+    chk = begin(q.device, dtype, eps, state_keys=factor is not None)
     from oal.ops.triton import guard
 
     if moments:

@@ -1,4 +1,4 @@
-"""Decoding calls that repeat: the cache's own state, the same shapes and kernel, one token after another.
+"""Calls that repeat: decoding on the cache's own state, one token after another, and fresh sequences of one length.
 
 Every such call validates the same shapes, looks up the same coefficients and works out the same grids and
 scratch buffers. On a GPU at batch 1 that host work, not the kernels, is most of a decoding step
@@ -10,6 +10,10 @@ the state, the kernel's tensors (identity, shape and version counter: an in-plac
 makes a new plan), the options, and on CUDA the current stream (a plan's scratch buffers are reused, which is safe
 in one stream's order). A plan is kept per state tensor (the cache updates its own state in place, so a layer's
 state is one tensor for a whole generation) and dropped with it; it holds no reference to the state.
+
+A fresh sequence's forward without a gradient on the parallel kernels (a prefill, an evaluation, a benchmark at
+one length) keeps its plan (`triton.prefill.Plan`) per factor tensor, one per layer of a model: the last
+signature's, so a model's calls at the length it saw last run their plans (`fresh_signature`, `run_fresh`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from oal.ops import checks
 from oal.ops.kernel import version
+from oal.ops.triton.routes import PARALLEL_MAX
 
 _PLANS = WeakIdKeyDictionary()  # the cache's own state -> (signature, plan)
+_FRESH = WeakIdKeyDictionary()  # factor -> (signature, plan) of its last fresh-sequence forward
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -37,11 +43,43 @@ def signature(q, k, v, state, *options) -> tuple | None:
     them)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
-    sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, state.shape, state.dtype,
-           state.is_contiguous(), *options)
+    return _inputs(q, k, v, state.shape, state.dtype, state.is_contiguous(), *options)
+
+
+def _inputs(q, k, v, *options) -> tuple:
+    sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, *options)
     if q.device.type == "cuda":
         sig += (torch.cuda.current_stream(q.device).cuda_stream,)
     return sig
+
+
+def fresh_signature(q, k, v, groups, factor, *options) -> tuple | None:
+    """The signature of a fresh sequence's forward that may run a plan (no gradient, at most `routes.PARALLEL_MAX`
+    tokens: the parallel kernels' route; the caller asks only for causal calls without a state, a final state or
+    a chunk size), else None. `options`: the call's eps, scale and backend."""
+    tensors = (q, k, v, factor)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4 or not 0 < q.shape[2] <= PARALLEL_MAX:
+        return None  # (a bad q: the full path names it)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None  # training: autograd's path
+    return _inputs(q, k, v, tensor_key(groups), tensor_key(factor), torch.is_inference_mode_enabled(), *options)
+
+
+def run_fresh(q, k, v, factor, eps: float, sig: tuple | None):
+    """A fresh sequence's forward that an earlier call of signature `sig` kept a plan for (on `factor`): the plan
+    run under the call's own device check; returns its output, or None without a plan."""
+    hit = _FRESH.get(factor) if sig is not None else None
+    if hit is None or hit[0] != sig:
+        return None
+    chk = checks.begin(q.device, checks.compute_dtype(q.dtype), eps)
+    out = hit[1](q.contiguous(), k.contiguous(), v.contiguous(), factor, chk)
+    checks.finish(chk)
+    return out
+
+
+def keep_fresh(factor: torch.Tensor, sig: tuple | None, plan) -> None:
+    if sig is not None:
+        _FRESH[factor] = (sig, plan)
 
 
 def get(state: torch.Tensor, sig: tuple | None):

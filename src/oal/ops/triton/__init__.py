@@ -13,10 +13,12 @@ import sys
 
 import torch
 
+from oal.ops.triton import routes
 from oal.ops.triton.routes import decodes
 from oal.ops.triton.tiles import SHARED_LIMIT, device_arch, device_shared, refusal
 
-__all__ = ["available", "decode_plan", "decodes", "interpreted", "refusal", "triton_attention", "unsupported"]
+__all__ = ["available", "decode_plan", "decodes", "interpreted", "prefill_plan", "refusal", "triton_attention",
+           "unsupported"]
 
 INSTALL_HINT = "install the gpu extra: pip install 'oal-attention[gpu]'"
 
@@ -92,3 +94,15 @@ def decode_plan(q, k, v, groups, factor, *, eps, scale, state, chunk_size=None, 
     from oal.ops.triton.decode import Plan
 
     return Plan(q, k, v, groups, factor, eps, scale, state, inplace)
+
+
+def prefill_plan(q, k, v, groups, factor, *, eps, scale, initial_state, need_state, chunk_size):
+    """The parallel route's plan for a fresh sequence (`prefill.Plan`; inputs validated by `oal_attention`), or None
+    where the call takes another route: `plan(q, k, v, factor, chk)` returns the output as `triton_attention`
+    would, and runs again for the next calls of the same signature (`oal.ops.plans.fresh_signature`)."""
+    if not routes.parallel(q.shape[2], initial_state, need_state, chunk_size) or q.shape[0] == 0:
+        return None
+    _usable(q, v, chunk_size)
+    from oal.ops.triton.prefill import Plan
+
+    return Plan(q, k, v, groups, factor, eps, scale)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oal.ops.triton.launch import Launch
 from oal.ops.triton.tiles import cdiv
 
 BLOCK = 4096
@@ -82,18 +83,37 @@ def flag_out(STATUS, out, mask):
         tl.atomic_max(STATUS + 13, 1.0)
 
 
+class Site:
+    """The guard's launch for tensors of fixed sizes (at most five, in slot pairs from `first`, and the signed
+    sixth: `sizes`), its grid and scalars worked out once: a prefill plan keeps one (`oal.ops.triton.prefill`), and
+    launches it directly with OAL_TRITON_DIRECT_LAUNCH=1 (`launch.Launch`). With `mults`, the last program also
+    writes the multipliers (q and k must be the first two of `first` = 0)."""
+
+    def __init__(self, sizes, *, first: int, scale: float = 1.0, d: int = 1, s_limit: float = 0.0,
+                 mults: bool = False):
+        self.sizes = tuple(sizes)
+        blocks = [cdiv(n, BLOCK) for n in self.sizes]
+        self.total = sum(blocks)
+        self.tail = (*(sum(blocks[: i + 1]) for i in range(5)), self.total, abs(scale), d, s_limit)
+        self.launch = Launch((self.total,), dict(FIRST=first, TICKET=14 if mults else 15, MULTS=mults, BLOCK=BLOCK))
+
+    def __call__(self, status, tensors) -> None:
+        """`tensors`: six flat tensors or None (in `sizes`' order)."""
+        if self.total:
+            self.launch(_guard, *(t if t is not None else status for t in tensors), *self.sizes, status, *self.tail)
+
+
 def launch(status, tensors, *, first: int, signed=None, scale: float = 1.0, d: int = 1, s_limit: float = 0.0,
            mults: bool = False) -> None:
     """Check `tensors` (at most five, in slot pairs from `first`) and `signed` (the negated moments, or None) into
     `status`; with `mults`, also the multipliers (q and k must be the first two of `first` = 0)."""
+    present = flat(tensors, signed)
+    Site([0 if t is None else t.numel() for t in present], first=first, scale=scale, d=d, s_limit=s_limit,
+         mults=mults)(status, present)
+
+
+def flat(tensors, signed=None) -> list:
+    """The six slots of `_guard`: `tensors` flattened, None for the unused ones, `signed` last."""
     present = [t.reshape(-1) for t in tensors] + [None] * (5 - len(tensors))
     present.append(None if signed is None else signed.reshape(-1))
-    sizes = [0 if t is None else t.numel() for t in present]
-    blocks = [cdiv(n, BLOCK) for n in sizes]
-    bounds = [sum(blocks[: i + 1]) for i in range(5)]
-    total = sum(blocks)
-    if total == 0:
-        return
-    ptrs = [t if t is not None else status for t in present]
-    _guard[(total,)](*ptrs, *sizes, status, *bounds, total, abs(scale), d, s_limit, FIRST=first,
-                     TICKET=14 if mults else 15, MULTS=mults, BLOCK=BLOCK)
+    return present

@@ -16,6 +16,11 @@ kernel on still holds:
   that alignment: a launch with a misaligned tensor goes through Triton, and its kernel is not kept);
 - the stream is that launch's: a plan is kept per stream (`oal.ops.plans.signature` holds it).
 
+An autotuned kernel (`triton.autotune`, e.g. the prefill's `parallel._par_fwd`) is kept the same way: the config
+its autotuner ran for the launch (`best_config`; the plan's signature fixes the autotuner's key, so it is the
+config every later launch would run) supplies the tile constexprs, and a grid given as a function of them is
+worked out once from it.
+
 Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton. A
 launcher that raises (a Triton release whose launcher takes other arguments: it checks them before launching) is
 dropped with a warning, once, and the site launches through Triton from then on.
@@ -46,7 +51,8 @@ def _stream():
 class Launch:
     """One launch site of a plan: `launch(fn, *args)` runs `fn[grid](*args, **meta)`, where `args` are the kernel's
     leading parameters (tensors, whose addresses may change between calls, and the plan's fixed scalars) and
-    `meta` names the others and the launch options. `fn` is passed on each call (the module's kernel as it is
+    `meta` names the others and the launch options. `grid`: a tuple, or for an autotuned `fn` a function of the
+    chosen config's constexprs (as Triton takes it). `fn` is passed on each call (the module's kernel as it is
     then); the launcher kept is for the kernel it came from."""
 
     def __init__(self, grid, meta: dict):
@@ -56,7 +62,7 @@ class Launch:
         self.tail: tuple = ()  # the parameters after `args`, in order (constexprs included)
         self.tensors: tuple = ()  # positions of the tensors among `args`
         self.stream = None
-        self.failed = False  # a kept launcher raised: this site launches through Triton only
+        self.failed = not enabled()  # a kept launcher raised, or not asked for: this site launches through Triton
 
     def __call__(self, fn, *args) -> None:
         if self.runner is not None and fn is self.fn and self._same(args):
@@ -66,7 +72,7 @@ class Launch:
             except (TypeError, ValueError, RuntimeError) as err:  # raised before the launch: launch through Triton
                 self._drop(err)
         compiled = fn[self.grid](*args, **self.meta)
-        if self.runner is None and not self.failed and enabled():
+        if self.runner is None and not self.failed:
             self._keep(fn, compiled, args)
 
     def _drop(self, err: Exception) -> None:
@@ -88,11 +94,14 @@ class Launch:
         if type(compiled).__name__ != "CompiledKernel":
             return  # the interpreter returns nothing
         names = getattr(fn, "arg_names", None)
-        if names is None or any(name not in self.meta for name in names[len(args):]):
+        config = getattr(fn, "best_config", None)  # an autotuner's pick for this launch
+        meta = {**self.meta, **config.kwargs} if config is not None else self.meta
+        if names is None or any(name not in meta for name in names[len(args):]):
             return  # a parameter left to its default: not known here
         tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         if any(args[i].data_ptr() & 15 for i in tensors):
             return  # specialised for this call's alignment only
-        self.tail = tuple(self.meta[name] for name in names[len(args):])
+        grid = self.grid(meta) if callable(self.grid) else self.grid
+        self.tail = tuple(meta[name] for name in names[len(args):])
         self.tensors, self.stream = tensors, _stream()
-        self.fn, self.runner = fn, compiled[self.grid]
+        self.fn, self.runner = fn, compiled[tuple(grid)]

@@ -32,6 +32,7 @@ import triton.language as tl
 from oal.ops.triton.guard import flag_out
 from oal.ops.triton.intra import _intra_z, _kappa_dk
 from oal.ops.triton.kernels import _tile
+from oal.ops.triton.launch import Launch
 from oal.ops.triton.tiles import cdiv, next_pow2
 
 
@@ -278,15 +279,26 @@ def tuned(kernel, half: bool, big: bool):
     return triton.autotune(options, key=["d", "dv", "g1", "NBKT"], do_bench=short_bench)(kernel)
 
 
+def _site(device, grid, consts: dict) -> tuple[bool, object, dict]:
+    """(tuned, grid, meta) of a launch: on a GPU the autotuned kernel and a grid of its config's tiles, under the
+    interpreter DEFAULT's; grid(BM, BN) -> the grid."""
+    if device.type == "cuda":
+        return True, lambda meta: grid(meta["BM"], meta["BN"]), dict(consts, LOOP_FOR=True)
+    bm, bn, stages = DEFAULT
+    return False, grid(bm, bn), dict(consts, LOOP_FOR=False, BM=bm, BN=bn, num_warps=NUM_WARPS, num_stages=stages)
+
+
+def _kernel(kernel, consts: dict, is_tuned: bool):
+    """`kernel`, autotuned on a GPU over the configs of its dtypes and head dims."""
+    if not is_tuned:
+        return kernel
+    return tuned(kernel, consts["DOT_DT"] in (tl.bfloat16, tl.float16), max(consts["BD"], consts["BV"]) > 64)
+
+
 def _launch(kernel, grid, *args, **consts):
     """Launch with the tuned tiles on a GPU, DEFAULT under the interpreter; grid(BM, BN) -> the grid."""
-    if args[0].device.type == "cuda":
-        half = consts["DOT_DT"] in (tl.bfloat16, tl.float16)
-        big = max(consts["BD"], consts["BV"]) > 64
-        tuned(kernel, half, big)[lambda meta: grid(meta["BM"], meta["BN"])](*args, **consts, LOOP_FOR=True)
-    else:
-        bm, bn, stages = DEFAULT
-        kernel[grid(bm, bn)](*args, **consts, LOOP_FOR=False, BM=bm, BN=bn, num_warps=NUM_WARPS, num_stages=stages)
+    is_tuned, grid, meta = _site(args[0].device, grid, consts)
+    _kernel(kernel, consts, is_tuned)[grid](*args, **meta)
 
 
 def _consts(q, v, consts: dict, gmax: int) -> dict:
@@ -295,15 +307,30 @@ def _consts(q, v, consts: dict, gmax: int) -> dict:
                 BV=max(16, next_pow2(dv)), **{name: consts[name] for name in ("DOT_DT", "ACC_DT", "PREC")})
 
 
+class Forward:
+    """`_par_fwd`'s launch for inputs of one shape: its sizes, grid and meta worked out once (a prefill plan keeps
+    one, `oal.ops.triton.prefill`; OAL_TRITON_DIRECT_LAUNCH=1 then launches it directly, `launch.Launch`).
+    c: the kernel's constants (`_consts`); g1: G + 1; check: whether the kernel checks its output into a status."""
+
+    def __init__(self, q, v, c: dict, g1: int, acc_dtype: torch.dtype, check: bool):
+        bsz, n_q, n, d = q.shape
+        self.out_shape, self.den_shape, self.acc = (bsz, n_q, n, v.shape[-1]), (bsz, n_q, n), acc_dtype
+        self.sizes = (n, n_q, d, v.shape[-1], g1, bucket(n))
+        self.tuned, grid, meta = _site(q.device, lambda bm, bn: (cdiv(n, bm), n_q, bsz), dict(c, CHECK=check))
+        self.c, self.launch = c, Launch(grid, meta)
+
+    def __call__(self, q, k, v, ws, l0, eps_t, mult, status):
+        """(out, normaliser); `status` None: no output check (`check` False)."""
+        o = empty(q, *self.out_shape)
+        den = empty(q, *self.den_shape, dtype=self.acc)
+        self.launch(_kernel(_par_fwd, self.c, self.tuned), q, k, v, ws, l0, eps_t, mult, o, den,
+                    eps_t if status is None else status, *self.sizes)
+        return o, den
+
+
 def _forward(q, k, v, ws, l0, eps_t, mult, status, c: dict, acc_dtype: torch.dtype):
     """(out, normaliser) from one launch of `_par_fwd`; c: its constants (`_consts`)."""
-    bsz, n_q, n, _ = q.shape
-    o = empty(q, bsz, n_q, n, v.shape[-1])
-    den = empty(q, bsz, n_q, n, dtype=acc_dtype)
-    args = (q, k, v, ws, l0, eps_t, mult, o, den, eps_t if status is None else status, n, n_q, q.shape[-1],
-            v.shape[-1], ws.shape[1], bucket(n))
-    _launch(_par_fwd, lambda bm, bn: (cdiv(n, bm), n_q, bsz), *args, **c, CHECK=status is not None)
-    return o, den
+    return Forward(q, v, c, ws.shape[1], acc_dtype, status is not None)(q, k, v, ws, l0, eps_t, mult, status)
 
 
 class OALParallel(torch.autograd.Function):
