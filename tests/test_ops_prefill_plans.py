@@ -109,6 +109,26 @@ def test_a_call_that_asks_for_more_takes_its_own_route(on_device, monkeypatch): 
     assert rel_err(dq, dq64) < 1e-4
 
 
+def test_a_length_past_the_parallel_route_takes_the_chunked_kernels(on_device, monkeypatch):  # noqa: F811
+    """A plan at 24 tokens, then the crossover lowered below 24 (as `benchmarks.gpu` forces a route): the next call
+    runs the chunked kernels, not the plan."""
+    from oal.ops.triton import prefill, routes
+
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 24, 12, 7, 3, seed=37)
+    runs = []
+    call = prefill.Plan.__call__
+    monkeypatch.setattr(prefill.Plan, "__call__", lambda self, *a: runs.append(1) or call(self, *a))
+    _prefills(q, k, v, groups, factor, [24, 24])
+    assert len(runs) == 2
+    monkeypatch.setattr(routes, "PARALLEL_MAX", 16)
+    got = _prefills(q, k, v, groups, factor, [24])[0]
+    assert len(runs) == 2
+    with torch.no_grad():
+        want, _ = oal_attention(q, k, v, groups, factor, backend="triton", output_final_state=True)  # chunked
+    checks.check_errors()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_bad_input_on_a_planned_prefill_is_still_reported(on_device):  # noqa: F811
     """A NaN in q at a planned signature: reported late with the usual message. A wrong shape or group ids out of
     range: no plan matches, and the full path names the argument."""

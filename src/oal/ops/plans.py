@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from oal.ops import checks
 from oal.ops.kernel import version
-from oal.ops.triton.routes import PARALLEL_MAX
+from oal.ops.triton import routes
 
 _PLANS = WeakIdKeyDictionary()  # the cache's own state -> (signature, plan)
 _FRESH = WeakIdKeyDictionary()  # factor -> (signature, plan) of its last fresh-sequence forward
@@ -55,11 +55,13 @@ def _inputs(q, k, v, *options) -> tuple:
 
 def fresh_signature(q, k, v, groups, factor, *options) -> tuple | None:
     """The signature of a fresh sequence's forward that may run a plan (no gradient, at most `routes.PARALLEL_MAX`
-    tokens: the parallel kernels' route; the caller asks only for causal calls without a state, a final state or
-    a chunk size), else None. `options`: the call's eps, scale and backend."""
+    tokens, read now: the parallel kernels' route; the caller asks only for causal calls without a state, a final
+    state or a chunk size), else None. `options`: the call's eps, scale and backend."""
     tensors = (q, k, v, factor)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4 or not 0 < q.shape[2] <= PARALLEL_MAX:
-        return None  # (a bad q: the full path names it)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4:
+        return None  # (bad input: the full path names it)
+    if not 0 < q.shape[2] <= routes.PARALLEL_MAX:
+        return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None  # training: autograd's path
     return _inputs(q, k, v, tensor_key(groups), tensor_key(factor), torch.is_inference_mode_enabled(), *options)
