@@ -164,3 +164,40 @@ def test_bad_input_on_the_caches_state_is_still_named(on_device, method):  # noq
         if method != "swa":
             with pytest.raises(ValueError, match="^groups: expected an integer tensor"):
                 _call(method, *step, groups.tolist(), factor, initial_state=state)
+
+
+def launch_sites(obj, depth: int = 2) -> list:
+    """The `launch.Launch` sites a plan holds (in its attributes, and theirs: `decode.Step`, `guard.Site`, ...)."""
+    from oal.ops.triton import launch
+
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, launch.Launch):
+            found.append(value)
+        elif depth and type(value).__module__.startswith("oal.") and hasattr(value, "__dict__"):
+            found += launch_sites(value, depth - 1)
+    return found
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels exist on a GPU (test_triton_launch stands them in)")
+@pytest.mark.parametrize("method", [*METHODS, "prefill"])
+def test_plans_keep_their_compiled_launchers_on_a_gpu(on_device, monkeypatch, method):  # noqa: F811
+    """With OAL_TRITON_DIRECT_LAUNCH=1, every launch site of a plan keeps the compiled kernel's launcher after its
+    first call (dv 11: oal-swa's prefix state is 16-byte aligned): Triton's launch returns the kernel, an
+    autotuner names its pick. A release where it does not would leave the variable without effect, silently."""
+    from oal.ops.triton import launch
+
+    monkeypatch.setenv(launch.ENV, "1")
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 14, 16, 11, 3, seed=27)
+    if method == "prefill":
+        with torch.no_grad():
+            for _ in range(3):
+                oal_attention(q, k, v, groups, factor, backend="triton")
+        plan = plans._FRESH[factor][1]
+    else:
+        _, state = _decode(method, q, k, v, groups, factor, owned=True)
+        plan = plans._PLANS[state][1]
+    checks.check_errors()
+    sites = launch_sites(plan)
+    assert len(sites) >= {"oal": 2, "oal-swa": 3, "swa": 1, "prefill": 2}[method], sites
+    assert all(site.runner is not None and not site.failed for site in sites), [vars(s) for s in sites]
