@@ -19,7 +19,8 @@ at batch 1 take several hundred µs a module and would hide the host time).
 
 Also the host time of one prefill call of the operator alone (`prefill`: a fresh sequence of --prefill-n tokens at
 the Qwen2.5-0.5B head shape, Hq 14, Hkv 2, d 64, G 5; the parallel kernels' route), median of --steps calls, beside
-default SDPA's on CUDA: at 2k tokens CUDA events around a call include the host's time to issue it.
+a call whose length changes every call (no plan) and default SDPA's on CUDA: at 2k tokens CUDA events around a
+call include the host's time to issue it.
 
 --direct-launch (CUDA): each method timed again with OAL_TRITON_DIRECT_LAUNCH=1, the plans' kernels launched
 through the compiled kernels' own launchers (`oal.ops.triton.launch`), in a row's `direct` entry (and the prefill
@@ -162,9 +163,10 @@ def measure(method: str, args, device: str, direct: bool = False) -> dict:
 
 
 def prefill(args, device: str) -> dict:
-    """Median host time (µs) of one oal_attention call on a fresh sequence (no gradient; the calls after the first
-    run its plan, `oal.ops.triton.prefill`), with --direct-launch also with the plan's kernels launched directly,
-    and of default SDPA's on CUDA (on the CPU SDPA computes for real: not a host time)."""
+    """Median host time (µs) of one oal_attention call on a fresh sequence (no gradient; from the second call on
+    it runs its plan, `oal.ops.triton.prefill`), of one whose length changes every call (N and N - 1 in turn: the
+    full path), with --direct-launch of one whose plan's kernels launch directly, and of default SDPA's on CUDA
+    (on the CPU SDPA computes for real: not a host time)."""
     import torch
     import torch.nn.functional as F
 
@@ -177,12 +179,20 @@ def prefill(args, device: str) -> dict:
     groups = torch.randint(0, 5, (14, 64), generator=gen).to(device)
     factor = (0.3 * torch.randn(14, 6, 6, generator=gen)).to(device)
     calls = {"oal": lambda: oal_attention(q, k, v, groups, factor)}
+    # a length that changes every call (an evaluation's batches): the full path, no plan (a kernel of its own)
+    shorter, changing_factor, turn = [t[:, :, :-1].contiguous() for t in (q, k, v)], factor.clone(), [0]
+
+    def changing():
+        turn[0] ^= 1
+        return oal_attention(*(shorter if turn[0] else (q, k, v)), groups, changing_factor)
+
+    calls["oal_changing"] = changing
     if args.direct_launch and device == "cuda":  # a new kernel tensor: a new plan, made with the variable set
         direct_factor = factor.clone()
         calls["oal_direct"] = lambda: oal_attention(q, k, v, groups, direct_factor)
     if device == "cuda":
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    result = {"n": args.prefill_n, "oal_us": None, "oal_direct_us": None, "sdpa_us": None}
+    result = {"n": args.prefill_n, "oal_us": None, "oal_changing_us": None, "oal_direct_us": None, "sdpa_us": None}
     with torch.no_grad(), stand_in(device == "cpu"):
         for name, call in calls.items():
             os.environ[launch.ENV] = "1" if name == "oal_direct" else "0"
@@ -279,6 +289,7 @@ def main(args: argparse.Namespace) -> None:
         sdpa = "" if p["sdpa_us"] is None else f", default SDPA {p['sdpa_us']:.1f} µs"
         if p["oal_direct_us"] is not None:
             sdpa = f", launched directly {p['oal_direct_us']:.1f} µs" + sdpa
+        sdpa = f" (its length changing every call: {p['oal_changing_us']:.1f} µs)" + sdpa
         console.print(f"prefill call, N = {p['n']} (Qwen2.5-0.5B heads): OAL {p['oal_us']:.1f} µs of host time{sdpa}")
 
 

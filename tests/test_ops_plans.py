@@ -193,7 +193,7 @@ def test_plans_keep_their_compiled_launchers_on_a_gpu(on_device, monkeypatch, me
         with torch.no_grad():
             for _ in range(3):
                 oal_attention(q, k, v, groups, factor, backend="triton")
-        plan = plans._FRESH[factor][1]
+        plan = plans._FRESH[factor][2]
     else:
         _, state = _decode(method, q, k, v, groups, factor, owned=True)
         plan = plans._PLANS[state][1]

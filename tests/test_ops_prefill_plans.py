@@ -49,10 +49,10 @@ def _plans_made(monkeypatch) -> list:
 
 
 def test_planned_prefills_give_the_full_paths_results(on_device, monkeypatch):  # noqa: F811
-    """Lengths 20, 20, 20, 33, 33, 20: a plan for each change of length (the last signature's is kept per
-    kernel), the outputs the full path's exactly."""
+    """Lengths 20, 20, 20, 33, 33, 20, 17, 17: a plan by the second call in a row at a length (the last one's is
+    kept per kernel), none for a length seen once; the outputs the full path's exactly."""
     q, k, v, groups, factor = make_inputs(2, 6, 2, 40, 12, 7, 3, seed=31)
-    lengths = (20, 20, 20, 33, 33, 20)
+    lengths = (20, 20, 20, 33, 33, 20, 17, 17)
     made = _plans_made(monkeypatch)
     got = _prefills(q, k, v, groups, factor, lengths)
     assert len(made) == 3
@@ -60,6 +60,23 @@ def test_planned_prefills_give_the_full_paths_results(on_device, monkeypatch):  
         _full_path(m)
         want = _prefills(q, k, v, groups, factor, lengths)
     assert len(made) == 3
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_lengths_that_keep_changing_make_no_plan_and_no_signature(on_device, monkeypatch):  # noqa: F811
+    """An evaluation's batches, each of another length: no plan is built, no signature worked out (one lookup a
+    call), and the outputs are the full path's."""
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 30, 12, 7, 3, seed=38)
+    lengths = (12, 13, 30, 29, 12)
+    made, signatures = _plans_made(monkeypatch), []
+    inputs = plans._inputs
+    monkeypatch.setattr(plans, "_inputs", lambda *a: signatures.append(1) or inputs(*a))
+    got = _prefills(q, k, v, groups, factor, lengths)
+    assert made == [] and signatures == []
+    with monkeypatch.context() as m:
+        _full_path(m)
+        want = _prefills(q, k, v, groups, factor, lengths)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -118,8 +135,8 @@ def test_a_length_past_the_parallel_route_takes_the_chunked_kernels(on_device, m
     runs = []
     call = prefill.Plan.__call__
     monkeypatch.setattr(prefill.Plan, "__call__", lambda self, *a: runs.append(1) or call(self, *a))
-    _prefills(q, k, v, groups, factor, [24, 24])
-    assert len(runs) == 2
+    _prefills(q, k, v, groups, factor, [24, 24, 24])
+    assert len(runs) == 2  # the second call's (the one that made the plan) and the third's
     monkeypatch.setattr(routes, "PARALLEL_MAX", 16)
     got = _prefills(q, k, v, groups, factor, [24])[0]
     assert len(runs) == 2
@@ -153,7 +170,7 @@ def test_a_planned_prefill_rescales_exactly(on_device, q_scale, k_scale):  # noq
     """Scores that would overflow, at a planned signature: the guard's multipliers reach the kernel through the
     plan's status, and the output matches fp64 (Eq. 7 with kappa / s_max^2)."""
     q, k, v, groups, factor = make_inputs(1, 4, 2, 21, 12, 7, 3, seed=35)
-    _prefills(q, k, v, groups, factor, [21])  # the plan, at ordinary scores
+    _prefills(q, k, v, groups, factor, [21, 21])  # the plan, at ordinary scores
     q, k = q * q_scale, k * k_scale
     got = _prefills(q, k, v, groups, factor, [21])[0]
     want = oal_attention(q.to(F64), k.to(F64), v.to(F64), groups, factor.to(F64), backend="reference")
@@ -163,8 +180,8 @@ def test_a_planned_prefill_rescales_exactly(on_device, q_scale, k_scale):  # noq
 @pytest.mark.skipif(DEVICE == "cuda", reason="collects the kernel on the CPU stand-in")
 def test_a_prefill_plan_does_not_keep_its_kernel_alive(on_device):  # noqa: F811
     q, k, v, groups, factor = make_inputs(1, 4, 2, 16, 12, 7, 3, seed=36)
-    _prefills(q, k, v, groups, factor, [16])
-    assert plans._FRESH.get(factor) is not None
+    _prefills(q, k, v, groups, factor, [16, 16])
+    assert plans._FRESH[factor][2] is not None
     ref = weakref.ref(factor)
     del factor
     gc.collect()

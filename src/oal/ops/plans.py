@@ -12,8 +12,10 @@ in one stream's order). A plan is kept per state tensor (the cache updates its o
 state is one tensor for a whole generation) and dropped with it; it holds no reference to the state.
 
 A fresh sequence's forward without a gradient on the parallel kernels (a prefill, an evaluation, a benchmark at
-one length) keeps its plan (`triton.prefill.Plan`) per factor tensor, one per layer of a model: the last
-signature's, so a model's calls at the length it saw last run their plans (`fresh_signature`, `run_fresh`).
+one length) keeps its plan (`triton.prefill.Plan`) per factor tensor, one per layer of a model, for the last
+length it saw: a model's calls at that length run their plans (`fresh_signature`, `run_fresh`). A plan is made
+by the second call in a row at a length, not the first, so that calls whose lengths keep changing (an
+evaluation's batches) neither build plans nor work out signatures they would never use: they pay one lookup.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from oal.ops.kernel import version
 from oal.ops.triton import routes
 
 _PLANS = WeakIdKeyDictionary()  # the cache's own state -> (signature, plan)
-_FRESH = WeakIdKeyDictionary()  # factor -> (signature, plan) of its last fresh-sequence forward
+_FRESH = WeakIdKeyDictionary()  # factor -> [length, signature, plan] of its last fresh-sequence forward
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -54,16 +56,25 @@ def _inputs(q, k, v, *options) -> tuple:
 
 
 def fresh_signature(q, k, v, groups, factor, *options) -> tuple | None:
-    """The signature of a fresh sequence's forward that may run a plan (no gradient, at most `routes.PARALLEL_MAX`
-    tokens, read now: the parallel kernels' route; the caller asks only for causal calls without a state, a final
-    state or a chunk size), else None. `options`: the call's eps, scale and backend."""
+    """The signature of a fresh sequence's forward that may run or keep a plan, else None: no gradient, at most
+    `routes.PARALLEL_MAX` tokens (read now: the parallel kernels' route), and the factor's last fresh call had
+    this length (else this call records its length and takes the full path). The caller asks only for causal
+    calls without a state, a final state or a chunk size. `options`: the call's eps, scale and backend."""
     tensors = (q, k, v, factor)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4:
         return None  # (bad input: the full path names it)
-    if not 0 < q.shape[2] <= routes.PARALLEL_MAX:
+    n = q.shape[2]
+    if not 0 < n <= routes.PARALLEL_MAX:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None  # training: autograd's path
+    hit = _FRESH.get(factor)
+    if hit is None:
+        _FRESH[factor] = [n, None, None]
+        return None
+    if hit[0] != n:
+        hit[:] = n, None, None  # in place: one lookup a call while the lengths keep changing
+        return None
     return _inputs(q, k, v, tensor_key(groups), tensor_key(factor), torch.is_inference_mode_enabled(), *options)
 
 
@@ -71,17 +82,17 @@ def run_fresh(q, k, v, factor, eps: float, sig: tuple | None):
     """A fresh sequence's forward that an earlier call of signature `sig` kept a plan for (on `factor`): the plan
     run under the call's own device check; returns its output, or None without a plan."""
     hit = _FRESH.get(factor) if sig is not None else None
-    if hit is None or hit[0] != sig:
+    if hit is None or hit[1] != sig:
         return None
     chk = checks.begin(q.device, checks.compute_dtype(q.dtype), eps)
-    out = hit[1](q.contiguous(), k.contiguous(), v.contiguous(), factor, chk)
+    out = hit[2](q.contiguous(), k.contiguous(), v.contiguous(), factor, chk)
     checks.finish(chk)
     return out
 
 
 def keep_fresh(factor: torch.Tensor, sig: tuple | None, plan) -> None:
     if sig is not None:
-        _FRESH[factor] = (sig, plan)
+        _FRESH[factor] = [sig[0][2], sig, plan]  # the length: q.shape[2] (q.shape leads a signature)
 
 
 def get(state: torch.Tensor, sig: tuple | None):

@@ -83,6 +83,15 @@ def flag_out(STATUS, out, mask):
         tl.atomic_max(STATUS + 13, 1.0)
 
 
+def _scalars(sizes, first: int, scale: float, d: int, s_limit: float, mults: bool) -> tuple[int, tuple, dict]:
+    """(programs, the scalars after STATUS, the constexprs) of a `_guard` launch over tensors of `sizes`."""
+    blocks = [cdiv(n, BLOCK) for n in sizes]
+    total = sum(blocks)
+    bounds = tuple(sum(blocks[: i + 1]) for i in range(5))
+    meta = dict(FIRST=first, TICKET=14 if mults else 15, MULTS=mults, BLOCK=BLOCK)
+    return total, (*bounds, total, abs(scale), d, s_limit), meta
+
+
 class Site:
     """The guard's launch for tensors of fixed sizes (at most five, in slot pairs from `first`, and the signed
     sixth: `sizes`), its grid and scalars worked out once: a prefill plan keeps one (`oal.ops.triton.prefill`), and
@@ -92,10 +101,8 @@ class Site:
     def __init__(self, sizes, *, first: int, scale: float = 1.0, d: int = 1, s_limit: float = 0.0,
                  mults: bool = False):
         self.sizes = tuple(sizes)
-        blocks = [cdiv(n, BLOCK) for n in self.sizes]
-        self.total = sum(blocks)
-        self.tail = (*(sum(blocks[: i + 1]) for i in range(5)), self.total, abs(scale), d, s_limit)
-        self.launch = Launch((self.total,), dict(FIRST=first, TICKET=14 if mults else 15, MULTS=mults, BLOCK=BLOCK))
+        self.total, self.tail, meta = _scalars(self.sizes, first, scale, d, s_limit, mults)
+        self.launch = Launch((self.total,), meta)
 
     def __call__(self, status, tensors) -> None:
         """`tensors`: six flat tensors or None (in `sizes`' order)."""
@@ -106,14 +113,11 @@ class Site:
 def launch(status, tensors, *, first: int, signed=None, scale: float = 1.0, d: int = 1, s_limit: float = 0.0,
            mults: bool = False) -> None:
     """Check `tensors` (at most five, in slot pairs from `first`) and `signed` (the negated moments, or None) into
-    `status`; with `mults`, also the multipliers (q and k must be the first two of `first` = 0)."""
-    present = flat(tensors, signed)
-    Site([0 if t is None else t.numel() for t in present], first=first, scale=scale, d=d, s_limit=s_limit,
-         mults=mults)(status, present)
-
-
-def flat(tensors, signed=None) -> list:
-    """The six slots of `_guard`: `tensors` flattened, None for the unused ones, `signed` last."""
+    `status`; with `mults`, also the multipliers (q and k must be the first two of `first` = 0). A one-off launch:
+    a plan keeps a `Site` instead."""
     present = [t.reshape(-1) for t in tensors] + [None] * (5 - len(tensors))
     present.append(None if signed is None else signed.reshape(-1))
-    return present
+    sizes = [0 if t is None else t.numel() for t in present]
+    total, tail, meta = _scalars(sizes, first, scale, d, s_limit, mults)
+    if total:
+        _guard[(total,)](*(t if t is not None else status for t in present), *sizes, status, *tail, **meta)

@@ -329,8 +329,15 @@ class Forward:
 
 
 def _forward(q, k, v, ws, l0, eps_t, mult, status, c: dict, acc_dtype: torch.dtype):
-    """(out, normaliser) from one launch of `_par_fwd`; c: its constants (`_consts`)."""
-    return Forward(q, v, c, ws.shape[1], acc_dtype, status is not None)(q, k, v, ws, l0, eps_t, mult, status)
+    """(out, normaliser) from one launch of `_par_fwd`; c: its constants (`_consts`). A one-off launch: a plan
+    keeps a `Forward` instead."""
+    bsz, n_q, n, _ = q.shape
+    o = empty(q, bsz, n_q, n, v.shape[-1])
+    den = empty(q, bsz, n_q, n, dtype=acc_dtype)
+    args = (q, k, v, ws, l0, eps_t, mult, o, den, eps_t if status is None else status, n, n_q, q.shape[-1],
+            v.shape[-1], ws.shape[1], bucket(n))
+    _launch(_par_fwd, lambda bm, bn: (cdiv(n, bm), n_q, bsz), *args, **c, CHECK=status is not None)
+    return o, den
 
 
 class OALParallel(torch.autograd.Function):
