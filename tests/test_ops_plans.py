@@ -161,6 +161,9 @@ def test_bad_input_on_the_caches_state_is_still_named(on_device, method):  # noq
             _call(method, step[0], step[1].tolist(), step[2], groups, factor, initial_state=state)
         with pytest.raises(ValueError, match="^v: expected shape"):
             _call(method, step[0], step[1], step[2][:, :1], groups, factor, initial_state=state)
+        if method == "oal":
+            with pytest.raises(ValueError, match="^eps: expected a finite number"):
+                _call(method, *step, groups, factor, initial_state=state, eps=torch.tensor(1e-6))
         if method != "swa":
             with pytest.raises(ValueError, match="^groups: expected an integer tensor"):
                 _call(method, *step, groups.tolist(), factor, initial_state=state)

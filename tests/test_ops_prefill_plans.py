@@ -163,6 +163,8 @@ def test_bad_input_on_a_planned_prefill_is_still_reported(on_device):  # noqa: F
             oal_attention(q[0, 0], k, v, groups, factor, backend="triton")
         with pytest.raises(ValueError, match="^groups: ids must lie"):
             oal_attention(q, k, v, groups + 5, factor, backend="triton")
+        with pytest.raises(ValueError, match="^eps: expected a finite number"):
+            oal_attention(q, k, v, groups, factor, backend="triton", eps=torch.tensor(1e-6))
 
 
 @pytest.mark.parametrize("q_scale,k_scale", [(1e10, 1.0), (1e15, 1e3)])

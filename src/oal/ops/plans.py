@@ -48,7 +48,11 @@ def signature(q, k, v, state, *options) -> tuple | None:
     return _inputs(q, k, v, state.shape, state.dtype, state.is_contiguous(), *options)
 
 
-def _inputs(q, k, v, *options) -> tuple:
+def _inputs(q, k, v, *options) -> tuple | None:
+    """The signature's common part; None where an option is a tensor (eps, scale: the full path refuses it, and a
+    signature compared with `==` would read its value)."""
+    if any(isinstance(o, torch.Tensor) for o in options):
+        return None
     sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, *options)
     if q.device.type == "cuda":
         sig += (torch.cuda.current_stream(q.device).cuda_stream,)
