@@ -160,7 +160,8 @@ def oal_attention(
             planned = plans.run(q, k, v, factor, eps, initial_state, sig, output_final_state)
             if planned is not None:
                 return planned
-        elif initial_state is None and causal and not output_final_state and chunk_size is None:
+        elif (initial_state is None and causal and not output_final_state and chunk_size is None
+              and backend in ("auto", "triton")):
             sig = plans.fresh_signature(q, k, v, groups, factor, eps, scale, backend)  # a prefill plan (below)
             planned = plans.run_fresh(q, k, v, factor, eps, sig)
             if planned is not None:
