@@ -21,7 +21,8 @@ its autotuner ran for the launch (`best_config`; the plan's signature fixes the 
 config every later launch would run) supplies the tile constexprs, and a grid given as a function of them is
 worked out once from it.
 
-Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton. A
+Under Triton's interpreter (no compiled kernel) and without the variable, every launch goes through Triton. The
+variable is read when a launch site is made (with its plan): setting it later affects the plans made later. A
 launcher that raises (a Triton release whose launcher takes other arguments: it checks them before launching) is
 dropped with a warning, once, and the site launches through Triton from then on.
 Not yet measured on a GPU, so off by default: `scripts/gpu_perf.sh` times it (`benchmarks.decode_host`).
