@@ -2,6 +2,8 @@
 
 Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, causal, N = 2k..128k. Methods:
   oal            oal_attention(backend="auto"): the parallel kernels up to routes.PARALLEL_MAX, the chunked above;
+  oal_direct     oal with OAL_TRITON_DIRECT_LAUNCH=1 (forward, up to routes.PARALLEL_MAX: where a kept prefill plan
+                 launches its kernels through their compiled launchers; elsewhere it is oal);
   oal_parallel   the parallel kernels forced (quadratic; up to --parallel-max-n), to place the crossover;
   oal_chunked    the chunked kernels forced;
   sdpa           F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), torch's default
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import statistics
 import time
@@ -36,7 +39,7 @@ from benchmarks._common import MAX_TOKENS, ToolParser, int_in, list_of, output_f
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
-METHODS = ("oal", "oal_parallel", "oal_chunked", "sdpa", "sdpa_flash", "sdpa_cudnn")
+METHODS = ("oal", "oal_direct", "oal_parallel", "oal_chunked", "sdpa", "sdpa_flash", "sdpa_cudnn")
 LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
 
 
@@ -105,6 +108,22 @@ def triton_route(method: str):
         routes.PARALLEL_MAX = saved
 
 
+@contextlib.contextmanager
+def direct_launch(on: bool):
+    """OAL_TRITON_DIRECT_LAUNCH=1 within (read when a plan is made: the method's inputs are its own, so is its
+    plan), else the variable as it was."""
+    from oal.ops.triton import launch
+
+    saved = os.environ.get(launch.ENV)
+    if on:
+        os.environ[launch.ENV] = "1"
+    try:
+        yield
+    finally:
+        if on:
+            os.environ.pop(launch.ENV) if saved is None else os.environ.__setitem__(launch.ENV, saved)
+
+
 def attention(method: str):
     """A function (q, k, v, groups, factor) -> out for one method."""
     import torch.nn.functional as F
@@ -112,10 +131,10 @@ def attention(method: str):
     from oal.ops import oal_attention
 
     if method.startswith("oal"):
-        backend = "triton" if method != "oal" else "auto"
+        backend = "auto" if method in ("oal", "oal_direct") else "triton"
 
         def oal(q, k, v, groups, factor):
-            with triton_route(method):
+            with triton_route(method), direct_launch(method == "oal_direct"):
                 return oal_attention(q, k, v, groups, factor, backend=backend)
 
         return oal
@@ -189,7 +208,11 @@ def measure(method: str, n: int, backward: bool, args) -> dict:
     return {"ms": statistics.median(times), "ms_all": times, "host_ms": host, "peak_mib": peak}
 
 
-def skip_reason(method: str, n: int, args) -> str | None:
+def skip_reason(method: str, n: int, args, backward: bool = False) -> str | None:
+    from oal.ops.triton import routes
+
+    if method == "oal_direct" and (backward or n > routes.PARALLEL_MAX):
+        return "no kept plan (a gradient, or past the parallel route): the same launches as oal"
     if method == "oal_parallel" and n > args.parallel_max_n:
         return f"N > --parallel-max-n {args.parallel_max_n} (quadratic)"
     if method == "sdpa_cudnn" and args.device != "cuda":
@@ -347,7 +370,7 @@ def table(rows: list[dict], title: str, backend: str):
 
     t = Table(title=title)
     cols = [("N", None), (f"sdpa ({backend})", "sdpa_fwd"), ("OAL", "oal_fwd"), ("OAL host", "oal_fwd_host"),
-            ("sdpa/OAL", "ratio_fwd"),
+            ("sdpa/OAL", "ratio_fwd"), ("OAL direct", "oal_direct_fwd"),
             ("flash", "sdpa_flash_fwd"), ("cudnn", "sdpa_cudnn_fwd"), ("OAL parallel", "oal_parallel_fwd"),
             ("OAL chunked", "oal_chunked_fwd"), ("sdpa f+b", "sdpa_fwdbwd"), ("OAL f+b", "oal_fwdbwd"),
             ("sdpa/OAL f+b", "ratio_fwdbwd")]
@@ -451,7 +474,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                 if backward and args.no_backward:
                     continue
                 for method in args.methods:
-                    reason = skip_reason(method, n, args)
+                    reason = skip_reason(method, n, args, backward)
                     if reason is None:
                         try:
                             measured[method, n, mode] = measure(method, n, backward, args)

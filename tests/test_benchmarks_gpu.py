@@ -3,6 +3,8 @@ profiler trace shows (on canned event names: the real ones come from the GPU run
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks import gpu
@@ -69,3 +71,20 @@ def test_cuda_is_asked_for_where_there_is_none(monkeypatch):
     monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device: cuda is not available here"):
         gpu.main(["--lengths", "64"])
+
+
+def test_oal_direct_is_timed_only_where_a_plan_launches(monkeypatch):
+    """oal_direct differs from oal only on a kept prefill plan: forward, at most routes.PARALLEL_MAX tokens. Its
+    calls run with OAL_TRITON_DIRECT_LAUNCH=1, and the variable is as it was afterwards."""
+    from oal.ops.triton import launch, routes
+
+    args = gpu.parse_args(["--device", "cpu"])
+    assert gpu.skip_reason("oal_direct", routes.PARALLEL_MAX, args) is None
+    assert gpu.skip_reason("oal_direct", routes.PARALLEL_MAX, args, backward=True)
+    assert gpu.skip_reason("oal_direct", routes.PARALLEL_MAX + 1, args)
+    monkeypatch.delenv(launch.ENV, raising=False)
+    seen = []
+    monkeypatch.setattr("oal.ops.oal_attention", lambda *a, **kw: seen.append(launch.enabled()))
+    gpu.attention("oal_direct")(None, None, None, None, None)
+    gpu.attention("oal")(None, None, None, None, None)
+    assert seen == [True, False] and launch.ENV not in os.environ
