@@ -83,7 +83,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
            *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
-    fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, PAIRS="*i32", ST=a, STN=a, O=x, DEN=a,
+    fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, MULT=a, PAIRS="*i32", ST=a, STN=a, O=x, DEN=a,
                    STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
     big_fwd = dict(big, CHECK=True)  # the output's check in the kernel, as on a GPU (deferred checks)
     yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))

@@ -135,14 +135,19 @@ def test_group_ids_are_read_once_per_tensor(on_device):
 
 
 @pytest.mark.parametrize("q_scale,k_scale", [(1e10, 1.0), (1e15, 1e3)])
-@pytest.mark.parametrize("path", ["prefill", "decode"])
+@pytest.mark.parametrize("path", ["prefill", "chunked", "chunked with a gradient", "decode"])
 def test_huge_scores_are_rescaled_exactly_on_the_device(on_device, q_scale, k_scale, path):
-    """The overflow rescaling from device maxima (`checks.device_rescale`, and in the decoding kernels)."""
+    """The overflow rescaling from device maxima (`checks.device_rescale`): in the parallel kernels, in the chunked
+    output kernel (no gradient), through torch (a gradient), and in the decoding kernels."""
     q, k, v, groups, factor = make_inputs(1, 2, 1, 20, 16, 8, 3, seed=5)
     q, k = q * q_scale, k * k_scale
     want = oal_attention(q.to(F64), k.to(F64), v.to(F64), groups, factor.to(F64), backend="reference")
     if path == "prefill":
         got = oal_attention(q, k, v, groups, factor, backend="triton")
+    elif path.startswith("chunked"):  # the chunked kernels, 16-token chunks: the readout of a state too
+        with torch.set_grad_enabled(path.endswith("gradient")):
+            leaf = q.clone().requires_grad_(path.endswith("gradient"))
+            got = oal_attention(leaf, k, v, groups, factor, backend="triton", chunk_size=16)
     else:
         _, state = oal_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19], groups, factor, backend="triton",
                                  output_final_state=True)
@@ -410,6 +415,27 @@ def test_the_parallel_kernels_rescale_exactly_with_gradients(on_device, q_scale,
     assert calls == [1], "the fresh sequence did not run the parallel kernels"
     errs = {name: _rel(x, y) for name, x, y in zip(("out", "dq", "dk", "dv", "dfactor"), got, want, strict=True)}
     assert all(err < 1e-4 for err in errs.values()), errs
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the torch side of a call; the GPU run measures time")
+def test_a_long_prefill_is_a_few_launches(on_device, monkeypatch):
+    """A fresh sequence on the chunked kernels, no gradient: the guard, the state scan and the output kernel, which
+    applies the overflow multipliers itself (no torch operator rescales q and the coefficients), and no packed
+    final state when none is asked for."""
+    from oal.ops.triton import function, guard, routes
+    from oal.ops.triton import kernels as K
+
+    monkeypatch.setattr(routes, "PARALLEL_MAX", 16)
+    q, k, v, groups, factor = make_inputs(1, 4, 2, 50, 16, 8, 3, seed=8)
+    with torch.no_grad():
+        oal_attention(q, k, v, groups, factor, backend="triton")  # the coefficients, cached per kernel
+        kernels = count_kernels(monkeypatch, guard, "_guard")
+        monkeypatch.setattr(function, "interpreted", lambda: True)  # it reads the type of _fwd_out, wrapped below
+        launched = count_kernels(monkeypatch, K, "_state_scan", "_fwd_out")
+        with Launches() as mode:
+            oal_attention(q, k, v, groups, factor, backend="triton")
+    print("long prefill: torch operators", mode.ops, "+ triton kernels", len(kernels) + len(launched))
+    assert mode.ops == ["zeros.default"] and len(kernels) == 1 and len(launched) == 2
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the torch side of a call; the GPU run measures time")

@@ -249,7 +249,10 @@ def tuning_record(d: int, dv: int, arch: int) -> dict:
                           for name, tuner in tuners.items()}}
 
 
-def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, status=None):
+def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, status, mult):
+    """Forward of the chunked kernels: (out, normaliser, final state in block layout and its normaliser). `mult`:
+    the overflow multipliers `_fwd_out` applies itself (`checks.device_rescale`; all 1 where the inputs come
+    rescaled, as autograd's path needs them)."""
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
     n_c = -(-n // cfg.chunk)
@@ -260,7 +263,7 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, 
     pairs = _device_maps(d, q.device)[0]
     kernel, consts = _fwd_out(q, d, dv, cfg)
     kernel[(n_q, n_c, bsz)](
-        q, k, v, a, bs, cs, ws, l0, eps_t, pairs, st, stn, o, den, eps_t if status is None else status, n, n_q,
+        q, k, v, a, bs, cs, ws, l0, eps_t, mult, pairs, st, stn, o, den, eps_t if status is None else status, n, n_q,
         st.shape[1], d, dv, lay.rows, cfg.n_groups1, parallel.bucket(n),
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, next_pow2(dv)), NPAIR=lay.npair,
         GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, **consts,
@@ -330,10 +333,10 @@ class OALTriton(torch.autograd.Function):
     """Causal OAL attention on the Triton kernels; gradients for q, k, v, the coefficients and the initial state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg: Config, status):
+    def forward(ctx, q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg: Config, status, mult):
         lay = layout(q.shape[-1])
         init = (init_blk, init_n) if init_blk is not None else None
-        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay, status)
+        o, den, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay, status, mult)
         ctx.save_for_backward(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, o, den)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
@@ -357,7 +360,7 @@ class OALTriton(torch.autograd.Function):
             q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do.contiguous(), dfinal, cfg, lay
         )
         di, din = dinit if dinit is not None else (None, None)
-        return dq, dk, dv, da, dbs, dcs, dws, dl0, None, di, din, None, None
+        return dq, dk, dv, da, dbs, dcs, dws, dl0, None, di, din, None, None, None
 
 
 _PARAMS = WeakIdKeyDictionary()  # factor -> (key, params): inference calls on deferred devices (see `_cached_params`)
@@ -428,15 +431,24 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
         mult = _unit(acc, q.device) if rescale is None else rescale
         return parallel.attention(q, k, v, ws, l0, _constant(eps, acc, q.device), mult, _consts(cfg, "fwd", d, dv),
                                   _gmax(cfg.n_groups1), status), None
-    if rescale is None:
-        eps_t = _constant(eps, acc, q.device)
-    else:  # exact for any multipliers (see checks.device_rescale); all 1 unless the scores would overflow
+    eps_t, mult = _constant(eps, acc, q.device), _unit(acc, q.device)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, factor, initial_state))
+    if rescale is not None and not grad:  # the output kernel applies the multipliers itself: no torch operator
+        mult = rescale
+    elif rescale is not None:  # for autograd, through torch (exact for any multipliers, see checks.device_rescale)
         qs, m_a, m_b, m_c, m_w, m_l0 = rescale.to(acc).split(1)
         q, a, bs, cs, ws, l0, eps_t = q * qs, a * m_a, bs * m_b, cs * m_c, ws * m_w, l0 * m_l0, m_a * eps
     init_blk = init_n = None
     if initial_state is not None:
         init_blk, init_n = state_to_blocks(initial_state.to(acc), d)
-    o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg, status)
+    if grad:
+        o, fin, finn = OALTriton.apply(q, k, v, a, bs, cs, ws, l0, eps_t, init_blk, init_n, cfg, status, mult)
+    else:  # no gradient to compute: no autograd bookkeeping (as `parallel.attention`)
+        init = (init_blk, init_n) if init_blk is not None else None
+        o, _, fin, finn = _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg, lay, status, mult)
+    if not need_state and initial_state is None:
+        return o, None  # no packed state asked for: none made (a gather and a concatenation of the final state)
     return o, blocks_to_state(fin, finn, bsz, d)
 
 

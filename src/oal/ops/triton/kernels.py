@@ -284,7 +284,7 @@ def _state_scan(
 
 @triton.jit
 def _fwd_out(
-    Q, K, V, A, BS, CS, WS, L0, EPS, PAIRS, ST, STN, O, DEN, STATUS,
+    Q, K, V, A, BS, CS, WS, L0, EPS, MULT, PAIRS, ST, STN, O, DEN, STATUS,
     N, n_q, n_cs, d, dv, R, g1, NBKT,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
@@ -294,31 +294,38 @@ def _fwd_out(
 
     Grid (Hq, n_c, B): the query heads of a KV head are adjacent, so K, V and the chunk's state come from L2.
     Loops run at run time: unrolled, the compiler keeps every iteration's tiles live and runs out of registers.
-    EPS: eps as a device scalar (the overflow rescaling changes it without a host read). CHECK: the output's value
-    check into STATUS (`guard.flag_out`). NBKT (the length's power-of-two bucket) is read by nothing: it is the
-    autotuner's key.
+    EPS: eps as a device scalar. MULT: the overflow multipliers [qs, m_a, m_b, m_c, m_w, m_l0] of
+    `checks.device_rescale`, applied here (all 1 where the caller rescaled): q times qs for the features, a, b, C
+    times m_a, m_b, m_c, and the intra-chunk z times zs = m_l0 = m_w qs (eps times zs^2), so every kappa is
+    kappa / lam with no torch operator. CHECK: the output's value check into STATUS (`guard.flag_out`). NBKT (the
+    length's power-of-two bucket) is read by nothing: it is the autotuner's key.
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
                                                                           ACC_DT, DOT_DT)
     j16 = tl.arange(0, 16)
+    qs = tl.load(MULT)
+    m_b = tl.load(MULT + 2)
+    m_c = tl.load(MULT + 3)
+    zs = tl.load(MULT + 5)
     # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
-    kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS)
+    kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS) * zs * zs
+    qz = q.to(ACC_DT) * zs
     for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
         if m < g1:
-            z = _intra_z(q, k, WS, L0, 1.0, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            z = _intra_z(qz, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
             kap += z * z
     kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
     acc = tl.dot(kap.to(DOT_DT), v, input_precision=PREC, out_dtype=ACC_DT)
     den = tl.sum(kap, axis=1)
     # inter-chunk: phi(q) . S_c, one feature block at a time (Eq. 6); S_c holds every earlier chunk
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
-    a = tl.load(A + h)
+    a = tl.load(A + h) * tl.load(MULT + 1)
     acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)[None, :]
     den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
     for I in range(NB):
         rows = 1 + I * 16 + j16
-        f1 = _block(qh, tok, tmask, I, d).to(ACC_DT) * tl.load(BS + h * D16 + I * 16 + j16)[None, :]
+        f1 = _block(qh, tok, tmask, I, d).to(ACC_DT) * qs * (tl.load(BS + h * D16 + I * 16 + j16) * m_b)[None, :]
         acc = tl.dot(f1.to(DOT_DT), _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                      out_dtype=ACC_DT)
         den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
@@ -327,7 +334,8 @@ def _fwd_out(
         pj = tl.load(PAIRS + 2 * p + 1)
         for s in range(16 // RH):
             rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
-            f3 = q_i[:, :, None] * q_j[:, None, :] * _pair_coef(CS, h, pi, pj, s, D16, RH)[None, :, :]
+            coef = _pair_coef(CS, h, pi, pj, s, D16, RH) * m_c
+            f3 = (q_i * qs)[:, :, None] * (q_j * qs)[:, None, :] * coef[None, :, :]
             f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
             acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                          out_dtype=ACC_DT)
