@@ -1,13 +1,13 @@
 """A fresh sequence's forward on the parallel kernels, without a gradient, worked out once per signature.
 
-What `triton_forward` works out on every call of this route (the dtypes, the tiles, the per-head coefficients,
-the constants, the guard's grid and sizes, `_par_fwd`'s grid and meta) depends only on the call's signature
+What `triton_forward` works out on every call of this route (the dtypes, the tiles, the per-head coefficients, the
+constants, the guard's grid and sizes, `_par_fwd`'s grid and meta) depends only on the call's signature
 (`oal.ops.plans.fresh_signature`: shapes, dtypes, device, the kernel tensors' versions, the options). A model's
-forward at a length it has seen, a benchmark, an evaluation at a fixed length repeat it: the first call keeps a
-`Plan` per kernel, the next calls of the same signature run it. A call is then the guard's launch (the inputs'
-checks and the overflow multipliers), `_par_fwd`'s launch (which checks its output and rescales itself) and the
-status buffer, as on the full path, with none of the host work around them; with OAL_TRITON_DIRECT_LAUNCH=1 both
-launches go through the compiled kernels' own launchers (`launch.Launch`).
+forward at a length it has seen, a benchmark, an evaluation at a fixed length repeat it: the second call in a row at
+a length keeps a `Plan` per kernel (`oal.ops.plans`), and the next calls of the same signature run it. A call is
+then the guard's launch (the inputs' checks and the overflow multipliers), `_par_fwd`'s launch (which checks its
+output and rescales itself) and the status buffer, as on the full path, with none of the host work around them; with
+OAL_TRITON_DIRECT_LAUNCH=1 both launches go through the compiled kernels' own launchers (`launch.Launch`).
 """
 
 from __future__ import annotations
