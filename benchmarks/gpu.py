@@ -33,6 +33,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 # one-line errors, exit code 2; --help names the outputs
 from benchmarks._common import MAX_TOKENS, ToolParser, int_in, list_of, output_file, run_tool
@@ -108,20 +109,12 @@ def triton_route(method: str):
         routes.PARALLEL_MAX = saved
 
 
-@contextlib.contextmanager
 def direct_launch(on: bool):
     """OAL_TRITON_DIRECT_LAUNCH=1 within (read when a plan is made: the method's inputs are its own, so is its
-    plan), else the variable as it was."""
+    plan), the environment restored after; nothing when not `on`."""
     from oal.ops.triton import launch
 
-    saved = os.environ.get(launch.ENV)
-    if on:
-        os.environ[launch.ENV] = "1"
-    try:
-        yield
-    finally:
-        if on:
-            os.environ.pop(launch.ENV) if saved is None else os.environ.__setitem__(launch.ENV, saved)
+    return mock.patch.dict(os.environ, {launch.ENV: "1"}) if on else contextlib.nullcontext()
 
 
 def attention(method: str):

@@ -1,4 +1,4 @@
-"""Fresh sequences on the parallel kernels that run an earlier call's plan (`oal.ops.plans.fresh_signature`,
+"""Fresh sequences on the parallel kernels that run an earlier call's plan (`oal.ops.plans.fresh`,
 `oal.ops.triton.prefill`).
 
 The CPU stands in for a deferred device (as in test_ops_deferred), with the kernels under Triton's interpreter. The
@@ -38,7 +38,7 @@ def _prefills(q, k, v, groups, factor, lengths, edit=None) -> list:
 
 def _full_path(monkeypatch):
     """No call finds or keeps a plan: every call takes the full path."""
-    monkeypatch.setattr(plans, "fresh_signature", lambda *a, **kw: None)
+    monkeypatch.setattr(plans, "fresh", lambda *a, **kw: (None, None))
 
 
 def _plans_made(monkeypatch) -> list:

@@ -39,7 +39,7 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
                      sig=None):
     """The Triton kernels with the value checks on the device (`checks.start` ... `checks.finish`) and the overflow
     rescaling applied through device multipliers: no host read. `sig`: the call's signature, under which it keeps
-    its plan (`plans.signature` for decoding on the cache's own state, `plans.fresh_signature` for a fresh
+    its plan (`plans.signature` for decoding on the cache's own state, `plans.fresh` for a fresh
     sequence)."""
     from oal.ops.triton import decode_plan, decodes, prefill_plan, triton_attention  # no triton import until used
 
@@ -64,11 +64,8 @@ def _triton_deferred(q, k, v, groups, factor, eps, scale, initial_state, own, ou
         plan = prefill_plan(q, k, v, groups, factor, eps=float(eps), scale=scale, initial_state=None,
                             need_state=output_final_state, chunk_size=chunk_size)
     if plan is not None:  # a fresh sequence on the parallel route: kept for the next calls of its signature
-        chk = checks.begin(q.device, dtype, eps)
-        out = plan(q, k, v, factor, chk)
-        checks.finish(chk)
         plans.keep_fresh(factor, sig, plan)
-        return out
+        return plans.run_fresh(plan, q, k, v, factor, eps)
     chk, mults = checks.start(q, k, v, factor, initial_state, dtype, eps, scale=scale, check_state=not own)
     out, final = triton_attention(q, k, v, groups, factor, rescale=mults, status=chk.status, **kw)
     checks.finish(chk)  # the forward kernels checked their output into the status
@@ -162,8 +159,7 @@ def oal_attention(
                 return planned
         elif (initial_state is None and causal and not output_final_state and chunk_size is None
               and backend in ("auto", "triton")):
-            sig = plans.fresh_signature(q, k, v, groups, factor, eps, scale, backend)  # a prefill plan (below)
-            planned = plans.run_fresh(q, k, v, factor, eps, sig)
+            sig, planned = plans.fresh(q, k, v, groups, factor, eps, scale, backend)  # a prefill plan (below)
             if planned is not None:
                 return planned
         checks.check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size)

@@ -13,7 +13,7 @@ state is one tensor for a whole generation) and dropped with it; it holds no ref
 
 A fresh sequence's forward without a gradient on the parallel kernels (a prefill, an evaluation, a benchmark at
 one length) keeps its plan (`triton.prefill.Plan`) per factor tensor, one per layer of a model, for the last
-length it saw: a model's calls at that length run their plans (`fresh_signature`, `run_fresh`). A plan is made
+length it saw: a model's calls at that length run their plans (`fresh`, `run_fresh`). A plan is made
 by the second call in a row at a length, not the first, so that calls whose lengths keep changing (an
 evaluation's batches) neither build plans nor work out signatures they would never use: they pay one lookup.
 """
@@ -59,37 +59,38 @@ def _inputs(q, k, v, *options) -> tuple | None:
     return sig
 
 
-def fresh_signature(q, k, v, groups, factor, *options) -> tuple | None:
-    """The signature of a fresh sequence's forward that may run or keep a plan, else None: no gradient, at most
-    `routes.PARALLEL_MAX` tokens (read now: the parallel kernels' route), and the factor's last fresh call had
-    this length (else this call records its length and takes the full path). The caller asks only for causal
-    calls without a state, a final state or a chunk size. `options`: the call's eps, scale and backend."""
+def fresh(q, k, v, groups, factor, eps, scale, backend) -> tuple[tuple | None, torch.Tensor | None]:
+    """(signature, output) of a fresh sequence's forward: the output of the plan an earlier call of this signature
+    kept (on `factor`), or None; the signature under which the full path keeps one, or None where no plan may run
+    or be kept: a gradient, more than `routes.PARALLEL_MAX` tokens (read now: the parallel kernels' route), or a
+    length other than the factor's last fresh call's (this call records its length). The caller asks only for
+    causal calls without a state, a final state or a chunk size."""
     tensors = (q, k, v, factor)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4:
-        return None  # (bad input: the full path names it)
+        return None, None  # (bad input: the full path names it)
     n = q.shape[2]
     if not 0 < n <= routes.PARALLEL_MAX:
-        return None
+        return None, None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None  # training: autograd's path
+        return None, None  # training: autograd's path
     hit = _FRESH.get(factor)
     if hit is None:
         _FRESH[factor] = [n, None, None]
-        return None
+        return None, None
     if hit[0] != n:
         hit[:] = n, None, None  # in place: one lookup a call while the lengths keep changing
-        return None
-    return _inputs(q, k, v, tensor_key(groups), tensor_key(factor), torch.is_inference_mode_enabled(), *options)
+        return None, None
+    sig = _inputs(q, k, v, tensor_key(groups), tensor_key(factor), torch.is_inference_mode_enabled(), eps, scale,
+                  backend)
+    if sig is None or hit[1] != sig:
+        return sig, None
+    return sig, run_fresh(hit[2], q, k, v, factor, eps)
 
 
-def run_fresh(q, k, v, factor, eps: float, sig: tuple | None):
-    """A fresh sequence's forward that an earlier call of signature `sig` kept a plan for (on `factor`): the plan
-    run under the call's own device check; returns its output, or None without a plan."""
-    hit = _FRESH.get(factor) if sig is not None else None
-    if hit is None or hit[1] != sig:
-        return None
+def run_fresh(plan, q, k, v, factor, eps: float) -> torch.Tensor:
+    """A fresh sequence's forward on `plan` (`triton.prefill.Plan`), under the call's own device check."""
     chk = checks.begin(q.device, checks.compute_dtype(q.dtype), eps)
-    out = hit[2](q.contiguous(), k.contiguous(), v.contiguous(), factor, chk)
+    out = plan(q.contiguous(), k.contiguous(), v.contiguous(), factor, chk)
     checks.finish(chk)
     return out
 

@@ -99,7 +99,7 @@ def decode_plan(q, k, v, groups, factor, *, eps, scale, state, chunk_size=None, 
 def prefill_plan(q, k, v, groups, factor, *, eps, scale, initial_state, need_state, chunk_size):
     """The parallel route's plan for a fresh sequence (`prefill.Plan`; inputs validated by `oal_attention`), or None
     where the call takes another route: `plan(q, k, v, factor, chk)` returns the output as `triton_attention`
-    would, and runs again for the next calls of the same signature (`oal.ops.plans.fresh_signature`)."""
+    would, and runs again for the next calls of the same signature (`oal.ops.plans.fresh`)."""
     if not routes.parallel(q.shape[2], initial_state, need_state, chunk_size) or q.shape[0] == 0:
         return None
     _usable(q, v, chunk_size)

@@ -2,7 +2,7 @@
 
 What `triton_forward` works out on every call of this route (the dtypes, the tiles, the per-head coefficients, the
 constants, the guard's grid and sizes, `_par_fwd`'s grid and meta) depends only on the call's signature
-(`oal.ops.plans.fresh_signature`: shapes, dtypes, device, the kernel tensors' versions, the options). A model's
+(`oal.ops.plans.fresh`: shapes, dtypes, device, the kernel tensors' versions, the options). A model's
 forward at a length it has seen, a benchmark, an evaluation at a fixed length repeat it: the second call in a row at
 a length keeps a `Plan` per kernel (`oal.ops.plans`), and the next calls of the same signature run it. A call is
 then the guard's launch (the inputs' checks and the overflow multipliers), `_par_fwd`'s launch (which checks its
@@ -36,6 +36,6 @@ class Plan:
 
     def __call__(self, q, k, v, factor, chk: checks.DeviceCheck):
         status = chk.status
-        self.guard(status, (q.view(-1), k.view(-1), v.view(-1), factor.detach().reshape(-1), None, None))
+        self.guard(status, (q.view(-1), k.view(-1), v.view(-1), factor.reshape(-1), None, None))  # no gradient here
         mult = status[guard.MULT : guard.MULT + 6]
         return self.forward(q, k, v, self.ws, self.l0, self.eps_t, mult, status)[0]
