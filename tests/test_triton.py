@@ -169,12 +169,12 @@ def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
     """bf16 at a longer length with an outlier dimension (large kappa): finite, bf16 output, close to fp64.
 
     Under Triton's interpreter (CPU) this tests no bf16 arithmetic: the interpreter cannot multiply bf16, so the
-    kernels take fp32 dots and only the inputs and outputs are bf16; it checks the dtype handling and the
-    long-sequence scan. The bf16 dots are checked on a GPU by tests/test_triton_gpu.py (scripts/gpu_perf.sh), at
-    N = 16k against fp64 and beside bf16 SDPA. On a GPU the dots take bf16 operands (features, and the fp32
-    per-chunk states rounded as they are read); running this test's inputs with bf16 dots emulated gave relative
-    errors of 7e-3 (output), 4e-3 to 9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum over all tokens); bf16-rounded
-    inputs alone give 2e-3 to 5e-3. The bounds leave a factor of 2 or more.
+    kernels take fp32 dots and only the inputs, the outputs and the per-chunk states (stored in bf16, read by the
+    output and dq kernels) are bf16; it checks the dtype handling and the long-sequence scan. The bf16 dots are
+    checked on a GPU by tests/test_triton_gpu.py (scripts/gpu_perf.sh), at N = 16k against fp64 and beside bf16
+    SDPA. On a GPU the dots take bf16 operands (features, and the per-chunk states); running this test's inputs with
+    bf16 dots emulated gave relative errors of 7e-3 (output), 4e-3 to 9e-3 (dq, dk, dv) and 3e-2 (dfactor, a sum
+    over all tokens); bf16-rounded inputs alone give 2e-3 to 5e-3. The bounds leave a factor of 2 or more.
     """
     monkeypatch.setattr(tfn, "SEGMENT_CHUNKS", 4)
     n = 1024
@@ -188,6 +188,40 @@ def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
     assert rel_err(out, ref) < 2e-2
     for name, tol in (("q", 3e-2), ("k", 3e-2), ("v", 3e-2), ("factor", 6e-2)):
         assert rel_err(grads[name], ref_grads[name]) < tol, name
+
+
+def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
+    """The keys scan stores each chunk's prefix state in bf16 for half inputs (`Config.state_dtype`: what the
+    output and dq kernels' bf16 dots read it as; half the bytes of the chunked route's largest tensor, Eq. 5's H
+    per chunk) and in fp32 otherwise; its normaliser and segment ends, and the query scan's states (the backward
+    adds a carry to them before rounding), stay fp32. The bf16 states are the fp32 ones rounded: within one bf16
+    step (2^-7 relative; the interpreter truncates) on the same bf16-exact inputs; on a GPU the scan's own dots
+    round the features too, so there the bound is on the whole tensor."""
+    monkeypatch.setattr(tfn, "SEGMENT_CHUNKS", 2)  # two segments: the second pass's carried sums are stored too
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 150, 16, 16, 3, seed=3)
+    q, k, v = (t.bfloat16().float() for t in (q, k, v))  # exact in both dtypes
+    lay = tfn.layout(16)
+    a, bs, cs, _, _ = tfn._params(factor, groups, 1e-4, 0.25, lay, torch.float32)
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = tfn.config(q.to(dtype), factor, 16)
+        keys = tfn._scan(k.to(dtype), v.to(dtype), None, (a, bs, cs), cfg, lay, 1, query=False, reverse=False,
+                         carry=None, two_pass=True)
+        query = tfn._scan(q.to(dtype), v.to(cfg.dot_dtype), torch.ones_like(v[..., 0]), (a, bs, cs), cfg, lay, 1,
+                          query=True, reverse=True, carry=None, two_pass=False)
+        runs[dtype] = keys, query
+    (st32, *rest32), _ = runs[torch.float32]
+    (st16, stn, tot, totn, _), query = runs[torch.bfloat16]
+    assert st32.dtype == torch.float32 and st16.dtype == torch.bfloat16
+    assert [t.dtype for t in (stn, tot, totn, query[0], query[1])] == [torch.float32] * 5
+    assert rest32[0].dtype == torch.float32
+    gap = (st16.float() - st32).abs()
+    if tfn.interpreted():
+        assert bool((gap <= st32.abs() * 2**-7).all()), float((gap / st32.abs().clamp_min(1e-30)).max())
+        torch.testing.assert_close(stn, rest32[0], rtol=0, atol=0)  # the normaliser is not rounded
+    else:
+        assert rel_err(st16, st32) < 1e-2
+    assert float(st32.abs().max()) > 0  # the comparison above compared states, not zeros
 
 
 def test_half_precision_inputs_give_their_dtype():

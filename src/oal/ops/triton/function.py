@@ -117,6 +117,9 @@ class Config:
     dot_dtype: torch.dtype
     acc_dtype: torch.dtype
     arch: int  # tile table target (device_arch)
+    # the per-chunk prefix states the keys scan stores for `_fwd_out` and `_bwd_dq`: bf16 for half inputs, whose
+    # dots read them rounded to bf16 anyway (half the bytes of the chunked route's largest tensor), else acc_dtype
+    state_dtype: torch.dtype
 
 
 def _consts(cfg: Config, kernel: str, d: int, dv: int):
@@ -166,6 +169,8 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     """Run `_state_scan`. Returns (per-chunk states [B*Hkv, n_cs, R, dv], normaliser, segment ends, seg_len).
 
     n_cs = segments x chunks per segment >= the number of chunks; the chunks past the sequence are empty.
+    The per-chunk states are in `cfg.state_dtype` in keys mode; in query mode in fp32, as `_bwd_dkv` adds the carry
+    to them before it rounds. The normaliser and the segment ends are always fp32 (acc_dtype).
 
     two_pass: the per-chunk states include everything before the segment (forward); otherwise they are local to
     their segment and the consumer adds the carry (backward).
@@ -176,7 +181,8 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     consts = _consts(cfg, "scan", lay.d, dv)
     blocks = lay.npair * (16 // consts["RH"]) + lay.nb + 1  # H2 steps, H1 blocks, H0
     seg_len, n_seg = _segments(n_c, blocks * bsz * n_kv, x.device)
-    st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
+    st_dtype = cfg.acc_dtype if query else cfg.state_dtype
+    st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=st_dtype, device=x.device)
     stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dtype=cfg.acc_dtype, device=x.device)
     tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
     totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
@@ -404,6 +410,14 @@ def _dtypes(q):
     return dot, acc
 
 
+def config(q, factor, chunk: int) -> Config:
+    """The chunked kernels' `Config` for inputs like q. The states are stored in bf16 for half inputs even under
+    the interpreter (which stores bf16 by truncation where a GPU rounds to nearest): the tests run that path."""
+    dot, acc = _dtypes(q)
+    state = torch.bfloat16 if q.dtype in (torch.float16, torch.bfloat16) else acc
+    return Config(factor.shape[-1], chunk, dot, acc, device_arch(q.device), state)
+
+
 def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_size=None, need_state=True,
                    rescale=None, inplace=False, status=None):
     """Causal OAL on validated inputs in their own dtype. Returns (out [B,Hq,N,dv], final state [B,Hkv,F,dv+1] or
@@ -415,11 +429,11 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
     their output's (`checks.start`; None: the host checks the output)."""
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
-    dot, acc = _dtypes(q)
     if routes.decodes(q, k, v, factor, initial_state):
         return _decode(q, k, v, groups, factor, eps, scale, initial_state, inplace, status)
     lay = layout(d)
-    cfg = Config(factor.shape[-1], chunk_size or CHUNK, dot, acc, device_arch(q.device))
+    cfg = config(q, factor, chunk_size or CHUNK)
+    acc = cfg.acc_dtype
     q, k, v = (t.contiguous() for t in (q, k, v))
     a, bs, cs, ws, l0 = _cached_params(factor, groups, eps, scale, lay, acc)
     if n == 0 or bsz == 0:

@@ -190,8 +190,10 @@ def _state_scan(
     The running value starts at zero, plus CARRY (the initial state of the KV head) when `has_carry`, plus the sums
     of the earlier segments in PREV when `add_prev` (`_carry_in`), and ends in TOT; with `store` it is also
     written before each chunk (exclusive; REVERSE scans from the segment's last chunk: suffix sums).
-    States are written in fp32 whatever the dot type: rounded only where a dot reads them, and the normaliser
-    and the backward's carries add in fp32.
+    The running value is fp32 whatever the dot type. ST takes it in its own dtype: bf16 for half inputs in keys
+    mode, which the output and dq kernels' bf16 dots would round it to anyway (the H0 row, added outside a dot,
+    is rounded too), fp32 in query mode, where `_bwd_dkv` adds the carry before rounding. The normaliser (STN),
+    the segment ends and the carries stay fp32.
     SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
     variants are compiled. The state tensor holds n_seg * SEG chunks; those past N add nothing.
     Grid: (NPAIR * 16 / RH + NB + 1 feature blocks, n_seg, B * Hkv); an H2 program owns RH * 16 state rows.
@@ -222,7 +224,7 @@ def _state_scan(
             c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off = st_base + c * R + rows
-                tl.store(ST + off[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
+                tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(ST.dtype.element_ty), mask=vmask[None, :])
                 tl.store(STN + off, tl.reshape(accn, [RH * 16]))
             for r in range(REP):
                 xh = (b * HX + hk * REP + r).to(tl.int64)
@@ -247,7 +249,7 @@ def _state_scan(
             c1, tok1, tmask1 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off1 = st_base + c1 * R + rows1
-                tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1, mask=vmask[None, :])
+                tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(ST.dtype.element_ty), mask=vmask[None, :])
                 tl.store(STN + off1, accn1)
             for r in range(REP):
                 xh1 = (b * HX + hk * REP + r).to(tl.int64)
@@ -268,7 +270,7 @@ def _state_scan(
         for i in range(SEG):
             c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
-                tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0, mask=vmask)
+                tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(ST.dtype.element_ty), mask=vmask)
                 tl.store(STN + st_base + c0 * R + one, accn0)
             for r in range(REP):
                 xh0 = (b * HX + hk * REP + r).to(tl.int64)
@@ -321,7 +323,7 @@ def _fwd_out(
     # inter-chunk: phi(q) . S_c, one feature block at a time (Eq. 6); S_c holds every earlier chunk
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
     a = tl.load(A + h) * tl.load(MULT + 1)
-    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)[None, :]
+    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
     den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
     for I in range(NB):
         rows = 1 + I * 16 + j16
@@ -387,7 +389,7 @@ def _bwd_dq(
             tl.store(part + off_w + m * BD + dcol, tl.sum(q.to(ACC_DT) * t, axis=0))
     # inter-chunk: the gradient of phi(q) is [go, -dl] S_c^T, then through phi (Eq. 6)
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
-    s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0)
+    s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
     r0 = tl.sum(go.to(ACC_DT) * s0[None, :], axis=1) - dl * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
     tl.store(part, tl.sum(r0, axis=0))
     for I in range(NB):

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from oal.ops import checks
 from oal.ops.triton import guard, parallel
-from oal.ops.triton.function import CHUNK, Config, _cached_params, _constant, _consts, _dtypes, _gmax, layout
-from oal.ops.triton.tiles import device_arch
+from oal.ops.triton.function import CHUNK, _cached_params, _constant, _consts, _gmax, config, layout
 
 
 class Plan:
@@ -25,8 +24,8 @@ class Plan:
 
     def __init__(self, q, k, v, groups, factor, eps: float, scale: float):
         d, dv = q.shape[-1], v.shape[-1]
-        dot, acc = _dtypes(q)
-        cfg = Config(factor.shape[-1], CHUNK, dot, acc, device_arch(q.device))
+        cfg = config(q, factor, CHUNK)
+        acc = cfg.acc_dtype
         _, _, _, self.ws, self.l0 = _cached_params(factor, groups, eps, scale, layout(d), acc)
         self.eps_t = _constant(eps, acc, q.device)
         consts = parallel._consts(q, v, _consts(cfg, "fwd", d, dv), _gmax(cfg.n_groups1))
