@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from benchmarks import gpu
 
@@ -88,3 +89,22 @@ def test_oal_direct_is_timed_only_where_a_plan_launches(monkeypatch):
     gpu.attention("oal_direct")(None, None, None, None, None)
     gpu.attention("oal")(None, None, None, None, None)
     assert seen == [True, False] and launch.ENV not in os.environ
+
+
+def test_oal_fp32_states_times_the_chunked_route_with_the_states_before(monkeypatch):
+    """oal_fp32_states is oal with the per-chunk states stored in fp32 (the layout before they were bf16), timed
+    only where the chunked route runs; the library's bf16 setting is back afterwards."""
+    from oal.ops.triton import function, routes
+
+    args = gpu.parse_args(["--device", "cpu"])
+    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX, args)
+    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX + 1, args) is None
+    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX + 1, args, backward=True) is None
+    q, factor = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 16)
+    seen = []
+    monkeypatch.setattr("oal.ops.oal_attention",
+                        lambda *a, **kw: seen.append((function.config(q, factor, 64).state_dtype, kw["backend"])))
+    gpu.attention("oal_fp32_states")(None, None, None, None, None)
+    gpu.attention("oal")(None, None, None, None, None)
+    assert seen == [(torch.float32, "auto"), (torch.bfloat16, "auto")]
+    assert function.HALF_STATES == torch.bfloat16
