@@ -6,8 +6,9 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, caus
                  launches its kernels through their compiled launchers; elsewhere it is oal);
   oal_parallel   the parallel kernels forced (quadratic; up to --parallel-max-n), to place the crossover;
   oal_chunked    the chunked kernels forced;
-  oal_fp32_states  oal past routes.PARALLEL_MAX with the per-chunk states stored in fp32 (function.HALF_STATES), as
-                 before 2026-12-05: what storing them in bf16 changed, in the same run;
+  oal_chunked_prev  oal past routes.PARALLEL_MAX with the chunked kernels as they ran before 2026-12-05's changes
+                 (function.HALF_STATES fp32: per-chunk states in fp32; function.NORM_DOTS off: the normaliser summed
+                 in registers): what those changes did, in the same run;
   sdpa           F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), torch's default
                  dispatch; which backend it picked is read off a torch.profiler trace of one call;
   sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it.
@@ -42,7 +43,7 @@ from benchmarks._common import MAX_TOKENS, ToolParser, int_in, list_of, output_f
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
-METHODS = ("oal", "oal_direct", "oal_parallel", "oal_chunked", "oal_fp32_states", "sdpa", "sdpa_flash", "sdpa_cudnn")
+METHODS = ("oal", "oal_direct", "oal_parallel", "oal_chunked", "oal_chunked_prev", "sdpa", "sdpa_flash", "sdpa_cudnn")
 LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
 
 
@@ -119,12 +120,17 @@ def direct_launch(on: bool):
     return mock.patch.dict(os.environ, {launch.ENV: "1"}) if on else contextlib.nullcontext()
 
 
-def state_dtype(method: str):
-    """The per-chunk states in fp32 within (oal_fp32_states; restored after); nothing for the other methods."""
+@contextlib.contextmanager
+def chunked_kernels(method: str):
+    """The chunked kernels as before 2026-12-05 within (oal_chunked_prev: fp32 states, the normaliser summed in
+    registers; restored after); nothing for the other methods."""
     from oal.ops.triton import function
 
-    return mock.patch.object(function, "HALF_STATES", torch.float32) if method == "oal_fp32_states" else (
-        contextlib.nullcontext())
+    if method != "oal_chunked_prev":
+        yield
+        return
+    with mock.patch.object(function, "HALF_STATES", torch.float32), mock.patch.object(function, "NORM_DOTS", False):
+        yield
 
 
 def attention(method: str):
@@ -134,10 +140,10 @@ def attention(method: str):
     from oal.ops import oal_attention
 
     if method.startswith("oal"):
-        backend = "auto" if method in ("oal", "oal_direct", "oal_fp32_states") else "triton"
+        backend = "auto" if method in ("oal", "oal_direct", "oal_chunked_prev") else "triton"
 
         def oal(q, k, v, groups, factor):
-            with triton_route(method), direct_launch(method == "oal_direct"), state_dtype(method):
+            with triton_route(method), direct_launch(method == "oal_direct"), chunked_kernels(method):
                 return oal_attention(q, k, v, groups, factor, backend=backend)
 
         return oal
@@ -216,8 +222,8 @@ def skip_reason(method: str, n: int, args, backward: bool = False) -> str | None
 
     if method == "oal_direct" and (backward or n > routes.PARALLEL_MAX):
         return "no kept plan (a gradient, or past the parallel route): the same launches as oal"
-    if method == "oal_fp32_states" and n <= routes.PARALLEL_MAX:
-        return "the parallel route keeps no per-chunk states: the same kernels as oal"
+    if method == "oal_chunked_prev" and n <= routes.PARALLEL_MAX:
+        return "the parallel route runs no chunked kernel: the same kernels as oal"
     if method == "oal_parallel" and n > args.parallel_max_n:
         return f"N > --parallel-max-n {args.parallel_max_n} (quadratic)"
     if method == "sdpa_cudnn" and args.device != "cuda":
@@ -377,7 +383,7 @@ def table(rows: list[dict], title: str, backend: str):
     cols = [("N", None), (f"sdpa ({backend})", "sdpa_fwd"), ("OAL", "oal_fwd"), ("OAL host", "oal_fwd_host"),
             ("sdpa/OAL", "ratio_fwd"), ("OAL direct", "oal_direct_fwd"),
             ("flash", "sdpa_flash_fwd"), ("cudnn", "sdpa_cudnn_fwd"), ("OAL parallel", "oal_parallel_fwd"),
-            ("OAL chunked", "oal_chunked_fwd"), ("OAL fp32 states", "oal_fp32_states_fwd"),
+            ("OAL chunked", "oal_chunked_fwd"), ("OAL chunked prev", "oal_chunked_prev_fwd"),
             ("sdpa f+b", "sdpa_fwdbwd"), ("OAL f+b", "oal_fwdbwd"),
             ("sdpa/OAL f+b", "ratio_fwdbwd")]
     for name, _ in cols:

@@ -6,14 +6,17 @@ launch options of `oal.ops.triton.function.tiles`; the output kernel also with e
 (`tiles.FWD_CANDIDATES`), the parallel kernels with every config of theirs (`parallel.configs`), the two
 decoding kernels and the device checks' kernel (`guard`). Reports compile time, shared memory, registers and spills
 (ptxas -v, the ptxas bundled with triton) and the number of tensor-core MMA instructions in the PTX (wgmma on
-sm_90, mma.sync on sm_80). Exits 1 when a kernel fails to compile or needs more shared memory than one block of
-the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99 KB, are not
-covered). The full grid is 120 compilations (about 6 minutes on 2 free CPU cores, hours on a loaded machine); CI
-(tests/test_triton_compile.py) compiles the two kernels with the most shared memory for their target.
+sm_90, mma.sync on sm_80); with --sass also each kernel's hot loops' instruction mix (scripts/triton_sass.py).
+Each kernel is compiled as a launch compiles it, with 16-byte aligned pointers and the head dims, length and chunk
+counts divisible by 16 (`launch_hints`). Exits 1 when a kernel fails to compile or needs more shared memory than
+one block of the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99
+KB, are not covered). The full grid is 621 compilations (about 7 minutes on 2 free CPU cores, hours on a loaded
+machine); CI (tests/test_triton_compile.py) compiles a few of them.
 
     PYTHONPATH=src python scripts/triton_sm90_check.py               # d = dv = 64, bf16 and fp32, sm_90 and sm_80
     PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 64,128 --dtypes bf16,fp16,fp32   # the full grid
     PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 128 --kernels dkv --jobs 2      # one kernel
+    PYTHONPATH=src python scripts/triton_sm90_check.py --kernels fwd --dtypes bf16 --arch 90 --sass  # its hot loop
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triton_sass  # noqa: E402  (beside this script)
 
 import oal.ops.triton as oal_triton
 from oal.ops.triton import decode as D
@@ -58,7 +65,7 @@ def launch_hints(fn, sig: dict) -> dict:
             if ty.startswith("*") or name in ALIGNED_INTS}
 
 
-def compile_one(fn, sig: dict, const: dict, options: dict, arch: int) -> dict:
+def compile_one(fn, sig: dict, const: dict, options: dict, arch: int, sass: bool = False) -> dict:
     src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in const}}, constexprs=const,
                     attrs=launch_hints(fn, sig))
     t0 = time.time()
@@ -72,7 +79,8 @@ def compile_one(fn, sig: dict, const: dict, options: dict, arch: int) -> dict:
     spill = re.search(r"(\d+) bytes spill stores", info)
     mma = "wgmma.mma_async" if arch == 90 else "mma.sync"
     return {"s": time.time() - t0, "shared": compiled.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "spill": int(spill.group(1)) if spill else None, "mma": compiled.asm["ptx"].count(mma)}
+            "spill": int(spill.group(1)) if spill else None, "mma": compiled.asm["ptx"].count(mma),
+            "sass": triton_sass.summary(compiled.asm["cubin"]) if sass else None}
 
 
 def kernels(d: int, dv: int, dt: str, arch: int):
@@ -81,7 +89,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     dot = "bf16" if half else "fp32"  # fp16 inputs use bf16 dots (function.triton_forward)
     lay = F.layout(d)
     cfg = F.Config(G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch,
-                   torch.bfloat16 if half else torch.float32)
+                   torch.bfloat16 if half else torch.float32, half)
     bv = max(16, F.next_pow2(dv))
     x, a = "*" + dt, "*fp32"
     st = "*" + dot  # the keys scan's per-chunk states: bf16 for half inputs (function.Config.state_dtype)
@@ -94,14 +102,15 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST=a, STN=a, TOT=a, TOTN=a, CARRY=a, CARRYN=a,
                     PREV=a, PREVN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
                     has_carry="i32", add_prev="i32")
+    norm = dict(NORM_DOT=F._norm_dot(cfg))
     yield ("scan keys", K._state_scan, dict(scan_sig, ST=st),
-           *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False))
+           *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False, **norm))
     yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
-           *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True))
+           *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True, **norm))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
     fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, MULT=a, PAIRS="*i32", ST=st, STN=a, O=x, DEN=a,
                    STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
-    big_fwd = dict(big, CHECK=True)  # the output's check in the kernel, as on a GPU (deferred checks)
+    big_fwd = dict(big, CHECK=True, **norm)  # the output's check in the kernel, as on a GPU (deferred checks)
     yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))
     for rh, stages in T.FWD_CANDIDATES[half, max(d, dv) > 64, arch]:
         const, options = split("fwd", **big_fwd)
@@ -165,22 +174,23 @@ def _selected(d: int, dv: int, dt: str, arch: int, names) -> list[int]:
 
 def _job(job):
     """Compile one kernel; a row of the report (in a worker process when --jobs > 1)."""
-    d, dv, dt, arch, index, limit_kb = job
+    d, dv, dt, arch, index, limit_kb, sass = job
     name, fn, sig, const, options = list(kernels(d, dv, dt, arch))[index]
     tile = f"RH={const['RH']:<2d}" if "RH" in const else ""
     head = f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} {name:22s} {tile:5s} {options}"
     try:
-        r = compile_one(fn, sig, const, options, arch)
+        r = compile_one(fn, sig, const, options, arch, sass)
     except Exception as err:  # report every kernel, then fail
         return False, f"{head}: FAILED TO COMPILE: {type(err).__name__}: {str(err).splitlines()[-1]}"
     limit = limit_kb * 1024 if limit_kb else F.SHARED_LIMIT[arch]
     over = r["shared"] > limit
     return not over, (f"{head}: {r['s']:5.1f} s, shared {r['shared'] / 1024:5.1f} KB"
                       f"{f' (OVER {limit // 1024} KB)' if over else ''}, regs {r['regs']}, spill {r['spill']} B, "
-                      f"mma {r['mma']}")
+                      f"mma {r['mma']}" + ("".join(f"\n    {line}" for line in r["sass"].splitlines()) if sass else ""))
 
 
-def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int | None = None, out=print) -> bool:
+def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int | None = None, out=print,
+          sass: bool = False) -> bool:
     """Compile the kernels (`names`, default all) the library would launch for these shapes; True when all fit the
     target's shared memory (or `limit_kb`). Prints one row each."""
     todo = []
@@ -192,7 +202,7 @@ def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int 
                     if reason:
                         out(f"sm_{arch} d={d:<3d} dv={dv:<3d} {dt:4s} refused (auto runs chunked): {reason}")
                         continue
-                    todo += [(d, dv, dt, arch, i, limit_kb) for i in _selected(d, dv, dt, arch, names)]
+                    todo += [(d, dv, dt, arch, i, limit_kb, sass) for i in _selected(d, dv, dt, arch, names)]
     ok = True
     with ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         for fits, row in (pool.map(_job, todo) if pool else map(_job, todo)):
@@ -210,6 +220,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     parser.add_argument("--shared-limit-kb", type=int, default=None,
                         help="fail above this many KB instead of the target's limit (to check that the check fails)")
+    parser.add_argument("--sass", action="store_true",
+                        help="also print each kernel's hot loops' instruction mix (scripts/triton_sass.py)")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     archs = [int(a) for a in args.arch.split(",")]
@@ -219,7 +231,8 @@ def main() -> None:
     if bad := [n for n in names if n not in KERNELS]:
         parser.error(f"--kernels: unknown kernels {bad}; expected some of {', '.join(KERNELS)}")
     t0 = time.time()
-    ok = check([int(x) for x in args.head_dims.split(",")], dtypes, archs, args.jobs, names, args.shared_limit_kb)
+    ok = check([int(x) for x in args.head_dims.split(",")], dtypes, archs, args.jobs, names, args.shared_limit_kb,
+               sass=args.sass)
     print(f"{'all kernels fit' if ok else 'SOME KERNELS DO NOT FIT'} ({time.time() - t0:.0f} s)")
     sys.exit(0 if ok else 1)
 

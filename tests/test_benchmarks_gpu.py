@@ -91,20 +91,25 @@ def test_oal_direct_is_timed_only_where_a_plan_launches(monkeypatch):
     assert seen == [True, False] and launch.ENV not in os.environ
 
 
-def test_oal_fp32_states_times_the_chunked_route_with_the_states_before(monkeypatch):
-    """oal_fp32_states is oal with the per-chunk states stored in fp32 (the layout before they were bf16), timed
-    only where the chunked route runs; the library's bf16 setting is back afterwards."""
+def test_oal_chunked_prev_times_the_chunked_kernels_as_before(monkeypatch):
+    """oal_chunked_prev is oal with the chunked kernels as before 2026-12-05 (per-chunk states in fp32, the
+    normaliser summed in registers), timed only where the chunked route runs; the library's settings are back
+    afterwards."""
     from oal.ops.triton import function, routes
 
     args = gpu.parse_args(["--device", "cpu"])
-    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX, args)
-    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX + 1, args) is None
-    assert gpu.skip_reason("oal_fp32_states", routes.PARALLEL_MAX + 1, args, backward=True) is None
+    assert gpu.skip_reason("oal_chunked_prev", routes.PARALLEL_MAX, args)
+    assert gpu.skip_reason("oal_chunked_prev", routes.PARALLEL_MAX + 1, args) is None
+    assert gpu.skip_reason("oal_chunked_prev", routes.PARALLEL_MAX + 1, args, backward=True) is None
     q, factor = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 16)
     seen = []
-    monkeypatch.setattr("oal.ops.oal_attention",
-                        lambda *a, **kw: seen.append((function.config(q, factor, 64).state_dtype, kw["backend"])))
-    gpu.attention("oal_fp32_states")(None, None, None, None, None)
+
+    def record(*args, **kwargs):
+        cfg = function.config(q, factor, 64)
+        seen.append((cfg.state_dtype, function._norm_dot(cfg), kwargs["backend"]))
+
+    monkeypatch.setattr("oal.ops.oal_attention", record)
+    gpu.attention("oal_chunked_prev")(None, None, None, None, None)
     gpu.attention("oal")(None, None, None, None, None)
-    assert seen == [(torch.float32, "auto"), (torch.bfloat16, "auto")]
-    assert function.HALF_STATES == torch.bfloat16
+    assert seen == [(torch.float32, False, "auto"), (torch.bfloat16, True, "auto")]
+    assert function.HALF_STATES == torch.bfloat16 and function.NORM_DOTS

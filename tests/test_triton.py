@@ -130,6 +130,27 @@ def test_pair_steps_of_four_rows_match_reference(monkeypatch):
     check_against_reference((1, 2, 2, 33, 20, 12, 5), chunk=16, seg=1, state=True, monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("rh", [16, 4])
+def test_normaliser_by_dots_matches_reference(rh, monkeypatch):
+    """The normaliser rows summed by dots against `_norm_cols` (half inputs' path: the key scan's H2 rows, the
+    output kernel's H1 and H2 readout; Eq. 5-6's denominator) give the reference's output, final state and
+    gradients in fp32 too, where the dots are fp32 (the rounded part is then exact and the remainder zero): at
+    whole pairs and at steps of 4 rows, across segments, with an initial state and padded features."""
+    monkeypatch.setattr(tfn, "_norm_dot", lambda cfg: True)
+    tiles = tfn.tiles
+    monkeypatch.setattr(tfn, "tiles", lambda *args: dict(tiles(*args), RH=rh))
+    check_against_reference((1, 2, 2, 33, 20, 12, 5), chunk=16, seg=1, state=True, monkeypatch=monkeypatch)
+    check_against_reference((1, 7, 1, 200, 16, 16, 6), chunk=32, seg=4, state=True, monkeypatch=monkeypatch)
+
+
+def test_half_inputs_sum_the_normaliser_by_dots():
+    """Which inputs take the dots (their features are rounded for the numerator's dot anyway) and which keep the
+    sums in registers (fp32, whose three-pass dots cost more registers than the sums saved; fp64)."""
+    for dtype, by_dots in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False), (F64, False)):
+        q = torch.zeros(1, 1, 4, 16, dtype=dtype)
+        assert tfn._norm_dot(tfn.config(q, torch.zeros(1, 3, 3), 64)) is by_dots, dtype
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="fp64 runs on the chunked backend on CUDA")
 def test_float64_agrees_to_1e10(monkeypatch):
     """The contract's float64 agreement between backends holds for the kernels too (under the interpreter)."""

@@ -120,6 +120,7 @@ class Config:
     # the per-chunk prefix states the keys scan stores for `_fwd_out` and `_bwd_dq`: bf16 for half inputs, whose
     # dots read them rounded to bf16 anyway (half the bytes of the chunked route's largest tensor), else acc_dtype
     state_dtype: torch.dtype
+    half: bool  # fp16 or bf16 inputs
 
 
 def _consts(cfg: Config, kernel: str, d: int, dv: int):
@@ -130,6 +131,13 @@ def _consts(cfg: Config, kernel: str, d: int, dv: int):
     prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
     return dict(DOT_DT=tl_dtype(cfg.dot_dtype), ACC_DT=tl_dtype(cfg.acc_dtype), PREC=prec,
                 **tiles(kernel, d, dv, half, cfg.arch))
+
+
+def _norm_dot(cfg: Config) -> bool:
+    """Whether the key scan and the output kernel sum the normaliser rows by a dot (`kernels._norm_cols`): for half
+    inputs, whose bf16 dots round the features anyway (in the interpreter, whose dots are fp32, too: the tests run
+    that path), unless NORM_DOTS is off; fp32 and fp64 inputs sum them in registers."""
+    return cfg.half and NORM_DOTS
 
 
 def _gmax(n_groups1: int) -> int:
@@ -196,7 +204,7 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
             x, y, nw if nw is not None else y, a, bs, cs, pairs, st, stn, out, outn, *init, tot, totn,
             n, n_x, n_seg, lay.d, dv, lay.rows, int(store), int(with_carry), int(add_prev),
             NB=lay.nb, SEG=seg_len, REP=n_x // n_kv, C=cfg.chunk, BV=bv, NPAIR=lay.npair, QUERY=query,
-            REVERSE=reverse, **consts,
+            REVERSE=reverse, NORM_DOT=_norm_dot(cfg), **consts,
         )
 
     if not two_pass or n_seg == 1:
@@ -272,7 +280,7 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, 
         q, k, v, a, bs, cs, ws, l0, eps_t, mult, pairs, st, stn, o, den, eps_t if status is None else status, n, n_q,
         st.shape[1], d, dv, lay.rows, cfg.n_groups1, parallel.bucket(n),
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, next_pow2(dv)), NPAIR=lay.npair,
-        GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, **consts,
+        GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, NORM_DOT=_norm_dot(cfg), **consts,
     )
     return o, den, tot[:, -1], totn[:, -1]
 
@@ -410,17 +418,19 @@ def _dtypes(q):
     return dot, acc
 
 
-# The dtype of the per-chunk states the key scan stores for half inputs (`Config.state_dtype`). benchmarks.gpu sets
-# float32, the layout before 2026-12-05, to time both in one run.
+# For half inputs: the dtype of the per-chunk states the key scan stores (`Config.state_dtype`), and whether the
+# normaliser rows are summed by dots (`_norm_dot`). benchmarks.gpu sets float32 and False, the kernels before
+# 2026-12-05, to time both in one run.
 HALF_STATES = torch.bfloat16
+NORM_DOTS = True
 
 
 def config(q, factor, chunk: int) -> Config:
     """The chunked kernels' `Config` for inputs like q. The states are stored in bf16 for half inputs even under
     the interpreter (which stores bf16 by truncation where a GPU rounds to nearest): the tests run that path."""
     dot, acc = _dtypes(q)
-    state = HALF_STATES if q.dtype in (torch.float16, torch.bfloat16) else acc
-    return Config(factor.shape[-1], chunk, dot, acc, device_arch(q.device), state)
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return Config(factor.shape[-1], chunk, dot, acc, device_arch(q.device), HALF_STATES if half else acc, half)
 
 
 def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_size=None, need_state=True,

@@ -59,10 +59,15 @@ def _sub(ptr, tok, tmask, I, s, d, RH: tl.constexpr):
 @triton.jit
 def _pair_coef(CS, h, I, J, s, D16, RH: tl.constexpr):
     """scale^2 C_rt of step s of block pair (I, J) as [RH, 16], times the multiplicity 2 off the diagonal."""
+    return _pair_cs(CS, h, I, J, s, D16, RH) * tl.where(I < J, 2.0, 1.0)
+
+
+@triton.jit
+def _pair_cs(CS, h, I, J, s, D16, RH: tl.constexpr):
+    """scale^2 C_rt of step s of block pair (I, J) as [RH, 16], without the multiplicity."""
     r = s * RH + tl.arange(0, RH)
     t = tl.arange(0, 16)
-    cs = tl.load(CS + h * D16 * D16 + (I * 16 + r[:, None]) * D16 + J * 16 + t[None, :])
-    return cs * tl.where(I < J, 2.0, 1.0)
+    return tl.load(CS + h * D16 * D16 + (I * 16 + r[:, None]) * D16 + J * 16 + t[None, :])
 
 
 @triton.jit
@@ -91,6 +96,38 @@ def _scatter(acc, x, I, BD: tl.constexpr, PREC: tl.constexpr):
     """
     place = (tl.arange(0, BD)[None, :] == I * 16 + tl.arange(0, 16)[:, None]).to(x.dtype)
     return tl.dot(x, place, acc, input_precision=PREC, out_dtype=acc.dtype)
+
+
+@triton.jit
+def _norm_cols(sn, DOT_DT: tl.constexpr):
+    """[K] fp32 normaliser rows -> [K, 16] in the dot type: column 0 the rows rounded to it, column 1 what the
+    rounding left, zeros elsewhere. A dot of features against it reads the normaliser out on the tensor cores at
+    about 16 bits with bf16 (fp32 itself where the dot type is fp32), from the same rounded features as the
+    numerator's dot."""
+    hi = sn.to(DOT_DT).to(sn.dtype)
+    col = tl.arange(0, 16)[None, :]
+    return tl.where(col == 0, hi[:, None], tl.where(col == 1, (sn - hi)[:, None], 0.0)).to(DOT_DT)
+
+
+@triton.jit
+def _norm_acc(x, RH: tl.constexpr, REG: tl.constexpr):
+    """A scan's running normaliser of RH * 16 rows: [RH, 16], summed in registers, where REG; else [RH * 16, 16]
+    with x in column 0, as the dot against `_norm_cols` accumulates it."""
+    if REG:  # a compile-time branch: the two shapes never meet
+        acc = tl.reshape(x, [RH, 16])
+    else:
+        acc = tl.where(tl.arange(0, 16)[None, :] == 0, x[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _norm_rows(acc, RH: tl.constexpr, REG: tl.constexpr):
+    """`_norm_acc`'s accumulator back as [RH * 16] rows."""
+    if REG:
+        rows = tl.reshape(acc, [RH * 16])
+    else:
+        rows = tl.sum(acc, axis=1)
+    return rows
 
 
 @triton.jit
@@ -180,7 +217,7 @@ def _state_scan(
     N, HX, n_seg, d, dv, R, store, has_carry, add_prev,
     NB: tl.constexpr, SEG: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     RH: tl.constexpr, QUERY: tl.constexpr, REVERSE: tl.constexpr,
-    DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr, NORM_DOT: tl.constexpr,
 ):
     """Scan of state increments over the chunks of one segment, for one feature block of one KV head.
 
@@ -196,10 +233,15 @@ def _state_scan(
     the segment ends and the carries stay fp32.
     SEG (chunks per segment) is a compile-time constant, a power of four (see function._segments), so a few
     variants are compiled. The state tensor holds n_seg * SEG chunks; those past N add nothing.
+    NORM_DOT (keys mode; the host sets it for half inputs): the H2 normaliser rows are summed by a dot of the
+    rounded features against `_norm_cols`, as the state's own rows are, rather than in registers (there the
+    reduction over the chunk's tokens took about a quarter of the loop's instructions). In query mode, and for
+    fp32 and fp64 inputs (whose three-pass dots cost more registers than the sums), they are summed in registers.
     Grid: (NPAIR * 16 / RH + NB + 1 feature blocks, n_seg, B * Hkv); an H2 program owns RH * 16 state rows.
     """
     D16 = NB * 16
     NS: tl.constexpr = 16 // RH
+    REG: tl.constexpr = QUERY or not NORM_DOT
     pid_t = tl.program_id(0)
     seg = tl.program_id(1)
     bh = tl.program_id(2)
@@ -218,14 +260,14 @@ def _state_scan(
         rows = 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16)
         acc = _carry_in(tl.zeros([RH * 16, BV], ACC_DT), CARRY, PREV, bh, seg, n_seg, rows, vcol, dv, R, has_carry,
                         add_prev, False)
-        accn = tl.reshape(_carry_in(tl.zeros([RH * 16], ACC_DT), CARRYN, PREVN, bh, seg, n_seg, rows, vcol, dv, R,
-                                    has_carry, add_prev, True), [RH, 16])
+        accn = _norm_acc(_carry_in(tl.zeros([RH * 16], ACC_DT), CARRYN, PREVN, bh, seg, n_seg, rows, vcol, dv, R,
+                                   has_carry, add_prev, True), RH, REG)
         for i in range(SEG):
             c, tok, tmask = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 off = st_base + c * R + rows
                 tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(ST.dtype.element_ty), mask=vmask[None, :])
-                tl.store(STN + off, tl.reshape(accn, [RH * 16]))
+                tl.store(STN + off, _norm_rows(accn, RH, REG))
             for r in range(REP):
                 xh = (b * HX + hk * REP + r).to(tl.int64)
                 f3 = _sub(X + xh * N * d, tok, tmask, I, s, d, RH).to(ACC_DT)[:, :, None]
@@ -233,11 +275,14 @@ def _state_scan(
                 if QUERY:
                     f3 = f3 * _pair_coef(CS, hk * REP + r, I, J, s, D16, RH)[None, :, :]
                 y, nw = _scan_inputs(Y, NW, xh, tok, tmask, vcol, N, dv, QUERY, ACC_DT, DOT_DT)
-                acc = tl.dot(tl.trans(_flat(f3.to(DOT_DT), C, RH)), y, acc, input_precision=PREC,
-                             out_dtype=ACC_DT)
-                accn += tl.sum(f3 * nw[:, None, None], axis=0)
+                f2 = tl.trans(_flat(f3.to(DOT_DT), C, RH))
+                acc = tl.dot(f2, y, acc, input_precision=PREC, out_dtype=ACC_DT)
+                if REG:
+                    accn += tl.sum(f3 * nw[:, None, None], axis=0)
+                else:
+                    accn = tl.dot(f2, _norm_cols(nw, DOT_DT), accn, input_precision=PREC, out_dtype=ACC_DT)
         tl.store(TOT + (tot_base + rows)[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
-        tl.store(TOTN + tot_base + rows, tl.reshape(accn, [RH * 16]))
+        tl.store(TOTN + tot_base + rows, _norm_rows(accn, RH, REG))
     elif pid_t < NPAIR * NS + NB:  # H1, one 16-wide block
         I1 = pid_t - NPAIR * NS
         rows1 = 1 + I1 * 16 + tl.arange(0, 16)
@@ -290,7 +335,7 @@ def _fwd_out(
     N, n_q, n_cs, d, dv, R, g1, NBKT,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
-    CHECK: tl.constexpr,
+    CHECK: tl.constexpr, NORM_DOT: tl.constexpr,
 ):
     """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
 
@@ -300,7 +345,9 @@ def _fwd_out(
     `checks.device_rescale`, applied here (all 1 where the caller rescaled): q times qs for the features, a, b, C
     times m_a, m_b, m_c, and the intra-chunk z times zs = m_l0 = m_w qs (eps times zs^2), so every kappa is
     kappa / lam with no torch operator. CHECK: the output's value check into STATUS (`guard.flag_out`). NBKT (the
-    length's power-of-two bucket) is read by nothing: it is the autotuner's key.
+    length's power-of-two bucket) is read by nothing: it is the autotuner's key. NORM_DOT (half inputs): the
+    normaliser's readout of H1 and H2 is a dot of the rounded features against `_norm_cols`, beside the
+    numerator's dot; otherwise it is summed in registers from the unrounded features.
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
@@ -325,25 +372,38 @@ def _fwd_out(
     a = tl.load(A + h) * tl.load(MULT + 1)
     acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
     den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    # with NORM_DOT the normaliser's readout rides on the dots (`_norm_cols`): summed in registers it took about
+    # 60% of the bf16 pair loop's instructions (lane shuffles), and that loop issued about 5x its MMA time
+    den_mma = tl.zeros([C, 16], ACC_DT)
     for I in range(NB):
         rows = 1 + I * 16 + j16
         f1 = _block(qh, tok, tmask, I, d).to(ACC_DT) * qs * (tl.load(BS + h * D16 + I * 16 + j16) * m_b)[None, :]
-        acc = tl.dot(f1.to(DOT_DT), _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
-                     out_dtype=ACC_DT)
-        den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
+        f1d = f1.to(DOT_DT)
+        acc = tl.dot(f1d, _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
+        if NORM_DOT:
+            den_mma = tl.dot(f1d, _norm_cols(tl.load(STN + base + rows), DOT_DT), den_mma, input_precision=PREC,
+                             out_dtype=ACC_DT)
+        else:
+            den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
     for p in range(NPAIR):
         pi = tl.load(PAIRS + 2 * p)
         pj = tl.load(PAIRS + 2 * p + 1)
+        w_pair = qs * qs * m_c * tl.where(pi < pj, 2.0, 1.0)
         for s in range(16 // RH):
             rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
-            coef = _pair_coef(CS, h, pi, pj, s, D16, RH) * m_c
-            f3 = (q_i * qs)[:, :, None] * (q_j * qs)[:, None, :] * coef[None, :, :]
+            # the scalar factors (rescaling, multiplicity) on the [C, RH] rows: not once per feature
+            f3 = (q_i * w_pair)[:, :, None] * q_j[:, None, :] * _pair_cs(CS, h, pi, pj, s, D16, RH)[None, :, :]
             f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
             acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                          out_dtype=ACC_DT)
-            # the normaliser in fp32 from the unrounded features, as for H0, H1 and the intra-chunk part
-            sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
-            den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
+            if NORM_DOT:
+                den_mma = tl.dot(f2, _norm_cols(tl.load(STN + base + rows2), DOT_DT), den_mma, input_precision=PREC,
+                                 out_dtype=ACC_DT)
+            else:
+                sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
+                den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
+    if NORM_DOT:
+        den += tl.sum(den_mma, axis=1)
     out = (acc / tl.where(tmask, den, 1.0)[:, None]).to(O.dtype.element_ty)
     omask = tmask[:, None] & (vcol < dv)[None, :]
     tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :], out, mask=omask)
