@@ -71,7 +71,8 @@ def layout(d: int) -> Layout:
 def _maps(d: int):
     """(pairs [NPAIR, 2] int32, block row -> packed feature index or -1 [R], packed index -> block row [F])."""
     lay = layout(d)
-    pairs = [(i, j) for i in range(lay.nb) for j in range(i, lay.nb)]
+    # the diagonal pairs first: `kernels._fwd_out` counts the others twice from the first one on
+    pairs = [(i, i) for i in range(lay.nb)] + [(i, j) for i in range(lay.nb) for j in range(i + 1, lay.nb)]
     to_packed = [-1] * lay.rows
     to_block = [0] * feature_dim(d)
     to_packed[0] = 0

@@ -9,10 +9,11 @@ normaliser column of R entries, which is the state's last column dv+1 of the pac
                                 f = 16 r + t  ->  sum of k_j(16I+r) k_j(16J+t) u_j
 
 The diagonal pairs (I, I) hold both (r, t) and (t, r), so the quadratic readout sums every ordered pair of a
-diagonal block once and every pair of an off-diagonal block twice (multiplicity 2, folded into the
-coefficients). Features are formed in registers and fed to `tl.dot`; they never go to HBM. A pair is taken in
-16 / RH steps of RH rows of block I (RH * 16 features, rows 1 + D16 + 256 p + 16 RH s ..): RH is a compile-time
-tile size chosen per shape and target (tiles.py) so that the dot operands fit in shared memory at d, dv = 128.
+diagonal block once and every pair of an off-diagonal block twice (multiplicity 2; `pairs` lists the diagonal
+pairs first). Features are formed in registers and fed to `tl.dot`; they never go to HBM. A pair
+is taken in 16 / RH steps of RH rows of block I (RH * 16 features, rows 1 + D16 + 256 p + 16 RH s ..): RH is a
+compile-time tile size chosen per shape and target (tiles.py) so that the dot operands fit in shared memory at
+d, dv = 128.
 
 Per query head h the coefficients come in as A[h] = a (eps included), BS[h, r] = scale b_r,
 CS[h, r, t] = scale^2 C_rt, and for the dense intra-chunk kernel WS[h, m, r] = scale L[g(r)+1, m],
@@ -357,24 +358,42 @@ def _fwd_out(
     m_b = tl.load(MULT + 2)
     m_c = tl.load(MULT + 3)
     zs = tl.load(MULT + 5)
-    # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
-    kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS) * zs * zs
-    qz = q.to(ACC_DT) * zs
-    for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
-        if m < g1:
-            z = _intra_z(qz, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
-            kap += z * z
-    kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
-    acc = tl.dot(kap.to(DOT_DT), v, input_precision=PREC, out_dtype=ACC_DT)
-    den = tl.sum(kap, axis=1)
-    # inter-chunk: phi(q) . S_c, one feature block at a time (Eq. 6); S_c holds every earlier chunk
+    # inter-chunk: phi(q) . S_c (Eq. 6); S_c holds every earlier chunk. Block pairs first, their features
+    # without a scalar factor (one multiplied in each step cost a layout conversion there: about 30% of the step's
+    # instructions): the diagonal pairs come first (`function._maps`), their sums are halved where the
+    # off-diagonal ones begin, and everything is doubled and rescaled (qs^2 m_c) once after the loop, before
+    # anything else is in acc (x 0.5 and x 2 are exact). With NORM_DOT the normaliser's readout rides on the dots
+    # (`_norm_cols`): summed in registers it took about 60% of the bf16 pair loop's instructions (lane shuffles),
+    # and that loop issued about 5x its MMA time.
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
-    a = tl.load(A + h) * tl.load(MULT + 1)
-    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
-    den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
-    # with NORM_DOT the normaliser's readout rides on the dots (`_norm_cols`): summed in registers it took about
-    # 60% of the bf16 pair loop's instructions (lane shuffles), and that loop issued about 5x its MMA time
+    acc = tl.zeros([C, BV], ACC_DT)
+    den = tl.zeros([C], ACC_DT)
     den_mma = tl.zeros([C, 16], ACC_DT)
+    for p in range(NPAIR):
+        pi = tl.load(PAIRS + 2 * p)
+        pj = tl.load(PAIRS + 2 * p + 1)
+        if p == NB:  # the first off-diagonal pair
+            acc = acc * 0.5
+            den = den * 0.5
+            den_mma = den_mma * 0.5
+        for s in range(16 // RH):
+            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
+            f3 = q_i[:, :, None] * q_j[:, None, :] * _pair_cs(CS, h, pi, pj, s, D16, RH)[None, :, :]
+            f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
+            acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
+                         out_dtype=ACC_DT)
+            if NORM_DOT:
+                den_mma = tl.dot(f2, _norm_cols(tl.load(STN + base + rows2), DOT_DT), den_mma, input_precision=PREC,
+                                 out_dtype=ACC_DT)
+            else:
+                sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
+                den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
+    w2 = qs * qs * m_c
+    if NPAIR > NB:  # a compile-time branch: off-diagonal pairs count twice
+        w2 = w2 * 2.0
+    acc = acc * w2
+    den = den * w2
+    den_mma = den_mma * w2
     for I in range(NB):
         rows = 1 + I * 16 + j16
         f1 = _block(qh, tok, tmask, I, d).to(ACC_DT) * qs * (tl.load(BS + h * D16 + I * 16 + j16) * m_b)[None, :]
@@ -385,25 +404,21 @@ def _fwd_out(
                              out_dtype=ACC_DT)
         else:
             den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
-    for p in range(NPAIR):
-        pi = tl.load(PAIRS + 2 * p)
-        pj = tl.load(PAIRS + 2 * p + 1)
-        w_pair = qs * qs * m_c * tl.where(pi < pj, 2.0, 1.0)
-        for s in range(16 // RH):
-            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
-            # the scalar factors (rescaling, multiplicity) on the [C, RH] rows: not once per feature
-            f3 = (q_i * w_pair)[:, :, None] * q_j[:, None, :] * _pair_cs(CS, h, pi, pj, s, D16, RH)[None, :, :]
-            f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
-            acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
-                         out_dtype=ACC_DT)
-            if NORM_DOT:
-                den_mma = tl.dot(f2, _norm_cols(tl.load(STN + base + rows2), DOT_DT), den_mma, input_precision=PREC,
-                                 out_dtype=ACC_DT)
-            else:
-                sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
-                den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
     if NORM_DOT:
         den += tl.sum(den_mma, axis=1)
+    a = tl.load(A + h) * tl.load(MULT + 1)
+    acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
+    den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
+    kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS) * zs * zs
+    qz = q.to(ACC_DT) * zs
+    for m in range(GMAX):  # the G + 1 columns of L; G is a run-time value so that one variant serves every layer
+        if m < g1:
+            z = _intra_z(qz, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
+            kap += z * z
+    kap = tl.where(tok[:, None] >= tok[None, :], kap, 0.0)
+    acc = tl.dot(kap.to(DOT_DT), v, acc, input_precision=PREC, out_dtype=ACC_DT)
+    den += tl.sum(kap, axis=1)
     out = (acc / tl.where(tmask, den, 1.0)[:, None]).to(O.dtype.element_ty)
     omask = tmask[:, None] & (vcol < dv)[None, :]
     tl.store(O + (b * n_q + h).to(tl.int64) * N * dv + tok[:, None] * dv + vcol[None, :], out, mask=omask)
