@@ -6,7 +6,7 @@ a dot. Three ways to read the normaliser out (Eq. 6's denominator), each against
 - exact:   the unrounded features times the fp32 normaliser state, summed in fp32 registers (the kernels up to
            2026-12-05; still fp32 and fp64 inputs);
 - dots:    the numerator's rounded features times the normaliser split in two bf16 columns (rounded, and what the
-           rounding left), as `kernels._norm_cols` does for half inputs; the key scan's normaliser state summed
+           rounding left), as `blocks._norm_cols` does for half inputs; the key scan's normaliser state summed
            from the rounded features too;
 - hi only: the same with the rounded column alone (what one column would give).
 

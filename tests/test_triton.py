@@ -228,7 +228,8 @@ def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
         cfg = tfn.config(q.to(dtype), factor, 16)
         keys = tfn._scan(k.to(dtype), v.to(dtype), None, (a, bs, cs), cfg, lay, 1, query=False, reverse=False,
                          carry=None, two_pass=True)
-        query = tfn._scan(q.to(dtype), v.to(cfg.dot_dtype), torch.ones_like(v[..., 0]), (a, bs, cs), cfg, lay, 1,
+        # query mode reads Y and NW per query head
+        query = tfn._scan(q.to(dtype), q.to(cfg.dot_dtype), torch.ones_like(q[..., 0]), (a, bs, cs), cfg, lay, 1,
                           query=True, reverse=True, carry=None, two_pass=False)
         runs[dtype] = keys, query
     (st32, *rest32), _ = runs[torch.float32]

@@ -68,7 +68,7 @@ def test_the_check_compiles_with_a_launchs_alignment_hints():
 
 @pytest.mark.slow
 def test_the_output_kernels_pair_loop_sums_nothing_across_lanes():
-    """The normaliser of a half-precision forward is read out by a dot (`kernels._norm_cols`), not summed across
+    """The normaliser of a half-precision forward is read out by a dot (`blocks._norm_cols`), not summed across
     the lanes of a warp: in every tile the autotuner may pick on sm_90, the output kernel's hot loop (its largest
     innermost one, the block-pair steps) holds tensor-core MMAs and no lane shuffle. Summed in registers it held
     130 shuffles of its 654 instructions at (RH 4, 3 stages), and issued about 5x its MMA time."""

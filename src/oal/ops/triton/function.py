@@ -135,7 +135,7 @@ def _consts(cfg: Config, kernel: str, d: int, dv: int):
 
 
 def _norm_dot(cfg: Config) -> bool:
-    """Whether the key scan and the output kernel sum the normaliser rows by a dot (`kernels._norm_cols`): for half
+    """Whether the key scan and the output kernel sum the normaliser rows by a dot (`blocks._norm_cols`): for half
     inputs, whose bf16 dots round the features anyway (in the interpreter, whose dots are fp32, too: the tests run
     that path), unless NORM_DOTS is off; fp32 and fp64 inputs sum them in registers."""
     return cfg.half and NORM_DOTS

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from oal.ops.triton.blocks import _tile
 from oal.ops.triton.guard import flag_out
 from oal.ops.triton.intra import _intra_z, _kappa_dk
-from oal.ops.triton.kernels import _tile
 from oal.ops.triton.launch import Launch
 from oal.ops.triton.tiles import cdiv, next_pow2
 
