@@ -2,7 +2,7 @@
 
 FlashAttention with kappa in place of exp (like fla's `parallel_based`): per query block, a loop over the key
 blocks before it; each key block's kappa tile is eps + sum_m z_m^2 with z_m = L[0, m] + scale (q * w_m) . k
-(G+1 score dots, `kernels._intra_z`), then the causal mask, `kappa V` and the normaliser, in fp32. No state, no
+(G+1 score dots, `intra._intra_z`), then the causal mask, `kappa V` and the normaliser, in fp32. No state, no
 feature expansion: (G+1) * 2d + 2 dv FLOPs per (query, key) pair, quadratic in N, so it serves sequences below a
 crossover length (`function.PARALLEL_MAX`) and the chunked kernels serve the rest.
 
