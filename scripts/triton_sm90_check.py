@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import re
 import sys
@@ -51,6 +52,7 @@ from oal.ops.triton import window_decode as W
 C, REP, G1 = 64, 7, 6
 SINKS, WIN = 4, 64  # the recipe's oal-swa window (methods.window)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 # Integer arguments a typical launch passes as multiples of 16 (head dims 64/128, lengths and chunk counts of the
@@ -85,14 +87,13 @@ def compile_one(fn, sig: dict, const: dict, options: dict, arch: int, sass: bool
 
 def kernels(d: int, dv: int, dt: str, arch: int):
     """(name, kernel, signature, constexprs, launch options) as `function` launches them for these inputs."""
-    half = dt != "fp32"
-    dot = "bf16" if half else "fp32"  # fp16 inputs use bf16 dots (function.triton_forward)
+    # the library's own Config for such inputs (dot dtype: bf16 for fp16 too; per-chunk state dtype), on this target
+    cfg = dataclasses.replace(F.config(torch.empty(0, dtype=DTYPES[dt]), torch.empty(1, G1, G1), C), arch=arch)
+    half, dot = cfg.half, NAMES[cfg.dot_dtype]
     lay = F.layout(d)
-    cfg = F.Config(G1, C, torch.bfloat16 if half else torch.float32, torch.float32, arch,
-                   torch.bfloat16 if half else torch.float32, half)
     bv = max(16, F.next_pow2(dv))
     x, a = "*" + dt, "*fp32"
-    st = "*" + dot  # the keys scan's per-chunk states: bf16 for half inputs (function.Config.state_dtype)
+    st = "*" + NAMES[cfg.state_dtype]  # the keys scan's per-chunk states
 
     def split(kernel, **extra):
         consts = F._consts(cfg, kernel, d, dv)

@@ -10,10 +10,9 @@ normaliser column of R entries, which is the state's last column dv+1 of the pac
 
 The diagonal pairs (I, I) hold both (r, t) and (t, r), so the quadratic readout sums every ordered pair of a
 diagonal block once and every pair of an off-diagonal block twice (multiplicity 2; `pairs` lists the diagonal
-pairs first). Features are formed in registers and fed to `tl.dot`; they never go to HBM. A pair
-is taken in 16 / RH steps of RH rows of block I (RH * 16 features, rows 1 + D16 + 256 p + 16 RH s ..): RH is a
-compile-time tile size chosen per shape and target (tiles.py) so that the dot operands fit in shared memory at
-d, dv = 128.
+pairs first). Features are formed in registers and fed to `tl.dot`; they never go to HBM. A pair is taken in
+16 / RH steps of RH rows of block I (RH * 16 features, rows 1 + D16 + 256 p + 16 RH s ..): RH is a compile-time
+tile size chosen per shape and target (tiles.py) so that the dot operands fit in shared memory at d, dv = 128.
 
 Per query head h the coefficients come in as A[h] = a (eps included), BS[h, r] = scale b_r,
 CS[h, r, t] = scale^2 C_rt, and for the dense intra-chunk kernel WS[h, m, r] = scale L[g(r)+1, m],
