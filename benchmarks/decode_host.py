@@ -113,11 +113,24 @@ def stand_in(active: bool):
 def measure(method: str, args, device: str, direct: bool = False) -> dict:
     """Median forward time (µs) of the softmax and of the converted attention modules over the timed steps;
     `direct`: with the plans' kernels launched directly (`oal.ops.triton.launch`)."""
-    import torch
 
     from oal.ops.triton import launch
 
-    os.environ[launch.ENV] = "1" if direct else "0"
+    with direct_launch(launch.ENV, direct):
+        return _measure(method, args, device)
+
+
+@contextlib.contextmanager
+def direct_launch(env: str, on: bool):
+    """The direct-launch variable set for the plans made inside, restored after (it is read when a plan is made)."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {env: "1" if on else "0"}):
+        yield
+
+
+def _measure(method: str, args, device: str) -> dict:
+    import torch
 
     from benchmarks._long_context import build
     from oal.models.cache import cache_kwargs
@@ -195,15 +208,15 @@ def prefill(args, device: str) -> dict:
     result = {"n": args.prefill_n, "oal_us": None, "oal_changing_us": None, "oal_direct_us": None, "sdpa_us": None}
     with torch.no_grad(), stand_in(device == "cpu"):
         for name, call in calls.items():
-            os.environ[launch.ENV] = "1" if name == "oal_direct" else "0"
             times = []
-            for step in range(args.warmup + args.steps):
-                if device == "cuda" and step % 20 == 0:
-                    torch.cuda.synchronize()  # a bounded queue: the call's time is the host's
-                t0 = time.perf_counter()
-                call()
-                if step >= args.warmup:
-                    times.append(time.perf_counter() - t0)
+            with direct_launch(launch.ENV, name == "oal_direct"):
+                for step in range(args.warmup + args.steps):
+                    if device == "cuda" and step % 20 == 0:
+                        torch.cuda.synchronize()  # a bounded queue: the call's time is the host's
+                    t0 = time.perf_counter()
+                    call()
+                    if step >= args.warmup:
+                        times.append(time.perf_counter() - t0)
             result[f"{name}_us"] = statistics.median(times) * 1e6
         checks.check_errors()
     return result

@@ -138,3 +138,17 @@ def test_recall_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "training the softmax model" in err and "training" not in out
     assert json.loads((tmp_path / "r.json").read_text())["void"]
+
+
+def test_decode_host_restores_the_direct_launch_variable(monkeypatch):
+    """benchmarks.decode_host sets OAL_TRITON_DIRECT_LAUNCH for the plans its timed calls make, and only there."""
+    from benchmarks.decode_host import direct_launch
+
+    monkeypatch.setenv("OAL_TRITON_DIRECT_LAUNCH", "0")
+    with direct_launch("OAL_TRITON_DIRECT_LAUNCH", True):
+        assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "1"
+    assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "0"
+    monkeypatch.delenv("OAL_TRITON_DIRECT_LAUNCH")
+    with direct_launch("OAL_TRITON_DIRECT_LAUNCH", False):
+        assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "0"
+    assert "OAL_TRITON_DIRECT_LAUNCH" not in os.environ
