@@ -104,12 +104,13 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                     PREV=a, PREVN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
                     has_carry="i32", add_prev="i32")
     norm = dict(NORM_DOT=F._norm_dot(cfg))
-    yield ("scan keys", K._state_scan, dict(scan_sig, ST=st),
+    stn = "*" + dot if norm["NORM_DOT"] else a  # the keys scan's per-chunk normaliser (split: `_norm_store`)
+    yield ("scan keys", K._state_scan, dict(scan_sig, ST=st, STN=stn),
            *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False, **norm))
     yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
            *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True, **norm))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
-    fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, MULT=a, PAIRS="*i32", ST=st, STN=a, O=x, DEN=a,
+    fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, MULT=a, PAIRS="*i32", ST=st, STN=stn, O=x, DEN=a,
                    STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
     big_fwd = dict(big, CHECK=True, **norm)  # the output's check in the kernel, as on a GPU (deferred checks)
     yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))
@@ -118,8 +119,8 @@ def kernels(d: int, dv: int, dt: str, arch: int):
         yield (f"fwd tuned RH={rh} st={stages}", K._fwd_out, fwd_sig, dict(const, RH=rh),
                dict(options, num_stages=stages))
     yield ("dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=st,
-                                 STN=a, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32", d="i32", dv="i32",
-                                 R="i32", P="i32", g1="i32"), *split("dq", **big))
+                                 STN=stn, DQ=x, PART=a, N="i32", n_q="i32", n_c="i32", n_cs="i32", d="i32", dv="i32",
+                                 R="i32", P="i32", g1="i32"), *split("dq", **big, **norm))
     yield ("dkv", K._bwd_dkv, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, WS=a, L0=a, EPS=a, PAIRS="*i32", ST=a,
                                    STN=a, CARRY=a, CARRYN=a, DK=x, DV=x, N="i32", n_q="i32", n_cs="i32",
                                    seg_len="i32", n_seg="i32", d="i32", dv="i32", R="i32", g1="i32"),

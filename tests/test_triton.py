@@ -28,9 +28,13 @@ DEVICE = os.environ.get("OAL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available
 
 pytest.importorskip("triton")  # in the dev extra on Linux, so CI runs these; other platforms have no wheel
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import oal.ops.triton as oal_triton  # noqa: E402
 import oal.ops.triton.function as tfn  # noqa: E402
 from oal.ops import oal_attention  # noqa: E402
+from oal.ops.triton.blocks import _norm_cols, _norm_ops, _norm_store, _norm_vals  # noqa: E402
 
 if DEVICE == "cpu" and not oal_triton.interpreted():
     raise RuntimeError("tests/test_triton.py on CPU needs TRITON_INTERPRET=1 before triton is imported (conftest.py)")
@@ -235,15 +239,49 @@ def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
     (st32, *rest32), _ = runs[torch.float32]
     (st16, stn, tot, totn, _), query = runs[torch.bfloat16]
     assert st32.dtype == torch.float32 and st16.dtype == torch.bfloat16
-    assert [t.dtype for t in (stn, tot, totn, query[0], query[1])] == [torch.float32] * 5
-    assert rest32[0].dtype == torch.float32
+    assert [t.dtype for t in (tot, totn, query[0], query[1])] == [torch.float32] * 4
+    assert rest32[0].dtype == torch.float32 and rest32[0].shape == st32.shape[:-1]
+    # the normaliser by dots: each row as its dot operand's two columns, in the dot type (`blocks._norm_store`)
+    cfg16 = tfn.config(q.bfloat16(), factor, 16)
+    assert stn.dtype == cfg16.dot_dtype and stn.shape == (*st32.shape[:-1], 2)
     gap = (st16.float() - st32).abs()
-    if tfn.interpreted():
+    if tfn.interpreted():  # dots in fp32 here: the first column is the fp32 sum, the second zero
         assert bool((gap <= st32.abs() * 2**-7).all()), float((gap / st32.abs().clamp_min(1e-30)).max())
-        torch.testing.assert_close(stn, rest32[0], rtol=0, atol=0)  # the normaliser is not rounded
+        torch.testing.assert_close(stn[..., 0], rest32[0], rtol=0, atol=0)
+        assert not stn[..., 1].any()
     else:
         assert rel_err(st16, st32) < 1e-2
+        assert rel_err(stn.float().sum(-1), rest32[0]) < 1e-2
     assert float(st32.abs().max()) > 0  # the comparison above compared states, not zeros
+
+
+@triton.jit
+def _norm_roundtrip(X, STN, VALS, OPS, REF, K: tl.constexpr):
+    rows = tl.arange(0, K)
+    x = tl.load(X + rows)
+    _norm_store(STN, 3 + rows, x, True, tl.bfloat16)  # the chunk's rows start at row 3
+    tl.debug_barrier()
+    tl.store(VALS + rows, _norm_vals(STN, 3, rows, True))
+    col = tl.arange(0, 16)
+    tl.store(OPS + rows[:, None] * 16 + col[None, :], _norm_ops(STN, 3, rows, tl.bfloat16, True).to(tl.float32))
+    tl.store(REF + rows[:, None] * 16 + col[None, :], _norm_cols(x, tl.bfloat16).to(tl.float32))
+
+
+def test_split_normaliser_rows_round_trip():
+    """`_norm_store` splits fp32 normaliser rows into (rounded to bf16, what the rounding left) and `_norm_vals`
+    and `_norm_ops` read them back: the sum within 2^-16 of the row (2^-14 under the interpreter, which truncates),
+    the operand's two columns those parts and zeros after them, as `_norm_cols` builds it from the fp32 row."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, generator=gen) * torch.logspace(-3, 5, 32)).to(DEVICE)
+    stn = torch.full((3 + 32, 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    vals, ops, ref = (torch.empty(*shape, device=DEVICE) for shape in ((32,), (32, 16), (32, 16)))
+    _norm_roundtrip[(1,)](x, stn, vals, ops, ref, K=32)
+    assert bool((stn[3:, 0].float() - x).abs().le(x.abs() * 2**-7).all())
+    bound = 2**-14 if tfn.interpreted() else 2**-16
+    assert bool(((vals - x).abs() <= x.abs() * bound).all()), float(((vals - x) / x).abs().max())
+    assert float((vals - stn[3:, 0].float()).abs().max()) > 0  # the second part carries what bf16 dropped
+    torch.testing.assert_close(ops, ref, rtol=0, atol=0)
+    assert not ops[:, 2:].any()
 
 
 def test_half_precision_inputs_give_their_dtype():

@@ -87,6 +87,44 @@ def _norm_cols(sn, DOT_DT: tl.constexpr):
 
 
 @triton.jit
+def _norm_store(STN, off, x, SPLIT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Store normaliser rows x [K] (fp32) at row offsets `off`: as they are, or where SPLIT as `_norm_cols`'s two
+    columns, (x rounded to the dot type, what the rounding left) in the dot type at 2 off and 2 off + 1 (the keys
+    scan for half inputs: the output kernel's dot then loads its operand as it is, where building it took a
+    fifth of that kernel's pair step and a barrier; `_norm_ops`)."""
+    if SPLIT:  # a compile-time branch
+        hi = x.to(DOT_DT)
+        tl.store(STN + 2 * off, hi)
+        tl.store(STN + 2 * off + 1, (x - hi.to(x.dtype)).to(DOT_DT))
+    else:
+        tl.store(STN + off, x)
+
+
+@triton.jit
+def _norm_ops(STN, base, rows, DOT_DT: tl.constexpr, SPLIT: tl.constexpr):
+    """The [K, 16] dot operand of `_norm_cols` for the normaliser rows `rows` of the chunk at row `base`: loaded as
+    `_norm_store` split it (zeros past its two columns), or built from the fp32 rows."""
+    if SPLIT:
+        col = tl.arange(0, 16)
+        ops = tl.load(STN + 2 * (base + rows)[:, None] + col[None, :], mask=(col < 2)[None, :], other=0.0)
+    else:
+        ops = _norm_cols(tl.load(STN + base + rows), DOT_DT)
+    return ops
+
+
+@triton.jit
+def _norm_vals(STN, base, rows, SPLIT: tl.constexpr):
+    """The normaliser rows `rows` of the chunk at row `base` in fp32: where SPLIT, the sum of `_norm_store`'s two
+    parts (within 2^-16 of the fp32 sum for bf16 dots; exact for fp32 ones)."""
+    if SPLIT:
+        two = tl.load(STN + 2 * (base + rows)[:, None] + tl.arange(0, 2)[None, :])  # one 4-byte load a row
+        vals = tl.sum(two.to(tl.float32), axis=1)
+    else:
+        vals = tl.load(STN + base + rows)
+    return vals
+
+
+@triton.jit
 def _norm_acc(x, RH: tl.constexpr, REG: tl.constexpr):
     """A scan's running normaliser of RH * 16 rows: [RH, 16], summed in registers, where REG; else [RH * 16, 16]
     with x in column 0, as the dot against `_norm_cols` accumulates it."""

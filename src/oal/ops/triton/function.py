@@ -179,7 +179,9 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
 
     n_cs = segments x chunks per segment >= the number of chunks; the chunks past the sequence are empty.
     The per-chunk states are in `cfg.state_dtype` in keys mode; in query mode in fp32, as `_bwd_dkv` adds the carry
-    to them before it rounds. The normaliser and the segment ends are always fp32 (acc_dtype).
+    to them before it rounds. Their normaliser is fp32 [.., R], except in keys mode where `_norm_dot(cfg)`: there
+    each row is stored as the two columns its dot operand holds ([.., R, 2] in the dot type, `_norm_store`). The
+    segment ends are always fp32 (acc_dtype).
 
     two_pass: the per-chunk states include everything before the segment (forward); otherwise they are local to
     their segment and the consumer adds the carry (backward).
@@ -192,7 +194,10 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     seg_len, n_seg = _segments(n_c, blocks * bsz * n_kv, x.device)
     st_dtype = cfg.acc_dtype if query else cfg.state_dtype
     st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=st_dtype, device=x.device)
-    stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dtype=cfg.acc_dtype, device=x.device)
+    # keys mode with the normaliser by dots: each row as `_norm_cols`'s two columns in the dot type (`_norm_store`)
+    split = not query and _norm_dot(cfg)
+    stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, *((2,) if split else ()),
+                      dtype=cfg.dot_dtype if split else cfg.acc_dtype, device=x.device)
     tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
     totn = torch.empty(bsz * n_kv, n_seg, lay.rows, dtype=cfg.acc_dtype, device=x.device)
     a, bs, cs = coefs
@@ -304,7 +309,7 @@ def _backward(q, k, v, a, bs, cs, ws, l0, eps_t, init, o, den, do, dfin, cfg: Co
     dq = torch.empty_like(q)
     K._bwd_dq[(n_q, n_c, bsz)](
         q, k, v, go, dl, bs, cs, ws, l0, pairs, st, stn, dq, part, n, n_q, n_c, st.shape[1], d, dv, lay.rows,
-        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq", d, dv)
+        n_part, cfg.n_groups1, **consts, **_consts(cfg, "dq", d, dv), NORM_DOT=_norm_dot(cfg)
     )
     del st, stn
     # state gradients: chunk c's readout sends phi(Q_c)^T [go, -dl] to every earlier key (reverse scan)

@@ -30,8 +30,10 @@ from oal.ops.triton.blocks import (
     _flat,
     _kv_chunk,
     _norm_acc,
-    _norm_cols,
+    _norm_ops,
     _norm_rows,
+    _norm_store,
+    _norm_vals,
     _pair_coef,
     _pair_cs,
     _pair_step,
@@ -81,6 +83,7 @@ def _state_scan(
     D16 = NB * 16
     NS: tl.constexpr = 16 // RH
     REG: tl.constexpr = QUERY or not NORM_DOT
+    SPLIT: tl.constexpr = NORM_DOT and not QUERY  # the per-chunk normaliser stored split (`_norm_store`)
     pid_t = tl.program_id(0)
     seg = tl.program_id(1)
     bh = tl.program_id(2)
@@ -106,7 +109,7 @@ def _state_scan(
             if store:
                 off = st_base + c * R + rows
                 tl.store(ST + off[:, None] * dv + vcol[None, :], acc.to(ST.dtype.element_ty), mask=vmask[None, :])
-                tl.store(STN + off, _norm_rows(accn, RH, REG))
+                _norm_store(STN, off, _norm_rows(accn, RH, REG), SPLIT, DOT_DT)
             for r in range(REP):
                 xh = (b * HX + hk * REP + r).to(tl.int64)
                 f3 = _sub(X + xh * N * d, tok, tmask, I, s, d, RH).to(ACC_DT)[:, :, None]
@@ -119,7 +122,9 @@ def _state_scan(
                 if REG:
                     accn += tl.sum(f3 * nw[:, None, None], axis=0)
                 else:
-                    accn = tl.dot(f2, _norm_cols(nw, DOT_DT), accn, input_precision=PREC, out_dtype=ACC_DT)
+                    # keys mode: nw is 1 on the chunk's tokens, so its `_norm_cols` is that mask in column 0
+                    ones = tl.where((tl.arange(0, 16) == 0)[None, :] & tmask[:, None], 1.0, 0.0).to(DOT_DT)
+                    accn = tl.dot(f2, ones, accn, input_precision=PREC, out_dtype=ACC_DT)
         tl.store(TOT + (tot_base + rows)[:, None] * dv + vcol[None, :], acc, mask=vmask[None, :])
         tl.store(TOTN + tot_base + rows, _norm_rows(accn, RH, REG))
     elif pid_t < NPAIR * NS + NB:  # H1, one 16-wide block
@@ -134,7 +139,7 @@ def _state_scan(
             if store:
                 off1 = st_base + c1 * R + rows1
                 tl.store(ST + off1[:, None] * dv + vcol[None, :], acc1.to(ST.dtype.element_ty), mask=vmask[None, :])
-                tl.store(STN + off1, accn1)
+                _norm_store(STN, off1, accn1, SPLIT, DOT_DT)
             for r in range(REP):
                 xh1 = (b * HX + hk * REP + r).to(tl.int64)
                 f1 = _block(X + xh1 * N * d, tok1, tmask1, I1, d).to(ACC_DT)
@@ -155,7 +160,7 @@ def _state_scan(
             c0, tok0, tmask0 = _scan_step(seg, i, N, SEG, C, REVERSE)
             if store:
                 tl.store(ST + (st_base + c0 * R) * dv + vcol, acc0.to(ST.dtype.element_ty), mask=vmask)
-                tl.store(STN + st_base + c0 * R + one, accn0)
+                _norm_store(STN, st_base + c0 * R + one, accn0, SPLIT, DOT_DT)
             for r in range(REP):
                 xh0 = (b * HX + hk * REP + r).to(tl.int64)
                 y0, nw0 = _scan_inputs(Y, NW, xh0, tok0, tmask0, vcol, N, dv, QUERY, ACC_DT, ACC_DT)
@@ -221,7 +226,7 @@ def _fwd_out(
             acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                          out_dtype=ACC_DT)
             if NORM_DOT:
-                den_mma = tl.dot(f2, _norm_cols(tl.load(STN + base + rows2), DOT_DT), den_mma, input_precision=PREC,
+                den_mma = tl.dot(f2, _norm_ops(STN, base, rows2, DOT_DT, True), den_mma, input_precision=PREC,
                                  out_dtype=ACC_DT)
             else:
                 sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
@@ -238,7 +243,7 @@ def _fwd_out(
         f1d = f1.to(DOT_DT)
         acc = tl.dot(f1d, _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
         if NORM_DOT:
-            den_mma = tl.dot(f1d, _norm_cols(tl.load(STN + base + rows), DOT_DT), den_mma, input_precision=PREC,
+            den_mma = tl.dot(f1d, _norm_ops(STN, base, rows, DOT_DT, True), den_mma, input_precision=PREC,
                              out_dtype=ACC_DT)
         else:
             den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
@@ -246,7 +251,7 @@ def _fwd_out(
         den += tl.sum(den_mma, axis=1)
     a = tl.load(A + h) * tl.load(MULT + 1)
     acc += a * tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)[None, :]
-    den += a * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    den += a * tl.sum(_norm_vals(STN, base, tl.arange(0, 1), NORM_DOT), axis=0)
     # intra-chunk: the dense kernel on the causal triangle (Eq. 7)
     kap = tl.zeros([C, C], ACC_DT) + tl.load(EPS) * zs * zs
     qz = q.to(ACC_DT) * zs
@@ -271,6 +276,7 @@ def _bwd_dq(
     N, n_q, n_c, n_cs, d, dv, R, P, g1,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
+    NORM_DOT: tl.constexpr,
 ):
     """dq of one chunk of one query head, and its share of the coefficient gradients.
 
@@ -303,13 +309,14 @@ def _bwd_dq(
     # inter-chunk: the gradient of phi(q) is [go, -dl] S_c^T, then through phi (Eq. 6)
     base = ((b * n_kv + hk) * n_cs + c).to(tl.int64) * R
     s0 = tl.load(ST + base * dv + vcol, mask=vcol < dv, other=0.0).to(ACC_DT)
-    r0 = tl.sum(go.to(ACC_DT) * s0[None, :], axis=1) - dl * tl.sum(tl.load(STN + base + tl.arange(0, 1)), axis=0)
+    r0 = tl.sum(go.to(ACC_DT) * s0[None, :], axis=1) - dl * tl.sum(_norm_vals(STN, base, tl.arange(0, 1), NORM_DOT),
+                                                                   axis=0)
     tl.store(part, tl.sum(r0, axis=0))
     for I in range(NB):
         rows = 1 + I * 16 + j16
         r1 = tl.dot(go, tl.trans(_state(ST, base, rows, vcol, dv).to(DOT_DT)), input_precision=PREC,
                     out_dtype=ACC_DT)
-        r1 -= dl[:, None] * tl.load(STN + base + rows)[None, :]
+        r1 -= dl[:, None] * _norm_vals(STN, base, rows, NORM_DOT)[None, :]
         dq = _scatter(dq, r1 * tl.load(BS + h * D16 + I * 16 + j16)[None, :], I, BD, PREC)
         tl.store(part + 1 + I * 16 + j16, tl.sum(_block(qh, tok, tmask, I, d).to(ACC_DT) * r1, axis=0))
     for p in range(NPAIR):
@@ -321,7 +328,7 @@ def _bwd_dq(
             rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
             dphi = tl.dot(go, tl.trans(_state(ST, base, rows2, vcol, dv).to(DOT_DT)), input_precision=PREC,
                           out_dtype=ACC_DT)
-            dphi -= dl[:, None] * tl.load(STN + base + rows2)[None, :]
+            dphi -= dl[:, None] * _norm_vals(STN, base, rows2, NORM_DOT)[None, :]
             d3 = tl.reshape(dphi, [C, RH, 16])
             dcs = tl.sum(q_i[:, :, None] * q_j[:, None, :] * d3, axis=0) * tl.where(pi < pj, 2.0, 1.0)
             tl.store(part + 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16), tl.reshape(dcs, [RH * 16]))

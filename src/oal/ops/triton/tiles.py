@@ -58,10 +58,10 @@ NUM_WARPS = 4
 # 0-1.3 KB and run 4x as many programs, which a batch of one, with two KV heads, needs anyway. Chosen without a GPU:
 # benchmarks.gpu on the H200 is what decides.
 TILES = {
-    (True, False, 90): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 1)),  # spill 0 (query 0), -, 0, 32
-    (True, False, 80): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 2)),  # 4 (20), -, 124, 828
-    (True, True, 90): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 1), dkv=(4, 1)),  # 0 (12), -, 248, 792
-    (True, True, 80): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 2), dkv=(4, 3)),  # 0 (0), -, 652, 1360; 153 KB
+    (True, False, 90): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 1)),  # spill 0 (query 0), -, 0, 20
+    (True, False, 80): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 2)),  # 0 (20), -, 120, 836
+    (True, True, 90): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 1), dkv=(4, 1)),  # 0 (12), -, 248, 784
+    (True, True, 80): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 2), dkv=(4, 3)),  # 0 (0), -, 668, 1340; 153 KB
     # fp32 inputs: tf32x3 dots, whose big and small halves each take an operand buffer
     (False, False, 90): dict(scan=(16, 1), fwd=(16, 1), dq=(16, 1), dkv=(16, 1)),
     (False, False, 80): dict(scan=(16, 1), fwd=(16, 1), dq=(16, 1), dkv=(16, 1)),
@@ -72,13 +72,13 @@ TILES = {
 
 # What `triton.autotune` may pick for _fwd_out on a GPU, per table key as above: (RH, stages), the TILES entry first.
 # Every candidate is compiled for its target by scripts/triton_sm90_check.py ("fwd tuned"; spills in bytes a thread
-# as a launch compiles it, 2026-12-05). On sm_90 in half precision the output kernel (with its output check)
-# spills 12-36 B at RH 16, 0 at (4, 1) and (4, 3) for d = dv = 64; 88 B at (8, 2), 32 at (4, 2) and (4, 3) for
-# d = dv = 128. (4, 3) pipelines the state's rows three deep (44 KB of shared memory at d = 64; 84 KB at 128):
-# added 2026-12-05 for the autotuner to weigh, not measured.
+# as a launch compiles it, 2026-12-05, with the normaliser's operand stored split). On sm_90 in half precision the
+# output kernel (with its output check) spills nothing at any candidate for d = dv = 64; 24 B at (8, 2), 4 at
+# (4, 1), 0 at (4, 2) and (4, 3) for d = dv = 128. (4, 3) pipelines the state's rows three deep (47.5 KB of shared
+# memory at d = 64; 87.5 KB at 128): added 2026-12-05 for the autotuner to weigh, not measured.
 FWD_CANDIDATES = {
     (True, False, 90): [(16, 3), (16, 2), (4, 1), (4, 3)],
-    (True, False, 80): [(16, 3), (16, 2), (4, 1)],  # spill 8-20 B at RH 16, 0 at (4, 1)
+    (True, False, 80): [(16, 3), (16, 2), (4, 1)],  # spill 0
     (True, True, 90): [(8, 2), (4, 2), (4, 1), (4, 3)],
     (True, True, 80): [(8, 2), (4, 3)],
     (False, False, 90): [(16, 1), (8, 2)],
