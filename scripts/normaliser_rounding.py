@@ -8,7 +8,9 @@ a dot. Three ways to read the normaliser out (Eq. 6's denominator), each against
 - dots:    the numerator's rounded features times the normaliser split in two bf16 columns (rounded, and what the
            rounding left), as `blocks._norm_cols` does for half inputs; the key scan's normaliser state summed
            from the rounded features too;
-- hi only: the same with the rounded column alone (what one column would give).
+- hi only: the same with the rounded column alone (what one column would give);
+- bf16 products: the dots, with the query features multiplied in bf16 as the output kernel does for half inputs
+           (`function._prod_dt`): q_r q_t rounded, times the coefficient rounded, rounded.
 
 Inputs are bf16-exact, the intra-chunk part is exact (it is the same in all three), the output is not rounded.
 
@@ -31,7 +33,8 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def inputs(n: int, d: int, g: int, seed: int, outlier: bool):
-    """q, k, v (bf16-exact) and the full feature maps phi(q) (with the coefficients) and psi(k) (Eq. 5-6)."""
+    """q, k, v (bf16-exact), the full feature maps phi(q) (with the coefficients) and psi(k) (Eq. 5-6), and phi(q)
+    as the output kernel forms it from bf16 products (before its last rounding, which the dots do)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(n, d, dtype=F64, generator=gen) for _ in range(3))
     if outlier:  # a dimension 8x larger in q and k, as in pretrained heads
@@ -47,29 +50,32 @@ def inputs(n: int, d: int, g: int, seed: int, outlier: bool):
     ones = torch.ones(n, 1, dtype=F64)
     psi = torch.cat([ones, k, (k[:, :, None] * k[:, None, :]).reshape(n, -1)], 1)
     phi = torch.cat([a * ones, q * b[0] * scale, (q[:, :, None] * q[:, None, :] * c[0] * scale**2).reshape(n, -1)], 1)
-    return v, phi, psi
+    quad16 = bf16(q[:, :, None] * q[:, None, :]) * bf16(c[0] * scale**2)
+    phi16 = torch.cat([phi[:, : 1 + d], quad16.reshape(n, -1)], 1)
+    return v, phi, psi, phi16
 
 
 def output_errors(n: int, d: int, g: int, seed: int, outlier: bool, chunk: int = 64) -> dict[str, float]:
-    v, phi, psi = inputs(n, d, g, seed, outlier)
+    v, phi, psi, phi16 = inputs(n, d, g, seed, outlier)
     kap = torch.tril(phi @ psi.T)
     exact = (kap @ v) / kap.sum(1, keepdim=True)
     errs = {}
-    for way in ("exact", "dots", "hi only"):
+    for way in ("exact", "dots", "hi only", "bf16 products"):
+        feats = bf16(phi16 if way == "bf16 products" else phi)
         out = torch.empty_like(v)
         state = torch.zeros(psi.shape[1], d, dtype=torch.float32)
         norm = torch.zeros(psi.shape[1], dtype=torch.float32)
         for c0 in range(0, n, chunk):
             rows = slice(c0, min(n, c0 + chunk))
             intra = kap[rows, rows]
-            num = intra @ v[rows] + bf16(phi[rows]) @ bf16(state.to(F64))  # bf16 dot, bf16-stored state
+            num = intra @ v[rows] + feats[rows] @ bf16(state.to(F64))  # bf16 dot, bf16-stored state
             sn = norm.to(F64)
             if way == "exact":
                 den = phi[rows] @ sn
-            elif way == "dots":
-                den = bf16(phi[rows]) @ bf16(sn) + bf16(phi[rows]) @ bf16(sn - bf16(sn))
+            elif way == "hi only":
+                den = feats[rows] @ bf16(sn)
             else:
-                den = bf16(phi[rows]) @ bf16(sn)
+                den = feats[rows] @ bf16(sn) + feats[rows] @ bf16(sn - bf16(sn))
             out[rows] = num / (intra.sum(1) + den)[:, None]
             state += (bf16(psi[rows]).T @ v[rows]).float()  # the scan: bf16 features, fp32 sums
             norm += (psi[rows] if way == "exact" else bf16(psi[rows])).sum(0).float()
@@ -78,10 +84,12 @@ def output_errors(n: int, d: int, g: int, seed: int, outlier: bool, chunk: int =
 
 
 def main() -> None:
-    print(f"{'n':>5} {'d':>3} {'G':>2} {'outlier':>7} | relative error of the output: exact / dots / hi only")
+    print(f"{'n':>5} {'d':>3} {'G':>2} {'outlier':>7} | relative error of the output: exact / dots / hi only / "
+          "bf16 products")
     for n, d, g, seed, outlier in CASES:
         e = output_errors(n, d, g, seed, outlier)
-        print(f"{n:5d} {d:3d} {g:2d} {outlier!s:>7} | {e['exact']:.3e} / {e['dots']:.3e} / {e['hi only']:.3e}")
+        print(f"{n:5d} {d:3d} {g:2d} {outlier!s:>7} | {e['exact']:.3e} / {e['dots']:.3e} / {e['hi only']:.3e} / "
+              f"{e['bf16 products']:.3e}")
 
 
 if __name__ == "__main__":

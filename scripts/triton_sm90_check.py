@@ -112,7 +112,8 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
     fwd_sig = dict(Q=x, K=x, V=x, A=a, BS=a, CS=a, WS=a, L0=a, EPS=a, MULT=a, PAIRS="*i32", ST=st, STN=stn, O=x, DEN=a,
                    STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
-    big_fwd = dict(big, CHECK=True, **norm)  # the output's check in the kernel, as on a GPU (deferred checks)
+    # the output's check in the kernel, as on a GPU (deferred checks)
+    big_fwd = dict(big, CHECK=True, PROD_DT=F._prod_dt(cfg), **norm)
     yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))
     for rh, stages in T.FWD_CANDIDATES[half, max(d, dv) > 64, arch]:
         const, options = split("fwd", **big_fwd)

@@ -14,6 +14,7 @@ products, while any wrong index or missing term gives an error of order 1.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -145,6 +146,31 @@ def test_normaliser_by_dots_matches_reference(rh, monkeypatch):
     monkeypatch.setattr(tfn, "tiles", lambda *args: dict(tiles(*args), RH=rh))
     check_against_reference((1, 2, 2, 33, 20, 12, 5), chunk=16, seg=1, state=True, monkeypatch=monkeypatch)
     check_against_reference((1, 7, 1, 200, 16, 16, 6), chunk=32, seg=4, state=True, monkeypatch=monkeypatch)
+
+
+def test_features_multiplied_in_a_16_bit_type_match_reference(monkeypatch):
+    """The output kernel's query features multiplied in `_prod_dt` (bf16 for half inputs on a GPU: q_r q_t and
+    the coefficient rounded, then the product; Eq. 6's phi(q)). The interpreter's bf16 arithmetic is not IEEE, so
+    the path runs here in fp16 (10-bit products, where bf16 has 8): the output within fp16's rounding of the
+    reference, and not the fp32 products' output (the path was taken)."""
+    case = (1, 2, 1, 50, 64, 64, 4)
+    exact = check_against_reference(case, chunk=16, seg=1, monkeypatch=monkeypatch)["out"]
+    monkeypatch.setattr(tfn, "_prod_dt", lambda cfg: tl.float16)
+    errs = check_against_reference(case, chunk=16, seg=1, tol=5e-3, monkeypatch=monkeypatch)
+    assert errs["out"] > 10 * exact, (errs["out"], exact)
+
+
+def test_half_inputs_multiply_the_features_in_bf16(monkeypatch):
+    """Which inputs take bf16 products in the output kernel: half ones, whose dots are bf16 on a GPU (fp32 under
+    the interpreter, and so are their products there), unless HALF_PRODUCTS is off; fp32 inputs fp32 ones."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cfg = tfn.config(torch.zeros(1, 1, 4, 16, dtype=dtype), torch.zeros(1, 3, 3), 64)
+        on_gpu = dataclasses.replace(cfg, dot_dtype=torch.bfloat16) if cfg.half else cfg  # as `_dtypes` gives there
+        assert tfn._prod_dt(on_gpu) == (tl.bfloat16 if cfg.half else tl.float32), dtype
+        assert tfn._prod_dt(cfg) == tl.float32 or not tfn.interpreted()
+        monkeypatch.setattr(tfn, "HALF_PRODUCTS", False)
+        assert tfn._prod_dt(on_gpu) == tl.float32
+        monkeypatch.undo()
 
 
 def test_half_inputs_sum_the_normaliser_by_dots():

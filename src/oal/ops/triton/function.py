@@ -141,6 +141,17 @@ def _norm_dot(cfg: Config) -> bool:
     return cfg.half and NORM_DOTS
 
 
+def _prod_dt(cfg: Config):
+    """The type in which the output kernel multiplies the queries' quadratic features (q_r q_t times the
+    coefficient) before its bf16 dot: bf16 for half inputs, two products an instruction (in fp32 they were that
+    kernel's largest cost), unless HALF_PRODUCTS is off; else the accumulation type. In bf16 the product and the
+    coefficient are rounded too, before the feature is: emulated in fp64 the output's error goes from 1.16-1.60e-3
+    to 1.43-1.90e-3 (`scripts/normaliser_rounding.py`). The scans' and the backward's products stay fp32 (for keys
+    the compiler already multiplies bf16 inputs in bf16 where the result is the same). Under the interpreter the
+    dots, and so the products, are fp32."""
+    return tl_dtype(cfg.dot_dtype if cfg.half and HALF_PRODUCTS else cfg.acc_dtype)
+
+
 def _gmax(n_groups1: int) -> int:
     """Loop bound over the columns of L: G + 1 rounded up to 8, so one compiled variant serves G <= 7."""
     return 8 * -(-n_groups1 // 8)
@@ -286,7 +297,8 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, 
         q, k, v, a, bs, cs, ws, l0, eps_t, mult, pairs, st, stn, o, den, eps_t if status is None else status, n, n_q,
         st.shape[1], d, dv, lay.rows, cfg.n_groups1, parallel.bucket(n),
         NB=lay.nb, REP=n_q // n_kv, C=cfg.chunk, BD=lay.bd, BV=max(16, next_pow2(dv)), NPAIR=lay.npair,
-        GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, NORM_DOT=_norm_dot(cfg), **consts,
+        GMAX=_gmax(cfg.n_groups1), CHECK=status is not None, NORM_DOT=_norm_dot(cfg), PROD_DT=_prod_dt(cfg),
+        **consts,
     )
     return o, den, tot[:, -1], totn[:, -1]
 
@@ -424,11 +436,12 @@ def _dtypes(q):
     return dot, acc
 
 
-# For half inputs: the dtype of the per-chunk states the key scan stores (`Config.state_dtype`), and whether the
-# normaliser rows are summed by dots (`_norm_dot`). benchmarks.gpu sets float32 and False, the kernels before
-# 2026-12-05, to time both in one run.
+# For half inputs: the dtype of the per-chunk states the key scan stores (`Config.state_dtype`), whether the
+# normaliser rows are summed by dots (`_norm_dot`) and whether the features are multiplied in bf16 (`_prod_dt`).
+# benchmarks.gpu sets float32, False and False, the kernels before 2026-12-05, to time both in one run.
 HALF_STATES = torch.bfloat16
 NORM_DOTS = True
+HALF_PRODUCTS = True  # `_prod_dt`
 
 
 def config(q, factor, chunk: int) -> Config:

@@ -179,7 +179,7 @@ def _fwd_out(
     N, n_q, n_cs, d, dv, R, g1, NBKT,
     NB: tl.constexpr, REP: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NPAIR: tl.constexpr,
     GMAX: tl.constexpr, RH: tl.constexpr, DOT_DT: tl.constexpr, ACC_DT: tl.constexpr, PREC: tl.constexpr,
-    CHECK: tl.constexpr, NORM_DOT: tl.constexpr,
+    CHECK: tl.constexpr, NORM_DOT: tl.constexpr, PROD_DT: tl.constexpr,
 ):
     """Output of one chunk of one query head: intra-chunk Eq. 7 plus the readout of the chunk's state (Eq. 6).
 
@@ -220,8 +220,8 @@ def _fwd_out(
             den = den * 0.5
             den_mma = den_mma * 0.5
         for s in range(16 // RH):
-            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, ACC_DT)
-            f3 = q_i[:, :, None] * q_j[:, None, :] * _pair_cs(CS, h, pi, pj, s, D16, RH)[None, :, :]
+            rows2, q_i, q_j = _pair_step(pi, pj, p, s, qh, tok, tmask, d, D16, RH, PROD_DT)
+            f3 = q_i[:, :, None] * q_j[:, None, :] * _pair_cs(CS, h, pi, pj, s, D16, RH).to(PROD_DT)[None, :, :]
             f2 = _flat(f3.to(DOT_DT), C, RH)  # rounded, then reshaped
             acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                          out_dtype=ACC_DT)
