@@ -46,8 +46,7 @@ CHUNK = 64
 
 # Chunks per segment of the state scans; None picks it from the device's multiprocessor count. Tests set it to
 # exercise the carry between segments on short sequences.
-SEGMENT_CHUNKS: int | None = None
-# Tile sizes and launch options per kernel, shape and target: tiles.py (imported here so tests can replace them).
+SEGMENT_CHUNKS: int | None = None  # tiles: tiles.py (imported here so tests can replace them)
 
 
 @dataclass(frozen=True)
@@ -136,19 +135,14 @@ def _consts(cfg: Config, kernel: str, d: int, dv: int):
 
 def _norm_dot(cfg: Config) -> bool:
     """Whether the key scan and the output kernel sum the normaliser rows by a dot (`blocks._norm_cols`): for half
-    inputs, whose bf16 dots round the features anyway (in the interpreter, whose dots are fp32, too: the tests run
-    that path), unless NORM_DOTS is off; fp32 and fp64 inputs sum them in registers."""
+    inputs (under the interpreter too, whose dots are fp32) unless NORM_DOTS is off; else in registers."""
     return cfg.half and NORM_DOTS
 
 
 def _prod_dt(cfg: Config):
-    """The type in which the output kernel multiplies the queries' quadratic features (q_r q_t times the
-    coefficient) before its bf16 dot: bf16 for half inputs, two products an instruction (in fp32 they were that
-    kernel's largest cost), unless HALF_PRODUCTS is off; else the accumulation type. In bf16 the product and the
-    coefficient are rounded too, before the feature is: emulated in fp64 the output's error goes from 1.16-1.60e-3
-    to 1.43-1.90e-3 (`scripts/normaliser_rounding.py`). The scans' and the backward's products stay fp32 (for keys
-    the compiler already multiplies bf16 inputs in bf16 where the result is the same). Under the interpreter the
-    dots, and so the products, are fp32."""
+    """The type of the output kernel's feature products q_r q_t C_rt: bf16 (two an instruction) for half inputs
+    unless HALF_PRODUCTS is off, rounding q_r q_t and C_rt too (output error 1.16-1.60e-3 -> 1.43-1.90e-3 in
+    `scripts/normaliser_rounding.py`); else the accumulation type (also under the interpreter, as its dots)."""
     return tl_dtype(cfg.dot_dtype if cfg.half and HALF_PRODUCTS else cfg.acc_dtype)
 
 
@@ -189,10 +183,9 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     """Run `_state_scan`. Returns (per-chunk states [B*Hkv, n_cs, R, dv], normaliser, segment ends, seg_len).
 
     n_cs = segments x chunks per segment >= the number of chunks; the chunks past the sequence are empty.
-    The per-chunk states are in `cfg.state_dtype` in keys mode; in query mode in fp32, as `_bwd_dkv` adds the carry
-    to them before it rounds. Their normaliser is fp32 [.., R], except in keys mode where `_norm_dot(cfg)`: there
-    each row is stored as the two columns its dot operand holds ([.., R, 2] in the dot type, `_norm_store`). The
-    segment ends are always fp32 (acc_dtype).
+    The per-chunk states are in `cfg.state_dtype` in keys mode, fp32 in query mode (`_bwd_dkv` adds the carry to
+    them before it rounds); their normaliser fp32 [.., R], or in keys mode with `_norm_dot` its dot operand's two
+    columns ([.., R, 2] in the dot type, `_norm_store`). The segment ends are fp32 (acc_dtype).
 
     two_pass: the per-chunk states include everything before the segment (forward); otherwise they are local to
     their segment and the consumer adds the carry (backward).
@@ -205,8 +198,7 @@ def _scan(x, y, nw, coefs, cfg: Config, lay: Layout, n_kv: int, *, query: bool, 
     seg_len, n_seg = _segments(n_c, blocks * bsz * n_kv, x.device)
     st_dtype = cfg.acc_dtype if query else cfg.state_dtype
     st = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, dv, dtype=st_dtype, device=x.device)
-    # keys mode with the normaliser by dots: each row as `_norm_cols`'s two columns in the dot type (`_norm_store`)
-    split = not query and _norm_dot(cfg)
+    split = not query and _norm_dot(cfg)  # each normaliser row as `_norm_cols`'s two columns (`_norm_store`)
     stn = torch.empty(bsz * n_kv, n_seg * seg_len, lay.rows, *((2,) if split else ()),
                       dtype=cfg.dot_dtype if split else cfg.acc_dtype, device=x.device)
     tot = torch.empty(bsz * n_kv, n_seg, lay.rows, dv, dtype=cfg.acc_dtype, device=x.device)
@@ -436,9 +428,8 @@ def _dtypes(q):
     return dot, acc
 
 
-# For half inputs: the dtype of the per-chunk states the key scan stores (`Config.state_dtype`), whether the
-# normaliser rows are summed by dots (`_norm_dot`) and whether the features are multiplied in bf16 (`_prod_dt`).
-# benchmarks.gpu sets float32, False and False, the kernels before 2026-12-05, to time both in one run.
+# Half inputs: per-chunk state dtype (`Config.state_dtype`), normaliser by dots (`_norm_dot`), bf16 products
+# (`_prod_dt`). benchmarks.gpu sets float32, False, False (the kernels before 2026-12-05) to time both in one run.
 HALF_STATES = torch.bfloat16
 NORM_DOTS = True
 HALF_PRODUCTS = True  # `_prod_dt`
