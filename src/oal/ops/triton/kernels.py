@@ -283,8 +283,8 @@ def _bwd_dq(
     GO = dO / den is the gradient of the numerator and DL = (dO . o) / den minus that of the normaliser, so
     the gradient of kappa_ij is GO_i . v_j - DL_i and that of phi(q_i) is S_c [GO_i; -DL_i].
     PART[b, c, h] receives [d(A) | d(BS) (D16) | d(CS) per pair (NPAIR x 256) | d(WS) (g1 x BD) | d(L0) (g1)],
-    g1 = G + 1.
-    Grid (Hq, n_c, B).
+    g1 = G + 1. NORM_DOT (half inputs): the normaliser rows come split (`_norm_vals`) and the coefficient shares
+    are summed by a dot. Grid (Hq, n_c, B).
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
@@ -331,10 +331,15 @@ def _bwd_dq(
                           out_dtype=ACC_DT)
             dphi -= dl[:, None] * _norm_vals(STN, base, rows2, NORM_DOT)[None, :]
             d3 = tl.reshape(dphi, [C, RH, 16])
-            # the coefficients' share, summed over the chunk's tokens by a dot against a ones column (summed
-            # across the lanes and warps that hold the tokens, it was about a third of the step's instructions)
-            e2 = tl.trans(_flat((q_i[:, :, None] * q_j[:, None, :] * d3).to(DOT_DT), C, RH))
-            dcs = tl.sum(tl.dot(e2, ones, input_precision=PREC, out_dtype=ACC_DT), axis=1)
+            # the coefficients' share, summed over the chunk's tokens: for half inputs by a dot against a ones
+            # column (summed across the lanes and warps that hold the tokens, it was about a third of the step's
+            # instructions; fp32's three-pass dot spills more than the sums cost)
+            e3 = q_i[:, :, None] * q_j[:, None, :] * d3
+            if NORM_DOT:
+                e2 = tl.trans(_flat(e3.to(DOT_DT), C, RH))
+                dcs = tl.sum(tl.dot(e2, ones, input_precision=PREC, out_dtype=ACC_DT), axis=1)
+            else:
+                dcs = tl.reshape(tl.sum(e3, axis=0), [RH * 16])
             tl.store(part + 1 + D16 + p * 256 + s * RH * 16 + tl.arange(0, RH * 16), dcs * tl.where(pi < pj, 2.0, 1.0))
             d3 = d3 * _pair_coef(CS, h, pi, pj, s, D16, RH)[None, :, :]
             x_i += _place(tl.sum(d3 * q_j[:, None, :], axis=2), s, C, RH)
