@@ -18,6 +18,7 @@ A plain process (no launcher, or a launch of one) is rank 0 of 1, and nothing he
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable
@@ -58,11 +59,16 @@ def log_console():
     return Console(stderr=True, quiet=env_rank() != 0)
 
 
+_CLOSING: list = []  # the exit handler that destroys the process group, once registered
+
+
 def _state(cpu: bool):
     """accelerate's process state (it starts the process group: gloo on the CPU, NCCL on CUDA)."""
     from accelerate import PartialState
 
     state = PartialState(cpu=cpu, timeout=TIMEOUT)
+    if not _CLOSING:  # once: a process that exits with its group alive may abort in gloo's threads (SIGABRT)
+        _CLOSING.append(atexit.register(state.destroy_process_group))
     if (state.device.type == "cpu") != cpu:
         raise ValueError(f"device: this process already runs on {state.device.type}; one launch uses one kind of "
                          "device")
