@@ -191,7 +191,8 @@ def _fwd_out(
     kappa / lam with no torch operator. CHECK: the output's value check into STATUS (`guard.flag_out`). NBKT (the
     length's power-of-two bucket) is read by nothing: it is the autotuner's key. NORM_DOT (half inputs): the
     normaliser's readout of H1 and H2 is a dot of the rounded features against `_norm_cols`, beside the
-    numerator's dot; otherwise it is summed in registers from the unrounded features.
+    numerator's dot, its operand loaded as the key scan stored it (`_norm_ops`); otherwise it is summed in
+    registers from the unrounded features. PROD_DT: the type of the feature products (`function._prod_dt`).
     """
     D16 = NB * 16
     h, c, b, n_kv, hk, tok, tmask, dcol, vcol, qh, q, k, v = _query_chunk(Q, K, V, N, n_q, d, dv, REP, C, BD, BV,
