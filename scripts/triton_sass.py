@@ -24,13 +24,16 @@ def _cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def instructions(cubin: bytes) -> list[tuple[int, str, str]]:
-    """(address, opcode, operands) of every instruction of `cubin`."""
+def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(_cuobjdump()), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return [(int(m[1], 16), m[2], m[3]) for m in map(_LINE.match, text.splitlines()) if m]
+        return subprocess.run([str(_cuobjdump()), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction of `cubin`."""
+    return [(int(m[1], 16), m[2], m[3]) for m in map(_LINE.match, _sass(cubin).splitlines()) if m]
 
 
 def innermost_loops(ins: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
@@ -59,3 +62,16 @@ def summary(cubin: bytes, top: int = 8) -> str:
         common = ", ".join(f"{op} {n}" for op, n in mix.most_common(top))
         lines.append(f"loop of {mix.total()} instructions: mma {mma}, shfl {mix['SHFL']}; {common}")
     return "\n".join(lines) or "no loop of 100 instructions or more"
+
+
+def listing(cubin: bytes) -> str:
+    """The largest innermost loop's instructions as cuobjdump prints them (modifiers and operands included), to
+    read what its counts are made of: e.g. which multiplies build features and which convert or move them."""
+    text = _sass(cubin).splitlines()
+    ins = instructions(cubin)
+    loops = sorted(innermost_loops(ins), key=lambda loop: loop[0] - loop[1])
+    if not loops:
+        return "no loop"
+    lo, hi = loops[0]
+    rows = [(m, line) for m, line in ((_LINE.match(line), line) for line in text) if m]
+    return "\n".join(line.split(";")[0].strip() + ";" for m, line in rows if lo <= int(m[1], 16) <= hi)

@@ -17,6 +17,7 @@ machine); CI (tests/test_triton_compile.py) compiles a few of them.
     PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 64,128 --dtypes bf16,fp16,fp32   # the full grid
     PYTHONPATH=src python scripts/triton_sm90_check.py --head-dims 128 --kernels dkv --jobs 2      # one kernel
     PYTHONPATH=src python scripts/triton_sm90_check.py --kernels fwd --dtypes bf16 --arch 90 --sass  # its hot loop
+    PYTHONPATH=src python scripts/triton_sm90_check.py --kernels dq --head-dims 64 --arch 90 --sass-listing  # read it
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def launch_hints(fn, sig: dict) -> dict:
             if ty.startswith("*") or name in ALIGNED_INTS}
 
 
-def compile_one(fn, sig: dict, const: dict, options: dict, arch: int, sass: bool = False) -> dict:
+def compile_one(fn, sig: dict, const: dict, options: dict, arch: int, sass: int = 0) -> dict:
+    """Compile; with `sass` 1 also the hot loops' instruction mix, with 2 the largest loop's listing too."""
     src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in const}}, constexprs=const,
                     attrs=launch_hints(fn, sig))
     t0 = time.time()
@@ -82,7 +84,8 @@ def compile_one(fn, sig: dict, const: dict, options: dict, arch: int, sass: bool
     mma = "wgmma.mma_async" if arch == 90 else "mma.sync"
     return {"s": time.time() - t0, "shared": compiled.metadata.shared, "regs": int(regs.group(1)) if regs else None,
             "spill": int(spill.group(1)) if spill else None, "mma": compiled.asm["ptx"].count(mma),
-            "sass": triton_sass.summary(compiled.asm["cubin"]) if sass else None}
+            "sass": (triton_sass.summary(compiled.asm["cubin"]) + (
+                "\n" + triton_sass.listing(compiled.asm["cubin"]) if sass > 1 else "")) if sass else None}
 
 
 def kernels(d: int, dv: int, dt: str, arch: int):
@@ -193,7 +196,7 @@ def _job(job):
 
 
 def check(head_dims, dtypes, archs, jobs: int = 1, names=KERNELS, limit_kb: int | None = None, out=print,
-          sass: bool = False) -> bool:
+          sass: int = 0) -> bool:
     """Compile the kernels (`names`, default all) the library would launch for these shapes; True when all fit the
     target's shared memory (or `limit_kb`). Prints one row each."""
     todo = []
@@ -225,6 +228,8 @@ def main() -> None:
                         help="fail above this many KB instead of the target's limit (to check that the check fails)")
     parser.add_argument("--sass", action="store_true",
                         help="also print each kernel's hot loops' instruction mix (scripts/triton_sass.py)")
+    parser.add_argument("--sass-listing", action="store_true",
+                        help="with the mix, the largest loop's instructions as cuobjdump prints them")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     archs = [int(a) for a in args.arch.split(",")]
@@ -235,7 +240,7 @@ def main() -> None:
         parser.error(f"--kernels: unknown kernels {bad}; expected some of {', '.join(KERNELS)}")
     t0 = time.time()
     ok = check([int(x) for x in args.head_dims.split(",")], dtypes, archs, args.jobs, names, args.shared_limit_kb,
-               sass=args.sass)
+               sass=2 if args.sass_listing else int(args.sass))
     print(f"{'all kernels fit' if ok else 'SOME KERNELS DO NOT FIT'} ({time.time() - t0:.0f} s)")
     sys.exit(0 if ok else 1)
 

@@ -72,10 +72,16 @@ def test_the_output_kernels_pair_loop_sums_nothing_across_lanes():
     the lanes of a warp: in every tile the autotuner may pick on sm_90, the output kernel's hot loop (its largest
     innermost one, the block-pair steps) holds tensor-core MMAs and no lane shuffle. Summed in registers it held
     130 shuffles of its 654 instructions at (RH 4, 3 stages), and issued about 5x its MMA time."""
-    rc, rows, err, out = _check("fwd tuned", "64", "--dtypes", "bf16", "--arch", "90", "--sass")
+    rc, rows, err, out = _check("fwd tuned", "64", "--dtypes", "bf16", "--arch", "90", "--sass-listing")
     assert rc == 0 and len(rows) == 4, (rows, err[-2000:])
-    hot = [out[i + 1] for i, line in enumerate(out) if line.startswith("sm_90")]
+    heads = [i for i, line in enumerate(out) if line.startswith("sm_90")]
+    hot = [out[i + 1] for i in heads]
     assert all(line.strip().startswith("loop of") for line in hot), out
     for line in hot:
         mma, shfl = (int(re.search(rf"{name} (\d+)", line)[1]) for name in ("mma", "shfl"))
         assert mma > 0 and shfl == 0, line
+    # --sass-listing: the hot loop's instructions follow its mix, as many as the mix counts, its MMAs among them
+    first = out[heads[0] + 1:heads[1]]
+    listed = [line for line in first if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+    assert len(listed) == int(re.search(r"loop of (\d+)", hot[0])[1]), first[:5]
+    assert sum("HGMMA" in line for line in listed) == int(re.search(r"mma (\d+)", hot[0])[1])
