@@ -8,6 +8,7 @@ and a bad argument answer at once (`ToolParser`, `run_tool`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -266,3 +267,15 @@ class PeakRSS:
         self._thread.join()
         self._peak = max(self._peak, self._rss())
         self.peak_mib = (self._peak - self._base) / 2**20
+
+
+def direct_launch(on: bool, otherwise: str | None = None):
+    """OAL_TRITON_DIRECT_LAUNCH=1 within when `on` (`oal.ops.triton.launch`; read when a plan is made, so the plans
+    made inside keep it), else `otherwise` ("0" forces the usual launches; None leaves the environment as it is);
+    the environment restored after."""
+    from unittest import mock
+
+    from oal.ops.triton import launch
+
+    value = "1" if on else otherwise
+    return mock.patch.dict(os.environ, {launch.ENV: value}) if value is not None else contextlib.nullcontext()

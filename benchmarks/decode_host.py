@@ -42,7 +42,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks._common import ToolParser, int_in, list_of, output_file, run_tool
+from benchmarks._common import ToolParser, direct_launch, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("oal", "oal-swa", "swa")
@@ -113,20 +113,8 @@ def stand_in(active: bool):
 def measure(method: str, args, device: str, direct: bool = False) -> dict:
     """Median forward time (µs) of the softmax and of the converted attention modules over the timed steps;
     `direct`: with the plans' kernels launched directly (`oal.ops.triton.launch`)."""
-
-    from oal.ops.triton import launch
-
-    with direct_launch(launch.ENV, direct):
+    with direct_launch(direct, otherwise="0"):
         return _measure(method, args, device)
-
-
-@contextlib.contextmanager
-def direct_launch(env: str, on: bool):
-    """The direct-launch variable set for the plans made inside, restored after (it is read when a plan is made)."""
-    from unittest import mock
-
-    with mock.patch.dict(os.environ, {env: "1" if on else "0"}):
-        yield
 
 
 def _measure(method: str, args, device: str) -> dict:
@@ -184,7 +172,6 @@ def prefill(args, device: str) -> dict:
     import torch.nn.functional as F
 
     from oal.ops import checks, oal_attention
-    from oal.ops.triton import launch
 
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -209,7 +196,7 @@ def prefill(args, device: str) -> dict:
     with torch.no_grad(), stand_in(device == "cpu"):
         for name, call in calls.items():
             times = []
-            with direct_launch(launch.ENV, name == "oal_direct"):
+            with direct_launch(name == "oal_direct", otherwise="0"):
                 for step in range(args.warmup + args.steps):
                     if device == "cuda" and step % 20 == 0:
                         torch.cuda.synchronize()  # a bounded queue: the call's time is the host's

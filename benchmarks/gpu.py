@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import platform
 import statistics
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from unittest import mock
 
 # one-line errors, exit code 2; --help names the outputs
-from benchmarks._common import MAX_TOKENS, ToolParser, int_in, list_of, output_file, run_tool
+from benchmarks._common import MAX_TOKENS, ToolParser, direct_launch, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
@@ -111,14 +110,6 @@ def triton_route(method: str):
         yield
     finally:
         routes.PARALLEL_MAX = saved
-
-
-def direct_launch(on: bool):
-    """OAL_TRITON_DIRECT_LAUNCH=1 within (read when a plan is made: the method's inputs are its own, so is its
-    plan), the environment restored after; nothing when not `on`."""
-    from oal.ops.triton import launch
-
-    return mock.patch.dict(os.environ, {launch.ENV: "1"}) if on else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

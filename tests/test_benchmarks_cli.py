@@ -141,14 +141,17 @@ def test_recall_progress_goes_to_stderr(tmp_path, monkeypatch, capsys):
 
 
 def test_decode_host_restores_the_direct_launch_variable(monkeypatch):
-    """benchmarks.decode_host sets OAL_TRITON_DIRECT_LAUNCH for the plans its timed calls make, and only there."""
-    from benchmarks.decode_host import direct_launch
+    """benchmarks.decode_host sets OAL_TRITON_DIRECT_LAUNCH for the plans its timed calls make, and only there
+    (`_common.direct_launch`, as decode_host calls it: "0" when off); benchmarks.gpu leaves it as it is when off."""
+    from benchmarks._common import direct_launch
 
     monkeypatch.setenv("OAL_TRITON_DIRECT_LAUNCH", "0")
-    with direct_launch("OAL_TRITON_DIRECT_LAUNCH", True):
+    with direct_launch(True, otherwise="0"):
         assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "1"
     assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "0"
     monkeypatch.delenv("OAL_TRITON_DIRECT_LAUNCH")
-    with direct_launch("OAL_TRITON_DIRECT_LAUNCH", False):
+    with direct_launch(False, otherwise="0"):
         assert os.environ["OAL_TRITON_DIRECT_LAUNCH"] == "0"
     assert "OAL_TRITON_DIRECT_LAUNCH" not in os.environ
+    with direct_launch(False):
+        assert "OAL_TRITON_DIRECT_LAUNCH" not in os.environ
