@@ -31,9 +31,15 @@ def _sass(cubin: bytes) -> str:
         return subprocess.run([str(_cuobjdump()), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def _parsed(text: str) -> list[tuple[int, str, str, str]]:
+    """(address, opcode, operands, line) of every instruction line of cuobjdump's text."""
+    return [(int(m[1], 16), m[2], m[3], line) for m, line in ((_LINE.match(line), line) for line in text.splitlines())
+            if m]
+
+
 def instructions(cubin: bytes) -> list[tuple[int, str, str]]:
     """(address, opcode, operands) of every instruction of `cubin`."""
-    return [(int(m[1], 16), m[2], m[3]) for m in map(_LINE.match, _sass(cubin).splitlines()) if m]
+    return [row[:3] for row in _parsed(_sass(cubin))]
 
 
 def innermost_loops(ins: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
@@ -67,11 +73,9 @@ def summary(cubin: bytes, top: int = 8) -> str:
 def listing(cubin: bytes) -> str:
     """The largest innermost loop's instructions as cuobjdump prints them (modifiers and operands included), to
     read what its counts are made of: e.g. which multiplies build features and which convert or move them."""
-    text = _sass(cubin).splitlines()
-    ins = instructions(cubin)
-    loops = sorted(innermost_loops(ins), key=lambda loop: loop[0] - loop[1])
+    rows = _parsed(_sass(cubin))
+    loops = sorted(innermost_loops([row[:3] for row in rows]), key=lambda loop: loop[0] - loop[1])
     if not loops:
         return "no loop"
     lo, hi = loops[0]
-    rows = [(m, line) for m, line in ((_LINE.match(line), line) for line in text) if m]
-    return "\n".join(line.split(";")[0].strip() + ";" for m, line in rows if lo <= int(m[1], 16) <= hi)
+    return "\n".join(line.split(";")[0].strip() + ";" for addr, _, _, line in rows if lo <= addr <= hi)

@@ -244,10 +244,11 @@ def test_bfloat16_long_sequence_is_finite_and_close(monkeypatch):
 def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
     """The keys scan stores each chunk's prefix state in bf16 for half inputs (`Config.state_dtype`: what the
     output and dq kernels' bf16 dots read it as; half the bytes of the chunked route's largest tensor, Eq. 5's H
-    per chunk) and in fp32 otherwise; its normaliser and segment ends, and the query scan's states (the backward
-    adds a carry to them before rounding), stay fp32. The bf16 states are the fp32 ones rounded: within one bf16
-    step (2^-7 relative; the interpreter truncates) on the same bf16-exact inputs; on a GPU the scan's own dots
-    round the features too, so there the bound is on the whole tensor."""
+    per chunk) and in fp32 otherwise; its segment ends, and the query scan's states (the backward adds a carry to
+    them before rounding), stay fp32, and its normaliser is stored as its dot operand's two columns. The bf16
+    states are the fp32 ones rounded: within one bf16 step (2^-7 relative; the interpreter truncates) on the same
+    bf16-exact inputs; on a GPU the scan's own dots round the features too, so there the bound is on the whole
+    tensor."""
     monkeypatch.setattr(tfn, "SEGMENT_CHUNKS", 2)  # two segments: the second pass's carried sums are stored too
     q, k, v, groups, factor = make_inputs(1, 2, 1, 150, 16, 16, 3, seed=3)
     q, k, v = (t.bfloat16().float() for t in (q, k, v))  # exact in both dtypes
@@ -289,7 +290,7 @@ def _norm_roundtrip(X, STN, VALS, OPS, REF, K: tl.constexpr):
     tl.debug_barrier()
     tl.store(VALS + rows, _norm_vals(STN, 3, rows, True))
     col = tl.arange(0, 16)
-    tl.store(OPS + rows[:, None] * 16 + col[None, :], _norm_ops(STN, 3, rows, tl.bfloat16, True).to(tl.float32))
+    tl.store(OPS + rows[:, None] * 16 + col[None, :], _norm_ops(STN, 3, rows).to(tl.float32))
     tl.store(REF + rows[:, None] * 16 + col[None, :], _norm_cols(x, tl.bfloat16).to(tl.float32))
 
 

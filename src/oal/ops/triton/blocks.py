@@ -80,7 +80,8 @@ def _norm_cols(sn, DOT_DT: tl.constexpr):
     """[K] fp32 normaliser rows -> [K, 16] in the dot type: column 0 the rows rounded to it, column 1 what the
     rounding left, zeros elsewhere. A dot of features against it reads the normaliser out on the tensor cores at
     about 16 bits with bf16 (fp32 itself where the dot type is fp32), from the same rounded features as the
-    numerator's dot."""
+    numerator's dot. The kernels read it as the key scan stored it (`_norm_store`, `_norm_ops`); this is its
+    definition, which the tests compare them with."""
     hi = sn.to(DOT_DT).to(sn.dtype)
     col = tl.arange(0, 16)[None, :]
     return tl.where(col == 0, hi[:, None], tl.where(col == 1, (sn - hi)[:, None], 0.0)).to(DOT_DT)
@@ -101,15 +102,11 @@ def _norm_store(STN, off, x, SPLIT: tl.constexpr, DOT_DT: tl.constexpr):
 
 
 @triton.jit
-def _norm_ops(STN, base, rows, DOT_DT: tl.constexpr, SPLIT: tl.constexpr):
-    """The [K, 16] dot operand of `_norm_cols` for the normaliser rows `rows` of the chunk at row `base`: loaded as
-    `_norm_store` split it (zeros past its two columns), or built from the fp32 rows."""
-    if SPLIT:
-        col = tl.arange(0, 16)
-        ops = tl.load(STN + 2 * (base + rows)[:, None] + col[None, :], mask=(col < 2)[None, :], other=0.0)
-    else:
-        ops = _norm_cols(tl.load(STN + base + rows), DOT_DT)
-    return ops
+def _norm_ops(STN, base, rows):
+    """The [K, 16] dot operand of `_norm_cols` for the normaliser rows `rows` of the chunk at row `base`, loaded as
+    `_norm_store` split it (zeros past its two columns)."""
+    col = tl.arange(0, 16)
+    return tl.load(STN + 2 * (base + rows)[:, None] + col[None, :], mask=(col < 2)[None, :], other=0.0)
 
 
 @triton.jit

@@ -227,8 +227,7 @@ def _fwd_out(
             acc = tl.dot(f2, _state(ST, base, rows2, vcol, dv).to(DOT_DT), acc, input_precision=PREC,
                          out_dtype=ACC_DT)
             if NORM_DOT:
-                den_mma = tl.dot(f2, _norm_ops(STN, base, rows2, DOT_DT, True), den_mma, input_precision=PREC,
-                                 out_dtype=ACC_DT)
+                den_mma = tl.dot(f2, _norm_ops(STN, base, rows2), den_mma, input_precision=PREC, out_dtype=ACC_DT)
             else:
                 sn = tl.reshape(tl.load(STN + base + rows2), [RH, 16])
                 den += tl.sum(tl.sum(f3 * sn[None, :, :], axis=2), axis=1)
@@ -244,8 +243,7 @@ def _fwd_out(
         f1d = f1.to(DOT_DT)
         acc = tl.dot(f1d, _state(ST, base, rows, vcol, dv).to(DOT_DT), acc, input_precision=PREC, out_dtype=ACC_DT)
         if NORM_DOT:
-            den_mma = tl.dot(f1d, _norm_ops(STN, base, rows, DOT_DT, True), den_mma, input_precision=PREC,
-                             out_dtype=ACC_DT)
+            den_mma = tl.dot(f1d, _norm_ops(STN, base, rows), den_mma, input_precision=PREC, out_dtype=ACC_DT)
         else:
             den += tl.sum(f1 * tl.load(STN + base + rows)[None, :], axis=1)
     if NORM_DOT:
