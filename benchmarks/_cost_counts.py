@@ -207,7 +207,8 @@ def oal_core(batch: int, n: int, hq: int, hkv: int, d: int, g: int, *, kind: str
     chunks = -(-n // chunk)
     flops = 2.0 * batch * n * (2 * hkv * rows * dv1 + hq * rows * dv1 + hq * chunk * ((g + 1) * d + dv1))
     elem = 4 if kind == "oal32" else 2
-    # + the per-chunk states written and read: in the input's width (bf16 for half inputs), the normaliser in fp32
+    # + the per-chunk states written and read: in the input's width (bf16 for half inputs), the normaliser 4 B a
+    # row (fp32, or its two bf16 parts)
     io = batch * n * d * (2 * hq + 2 * hkv) * elem + 2 * batch * hkv * chunks * rows * (d * elem + 4)
     launches = 2  # state scan + output kernels
     if backward:

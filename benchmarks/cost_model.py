@@ -17,7 +17,7 @@ shape, head_dim 128) and per operation of the code paths oal runs, the work is c
   kernels of `oal.ops.triton`): state rows R = 1 + D16 + 256 NB(NB+1)/2 per KV head (d padded to D16 = 16 NB,
   16 x 16 block pairs), chunks of 64; forward = state scan (2 N Hkv R (dv+1), twice: two passes) + readout
   (2 N Hq R (dv+1)) + intra-chunk Eq. 7 (2 N Hq C ((G+1) d + dv + 1)); backward 2x forward; HBM traffic q/k/v/o
-  + the per-chunk states written and read (bf16 for bf16 inputs, their normaliser fp32). The decoder layer is
+  + the per-chunk states written and read (bf16 for bf16 inputs, their normaliser 4 B a row). The decoder layer is
   measured with a stand-in core that only reads q/k/v and writes o, and the analytic core is added.
 
 Time per op = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x fraction), launches x latency), summed over
