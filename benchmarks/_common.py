@@ -279,3 +279,22 @@ def direct_launch(on: bool, otherwise: str | None = None):
 
     value = "1" if on else otherwise
     return mock.patch.dict(os.environ, {launch.ENV: value}) if value is not None else contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------ the device's tag
+
+# Cards the GPU scripts may be lent, matched as whole words so that "GH200" is not taken for "H200".
+KNOWN_GPUS = ("GH200", "H200", "H100", "A100", "L40S", "L4", "A10G")
+
+
+def device_tag(name: str) -> str:
+    """A short file-name tag for a device name as torch reports it ("NVIDIA H100 80GB HBM3" -> "h100"; "cpu"
+    stays "cpu"): the GPU scripts name their outputs with it, so that a run on another card is never filed as the
+    H200's, whose numbers the issues' acceptance names."""
+    import re
+
+    upper = name.upper()
+    for gpu in KNOWN_GPUS:
+        if re.search(rf"(?<![A-Z0-9]){gpu}(?![A-Z0-9])", upper):
+            return gpu.lower()
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")[:24] or "unknown"

@@ -19,8 +19,8 @@
 # up to 560 in a call of timeout_s=590).
 # Run directories live in .gpu_carry/runs on the machine, named by the knobs below, so the same call made again while
 # it is warm resumes them.
-# Back in $OUT (at most 8 files): summary.txt, smollm2_budget_h200.json and .png (commit them to
-# benchmarks/reference/), logs.tar.gz, records.tar.gz or its parts records.tar.gz.partK (the run and Table 2
+# Back in $OUT (at most 8 files): summary.txt, smollm2_budget_TAG.json and .png (TAG names the card: h200, h100, ...;
+# scripts/device_tag.py; commit them to benchmarks/reference/), logs.tar.gz, records.tar.gz or its parts records.tar.gz.partK (the run and Table 2
 # directories without checkpoints, for `python -m benchmarks.budget collect` to read again here).
 # A part that timed out resumes when the same last call is made again while the machine is warm. Table 2 of every
 # method on the preset's 24 layers at LEN tokens is a further call, e.g.
@@ -96,6 +96,7 @@ again from the first call that scripts/gpu_budget_prep.sh printed"
 fi
 note "GGUF joined and checked ($want)"
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
+TAG_GPU=$("$PY" scripts/device_tag.py 2>/dev/null) || TAG_GPU=unknown
 DESC="$GPU, torch $("$PY" -c 'import torch; print(torch.__version__)'), $DTYPE"
 note "device: $DESC"
 T0=$SECONDS
@@ -146,8 +147,8 @@ dirs=()
 for d in "$RUNS/main-$TAG"-s* "$RUNS/swa-$TAG"-s*; do [ -f "$d/config.json" ] && dirs+=("$d"); done
 if [ "${#dirs[@]}" -gt 0 ]; then
     "$PY" -m benchmarks.budget collect --runs "${dirs[@]}" "${TABLES[@]}" --device "$DESC" \
-        --json "$OUT/smollm2_budget_h200.json" --png "$OUT/smollm2_budget_h200.png" 2>&1 | tee "$OUT/collect.log" \
-        | tee -a "$SUMMARY"
+        --json "$OUT/smollm2_budget_$TAG_GPU.json" --png "$OUT/smollm2_budget_$TAG_GPU.png" 2>&1 \
+        | tee "$OUT/collect.log" | tee -a "$SUMMARY"
 fi
 # the records, for `collect` to read again here: parts of 15 MiB (a file that comes back holds at most 16 MiB, and at
 # most 8 files do); join them with `cat records.tar.gz.part* > records.tar.gz`

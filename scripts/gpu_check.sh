@@ -3,14 +3,15 @@
 # the GPU, each under its own time limit; a failing command does not stop the next. Made for one call of the
 # `device` tool on the lent H200 (the Triton kernel tests and the operator benchmark are scripts/gpu_perf.sh's):
 #
-#   run(command="bash scripts/gpu_check.sh", timeout_s=560)
+#   run(command="bash scripts/gpu_check.sh", kind="nvidia-h200", timeout_s=560)
 #
-# Records every command's exit code and seconds in $OUT/gpu_e2e_h200.json (copy it to benchmarks/reference/):
+# Records every command's exit code and seconds in $OUT/gpu_e2e_TAG.json (TAG names the card: h200, h100, ...;
+# scripts/device_tag.py; copy it to benchmarks/reference/):
 #   {"device": str, "torch": str, "commit": str, "commands": [{"cmd": str, "rc": int, "seconds": float}]}
 # rewritten after each command, so a cut-off run still says how far it got. rc: the command's exit code; 124 (or
 # 130/137) = it ran out of its time limit; 125 = not started, the matrix's time budget was spent; 77 = skipped, a
 # package it needs is missing (summary.txt says which).
-# What comes back in $OUT (7 files): gpu_e2e_h200.json, summary.txt, env.txt, logs.tar.gz (every command's log, the
+# What comes back in $OUT (7 files): gpu_e2e_TAG.json, summary.txt, env.txt, logs.tar.gz (every command's log, the
 # frontier and recall JSON), report_all.md, metrics_all.json and metrics_bf16.json (the two `oal run`s of the issue).
 #
 # Time: the environment check takes <= 60 s; the matrix shares BUDGET_S (460 s) in the order below, each command
@@ -56,7 +57,10 @@ BUDGET_S="${BUDGET_S:-460}"
 LIMIT_SCALE="${LIMIT_SCALE:-1}"
 PY="${PYTHON:-python3}"
 WORK="${WORK:-/tmp/oal_gpu_check}"
-case "$DEVICE" in cuda*) JSON_NAME="gpu_e2e_h200.json" ;; *) JSON_NAME="e2e_${DEVICE//:/_}.json" ;; esac
+case "$DEVICE" in  # the card's tag (h200, h100, ...): a run on another card is never filed as the H200's
+    cuda*) JSON_NAME="gpu_e2e_$(DEVICE="$DEVICE" "$PY" scripts/device_tag.py 2>/dev/null || echo unknown).json" ;;
+    *) JSON_NAME="e2e_${DEVICE//:/_}.json" ;;
+esac
 mkdir -p "$OUT"
 rm -rf "$WORK"
 mkdir -p "$WORK/logs" "$WORK/tasks"

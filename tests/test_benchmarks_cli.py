@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,21 @@ def test_decode_host_restores_the_direct_launch_variable(monkeypatch):
     assert "OAL_TRITON_DIRECT_LAUNCH" not in os.environ
     with direct_launch(False):
         assert "OAL_TRITON_DIRECT_LAUNCH" not in os.environ
+
+
+@pytest.mark.parametrize("name, tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                       ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                                       ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"), ("cpu", "cpu"),
+                                       ("Tesla V100-SXM2-16GB", "tesla_v100_sxm2_16gb")])
+def test_the_gpu_scripts_tag_their_files_with_the_card_they_ran_on(name, tag):
+    """The acceptance names the H200; an H100's numbers must not land in gpu_h200.json (GH200 is not an H200)."""
+    from benchmarks._common import device_tag
+
+    assert device_tag(name) == tag
+
+
+def test_the_tag_script_answers_cpu_without_cuda_and_obeys_gpu_tag():
+    script = ROOT / "scripts" / "device_tag.py"
+    run = partial(subprocess.run, [sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run(env=dict(os.environ, DEVICE="cpu")).stdout.strip() == "cpu"
+    assert run(env=dict(os.environ, GPU_TAG="NVIDIA H100 PCIe")).stdout.strip() == "h100"

@@ -28,17 +28,18 @@ def test_dry_run_runs_every_part(tmp_path):
     for name in ("env", "tests", "direct", "bench", "generate", "host", "profile"):
         assert f"{name}: ok" in summary, summary
     assert "bf16: skipped (needs CUDA)" in summary
+    assert "files tagged: cpu" in summary  # never filed as the H200's
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) <= 8, files
     with tarfile.open(tmp_path / "figures.tar") as tar:
-        assert sorted(Path(n).name for n in tar.getnames()) == ["decode_host_h200.png", "generate_h200.png",
-                                                                "gpu_h200.png"]
-    host = json.loads((tmp_path / "decode_host_h200.json").read_text())
+        assert sorted(Path(n).name for n in tar.getnames()) == ["decode_host_cpu.png", "generate_cpu.png",
+                                                                "gpu_cpu.png"]
+    host = json.loads((tmp_path / "decode_host_cpu.json").read_text())
     assert host["stand_in"] and [r["method"] for r in host["rows"]] == ["oal", "swa"]
     assert host["prefill"]["oal_us"] > 0 and host["prefill"]["sdpa_us"] is None  # SDPA's on CUDA only
-    gpu = json.loads((tmp_path / "gpu_h200.json").read_text())
+    gpu = json.loads((tmp_path / "gpu_cpu.json").read_text())
     assert [r["n"] for r in gpu["rows"]] == [32] and isinstance(gpu["rows"][0]["oal_fwd_ms"], float)
-    gen = json.loads((tmp_path / "generate_h200.json").read_text())
+    gen = json.loads((tmp_path / "generate_cpu.json").read_text())
     assert {r["method"] for r in gen["rows"]} == {"softmax", "oal", "oal-swa"}
     assert "OAL forward, N=64" in (tmp_path / "profile.txt").read_text()
 
@@ -54,4 +55,4 @@ def test_a_part_with_limit_zero_is_skipped(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     for name in ("tests", "direct", "bench", "generate", "host", "profile"):
         assert f"{name}: skipped (limit 0)" in summary, summary
-    assert not (tmp_path / "gpu_h200.json").exists()
+    assert not (tmp_path / "gpu_cpu.json").exists()
