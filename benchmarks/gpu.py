@@ -24,7 +24,7 @@ times, null where not measured), a PNG beside it, and prints a table and the iss
 
     python -m benchmarks.gpu --out benchmarks/reference/gpu_h200.json     # N = 2k..128k
     python -m benchmarks.gpu --lengths 2048,16384 --no-backward            # quicker
-    python -m benchmarks.gpu --profile 16384 --profile-out prof.txt       # kernel table of one OAL forward
+    python -m benchmarks.gpu --profile 16384 --profile-out prof.txt       # kernel tables: one forward, one fwd+bwd
     python -m benchmarks.gpu --device cpu --lengths 64 --repeats 1        # smoke test (Triton's interpreter)
 """
 
@@ -62,8 +62,12 @@ def parse_args(argv=None):
                         help="cpu: a smoke test of this script under Triton's interpreter (no numbers)")
     parser.add_argument("--out", type=output_file, default=RESULTS / "gpu.json", help="the JSON file (PNG beside it)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="instead: profile one OAL forward at length N and write --profile-out")
+                        help="instead: profile one OAL forward and one forward + backward at length N (kernel "
+                             "tables) and write --profile-out")
     parser.add_argument("--profile-out", type=output_file, default=RESULTS / "gpu_profile.txt")
+    parser.add_argument("--ncu-only", action="store_true",
+                        help="with --profile: no tables, only the calls in the NVTX range oal_ncu, for Nsight "
+                             "Compute (ncu --nvtx --nvtx-include oal_ncu/)")
     args = parser.parse_args(argv)
     for name in ("warmup", "parallel_max_n", "sanity_n", "profile"):
         if getattr(args, name) < 0:
@@ -395,27 +399,51 @@ def table(rows: list[dict], title: str, backend: str):
     return t
 
 
-def profile_forward(n: int, device: str, out: Path) -> str:
-    """A kernel table (torch.profiler, top 15 by device time) of one OAL forward at length n, written to `out`."""
+NCU_RANGE = "oal_ncu"  # the NVTX range around the calls for Nsight Compute (`ncu --nvtx --nvtx-include oal_ncu/`)
+
+
+def profile_calls(n: int, device: str, out: Path | None, tables: bool = True) -> str:
+    """Kernel tables (torch.profiler, top 15 by device time) of one OAL forward and one forward + backward at length
+    n, written to `out`; then, on CUDA, one more of each inside the NVTX range NCU_RANGE, after every compile and
+    autotuning, for Nsight Compute to profile those kernels alone (scripts/gpu_perf.sh with NCU=1). Without
+    `tables` only the warm-up and the marked calls: torch.profiler's CUPTI would collide with Nsight Compute's."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v, groups, factor, _ = inputs(n, device, grad=False)
+    q, k, v, groups, factor, do = inputs(n, device, grad=True)
     fn = attention("oal")
-    with torch.no_grad():
+
+    def forward():
+        with torch.no_grad():
+            return fn(q, k, v, groups, factor)
+
+    def both():
+        return torch.autograd.grad(fn(q, k, v, groups, factor), (q, k, v, factor), do)
+
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    text = ""
+    for name, call, times in (("forward", forward, 5), ("forward + backward", both, 3)):
         for _ in range(3):  # compile and autotune outside the trace
-            fn(q, k, v, groups, factor)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+            call()
+        if not tables:
+            continue
         with profile(activities=activities) as prof:
-            for _ in range(5):
-                fn(q, k, v, groups, factor)
+            for _ in range(times):
+                call()
             if device == "cuda":
                 torch.cuda.synchronize()
-    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    text = (f"OAL forward, N={n}, B=1 Hq=14 Hkv=2 d=dv=64 G=5 bf16, 5 calls, {device}\n"
-            + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
-    from oal.rundir.files import atomic_write_text
+        text += (f"OAL {name}, N={n}, B=1 Hq=14 Hkv=2 d=dv=64 G=5 bf16, {times} calls, {device}\n"
+                 + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60) + "\n")
+    if device == "cuda":
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range(NCU_RANGE):
+            forward()
+            both()
+        torch.cuda.synchronize()
+    if out is not None:
+        from oal.rundir.files import atomic_write_text
 
-    atomic_write_text(out, text)
+        atomic_write_text(out, text)
     return text
 
 
@@ -446,7 +474,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
 
     console = Console(width=max(Console().width, 160), stderr=False)
     if args.profile:
-        console.print(profile_forward(args.profile, args.device, args.profile_out))
+        if args.ncu_only:
+            profile_calls(args.profile, args.device, None, tables=False)
+        else:
+            console.print(profile_calls(args.profile, args.device, args.profile_out))
         return
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     title = f"Causal attention, {device_name}, bf16, B=1 Hq=14 Hkv=2 d=dv=64 G=5 (ms)"

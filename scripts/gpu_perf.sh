@@ -26,8 +26,9 @@
 #                        softmax against oal / oal-swa / swa layers in the same steps, each also with the direct
 #                        launches (--direct-launch); and of one 2k prefill call against default SDPA's
 #   bf16      (BF16_S)   tests/test_triton_gpu.py: bf16 dots at N = 16k, d = dv = 128, against fp64 and bf16 SDPA
-#   profile   (PROF_S)   a torch.profiler kernel table of one OAL forward at 16k (and with NCU=1, an Nsight Compute
-#                        summary of its kernels appended, NCU_S)
+#   profile   (PROF_S)   torch.profiler kernel tables of one OAL forward and one forward + backward at 16k (and
+#                        with NCU=1, Nsight Compute's SpeedOfLight, SchedulerStats and Occupancy of the chunked
+#                        kernels of one of each appended, NCU_S: whether each is bound by issue or by memory)
 # A part whose limit is 0 is skipped. About 9 minutes at most with the defaults (the limits add up to 515 s),
 # usually less. What comes back in $OUT (8 files, the device tool's limit): summary.txt, tests.log, bench.log,
 # gpu_TAG.json, generate_TAG.json, decode_host_TAG.json, profile.txt and figures.tar (the PNG of each benchmark),
@@ -134,9 +135,13 @@ fi
 
 part profile bench.log "$PROF_S" "$PY" -m benchmarks.gpu "${PROF[@]}" --profile-out "$OUT/profile.txt"
 if [ "${NCU:-0}" = "1" ] && [ "$DEVICE" != "cpu" ] && command -v ncu >/dev/null; then
-    part ncu bench.log "$NCU_S" bash -c "ncu --launch-count 6 -k 'regex:_fwd_out|_state_scan|_par_fwd' \
-        --section SpeedOfLight --section Occupancy --csv $PY -m benchmarks.gpu --profile 16384 \
-        --profile-out /tmp/oal_ncu_unused.txt >>'$OUT/profile.txt' 2>&1"
+    # the chunked kernels of one forward and one forward + backward at 16k, after their compiles and autotuning
+    # (the NVTX range): compute against memory throughput (SpeedOfLight), issue slots (SchedulerStats), occupancy
+    part ncu bench.log "$NCU_S" bash -c "ncu --nvtx --nvtx-include 'oal_ncu/' -k 'regex:^_(state_scan|fwd_out|bwd_)' \
+        --section SpeedOfLight --section SchedulerStats --section Occupancy \
+        $PY -m benchmarks.gpu --profile 16384 --ncu-only >>'$OUT/profile.txt' 2>&1"
+elif [ "${NCU:-0}" = "1" ]; then
+    note "ncu: skipped (no ncu here, or DEVICE=cpu)"
 fi
 
 # the figures in one file: the device tool returns at most 8

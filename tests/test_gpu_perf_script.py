@@ -41,7 +41,8 @@ def test_dry_run_runs_every_part(tmp_path):
     assert [r["n"] for r in gpu["rows"]] == [32] and isinstance(gpu["rows"][0]["oal_fwd_ms"], float)
     gen = json.loads((tmp_path / "generate_cpu.json").read_text())
     assert {r["method"] for r in gen["rows"]} == {"softmax", "oal", "oal-swa"}
-    assert "OAL forward, N=64" in (tmp_path / "profile.txt").read_text()
+    prof = (tmp_path / "profile.txt").read_text()
+    assert "OAL forward, N=64" in prof and "OAL forward + backward, N=64" in prof
 
 
 def test_a_part_with_limit_zero_is_skipped(tmp_path):
