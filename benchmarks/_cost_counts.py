@@ -202,18 +202,23 @@ def triton_rows(d: int) -> int:
 
 def oal_core(batch: int, n: int, hq: int, hkv: int, d: int, g: int, *, kind: str = "oal",
              backward: bool = False) -> Op:
-    """The OAL Triton operator (analytic; see the module docstring). kind "oal32": fp32 inputs (tf32x3 dots)."""
-    rows, chunk, dv1 = triton_rows(d), 64, d + 1
-    chunks = -(-n // chunk)
-    flops = 2.0 * batch * n * (2 * hkv * rows * dv1 + hq * rows * dv1 + hq * chunk * ((g + 1) * d + dv1))
-    elem = 4 if kind == "oal32" else 2
-    # + the per-chunk states written and read: in the input's width (bf16 for half inputs), the normaliser 4 B a
-    # row (fp32, or its two bf16 parts)
-    io = batch * n * d * (2 * hq + 2 * hkv) * elem + 2 * batch * hkv * chunks * rows * (d * elem + 4)
-    launches = 2  # state scan + output kernels
+    """The OAL Triton operator (analytic; see the module docstring). kind "oal32": fp32 inputs (tf32x3 dots). The
+    forward of half inputs at d <= 64 runs 128-token chunks (oal.ops.triton.tiles.FWD_CHUNK), the backward 64."""
+    rows, dv1, elem = triton_rows(d), d + 1, 4 if kind == "oal32" else 2
+
+    def counts(chunk: int) -> tuple[float, float]:
+        chunks = -(-n // chunk)
+        flops = 2.0 * batch * n * (2 * hkv * rows * dv1 + hq * rows * dv1 + hq * chunk * ((g + 1) * d + dv1))
+        # + the per-chunk states written and read: in the input's width (bf16 for half inputs), the normaliser 4 B
+        # a row (fp32, or its two bf16 parts)
+        io = batch * n * d * (2 * hq + 2 * hkv) * elem + 2 * batch * hkv * chunks * rows * (d * elem + 4)
+        return flops, io
+
     if backward:
+        flops, io = counts(64)
         return Op(2 * flops, 2 * io, kind, 3)
-    return Op(flops, io, kind, launches)
+    flops, io = counts(128 if kind != "oal32" and d <= 64 else 64)
+    return Op(flops, io, kind, 2)  # state scan + output kernels
 
 
 def flash_core(batch: int, n: int, hq: int, hkv: int, d: int, *, backward: bool = False) -> Op:

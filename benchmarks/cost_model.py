@@ -15,8 +15,9 @@ shape, head_dim 128) and per operation of the code paths oal runs, the work is c
 - analytic (FlopCounterMode cannot see Triton kernels or flash attention): the attention core. Softmax: causal
   flash attention, 2 N^2 d Hq FLOPs forward (half of the full 4 N^2 d Hq), 2.5x that backward. OAL (the Triton
   kernels of `oal.ops.triton`): state rows R = 1 + D16 + 256 NB(NB+1)/2 per KV head (d padded to D16 = 16 NB,
-  16 x 16 block pairs), chunks of 64; forward = state scan (2 N Hkv R (dv+1), twice: two passes) + readout
-  (2 N Hq R (dv+1)) + intra-chunk Eq. 7 (2 N Hq C ((G+1) d + dv + 1)); backward 2x forward; HBM traffic q/k/v/o
+  16 x 16 block pairs), chunks C of 64 (128 in the forward of half inputs at d <= 64); forward = state scan
+  (2 N Hkv R (dv+1), twice: two passes) + readout (2 N Hq R (dv+1)) + intra-chunk Eq. 7 (2 N Hq C ((G+1) d + dv +
+  1)); backward 2x forward at C = 64; HBM traffic q/k/v/o
   + the per-chunk states written and read (bf16 for bf16 inputs, their normaliser 4 B a row). The decoder layer is
   measured with a stand-in core that only reads q/k/v and writes o, and the analytic core is added.
 

@@ -8,8 +8,8 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, caus
   oal_chunked    the chunked kernels forced;
   oal_chunked_prev  oal past routes.PARALLEL_MAX with the chunked kernels as they ran before 2026-12-05's changes
                  (function.HALF_STATES fp32: per-chunk states in fp32; function.NORM_DOTS off: the normaliser summed
-                 in registers; function.HALF_PRODUCTS off: the features multiplied in fp32): what those changes
-                 did, in the same run;
+                 in registers; function.HALF_PRODUCTS off: the features multiplied in fp32; function.FWD_CHUNKS
+                 off: the forward at 64-token chunks, not 128): what those changes did, in the same run;
   sdpa           F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), torch's default
                  dispatch; which backend it picked is read off a torch.profiler trace of one call;
   sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it.
@@ -119,14 +119,15 @@ def triton_route(method: str):
 @contextlib.contextmanager
 def chunked_kernels(method: str):
     """The chunked kernels as before 2026-12-05 within (oal_chunked_prev: fp32 states, the normaliser summed in
-    registers, fp32 feature products; restored after); nothing for the other methods."""
+    registers, fp32 feature products, the forward at the backward's 64-token chunks; restored after); nothing for
+    the other methods."""
     from oal.ops.triton import function
 
     if method != "oal_chunked_prev":
         yield
         return
     with (mock.patch.object(function, "HALF_STATES", torch.float32), mock.patch.object(function, "NORM_DOTS", False),
-          mock.patch.object(function, "HALF_PRODUCTS", False)):
+          mock.patch.object(function, "HALF_PRODUCTS", False), mock.patch.object(function, "FWD_CHUNKS", False)):
         yield
 
 

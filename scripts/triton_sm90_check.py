@@ -98,18 +98,24 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     x, a = "*" + dt, "*fp32"
     st = "*" + NAMES[cfg.state_dtype]  # the keys scan's per-chunk states
 
-    def split(kernel, **extra):
+    # the forward's own chunk (`tiles.fwd_chunk`; its output kernel at `tiles.fwd_warps`), the backward's C
+    fc = T.fwd_chunk(half, max(d, dv) > 64, arch, C)
+
+    def split(kernel, chunk=C, **extra):
         consts = F._consts(cfg, kernel, d, dv)
         options = {name: consts.pop(name) for name in ("num_warps", "num_stages") if name in consts}
-        return dict(consts, NB=lay.nb, C=C, BV=bv, NPAIR=lay.npair, **extra), options
+        if kernel == "fwd":
+            options["num_warps"] = T.fwd_warps(chunk)
+        return dict(consts, NB=lay.nb, C=chunk, BV=bv, NPAIR=lay.npair, **extra), options
 
     scan_sig = dict(X=x, Y=x, NW=a, A=a, BS=a, CS=a, PAIRS="*i32", ST=a, STN=a, TOT=a, TOTN=a, CARRY=a, CARRYN=a,
                     PREV=a, PREVN=a, N="i32", HX="i32", n_seg="i32", d="i32", dv="i32", R="i32", store="i32",
                     has_carry="i32", add_prev="i32")
     norm = dict(NORM_DOT=F._norm_dot(cfg))
     stn = "*" + dot if norm["NORM_DOT"] else a  # the keys scan's per-chunk normaliser (split: `_norm_store`)
-    yield ("scan keys", K._state_scan, dict(scan_sig, ST=st, STN=stn),
-           *split("scan", SEG=16, REP=1, QUERY=False, REVERSE=False, **norm))
+    for chunk in dict.fromkeys((fc, C)):  # the forward's, then the backward's when they differ
+        yield (f"scan keys C={chunk}" if fc != C else "scan keys", K._state_scan, dict(scan_sig, ST=st, STN=stn),
+               *split("scan", chunk, SEG=16, REP=1, QUERY=False, REVERSE=False, **norm))
     yield ("scan query", K._state_scan, dict(scan_sig, Y="*" + dot),
            *split("scan", SEG=16, REP=REP, QUERY=True, REVERSE=True, **norm))
     big = dict(REP=REP, BD=lay.bd, GMAX=F._gmax(G1))
@@ -117,9 +123,9 @@ def kernels(d: int, dv: int, dt: str, arch: int):
                    STATUS=a, N="i32", n_q="i32", n_cs="i32", d="i32", dv="i32", R="i32", g1="i32", NBKT="i32")
     # the output's check in the kernel, as on a GPU (deferred checks)
     big_fwd = dict(big, CHECK=True, PROD_DT=F._prod_dt(cfg), **norm)
-    yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", **big_fwd))
+    yield ("fwd", K._fwd_out, fwd_sig, *split("fwd", fc, **big_fwd))
     for rh, stages in T.FWD_CANDIDATES[half, max(d, dv) > 64, arch]:
-        const, options = split("fwd", **big_fwd)
+        const, options = split("fwd", fc, **big_fwd)
         yield (f"fwd tuned RH={rh} st={stages}", K._fwd_out, fwd_sig, dict(const, RH=rh),
                dict(options, num_stages=stages))
     yield ("dq", K._bwd_dq, dict(Q=x, K=x, V=x, GO="*" + dot, DL=a, BS=a, CS=a, WS=a, L0=a, PAIRS="*i32", ST=st,

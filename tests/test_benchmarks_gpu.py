@@ -93,8 +93,8 @@ def test_oal_direct_is_timed_only_where_a_plan_launches(monkeypatch):
 
 def test_oal_chunked_prev_times_the_chunked_kernels_as_before(monkeypatch):
     """oal_chunked_prev is oal with the chunked kernels as before 2026-12-05 (per-chunk states in fp32, the
-    normaliser summed in registers, fp32 feature products), timed only where the chunked route runs; the
-    library's settings are back afterwards."""
+    normaliser summed in registers, fp32 feature products, the forward at 64-token chunks), timed only where the
+    chunked route runs; the library's settings are back afterwards."""
     from oal.ops.triton import function, routes
 
     args = gpu.parse_args(["--device", "cpu"])
@@ -106,10 +106,12 @@ def test_oal_chunked_prev_times_the_chunked_kernels_as_before(monkeypatch):
 
     def record(*args, **kwargs):
         cfg = function.config(q, factor, 64)
-        seen.append((cfg.state_dtype, function._norm_dot(cfg), function.HALF_PRODUCTS, kwargs["backend"]))
+        seen.append((cfg.state_dtype, function._norm_dot(cfg), function.HALF_PRODUCTS, function.FWD_CHUNKS,
+                     kwargs["backend"]))
 
     monkeypatch.setattr("oal.ops.oal_attention", record)
     gpu.attention("oal_chunked_prev")(None, None, None, None, None)
     gpu.attention("oal")(None, None, None, None, None)
-    assert seen == [(torch.float32, False, False, "auto"), (torch.bfloat16, True, True, "auto")]
+    assert seen == [(torch.float32, False, False, False, "auto"), (torch.bfloat16, True, True, True, "auto")]
     assert function.HALF_STATES == torch.bfloat16 and function.NORM_DOTS and function.HALF_PRODUCTS
+    assert function.FWD_CHUNKS

@@ -44,7 +44,12 @@ def test_analytic_cores_scale_as_their_equations():
     assert flash.flops == 2.0 * 1000**2 * 16 * 4  # causal: half of 4 N^2 d Hq
     oal, oal2 = counts.oal_core(1, 1024, 4, 2, 16, 3), counts.oal_core(2, 2048, 4, 2, 16, 3)
     assert oal2.flops == pytest.approx(4 * oal.flops)  # linear in N and in the batch
-    assert counts.oal_core(1, 1024, 4, 2, 16, 3, backward=True).flops == 2 * oal.flops
+    fp32 = counts.oal_core(1, 1024, 4, 2, 16, 3, kind="oal32")
+    assert counts.oal_core(1, 1024, 4, 2, 16, 3, kind="oal32", backward=True).flops == 2 * fp32.flops
+    # half inputs at d <= 64: the forward at 128-token chunks (its intra-chunk Eq. 7 term twice as wide), the
+    # backward at 64 (oal.ops.triton.tiles.FWD_CHUNK)
+    assert oal.flops - fp32.flops == 2.0 * 1024 * 4 * 64 * (4 * 16 + 17)
+    assert counts.oal_core(1, 1024, 4, 2, 16, 3, backward=True).flops == 2 * fp32.flops
     assert counts.triton_rows(64) == 1 + 64 + 256 * 10  # d = 64: 4 feature blocks, 10 block pairs
     assert counts.triton_rows(128) == 1 + 128 + 256 * 36
     assert counts.triton_rows(17) == 1 + 32 + 256 * 3  # d padded to 32

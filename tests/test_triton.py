@@ -282,6 +282,43 @@ def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
     assert float(st32.abs().max()) > 0  # the comparison above compared states, not zeros
 
 
+def test_half_forward_runs_its_own_chunk_and_the_backward_64(monkeypatch):
+    """For half inputs at d, dv <= 64 the forward's key scan and output kernel take 128-token chunks
+    (`tiles.FWD_CHUNK`: each program reads its chunk's state for twice the queries) and the backward keeps 64;
+    an explicit chunk size runs both at it. The output, the final state and the gradients agree with the forward
+    at 64 (up to the bf16 rounding of the per-chunk states, which now start at other tokens) and with fp64."""
+    from oal.ops.triton import tiles as ttiles
+
+    assert [ttiles.fwd_warps(c) for c in (16, 32, 64, 128, 256)] == [4, 4, 4, 8, 4]
+    chunks = []
+    scan = tfn._scan
+
+    def spy(x, y, nw, coefs, cfg, *args, query, **kwargs):
+        chunks.append((cfg.chunk, query))
+        return scan(x, y, nw, coefs, cfg, *args, query=query, **kwargs)
+
+    monkeypatch.setattr(tfn, "_scan", spy)
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 300, 16, 16, 3, seed=11)  # 2 chunks of 128 and 44 tokens
+    q, k, v = (t.bfloat16().float() for t in (q, k, v))
+    got = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16)
+    assert chunks == [(128, False), (64, False), (64, True)]  # forward; backward: keys again, then queries
+    chunks.clear()
+    explicit = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16, chunk=64)
+    assert chunks == [(64, False), (64, False), (64, True)]
+    monkeypatch.setattr(tfn, "FWD_CHUNKS", False)
+    chunks.clear()
+    at64 = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16)
+    assert chunks == [(64, False), (64, False), (64, True)]
+    ref = run("reference", q, k, v, groups, factor, None, dtype=F64)
+    for a, b in ((explicit, at64),):  # the same kernels at the same chunks: the same numbers
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    assert rel_err(got[0], at64[0]) < 1e-2 and rel_err(got[1], at64[1]) < 1e-5  # final state: fp32 sums
+    assert rel_err(got[0], ref[0]) < 2e-2 and rel_err(got[1], ref[1]) < 1e-4
+    for name in ("q", "k", "v", "factor"):
+        assert rel_err(got[2][name], at64[2][name]) < 1e-2, name
+        assert rel_err(got[2][name], ref[2][name]) < 6e-2, name
+
+
 @triton.jit
 def _norm_roundtrip(X, STN, VALS, OPS, REF, K: tl.constexpr):
     rows = tl.arange(0, K)
@@ -400,8 +437,10 @@ def test_tuning_record_names_the_tiles_and_the_autotuners_picks():
     rec = tfn.tuning_record(64, 64, 90)
     assert rec["tiles"]["scan"]["RH"] == ttiles.TILES[True, False, 90]["scan"][0]
     assert rec["tiles"]["dkv"]["num_stages"] == ttiles.TILES[True, False, 90]["dkv"][1]
-    tuner = tfn._tuned_fwd_out(True, False, 90)
-    tuner.cache[(64, 64, 6, 14)] = triton.Config({"RH": 4}, num_warps=4, num_stages=1)
+    assert (rec["fwd_chunk"], rec["chunk"]) == (ttiles.FWD_CHUNK[True, False, 90], tfn.CHUNK) == (128, 64)
+    tuner = tfn._tuned_fwd_out(True, False, 90, 128)  # the forward's tuner at its own chunk: 8 warps
+    assert {c.num_warps for c in tuner.configs} == {8}
+    tuner.cache[(64, 64, 6, 14)] = triton.Config({"RH": 4}, num_warps=8, num_stages=1)
     try:
         assert "RH: 4" in tfn.tuning_record(64, 64, 90)["autotuned"]["fwd"]["(64, 64, 6, 14)"]
     finally:

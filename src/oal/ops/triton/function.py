@@ -15,7 +15,7 @@ gives dk and dv. Coefficient gradients flow back to the factor through torch (`c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 import torch
@@ -25,11 +25,19 @@ import oal.ops.triton.kernels as K
 from oal.ops import checks
 from oal.ops.kernel import coefficients, feature_dim, version
 from oal.ops.triton import decode, guard, parallel, routes
+from oal.ops.triton.layout import (  # noqa: F401  (re-exported: the tests and scripts use them from here)
+    Layout,
+    _maps,
+    blocks_to_state,
+    layout,
+    state_to_blocks,
+)
 from oal.ops.triton.tiles import (  # noqa: F401  (SHARED_LIMIT: for the compile check)
     FWD_CANDIDATES,
-    NUM_WARPS,
     SHARED_LIMIT,
     device_arch,
+    fwd_chunk,
+    fwd_warps,
     next_pow2,
     tiles,
     tl_dtype,
@@ -50,67 +58,6 @@ SEGMENT_CHUNKS: int | None = None  # tiles: tiles.py (imported here so tests can
 
 
 @dataclass(frozen=True)
-class Layout:
-    d: int
-    d16: int  # d rounded up to the feature block width
-    nb: int  # feature blocks
-    npair: int  # block pairs I <= J
-    rows: int  # R: 1 + d16 + 256 * npair
-    bd: int  # power-of-two tile width >= d
-
-
-@cache
-def layout(d: int) -> Layout:
-    nb = -(-d // K.BLK)
-    npair = nb * (nb + 1) // 2
-    return Layout(d, nb * K.BLK, nb, npair, 1 + nb * K.BLK + 256 * npair, max(16, next_pow2(d)))
-
-
-@cache
-def _maps(d: int):
-    """(pairs [NPAIR, 2] int32, block row -> packed feature index or -1 [R], packed index -> block row [F])."""
-    lay = layout(d)
-    # the diagonal pairs first: `kernels._fwd_out` counts the others twice from the first one on
-    pairs = [(i, i) for i in range(lay.nb)] + [(i, j) for i in range(lay.nb) for j in range(i + 1, lay.nb)]
-    to_packed = [-1] * lay.rows
-    to_block = [0] * feature_dim(d)
-    to_packed[0] = 0
-    for r in range(d):
-        to_packed[1 + r] = 1 + r
-        to_block[1 + r] = 1 + r
-
-    def packed(r, t):  # row-major upper triangle, as kernel.packed_pairs
-        return 1 + d + r * d - r * (r - 1) // 2 + (t - r)
-
-    for p, (i, j) in enumerate(pairs):
-        for f in range(256):
-            r, t = i * 16 + f // 16, j * 16 + f % 16
-            if r < d and t < d:
-                row = 1 + lay.d16 + 256 * p + f
-                to_packed[row] = packed(min(r, t), max(r, t))
-                if r <= t:
-                    to_block[packed(r, t)] = row
-    return torch.tensor(pairs, dtype=torch.int32), torch.tensor(to_packed), torch.tensor(to_block)
-
-
-def state_to_blocks(state: torch.Tensor, d: int):
-    """Packed state [B, Hkv, F, dv+1] -> (block layout [B*Hkv, R, dv], normaliser [B*Hkv, R]); differentiable."""
-    _, to_packed, _ = _maps(d)
-    to_packed = to_packed.to(state.device)
-    valid = (to_packed >= 0).to(state.dtype)[:, None]
-    blk = state.flatten(0, 1)[:, to_packed.clamp_min(0)] * valid
-    return blk[..., :-1].contiguous(), blk[..., -1].contiguous()
-
-
-def blocks_to_state(blk: torch.Tensor, blkn: torch.Tensor, batch: int, d: int):
-    """Inverse of `state_to_blocks`: [B*Hkv, R, dv], [B*Hkv, R] -> [B, Hkv, F, dv+1]."""
-    _, _, to_block = _maps(d)
-    to_block = to_block.to(blk.device)
-    full = torch.cat([blk, blkn[..., None]], dim=-1)[:, to_block]
-    return full.view(batch, -1, *full.shape[1:])
-
-
-@dataclass(frozen=True)
 class Config:
     n_groups1: int  # G + 1
     chunk: int
@@ -121,6 +68,7 @@ class Config:
     # dots read them rounded to bf16 anyway (half the bytes of the chunked route's largest tensor), else acc_dtype
     state_dtype: torch.dtype
     half: bool  # fp16 or bf16 inputs
+    fwd_chunk: int | None = None  # the forward kernels' chunk where it differs from `chunk` (tiles.fwd_chunk)
 
 
 def _consts(cfg: Config, kernel: str, d: int, dv: int):
@@ -248,14 +196,15 @@ def _fwd_out(q, d: int, dv: int, cfg: Config):
     half = cfg.dot_dtype in (torch.float16, torch.bfloat16)
     for name in ("RH", "num_warps", "num_stages"):
         del consts[name]
-    return _tuned_fwd_out(half, max(d, dv) > 64, cfg.arch), consts
+    return _tuned_fwd_out(half, max(d, dv) > 64, cfg.arch, cfg.chunk), consts
 
 
 @cache
-def _tuned_fwd_out(half: bool, big: bool, arch: int):
+def _tuned_fwd_out(half: bool, big: bool, arch: int, chunk: int = CHUNK):
+    """The autotuned output kernel, one per chunk size (whose warps differ: `tiles.fwd_warps`)."""
     import triton
 
-    configs = [triton.Config({"RH": rh}, num_warps=NUM_WARPS, num_stages=st)
+    configs = [triton.Config({"RH": rh}, num_warps=fwd_warps(chunk), num_stages=st)
                for rh, st in FWD_CANDIDATES[half, big, arch]]
     return triton.autotune(configs, key=["d", "dv", "g1", "NBKT"], do_bench=parallel.short_bench)(K._fwd_out)
 
@@ -265,9 +214,11 @@ def tuning_record(d: int, dv: int, arch: int) -> dict:
     autotuners (the output kernel's, the parallel kernels') have picked in this process, per key: what a benchmark
     records beside its timings, so that a measurement says which tiles it measured."""
     big = max(d, dv) > 64
-    tuners = {"fwd": _tuned_fwd_out(True, big, arch)}
+    chunk = fwd_chunk(True, big, arch, CHUNK) if FWD_CHUNKS else CHUNK
+    tuners = {"fwd": _tuned_fwd_out(True, big, arch, chunk)}
     tuners |= {name: parallel.tuned(getattr(parallel, name), True, big) for name in ("_par_fwd", "_par_dq", "_par_dkv")}
-    return {"tiles": {kernel: tiles(kernel, d, dv, True, arch) for kernel in ("scan", "fwd", "dq", "dkv")},
+    return {"fwd_chunk": chunk, "chunk": CHUNK,
+            "tiles": {kernel: tiles(kernel, d, dv, True, arch) for kernel in ("scan", "fwd", "dq", "dkv")},
             "autotuned": {name: {str(key): str(config) for key, config in tuner.cache.items()}
                           for name, tuner in tuners.items()}}
 
@@ -278,6 +229,7 @@ def _forward(q, k, v, a, bs, cs, ws, l0, eps_t, init, cfg: Config, lay: Layout, 
     rescaled, as autograd's path needs them)."""
     bsz, n_q, n, d = q.shape
     n_kv, dv = k.shape[1], v.shape[-1]
+    cfg = replace(cfg, chunk=cfg.fwd_chunk) if cfg.fwd_chunk else cfg  # the backward keeps `chunk`
     n_c = -(-n // cfg.chunk)
     st, stn, tot, totn, _ = _scan(k, v, None, (a, bs, cs), cfg, lay, n_kv, query=False, reverse=False,
                                   carry=init, two_pass=True)
@@ -433,6 +385,7 @@ def _dtypes(q):
 HALF_STATES = torch.bfloat16
 NORM_DOTS = True
 HALF_PRODUCTS = True  # `_prod_dt`
+FWD_CHUNKS = True  # the forward's own chunk where the call asks for none (`tiles.fwd_chunk`)
 
 
 def config(q, factor, chunk: int) -> Config:
@@ -458,6 +411,8 @@ def triton_forward(q, k, v, groups, factor, *, eps, scale, initial_state, chunk_
         return _decode(q, k, v, groups, factor, eps, scale, initial_state, inplace, status)
     lay = layout(d)
     cfg = config(q, factor, chunk_size or CHUNK)
+    if chunk_size is None and FWD_CHUNKS:  # the forward's own chunk (the backward keeps CHUNK)
+        cfg = replace(cfg, fwd_chunk=fwd_chunk(cfg.half, max(d, dv) > 64, cfg.arch, CHUNK))
     acc = cfg.acc_dtype
     q, k, v = (t.contiguous() for t in (q, k, v))
     a, bs, cs, ws, l0 = _cached_params(factor, groups, eps, scale, lay, acc)

@@ -88,6 +88,28 @@ FWD_CANDIDATES = {
 }
 
 
+# The chunked forward's tokens per chunk (its key scan and output kernel) where the call asks for none, per table key
+# as above (absent: the backward's 64). At 128 tokens the output kernel runs 8 warps, one warpgroup per 64 rows
+# (`fwd_warps`), so each warp does what it did at 64 (instructions per pair step, sm_90, bf16, d = dv = 64: 469 ->
+# 482 at RH 16, 193 -> 185 at RH 4 with 3 stages; the intra-chunk loop about 45% more a token), and every program
+# reads its chunk's state for twice the queries: half the state bytes from L2 and from memory, half the states to
+# store and hold, and the key scan about a third fewer instructions a token (364 per 64 tokens -> 494 per 128).
+# No spills (sm_90 and sm_80); at d or dv = 128 it spills 160-530 B, so those keep 64. The backward keeps 64 (its
+# kernels at 8 warps were wrong on the H200, above). Not measured on a GPU.
+FWD_CHUNK = {(True, False, 90): 128, (True, False, 80): 128}
+
+
+def fwd_chunk(half: bool, big: bool, arch: int, default: int) -> int:
+    """The forward's chunk for these inputs and target (FWD_CHUNK, else `default`)."""
+    return FWD_CHUNK.get((half, big, arch), default)
+
+
+def fwd_warps(chunk: int) -> int:
+    """The output kernel's warps at `chunk` tokens: one warpgroup per 64 query rows (4 warps at 64, 8 at 128:
+    each warp then holds what it holds at 64; 4 warps at 128 spill 0.7-1.6 KB a thread)."""
+    return NUM_WARPS * max(1, chunk // 64) if chunk <= 128 else NUM_WARPS
+
+
 def tiles(kernel: str, d: int, dv: int, half: bool, arch: int) -> dict:
     """RH and the launch options of `kernel` ('scan', 'fwd', 'dq', 'dkv') for head dims (d, dv), half-precision
     dots or not, on `arch` (90 or 80)."""
