@@ -282,7 +282,8 @@ def test_half_inputs_store_their_chunk_states_in_bf16(monkeypatch):
     assert float(st32.abs().max()) > 0  # the comparison above compared states, not zeros
 
 
-def test_half_forward_runs_its_own_chunk_and_the_backward_64(monkeypatch):
+@pytest.mark.parametrize("state", [False, True], ids=["fresh", "state"])
+def test_half_forward_runs_its_own_chunk_and_the_backward_64(state, monkeypatch):
     """For half inputs at d, dv <= 64 the forward's key scan and output kernel take 128-token chunks
     (`tiles.FWD_CHUNK`: each program reads its chunk's state for twice the queries) and the backward keeps 64;
     an explicit chunk size runs both at it. The output, the final state and the gradients agree with the forward
@@ -300,21 +301,22 @@ def test_half_forward_runs_its_own_chunk_and_the_backward_64(monkeypatch):
     monkeypatch.setattr(tfn, "_scan", spy)
     q, k, v, groups, factor = make_inputs(1, 2, 1, 300, 16, 16, 3, seed=11)  # 2 chunks of 128 and 44 tokens
     q, k, v = (t.bfloat16().float() for t in (q, k, v))
-    got = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16)
+    init = prefix_state(1, 2, 1, 16, 16, groups, factor) if state else None  # a prompt continued (generation)
+    got = run("triton", q, k, v, groups, factor, init, dtype=torch.bfloat16)
     assert chunks == [(128, False), (64, False), (64, True)]  # forward; backward: keys again, then queries
     chunks.clear()
-    explicit = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16, chunk=64)
+    explicit = run("triton", q, k, v, groups, factor, init, dtype=torch.bfloat16, chunk=64)
     assert chunks == [(64, False), (64, False), (64, True)]
     monkeypatch.setattr(tfn, "FWD_CHUNKS", False)
     chunks.clear()
-    at64 = run("triton", q, k, v, groups, factor, None, dtype=torch.bfloat16)
+    at64 = run("triton", q, k, v, groups, factor, init, dtype=torch.bfloat16)
     assert chunks == [(64, False), (64, False), (64, True)]
-    ref = run("reference", q, k, v, groups, factor, None, dtype=F64)
+    ref = run("reference", q, k, v, groups, factor, init, dtype=F64)
     for a, b in ((explicit, at64),):  # the same kernels at the same chunks: the same numbers
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
     assert rel_err(got[0], at64[0]) < 1e-2 and rel_err(got[1], at64[1]) < 1e-5  # final state: fp32 sums
     assert rel_err(got[0], ref[0]) < 2e-2 and rel_err(got[1], ref[1]) < 1e-4
-    for name in ("q", "k", "v", "factor"):
+    for name in ("q", "k", "v", "factor") + (("initial_state",) if state else ()):
         assert rel_err(got[2][name], at64[2][name]) < 1e-2, name
         assert rel_err(got[2][name], ref[2][name]) < 6e-2, name
 
