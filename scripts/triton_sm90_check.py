@@ -102,7 +102,7 @@ def kernels(d: int, dv: int, dt: str, arch: int):
     fc = T.fwd_chunk(half, max(d, dv) > 64, arch, C)
 
     def split(kernel, chunk=C, **extra):
-        consts = F._consts(cfg, kernel, d, dv)
+        consts = F._consts(dataclasses.replace(cfg, chunk=chunk), kernel, d, dv)
         options = {name: consts.pop(name) for name in ("num_warps", "num_stages") if name in consts}
         if kernel == "fwd":
             options["num_warps"] = T.fwd_warps(chunk)

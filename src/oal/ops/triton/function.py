@@ -78,7 +78,7 @@ def _consts(cfg: Config, kernel: str, d: int, dv: int):
     # ~3e-4), fp64 exactly; half inputs use bf16 operands with fp32 accumulation (the default)
     prec = None if half else "tf32x3" if cfg.dot_dtype == torch.float32 else "ieee"
     return dict(DOT_DT=tl_dtype(cfg.dot_dtype), ACC_DT=tl_dtype(cfg.acc_dtype), PREC=prec,
-                **tiles(kernel, d, dv, half, cfg.arch))
+                **tiles(kernel, d, dv, half, cfg.arch, cfg.chunk))
 
 
 def _norm_dot(cfg: Config) -> bool:

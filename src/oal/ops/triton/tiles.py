@@ -56,9 +56,14 @@ NUM_WARPS = 4
 # 128 registers a thread at RH 16 and dv 64 before anything else, so whole pairs spilled 3.7 KB (sm_90) to 19 KB
 # (sm_80) in the scan's loop; pair steps of 4 rows (M = 64 for the scan's dot, Hopper's smallest MMA tile) spill
 # 0-1.3 KB and run 4x as many programs, which a batch of one, with two KV heads, needs anyway. Chosen without a GPU:
-# benchmarks.gpu on the H200 is what decides.
+# benchmarks.gpu on the H200 is what decides. Since 2026-12-05 (eighth session) sm_90 takes 8 rows in the scans and
+# dq at d = dv = 64: by the SASS (scripts/triton_sm90_check.py --sass) a step of 8 rows issues fewer instructions a
+# row than two of 4 (query scan 464 -> 378, key scan 364 -> 272, dq 455 -> 399 per 64 rows; dO/den, q's blocks and
+# the normaliser weight are loaded once for twice the rows), and half the scan programs re-read them; in bf16 no
+# spill in any loop (24 B a thread in the query scan, outside them; fp16's key scan spills 88 B, 4 local loads a
+# step, and still issues 364 a 64 rows against 475). sm_80 keeps 4 (there 8 spills 24-60 B).
 TILES = {
-    (True, False, 90): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 1)),  # spill 0 (query 0), -, 0, 20
+    (True, False, 90): dict(scan=(8, 2), fwd=(16, 3), dq=(8, 1), dkv=(8, 1)),  # spill 0 (query 24), -, 0, 20
     (True, False, 80): dict(scan=(4, 2), fwd=(16, 3), dq=(4, 1), dkv=(8, 2)),  # 0 (20), -, 120, 836
     (True, True, 90): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 1), dkv=(4, 1)),  # 0 (12), -, 248, 784
     (True, True, 80): dict(scan=(4, 2), fwd=(8, 2), dq=(4, 2), dkv=(4, 3)),  # 0 (0), -, 668, 1340; 153 KB
@@ -110,10 +115,13 @@ def fwd_warps(chunk: int) -> int:
     return NUM_WARPS * max(1, chunk // 64) if chunk <= 128 else NUM_WARPS
 
 
-def tiles(kernel: str, d: int, dv: int, half: bool, arch: int) -> dict:
+def tiles(kernel: str, d: int, dv: int, half: bool, arch: int, chunk: int = 64) -> dict:
     """RH and the launch options of `kernel` ('scan', 'fwd', 'dq', 'dkv') for head dims (d, dv), half-precision
-    dots or not, on `arch` (90 or 80)."""
+    dots or not, on `arch` (90 or 80), at `chunk` tokens. A scan past 64 tokens takes fewer rows a step, so that its
+    feature operand [16 RH, chunk] keeps its size (the key scan at 128 tokens and RH 8 spills 240 B a thread)."""
     rh, stages = TILES[half, max(d, dv) > 64, arch][kernel]
+    if kernel == "scan" and chunk > 64:
+        rh = max(4, rh * 64 // chunk)
     return dict(RH=rh, num_warps=NUM_WARPS, num_stages=stages)
 
 
