@@ -440,6 +440,7 @@ def test_tuning_record_names_the_tiles_and_the_autotuners_picks():
     assert rec["tiles"]["scan"]["RH"] == ttiles.TILES[True, False, 90]["scan"][0]
     assert rec["tiles"]["dkv"]["num_stages"] == ttiles.TILES[True, False, 90]["dkv"][1]
     assert (rec["fwd_chunk"], rec["chunk"]) == (ttiles.FWD_CHUNK[True, False, 90], tfn.CHUNK) == (128, 64)
+    assert rec["tiles"]["scan_fwd"]["RH"] == rec["tiles"]["scan"]["RH"] // 2 and rec["tiles"]["fwd"]["num_warps"] == 8
     tuner = tfn._tuned_fwd_out(True, False, 90, 128)  # the forward's tuner at its own chunk: 8 warps
     assert {c.num_warps for c in tuner.configs} == {8}
     tuner.cache[(64, 64, 6, 14)] = triton.Config({"RH": 4}, num_warps=8, num_stages=1)

@@ -217,8 +217,10 @@ def tuning_record(d: int, dv: int, arch: int) -> dict:
     chunk = fwd_chunk(True, big, arch, CHUNK) if FWD_CHUNKS else CHUNK
     tuners = {"fwd": _tuned_fwd_out(True, big, arch, chunk)}
     tuners |= {name: parallel.tuned(getattr(parallel, name), True, big) for name in ("_par_fwd", "_par_dq", "_par_dkv")}
+    fwd = {"scan_fwd": tiles("scan", d, dv, True, arch, chunk),  # the forward's key scan and output kernel
+           "fwd": dict(tiles("fwd", d, dv, True, arch, chunk), num_warps=fwd_warps(chunk))}
     return {"fwd_chunk": chunk, "chunk": CHUNK,
-            "tiles": {kernel: tiles(kernel, d, dv, True, arch) for kernel in ("scan", "fwd", "dq", "dkv")},
+            "tiles": {kernel: tiles(kernel, d, dv, True, arch) for kernel in ("scan", "dq", "dkv")} | fwd,
             "autotuned": {name: {str(key): str(config) for key, config in tuner.cache.items()}
                           for name, tuner in tuners.items()}}
 
