@@ -30,10 +30,11 @@ def _kappa_dk(q, k, dkap, dk, causal, WS, L0, eps, zs, h, g1, GMAX: tl.constexpr
     eps and q come with the overflow multiplier (zs^2, zs) applied."""
     dcol = tl.arange(0, BD)
     kap = tl.zeros([BM, BN], ACC_DT) + eps
+    dkap2 = 2.0 * dkap  # the factor 2 of dz_m, once rather than in every column's loop (exact)
     for m in range(GMAX):
         if m < g1:
             z = _intra_z(q, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC)
             kap += z * z
             qw = (q.to(ACC_DT) * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]).to(DOT_DT)
-            dk = tl.dot(tl.trans((2.0 * z * dkap).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
+            dk = tl.dot(tl.trans((z * dkap2).to(DOT_DT)), qw, dk, input_precision=PREC, out_dtype=ACC_DT)
     return tl.where(causal, kap, 0.0), dk

@@ -296,11 +296,11 @@ def _bwd_dq(
     dl = tl.load(DL + (b * n_q + h).to(tl.int64) * N + tok, mask=tmask, other=0.0)
     # intra-chunk: dkappa = go . v - dl on the causal triangle, dz_m = 2 z_m dkappa
     dkap = tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None]
-    dkap = tl.where(tok[:, None] >= tok[None, :], dkap, 0.0)
+    dkap2 = tl.where(tok[:, None] >= tok[None, :], 2.0 * dkap, 0.0)  # the factor 2 of dz_m, once (exact)
     dq = tl.zeros([C, BD], ACC_DT)
     for m in range(GMAX):
         if m < g1:
-            dz = 2.0 * _intra_z(q, k, WS, L0, 1.0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            dz = _intra_z(q, k, WS, L0, 1.0, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap2
             tl.store(part + off_l0 + m, tl.sum(tl.sum(dz, axis=1), axis=0))
             t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
             dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]

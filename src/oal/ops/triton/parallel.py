@@ -126,11 +126,11 @@ def _dq_block(dq, dws, dl0, q, go, dl, kh, vh, WS, L0, zs, h, g1, s, offs_m, N, 
     k = _tile(kh, offs_n, nmask, dcol, d).to(ACC_DT).to(DOT_DT)
     v = _tile(vh, offs_n, nmask, tl.arange(0, BV), dv).to(ACC_DT).to(DOT_DT)
     dkap = tl.dot(go, tl.trans(v), input_precision=PREC, out_dtype=ACC_DT) - dl[:, None]
-    dkap = tl.where((offs_m[:, None] >= offs_n[None, :]) & nmask[None, :], dkap, 0.0)
+    dkap2 = tl.where((offs_m[:, None] >= offs_n[None, :]) & nmask[None, :], 2.0 * dkap, 0.0)  # dz_m's 2, once
     rows = tl.arange(0, GMAX)
     for m in range(GMAX):
         if m < g1:
-            dz = 2.0 * _intra_z(q, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap
+            dz = _intra_z(q, k, WS, L0, zs, h, m, g1, BD, DOT_DT, ACC_DT, PREC) * dkap2
             t = tl.dot(dz.to(DOT_DT), k, input_precision=PREC, out_dtype=ACC_DT)  # sum_j dz_ij k_j
             dq += t * tl.load(WS + (h * g1 + m) * BD + dcol)[None, :]
             # rows of a register tile cannot be indexed at run time: add row m through a mask
