@@ -20,8 +20,9 @@
 # Run directories live in .gpu_carry/runs on the machine, named by the knobs below, so the same call made again while
 # it is warm resumes them.
 # Back in $OUT (at most 8 files): summary.txt, smollm2_budget_TAG.json and .png (TAG names the card: h200, h100, ...;
-# scripts/device_tag.py; commit them to benchmarks/reference/), logs.tar.gz, records.tar.gz or its parts records.tar.gz.partK (the run and Table 2
-# directories without checkpoints, for `python -m benchmarks.budget collect` to read again here).
+# scripts/device_tag.py; commit them to benchmarks/reference/), logs.tar.gz, records.tar.gz or its parts
+# records.tar.gz.partK (the run and Table 2 directories without checkpoints, for `python -m benchmarks.budget
+# collect` to read again here).
 # A part that timed out resumes when the same last call is made again while the machine is warm. Table 2 of every
 # method on the preset's 24 layers at LEN tokens is a further call, e.g.
 #   run(command="SWA=0 TABLE2=1 TABLE2_S=500 DEADLINE_S=560 bash scripts/gpu_budget.sh", timeout_s=590)
@@ -96,7 +97,7 @@ again from the first call that scripts/gpu_budget_prep.sh printed"
 fi
 note "GGUF joined and checked ($want)"
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
-TAG_GPU=$("$PY" scripts/device_tag.py 2>/dev/null) || TAG_GPU=unknown
+TAG_GPU=$(GPU_TAG="$GPU" "$PY" scripts/device_tag.py 2>/dev/null) || TAG_GPU=unknown  # from the name just read
 DESC="$GPU, torch $("$PY" -c 'import torch; print(torch.__version__)'), $DTYPE"
 note "device: $DESC"
 T0=$SECONDS
