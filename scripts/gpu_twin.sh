@@ -22,14 +22,21 @@
 set -euo pipefail
 ROOT="$PWD"
 TWIN="${TWIN:-$ROOT/.twin}"
-PY312="${PY312:-$(command -v python3.12 || true)}"
+# a pyenv shim answers `command -v` but fails to run where 3.12 is not the selected version: take the first that runs
+find_py312() {
+    local c
+    for c in "${PY312:-}" "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+        [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$c"; return; }
+    done
+}
 PINS=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 accelerate==1.15.0 safetensors==0.8.0 tokenizers==0.23.2
       huggingface_hub==1.33.0 numpy==2.5.2 peft==0.21.2 typer rich matplotlib pytest pytest-xdist hypothesis
       pytest-timeout)
 export PYTHONPATH="$ROOT/src:$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 
 build() {
-    [ -n "$PY312" ] || { echo "Error: python3.12 not found (set PY312)" >&2; exit 2; }
+    PY312="$(find_py312)"
+    [ -n "$PY312" ] || { echo "Error: no python3.12 that runs was found (set PY312)" >&2; exit 2; }
     [ -x "$TWIN/bin/python" ] || "$PY312" -m venv "$TWIN"
     "$TWIN/bin/python" -m pip install -q --upgrade pip
     "$TWIN/bin/python" -m pip install -q "${PINS[@]}"
