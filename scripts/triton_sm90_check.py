@@ -10,7 +10,7 @@ sm_90, mma.sync on sm_80); with --sass also each kernel's hot loops' instruction
 Each kernel is compiled as a launch compiles it, with 16-byte aligned pointers and the head dims, length and chunk
 counts divisible by 16 (`launch_hints`). Exits 1 when a kernel fails to compile or needs more shared memory than
 one block of the target can have: 227 KB on H100/H200 (sm_90), 163 KB on A100 (sm_80; consumer sm_86 cards, 99
-KB, are not covered). The full grid is 621 compilations (about 7 minutes on 2 free CPU cores, hours on a loaded
+KB, are not covered). The full grid is 629 compilations (about 7 minutes on 2 free CPU cores, hours on a loaded
 machine); CI (tests/test_triton_compile.py) compiles a few of them.
 
     PYTHONPATH=src python scripts/triton_sm90_check.py               # d = dv = 64, bf16 and fp32, sm_90 and sm_80
