@@ -62,6 +62,12 @@ SUMMARY="$OUT/summary.txt"
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
+# the figures in one file, after every part: the device tool returns at most 8 files, and a call cut off at its
+# limit returns what is there, so the PNGs must never stand loose beside the 7 other files
+pack_figures() {
+    (cd "$OUT" && ls ./*.png >/dev/null 2>&1 && tar -rf figures.tar ./*.png && rm -f ./*.png) || true
+}
+
 # part NAME LOG SECONDS CMD...: run CMD under a time limit, append to $OUT/LOG, record the outcome, never abort
 part() {
     local name="$1" log="$OUT/$2" limit="$3"
@@ -74,6 +80,7 @@ part() {
     echo "== $name (limit ${limit}s): $*" | tee -a "$log"
     timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$log" 2>&1
     rc=$?
+    pack_figures  # before the outcome's line: once a part is recorded, its figure is packed
     if [ "$rc" -eq 0 ]; then
         note "$name: ok ($((SECONDS - t0)) s)"
     elif [ "$rc" -eq 124 ] || [ "$rc" -eq 130 ] || [ "$rc" -eq 137 ]; then
@@ -145,8 +152,7 @@ elif [ "${NCU:-0}" = "1" ]; then
     note "ncu: skipped (no ncu here, or DEVICE=cpu)"
 fi
 
-# the figures in one file: the device tool returns at most 8
-(cd "$OUT" && ls ./*.png >/dev/null 2>&1 && tar -cf figures.tar ./*.png && rm -f ./*.png)
+pack_figures
 
 echo "== summary"
 cat "$SUMMARY"

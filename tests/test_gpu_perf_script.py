@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,30 @@ def test_dry_run_runs_every_part(tmp_path):
     assert {r["method"] for r in gen["rows"]} == {"softmax", "oal", "oal-swa"}
     prof = (tmp_path / "profile.txt").read_text()
     assert "OAL forward, N=64" in prof and "OAL forward + backward, N=64" in prof
+
+
+def test_a_call_cut_off_at_its_limit_returns_its_figures_packed(tmp_path):
+    """The device tool returns at most 8 files, also from a call it kills at its limit: each part's figure goes into
+    figures.tar as the part ends, not at the script's end. Killed (SIGKILL, the whole group) while `host` runs,
+    the generate part's figure is in the archive and no PNG stands loose."""
+    zero = {f"{name}_S": "0" for name in ("TESTS", "DIRECT", "BENCH", "PROF")}
+    env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", PYTHON=sys.executable, GEN_S="600", HOST_S="600", **zero)
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_perf.sh")], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    summary = tmp_path / "summary.txt"
+    try:
+        deadline = time.monotonic() + 600
+        while "generate:" not in (summary.read_text() if summary.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "the script ended before its generate part"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    text = summary.read_text()
+    assert "generate: ok" in text and "host:" not in text, text  # cut off inside the host part
+    assert not list(tmp_path.glob("*.png"))
+    with tarfile.open(tmp_path / "figures.tar") as tar:
+        assert [Path(n).name for n in tar.getnames()] == ["generate_cpu.png"]
 
 
 def test_a_part_with_limit_zero_is_skipped(tmp_path):
