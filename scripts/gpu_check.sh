@@ -62,6 +62,7 @@ case "$DEVICE" in  # the card's tag (h200, h100, ...): a run on another card is 
     *) JSON_NAME="e2e_${DEVICE//:/_}.json" ;;
 esac
 mkdir -p "$OUT"
+rm -f "$OUT/report_all.md" "$OUT/metrics_all.json" "$OUT/metrics_bf16.json"  # never an earlier run's, as this one's
 rm -rf "$WORK"
 mkdir -p "$WORK/logs" "$WORK/tasks"
 export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
@@ -172,9 +173,15 @@ if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=
     COMMIT="$COMMIT+uncommitted"
 fi
 
-publish() {  # the JSON, and the logs so far (a cut-off run still returns them)
+publish() {  # the JSON, the two runs' reports and the logs so far (a cut-off run still returns them)
     DEVICE="$DEVICE" "$PY" "$WORK/record.py" "$RECORDS" "$OUT/$JSON_NAME" "$COMMIT" 2>>"$WORK/logs/record.log"
+    local pair
+    for pair in "$WORK/all/report.md:report_all.md" "$WORK/all/metrics.json:metrics_all.json" \
+                "$WORK/bf16/metrics.json:metrics_bf16.json"; do
+        [ -f "${pair%%:*}" ] && cp "${pair%%:*}" "$OUT/${pair##*:}"
+    done
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
+    return 0
 }
 
 N=0
@@ -274,9 +281,6 @@ step frontier 120 "$PY" -m benchmarks.frontier --model "$MODEL" --device "$DEVIC
 step recall 180 "$PY" -m benchmarks.recall --quick --device "$DEVICE" --json "$WORK/logs/recall.json"
 
 # ------------------------------------------------------------------------------------------------ what comes back
-for pair in "$ALL/report.md:report_all.md" "$ALL/metrics.json:metrics_all.json" "$BF16/metrics.json:metrics_bf16.json"; do
-    [ -f "${pair%%:*}" ] && cp "${pair%%:*}" "$OUT/${pair##*:}"
-done
 publish
 echo "== summary ($((SECONDS - T0)) s of the ${BUDGET_S} s budget)"
 cat "$SUMMARY"
