@@ -59,6 +59,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+rm -f "$OUT/figures.tar"  # the figures are appended part by part: never to an earlier run's
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 

@@ -52,7 +52,12 @@ def test_dry_run_runs_every_part(tmp_path):
 def test_a_call_cut_off_at_its_limit_returns_its_figures_packed(tmp_path):
     """The device tool returns at most 8 files, also from a call it kills at its limit: each part's figure goes into
     figures.tar as the part ends, not at the script's end. Killed (SIGKILL, the whole group) while `host` runs,
-    the generate part's figure is in the archive and no PNG stands loose."""
+    the generate part's figure is in the archive and no PNG stands loose; an earlier run's archive is not added to."""
+    stale = tmp_path / "old.png"
+    stale.write_bytes(b"an earlier run's figure")
+    with tarfile.open(tmp_path / "figures.tar", "w") as tar:
+        tar.add(stale, arcname="./old.png")
+    stale.unlink()
     zero = {f"{name}_S": "0" for name in ("TESTS", "DIRECT", "BENCH", "PROF")}
     env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", PYTHON=sys.executable, GEN_S="600", HOST_S="600", **zero)
     proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_perf.sh")], cwd=ROOT, env=env,
