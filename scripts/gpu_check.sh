@@ -61,8 +61,11 @@ case "$DEVICE" in  # the card's tag (h200, h100, ...): a run on another card is 
     cuda*) JSON_NAME="gpu_e2e_$(DEVICE="$DEVICE" "$PY" scripts/device_tag.py 2>/dev/null || echo unknown).json" ;;
     *) JSON_NAME="e2e_${DEVICE//:/_}.json" ;;
 esac
+ALL="$WORK/all" BF16="$WORK/bf16" SEEDS="$WORK/seeds" AUTO="$WORK/auto" AN="$WORK/analyze" DIAG="$WORK/diagnose"
+# the two runs' reports that come back, as source:name in $OUT (`publish`)
+REPORTS=("$ALL/report.md:report_all.md" "$ALL/metrics.json:metrics_all.json" "$BF16/metrics.json:metrics_bf16.json")
 mkdir -p "$OUT"
-rm -f "$OUT/report_all.md" "$OUT/metrics_all.json" "$OUT/metrics_bf16.json"  # never an earlier run's, as this one's
+for pair in "${REPORTS[@]}"; do rm -f "$OUT/${pair##*:}"; done  # never an earlier run's, as this one's
 rm -rf "$WORK"
 mkdir -p "$WORK/logs" "$WORK/tasks"
 export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
@@ -176,8 +179,7 @@ fi
 publish() {  # the JSON, the two runs' reports and the logs so far (a cut-off run still returns them)
     DEVICE="$DEVICE" "$PY" "$WORK/record.py" "$RECORDS" "$OUT/$JSON_NAME" "$COMMIT" 2>>"$WORK/logs/record.log"
     local pair
-    for pair in "$WORK/all/report.md:report_all.md" "$WORK/all/metrics.json:metrics_all.json" \
-                "$WORK/bf16/metrics.json:metrics_bf16.json"; do
+    for pair in "${REPORTS[@]}"; do
         [ -f "${pair%%:*}" ] && cp "${pair%%:*}" "$OUT/${pair##*:}"
     done
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
@@ -235,7 +237,6 @@ LMEVAL=1
 T0=$SECONDS  # the budget is the matrix's
 
 # ------------------------------------------------------------------------------------------------ the matrix
-ALL="$WORK/all" BF16="$WORK/bf16" SEEDS="$WORK/seeds" AUTO="$WORK/auto" AN="$WORK/analyze" DIAG="$WORK/diagnose"
 FIX="$ROOT/tests/fixtures/zeroshot"
 TASKS=(--task-file "piqa=$FIX/piqa.jsonl" --task-file "hellaswag=$FIX/hellaswag.jsonl"
        --task-file "arc_easy=$FIX/arc_easy.jsonl")

@@ -153,8 +153,6 @@ elif [ "${NCU:-0}" = "1" ]; then
     note "ncu: skipped (no ncu here, or DEVICE=cpu)"
 fi
 
-pack_figures
-
 echo "== summary"
 cat "$SUMMARY"
 # the benchmarks' tables and goal lines, for a reader of summary.txt alone
