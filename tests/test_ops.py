@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -198,6 +199,22 @@ def test_state_layout_and_size():
     r, t = torch.triu_indices(d, d)
     torch.testing.assert_close(h2, torch.einsum("bhjp,bhjl->bhpl", k[..., r] * k[..., t], u))  # packed H2
     assert empty_state(1, 2, d, dv).shape == state.shape
+
+
+def test_dense_kernel_is_eq7_entry_by_entry():
+    """The oracle against Eq. 7 written out for one (head, query, key) at a time, with GQA and a key count other
+    than the query count: s_g = sum over the dims r of group g of q_r k_r * scale, s_bar = [1, s_1..s_G],
+    kappa = eps + |L^T s_bar|^2."""
+    q, k, _, groups, factor = make_inputs(2, 4, 2, 3, 5, 2, 3)
+    k = torch.cat([k, torch.randn(2, 2, 2, 5, dtype=F64)], dim=2)  # 5 keys for 3 queries
+    got = dense_kernel(q, k, groups, factor, eps=0.01, scale=0.3)
+    lower = torch.tril(factor)
+    for b, h, i, j in itertools.product(range(2), range(4), range(3), range(5)):
+        s_bar = torch.zeros(4, dtype=F64)
+        s_bar[0] = 1.0
+        for r in range(5):
+            s_bar[1 + groups[h, r]] += 0.3 * q[b, h, i, r] * k[b, h // 2, j, r]
+        assert got[b, h, i, j].item() == pytest.approx(0.01 + float((lower[h].T @ s_bar).square().sum()), rel=1e-12)
 
 
 def test_positive_denominator():
