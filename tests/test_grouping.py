@@ -210,3 +210,29 @@ def test_bad_input_raises():
         stable_gap_groups(torch.rand(8))
     with pytest.raises(ValueError, match="n_groups"):
         fixed_budget_groups(torch.rand(8), 9)
+
+
+def test_settings_are_accepted_on_their_boundaries_and_refused_past_them():
+    """App. B's ranges, closed or open as check_settings documents: alpha in (0, 1], gamma in [0, 1], finite tau > 0,
+    integer G_min and B >= 1, G_min at most the candidate cuts + 1, d >= 2, P >= 1; NaN fails every range."""
+    good = torch.rand(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    n_cand = candidate_cuts(8, 0.25).numel()  # alpha 0.25, d 8: 2 candidate cuts
+    for kwargs in [dict(tail_fraction=1.0), dict(min_support=0.0), dict(min_support=1.0), dict(min_ratio=1e-9),
+                   dict(n_bootstrap=1), dict(min_groups=1), dict(min_groups=n_cand + 1)]:
+        stable_gap_groups(good, **{"n_bootstrap": 20, **kwargs})
+    nan = float("nan")
+    for kwargs, name in [
+        (dict(tail_fraction=1.0 + 1e-9), "tail_fraction"), (dict(tail_fraction=nan), "tail_fraction"),
+        (dict(min_support=-1e-9), "min_support"), (dict(min_support=1.0 + 1e-9), "min_support"),
+        (dict(min_support=nan), "min_support"), (dict(min_ratio=0.0), "min_ratio"),
+        (dict(min_ratio=float("inf")), "min_ratio"), (dict(min_ratio=nan), "min_ratio"),
+        (dict(n_bootstrap=True), "n_bootstrap"), (dict(n_bootstrap=2.0), "n_bootstrap"),
+        (dict(min_groups=n_cand + 2), "min_groups"), (dict(min_groups=True), "min_groups"),
+        (dict(eps=0.0), "eps"), (dict(tail_fraction=0.0, min_groups=1), "tail_fraction"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name}:"):  # the message starts with the argument it refuses
+            stable_gap_groups(good, **kwargs)
+    stable_gap_groups(torch.rand(1, 2, dtype=torch.float64), n_bootstrap=5, tail_fraction=1.0)  # P 1, d 2: smallest
+    for bad in (torch.rand(1, 1, dtype=torch.float64), torch.rand(0, 8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="chi_per_prompt"):
+            stable_gap_groups(bad)
