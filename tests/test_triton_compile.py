@@ -5,7 +5,7 @@ Runs scripts/triton_sm90_check.py (Triton's compiler and the ptxas it bundles; n
 free cores, so CI compiles the H200's main kernel, the output kernel at d = dv = 64 in bf16 with every tile its
 autotuner may pick (101 KB at most), and the kernels closest to their target's limit: for sm_90 the fp32 parallel
 dk/dv at d = dv = 64 (192 of 227 KB), for sm_80 dk/dv at d = dv = 128 in bf16 (153 of 163 KB) and in fp32 (160 of
-163 KB), about 20-30 s of CPU each. The grid itself is run by hand (docs/performance/gpu.md). The interpreter
+163 KB), about 20-30 s of CPU each. The grid itself is run by hand (docs/design/gpu-kernels.md). The interpreter
 setting of conftest.py is removed for the subprocess, since the interpreter does not compile.
 """
 

@@ -2,7 +2,7 @@
 
 Every such call validates the same shapes, looks up the same coefficients and works out the same grids and
 scratch buffers. On a GPU at batch 1 that host work, not the kernels, is most of a decoding step
-(docs/performance/gpu.md). So the first call of a signature takes the full path and keeps a plan (what its launches
+(docs/design/gpu-kernels.md). So the first call of a signature takes the full path and keeps a plan (what its launches
 need: `triton.decode.Plan`, `triton.window_decode.Plan`); the next calls with the same signature run the plan.
 
 The signature holds everything the full path's checks and choices read: shapes, dtypes and device of q, k, v and

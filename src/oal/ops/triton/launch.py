@@ -4,7 +4,7 @@
 every call: about 12 µs of Python per launch for a kernel of 19 arguments (tritonbench's launch-latency study,
 2026, on a GB200), against about 3.4 µs for the compiled kernel's launcher. A decoding plan launches the same
 kernel with the same scalars on every token, so that bookkeeping is repeated work, and at batch 1 on a GPU host
-time is the step's time (docs/performance/gpu.md).
+time is the step's time (docs/design/gpu-kernels.md).
 
 `Launch` keeps the `CompiledKernel` that its first launch through Triton with every tensor aligned returns, and
 then calls its launcher itself (`compiled[grid](*args, stream=...)`, CompiledKernel's own entry point, with every

@@ -8,7 +8,7 @@ RH is the number of rows of a 16 x 16 feature-block pair that one H2 dot takes (
 Pipeline stages buffer the (fp32) state tiles in shared memory. Every entry was compiled for its target without a
 GPU at d, dv in {64, 128} and bf16, fp16, fp32 inputs (scripts/triton_sm90_check.py, in CI through
 tests/test_triton_compile.py); smaller head dims have smaller tiles (BD, BV are d, dv rounded up to a power of
-two). Not tuned on a device: see docs/performance/gpu.md.
+two). Not tuned on a device: see docs/design/gpu-kernels.md.
 """
 
 from __future__ import annotations
