@@ -53,6 +53,19 @@ def test_paper_preset_follows_appendix_b():
     assert plan.calib_train.indices == list(range(16, 24)) and plan.calib_val.indices == [24, 25]
     assert len(plan.grouping.indices) == 40 and plan.val.corpus == "wikitext-103-raw-v1"
     assert len(plan.adapt_train.indices) == 512 and plan.test.through_end
+    wt2, wt103 = "wikitext-2-raw-v1", "wikitext-103-raw-v1"
+    expected = {  # role: (corpus, split, block length, blocks, through the end)
+        "grouping": (wt2, "train", 128, list(range(832, 872)), False),  # 40 x 128 tokens right after block 25
+        "calib_train": (wt2, "train", 4096, list(range(16, 24)), False),
+        "calib_val": (wt2, "train", 4096, [24, 25], False),
+        "fidelity": (wt2, "train", 4096, list(range(16)), False),
+        "adapt_train": (wt103, "train", 4096, list(range(512)), False),  # App. F.2: 512 updates of 4096 tokens
+        "val": (wt103, "validation", 4096, list(range(32)), False),
+        "test": (wt103, "test", 4096, [0], True),  # App. F.3: every complete block
+    }
+    got = {role: (bs.corpus, bs.split, bs.block_len, list(bs.indices), bs.through_end)
+           for role, bs in plan.roles().items()}
+    assert got == expected and plan.pretrain is None
 
 
 def test_overlap_across_block_lengths_names_roles():
@@ -130,6 +143,12 @@ def test_bind_pretraining_uses_the_models_record(tmp_path):
     other = Corpus("mine", {"train": "a", "validation": "b", "test": "c"})
     assert bind_pretraining(_plan(), prov, other).pretrain is None  # another corpus: nothing to bind
     assert bind_pretraining(_plan(), {"source": "local", "path": str(tmp_path)}, builtin).pretrain is None
+    # a plan that names its own pretraining range must name the model's
+    own = SplitPlan(**_plan(adapt_train=BlockSet("train", 256, [7])).roles(), pretrain=bound.pretrain)
+    assert bind_pretraining(own, prov, builtin).pretrain == bound.pretrain
+    other_range = SplitPlan(**own.roles(), pretrain=BlockSet("train", 64, [41], through_end=True))
+    with pytest.raises(ValueError, match="differs from the one the embedded model was trained on"):
+        bind_pretraining(other_range, prov, builtin)
 
 
 def test_encode_prefix_matches_full_encoding():
@@ -143,8 +162,31 @@ def test_encode_prefix_matches_full_encoding():
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
     full = encode(tok, text)
-    for n in (10, 500, 2000):
+    for n in (10, 500, 2000, *range(2100, len(full), 53)):  # dense: some n fall just short of a prefix's length
         got = encode_prefix(tok, text, n)
         assert len(got) >= n and got == full[: len(got)]
     assert encode_prefix(tok, text, math.inf) == full
     assert encode_prefix(tok, text, 10 * len(full)) == full  # more than there is: the whole text
+
+
+@pytest.mark.parametrize("letters, lengths", [(7, range(600, 2400, 13)), (6, range(500, 700, 3))])
+def test_encode_prefix_grows_its_prefix_when_tokens_are_long(letters, lengths):
+    """Long tokens (words of 7 or 6 letters: about 8.6 or 7.2 characters a token), so the first prefix encode_prefix
+    tries (8 characters per token asked, 4096 at least) falls short of n + PREFIX_MARGIN tokens, or within the
+    margin of n, and it must grow it. Dense in n: some land within PREFIX_MARGIN of a prefix's length."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(letters)) for _ in range(50)]
+    text = "\n\n".join(" ".join(rng.choice(words) for _ in range(6)) for _ in range(800))
+    wl = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wl.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl)
+    full = encode(tok, text)
+    for n in lengths:
+        got = encode_prefix(tok, text, n)
+        assert len(got) >= n and got == full[: len(got)] and len(got) < len(full)
