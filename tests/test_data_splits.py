@@ -68,6 +68,14 @@ def test_paper_preset_follows_appendix_b():
     assert got == expected and plan.pretrain is None
 
 
+def test_token_ranges_merge_adjacent_blocks_only():
+    assert BlockSet("train", 10, [5, 0, 1, 2]).token_ranges() == [(0, 30), (50, 60)]
+    assert BlockSet("train", 10, [0, 2, 3], through_end=True).token_ranges() == [(0, 10), (20, math.inf)]
+    # a merged range keeps its first block: a role reading only that block overlaps it
+    with pytest.raises(ValueError, match="'grouping' and 'calib_train'"):
+        _plan(calib_train=BlockSet("train", 128, [0, 1]), grouping=BlockSet("train", 128, [0]))
+
+
 def test_overlap_across_block_lengths_names_roles():
     # grouping 128-token blocks 0-3 cover tokens [0, 512): calib block 1 ([256, 512)) overlaps it.
     with pytest.raises(ValueError, match="'grouping' and 'calib_train'"):
