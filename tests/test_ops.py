@@ -265,6 +265,22 @@ def test_taylor_factor_is_taylor():
     torch.testing.assert_close(out, (w @ v) / w.sum(-1, keepdim=True), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("a, b, c", [(1.0, 1.0, 1.0), (2.0, -1.5, 0.5), (0.05, 0.0, 0.3), (1.55, 2.0, 2.0 / 3)])
+def test_learned_global_factor_gives_its_quadratic(a, b, c):
+    """Eq. 7 with one group and L = learned_global_from_coefficients(a, b, c): kappa = a + b s + c s^2 (the
+    learned global quadratic's coefficients), including the edges a = eps and b^2 = 4 (a - eps) c."""
+    from oal.ops.kernel import learned_global_from_coefficients
+
+    eps = 0.05  # large enough that a - eps and a + eps differ beyond fp32's rounding
+    q, k, v, _, _ = make_inputs(1, 2, 2, 13, 16, 8, 1)
+    factor = learned_global_from_coefficients(a, b, c, eps).to(F64).expand(2, 2, 2)
+    out = oal_attention(q, k, v, torch.zeros(2, 16, dtype=torch.long), factor, eps=eps)
+    s = q @ k.transpose(-1, -2) / 4.0
+    w = (a + b * s + c * s * s).tril()
+    # L is built in fp32 (torch's default dtype): agreement to fp32's rounding, not fp64's
+    torch.testing.assert_close(out, (w @ v) / w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
 def test_perturbed_factor_is_lower_and_seeded():
     base = taylor_factor(2, 3)
     one = perturbed_factor(base, 0.1, generator=torch.Generator().manual_seed(1))
