@@ -219,7 +219,8 @@ def test_settings_are_accepted_on_their_boundaries_and_refused_past_them():
     n_cand = candidate_cuts(8, 0.25).numel()  # alpha 0.25, d 8: 2 candidate cuts
     for kwargs in [dict(tail_fraction=1.0), dict(min_support=0.0), dict(min_support=1.0), dict(min_ratio=1e-9),
                    dict(n_bootstrap=1), dict(min_groups=1), dict(min_groups=n_cand + 1)]:
-        stable_gap_groups(good, **{"n_bootstrap": 20, **kwargs})
+        res = stable_gap_groups(good, **{"n_bootstrap": 20, **kwargs})
+        assert res.groups.shape == (8,) and res.groups.max() + 1 >= kwargs.get("min_groups", 2)
     nan = float("nan")
     for kwargs, name in [
         (dict(tail_fraction=1.0 + 1e-9), "tail_fraction"), (dict(tail_fraction=nan), "tail_fraction"),
@@ -232,7 +233,8 @@ def test_settings_are_accepted_on_their_boundaries_and_refused_past_them():
     ]:
         with pytest.raises(ValueError, match=f"^{name}:"):  # the message starts with the argument it refuses
             stable_gap_groups(good, **kwargs)
-    stable_gap_groups(torch.rand(1, 2, dtype=torch.float64), n_bootstrap=5, tail_fraction=1.0)  # P 1, d 2: smallest
-    for bad in (torch.rand(1, 1, dtype=torch.float64), torch.rand(0, 8, dtype=torch.float64)):
+    smallest = stable_gap_groups(good[:1, :2], n_bootstrap=5, tail_fraction=1.0)  # P 1, d 2
+    assert sorted(smallest.groups.tolist()) == [0, 1]  # G_min 2 from d 2: one dimension a group
+    for bad in (good[:1, :1], good[:0]):
         with pytest.raises(ValueError, match="chi_per_prompt"):
             stable_gap_groups(bad)
