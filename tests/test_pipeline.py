@@ -283,10 +283,15 @@ def test_cli_conventions():
     assert out.stdout.strip() == f"oal {__version__}"
 
 
-def test_shell_completion():
+def test_shell_completion(monkeypatch):
     """typer's completion: `oal --show-completion bash` prints the script; the script's query completes a command."""
+    import typer.completion
+
     from oal.cli import load_commands
 
+    # with shellingham installed, typer reads the shell off the process tree, not the argument: a runner with no
+    # shell among its ancestors (a double-forked job) got "Shell  not supported."; the user's terminal has one
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
     res = CliRunner().invoke(load_commands(), ["--show-completion", "bash"], prog_name="oal")
     assert res.exit_code == 0 and "_oal_completion" in res.output
     env = {"_OAL_COMPLETE": "complete_bash", "COMP_WORDS": "oal ev", "COMP_CWORD": "1"}
