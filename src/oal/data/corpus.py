@@ -213,7 +213,9 @@ def builtin_layout() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _builtin_layout_cached() -> dict:
-    return builtin_layout()  # deterministic per interpreter, so computing it once per process is enough
+    from oal.data.builtin_cache import cached_builtin_layout  # imports this module
+
+    return cached_builtin_layout()  # deterministic per interpreter: once per process, read from the user's cache
 
 
 def builtin_corpus() -> Corpus:

@@ -1,0 +1,106 @@
+"""The builtin corpus's layout, kept in the user's cache so that each process does not parse the standard library
+again (about 4 s on a 2-core machine, for every `oal run` and `oal.linearize` on the builtin corpus).
+
+An entry is named by a key over everything the layout is computed from: the Python version, the source of
+`oal.data.corpus` (the algorithm) and the SHA256 of every file it reads (the stdlib files and pydoc's topics). Its
+record holds the key and the layout file's SHA256; a reader recomputes the key from the files as they are now and
+checks the layout file against the record, and builds the layout again (one warning) where either differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import oal.data.corpus as corpus
+from oal.rundir.hashes import sha256_file
+from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
+
+__all__ = ["cached_builtin_layout", "layout_key"]
+
+log = logging.getLogger("oal")
+
+FOLDER = "corpus"
+
+
+def _topics_file() -> Path:
+    import pydoc_data.topics as topics
+
+    return Path(topics.__file__)
+
+
+def layout_key() -> str:
+    """SHA256 (first 16 hex) over the Python version, `oal.data.corpus`'s source and the builtin corpus's inputs."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    h = hashlib.sha256(sys.version.encode())
+    h.update(Path(corpus.__file__).read_bytes())
+    for path in (*corpus.stdlib_files(), _topics_file()):
+        h.update(f"\n{path.relative_to(root).as_posix()}:{sha256_file(path)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _problem(path: Path, key: str) -> str | None:
+    """None when `path` is the layout the record beside it describes, built from inputs of key `key`; else why not."""
+    if not path.is_file():
+        return "missing"
+    record = read_record(_record(path))
+    if record is None:
+        return f"no record of how it was built ({_record(path).name} missing or damaged)"
+    if record.get("key") != key:
+        return "its record names other inputs"
+    try:
+        sha = sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded when it was written"
+
+
+def _record(path: Path) -> Path:
+    return path.with_name(path.name.replace(".layout.json", ".json"))
+
+
+def _read(path: Path) -> dict | None:
+    """The layout at `path` when it has the layout's shape, else None (a file whose SHA256 matches its record but
+    that was put there by hand)."""
+    try:
+        layout = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = (isinstance(layout, dict) and isinstance(layout.get("splits"), dict)
+          and all(isinstance(layout["splits"].get(s), str) for s in corpus.SPLITS)
+          and isinstance(layout.get("pretrain_start"), int) and isinstance(layout.get("units"), dict))
+    return layout if ok else None
+
+
+def cached_builtin_layout(folder: Path | None = None) -> dict:
+    """`oal.data.corpus.builtin_layout()`, read from the user's cache when an entry for these inputs verifies, else
+    computed and written there (atomically; a cache that cannot be written only costs the next process the time)."""
+    folder = cache_root(FOLDER) if folder is None else folder
+    key = layout_key()
+    path = folder / f"builtin-{key}.layout.json"
+    problem = _problem(path, key)
+    if problem is None:
+        layout = _read(path)
+        if layout is not None:
+            return layout
+        problem = "not a layout of the builtin corpus"
+    if problem != "missing":
+        log.warning("%s: %s; building the builtin corpus again", path, problem)
+    layout = corpus.builtin_layout()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        clean_stale(folder)
+        with work_dir(folder, path.name) as tmp:
+            out = tmp / path.name
+            out.write_text(json.dumps(layout), encoding="utf-8")
+            write_record(_record(path), {"key": key, "sha256": sha256_file(out), "python": sys.version.split()[0]})
+            os.replace(out, path)
+    except OSError as exc:
+        log.warning("could not cache the builtin corpus in %s (%s); it is built again in the next process", folder,
+                    exc.strerror or exc)
+    return layout
