@@ -1,11 +1,13 @@
 """The builtin corpus's layout in the user's cache (oal.data.builtin_cache): written once, read back only when its
-record names the current inputs and the file's SHA256, built again with one warning otherwise. The layout itself is
-stood in for by a small dict here (tests/test_data_corpus.py compares the cached corpus with one built from scratch)."""
+record names the current inputs and the file's SHA256, built again with one warning otherwise. Inputs here are a few
+small files and a stand-in layout (tests/test_data_corpus.py compares the cached builtin corpus with one built from
+scratch)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 
@@ -17,31 +19,44 @@ LAYOUT = {"splits": {"train": "head\n\npretraining", "validation": "v", "test": 
 
 
 @pytest.fixture
-def built(monkeypatch):
-    """Counts the layout's builds; the key is fixed (computing it reads the whole standard library)."""
-    calls = []
+def inputs(tmp_path):
+    """(root, files, code): three stdlib-like files and the code that reads them."""
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    files = [root / "a.py", root / "pkg" / "b.py", root / "topics.py"]
+    for i, f in enumerate(files):
+        f.write_text(f"'''doc {i}'''\nx = {i}\n")
+    code = tmp_path / "corpus.py"
+    code.write_text("def builtin_layout(): ...\n")
+    return root, files, code
+
+
+@pytest.fixture
+def cached(inputs, tmp_path):
+    """cached() -> the layout through the cache in tmp_path/cache; cached.builds counts the builds."""
+    root, files, code = inputs
 
     def build():
-        calls.append(1)
+        call.builds += 1
         return json.loads(json.dumps(LAYOUT))
 
-    monkeypatch.setattr(corpus, "builtin_layout", build)
-    monkeypatch.setattr(bc, "layout_key", lambda: "0123456789abcdef")
-    return calls
+    def call(folder=tmp_path / "cache"):
+        return bc.cached_layout(build, code, files, root, corpus.SPLITS, folder)
+
+    call.builds = 0
+    call.key = bc.layout_key(code, files, root)
+    call.entry = tmp_path / "cache" / f"builtin-{call.key}.layout.json"
+    call.record = tmp_path / "cache" / f"builtin-{call.key}.json"
+    return call
 
 
-def _entry(folder):
-    return folder / "builtin-0123456789abcdef.layout.json", folder / "builtin-0123456789abcdef.json"
-
-
-def test_written_once_then_read_back(tmp_path, built, caplog):
-    assert bc.cached_builtin_layout(tmp_path) == LAYOUT and len(built) == 1
-    layout, record = _entry(tmp_path)
-    assert json.loads(record.read_text())["key"] == "0123456789abcdef"
+def test_written_once_then_read_back(cached, caplog):
+    assert cached() == LAYOUT and cached.builds == 1
+    assert json.loads(cached.record.read_text())["key"] == cached.key
     with caplog.at_level(logging.WARNING, logger="oal"):
-        assert bc.cached_builtin_layout(tmp_path) == LAYOUT
-    assert len(built) == 1 and not caplog.records
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([layout.name, record.name])  # no temporaries left
+        assert cached() == LAYOUT
+    assert cached.builds == 1 and not caplog.records
+    assert sorted(cached.entry.parent.iterdir()) == sorted([cached.entry, cached.record])  # no temporaries
 
 
 def _edit_layout(layout, record):
@@ -57,7 +72,7 @@ def _no_record(layout, record):
 
 
 def _hand_written(layout, record):  # a file that matches its record but is not a layout
-    layout.write_text('{"splits": 1}')
+    layout.write_text('{"splits": {"train": "t"}}')
     record.write_text(json.dumps(dict(json.loads(record.read_text()), sha256=bc.sha256_file(layout))))
 
 
@@ -65,44 +80,59 @@ def _hand_written(layout, record):  # a file that matches its record but is not 
                                          (_other_key, "its record names other inputs"),
                                          (_no_record, "no record of how it was built"),
                                          (_hand_written, "not a layout of the builtin corpus")])
-def test_an_entry_that_does_not_verify_is_built_again(tmp_path, built, caplog, tamper, why):
-    bc.cached_builtin_layout(tmp_path)
-    tamper(*_entry(tmp_path))
+def test_an_entry_that_does_not_verify_is_built_again(cached, caplog, tamper, why):
+    cached()
+    tamper(cached.entry, cached.record)
     with caplog.at_level(logging.WARNING, logger="oal"):
-        assert bc.cached_builtin_layout(tmp_path) == LAYOUT
-    assert len(built) == 2
+        assert cached() == LAYOUT
+    assert cached.builds == 2
     (message,) = [r.getMessage() for r in caplog.records]  # one warning, naming the file and why
-    assert message.startswith(f"{_entry(tmp_path)[0]}: {why}") and message.endswith("building the builtin corpus again")
-    assert bc.cached_builtin_layout(tmp_path) == LAYOUT and len(built) == 2  # written again, read back
+    assert message.startswith(f"{cached.entry}: {why}") and message.endswith("building the builtin corpus again")
+    assert cached() == LAYOUT and cached.builds == 2  # written again, then read back
 
 
-def test_a_cache_that_cannot_be_written_costs_only_time(tmp_path, built, caplog):
+def test_changed_inputs_make_a_new_entry_that_replaces_the_old(cached, inputs, tmp_path):
+    root, files, code = inputs
+    cached()
+    other = tmp_path / "cache" / "builtin-0000000000000000"  # another Python version's entry stays
+    other.with_suffix(".layout.json").write_text("{}")
+    other.with_suffix(".json").write_text(json.dumps({"python": "3.99.0", "key": "0" * 16, "sha256": "x"}))
+    files[1].write_text("x = 'changed'\n")
+    assert cached() == LAYOUT and cached.builds == 2
+    new = bc.layout_key(code, files, root)
+    assert new != cached.key
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [f"builtin-{new}.json", f"builtin-{new}.layout.json", other.name + ".json", other.name + ".layout.json"])
+
+
+def test_a_cache_that_cannot_be_written_costs_only_time(cached, tmp_path, caplog):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     with caplog.at_level(logging.WARNING, logger="oal"):
-        assert bc.cached_builtin_layout(blocked / "corpus") == LAYOUT
+        assert cached(blocked / "corpus") == LAYOUT
     assert "could not cache the builtin corpus" in caplog.text
 
 
-def test_the_key_follows_every_input(monkeypatch, tmp_path):
-    """The Python version, the corpus code and each file read (its bytes and its name) change the key."""
-    files = corpus.stdlib_files()[:3]
-    monkeypatch.setattr(corpus, "stdlib_files", lambda: files)
-    key = bc.layout_key()
-    assert key == bc.layout_key() and len(key) == 16
-    monkeypatch.setattr(corpus, "stdlib_files", lambda: files[:2])
-    assert bc.layout_key() != key
-    monkeypatch.setattr(corpus, "stdlib_files", lambda: [files[1], files[0], files[2]])
-    assert bc.layout_key() != key  # the order of the files is part of the layout
-    monkeypatch.setattr(corpus, "stdlib_files", lambda: files)
-    monkeypatch.setattr(bc.sys, "version", bc.sys.version + "+other")
-    assert bc.layout_key() != key
-    monkeypatch.setattr(bc.sys, "version", bc.sys.version[: -len("+other")])
-    code = tmp_path / "corpus.py"
-    code.write_text(bc.Path(corpus.__file__).read_text() + "\n# another algorithm\n")
-    monkeypatch.setattr(corpus, "__file__", str(code))
-    assert bc.layout_key() != key
-    monkeypatch.undo()
-    monkeypatch.setattr(corpus, "stdlib_files", lambda: files)
-    monkeypatch.setattr(bc, "sha256_file", lambda p: "0" * 64)
-    assert bc.layout_key() != key  # the files' contents
+def test_the_key_follows_every_input(inputs, monkeypatch):
+    """The Python version, the code, each file's bytes, name and place in the order change the key."""
+    root, files, code = inputs
+    key = bc.layout_key(code, files, root)
+    assert key == bc.layout_key(code, list(files), root) and len(key) == 16
+    changed = [bc.layout_key(code, files[:2], root), bc.layout_key(code, [files[1], files[0], files[2]], root)]
+    files[2].rename(root / "renamed.py")
+    changed.append(bc.layout_key(code, [*files[:2], root / "renamed.py"], root))
+    (root / "renamed.py").rename(files[2])
+    files[0].write_text("x = 1\n")
+    changed.append(bc.layout_key(code, files, root))
+    code.write_text("def builtin_layout(): return 1\n")
+    changed.append(bc.layout_key(code, files, root))
+    monkeypatch.setattr(sys, "version", sys.version + "+other")
+    changed.append(bc.layout_key(code, files, root))
+    assert len({key, *changed}) == 7
+
+
+def test_the_builtin_corpus_names_every_file_it_reads():
+    root, files = corpus.builtin_inputs()
+    assert files[:-1] == corpus.stdlib_files()
+    assert files[-1].name == "topics.py" and files[-1].parent.name == "pydoc_data"
+    assert all(f.is_relative_to(root) for f in files)

@@ -1,10 +1,11 @@
 """The builtin corpus's layout, kept in the user's cache so that each process does not parse the standard library
-again (about 4 s on a 2-core machine, for every `oal run` and `oal.linearize` on the builtin corpus).
+again (4-6 s on a 2-core machine, for every `oal run` and `oal.linearize` on the builtin corpus).
 
-An entry is named by a key over everything the layout is computed from: the Python version, the source of
-`oal.data.corpus` (the algorithm) and the SHA256 of every file it reads (the stdlib files and pydoc's topics). Its
-record holds the key and the layout file's SHA256; a reader recomputes the key from the files as they are now and
+An entry is named by a key over everything the layout is computed from: the Python version, the source of the code
+that computes it (`oal.data.corpus`) and the SHA256 of every file it reads (the stdlib files and pydoc's topics).
+Its record holds the key and the layout file's SHA256; a reader recomputes the key from the files as they are now,
 checks the layout file against the record, and builds the layout again (one warning) where either differs.
+`oal.data.corpus` calls this module with its inputs and its builder (this module imports nothing of it).
 """
 
 from __future__ import annotations
@@ -14,32 +15,25 @@ import json
 import logging
 import os
 import sys
-import sysconfig
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import oal.data.corpus as corpus
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
 
-__all__ = ["cached_builtin_layout", "layout_key"]
+__all__ = ["cached_layout", "layout_key"]
 
 log = logging.getLogger("oal")
 
 FOLDER = "corpus"
 
 
-def _topics_file() -> Path:
-    import pydoc_data.topics as topics
-
-    return Path(topics.__file__)
-
-
-def layout_key() -> str:
-    """SHA256 (first 16 hex) over the Python version, `oal.data.corpus`'s source and the builtin corpus's inputs."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def layout_key(code: Path, files: Sequence[Path], root: Path) -> str:
+    """SHA256 (first 16 hex) over the Python version, the source file `code` and each of `files` in order (its name
+    below `root` and its SHA256)."""
     h = hashlib.sha256(sys.version.encode())
-    h.update(Path(corpus.__file__).read_bytes())
-    for path in (*corpus.stdlib_files(), _topics_file()):
+    h.update(code.read_bytes())
+    for path in files:
         h.update(f"\n{path.relative_to(root).as_posix()}:{sha256_file(path)}".encode())
     return h.hexdigest()[:16]
 
@@ -64,7 +58,7 @@ def _record(path: Path) -> Path:
     return path.with_name(path.name.replace(".layout.json", ".json"))
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path, splits: Sequence[str]) -> dict | None:
     """The layout at `path` when it has the layout's shape, else None (a file whose SHA256 matches its record but
     that was put there by hand)."""
     try:
@@ -72,34 +66,50 @@ def _read(path: Path) -> dict | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     ok = (isinstance(layout, dict) and isinstance(layout.get("splits"), dict)
-          and all(isinstance(layout["splits"].get(s), str) for s in corpus.SPLITS)
+          and all(isinstance(layout["splits"].get(s), str) for s in splits)
           and isinstance(layout.get("pretrain_start"), int) and isinstance(layout.get("units"), dict))
     return layout if ok else None
 
 
-def cached_builtin_layout(folder: Path | None = None) -> dict:
-    """`oal.data.corpus.builtin_layout()`, read from the user's cache when an entry for these inputs verifies, else
-    computed and written there (atomically; a cache that cannot be written only costs the next process the time)."""
+def _drop_superseded(folder: Path, kept: Path) -> None:
+    """Remove the entries of this Python version other than `kept` (made from other code or other stdlib files), so
+    the folder holds one entry per Python version."""
+    for record in folder.glob("builtin-*.json"):
+        layout = record.with_name(record.name.replace(".json", ".layout.json"))
+        if layout == kept or record.name.endswith(".layout.json"):
+            continue
+        found = read_record(record)
+        if found is None or found.get("python") == sys.version:
+            for p in (record, layout):
+                p.unlink(missing_ok=True)
+
+
+def cached_layout(build: Callable[[], dict], code: Path, files: Sequence[Path], root: Path, splits: Sequence[str],
+                  folder: Path | None = None) -> dict:
+    """`build()`, the builtin corpus's layout ({"splits": {name: text for name in splits}, "pretrain_start",
+    "units"}) computed by `code` from `files`, read from the user's cache when an entry for these inputs verifies,
+    else built and written there (atomically; a cache that cannot be written only costs the next process the time)."""
     folder = cache_root(FOLDER) if folder is None else folder
-    key = layout_key()
+    key = layout_key(code, files, root)
     path = folder / f"builtin-{key}.layout.json"
     problem = _problem(path, key)
     if problem is None:
-        layout = _read(path)
+        layout = _read(path, splits)
         if layout is not None:
             return layout
         problem = "not a layout of the builtin corpus"
     if problem != "missing":
         log.warning("%s: %s; building the builtin corpus again", path, problem)
-    layout = corpus.builtin_layout()
+    layout = build()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         clean_stale(folder)
         with work_dir(folder, path.name) as tmp:
             out = tmp / path.name
             out.write_text(json.dumps(layout), encoding="utf-8")
-            write_record(_record(path), {"key": key, "sha256": sha256_file(out), "python": sys.version.split()[0]})
+            write_record(_record(path), {"key": key, "sha256": sha256_file(out), "python": sys.version})
             os.replace(out, path)
+        _drop_superseded(folder, path)
     except OSError as exc:
         log.warning("could not cache the builtin corpus in %s (%s); it is built again in the next process", folder,
                     exc.strerror or exc)

@@ -19,6 +19,8 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oal.data.builtin_cache import cached_layout
+
 SPLITS = ("train", "validation", "test")
 # Fractions of the text (in characters) that go to train / validation / test, in that order.
 DEFAULT_FRACTIONS = (0.90, 0.05, 0.05)
@@ -211,11 +213,17 @@ def builtin_layout() -> dict:
             "units": {k: [u for u, _ in v] for k, v in parts.items()}}
 
 
+def builtin_inputs() -> tuple[Path, list[Path]]:
+    """(the stdlib folder, every file `builtin_layout` reads): the stdlib files, then pydoc's topics."""
+    import pydoc_data.topics as topics
+
+    return Path(sysconfig.get_paths()["stdlib"]), [*stdlib_files(), Path(topics.__file__)]
+
+
 @functools.lru_cache(maxsize=1)
 def _builtin_layout_cached() -> dict:
-    from oal.data.builtin_cache import cached_builtin_layout  # imports this module
-
-    return cached_builtin_layout()  # deterministic per interpreter: once per process, read from the user's cache
+    root, files = builtin_inputs()  # deterministic per interpreter: once per process, read from the user's cache
+    return cached_layout(builtin_layout, Path(__file__), files, root, SPLITS)
 
 
 def builtin_corpus() -> Corpus:
