@@ -32,3 +32,11 @@ if (os.environ.get("OAL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() el
         from triton_interpreter import install  # tests/ is on sys.path, as for the other helper modules
 
         install()
+
+
+def pytest_collection_modifyitems(items):
+    """The files that hold a `slow` test run first. Under `--dist loadfile` a worker takes the next file when it
+    ends one, so the longest go out first and no long file is left running alone at the end while the other worker
+    idles. The sort is stable: each file's tests keep their order (and their module fixtures)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

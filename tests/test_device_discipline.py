@@ -271,6 +271,7 @@ def full_run(assets, tmp_path_factory):
     return out, metrics
 
 
+@pytest.mark.slow
 def test_run_every_method(full_run):
     from oal.methods import method_names
 
@@ -281,6 +282,7 @@ def test_run_every_method(full_run):
     assert all(v > 0 for v in metrics["elapsed_s"].values())
 
 
+@pytest.mark.slow
 def test_run_windows_in_bfloat16_with_layer_selection(assets, tmp_path):
     from oal.pipeline.runs import run
 

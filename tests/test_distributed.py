@@ -132,6 +132,7 @@ def test_two_processes_equal_one_process_with_doubled_batch(two_process_adapt, t
     assert not [f for f in files(ckpt.parent) if f.endswith(".tmp") or ".old" in f]
 
 
+@pytest.mark.slow
 def test_killed_launch_resumes_from_the_main_process_checkpoint(tmp_path):
     """Dropout on (each process draws its own masks: their RNG states are checkpointed too), 2 micro-batches per
     update; the main process dies after update 3, the relaunch resumes and ends where an uninterrupted launch ends."""
@@ -218,6 +219,7 @@ def _tensors(path: Path) -> dict:
     return {f"{p.name}:{k}": v for p in sorted(path.glob("*.safetensors")) for k, v in load_file(str(p)).items()}
 
 
+@pytest.mark.slow
 def test_oal_run_in_two_processes(one_process_run, tmp_path):
     """The whole pipeline launched twice: calibration is bit-identical, adaptation (batch 1 x 2 processes) equals
     batch 2 in one process, the other stages ran once, and only the main process wrote."""
@@ -297,6 +299,7 @@ def test_oal_adapt_in_two_processes_matches_doubled_batch(one_process_run, doubl
                                                                         ).read_bytes()
 
 
+@pytest.mark.slow
 def test_killed_oal_adapt_launch_resumes_on_every_process(one_process_run, doubled_batch_adapt, tmp_path):
     """`torchrun ... oal adapt` whose main process dies after update 2 of 3; the same command again: both processes
     resume from the main process's checkpoint (they run update 3 only), and the adapter equals one process's with the

@@ -21,6 +21,7 @@ def result(tmp_path_factory):
     return tmp, args, json.loads((tmp / "out.json").read_text())
 
 
+@pytest.mark.slow
 def test_schema_and_rows(result):
     tmp, _, res = result
     assert res["model"] == "default" and set(res["softmax"]) >= {"ppl", "passkey", "decode_ms", "prefill_s"}

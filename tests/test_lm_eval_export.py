@@ -58,6 +58,7 @@ def _ours(model, tokenizer) -> list[list[float]]:
     return [[ll for ll, _ in ex] for ex in score_examples(model, tokenizer, examples, batch_size=2)]
 
 
+@pytest.mark.slow
 def test_python_m_oal_lm_eval_scores_the_converted_model(art, tmp_path):
     out = tmp_path / "out"
     # add_bos_token=False: lm-eval otherwise encodes with the tokenizer's special tokens, and this tiny model's ByT5

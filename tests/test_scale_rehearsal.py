@@ -51,6 +51,7 @@ def test_tokenizer_is_qwens_bpe(rehearsal):
     assert len(llama) == 128256 and llama.bos_token_id == 128000 and llama.eos_token_id == 128001
 
 
+@pytest.mark.slow
 def test_rehearsal_runs_end_to_end_at_ci_size(tmp_path):
     out = tmp_path / "r"
     cmd = [sys.executable, str(SCRIPT), "--preset", "llama-3.2-1b", "--tiny", "--seq-len", "64", "--out", str(out),

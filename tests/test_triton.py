@@ -112,8 +112,8 @@ CASES = [
     pytest.param((1, 2, 1, 50, 64, 64, 4), 16, 1, False, id="N50-d64-segments"),
     pytest.param((1, 2, 2, 33, 20, 12, 5), 16, 1, True, id="N33-d20-padded-features"),
     # the paper-scale head dims (Llama-3-8B, Qwen2.5-7B) and mixed ones: pair steps of 8 rows (tiles.TILE_SHAPES)
-    pytest.param((1, 2, 1, 20, 128, 128, 3), 16, None, True, id="N20-d128-dv128-state"),
-    pytest.param((1, 1, 1, 20, 128, 64, 3), 16, 1, False, id="N20-d128-dv64-segments"),
+    pytest.param((1, 2, 1, 20, 128, 128, 3), 16, None, True, id="N20-d128-dv128-state", marks=pytest.mark.slow),
+    pytest.param((1, 1, 1, 20, 128, 64, 3), 16, 1, False, id="N20-d128-dv64-segments", marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 20, 64, 128, 3), 16, None, False, id="N20-d64-dv128"),
 ]
 
@@ -135,6 +135,7 @@ def test_pair_steps_of_four_rows_match_reference(monkeypatch):
     check_against_reference((1, 2, 2, 33, 20, 12, 5), chunk=16, seg=1, state=True, monkeypatch=monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rh", [16, 4])
 def test_normaliser_by_dots_matches_reference(rh, monkeypatch):
     """The normaliser rows summed by dots against `_norm_cols` (half inputs' path: the key scan's H2 rows, the
@@ -148,6 +149,7 @@ def test_normaliser_by_dots_matches_reference(rh, monkeypatch):
     check_against_reference((1, 7, 1, 200, 16, 16, 6), chunk=32, seg=4, state=True, monkeypatch=monkeypatch)
 
 
+@pytest.mark.slow
 def test_features_multiplied_in_a_16_bit_type_match_reference(monkeypatch):
     """The output kernel's query features multiplied in `_prod_dt` (bf16 for half inputs on a GPU: q_r q_t and
     the coefficient rounded, then the product; Eq. 6's phi(q)). The interpreter's bf16 arithmetic is not IEEE, so
@@ -188,6 +190,7 @@ def test_float64_agrees_to_1e10(monkeypatch):
                             monkeypatch=monkeypatch)
 
 
+@pytest.mark.slow
 def test_acceptance_qwen_head_shape():
     """Issue acceptance: B=1, Hq=14, Hkv=2, N=77, d=dv=64, G=5 with an unused id, causal, fp32 inputs;
     output and q/k/v/factor gradients within 1e-4 (relative, in norm) of the fp64 dense Eq. 7."""
