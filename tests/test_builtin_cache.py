@@ -113,6 +113,13 @@ def test_a_cache_that_cannot_be_written_costs_only_time(cached, tmp_path, caplog
     assert "could not cache the builtin corpus" in caplog.text
 
 
+def test_inputs_without_a_key_are_built_and_not_cached(inputs, tmp_path):
+    root, files, code = inputs
+    layout = bc.cached_layout(lambda: LAYOUT, code, [*files, tmp_path / "outside.py"], root, corpus.SPLITS,
+                              tmp_path / "cache")
+    assert layout == LAYOUT and not (tmp_path / "cache").exists()
+
+
 def test_the_key_follows_every_input(inputs, monkeypatch):
     """The Python version, the code, each file's bytes, name and place in the order change the key."""
     root, files, code = inputs

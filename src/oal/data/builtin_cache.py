@@ -90,7 +90,11 @@ def cached_layout(build: Callable[[], dict], code: Path, files: Sequence[Path], 
     "units"}) computed by `code` from `files`, read from the user's cache when an entry for these inputs verifies,
     else built and written there (atomically; a cache that cannot be written only costs the next process the time)."""
     folder = cache_root(FOLDER) if folder is None else folder
-    key = layout_key(code, files, root)
+    try:
+        key = layout_key(code, files, root)
+    except (OSError, ValueError) as exc:  # an unreadable input, or one outside `root`: no key, so no cache
+        log.info("the builtin corpus is not cached (%s)", exc)
+        return build()
     path = folder / f"builtin-{key}.layout.json"
     problem = _problem(path, key)
     if problem is None:
