@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from oal.rundir.hashes import sha256_file
-from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
+from oal.rundir.user_cache import cache_root, clean_stale, file_problem, read_record, work_dir, write_record
 
 __all__ = ["cached_layout", "layout_key"]
 
@@ -36,22 +36,6 @@ def layout_key(code: Path, files: Sequence[Path], root: Path) -> str:
     for path in files:
         h.update(f"\n{path.relative_to(root).as_posix()}:{sha256_file(path)}".encode())
     return h.hexdigest()[:16]
-
-
-def _problem(path: Path, key: str) -> str | None:
-    """None when `path` is the layout the record beside it describes, built from inputs of key `key`; else why not."""
-    if not path.is_file():
-        return "missing"
-    record = read_record(_record(path))
-    if record is None:
-        return f"no record of how it was built ({_record(path).name} missing or damaged)"
-    if record.get("key") != key:
-        return "its record names other inputs"
-    try:
-        sha = sha256_file(path)
-    except OSError as exc:
-        return f"unreadable ({exc.strerror})"
-    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded when it was written"
 
 
 def _record(path: Path) -> Path:
@@ -75,8 +59,10 @@ def _drop_superseded(folder: Path, kept: Path) -> None:
     """Remove the entries of this Python version other than `kept` (made from other code or other stdlib files), so
     the folder holds one entry per Python version."""
     for record in folder.glob("builtin-*.json"):
+        if record.name.endswith(".layout.json"):
+            continue
         layout = record.with_name(record.name.replace(".json", ".layout.json"))
-        if layout == kept or record.name.endswith(".layout.json"):
+        if layout == kept:
             continue
         found = read_record(record)
         if found is None or found.get("python") == sys.version:
@@ -96,7 +82,7 @@ def cached_layout(build: Callable[[], dict], code: Path, files: Sequence[Path], 
         log.info("the builtin corpus is not cached (%s)", exc)
         return build()
     path = folder / f"builtin-{key}.layout.json"
-    problem = _problem(path, key)
+    problem = file_problem(path, _record(path), key=key)
     if problem is None:
         layout = _read(path, splits)
         if layout is not None:

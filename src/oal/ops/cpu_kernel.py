@@ -39,7 +39,7 @@ import torch
 
 from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
-from oal.rundir.user_cache import cache_root, clean_stale, read_record, work_dir, write_record
+from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled", "heads",
            "readout", "supports", "vector_width", "window_decode"]
@@ -110,16 +110,7 @@ def _record(path: Path) -> Path:
 
 def _problem(path: Path) -> str | None:
     """None when `path` is a library this module built (its SHA256 is the one recorded at the build), else why not."""
-    if not path.is_file():
-        return "missing"
-    record = read_record(_record(path))
-    if record is None:
-        return f"no record of its build ({_record(path).name} missing or damaged)"
-    try:
-        sha = sha256_file(path)
-    except OSError as exc:
-        return f"unreadable ({exc.strerror})"
-    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded at its build"
+    return file_problem(path, _record(path))
 
 
 def build(folder: Path | None = None) -> Path:

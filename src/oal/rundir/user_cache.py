@@ -22,7 +22,8 @@ from pathlib import Path
 
 from oal.rundir.hashes import sha256_file
 
-__all__ = ["cache_root", "changed_file", "clean_stale", "files_sha256", "read_record", "work_dir", "write_record"]
+__all__ = ["cache_root", "changed_file", "clean_stale", "file_problem", "files_sha256", "read_record", "work_dir",
+           "write_record"]
 
 log = logging.getLogger("oal")
 
@@ -95,6 +96,23 @@ def changed_file(folder: Path, recorded, hasher: Callable[[Path], str] = sha256_
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror})"
     return None
+
+
+def file_problem(path: Path, record_path: Path, **expected) -> str | None:
+    """None when `path` is the file that the record at `record_path` describes (its SHA256, and the value of every
+    field in `expected`), else why not: "missing", or a few words that a warning can quote."""
+    if not path.is_file():
+        return "missing"
+    record = read_record(record_path)
+    if record is None:
+        return f"no record of how it was built ({record_path.name} missing or damaged)"
+    if any(record.get(name) != value for name, value in expected.items()):
+        return "its record names other inputs"
+    try:
+        sha = sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded when it was written"
 
 
 # ----------------------------------------------------------------------------------------------- temporaries
