@@ -404,10 +404,12 @@ def _tune(dtypes: list[str], force: bool) -> None:
 
 
 def _readout_label(cpu: dict) -> str:
-    """How the readout ran: the fused kernel (with bf16 dot products or not) or the torch GEMM."""
+    """How the readout ran: the fused kernel (bf16 on AMX tiles, with bf16 dot products or widened) or the torch
+    GEMM."""
     if not cpu.get("fused_readout"):
         return "torch readout (OAL_CPU_KERNEL=0 or no compiler)"
-    return f"fused readout ({cpu.get('vector_width')}-wide{', bf16 dots' if cpu.get('bf16_dots') else ''})"
+    bf16 = ", bf16 on AMX tiles" if cpu.get("amx") else ", bf16 dots" if cpu.get("bf16_dots") else ""
+    return f"fused readout ({cpu.get('vector_width')}-wide{bf16})"
 
 
 def _machine(dtypes: list[str]) -> tuple[dict, dict]:
@@ -418,7 +420,8 @@ def _machine(dtypes: list[str]) -> tuple[dict, dict]:
     from oal.ops import chunked, cpu_bf16, cpu_kernel, tuning
 
     cpu = tuning.cpu_info() | {"bf16_gemms": cpu_bf16(), "fused_readout": cpu_kernel.available(),
-                               "bf16_dots": cpu_kernel.bf16_dots(), "vector_width": cpu_kernel.vector_width()}
+                               "bf16_dots": cpu_kernel.bf16_dots(), "amx": cpu_kernel.amx(),
+                               "vector_width": cpu_kernel.vector_width()}
     settings = {}
     for dt in dtypes:
         s = chunked.current_settings(getattr(torch, dt))

@@ -117,14 +117,24 @@ def test_fused_non_causal(calls):
     assert calls and _rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("dots", [True, False])
+def _bf16_mode(monkeypatch, mode: str) -> None:
+    """Run bf16 queries on AMX tiles ("amx"; skipped without them), vector dot products ("dots") or widened
+    ("fp32")."""
+    if mode == "amx" and not cpu_kernel.amx():
+        pytest.skip("no AMX-BF16 here (or the OS does not grant the tile registers)")
+    monkeypatch.setattr(cpu_kernel, "AMX", mode == "amx")
+    monkeypatch.setattr(cpu_kernel, "BF16_DOTS", mode != "fp32")
+    assert cpu_kernel.amx() == (mode == "amx")
+
+
+@pytest.mark.parametrize("mode", ["amx", "dots", "fp32"])
 @pytest.mark.parametrize("d", [64, 5])
-def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, dots, d):
-    """bf16 queries: with bf16 dot products (quadratic features and state rounded to bf16, fp32 accumulation; odd
-    d pads the last pair of a row) or widened to fp32, the error against float64 is no larger than the torch
-    bf16 path's, and stays at bf16 SDPA's level."""
+def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, mode, d):
+    """bf16 queries: with their quadratic features on AMX tiles or in bf16 dot products (features and state rounded
+    to bf16, fp32 accumulation; odd d pads the last pair of a row) or widened to fp32, the error against float64 is
+    no larger than the torch bf16 path's, and stays at bf16 SDPA's level."""
     monkeypatch.setenv("OAL_CPU_BF16", "1")
-    monkeypatch.setattr(cpu_kernel, "BF16_DOTS", dots)
+    _bf16_mode(monkeypatch, mode)
     q, k, v, groups, factor = make(1, 4, 2, 600, d, 64, g=5, dtype=torch.bfloat16)
     want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
     with torch.inference_mode():
@@ -138,6 +148,43 @@ def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, dots, d):
     assert got.dtype == torch.bfloat16
     assert _rel(got, want) <= 1.02 * _rel(torch_path, want), (_rel(got, want), _rel(torch_path, want))
     assert _rel(got, want) <= 1.25 * sdpa_err
+
+
+# (chunks, batch, KV heads, d, query heads a KV head, chunk, dv + 1): the Qwen head shape; odd d (a padded pair, and
+# pairs not a multiple of 16); value widths of whole tile blocks only (64, 16), a part only (8), both (13, 65), and
+# more blocks than one pass takes (151)
+READOUT_SHAPES = [(3, 1, 2, 64, 7, 64, 65), (2, 2, 1, 5, 3, 16, 8), (2, 1, 2, 17, 2, 48, 13), (1, 1, 1, 9, 3, 32, 151),
+                  (1, 1, 1, 1, 1, 16, 2), (1, 2, 1, 8, 2, 16, 64), (2, 1, 1, 3, 1, 32, 16)]
+
+
+@pytest.mark.parametrize("shape", READOUT_SHAPES)
+def test_amx_readout_matches_the_dot_products_and_float64(monkeypatch, shape):
+    """The AMX readout (Eq. 6 on the tiles) against the vector dot products, which round the same bf16 pairs and
+    sum in another order: fp32 agreement; both against float64 on the rounded pairs; the output is written whole
+    (NaN-filled before). Random states and weights of both signs, so that no error cancels."""
+    _bf16_mode(monkeypatch, "amx")
+    nc, b, hkv, d, rep, c, dv1 = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    feats = 1 + d + d * (d + 1) // 2
+    x = torch.randn(nc, b, hkv, d, rep, c, generator=gen).to(torch.bfloat16)
+    w = torch.randn(hkv, rep, feats, generator=gen)
+    states = torch.randn(nc, b, hkv, feats, dv1, generator=gen)
+    got = {}
+    for mode in ("amx", "dots"):
+        monkeypatch.setattr(cpu_kernel, "AMX", mode == "amx")
+        got[mode] = cpu_kernel.readout(x, w, states, torch.full((nc, b, hkv, dv1, rep * c), float("nan")))
+    assert not got["amx"].isnan().any()
+    assert _rel(got["amx"], got["dots"].double()) < 1e-5
+    # float64 on what the tiles see: constant and linear features exact, quadratic ones and the state's rows
+    # rounded to bf16 (Eq. 6: num_i = sum_f phi_f(q_i) S_f)
+    xd = x.double().permute(0, 1, 2, 4, 5, 3)  # [nc, b, hkv, rep, c, d]
+    r, t = torch.triu_indices(d, d)
+    quad = (xd[..., r] * xd[..., t] * w[:, :, None, 1 + d:].double()).to(torch.bfloat16).double()
+    phi = torch.cat([w[:, :, None, :1].double().expand(*xd.shape[:-1], 1), xd * w[:, :, None, 1:1 + d].double(),
+                     quad], -1)
+    sd = torch.cat([states[..., :1 + d, :], states[..., 1 + d:, :].to(torch.bfloat16).float()], -2).double()
+    want = torch.einsum("nbhjcf,nbhfo->nbhojc", phi, sd).reshape(nc, b, hkv, dv1, rep * c)
+    assert _rel(got["amx"], want) < 1e-5
 
 
 def test_not_used_under_autograd_fp64_or_odd_chunks(calls):

@@ -41,8 +41,8 @@ from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
 
-__all__ = ["Heads", "Intra", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled", "heads",
-           "readout", "supports", "vector_width", "window_decode"]
+__all__ = ["Heads", "Intra", "amx", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled",
+           "heads", "readout", "supports", "vector_width", "window_decode"]
 
 log = logging.getLogger("oal")
 
@@ -53,6 +53,8 @@ GMAX = 16  # groups + 1 that the intra-chunk term takes (GMAX in csrc/readout.cp
 
 # bf16 queries run bf16 dot products where the CPU has them; False: the fp32 kernel on the widened queries (tests)
 BF16_DOTS = True
+# and their quadratic features on AMX tiles where the CPU has AMX-BF16 (`OAL_CPU_AMX=0`, or False: the dot products)
+AMX = True
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -60,8 +62,8 @@ _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
 _SAID_OFF = False
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
-SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_f32", "oal_readout_bf16", "oal_decode_f32",
-           "oal_window_decode_f32")
+SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_readout_f32", "oal_readout_bf16",
+           "oal_decode_f32", "oal_window_decode_f32")
 
 
 def enabled() -> bool:
@@ -152,7 +154,7 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
         raise _NotTheKernel(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
-    lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = i32
+    lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = lib.oal_readout_amx.restype = i32
     lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
     lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
     lib.oal_decode_f32.argtypes = [ptr] * 7 + [i64, ptr, i64, i64] + [i32] * 5
@@ -192,7 +194,7 @@ def describe() -> str:
         return "fused CPU kernel: off (OAL_CPU_KERNEL=0); the torch path runs"
     if _load() is None:
         return f"fused CPU kernel: unavailable ({_STATUS}); the torch path runs"
-    dots = "bf16 dot products for bf16" if bf16_dots() else "bf16 widened to fp32"
+    dots = ("AMX tiles for bf16" if amx() else "bf16 dot products for bf16") if bf16_dots() else "bf16 widened to fp32"
     return f"fused CPU kernel: {vector_width()}-wide fp32 vectors, {dots} ({_STATUS})"
 
 
@@ -205,6 +207,14 @@ def bf16_dots() -> bool:
     """Whether bf16 queries run bf16 dot products here (the CPU has AVX512_BF16), rather than the fp32 kernel."""
     lib = _load()
     return BF16_DOTS and lib is not None and bool(lib.oal_readout_bf16_dots())
+
+
+def amx() -> bool:
+    """Whether bf16 queries run their quadratic features on AMX tiles here (the CPU has AMX-BF16 and Linux grants
+    the tile registers; not with `OAL_CPU_AMX=0`), rather than the vector dot products (`bf16_dots`)."""
+    lib = _load()
+    return (bf16_dots() and AMX and os.environ.get("OAL_CPU_AMX", "1") != "0"
+            and bool(lib.oal_readout_amx()))
 
 
 def supports(x: torch.Tensor, state_dtype: torch.dtype) -> bool:
@@ -270,8 +280,9 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
 
     x [nc, B, Hkv, d, rep, C] (fp32 or bf16), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out
     [nc, B, Hkv, dv+1, rep * C] fp32, all contiguous (`supports`). bf16 x runs bf16 dot products for the quadratic
-    features where the CPU has them (`bf16_dots`), else the fp32 kernel on x widened exactly. With more than one
-    torch thread the items are split over the operator's workers (`ops.workers`)."""
+    features where the CPU has them (`bf16_dots`; on AMX tiles where it has those, `amx`), else the fp32 kernel on x
+    widened exactly. With more than one torch thread the items are split over the operator's workers
+    (`ops.workers`)."""
     lib = _load()
     n_c, bsz, n_kv, d, rep, c = x.shape
     dv1 = states.shape[-1]
@@ -302,13 +313,13 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)
     ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), out.data_ptr())
-    dots = int(bf16_dots())
+    mode = 2 if amx() else int(bf16_dots())  # oal_readout_bf16's mode
 
     def run(begin: int, end: int) -> None:
         if x.dtype == torch.float32:
             lib.oal_readout_f32(*ptrs, begin, end, *dims, *extra)
         else:
-            lib.oal_readout_bf16(*ptrs, begin, end, *dims, dots, *extra)
+            lib.oal_readout_bf16(*ptrs, begin, end, *dims, mode, *extra)
 
     _split(run, items, min(torch.get_num_threads(), items))
     return out

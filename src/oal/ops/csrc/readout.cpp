@@ -24,8 +24,8 @@
 //
 // bf16 queries on a CPU with AVX512_BF16 (`item_dp`): the constant and linear features stay fp32; the quadratic
 // ones, formed in fp32 and rounded once to bf16, meet the state rounded to bf16 in bf16 dot products (vdpbf16ps: two
-// products per fp32 lane, fp32 accumulation), twice the fp32 FMA rate. Elsewhere bf16 queries are widened exactly
-// to fp32 and run the fp32 kernel.
+// products per fp32 lane, fp32 accumulation), twice the fp32 FMA rate; on a CPU with AMX-BF16 the same products run
+// on the tiles (`item_amx`). Elsewhere bf16 queries are widened exactly to fp32 and run the fp32 kernel.
 //
 // The decoding steps (`oal_decode_f32`, `oal_window_decode_f32`, at the end) run the token loops of OAL and of the
 // sliding windows on a state: one pass over the state per token, the update (Eq. 5) and every query head's readout
@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -319,6 +320,226 @@ static void item_dp(const float* x, const float* w, const float* s, float* out, 
 #define HAVE_DP 0
 #endif
 
+#if HAVE_DP && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+// The AMX readout (Sapphire Rapids and later): the quadratic features' product on the tile unit. vdpbf16ps above
+// runs at the fp32 FMA rate (about 100 GFLOP/s a core on a Xeon); the tiles multiply 16 x 16 x 32 bf16 per
+// instruction. num^T[o, i] += sum_p Sp[o, p] . Pp[p, i] over the bf16 pairs p (TDPBF16PS: C[m][n] += A[m][2k]
+// B[k][2n] + A[m][2k+1] B[k][2n+1]): A = the state's pairs transposed (built once per item, shared by its query
+// heads), 16 outputs x 16 pairs a tile; B = a head's weighted feature pairs, 16 pairs x 16 tokens, formed in L1
+// just before use; C = 16 outputs x 16 tokens of the numerator, loaded from `out` after the fp32 part (constant
+// and linear features and the chunk's own keys: tile_dp with no pairs) and stored back. Same rounding as item_dp
+// (state and features to bf16 once, products exact, fp32 sums), summed in another order.
+
+// Linux gives a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+static bool amx_permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0..3: C of four whole output blocks, 4: C of the last block when dv1 % 16 rows remain (part); 5: their A
+// tiles, 6: the A tile of the part; 7: the B tile.
+static void amx_configure(int part) {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = (t == 4 || t == 6) && part ? part : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// r[0..15] (16 x 16 uint32) transposed in registers: unpacks within 128-bit lanes, then lane shuffles.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  // r[g + c], lane L: rows g..g+3 at column 4L + c
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[8 + c] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[4 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The state's quadratic rows as bf16 pairs, transposed: spt[o * pk + p] = (S[f_lo(p), o], S[f_hi(p), o]), for
+// o < dvp and p < pk (both padded to 16 with zeros). lo[p], hi[p]: the pair's state rows (hi -1: none).
+static void state_pairs_t(const float* s, int dv1, const int32_t* lo, const int32_t* hi, int pairs, int pk,
+                          uint32_t* spt) {
+    for (int p0 = 0; p0 < pk; p0 += 16)  // pairs outer: the 32 state rows of 16 pairs stay in L1 across the outputs
+        for (int o = 0; o < dv1; o += 16) {
+            const __mmask16 m = dv1 - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv1 - o)) - 1);
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int p = p0 + i;
+                const __m512 zero = _mm512_setzero_ps();
+                const __m512 a = p < pairs ? _mm512_maskz_loadu_ps(m, s + (ptrdiff_t)lo[p] * dv1 + o) : zero;
+                const __m512 b = p < pairs && hi[p] >= 0 ? _mm512_maskz_loadu_ps(m, s + (ptrdiff_t)hi[p] * dv1 + o) : zero;
+                r[i] = pack_pairs(a, b);
+            }
+            transpose16(r);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(spt + (ptrdiff_t)(o + i) * pk + p0, r[i]);
+        }
+}
+
+// Scratch of the AMX path for one d and dv1. Per pair p < pk (padded to 16): its query rows r, t and t' (t + 1, or
+// t again when the row has no second feature), and the head's weights of its two features (0 for a missing one and
+// past the last pair, whose rows are 0: zero features).
+struct AmxScratch {
+    int d, dv1, pairs, pk;
+    std::vector<int32_t> lo, hi;  // each pair's state rows (hi -1: none)
+    std::vector<int32_t> rr, rt, rt1;
+    std::vector<float> wp;  // [pk, 2]: the current head's weights
+    std::vector<uint32_t> spt;
+
+    AmxScratch(int d_, int dv1_) : d(d_), dv1(dv1_), pairs(pair_count(d_)), pk((pair_count(d_) + 15) / 16 * 16) {
+        for (int r = 0, f = 1 + d; r < d; f += d - r, ++r)
+            for (int t = r; t < d; t += 2) {
+                rr.push_back(r);
+                rt.push_back(t);
+                rt1.push_back(t + 1 < d ? t + 1 : t);
+                lo.push_back(f + t - r);
+                hi.push_back(t + 1 < d ? f + t - r + 1 : -1);
+            }
+        rr.resize(pk, 0);
+        rt.resize(pk, 0);
+        rt1.resize(pk, 0);
+        wp.assign((size_t)pk * 2, 0.0f);
+        spt.assign((size_t)(dv1 + 15) / 16 * 16 * pk, 0u);
+    }
+
+    static AmxScratch& of(int d, int dv1) {  // the thread's, kept between calls (its state buffer is 300 KB at d = 64)
+        static thread_local std::unique_ptr<AmxScratch> kept;
+        if (!kept || kept->d != d || kept->dv1 != dv1) kept = std::make_unique<AmxScratch>(d, dv1);
+        return *kept;
+    }
+
+    void weights(const float* w) {  // the head's F weights, gathered in pair order
+        for (int p = 0; p < pairs; ++p) {
+            wp[2 * p] = w[lo[p]];
+            wp[2 * p + 1] = hi[p] >= 0 ? w[hi[p]] : 0.0f;
+        }
+    }
+};
+
+// Rows from..to of B tile k of one head and 16 tokens: row i holds pair p = 16k + i's weighted features (w_rt q_r
+// q_t, w_rt' q_r q_t') of the tokens as bf16 pairs. x: the head's queries at the tile's first token (row r at
+// x + r * xs).
+static inline void b_rows(const AmxScratch& sc, int k, const float* x, ptrdiff_t xs, uint32_t* bt, int from,
+                          int to) {
+    for (int i = from; i < to; ++i) {
+        const int p = k * 16 + i;
+        const __m512 xr = _mm512_loadu_ps(x + sc.rr[p] * xs);
+        const __m512 a = _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(x + sc.rt[p] * xs)), _mm512_set1_ps(sc.wp[2 * p]));
+        const __m512 b =
+            _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(x + sc.rt1[p] * xs)), _mm512_set1_ps(sc.wp[2 * p + 1]));
+        _mm512_storeu_si512(bt + i * 16, pack_pairs(a, b));
+    }
+}
+
+// The quadratic part of one head's numerator on the tiles: out rows 0..dv1 x tokens 0..c (row o at out + o * os)
+// += spt . phi. The B tiles are formed 16 pairs x 16 tokens at a time in L1, the next one between the current
+// one's products (the vector units and the tile unit work side by side); x, xs: the head's queries as b_rows
+// takes them (sc.wp: its weights); c a multiple of 16. Passes of four whole output blocks, the part (dv1 % 16 rows) in the
+// last.
+static void head_amx(const AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv1, float* out,
+                     ptrdiff_t os) {
+    alignas(64) uint32_t bt[2][16 * 16];
+    const int steps = sc.pk / 16, pk = sc.pk, whole = dv1 / 16, part = dv1 % 16;
+    const int passes = whole == 0 ? 1 : (whole + 3) / 4;
+    const uint32_t* ap = sc.spt.data() + (ptrdiff_t)whole * 16 * pk;  // the part's A rows
+    for (int pass = 0; pass < passes; ++pass) {
+        const int o0 = pass * 64, nb = whole - pass * 4 < 4 ? whole - pass * 4 : 4;
+        const bool tail = part && pass == passes - 1;
+        const uint32_t* a = sc.spt.data() + (ptrdiff_t)o0 * pk;
+        for (int i0 = 0; i0 < c; i0 += 16) {
+            float* c0 = out + (ptrdiff_t)o0 * os + i0;
+            float* cp = out + (ptrdiff_t)whole * 16 * os + i0;
+#define C_TILES(op)                                                         \
+    if (nb > 0) op(0, c0, os * 4);                                          \
+    if (nb > 1) op(1, c0 + 16 * os, os * 4);                                \
+    if (nb > 2) op(2, c0 + 32 * os, os * 4);                                \
+    if (nb > 3) op(3, c0 + 48 * os, os * 4);                                \
+    if (tail) op(4, cp, os * 4);
+#define STEP(b) \
+    if (nb > b) { _tile_loadd(5, a + (ptrdiff_t)(b) * 16 * pk + k * 16, pk * 4); _tile_dpbf16ps(b, 5, 7); }
+            C_TILES(_tile_loadd)
+            b_rows(sc, 0, x + i0, xs, bt[0], 0, 16);
+            for (int k = 0; k < steps; ++k) {
+                _tile_loadd(7, bt[k & 1], 64);
+                uint32_t* next = bt[(k + 1) & 1];
+                const int more = k + 1 < steps ? 4 : 0;  // rows of the next B tile formed after each product
+                STEP(0) b_rows(sc, k + 1, x + i0, xs, next, 0, more);
+                STEP(1) b_rows(sc, k + 1, x + i0, xs, next, more, 2 * more);
+                STEP(2) b_rows(sc, k + 1, x + i0, xs, next, 2 * more, 3 * more);
+                STEP(3) b_rows(sc, k + 1, x + i0, xs, next, 3 * more, 4 * more);
+                if (tail) {
+                    _tile_loadd(6, ap + k * 16, pk * 4);
+                    _tile_dpbf16ps(4, 6, 7);
+                }
+            }
+            C_TILES(_tile_stored)
+#undef C_TILES
+#undef STEP
+        }
+    }
+}
+
+// One item on the tiles (x already widened to fp32): per head the fp32 part into `out`, then the pairs on AMX.
+static void item_amx(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
+                     int feats, AmxScratch& sc, const ItemIntra& it, const Intra* in) {
+    const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
+    state_pairs_t(s, dv1, sc.lo.data(), sc.hi.data(), sc.pairs, sc.pk, sc.spt.data());
+    for (int j = 0; j < rep; ++j) {
+        const float* wj = w + (ptrdiff_t)j * feats;
+        const float* xj = x + (ptrdiff_t)j * c;
+        if (it.keys) {
+            const int g1 = in->groups + 1;
+            kappa_block(xj, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d, it.bounds + (ptrdiff_t)j * g1,
+                        it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps, it.kappa);
+        }
+        for (int i0 = 0; i0 < c;) {  // constant, linear and the chunk's keys in fp32: tile_dp without pairs
+            const int wide = c - i0 >= 32;
+            const int width = wide ? 32 : 16;
+            const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;
+            for (int o0 = 0; o0 < dv1; o0 += TO) {
+                const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
+                float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
+                (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, nullptr, nullptr, c, 0,
+                                                            oi, os, d, it.kappa ? it.kappa + i0 : nullptr,
+                                                            it.u ? it.u + o0 : nullptr, keys);
+            }
+            i0 += width;
+        }
+        sc.weights(wj);
+        head_amx(sc, xj, xs, c, dv1, out + (ptrdiff_t)j * c, os);
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
 // One token of the decoding step on one KV head's state rows [F, dv1] (`oal_decode_f32`), in one pass: row f gets
 // S[f, :] += psi_f(xk) u (Eq. 5), then each of the rep query heads h adds w[h, f] psi_f(xq_h) S[f, :] to its
 // numerator out[h] (Eq. 6). The x are [1, x_1 .. x_d], so that psi_f(x) = x[rowr[f] + 1] x[rowt[f] + 1]. The
@@ -403,6 +624,16 @@ int oal_readout_vw(void) { return VW; }
 // 1 where bf16 queries run bf16 dot products (AVX512_BF16), 0 where they are widened to fp32.
 int oal_readout_bf16_dots(void) { return HAVE_DP; }
 
+// 1 where bf16 queries can run the quadratic features on AMX tiles (built with AMX-BF16, and the OS grants this
+// process the tile registers), else 0.
+int oal_readout_amx(void) {
+#if HAVE_AMX
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 // Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights. kb == nullptr: no
 // intra-chunk term (the other intra arguments are then not read).
 void oal_readout_f32(const float* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
@@ -419,15 +650,33 @@ void oal_readout_f32(const float* x, const float* w, const float* s, float* out,
     }
 }
 
-// The same with bf16 queries (their uint16 bits), widened exactly to fp32 first; `dots`: the bf16 dot-product
-// path (needs oal_readout_bf16_dots()), else the fp32 kernel.
+// The same with bf16 queries (their uint16 bits), widened exactly to fp32 first. `mode` 0: the fp32 kernel; 1: bf16
+// dot products (needs oal_readout_bf16_dots()); 2: the quadratic features on AMX tiles (needs oal_readout_amx()).
 void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
-                      int hkv, int d, int rep, int c, int dv1, int dots, const float* kb, const float* ub,
+                      int hkv, int d, int rep, int c, int dv1, int mode, const float* kb, const float* ub,
                       const int32_t* order, const int32_t* bounds, const float* lower, int groups, float eps) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
     std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0);
+#if HAVE_AMX
+    if (mode == 2 && amx_permitted()) {
+        AmxScratch& sc = AmxScratch::of(d, dv1);
+        amx_configure(dv1 % 16);  // the tile configuration is the thread's own
+        for (int64_t k = begin; k < end; ++k) {
+            const uint16_t* xk = x + k * xn;
+            for (ptrdiff_t i = 0; i < xn; i += VW)
+                *(vu*)(wide.data() + i) = __builtin_convertvector(*(const vh*)(xk + i), vu) << 16;
+            const int kv = (int)(k % hkv);
+            const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
+            item_amx(wide.data(), w + kv * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats,
+                     sc, it, &in);
+        }
+        _tile_release();
+        return;
+    }
+#endif
+    const int dots = mode != 0;
 #if HAVE_DP
     const int pairs = pair_count(d);
     std::vector<uint32_t> sp(dots ? (size_t)pairs * dv1 : 0), pp(dots ? (size_t)pairs * c : 0);
