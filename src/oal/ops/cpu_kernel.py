@@ -15,10 +15,10 @@ another target (e.g. x86-64-v3, AVX2, for the older machines of a mixed cluster)
 which releases the GIL, so the operator's worker threads run it side by side. (torch.utils.cpp_extension would
 compile torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
 
-It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16)
-whose chunk is a multiple of the vector width; everything else, autograd and fp64 included, runs the torch path,
-which stays the reference (tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path
-runs everywhere (one log line says why).
+It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16, the
+AMX tiles where it has AMX-BF16 and `OAL_CPU_AMX` is not 0) whose chunk is a multiple of the vector width;
+everything else, autograd and fp64 included, runs the torch path, which stays the reference (tests compare the
+two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere (one log line says why).
 """
 
 from __future__ import annotations
