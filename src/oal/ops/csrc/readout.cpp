@@ -265,6 +265,32 @@ static tile_dp_fn tile_dp_of(int t) {
         return t == T ? tile_dp<T, V> : tile_dp_of<V, T - 1>(t);
 }
 
+// Query head j of an item on the bf16 path: its kappa block, then every tile of tokens and outputs (tile_dp) into
+// out (the head's column 0). sp, pp: the state's and the head's bf16 pairs; pairs = 0: none (constant, linear
+// features and the chunk's keys only).
+static void head_dp(const float* xj, ptrdiff_t xs, const float* wj, const float* s, int dv1, const uint32_t* sp,
+                    const uint32_t* pp, int c, int pairs, float* out, ptrdiff_t os, int d, const ItemIntra& it,
+                    const Intra* in, int j) {
+    if (it.keys) {
+        const int g1 = in->groups + 1;
+        kappa_block(xj, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d, it.bounds + (ptrdiff_t)j * g1,
+                    it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps, it.kappa);
+    }
+    for (int i0 = 0; i0 < c;) {
+        const int wide = c - i0 >= 32;
+        const int width = wide ? 32 : 16;
+        const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;
+        for (int o0 = 0; o0 < dv1; o0 += TO) {
+            const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
+            (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, sp ? sp + o0 : nullptr,
+                                                        pp ? pp + i0 : nullptr, c, pairs, out + (ptrdiff_t)o0 * os + i0,
+                                                        os, d, it.kappa ? it.kappa + i0 : nullptr,
+                                                        it.u ? it.u + o0 : nullptr, keys);
+        }
+        i0 += width;
+    }
+}
+
 // One item of the bf16 path (x already widened to fp32). sp [pairs, dv1] and pp [pairs, c]: the caller's scratch.
 static void item_dp(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
                     int feats, uint32_t* sp, uint32_t* pp, const ItemIntra& it, const Intra* in) {
@@ -296,24 +322,7 @@ static void item_dp(const float* x, const float* w, const float* s, float* out, 
                     _mm512_storeu_si512(pp + (ptrdiff_t)p * c + i, pack_pairs(lo, hi));
                 }
             }
-        if (it.keys) {
-            const int g1 = in->groups + 1;
-            kappa_block(xj, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d, it.bounds + (ptrdiff_t)j * g1,
-                        it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps, it.kappa);
-        }
-        for (int i0 = 0; i0 < c;) {
-            const int wide = c - i0 >= 32;
-            const int width = wide ? 32 : 16;
-            const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;
-            for (int o0 = 0; o0 < dv1; o0 += TO) {
-                const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
-                float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
-                (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, sp + o0, pp + i0, c, pairs,
-                                                            oi, os, d, it.kappa ? it.kappa + i0 : nullptr,
-                                                            it.u ? it.u + o0 : nullptr, keys);
-            }
-            i0 += width;
-        }
+        head_dp(xj, xs, wj, s, dv1, sp, pp, c, pairs, out + (ptrdiff_t)j * c, os, d, it, in, j);
     }
 }
 #else
@@ -514,24 +523,8 @@ static void item_amx(const float* x, const float* w, const float* s, float* out,
     for (int j = 0; j < rep; ++j) {
         const float* wj = w + (ptrdiff_t)j * feats;
         const float* xj = x + (ptrdiff_t)j * c;
-        if (it.keys) {
-            const int g1 = in->groups + 1;
-            kappa_block(xj, xs, it.keys, d, c, it.order + (ptrdiff_t)j * d, it.bounds + (ptrdiff_t)j * g1,
-                        it.lower + (ptrdiff_t)j * g1 * g1, in->groups, in->eps, it.kappa);
-        }
-        for (int i0 = 0; i0 < c;) {  // constant, linear and the chunk's keys in fp32: tile_dp without pairs
-            const int wide = c - i0 >= 32;
-            const int width = wide ? 32 : 16;
-            const int keys = it.keys ? (i0 + width < c ? i0 + width : c) : 0;
-            for (int o0 = 0; o0 < dv1; o0 += TO) {
-                const int t = dv1 - o0 < TO ? dv1 - o0 : TO;
-                float* oi = out + (ptrdiff_t)o0 * os + (ptrdiff_t)j * c + i0;
-                (wide ? tile_dp_of<2>(t) : tile_dp_of<1>(t))(xj + i0, xs, wj, s + o0, dv1, nullptr, nullptr, c, 0,
-                                                            oi, os, d, it.kappa ? it.kappa + i0 : nullptr,
-                                                            it.u ? it.u + o0 : nullptr, keys);
-            }
-            i0 += width;
-        }
+        // constant, linear and the chunk's keys in fp32: the dot products' tiles without pairs
+        head_dp(xj, xs, wj, s, dv1, nullptr, nullptr, c, 0, out + (ptrdiff_t)j * c, os, d, it, in, j);
         sc.weights(wj);
         head_amx(sc, xj, xs, c, dv1, out + (ptrdiff_t)j * c, os);
     }
