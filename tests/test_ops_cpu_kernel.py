@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +224,18 @@ def test_readout_refuses_layouts_the_kernel_would_misread():
         cpu_kernel.readout(x, w, states, out.transpose(-1, -2).contiguous().transpose(-1, -2))
     with pytest.raises(ValueError, match="x: expected"):
         cpu_kernel.readout(x.transpose(-1, -2).contiguous().transpose(-1, -2), w, states, out)
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="no nm (binutils) to list the library's symbols")
+def test_the_library_shares_no_object_with_another_build():
+    """No GNU_UNIQUE symbol ('u': a static local of an inline function, which the dynamic loader merges across every
+    library of the process, RTLD_LOCAL or not): two builds of the kernel in one process (another revision, the
+    sanitizer's) must not share the AMX path's per-thread scratch, whose layout may differ."""
+    cpu_kernel.available()
+    lib = Path(cpu_kernel._STATUS)
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    assert "oal_readout_bf16" in symbols.stdout
+    assert [ln for ln in symbols.stdout.splitlines() if ln.split()[1:2] == ["u"]] == []
 
 
 def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path, caplog):

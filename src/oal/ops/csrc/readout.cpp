@@ -412,30 +412,34 @@ static void state_pairs_t(const float* s, int dv1, const int32_t* lo, const int3
         }
 }
 
-// Scratch of the AMX path for one d and dv1. Per pair p < pk (padded to 16): its query rows r, t and t' (t + 1, or
-// t again when the row has no second feature), and the head's weights of its two features (0 for a missing one and
-// past the last pair, whose rows are 0: zero features).
+// Scratch of the AMX path for one d and dv1: per pair p < pk (padded to 16) its query rows r and t (the pair is
+// (r; t, t + 1)) and the current head's weights of its two features (0 for a missing second one, and past the last
+// pair, whose rows are 0: zero features); the state's pairs transposed (spt); and the 16 tokens of the current B
+// tiles in the layout b_rows reads (xd, xp).
+namespace {  // internal linkage: another build of this file in the process keeps its own `kept` (GNU_UNIQUE)
+
 struct AmxScratch {
     int d, dv1, pairs, pk;
     std::vector<int32_t> lo, hi;  // each pair's state rows (hi -1: none)
-    std::vector<int32_t> rr, rt, rt1;
-    std::vector<float> wp;  // [pk, 2]: the current head's weights
+    std::vector<int32_t> rr, rt;
+    std::vector<float> wp;  // [pk, 2]
     std::vector<uint32_t> spt;
+    std::vector<float> xd, xp;  // [d, 32]: per row r, x_r of each token twice; (x_r, x_r+1) of each token (0 past d)
 
     AmxScratch(int d_, int dv1_) : d(d_), dv1(dv1_), pairs(pair_count(d_)), pk((pair_count(d_) + 15) / 16 * 16) {
         for (int r = 0, f = 1 + d; r < d; f += d - r, ++r)
             for (int t = r; t < d; t += 2) {
                 rr.push_back(r);
                 rt.push_back(t);
-                rt1.push_back(t + 1 < d ? t + 1 : t);
                 lo.push_back(f + t - r);
                 hi.push_back(t + 1 < d ? f + t - r + 1 : -1);
             }
         rr.resize(pk, 0);
         rt.resize(pk, 0);
-        rt1.resize(pk, 0);
         wp.assign((size_t)pk * 2, 0.0f);
         spt.assign((size_t)(dv1 + 15) / 16 * 16 * pk, 0u);
+        xd.assign((size_t)d * 32, 0.0f);
+        xp.assign((size_t)d * 32, 0.0f);
     }
 
     static AmxScratch& of(int d, int dv1) {  // the thread's, kept between calls (its state buffer is 300 KB at d = 64)
@@ -450,30 +454,52 @@ struct AmxScratch {
             wp[2 * p + 1] = hi[p] >= 0 ? w[hi[p]] : 0.0f;
         }
     }
+
+    // xd and xp for 16 tokens: x at the first, row r at x + r * xs. Lanes 2n, 2n + 1 of each half hold token n
+    // (then 8 + n), so that one product per half gives a pair's two features already interleaved, as B takes them.
+    void tokens(const float* x, ptrdiff_t xs) {
+        const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+        const __m512i mix_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i mix_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+        __m512 v = _mm512_loadu_ps(x);
+        for (int r = 0; r < d; ++r) {
+            const __m512 next = r + 1 < d ? _mm512_loadu_ps(x + (r + 1) * xs) : _mm512_setzero_ps();
+            float* dr = xd.data() + (ptrdiff_t)r * 32;
+            float* pr = xp.data() + (ptrdiff_t)r * 32;
+            _mm512_storeu_ps(dr, _mm512_permutexvar_ps(dup_lo, v));
+            _mm512_storeu_ps(dr + 16, _mm512_permutexvar_ps(dup_hi, v));
+            _mm512_storeu_ps(pr, _mm512_permutex2var_ps(v, mix_lo, next));
+            _mm512_storeu_ps(pr + 16, _mm512_permutex2var_ps(v, mix_hi, next));
+            v = next;
+        }
+    }
 };
 
-// Rows from..to of B tile k of one head and 16 tokens: row i holds pair p = 16k + i's weighted features (w_rt q_r
-// q_t, w_rt' q_r q_t') of the tokens as bf16 pairs. x: the head's queries at the tile's first token (row r at
-// x + r * xs).
-static inline void b_rows(const AmxScratch& sc, int k, const float* x, ptrdiff_t xs, uint32_t* bt, int from,
-                          int to) {
+// Rows from..to of B tile k of one head and the 16 tokens of sc.tokens: row i holds pair p = 16k + i's weighted
+// features (w_rt q_r q_t, w_r,t+1 q_r q_t+1) of the tokens as bf16 pairs: (x_r x_r) * (x_t x_t+1) * (w w'), per half.
+static inline void b_rows(const AmxScratch& sc, int k, uint32_t* bt, int from, int to) {
     for (int i = from; i < to; ++i) {
         const int p = k * 16 + i;
-        const __m512 xr = _mm512_loadu_ps(x + sc.rr[p] * xs);
-        const __m512 a = _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(x + sc.rt[p] * xs)), _mm512_set1_ps(sc.wp[2 * p]));
-        const __m512 b =
-            _mm512_mul_ps(_mm512_mul_ps(xr, _mm512_loadu_ps(x + sc.rt1[p] * xs)), _mm512_set1_ps(sc.wp[2 * p + 1]));
-        _mm512_storeu_si512(bt + i * 16, pack_pairs(a, b));
+        double wpair;  // the two weights, broadcast as one 64-bit lane
+        __builtin_memcpy(&wpair, sc.wp.data() + 2 * p, sizeof wpair);
+        const __m512 ww = _mm512_castpd_ps(_mm512_set1_pd(wpair));
+        const float* dr = sc.xd.data() + (ptrdiff_t)sc.rr[p] * 32;
+        const float* pt = sc.xp.data() + (ptrdiff_t)sc.rt[p] * 32;
+        const __m512 lo = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(dr), _mm512_loadu_ps(pt)), ww);
+        const __m512 hi = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(dr + 16), _mm512_loadu_ps(pt + 16)), ww);
+        _mm512_storeu_si512(bt + i * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // tokens 0..7 low, 8..15 high
     }
 }
 
+}  // namespace
+
 // The quadratic part of one head's numerator on the tiles: out rows 0..dv1 x tokens 0..c (row o at out + o * os)
 // += spt . phi. The B tiles are formed 16 pairs x 16 tokens at a time in L1, the next one between the current
-// one's products (the vector units and the tile unit work side by side); x, xs: the head's queries as b_rows
-// takes them (sc.wp: its weights); c a multiple of 16. Passes of four whole output blocks, the part (dv1 % 16 rows) in the
-// last.
-static void head_amx(const AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv1, float* out,
-                     ptrdiff_t os) {
+// one's products (the vector units and the tile unit work side by side); x: the head's queries at token 0, row r at
+// x + r * xs (sc.wp: its weights); c a multiple of 16. Passes of four whole output blocks, the part (dv1 % 16 rows)
+// in the last.
+static void head_amx(AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv1, float* out, ptrdiff_t os) {
     alignas(64) uint32_t bt[2][16 * 16];
     const int steps = sc.pk / 16, pk = sc.pk, whole = dv1 / 16, part = dv1 % 16;
     const int passes = whole == 0 ? 1 : (whole + 3) / 4;
@@ -494,15 +520,16 @@ static void head_amx(const AmxScratch& sc, const float* x, ptrdiff_t xs, int c, 
 #define STEP(b) \
     if (nb > b) { _tile_loadd(5, a + (ptrdiff_t)(b) * 16 * pk + k * 16, pk * 4); _tile_dpbf16ps(b, 5, 7); }
             C_TILES(_tile_loadd)
-            b_rows(sc, 0, x + i0, xs, bt[0], 0, 16);
+            sc.tokens(x + i0, xs);
+            b_rows(sc, 0, bt[0], 0, 16);
             for (int k = 0; k < steps; ++k) {
                 _tile_loadd(7, bt[k & 1], 64);
                 uint32_t* next = bt[(k + 1) & 1];
                 const int more = k + 1 < steps ? 4 : 0;  // rows of the next B tile formed after each product
-                STEP(0) b_rows(sc, k + 1, x + i0, xs, next, 0, more);
-                STEP(1) b_rows(sc, k + 1, x + i0, xs, next, more, 2 * more);
-                STEP(2) b_rows(sc, k + 1, x + i0, xs, next, 2 * more, 3 * more);
-                STEP(3) b_rows(sc, k + 1, x + i0, xs, next, 3 * more, 4 * more);
+                STEP(0) b_rows(sc, k + 1, next, 0, more);
+                STEP(1) b_rows(sc, k + 1, next, more, 2 * more);
+                STEP(2) b_rows(sc, k + 1, next, 2 * more, 3 * more);
+                STEP(3) b_rows(sc, k + 1, next, 3 * more, 4 * more);
                 if (tail) {
                     _tile_loadd(6, ap + k * 16, pk * 4);
                     _tile_dpbf16ps(4, 6, 7);
