@@ -1,4 +1,5 @@
-"""Operator settings side by side on this machine: this machine's tuned choice against other machines' (issue 36).
+"""Operator settings side by side on this machine: this machine's tuned choice against other machines' (issue 36),
+or against another readout of bf16 queries at the tuned settings.
 
 One process, the Qwen head shape (B=1, Hq=14, Hkv=2, d=dv=64, G=5), causal forward at one length. The settings are
 timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift in the machine's speed falls on all of them
@@ -7,6 +8,7 @@ per setting and its ratio to the tuned choice. Writes `--out` (default benchmark
 beside it, and prints a table.
 
     python -m benchmarks.settings_ab --n 16384 --settings 64x2,pipeline 64x4,serial
+    python -m benchmarks.settings_ab --n 16384 --dtype bfloat16 --readouts dots widened --quiet-only
 """
 
 # ruff: noqa: E402  (the arguments are parsed before the heavy imports)
@@ -27,6 +29,8 @@ from benchmarks._common import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the fused kernel's bf16 readouts by name: (cpu_kernel.AMX, cpu_kernel.BF16_DOTS)
+READOUTS = {"dots": (False, True), "widened": (False, False)}
 OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/settings_ab.json) and a PNG beside it; the table "
            "on stdout, the load averages on stderr")
 
@@ -34,9 +38,13 @@ OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/settings_ab.j
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ToolParser(__doc__, OUTPUTS)
     parser.add_argument("--n", type=int_in(1, MAX_TOKENS), default=16384, help="sequence length")
-    parser.add_argument("--settings", nargs="+", required=True, type=settings_text,
+    parser.add_argument("--settings", nargs="*", default=[], type=settings_text,
                         metavar="CHUNKxBLOCKS[,serial|pipeline[,kvN]]",
                         help="the other settings to time beside the tuned ones (e.g. another machine's choice)")
+    parser.add_argument("--readouts", nargs="*", default=[], choices=tuple(READOUTS),
+                        help="other readouts of the fused CPU kernel for bf16 queries, at the tuned settings: dots "
+                             "(vector bf16 dot products, not the AMX tiles; OAL_CPU_AMX=0), widened (the fp32 "
+                             "kernel)")
     parser.add_argument("--rounds", type=int_in(1, 1000), default=5)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--quiet-only", action="store_true", help="skip the rounds beside a busy process")
@@ -44,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_timing_args(parser)
     args = parser.parse_args(argv)
     check_timing_args(parser, args)
+    if not args.settings and not args.readouts:
+        parser.error("give --settings or --readouts (what to time beside the tuned settings)")
     return args
 
 
@@ -71,23 +81,34 @@ def _rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def run(n: int, others: list[str], rounds: int, dtype: torch.dtype, loaded: bool = True) -> dict:
+def run(n: int, others: list[str], rounds: int, dtype: torch.dtype, loaded: bool = True,
+        readouts: tuple[str, ...] = ()) -> dict:
     """Median seconds of the tuned settings ("tuned": the cache, else the fixed defaults) and of each of `others`
-    (benchmarks.operator --settings strings), quiet and, with `loaded`, beside one busy process."""
-    from oal.ops import chunked, oal_attention, tuning
+    (benchmarks.operator --settings strings) and `readouts` (READOUTS, at the tuned settings: "tuned, dots"), quiet
+    and, with `loaded`, beside one busy process."""
+    from oal.ops import chunked, cpu_kernel, oal_attention, tuning
     from oal.ops.autotune import busy_process
 
     load_before = os.getloadavg()[0]
     q, k, v, groups, factor = _inputs(n, "cpu", dtype)
-    pinned = {"tuned": chunked.current_settings(dtype)} | {s: parse_settings(s) for s in others}
+    tuned = chunked.current_settings(dtype)
+    pinned = {"tuned": tuned} | {s: parse_settings(s) for s in others}
+    flags = {name: (cpu_kernel.AMX, cpu_kernel.BF16_DOTS) for name in pinned}
+    for r in readouts:
+        pinned[f"tuned, {r}"], flags[f"tuned, {r}"] = tuned, READOUTS[r]
 
-    def make(settings):
+    def make(settings, readout):
         def call():
-            with tuning.forced(settings), torch.no_grad():
-                oal_attention(q, k, v, groups, factor, backend="chunked")
+            kept = cpu_kernel.AMX, cpu_kernel.BF16_DOTS
+            cpu_kernel.AMX, cpu_kernel.BF16_DOTS = readout
+            try:
+                with tuning.forced(settings), torch.no_grad():
+                    oal_attention(q, k, v, groups, factor, backend="chunked")
+            finally:
+                cpu_kernel.AMX, cpu_kernel.BF16_DOTS = kept
         return call
 
-    calls = {name: make(s) for name, s in pinned.items()}
+    calls = {name: make(s, flags[name]) for name, s in pinned.items()}
     for call in calls.values():
         call()  # warm-up: each setting's scratch and workers
     result = {"quiet": _rounds(calls, rounds)}
@@ -96,7 +117,7 @@ def run(n: int, others: list[str], rounds: int, dtype: torch.dtype, loaded: bool
             result["loaded"] = _rounds(calls, rounds)
     return {"n": n, "dtype": str(dtype).removeprefix("torch."), "rounds": rounds, "threads": torch.get_num_threads(),
             "clock": _common.CLOCK_NAME, "load_before": load_before, "load_after": os.getloadavg()[0],
-            "settings": {name: s.label() for name, s in pinned.items()},
+            "settings": {name: s.label() for name, s in pinned.items()}, "readout": cpu_kernel.describe(),
             "source": tuning.source(dtype), "times": result, "cpu": tuning.cpu_info(), "torch": torch.__version__,
             "median": {cond: {name: statistics.median(ts) for name, ts in times.items()}
                        for cond, times in result.items()}}
@@ -126,7 +147,8 @@ def _plot(res: dict, path: Path) -> None:
 
 def main(args: argparse.Namespace) -> None:
     apply_timing_args(None, args)
-    res = run(args.n, args.settings, args.rounds, getattr(torch, args.dtype), loaded=not args.quiet_only)
+    res = run(args.n, args.settings, args.rounds, getattr(torch, args.dtype), loaded=not args.quiet_only,
+              readouts=tuple(args.readouts))
 
     from rich.console import Console
     from rich.table import Table
