@@ -422,7 +422,7 @@ struct AmxScratch {
     int d, dv1, pairs, pk;
     std::vector<int32_t> lo, hi;  // each pair's state rows (hi -1: none)
     std::vector<int32_t> rr, rt;
-    std::vector<float> wp;  // [pk, 2]
+    std::vector<float> wp;  // [heads, pk, 2]: every query head's weights in pair order (`weights`)
     std::vector<uint32_t> spt;
     std::vector<float> xd, xp;  // [d, 32]: per row r, x_r of each token twice; (x_r, x_r+1) of each token (0 past d)
 
@@ -436,7 +436,6 @@ struct AmxScratch {
             }
         rr.resize(pk, 0);
         rt.resize(pk, 0);
-        wp.assign((size_t)pk * 2, 0.0f);
         spt.assign((size_t)(dv1 + 15) / 16 * 16 * pk, 0u);
         xd.assign((size_t)d * 32, 0.0f);
         xp.assign((size_t)d * 32, 0.0f);
@@ -448,11 +447,14 @@ struct AmxScratch {
         return *kept;
     }
 
-    void weights(const float* w) {  // the head's F weights, gathered in pair order
-        for (int p = 0; p < pairs; ++p) {
-            wp[2 * p] = w[lo[p]];
-            wp[2 * p + 1] = hi[p] >= 0 ? w[hi[p]] : 0.0f;
-        }
+    void weights(const float* w, int heads, int feats) {  // w [heads, F], once per call: the same for every chunk
+        wp.assign((size_t)heads * pk * 2, 0.0f);
+        for (int h = 0; h < heads; ++h)
+            for (int p = 0; p < pairs; ++p) {
+                const float* wh = w + (ptrdiff_t)h * feats;
+                wp[((size_t)h * pk + p) * 2] = wh[lo[p]];
+                wp[((size_t)h * pk + p) * 2 + 1] = hi[p] >= 0 ? wh[hi[p]] : 0.0f;
+            }
     }
 
     // xd and xp for 16 tokens: x at the first, row r at x + r * xs. Lanes 2n, 2n + 1 of each half hold token n
@@ -478,11 +480,12 @@ struct AmxScratch {
 
 // Rows from..to of B tile k of one head and the 16 tokens of sc.tokens: row i holds pair p = 16k + i's weighted
 // features (w_rt q_r q_t, w_r,t+1 q_r q_t+1) of the tokens as bf16 pairs: (x_r x_r) * (x_t x_t+1) * (w w'), per half.
-static inline void b_rows(const AmxScratch& sc, int k, uint32_t* bt, int from, int to) {
+// wp: the head's weights in sc.wp.
+static inline void b_rows(const AmxScratch& sc, const float* wp, int k, uint32_t* bt, int from, int to) {
     for (int i = from; i < to; ++i) {
         const int p = k * 16 + i;
         double wpair;  // the two weights, broadcast as one 64-bit lane
-        __builtin_memcpy(&wpair, sc.wp.data() + 2 * p, sizeof wpair);
+        __builtin_memcpy(&wpair, wp + 2 * p, sizeof wpair);
         const __m512 ww = _mm512_castpd_ps(_mm512_set1_pd(wpair));
         const float* dr = sc.xd.data() + (ptrdiff_t)sc.rr[p] * 32;
         const float* pt = sc.xp.data() + (ptrdiff_t)sc.rt[p] * 32;
@@ -497,9 +500,10 @@ static inline void b_rows(const AmxScratch& sc, int k, uint32_t* bt, int from, i
 // The quadratic part of one head's numerator on the tiles: out rows 0..dv1 x tokens 0..c (row o at out + o * os)
 // += spt . phi. The B tiles are formed 16 pairs x 16 tokens at a time in L1, the next one between the current
 // one's products (the vector units and the tile unit work side by side); x: the head's queries at token 0, row r at
-// x + r * xs (sc.wp: its weights); c a multiple of 16. Passes of four whole output blocks, the part (dv1 % 16 rows)
+// x + r * xs, wp its weights in sc.wp; c a multiple of 16. Passes of four whole output blocks, the part (dv1 % 16 rows)
 // in the last.
-static void head_amx(AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv1, float* out, ptrdiff_t os) {
+static void head_amx(AmxScratch& sc, const float* x, ptrdiff_t xs, const float* wp, int c, int dv1, float* out,
+                     ptrdiff_t os) {
     alignas(64) uint32_t bt[2][16 * 16];
     const int steps = sc.pk / 16, pk = sc.pk, whole = dv1 / 16, part = dv1 % 16;
     const int passes = whole == 0 ? 1 : (whole + 3) / 4;
@@ -521,15 +525,15 @@ static void head_amx(AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv
     if (nb > b) { _tile_loadd(5, a + (ptrdiff_t)(b) * 16 * pk + k * 16, pk * 4); _tile_dpbf16ps(b, 5, 7); }
             C_TILES(_tile_loadd)
             sc.tokens(x + i0, xs);
-            b_rows(sc, 0, bt[0], 0, 16);
+            b_rows(sc, wp, 0, bt[0], 0, 16);
             for (int k = 0; k < steps; ++k) {
                 _tile_loadd(7, bt[k & 1], 64);
                 uint32_t* next = bt[(k + 1) & 1];
                 const int more = k + 1 < steps ? 4 : 0;  // rows of the next B tile formed after each product
-                STEP(0) b_rows(sc, k + 1, next, 0, more);
-                STEP(1) b_rows(sc, k + 1, next, more, 2 * more);
-                STEP(2) b_rows(sc, k + 1, next, 2 * more, 3 * more);
-                STEP(3) b_rows(sc, k + 1, next, 3 * more, 4 * more);
+                STEP(0) b_rows(sc, wp, k + 1, next, 0, more);
+                STEP(1) b_rows(sc, wp, k + 1, next, more, 2 * more);
+                STEP(2) b_rows(sc, wp, k + 1, next, 2 * more, 3 * more);
+                STEP(3) b_rows(sc, wp, k + 1, next, 3 * more, 4 * more);
                 if (tail) {
                     _tile_loadd(6, ap + k * 16, pk * 4);
                     _tile_dpbf16ps(4, 6, 7);
@@ -542,9 +546,10 @@ static void head_amx(AmxScratch& sc, const float* x, ptrdiff_t xs, int c, int dv
     }
 }
 
-// One item on the tiles (x already widened to fp32): per head the fp32 part into `out`, then the pairs on AMX.
+// One item on the tiles (x already widened to fp32; kv its KV head, whose weights w are): per head the fp32 part
+// into `out`, then the pairs on AMX.
 static void item_amx(const float* x, const float* w, const float* s, float* out, int d, int rep, int c, int dv1,
-                     int feats, AmxScratch& sc, const ItemIntra& it, const Intra* in) {
+                     int feats, AmxScratch& sc, int kv, const ItemIntra& it, const Intra* in) {
     const ptrdiff_t xs = (ptrdiff_t)rep * c, os = (ptrdiff_t)rep * c;
     state_pairs_t(s, dv1, sc.lo.data(), sc.hi.data(), sc.pairs, sc.pk, sc.spt.data());
     for (int j = 0; j < rep; ++j) {
@@ -552,8 +557,8 @@ static void item_amx(const float* x, const float* w, const float* s, float* out,
         const float* xj = x + (ptrdiff_t)j * c;
         // constant, linear and the chunk's keys in fp32: the dot products' tiles without pairs
         head_dp(xj, xs, wj, s, dv1, nullptr, nullptr, c, 0, out + (ptrdiff_t)j * c, os, d, it, in, j);
-        sc.weights(wj);
-        head_amx(sc, xj, xs, c, dv1, out + (ptrdiff_t)j * c, os);
+        const float* wp = sc.wp.data() + ((ptrdiff_t)kv * rep + j) * sc.pk * 2;
+        head_amx(sc, xj, xs, wp, c, dv1, out + (ptrdiff_t)j * c, os);
     }
 }
 #else
@@ -680,24 +685,17 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
     std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0);
 #if HAVE_AMX
-    if (mode == 2 && amx_permitted()) {
-        AmxScratch& sc = AmxScratch::of(d, dv1);
+    const bool tiles = mode == 2 && amx_permitted();
+    AmxScratch* sc = tiles ? &AmxScratch::of(d, dv1) : nullptr;
+    if (tiles) {
+        sc->weights(w, hkv * rep, feats);
         amx_configure(dv1 % 16);  // the tile configuration is the thread's own
-        for (int64_t k = begin; k < end; ++k) {
-            const uint16_t* xk = x + k * xn;
-            for (ptrdiff_t i = 0; i < xn; i += VW)
-                *(vu*)(wide.data() + i) = __builtin_convertvector(*(const vh*)(xk + i), vu) << 16;
-            const int kv = (int)(k % hkv);
-            const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
-            item_amx(wide.data(), w + kv * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats,
-                     sc, it, &in);
-        }
-        _tile_release();
-        return;
     }
+#else
+    [[maybe_unused]] const bool tiles = false;
 #endif
-    const int dots = mode != 0;
 #if HAVE_DP
+    const bool dots = mode != 0 && !tiles;
     const int pairs = pair_count(d);
     std::vector<uint32_t> sp(dots ? (size_t)pairs * dv1 : 0), pp(dots ? (size_t)pairs * c : 0);
 #endif
@@ -708,6 +706,12 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
         const int kv = (int)(k % hkv);
         const float* wk = w + kv * (ptrdiff_t)rep * feats;
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
+#if HAVE_AMX
+        if (tiles) {
+            item_amx(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, *sc, kv, it, &in);
+            continue;
+        }
+#endif
 #if HAVE_DP
         if (dots) {
             item_dp(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, sp.data(), pp.data(), it, &in);
@@ -716,6 +720,9 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
 #endif
         item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
     }
+#if HAVE_AMX
+    if (tiles) _tile_release();
+#endif
 }
 
 // One decoding call of the token loop (Algorithm 1: Eq. 5, then Eq. 6) on the state, for items [begin, end), item
