@@ -19,7 +19,8 @@ import tempfile
 
 # (B, Hq, Hkv, N, d, dv, chunk in vectors, groups)
 SHAPES = [(1, 14, 2, 700, 64, 64, 2, 5), (2, 3, 1, 261, 5, 7, 1, 3), (1, 4, 2, 333, 17, 12, 3, 4),
-          (1, 2, 2, 100, 1, 1, 1, 1), (1, 6, 3, 129, 9, 30, 4, 15), (2, 2, 1, 40, 3, 150, 1, 2)]
+          (1, 2, 2, 100, 1, 1, 1, 1), (1, 6, 3, 129, 9, 30, 4, 15), (2, 2, 1, 40, 3, 150, 1, 2),
+          (2, 3, 1, 300, 5, 150, 2, 3)]  # the last: bf16's chain of states on AMX with a part of 5 rows, 7 columns
 
 
 def _libasan() -> str:

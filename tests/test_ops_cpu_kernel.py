@@ -34,12 +34,13 @@ def make(b, hq, hkv, n, d, dv, g=3, dtype=torch.float32, seed=0):
 
 
 class Calls(list):
-    """The fused readout's calls: the queries' dtype of each, and in `intras` whether it took the intra-chunk
-    term."""
+    """The fused readout's calls: the queries' dtype of each, in `intras` whether it took the intra-chunk term and
+    in `finals` whether it wrote the normalised output itself."""
 
     def __init__(self):
         super().__init__()
         self.intras = []
+        self.finals = []
 
 
 @pytest.fixture
@@ -49,10 +50,11 @@ def calls(monkeypatch):
     seen = Calls()
     real = cpu_kernel.readout
 
-    def spy(x, w, states, out, intra=None):
+    def spy(x, w, states, out, intra=None, final=None):
         seen.append(x.dtype)
         seen.intras.append(intra is not None)
-        return real(x, w, states, out, intra)
+        seen.finals.append(final is not None)
+        return real(x, w, states, out, intra, final)
 
     monkeypatch.setattr(cpu_kernel, "readout", spy)
     return seen
@@ -88,6 +90,7 @@ def test_fused_readout_matches_reference_and_torch_path(monkeypatch, calls, shap
         torch.set_num_threads(threads)
     assert calls and set(calls) == {torch.float32}  # the fused readout ran, and only where it was on
     assert all(calls.intras)  # with the chunks' own keys (the torch intra-chunk GEMMs did not run)
+    assert all(calls.finals)  # and divided into the output itself
     # fp32 level (its sums run in another order than the GEMM's: about 3x the torch path's error, 1e-6 here)
     assert _rel(got, want) < 1e-5 and _rel(state, want_state) < 1e-5, (_rel(got, want), _rel(state, want_state))
     assert _rel(got, torch_path.double()) < 1e-5
@@ -131,11 +134,13 @@ def _bf16_mode(monkeypatch, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["amx", "dots", "fp32"])
 @pytest.mark.parametrize("d", [64, 5])
 def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, mode, d):
-    """bf16 queries: with their quadratic features on AMX tiles or in bf16 dot products (features and state rounded
-    to bf16, fp32 accumulation; odd d pads the last pair of a row) or widened to fp32, the error against float64 is
-    no larger than the torch bf16 path's, and stays at bf16 SDPA's level."""
+    """bf16 queries: with their quadratic features on AMX tiles (and the chunk states there too) or in bf16 dot
+    products (features and state rounded to bf16, fp32 accumulation; odd d pads the last pair of a row) or widened
+    to fp32, the error against float64 is no larger than the torch bf16 path's, and stays at bf16 SDPA's level."""
     monkeypatch.setenv("OAL_CPU_BF16", "1")
     _bf16_mode(monkeypatch, mode)
+    chains, real = [], cpu_kernel.states
+    monkeypatch.setattr(cpu_kernel, "states", lambda *a: chains.append(1) or real(*a))
     q, k, v, groups, factor = make(1, 4, 2, 600, d, 64, g=5, dtype=torch.bfloat16)
     want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
     with torch.inference_mode():
@@ -143,6 +148,7 @@ def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, mode, d):
         monkeypatch.setenv("OAL_CPU_KERNEL", "0")
         torch_path = oal_attention(q, k, v, groups, factor.float())
     assert calls == [torch.bfloat16] * len(calls) and calls and all(calls.intras)
+    assert bool(chains) == (mode == "amx")  # the chunk states on the tiles too (chunks of 64 tokens)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_err = _rel(sdpa(q, k, v, is_causal=True, enable_gqa=True),
                     sdpa(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True))
@@ -188,6 +194,86 @@ def test_amx_readout_matches_the_dot_products_and_float64(monkeypatch, shape):
     assert _rel(got["amx"], want) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["amx", "dots", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 2, 2, 5, 3, 48, 8), (3, 1, 2, 64, 7, 64, 65), (1, 1, 1, 9, 2, 32, 21)])
+def test_the_kernels_own_division_is_the_torch_division(monkeypatch, mode, shape):
+    """With `final` the kernel divides each numerator by its denominator (Eq. 6-7) and writes the output rows
+    itself: the same bits as torch dividing the numerator it returns into a strided view of the output, fp32 and
+    bf16 (round to nearest even, NaN as torch writes it), value widths of whole vectors, a part (7, 20) and
+    both; every other entry of the output's storage untouched."""
+    nc, b, hkv, d, rep, c, dv1 = shape
+    if mode != "fp32":
+        _bf16_mode(monkeypatch, mode)
+    gen = torch.Generator().manual_seed(sum(shape))
+    feats = 1 + d + d * (d + 1) // 2
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    x = torch.randn(nc, b, hkv, d, rep, c, generator=gen).to(dtype)
+    w = torch.randn(hkv, rep, feats, generator=gen)
+    states = torch.randn(nc, b, hkv, feats, dv1, generator=gen)
+    states[0, 0, 0, :, -1] = 0  # a zero denominator for the first item: inf outputs, as torch gives,
+    states[0, 0, 0, 0] = 0  # and NaN where the numerator is 0 too (queries 0 leave only the constant feature)
+    x[0, 0, 0, :, 0, :3] = 0
+    num = cpu_kernel.readout(x, w, states, torch.empty(nc, b, hkv, dv1, rep * c))
+    # the operator's output [B, Hq, N, dv] lives in a wider buffer: its rows are strided
+    room = torch.full((b, hkv * rep + 1, nc * c + 5, dv1 + 2), -7.0).to(dtype)
+    final = room[:, 1:, 3 : 3 + nc * c, 1:dv1]
+    got = cpu_kernel.readout(x, w, states, None, final=final)
+    assert got is final
+    want = torch.full_like(room, -7.0)
+    num = num.view(nc, b, hkv, dv1, rep, c)
+    res = want[:, 1:, 3 : 3 + nc * c, 1:dv1].view(b, hkv, rep, nc, c, dv1 - 1).permute(3, 0, 1, 5, 2, 4)
+    torch.div(num[:, :, :, :-1], num[:, :, :, -1:], out=res)
+    assert final.isnan().any() and final.isinf().any()
+    assert torch.equal(room.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+# (B, Hkv, F, chunks, chunk, dv + 1): the Qwen head shape at chunks of 64 and 128; F and dv + 1 with parts only
+# (5, 3), whole 16-row blocks and a part (37 = 2 x 16 + 5; 20 = 16 + 4), whole only (16), several column passes (151)
+CHAIN_SHAPES = [(1, 2, 2145, 3, 64, 65), (2, 3, 37, 2, 32, 20), (1, 1, 16, 1, 96, 16), (1, 1, 5, 2, 32, 3),
+                (1, 2, 2145, 2, 128, 151)]
+
+
+@pytest.mark.parametrize("shape", CHAIN_SHAPES)
+def test_amx_chain_of_states_is_exact_in_fp32(shape):
+    """The chain of chunk states on the AMX tiles (Eq. 5: S_{c+1} = S_c + psi(K_c)^T U_c) against float64 on the
+    same bf16 features and values: fp32 level (the products are exact on the tiles, the sums fp32), where the torch
+    path's bf16 increments are not; every state written (NaN-filled before); the values' rows strided by head as
+    the operator's slices are."""
+    if not cpu_kernel.amx():
+        pytest.skip("no AMX-BF16 here (or the OS does not grant the tile registers)")
+    b, hkv, feats, nc, c, dv1 = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    psi = torch.randn(b, hkv, feats, nc * c, generator=gen).to(torch.bfloat16)
+    ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen).to(torch.bfloat16)[:, 1:]  # a slice of heads
+    prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
+    prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
+    assert cpu_kernel.chains(psi, torch.float32, c)
+    assert cpu_kernel.states(psi, ug, prev) is prev
+    want = [prev[0].double()]
+    for i in range(nc):
+        want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
+    want = torch.stack(want)
+    assert _rel(prev, want) < 1e-6
+    rounded = want[0] + torch.stack([(psi[..., i * c : (i + 1) * c] @ ug[:, :, i * c : (i + 1) * c]).double()
+                                     for i in range(nc)]).cumsum(0)
+    assert _rel(rounded, want[1:]) > 10 * _rel(prev[1:], want[1:])  # what the torch path's rounding costs
+
+
+def test_chain_of_states_refuses_layouts_it_would_misread():
+    psi, ug = torch.zeros(1, 2, 10, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, 5, dtype=torch.bfloat16)
+    prev = torch.zeros(2, 1, 2, 10, 5)
+    assert not cpu_kernel.chains(psi.float(), torch.float32, 64) and not cpu_kernel.chains(psi, torch.float32, 48)
+    with pytest.raises(ValueError, match="psi: expected contiguous bfloat16"):
+        cpu_kernel.states(psi.float(), ug, prev)
+    with pytest.raises(ValueError, match="C a multiple of 32 for 3 chunks"):  # 63 tokens: chunks of 21
+        cpu_kernel.states(psi[..., :63].contiguous(), ug, torch.zeros(4, 1, 2, 10, 5))
+    with pytest.raises(ValueError, match="ug: expected bfloat16 values"):
+        cpu_kernel.states(psi, ug.transpose(-1, -2).contiguous().transpose(-1, -2), prev)
+    with pytest.raises(ValueError, match="prev: expected a contiguous float32"):
+        cpu_kernel.states(psi, ug, prev.double())
+
+
 def test_not_used_under_autograd_fp64_or_odd_chunks(calls):
     """Gradients, float64 and chunks that are not whole vectors run the torch path (and stay exact)."""
     q, k, v, groups, factor = make(1, 4, 2, 300, 8, 4)
@@ -224,6 +310,15 @@ def test_readout_refuses_layouts_the_kernel_would_misread():
         cpu_kernel.readout(x, w, states, out.transpose(-1, -2).contiguous().transpose(-1, -2))
     with pytest.raises(ValueError, match="x: expected"):
         cpu_kernel.readout(x.transpose(-1, -2).contiguous().transpose(-1, -2), w, states, out)
+    final = torch.zeros(1, 4, cpu_kernel.vector_width(), 3)
+    cpu_kernel.readout(x, w, states, None, final=final)  # the output it writes
+    with pytest.raises(ValueError, match="exactly one of out"):
+        cpu_kernel.readout(x, w, states, out, final=final)
+    with pytest.raises(ValueError, match="final: .*shape \\[1, 4, 16, 3\\]" if cpu_kernel.vector_width() == 16
+                       else "final: expected"):
+        cpu_kernel.readout(x, w, states, None, final=final[:, :3])
+    with pytest.raises(ValueError, match="final: .*last dim is contiguous"):
+        cpu_kernel.readout(x, w, states, None, final=final.transpose(-1, -2).contiguous().transpose(-1, -2))
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="no nm (binutils) to list the library's symbols")

@@ -20,7 +20,9 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7). The constant L_0m rides in the GEMM (a row of
   the query operand against a column of ones beside the keys), which saves a pass over z.
 For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
-running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32.
+running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32. Where the
+fused kernel runs it also divides the numerator into the output itself (`cpu_kernel.readout`'s `final`), and on a
+CPU with AMX tiles builds bf16's chain of chunk states (`cpu_kernel.states`).
 torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
 above. Under autograd every block is checkpointed: only the block inputs and the running state are kept, and the
 d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
@@ -172,7 +174,9 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
 
     psi [B, Hkv, F, T] and ug [B, Hkv, T, dv+1] (T = nc * chunk) in the GEMM dtype. In the state's dtype each step
     is one GEMM that adds onto the previous state as it writes the next (baddbmm), so every chunk state is written
-    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation) summed in fp32.
+    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation, rounded to bf16) summed in fp32, and
+    on a CPU with AMX tiles the fused kernel runs the whole chain instead (`cpu_kernel.states`: the products summed
+    onto the fp32 state on the tiles, one pass per chunk state and no rounding of the increment).
     """
     n_c = psi.shape[-1] // chunk
     bsz, n_kv, feats, dv1 = start.shape
@@ -185,6 +189,8 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
             incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
             return torch.cat([start.unsqueeze(0), start + torch.stack(incs).to(sdt).cumsum(0)])
         prev[0].copy_(start)
+        if cpu_kernel.chains(psi, sdt, chunk):  # bf16 on AMX tiles: one pass per chunk state, exact products
+            return cpu_kernel.states(psi, ug, prev)
         inc = None if psi.dtype == sdt else _scratch(ws, "inc", start.shape, psi.dtype, start.device)
         for c in range(n_c):
             ps, us = psi[..., c * chunk : (c + 1) * chunk], ug[:, :, c * chunk : (c + 1) * chunk]
@@ -237,15 +243,19 @@ def _fused(xq, sdt: torch.dtype, ws, heads) -> bool:
     return ws is not None and heads is not None and cpu_kernel.supports(xq, sdt)
 
 
-def _fused_readout(xq, heads: cpu_kernel.Heads, states, ws, intra=None):
+def _fused_readout(xq, heads: cpu_kernel.Heads, states, ws, intra=None, final=None):
     """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] against states [nc, B, Hkv, F, dv+1] ->
-    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7)."""
+    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7). With `final`
+    (the block's output [B, Hq, nc * C, dv], with intra) the kernel normalises into it and returns it: the
+    numerator is never written out."""
     n_c, bsz, n_kv, d, rep, c = xq.shape
-    num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
+    num = None
+    if final is None:
+        num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
     if intra is not None:
         intra = cpu_kernel.Intra(intra[0], intra[1], heads.order, heads.bounds, heads.lower, intra[2])
     with record_function("oal.readout"):
-        return cpu_kernel.readout(xq, heads.rows.view(n_kv, rep, -1), states, num, intra)
+        return cpu_kernel.readout(xq, heads.rows.view(n_kv, rep, -1), states, num, intra, final)
 
 
 def _normalise(num_t, n_q: int, out=None, raw: bool = False):
@@ -315,6 +325,8 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
     num = None
     if prev is not None and "xq" in parts:
         intra = (kb, ub, eps) if qw is None else None  # None: the torch intra-chunk term below
+        if intra is not None and out is not None and not raw:  # the whole output in the kernel
+            return _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra, final=out)
         num = _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra)
         if intra is not None:
             return _normalise(num, n_q, out, raw)

@@ -16,9 +16,11 @@ which releases the GIL, so the operator's worker threads run it side by side. (t
 compile torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
 
 It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16, the
-AMX tiles where it has AMX-BF16 and `OAL_CPU_AMX` is not 0) whose chunk is a multiple of the vector width;
-everything else, autograd and fp64 included, runs the torch path, which stays the reference (tests compare the
-two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere (one log line says why).
+AMX tiles where it has AMX-BF16 and `OAL_CPU_AMX` is not 0) whose chunk is a multiple of the vector width, and
+writes their normalised output itself; on the AMX tiles it also builds bf16's chain of chunk states (`states`,
+chunks of whole 32-token steps). Everything else, autograd and fp64 included, runs the torch path, which stays the
+reference (tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere
+(one log line says why).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
 
-__all__ = ["Heads", "Intra", "amx", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled",
-           "heads", "readout", "supports", "vector_width", "window_decode"]
+__all__ = ["Heads", "Intra", "amx", "available", "bf16_dots", "build", "chains", "decode", "decodes", "describe",
+           "enabled", "heads", "readout", "states", "supports", "vector_width", "window_decode"]
 
 log = logging.getLogger("oal")
 
@@ -63,7 +65,7 @@ _STATUS = ""  # the built library's path, or why there is none
 _SAID_OFF = False
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
 SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_readout_f32", "oal_readout_bf16",
-           "oal_decode_f32", "oal_window_decode_f32")
+           "oal_states_bf16", "oal_decode_f32", "oal_window_decode_f32")
 
 
 def enabled() -> bool:
@@ -154,9 +156,12 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
         raise _NotTheKernel(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
+    final = [ptr, i64, i64, i64, i32, i32]  # the normalised output, its strides, bf16 or not, the batch
     lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = lib.oal_readout_amx.restype = i32
-    lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra
-    lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra
+    lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra + final
+    lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra + final
+    lib.oal_states_bf16.restype = i32
+    lib.oal_states_bf16.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, i64, i32, i32, i32, i32]
     lib.oal_decode_f32.argtypes = [ptr] * 7 + [i64, ptr, i64, i64] + [i32] * 5
     lib.oal_window_decode_f32.argtypes = [ptr] * 5 + [i64] + [ptr] * 4 + [i64, i64] + [i32] * 7 + [f32, f32]
     return lib
@@ -194,7 +199,9 @@ def describe() -> str:
         return "fused CPU kernel: off (OAL_CPU_KERNEL=0); the torch path runs"
     if _load() is None:
         return f"fused CPU kernel: unavailable ({_STATUS}); the torch path runs"
-    dots = ("AMX tiles for bf16" if amx() else "bf16 dot products for bf16") if bf16_dots() else "bf16 widened to fp32"
+    dots = "bf16 widened to fp32"
+    if bf16_dots():
+        dots = "AMX tiles for bf16 (readout and chunk states)" if amx() else "bf16 dot products for bf16"
     return f"fused CPU kernel: {vector_width()}-wide fp32 vectors, {dots} ({_STATUS})"
 
 
@@ -272,11 +279,13 @@ def heads(w_rows: torch.Tensor, groups: torch.Tensor, factor: torch.Tensor, scal
     return Heads(rows, order, bounds.contiguous(), lower.contiguous())
 
 
-def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
-            intra: Intra | None = None) -> torch.Tensor:
+def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor | None,
+            intra: Intra | None = None, final: torch.Tensor | None = None) -> torch.Tensor:
     """num^T = S^T phi(Q)^T for every (chunk, batch, KV head), written into `out` (Eq. 6), phi(Q) = w * psi(Q);
     with `intra` plus each chunk's own keys, sum_{l <= i in the chunk} kappa(i, l) u_l (Eq. 7), so that `out` is
-    the whole numerator.
+    the whole numerator. With `final` the kernel divides each item's numerator by its denominator itself and writes
+    the output there instead (then `out` is None and `final` is returned): final [B, Hkv * rep, nc * C, dv] fp32
+    or bf16, dv contiguous (a view of the operator's output), row t from chunk t // C.
 
     x [nc, B, Hkv, d, rep, C] (fp32 or bf16), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out
     [nc, B, Hkv, dv+1, rep * C] fp32, all contiguous (`supports`). bf16 x runs bf16 dot products for the quadratic
@@ -288,14 +297,26 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
     dv1 = states.shape[-1]
     feats = feature_dim(d)
     # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
-    for name, t, shape in (("w", w, (n_kv, rep, feats)), ("states", states, (n_c, bsz, n_kv, feats, dv1)),
-                           ("out", out, (n_c, bsz, n_kv, dv1, rep * c))):
+    checks = [("w", w, (n_kv, rep, feats)), ("states", states, (n_c, bsz, n_kv, feats, dv1))]
+    if (out is None) == (final is None):
+        raise ValueError("readout: pass exactly one of out (the numerator) and final (the output)")
+    if out is not None:
+        checks.append(("out", out, (n_c, bsz, n_kv, dv1, rep * c)))
+    for name, t, shape in checks:
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a contiguous float32 CPU tensor of shape {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
     if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or c % vector_width():
         raise ValueError(f"x: expected contiguous float32 or bfloat16 queries whose last dim is a multiple of "
                          f"{vector_width()}, got {x.dtype} {list(x.shape)}")
+    fin = (None, 0, 0, 0, 0, bsz)
+    if final is not None:
+        shape = (bsz, n_kv * rep, n_c * c, dv1 - 1)
+        if (final.dtype not in (torch.float32, torch.bfloat16) or tuple(final.shape) != shape
+                or final.stride(-1) != 1 or final.device.type != "cpu"):
+            raise ValueError(f"final: expected a float32 or bfloat16 CPU tensor of shape {list(shape)} whose last "
+                             f"dim is contiguous, got {final.dtype} {list(final.shape)} strides {final.stride()}")
+        fin = (final.data_ptr(), *final.stride()[:3], int(final.dtype == torch.bfloat16), bsz)
     extra = (None, None, None, None, None, 0, 0.0)
     if intra is not None:
         g1 = intra.lower.shape[-1]
@@ -312,17 +333,61 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
         extra = (*(t.data_ptr() for t in intra[:5]), g1 - 1, float(intra.eps))
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)
-    ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), out.data_ptr())
+    ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), None if out is None else out.data_ptr())
     mode = 2 if amx() else int(bf16_dots())  # oal_readout_bf16's mode
 
     def run(begin: int, end: int) -> None:
         if x.dtype == torch.float32:
-            lib.oal_readout_f32(*ptrs, begin, end, *dims, *extra)
+            lib.oal_readout_f32(*ptrs, begin, end, *dims, *extra, *fin)
         else:
-            lib.oal_readout_bf16(*ptrs, begin, end, *dims, mode, *extra)
+            lib.oal_readout_bf16(*ptrs, begin, end, *dims, mode, *extra, *fin)
 
     _split(run, items, min(torch.get_num_threads(), items))
-    return out
+    return out if final is None else final
+
+
+def chains(psi: torch.Tensor, state_dtype: torch.dtype, chunk: int) -> bool:
+    """Whether `states` builds the chunk states of bf16 key features psi against a state of `state_dtype` here:
+    the AMX tiles (`amx`), bf16 features, an fp32 state, chunks of whole 32-token tile steps, no autograd."""
+    return (psi.device.type == "cpu" and psi.dtype == torch.bfloat16 and state_dtype == torch.float32
+            and chunk % 32 == 0 and not (torch.is_grad_enabled() and psi.requires_grad) and enabled() and amx())
+
+
+def states(psi: torch.Tensor, ug: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The chain of chunk states on the AMX tiles (`chains`): prev[c+1] = prev[c] + psi(K_c)^T U_c for every chunk
+    c (Eq. 5), written into prev [nc+1, B, Hkv, F, dv+1] fp32, whose prev[0] holds the state before the first
+    chunk. psi [B, Hkv, F, nc * C] bf16 contiguous, ug [B, Hkv, nc * C, dv+1] bf16 with contiguous rows. The
+    products are exact and summed onto the fp32 state on the tiles (the torch path rounds each chunk's increment to
+    bf16 first). With more than one torch thread the (batch row, KV head) items are split over the operator's
+    workers."""
+    lib = _load()
+    bsz, n_kv, feats, t = psi.shape
+    n_c, dv1 = prev.shape[0] - 1, prev.shape[-1]
+    # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
+    if psi.dtype != torch.bfloat16 or not psi.is_contiguous() or n_c < 1 or t % n_c or t // n_c % 32:
+        raise ValueError(f"psi: expected contiguous bfloat16 features [B, Hkv, F, nc * C] with C a multiple of 32 "
+                         f"for {n_c} chunks, got {psi.dtype} {list(psi.shape)}")
+    if ug.dtype != torch.bfloat16 or tuple(ug.shape) != (bsz, n_kv, t, dv1) or ug.stride(-1) != 1 \
+            or ug.stride(-2) != dv1:
+        raise ValueError(f"ug: expected bfloat16 values {[bsz, n_kv, t, dv1]} with contiguous rows, got {ug.dtype} "
+                         f"{list(ug.shape)} strides {ug.stride()}")
+    if prev.dtype != torch.float32 or tuple(prev.shape) != (n_c + 1, bsz, n_kv, feats, dv1) \
+            or not prev.is_contiguous():
+        raise ValueError(f"prev: expected a contiguous float32 tensor {[n_c + 1, bsz, n_kv, feats, dv1]}, got "
+                         f"{prev.dtype} {list(prev.shape)}")
+    items = bsz * n_kv
+    args = (psi.data_ptr(), ug.data_ptr(), ug.stride(0), ug.stride(1), prev.data_ptr())
+    dims = (n_kv, items, n_c, t // n_c, feats, dv1)
+    failed = []
+
+    def run(begin: int, end: int) -> None:
+        if lib.oal_states_bf16(*args, begin, end, *dims):
+            failed.append((begin, end))
+
+    _split(run, items, min(torch.get_num_threads(), items))
+    if failed:
+        raise RuntimeError("the AMX tiles are not available to this process (see cpu_kernel.amx)")
+    return prev
 
 
 def decodes(state: torch.Tensor, *tensors: torch.Tensor | None) -> bool:

@@ -46,7 +46,8 @@ KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
 TUNE_SHAPE = dict(hq=14, hkv=2, d=64, g=5)  # the Qwen2.5-0.5B head shape, as in benchmarks.operator
 # Bump when a change to the chunked path can move the best settings: entries of another revision are stale, like
 # entries measured under another torch version.
-OPERATOR_REVISION = 4  # 3: the fused CPU kernel (ops.cpu_kernel: readout and intra-chunk term); 4: bf16 on AMX tiles
+OPERATOR_REVISION = 5  # 3: the fused CPU kernel (ops.cpu_kernel: readout and intra-chunk term); 4: bf16 on AMX tiles;
+# 5: the kernel divides into the output, and bf16's chunk states on AMX tiles
 # What a Settings may hold: far beyond what the tuner tries (chunks up to 256 tokens, blocks up to 2048 tokens),
 # small enough that a block's scratch memory stays bounded
 MAX_CHUNK, MAX_BLOCK_CHUNKS, MAX_KV_GROUPS = 4096, 4096, 1024

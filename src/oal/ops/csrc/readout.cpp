@@ -200,6 +200,109 @@ static void item(const float* x, const float* w, const float* s, float* out, int
     }
 }
 
+// The normalised output, written by the kernel itself (`Final`, optional): out[b, h, t, o] = num[o] / num[dv]
+// (Eq. 6-7: numerator over denominator) for the item's rep query heads h = kv * rep + j and chunk tokens t, fp32,
+// or bf16 rounded to nearest even as torch rounds a division into a bf16 tensor. The numerator then never leaves
+// the cache (the torch path divides a scratch numerator into a strided view: a fifth of a bf16 call at 16k).
+//   out + b * sb + h * sh + t * st: row (b, h, t) of dv contiguous values; t counts from the call's first chunk.
+struct Final {
+    void* out;
+    int64_t sb, sh, st;
+    int half, bsz;
+};
+
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;  // torch's NaN
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_FIN_VEC 1
+#include <immintrin.h>
+
+// r[0..15] (16 x 16 uint32) transposed in registers: unpacks within 128-bit lanes, then lane shuffles.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  // r[g + c], lane L: rows g..g+3 at column 4L + c
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[8 + c] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[4 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// 16 fp32 lanes rounded to bf16 bits as bf16_bits does, in the low 16 bits of each lane's result (packed after).
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+#else
+#define HAVE_FIN_VEC 0
+#endif
+
+// Item k's numerator num [dv1, rep * c] (the layout of `out` above) divided and written to fin (see Final).
+static void finish(const float* num, int64_t k, int hkv, int rep, int c, int dv1, const Final& fin) {
+    const int dv = dv1 - 1;
+    const int64_t kv = k % hkv, b = k / hkv % fin.bsz, t0 = k / (hkv * (int64_t)fin.bsz) * c;
+    const ptrdiff_t ns = (ptrdiff_t)rep * c;
+    const float* den = num + (ptrdiff_t)dv * ns;
+    for (int j = 0; j < rep; ++j) {
+        const int64_t row0 = b * fin.sb + (kv * rep + j) * fin.sh + t0 * fin.st;  // token 0 of head j, in elements
+        int i0 = 0;
+#if HAVE_FIN_VEC
+        for (; i0 + 16 <= c; i0 += 16) {
+            const __m512 dn = _mm512_loadu_ps(den + (ptrdiff_t)j * c + i0);
+            for (int o0 = 0; o0 < dv; o0 += 16) {
+                const int m = dv - o0 < 16 ? dv - o0 : 16;
+                __m512i r[16];
+                for (int o = 0; o < 16; ++o)
+                    r[o] = o < m ? _mm512_castps_si512(_mm512_div_ps(
+                                       _mm512_loadu_ps(num + (o0 + o) * ns + (ptrdiff_t)j * c + i0), dn))
+                                 : _mm512_setzero_si512();
+                transpose16(r);  // r[i]: token i0 + i's outputs o0..o0 + 15
+                const __mmask16 mask = (__mmask16)((1u << m) - 1);
+                for (int i = 0; i < 16; ++i) {
+                    const int64_t at = row0 + (i0 + i) * fin.st + o0;
+                    if (fin.half)
+                        _mm256_mask_storeu_epi16((uint16_t*)fin.out + at, mask,
+                                                 bf16_round16(_mm512_castsi512_ps(r[i])));
+                    else
+                        _mm512_mask_storeu_ps((float*)fin.out + at, mask, _mm512_castsi512_ps(r[i]));
+                }
+            }
+        }
+#endif
+        for (; i0 < c; ++i0)
+            for (int o = 0; o < dv; ++o) {
+                const float q = num[o * ns + (ptrdiff_t)j * c + i0] / den[(ptrdiff_t)j * c + i0];
+                const int64_t at = row0 + i0 * fin.st + o;
+                if (fin.half)
+                    ((uint16_t*)fin.out)[at] = bf16_bits(q);
+                else
+                    ((float*)fin.out)[at] = q;
+            }
+    }
+}
+
 #if defined(__AVX512BF16__) && VW == 16
 #include <immintrin.h>
 #define HAVE_DP 1
@@ -365,31 +468,6 @@ static void amx_configure(int part) {
         cfg.rows[t] = (t == 4 || t == 6) && part ? part : 16;
     }
     _tile_loadconfig(&cfg);
-}
-
-// r[0..15] (16 x 16 uint32) transposed in registers: unpacks within 128-bit lanes, then lane shuffles.
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {  // r[g + c], lane L: rows g..g+3 at column 4L + c
-        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
-        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
-        t[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        t[8 + c] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
-        t[4 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
-    }
-    for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 // The state's quadratic rows as bf16 pairs, transposed: spt[o * pk + p] = (S[f_lo(p), o], S[f_hi(p), o]), for
@@ -561,6 +639,76 @@ static void item_amx(const float* x, const float* w, const float* s, float* out,
         head_amx(sc, xj, xs, wp, c, dv1, out + (ptrdiff_t)j * c, os);
     }
 }
+
+// The chain of chunk states on the tiles (Eq. 5): S_{c+1} = S_c + psi(K_c)^T U_c with bf16 key features and values.
+// C = 16 state rows x 16 columns, loaded from S_c and stored into S_{c+1}: the tile unit adds the exact products to
+// the fp32 state itself, so each chunk state is read once and written once (the torch path copies each chunk's
+// strided features, rounds its increment to bf16, widens it and adds it: four passes); A = 16 feature rows x 32
+// tokens, read in place from psi; B = 16 token pairs x 16 columns of U_c (values_b).
+// Tiles 0..3: C of four whole column blocks, 4: C of the last dv1 % 16 columns (part); 5: A; 6, 7: B of a whole
+// block and of the part. rows: the state rows of this pass (16, or the last F % 16).
+static void chain_configure(int rows, int part) {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = t >= 6 ? 16 : rows;
+        cfg.colsb[t] = (t == 4 || t == 7) && part ? part * 4 : 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One chunk's values U [c, dv1] (bf16 bits, row l at u + l * dv1) as B tiles: tile (step ks, block b) at
+// bt + (ks * nb + b) * 256 holds (U[32 ks + 2 kp, 16 b + n], U[32 ks + 2 kp + 1, 16 b + n]) at kp * 16 + n, zeros
+// past dv1 (nb = ceil(dv1 / 16)).
+static void values_b(const uint16_t* u, int c, int dv1, uint32_t* bt) {
+    const int nb = (dv1 + 15) / 16;
+    for (int ks = 0; ks < c / 32; ++ks)
+        for (int kp = 0; kp < 16; ++kp) {
+            const uint16_t* r0 = u + (ptrdiff_t)(32 * ks + 2 * kp) * dv1;
+            for (int b = 0; b < nb; ++b) {
+                const int m = dv1 - 16 * b < 16 ? dv1 - 16 * b : 16;
+                const __mmask16 mask = (__mmask16)((1u << m) - 1);
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, r0 + 16 * b));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, r0 + dv1 + 16 * b));
+                _mm512_storeu_si512(bt + ((ptrdiff_t)(ks * nb + b) * 16 + kp) * 16,
+                                    _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+}
+
+// State rows f0.. (the configured rows) of one chunk: s1 = s0 + psi^T U. pc: the chunk's first token of row f0's
+// features (row stride t), bt: values_b's tiles.
+static void chain_rows(const float* s0, float* s1, const uint16_t* pc, ptrdiff_t t, const uint32_t* bt, int steps,
+                       int dv1) {
+    const int nb = (dv1 + 15) / 16, whole = dv1 / 16, part = dv1 % 16;
+    const int passes = whole == 0 ? 1 : (whole + 3) / 4;
+    const ptrdiff_t ss = (ptrdiff_t)dv1 * 4;
+    for (int pass = 0; pass < passes; ++pass) {
+        const int b0 = pass * 4, n = whole - b0 < 4 ? whole - b0 : 4;
+        const bool tail = part && pass == passes - 1;
+#define C_TILES(op, base)                                           \
+    if (n > 0) op(0, base + (b0 + 0) * 16, ss);                      \
+    if (n > 1) op(1, base + (b0 + 1) * 16, ss);                      \
+    if (n > 2) op(2, base + (b0 + 2) * 16, ss);                      \
+    if (n > 3) op(3, base + (b0 + 3) * 16, ss);                      \
+    if (tail) op(4, base + whole * 16, ss);
+#define STEP(i) \
+    if (n > i) { _tile_loadd(6, bk + (ptrdiff_t)(b0 + i) * 256, 64); _tile_dpbf16ps(i, 5, 6); }
+        C_TILES(_tile_loadd, s0)
+        for (int ks = 0; ks < steps; ++ks) {
+            const uint32_t* bk = bt + (ptrdiff_t)ks * nb * 256;
+            _tile_loadd(5, pc + 32 * ks, t * 2);
+            STEP(0) STEP(1) STEP(2) STEP(3)
+            if (tail) {
+                _tile_loadd(7, bk + (ptrdiff_t)whole * 256, 64);
+                _tile_dpbf16ps(4, 5, 7);
+            }
+        }
+        C_TILES(_tile_stored, s1)
+#undef C_TILES
+#undef STEP
+    }
+}
 #else
 #define HAVE_AMX 0
 #endif
@@ -660,18 +808,23 @@ int oal_readout_amx(void) {
 }
 
 // Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights. kb == nullptr: no
-// intra-chunk term (the other intra arguments are then not read).
+// intra-chunk term (the other intra arguments are then not read). fin != nullptr: the normalised output goes there
+// (`Final`: strides sb, sh, st in elements, half 1 for bf16, bsz the batch) and `out` is not written (nullptr).
 void oal_readout_f32(const float* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
                      int hkv, int d, int rep, int c, int dv1, const float* kb, const float* ub, const int32_t* order,
-                     const int32_t* bounds, const float* lower, int groups, float eps) {
+                     const int32_t* bounds, const float* lower, int groups, float eps, void* fin, int64_t sb,
+                     int64_t sh, int64_t st, int half, int bsz) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
-    std::vector<float> kappa(kb ? (size_t)c * c : 0);
+    const Final final{fin, sb, sh, st, half, bsz};
+    std::vector<float> kappa(kb ? (size_t)c * c : 0), num(fin ? (size_t)on : 0);
     for (int64_t k = begin; k < end; ++k) {
         const int kv = (int)(k % hkv);
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
-        item(x + k * xn, w + kv * (ptrdiff_t)rep * feats, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
+        float* dst = fin ? num.data() : out + k * on;
+        item(x + k * xn, w + kv * (ptrdiff_t)rep * feats, s + k * sn, dst, d, rep, c, dv1, feats, it, &in);
+        if (fin) finish(dst, k, hkv, rep, c, dv1, final);
     }
 }
 
@@ -679,11 +832,13 @@ void oal_readout_f32(const float* x, const float* w, const float* s, float* out,
 // dot products (needs oal_readout_bf16_dots()); 2: the quadratic features on AMX tiles (needs oal_readout_amx()).
 void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
                       int hkv, int d, int rep, int c, int dv1, int mode, const float* kb, const float* ub,
-                      const int32_t* order, const int32_t* bounds, const float* lower, int groups, float eps) {
+                      const int32_t* order, const int32_t* bounds, const float* lower, int groups, float eps,
+                      void* fin, int64_t sb, int64_t sh, int64_t st, int half, int bsz) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
-    std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0);
+    const Final final{fin, sb, sh, st, half, bsz};
+    std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0), num(fin ? (size_t)on : 0);
 #if HAVE_AMX
     const bool tiles = mode == 2 && amx_permitted();
     AmxScratch* sc = tiles ? &AmxScratch::of(d, dv1) : nullptr;
@@ -706,22 +861,60 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
         const int kv = (int)(k % hkv);
         const float* wk = w + kv * (ptrdiff_t)rep * feats;
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
+        float* dst = fin ? num.data() : out + k * on;
 #if HAVE_AMX
-        if (tiles) {
-            item_amx(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, *sc, kv, it, &in);
-            continue;
-        }
+        if (tiles)
+            item_amx(wide.data(), wk, s + k * sn, dst, d, rep, c, dv1, feats, *sc, kv, it, &in);
+        else
 #endif
 #if HAVE_DP
-        if (dots) {
-            item_dp(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, sp.data(), pp.data(), it, &in);
-            continue;
-        }
+        if (dots)
+            item_dp(wide.data(), wk, s + k * sn, dst, d, rep, c, dv1, feats, sp.data(), pp.data(), it, &in);
+        else
 #endif
-        item(wide.data(), wk, s + k * sn, out + k * on, d, rep, c, dv1, feats, it, &in);
+            item(wide.data(), wk, s + k * sn, dst, d, rep, c, dv1, feats, it, &in);
+        if (fin) finish(dst, k, hkv, rep, c, dv1, final);
     }
 #if HAVE_AMX
     if (tiles) _tile_release();
+#endif
+}
+
+// The chain of chunk states for items [begin, end) of (batch row, KV head) with bf16 keys, on AMX tiles (needs
+// oal_readout_amx()): prev[c + 1] = prev[c] + psi(K_c)^T U_c for c < nc (Eq. 5).
+//   psi [items, F, nc * C] the keys' features (bf16 bits), feature-major; ug: item k's values [nc * C, dv1] (bf16
+//   bits, contiguous rows) at ug + (k / hkv) * ub + (k % hkv) * uh; prev [nc + 1, items, F, dv1] fp32, prev[0]
+//   the state before the first chunk. C a multiple of 32. Returns 0, or -1 where the tiles are not available.
+int oal_states_bf16(const uint16_t* psi, const uint16_t* ug, int64_t ub, int64_t uh, float* prev, int64_t begin,
+                    int64_t end, int hkv, int64_t items, int nc, int c, int feats, int dv1) {
+#if HAVE_AMX
+    if (!amx_permitted() || c % 32) return -1;
+    const ptrdiff_t t = (ptrdiff_t)nc * c, sn = (ptrdiff_t)feats * dv1;
+    const int steps = c / 32, whole = feats / 16 * 16, rest = feats % 16;
+    std::vector<uint32_t> bt((size_t)steps * ((dv1 + 15) / 16) * 256);
+    for (int64_t k = begin; k < end; ++k) {
+        const uint16_t* pk = psi + k * feats * t;
+        const uint16_t* uk = ug + k / hkv * ub + k % hkv * uh;
+        for (int ci = 0; ci < nc; ++ci) {
+            values_b(uk + (ptrdiff_t)ci * c * dv1, c, dv1, bt.data());
+            const float* s0 = prev + ((ptrdiff_t)ci * items + k) * sn;
+            float* s1 = prev + ((ptrdiff_t)(ci + 1) * items + k) * sn;
+            const uint16_t* pc = pk + (ptrdiff_t)ci * c;
+            chain_configure(16, dv1 % 16);  // whole blocks of 16 state rows, then the rest
+            for (int f0 = 0; f0 < whole; f0 += 16)
+                chain_rows(s0 + f0 * dv1, s1 + f0 * dv1, pc + f0 * t, t, bt.data(), steps, dv1);
+            if (rest) {
+                chain_configure(rest, dv1 % 16);
+                chain_rows(s0 + whole * dv1, s1 + whole * dv1, pc + whole * t, t, bt.data(), steps, dv1);
+            }
+        }
+    }
+    _tile_release();
+    return 0;
+#else
+    (void)psi, (void)ug, (void)ub, (void)uh, (void)prev, (void)begin, (void)end, (void)hkv, (void)items, (void)nc;
+    (void)c, (void)feats, (void)dv1;
+    return -1;
 #endif
 }
 
