@@ -310,6 +310,13 @@ def test_readout_refuses_layouts_the_kernel_would_misread():
         cpu_kernel.readout(x, w, states, out.transpose(-1, -2).contiguous().transpose(-1, -2))
     with pytest.raises(ValueError, match="x: expected"):
         cpu_kernel.readout(x.transpose(-1, -2).contiguous().transpose(-1, -2), w, states, out)
+    c = cpu_kernel.vector_width()
+    for g in (0, cpu_kernel.GMAX):  # no group, or more than the kernel's z sums hold
+        intra = cpu_kernel.Intra(torch.zeros(1, 1, 2, c, 4), torch.zeros(1, 1, 2, c, 4),
+                                 torch.zeros(4, 3, dtype=torch.int32), torch.zeros(4, g + 1, dtype=torch.int32),
+                                 torch.zeros(4, g + 1, g + 1), 1e-6)
+        with pytest.raises(ValueError, match="intra.lower: 1 to 15 groups"):
+            cpu_kernel.readout(x, w, states, out, intra)
     final = torch.zeros(1, 4, cpu_kernel.vector_width(), 3)
     cpu_kernel.readout(x, w, states, None, final=final)  # the output it writes
     with pytest.raises(ValueError, match="exactly one of out"):

@@ -328,8 +328,8 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"intra.{name}: expected a contiguous {dtype} CPU tensor of shape {list(shape)}, "
                                  f"got {t.dtype} {list(t.shape)}")
-        if g1 > GMAX:
-            raise ValueError(f"intra.lower: at most {GMAX - 1} groups, got {g1 - 1}")
+        if not 2 <= g1 <= GMAX:
+            raise ValueError(f"intra.lower: 1 to {GMAX - 1} groups, got {g1 - 1}")
         extra = (*(t.data_ptr() for t in intra[:5]), g1 - 1, float(intra.eps))
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)

@@ -76,33 +76,74 @@ struct Intra {
     float eps;
 };
 
-// kappa[l, i] for one query head and one item: eps + sum_m z_m(i, l)^2 for keys l <= i, else 0 (Eq. 7).
-static void kappa_block(const float* x, ptrdiff_t xs, const float* keys, int d, int c, const int32_t* order,
-                        const int32_t* bounds, const float* lower, int groups, float eps, float* kappa) {
+#if VW == 16
+#define NREG 32  // vector registers (AVX-512)
+#else
+#define NREG 16
+#endif
+
+// kappa for KL keys at a time against one vector of queries (G1 = groups + 1 at compile time, so that the z sums
+// of the KL keys stay in registers): xg [d, c] the head's query rows and kg [c, d] the keys, both in group order.
+template <int G1>
+static void kappa_keys(const float* xg, const float* kg, int d, int c, const int32_t* bounds, const float* lower,
+                       float eps, float* kappa) {
+    constexpr int fit = (NREG - 4) / (G1 + 1), KL = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;  // c is a multiple of KL
     vf lane;
     for (int t = 0; t < VW; ++t) lane[t] = (float)t;
-    const int g1 = groups + 1;
-    for (int l = 0; l < c; ++l) {
-        const float* kl = keys + (ptrdiff_t)l * (d + 1);
+    for (int l0 = 0; l0 < c; l0 += KL) {
         for (int i0 = 0; i0 < c; i0 += VW) {
-            float* dst = kappa + (ptrdiff_t)l * c + i0;
-            if (i0 + VW <= l) {  // every query of this vector comes before key l
-                store(dst, (vf){});
+            if (i0 + VW <= l0) {  // every query of this vector comes before these keys
+                for (int q = 0; q < KL; ++q) store(kappa + (ptrdiff_t)(l0 + q) * c + i0, (vf){});
                 continue;
             }
-            vf z[GMAX];
-            for (int m = 0; m < g1; ++m) z[m] = (vf){} + lower[m];  // row 0: the constants L_0m
-            for (int g = 0; g < groups; ++g) {
-                vf sg = {};  // s_g / scale (scale is in L's rows 1..G)
-                for (int p = bounds[g]; p < bounds[g + 1]; ++p) sg += load(x + order[p] * xs + i0) * kl[order[p]];
-                const float* lg = lower + (ptrdiff_t)(g + 1) * g1;
-                for (int m = 0; m < g1; ++m) z[m] += lg[m] * sg;
+            vf z[KL][G1];
+            for (int q = 0; q < KL; ++q)
+                for (int m = 0; m < G1; ++m) z[q][m] = (vf){} + lower[m];  // row 0: the constants L_0m
+            for (int g = 0; g + 1 < G1; ++g) {
+                vf sg[KL] = {};  // s_g / scale (scale is in L's rows 1..G)
+                for (int p = bounds[g]; p < bounds[g + 1]; ++p) {
+                    const vf xv = load(xg + (ptrdiff_t)p * c + i0);  // one load for KL keys
+                    for (int q = 0; q < KL; ++q) sg[q] += xv * kg[(ptrdiff_t)(l0 + q) * d + p];
+                }
+                const float* lg = lower + (ptrdiff_t)(g + 1) * G1;
+                for (int q = 0; q < KL; ++q)
+                    for (int m = 0; m < G1; ++m) z[q][m] += lg[m] * sg[q];
             }
-            vf kap = (vf){} + eps;
-            for (int m = 0; m < g1; ++m) kap += z[m] * z[m];
-            store(dst, lane + (float)i0 >= (float)l ? kap : (vf){});  // query i0 + t sees key l when i0 + t >= l
+            for (int q = 0; q < KL; ++q) {
+                vf kap = (vf){} + eps;
+                for (int m = 0; m < G1; ++m) kap += z[q][m] * z[q][m];
+                const int l = l0 + q;  // query i0 + t sees key l when i0 + t >= l
+                store(kappa + (ptrdiff_t)l * c + i0, lane + (float)i0 >= (float)l ? kap : (vf){});
+            }
         }
     }
+}
+
+typedef void (*kappa_fn)(const float*, const float*, int, int, const int32_t*, const float*, float, float*);
+
+template <int G1 = GMAX>
+static kappa_fn kappa_of(int g1) {  // the instance for g1 = groups + 1 in 2..GMAX
+    if constexpr (G1 < 2)
+        return nullptr;
+    else
+        return g1 == G1 ? kappa_keys<G1> : kappa_of<G1 - 1>(g1);
+}
+
+// kappa[l, i] for one query head and one item: eps + sum_m z_m(i, l)^2 for keys l <= i, else 0 (Eq. 7).
+// x: the head's query rows (row r at x + r * xs), keys: the chunk's keys token-major (row l at keys + l * (d + 1));
+// kappa: c * c floats, then 2 * d * c of scratch, where the query rows and the keys are copied in group order
+// (`order`) first, so that each group's sums read contiguous rows.
+static void kappa_block(const float* x, ptrdiff_t xs, const float* keys, int d, int c, const int32_t* order,
+                        const int32_t* bounds, const float* lower, int groups, float eps, float* kappa) {
+    float* xg = kappa + (ptrdiff_t)c * c;
+    float* kg = xg + (ptrdiff_t)d * c;
+    for (int p = 0; p < d; ++p) {
+        const float* row = x + order[p] * xs;
+        for (int i = 0; i < c; i += VW) store(xg + (ptrdiff_t)p * c + i, load(row + i));
+    }
+    for (int l = 0; l < c; ++l)
+        for (int p = 0; p < d; ++p) kg[(ptrdiff_t)l * d + p] = keys[(ptrdiff_t)l * (d + 1) + order[p]];
+    kappa_of(groups + 1)(xg, kg, d, c, bounds, lower, eps, kappa);
 }
 
 // One tile: T outputs (rows o0..o0+T of out) x V * VW tokens (columns i0..) of one query head.
@@ -160,7 +201,7 @@ struct ItemIntra {
     const float *keys, *u;
     const int32_t *order, *bounds;
     const float* lower;
-    float* kappa;  // c * c floats, the caller's
+    float* kappa;  // c * c floats and kappa_block's scratch, the caller's
 };
 
 static ItemIntra item_intra(const Intra* in, int64_t k, int kv, int d, int rep, int c, int dv1, float* kappa) {
@@ -818,7 +859,7 @@ void oal_readout_f32(const float* x, const float* w, const float* s, float* out,
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
     const Final final{fin, sb, sh, st, half, bsz};
-    std::vector<float> kappa(kb ? (size_t)c * c : 0), num(fin ? (size_t)on : 0);
+    std::vector<float> kappa(kb ? (size_t)c * (c + 2 * d) : 0), num(fin ? (size_t)on : 0);
     for (int64_t k = begin; k < end; ++k) {
         const int kv = (int)(k % hkv);
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
@@ -838,7 +879,7 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
     const Final final{fin, sb, sh, st, half, bsz};
-    std::vector<float> wide(xn), kappa(kb ? (size_t)c * c : 0), num(fin ? (size_t)on : 0);
+    std::vector<float> wide(xn), kappa(kb ? (size_t)c * (c + 2 * d) : 0), num(fin ? (size_t)on : 0);
 #if HAVE_AMX
     const bool tiles = mode == 2 && amx_permitted();
     AmxScratch* sc = tiles ? &AmxScratch::of(d, dv1) : nullptr;
