@@ -35,12 +35,14 @@ def make(b, hq, hkv, n, d, dv, g=3, dtype=torch.float32, seed=0):
 
 class Calls(list):
     """The fused readout's calls: the queries' dtype of each, in `intras` whether it took the intra-chunk term and
-    in `finals` whether it wrote the normalised output itself."""
+    in `finals` whether it wrote the normalised output itself; in `chains` the features' dtype of each chain of
+    chunk states the kernel built."""
 
     def __init__(self):
         super().__init__()
         self.intras = []
         self.finals = []
+        self.chains = []
 
 
 @pytest.fixture
@@ -56,7 +58,9 @@ def calls(monkeypatch):
         seen.finals.append(final is not None)
         return real(x, w, states, out, intra, final)
 
+    chain = cpu_kernel.states
     monkeypatch.setattr(cpu_kernel, "readout", spy)
+    monkeypatch.setattr(cpu_kernel, "states", lambda psi, *a: seen.chains.append(psi.dtype) or chain(psi, *a))
     return seen
 
 
@@ -91,6 +95,7 @@ def test_fused_readout_matches_reference_and_torch_path(monkeypatch, calls, shap
     assert calls and set(calls) == {torch.float32}  # the fused readout ran, and only where it was on
     assert all(calls.intras)  # with the chunks' own keys (the torch intra-chunk GEMMs did not run)
     assert all(calls.finals)  # and divided into the output itself
+    assert calls.chains  # the chunk states by the kernel too
     # fp32 level (its sums run in another order than the GEMM's: about 3x the torch path's error, 1e-6 here)
     assert _rel(got, want) < 1e-5 and _rel(state, want_state) < 1e-5, (_rel(got, want), _rel(state, want_state))
     assert _rel(got, torch_path.double()) < 1e-5
@@ -139,8 +144,6 @@ def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, mode, d):
     to fp32, the error against float64 is no larger than the torch bf16 path's, and stays at bf16 SDPA's level."""
     monkeypatch.setenv("OAL_CPU_BF16", "1")
     _bf16_mode(monkeypatch, mode)
-    chains, real = [], cpu_kernel.states
-    monkeypatch.setattr(cpu_kernel, "states", lambda *a: chains.append(1) or real(*a))
     q, k, v, groups, factor = make(1, 4, 2, 600, d, 64, g=5, dtype=torch.bfloat16)
     want = oal_attention(q.double(), k.double(), v.double(), groups, factor, backend="reference")
     with torch.inference_mode():
@@ -148,7 +151,7 @@ def test_fused_bf16_error_at_most_the_torch_paths(monkeypatch, calls, mode, d):
         monkeypatch.setenv("OAL_CPU_KERNEL", "0")
         torch_path = oal_attention(q, k, v, groups, factor.float())
     assert calls == [torch.bfloat16] * len(calls) and calls and all(calls.intras)
-    assert bool(chains) == (mode == "amx")  # the chunk states on the tiles too (chunks of 64 tokens)
+    assert bool(calls.chains) == (mode == "amx")  # the chunk states on the tiles too (chunks of 64 tokens)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_err = _rel(sdpa(q, k, v, is_causal=True, enable_gqa=True),
                     sdpa(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True))
@@ -260,15 +263,38 @@ def test_amx_chain_of_states_is_exact_in_fp32(shape):
     assert _rel(rounded, want[1:]) > 10 * _rel(prev[1:], want[1:])  # what the torch path's rounding costs
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 2145, 3, 2, 65), (2, 3, 37, 2, 1, 20), (1, 1, 16, 1, 3, 16),
+                                   (1, 1, 5, 2, 1, 3), (1, 2, 2145, 2, 8, 151)])
+def test_fp32_chain_of_states_matches_float64(shape):
+    """The fp32 chain (Eq. 5, blocks of state rows accumulated in registers): float64's states at fp32 level, every
+    state written; the chunk in whole vectors (shape[4]), F not a multiple of the row block, columns in whole
+    vectors and a rest (dot products over the tokens), the values strided by head."""
+    b, hkv, feats, nc, vectors, dv1 = shape
+    c = vectors * cpu_kernel.vector_width()
+    gen = torch.Generator().manual_seed(sum(shape))
+    psi = torch.randn(b, hkv, feats, nc * c, generator=gen)
+    ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen)[:, 1:]
+    prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
+    prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
+    assert cpu_kernel.chains(psi, torch.float32, c) and not cpu_kernel.chains(psi, torch.float64, c)
+    assert cpu_kernel.states(psi, ug, prev) is prev
+    want = [prev[0].double()]
+    for i in range(nc):
+        want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
+    assert _rel(prev, torch.stack(want)) < 1e-6
+
+
 def test_chain_of_states_refuses_layouts_it_would_misread():
     psi, ug = torch.zeros(1, 2, 10, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, 5, dtype=torch.bfloat16)
     prev = torch.zeros(2, 1, 2, 10, 5)
-    assert not cpu_kernel.chains(psi.float(), torch.float32, 64) and not cpu_kernel.chains(psi, torch.float32, 48)
-    with pytest.raises(ValueError, match="psi: expected contiguous bfloat16"):
-        cpu_kernel.states(psi.float(), ug, prev)
+    assert not cpu_kernel.chains(psi, torch.float32, 48)  # bf16 in whole tile steps of 32 tokens only
+    with pytest.raises(ValueError, match="ug: expected torch.float32 values"):
+        cpu_kernel.states(psi.float(), ug, prev)  # bf16 values against fp32 features
+    with pytest.raises(ValueError, match="psi: expected contiguous float32 or bfloat16"):
+        cpu_kernel.states(psi.double(), ug.double(), prev)
     with pytest.raises(ValueError, match="C a multiple of 32 for 3 chunks"):  # 63 tokens: chunks of 21
         cpu_kernel.states(psi[..., :63].contiguous(), ug, torch.zeros(4, 1, 2, 10, 5))
-    with pytest.raises(ValueError, match="ug: expected bfloat16 values"):
+    with pytest.raises(ValueError, match="ug: expected torch.bfloat16 values .* with contiguous rows"):
         cpu_kernel.states(psi, ug.transpose(-1, -2).contiguous().transpose(-1, -2), prev)
     with pytest.raises(ValueError, match="prev: expected a contiguous float32"):
         cpu_kernel.states(psi, ug, prev.double())

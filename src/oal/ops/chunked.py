@@ -21,8 +21,8 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   the query operand against a column of ones beside the keys), which saves a pass over z.
 For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
 running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32. Where the
-fused kernel runs it also divides the numerator into the output itself (`cpu_kernel.readout`'s `final`), and on a
-CPU with AMX tiles builds bf16's chain of chunk states (`cpu_kernel.states`).
+fused kernel runs it also divides the numerator into the output itself (`cpu_kernel.readout`'s `final`) and builds
+the chain of chunk states (`cpu_kernel.states`; bf16's on a CPU with AMX tiles).
 torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
 above. Under autograd every block is checkpointed: only the block inputs and the running state are kept, and the
 d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
@@ -174,9 +174,10 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
 
     psi [B, Hkv, F, T] and ug [B, Hkv, T, dv+1] (T = nc * chunk) in the GEMM dtype. In the state's dtype each step
     is one GEMM that adds onto the previous state as it writes the next (baddbmm), so every chunk state is written
-    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation, rounded to bf16) summed in fp32, and
-    on a CPU with AMX tiles the fused kernel runs the whole chain instead (`cpu_kernel.states`: the products summed
-    onto the fp32 state on the tiles, one pass per chunk state and no rounding of the increment).
+    once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation, rounded to bf16) summed in fp32.
+    Where the fused kernel runs (fp32, or bf16 on a CPU with AMX tiles) it builds the whole chain instead
+    (`cpu_kernel.states`: each chunk state read once and written once; bf16's products summed onto the fp32 state
+    on the tiles, with no rounding of the increment).
     """
     n_c = psi.shape[-1] // chunk
     bsz, n_kv, feats, dv1 = start.shape
@@ -189,7 +190,7 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
             incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
             return torch.cat([start.unsqueeze(0), start + torch.stack(incs).to(sdt).cumsum(0)])
         prev[0].copy_(start)
-        if cpu_kernel.chains(psi, sdt, chunk):  # bf16 on AMX tiles: one pass per chunk state, exact products
+        if cpu_kernel.chains(psi, sdt, chunk):  # the fused kernel: one pass per chunk state
             return cpu_kernel.states(psi, ug, prev)
         inc = None if psi.dtype == sdt else _scratch(ws, "inc", start.shape, psi.dtype, start.device)
         for c in range(n_c):

@@ -17,7 +17,7 @@ compile torch's headers too, a minute on 2 cores, and need ninja; the kernel onl
 
 It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16, the
 AMX tiles where it has AMX-BF16 and `OAL_CPU_AMX` is not 0) whose chunk is a multiple of the vector width, and
-writes their normalised output itself; on the AMX tiles it also builds bf16's chain of chunk states (`states`,
+writes their normalised output itself, and builds the chain of chunk states (`states`; bf16's on the AMX tiles, in
 chunks of whole 32-token steps). Everything else, autograd and fp64 included, runs the torch path, which stays the
 reference (tests compare the two). Without a compiler, or with `OAL_CPU_KERNEL=0`, the torch path runs everywhere
 (one log line says why).
@@ -65,7 +65,7 @@ _STATUS = ""  # the built library's path, or why there is none
 _SAID_OFF = False
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
 SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_readout_f32", "oal_readout_bf16",
-           "oal_states_bf16", "oal_decode_f32", "oal_window_decode_f32")
+           "oal_states_bf16", "oal_states_f32", "oal_decode_f32", "oal_window_decode_f32")
 
 
 def enabled() -> bool:
@@ -160,8 +160,9 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = lib.oal_readout_amx.restype = i32
     lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra + final
     lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra + final
-    lib.oal_states_bf16.restype = i32
-    lib.oal_states_bf16.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, i64, i32, i32, i32, i32]
+    for chain in (lib.oal_states_bf16, lib.oal_states_f32):
+        chain.restype = i32
+        chain.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, i64, i32, i32, i32, i32]
     lib.oal_decode_f32.argtypes = [ptr] * 7 + [i64, ptr, i64, i64] + [i32] * 5
     lib.oal_window_decode_f32.argtypes = [ptr] * 5 + [i64] + [ptr] * 4 + [i64, i64] + [i32] * 7 + [f32, f32]
     return lib
@@ -347,30 +348,37 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
 
 
 def chains(psi: torch.Tensor, state_dtype: torch.dtype, chunk: int) -> bool:
-    """Whether `states` builds the chunk states of bf16 key features psi against a state of `state_dtype` here:
-    the AMX tiles (`amx`), bf16 features, an fp32 state, chunks of whole 32-token tile steps, no autograd."""
-    return (psi.device.type == "cpu" and psi.dtype == torch.bfloat16 and state_dtype == torch.float32
-            and chunk % 32 == 0 and not (torch.is_grad_enabled() and psi.requires_grad) and enabled() and amx())
+    """Whether `states` builds the chunk states of key features psi against a state of `state_dtype` here: an fp32
+    state, no autograd, and fp32 features in chunks of whole vectors, or bf16 features on the AMX tiles (`amx`) in
+    chunks of whole 32-token tile steps."""
+    if psi.device.type != "cpu" or state_dtype != torch.float32 or torch.is_grad_enabled() and psi.requires_grad:
+        return False
+    if psi.dtype == torch.bfloat16:
+        return chunk % 32 == 0 and enabled() and amx()
+    return psi.dtype == torch.float32 and available() and chunk % vector_width() == 0
 
 
 def states(psi: torch.Tensor, ug: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """The chain of chunk states on the AMX tiles (`chains`): prev[c+1] = prev[c] + psi(K_c)^T U_c for every chunk
-    c (Eq. 5), written into prev [nc+1, B, Hkv, F, dv+1] fp32, whose prev[0] holds the state before the first
-    chunk. psi [B, Hkv, F, nc * C] bf16 contiguous, ug [B, Hkv, nc * C, dv+1] bf16 with contiguous rows. The
-    products are exact and summed onto the fp32 state on the tiles (the torch path rounds each chunk's increment to
+    """The chain of chunk states (`chains`): prev[c+1] = prev[c] + psi(K_c)^T U_c for every chunk c (Eq. 5),
+    written into prev [nc+1, B, Hkv, F, dv+1] fp32, whose prev[0] holds the state before the first chunk. psi
+    [B, Hkv, F, nc * C] contiguous and ug [B, Hkv, nc * C, dv+1] with contiguous rows, both fp32 or both bf16. Each
+    chunk state is read once and written once, its block of rows accumulated in registers (fp32) or in the AMX
+    tiles (bf16: the products exact and summed onto the fp32 state; the torch path rounds each chunk's increment to
     bf16 first). With more than one torch thread the (batch row, KV head) items are split over the operator's
     workers."""
     lib = _load()
     bsz, n_kv, feats, t = psi.shape
     n_c, dv1 = prev.shape[0] - 1, prev.shape[-1]
+    step = 32 if psi.dtype == torch.bfloat16 else vector_width()
     # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
-    if psi.dtype != torch.bfloat16 or not psi.is_contiguous() or n_c < 1 or t % n_c or t // n_c % 32:
-        raise ValueError(f"psi: expected contiguous bfloat16 features [B, Hkv, F, nc * C] with C a multiple of 32 "
-                         f"for {n_c} chunks, got {psi.dtype} {list(psi.shape)}")
-    if ug.dtype != torch.bfloat16 or tuple(ug.shape) != (bsz, n_kv, t, dv1) or ug.stride(-1) != 1 \
+    if psi.dtype not in (torch.float32, torch.bfloat16) or not psi.is_contiguous() or n_c < 1 or t % n_c \
+            or t // n_c % step:
+        raise ValueError(f"psi: expected contiguous float32 or bfloat16 features [B, Hkv, F, nc * C] with C a "
+                         f"multiple of {step} for {n_c} chunks, got {psi.dtype} {list(psi.shape)}")
+    if ug.dtype != psi.dtype or tuple(ug.shape) != (bsz, n_kv, t, dv1) or ug.stride(-1) != 1 \
             or ug.stride(-2) != dv1:
-        raise ValueError(f"ug: expected bfloat16 values {[bsz, n_kv, t, dv1]} with contiguous rows, got {ug.dtype} "
-                         f"{list(ug.shape)} strides {ug.stride()}")
+        raise ValueError(f"ug: expected {psi.dtype} values {[bsz, n_kv, t, dv1]} with contiguous rows, got "
+                         f"{ug.dtype} {list(ug.shape)} strides {ug.stride()}")
     if prev.dtype != torch.float32 or tuple(prev.shape) != (n_c + 1, bsz, n_kv, feats, dv1) \
             or not prev.is_contiguous():
         raise ValueError(f"prev: expected a contiguous float32 tensor {[n_c + 1, bsz, n_kv, feats, dv1]}, got "
@@ -378,10 +386,11 @@ def states(psi: torch.Tensor, ug: torch.Tensor, prev: torch.Tensor) -> torch.Ten
     items = bsz * n_kv
     args = (psi.data_ptr(), ug.data_ptr(), ug.stride(0), ug.stride(1), prev.data_ptr())
     dims = (n_kv, items, n_c, t // n_c, feats, dv1)
+    chain = lib.oal_states_bf16 if psi.dtype == torch.bfloat16 else lib.oal_states_f32
     failed = []
 
     def run(begin: int, end: int) -> None:
-        if lib.oal_states_bf16(*args, begin, end, *dims):
+        if chain(*args, begin, end, *dims):
             failed.append((begin, end))
 
     _split(run, items, min(torch.get_num_threads(), items))

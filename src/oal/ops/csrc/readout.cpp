@@ -754,6 +754,69 @@ static void chain_rows(const float* s0, float* s1, const uint16_t* pc, ptrdiff_t
 #define HAVE_AMX 0
 #endif
 
+// The chain of chunk states in fp32 (Eq. 5), the tiles' schedule in vector registers: R state rows x NB vectors of
+// columns accumulate from S_c's rows, take the chunk's c tokens (U's row loaded once for the R rows, psi broadcast)
+// and go to S_{c+1}: each chunk state read once and written once, where torch's baddbmm first copied S_c into
+// S_{c+1} and then added the product (a second pass over the state).
+#define CR ((NREG - 6) / 4)  // state rows a block (6 with AVX-512, 2 with AVX2)
+
+// Rows f0..f0+R (R <= CR), columns o0..o0+NB*VW: s, t: S_c and S_{c+1} at (f0, o0); p: psi at (f0, the chunk's first
+// token), row stride pt; u: U_c at (token 0, o0), row stride dv1.
+template <int R, int NB>
+static void chain_block(const float* s, float* t, const float* p, ptrdiff_t pt, const float* u, int c, int dv1) {
+    vf acc[R][NB];
+    for (int i = 0; i < R; ++i)
+        for (int b = 0; b < NB; ++b) acc[i][b] = load(s + (ptrdiff_t)i * dv1 + b * VW);
+    for (int l = 0; l < c; ++l) {
+        vf ul[NB];
+        for (int b = 0; b < NB; ++b) ul[b] = load(u + (ptrdiff_t)l * dv1 + b * VW);
+        for (int i = 0; i < R; ++i) {
+            const float pl = p[i * pt + l];
+            for (int b = 0; b < NB; ++b) acc[i][b] += pl * ul[b];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int b = 0; b < NB; ++b) store(t + (ptrdiff_t)i * dv1 + b * VW, acc[i][b]);
+}
+
+typedef void (*chain_fn)(const float*, float*, const float*, ptrdiff_t, const float*, int, int);
+
+template <int NB, int R = CR>
+static chain_fn chain_of(int r) {  // the instance for r <= CR rows
+    if constexpr (R == 0)
+        return nullptr;
+    else
+        return r == R ? chain_block<R, NB> : chain_of<NB, R - 1>(r);
+}
+
+// One chunk: s1 = s0 + psi^T U for all F rows; whole vectors of columns in blocks of up to 4, the last dv1 % VW
+// columns as dot products over the tokens (psi's rows are contiguous in them; ucol: those columns of U, column-major).
+static void chain_chunk_f32(const float* s0, float* s1, const float* pc, ptrdiff_t pt, const float* u, int c, int dv1,
+                            int feats, const float* ucol) {
+    const int vecs = dv1 / VW, rest = dv1 % VW;
+    for (int f0 = 0; f0 < feats; f0 += CR) {
+        const int r = feats - f0 < CR ? feats - f0 : CR;
+        const float* s = s0 + (ptrdiff_t)f0 * dv1;
+        float* t = s1 + (ptrdiff_t)f0 * dv1;
+        const float* p = pc + f0 * pt;
+        for (int v0 = 0; v0 < vecs; v0 += 4) {
+            const int nb = vecs - v0 < 4 ? vecs - v0 : 4;
+            const chain_fn fn = nb == 4 ? chain_of<4>(r) : nb == 3 ? chain_of<3>(r) : nb == 2 ? chain_of<2>(r)
+                                                                                      : chain_of<1>(r);
+            fn(s + v0 * VW, t + v0 * VW, p, pt, u + v0 * VW, c, dv1);
+        }
+        for (int i = 0; i < r; ++i)
+            for (int j = 0; j < rest; ++j) {
+                const int o = vecs * VW + j;
+                vf acc = {};
+                for (int l = 0; l < c; l += VW) acc += load(p + i * pt + l) * load(ucol + (ptrdiff_t)j * c + l);
+                float sum = s[(ptrdiff_t)i * dv1 + o];
+                for (int k = 0; k < VW; ++k) sum += acc[k];
+                t[(ptrdiff_t)i * dv1 + o] = sum;
+            }
+    }
+}
+
 // One token of the decoding step on one KV head's state rows [F, dv1] (`oal_decode_f32`), in one pass: row f gets
 // S[f, :] += psi_f(xk) u (Eq. 5), then each of the rep query heads h adds w[h, f] psi_f(xq_h) S[f, :] to its
 // numerator out[h] (Eq. 6). The x are [1, x_1 .. x_d], so that psi_f(x) = x[rowr[f] + 1] x[rowt[f] + 1]. The
@@ -957,6 +1020,26 @@ int oal_states_bf16(const uint16_t* psi, const uint16_t* ug, int64_t ub, int64_t
     (void)c, (void)feats, (void)dv1;
     return -1;
 #endif
+}
+
+// The same chain with fp32 features and values (any CPU; C a multiple of VW). Returns 0.
+int oal_states_f32(const float* psi, const float* ug, int64_t ub, int64_t uh, float* prev, int64_t begin,
+                   int64_t end, int hkv, int64_t items, int nc, int c, int feats, int dv1) {
+    const ptrdiff_t t = (ptrdiff_t)nc * c, sn = (ptrdiff_t)feats * dv1;
+    const int rest = dv1 % VW;
+    std::vector<float> ucol((size_t)(rest ? rest : 1) * c);
+    for (int64_t k = begin; k < end; ++k) {
+        const float* pk = psi + k * feats * t;
+        const float* uk = ug + k / hkv * ub + k % hkv * uh;
+        for (int ci = 0; ci < nc; ++ci) {
+            const float* u = uk + (ptrdiff_t)ci * c * dv1;
+            for (int j = 0; j < rest; ++j)
+                for (int l = 0; l < c; ++l) ucol[(size_t)j * c + l] = u[(ptrdiff_t)l * dv1 + dv1 - rest + j];
+            chain_chunk_f32(prev + ((ptrdiff_t)ci * items + k) * sn, prev + ((ptrdiff_t)(ci + 1) * items + k) * sn,
+                            pk + (ptrdiff_t)ci * c, t, u, c, dv1, feats, ucol.data());
+        }
+    }
+    return 0;
 }
 
 // One decoding call of the token loop (Algorithm 1: Eq. 5, then Eq. 6) on the state, for items [begin, end), item
