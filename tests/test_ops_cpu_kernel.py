@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import oal.ops.chunked as chunked
-from oal.ops import cpu_kernel, oal_attention, tuning
+from oal.ops import cpu_chain, cpu_kernel, oal_attention, tuning
 from oal.ops.kernel import perturbed_factor, taylor_factor
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler: the fused readout is not built")
@@ -58,9 +58,9 @@ def calls(monkeypatch):
         seen.finals.append(final is not None)
         return real(x, w, states, out, intra, final)
 
-    chain = cpu_kernel.states
+    chain = cpu_chain.states
     monkeypatch.setattr(cpu_kernel, "readout", spy)
-    monkeypatch.setattr(cpu_kernel, "states", lambda psi, *a: seen.chains.append(psi.dtype) or chain(psi, *a))
+    monkeypatch.setattr(cpu_chain, "states", lambda psi, *a: seen.chains.append(psi.dtype) or chain(psi, *a))
     return seen
 
 
@@ -251,8 +251,8 @@ def test_amx_chain_of_states_is_exact_in_fp32(shape):
     ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen).to(torch.bfloat16)[:, 1:]  # a slice of heads
     prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
     prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
-    assert cpu_kernel.chains(psi, torch.float32, c)
-    assert cpu_kernel.states(psi, ug, prev) is prev
+    assert cpu_chain.chains(psi, torch.float32, c)
+    assert cpu_chain.states(psi, ug, prev) is prev
     want = [prev[0].double()]
     for i in range(nc):
         want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
@@ -276,8 +276,8 @@ def test_fp32_chain_of_states_matches_float64(shape):
     ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen)[:, 1:]
     prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
     prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
-    assert cpu_kernel.chains(psi, torch.float32, c) and not cpu_kernel.chains(psi, torch.float64, c)
-    assert cpu_kernel.states(psi, ug, prev) is prev
+    assert cpu_chain.chains(psi, torch.float32, c) and not cpu_chain.chains(psi, torch.float64, c)
+    assert cpu_chain.states(psi, ug, prev) is prev
     want = [prev[0].double()]
     for i in range(nc):
         want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
@@ -287,17 +287,17 @@ def test_fp32_chain_of_states_matches_float64(shape):
 def test_chain_of_states_refuses_layouts_it_would_misread():
     psi, ug = torch.zeros(1, 2, 10, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, 5, dtype=torch.bfloat16)
     prev = torch.zeros(2, 1, 2, 10, 5)
-    assert not cpu_kernel.chains(psi, torch.float32, 48)  # bf16 in whole tile steps of 32 tokens only
+    assert not cpu_chain.chains(psi, torch.float32, 48)  # bf16 in whole tile steps of 32 tokens only
     with pytest.raises(ValueError, match="ug: expected torch.float32 values"):
-        cpu_kernel.states(psi.float(), ug, prev)  # bf16 values against fp32 features
+        cpu_chain.states(psi.float(), ug, prev)  # bf16 values against fp32 features
     with pytest.raises(ValueError, match="psi: expected contiguous float32 or bfloat16"):
-        cpu_kernel.states(psi.double(), ug.double(), prev)
+        cpu_chain.states(psi.double(), ug.double(), prev)
     with pytest.raises(ValueError, match="C a multiple of 32 for 3 chunks"):  # 63 tokens: chunks of 21
-        cpu_kernel.states(psi[..., :63].contiguous(), ug, torch.zeros(4, 1, 2, 10, 5))
+        cpu_chain.states(psi[..., :63].contiguous(), ug, torch.zeros(4, 1, 2, 10, 5))
     with pytest.raises(ValueError, match="ug: expected torch.bfloat16 values .* with contiguous rows"):
-        cpu_kernel.states(psi, ug.transpose(-1, -2).contiguous().transpose(-1, -2), prev)
+        cpu_chain.states(psi, ug.transpose(-1, -2).contiguous().transpose(-1, -2), prev)
     with pytest.raises(ValueError, match="prev: expected a contiguous float32"):
-        cpu_kernel.states(psi, ug, prev.double())
+        cpu_chain.states(psi, ug, prev.double())
 
 
 def test_not_used_under_autograd_fp64_or_odd_chunks(calls):

@@ -20,13 +20,11 @@ computed transposed (num^T = S^T phi^T), which lets one feature-major buffer ser
   z_m^2 costs (G+1) small GEMMs against the shared keys (Eq. 7). The constant L_0m rides in the GEMM (a row of
   the query operand against a column of ones beside the keys), which saves a pass over z.
 For bf16 inputs the features and the GEMMs over them stay in bf16 (fp32 accumulation inside the GEMM); the
-running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32. Where the
-fused kernel runs it also divides the numerator into the output itself (`cpu_kernel.readout`'s `final`) and builds
-the chain of chunk states (`cpu_kernel.states`; bf16's on a CPU with AMX tiles).
-torch.compile is not used: compiling the feature map took 77 s on a 2-core CPU and was no faster than the slices
-above. Under autograd every block is checkpointed: only the block inputs and the running state are kept, and the
-d(d+1)/2-wide features are recomputed. Inference reuses scratch buffers across blocks and calls
-(`clear_workspace` releases them).
+running state, the intra-chunk kernel, the constant and linear readout rows and the numerator are fp32. The fused
+kernel also writes the output itself (`cpu_kernel.readout`'s `final`) and builds the chunk states (`ops.cpu_chain`).
+torch.compile is not used (compiling the feature map took 77 s on 2 cores, and was no faster). Under autograd every
+block is checkpointed: only the block inputs and the running state are kept, and the d(d+1)/2-wide features are
+recomputed. Inference reuses scratch buffers across blocks and calls (`clear_workspace` releases them).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from oal.ops import cpu_kernel, kernel, tuning, workers
+from oal.ops import cpu_chain, cpu_kernel, kernel, tuning, workers
 from oal.ops.kernel import feature_dim, features, query_coefficients, weighted_features, weighted_pairs
 
 # Tests set this to fill scratch buffers with NaN, so that a read of an unwritten entry shows up.
@@ -175,9 +173,7 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
     psi [B, Hkv, F, T] and ug [B, Hkv, T, dv+1] (T = nc * chunk) in the GEMM dtype. In the state's dtype each step
     is one GEMM that adds onto the previous state as it writes the next (baddbmm), so every chunk state is written
     once; with bf16 features the increment is a bf16 GEMM (fp32 accumulation, rounded to bf16) summed in fp32.
-    Where the fused kernel runs (fp32, or bf16 on a CPU with AMX tiles) it builds the whole chain instead
-    (`cpu_kernel.states`: each chunk state read once and written once; bf16's products summed onto the fp32 state
-    on the tiles, with no rounding of the increment).
+    Where the fused kernel runs (fp32; bf16 on AMX tiles) `ops.cpu_chain` builds the chain in one pass per state.
     """
     n_c = psi.shape[-1] // chunk
     bsz, n_kv, feats, dv1 = start.shape
@@ -190,8 +186,8 @@ def _chunk_states(start, psi, ug, chunk: int, ws=None):
             incs = [psi[..., c * chunk : (c + 1) * chunk] @ ug[:, :, c * chunk : (c + 1) * chunk] for c in range(n_c)]
             return torch.cat([start.unsqueeze(0), start + torch.stack(incs).to(sdt).cumsum(0)])
         prev[0].copy_(start)
-        if cpu_kernel.chains(psi, sdt, chunk):  # the fused kernel: one pass per chunk state
-            return cpu_kernel.states(psi, ug, prev)
+        if cpu_chain.chains(psi, sdt, chunk):  # the fused kernel: one pass per chunk state
+            return cpu_chain.states(psi, ug, prev)
         inc = None if psi.dtype == sdt else _scratch(ws, "inc", start.shape, psi.dtype, start.device)
         for c in range(n_c):
             ps, us = psi[..., c * chunk : (c + 1) * chunk], ug[:, :, c * chunk : (c + 1) * chunk]
@@ -246,13 +242,11 @@ def _fused(xq, sdt: torch.dtype, ws, heads) -> bool:
 
 def _fused_readout(xq, heads: cpu_kernel.Heads, states, ws, intra=None, final=None):
     """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] against states [nc, B, Hkv, F, dv+1] ->
-    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7). With `final`
-    (the block's output [B, Hq, nc * C, dv], with intra) the kernel normalises into it and returns it: the
-    numerator is never written out."""
+    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7); with `final`
+    (the block's output [B, Hq, nc * C, dv]) the normalised output, written there instead of num^T."""
     n_c, bsz, n_kv, d, rep, c = xq.shape
-    num = None
-    if final is None:
-        num = _scratch(ws, "num", (n_c, bsz, n_kv, states.shape[-1], rep * c), states.dtype, xq.device)
+    shape = (n_c, bsz, n_kv, states.shape[-1], rep * c)
+    num = None if final is not None else _scratch(ws, "num", shape, states.dtype, xq.device)
     if intra is not None:
         intra = cpu_kernel.Intra(intra[0], intra[1], heads.order, heads.bounds, heads.lower, intra[2])
     with record_function("oal.readout"):
@@ -326,11 +320,10 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
     num = None
     if prev is not None and "xq" in parts:
         intra = (kb, ub, eps) if qw is None else None  # None: the torch intra-chunk term below
-        if intra is not None and out is not None and not raw:  # the whole output in the kernel
-            return _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra, final=out)
-        num = _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra)
+        final = out if intra is not None and not raw else None  # the kernel writes the output itself
+        num = _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra, final)
         if intra is not None:
-            return _normalise(num, n_q, out, raw)
+            return num if final is not None else _normalise(num, n_q, out, raw)
     elif prev is not None:
         num = _readout(parts["phi"], prev[:n_c], ws, parts["phi_lin"])  # in the state's dtype, also for bf16 GEMMs
     _, bsz, n_kv, d1, rep, n_m, _ = qw.shape
