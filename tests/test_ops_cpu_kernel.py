@@ -64,6 +64,13 @@ def calls(monkeypatch):
     return seen
 
 
+def _token_major(x):
+    """Feature-major queries [nc, B, Hkv, d, rep, C] (the layout the tests build) -> the operator's token-major
+    [B, Hkv * rep, nc * C, d], which `readout` takes."""
+    nc, b, hkv, d, rep, c = x.shape
+    return x.permute(1, 2, 4, 0, 5, 3).reshape(b, hkv * rep, nc * c, d).contiguous()
+
+
 def _rel(got, want):
     return float((got.double() - want).norm() / want.norm())
 
@@ -182,7 +189,7 @@ def test_amx_readout_matches_the_dot_products_and_float64(monkeypatch, shape):
     got = {}
     for mode in ("amx", "dots"):
         monkeypatch.setattr(cpu_kernel, "AMX", mode == "amx")
-        got[mode] = cpu_kernel.readout(x, w, states, torch.full((nc, b, hkv, dv1, rep * c), float("nan")))
+        got[mode] = cpu_kernel.readout(_token_major(x), w, states, torch.full((nc, b, hkv, dv1, rep * c), float("nan")))
     assert not got["amx"].isnan().any()
     assert _rel(got["amx"], got["dots"].double()) < 1e-5
     # float64 on what the tiles see: constant and linear features exact, quadratic ones and the state's rows
@@ -203,7 +210,7 @@ def test_the_kernels_own_division_is_the_torch_division(monkeypatch, mode, shape
     """With `final` the kernel divides each numerator by its denominator (Eq. 6-7) and writes the output rows
     itself: the same bits as torch dividing the numerator it returns into a strided view of the output, fp32 and
     bf16 (round to nearest even, NaN as torch writes it), value widths of whole vectors, a part (7, 20) and
-    both; every other entry of the output's storage untouched."""
+    both; every other entry of the output's storage untouched. The queries are read from a strided view too."""
     nc, b, hkv, d, rep, c, dv1 = shape
     if mode != "fp32":
         _bf16_mode(monkeypatch, mode)
@@ -216,11 +223,13 @@ def test_the_kernels_own_division_is_the_torch_division(monkeypatch, mode, shape
     states[0, 0, 0, :, -1] = 0  # a zero denominator for the first item: inf outputs, as torch gives,
     states[0, 0, 0, 0] = 0  # and NaN where the numerator is 0 too (queries 0 leave only the constant feature)
     x[0, 0, 0, :, 0, :3] = 0
-    num = cpu_kernel.readout(x, w, states, torch.empty(nc, b, hkv, dv1, rep * c))
+    q = torch.zeros(b, hkv * rep + 1, nc * c + 2, d + 3, dtype=dtype)[:, 1:, 2:, 1 : 1 + d]  # strided, as the
+    q.copy_(_token_major(x))  # operator's block slices are
+    num = cpu_kernel.readout(q, w, states, torch.empty(nc, b, hkv, dv1, rep * c))
     # the operator's output [B, Hq, N, dv] lives in a wider buffer: its rows are strided
     room = torch.full((b, hkv * rep + 1, nc * c + 5, dv1 + 2), -7.0).to(dtype)
     final = room[:, 1:, 3 : 3 + nc * c, 1:dv1]
-    got = cpu_kernel.readout(x, w, states, None, final=final)
+    got = cpu_kernel.readout(q, w, states, None, final=final)
     assert got is final
     want = torch.full_like(room, -7.0)
     num = num.view(nc, b, hkv, dv1, rep, c)
@@ -324,7 +333,7 @@ def test_group_bound_matches_the_source():
 
 
 def test_readout_refuses_layouts_the_kernel_would_misread():
-    x = torch.zeros(1, 1, 2, 3, 2, cpu_kernel.vector_width())
+    x = torch.zeros(1, 4, cpu_kernel.vector_width(), 3)  # queries [B, Hkv * rep, N, d]
     w, states = torch.zeros(2, 2, 10), torch.zeros(1, 1, 2, 10, 4)
     out = torch.zeros(1, 1, 2, 4, 2 * cpu_kernel.vector_width())
     cpu_kernel.readout(x, w, states, out)  # the layout it takes
@@ -334,8 +343,13 @@ def test_readout_refuses_layouts_the_kernel_would_misread():
         cpu_kernel.readout(x, w, torch.zeros(1, 1, 2, 9, 4), out)  # F of another head dim
     with pytest.raises(ValueError, match="out: .*not contiguous"):
         cpu_kernel.readout(x, w, states, out.transpose(-1, -2).contiguous().transpose(-1, -2))
-    with pytest.raises(ValueError, match="x: expected"):
+    with pytest.raises(ValueError, match="q: expected .*last dim contiguous"):
         cpu_kernel.readout(x.transpose(-1, -2).contiguous().transpose(-1, -2), w, states, out)
+    with pytest.raises(ValueError, match="q: expected .* for 1 chunks"):
+        cpu_kernel.readout(x[:, :3], w, states, out)  # a query head missing
+    if cpu_kernel.vector_width() > 1:
+        with pytest.raises(ValueError, match="q: expected .* multiple of"):  # chunks not whole vectors
+            cpu_kernel.readout(x[:, :, :-1], w, states, out)
     c = cpu_kernel.vector_width()
     for g in (0, cpu_kernel.GMAX):  # no group, or more than the kernel's z sums hold
         intra = cpu_kernel.Intra(torch.zeros(1, 1, 2, c, 4), torch.zeros(1, 1, 2, c, 4),

@@ -234,23 +234,23 @@ def _readout(phi, states, ws=None, phi_lin=None):
         return num
 
 
-def _fused(xq, sdt: torch.dtype, ws, heads) -> bool:
+def _fused(q, chunk: int, sdt: torch.dtype, ws, heads) -> bool:
     """Whether this block's readout runs the fused CPU kernel (inference scratch, the heads' inputs built, and
     `cpu_kernel.supports`)."""
-    return ws is not None and heads is not None and cpu_kernel.supports(xq, sdt)
+    return ws is not None and heads is not None and cpu_kernel.supports(q, sdt, chunk)
 
 
-def _fused_readout(xq, heads: cpu_kernel.Heads, states, ws, intra=None, final=None):
-    """`_readout` through the fused kernel: xq [nc, B, Hkv, d, rep, C] against states [nc, B, Hkv, F, dv+1] ->
-    num^T in the states' dtype (Eq. 6); with intra = (kb, ub, eps) the chunks' own keys too (Eq. 7); with `final`
-    (the block's output [B, Hq, nc * C, dv]) the normalised output, written there instead of num^T."""
-    n_c, bsz, n_kv, d, rep, c = xq.shape
+def _fused_readout(q, heads: cpu_kernel.Heads, states, ws, intra=None, final=None):
+    """`_readout` in the fused kernel: q [B, Hq, nc * C, d], states [nc, B, Hkv, F, dv+1] -> num^T (Eq. 6); with
+    intra = (kb, ub, eps) the chunks' own keys too (Eq. 7); with `final` (the output) the output written there."""
+    n_c, bsz, n_kv = states.shape[:3]
+    rep, c = q.shape[1] // n_kv, q.shape[2] // n_c
     shape = (n_c, bsz, n_kv, states.shape[-1], rep * c)
-    num = None if final is not None else _scratch(ws, "num", shape, states.dtype, xq.device)
+    num = None if final is not None else _scratch(ws, "num", shape, states.dtype, q.device)
     if intra is not None:
         intra = cpu_kernel.Intra(intra[0], intra[1], heads.order, heads.bounds, heads.lower, intra[2])
     with record_function("oal.readout"):
-        return cpu_kernel.readout(xq, heads.rows.view(n_kv, rep, -1), states, num, intra, final)
+        return cpu_kernel.readout(q, heads.rows.view(n_kv, rep, -1), states, num, intra, final)
 
 
 def _normalise(num_t, n_q: int, out=None, raw: bool = False):
@@ -285,8 +285,9 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     q, k, u = (_pad_to(t, n_c * chunk) for t in (q, k, u))
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
     parts = {"ub": ub.to(sdt).contiguous(), "n_c": n_c, "prev": None, "phi": None}
-    xq = _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # queries feature-major [nc, B, Hkv, d, rep, C]
-    fused = not fresh and _fused(xq, sdt, ws, w[2])
+    fused = not fresh and _fused(q, chunk, sdt, ws, w[2])
+    # the queries feature-major [nc, B, Hkv, d, rep, C] for the torch GEMMs (the fused kernel gathers its own)
+    xq = None if fused and w[2].order is not None else _feature_major(q, n_kv, n_c, chunk, ws, "xq")
     with record_function("oal.intra"):
         n_m = wz.shape[-2]
         kc = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, d]
@@ -297,7 +298,7 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
         else:
             kb[..., :d].copy_(kc)
             kb[..., d:].fill_(1.0)
-            qw = None  # the fused kernel builds its kappa blocks from xq and kb itself
+            qw = None  # the fused kernel builds its kappa blocks from q and kb itself
             if not (fused and w[2].order is not None):
                 qw = _scratch(ws, "qw", (n_c, bsz, n_kv, d + 1, rep, n_m, chunk), sdt, dev)
                 torch.mul(xq.unsqueeze(5), wz[:, :d], out=qw[:, :, :, :d])
@@ -305,7 +306,7 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     parts["qw"], parts["kb"] = qw, kb
     if not fresh:
         if fused:  # the readout forms phi(Q) itself (and, without qw, the chunks' own keys too)
-            parts["xq"], parts["fused"] = xq, w[2]
+            parts["q"], parts["fused"] = q, w[2]
         else:
             parts["phi"], parts["phi_lin"] = _query_features(xq, w, ws)
         parts["psi"] = _key_features(k, ws)
@@ -318,10 +319,10 @@ def _block_finish(parts, eps: float, chunk: int, n_q: int, raw: bool = False, ou
     intra-chunk kernel, and the normalised (or `raw`) output (Eq. 6-7)."""
     qw, kb, ub, n_c, prev = parts["qw"], parts["kb"], parts["ub"], parts["n_c"], parts["prev"]
     num = None
-    if prev is not None and "xq" in parts:
+    if prev is not None and "q" in parts:
         intra = (kb, ub, eps) if qw is None else None  # None: the torch intra-chunk term below
         final = out if intra is not None and not raw else None  # the kernel writes the output itself
-        num = _fused_readout(parts["xq"], parts["fused"], prev[:n_c], ws, intra, final)
+        num = _fused_readout(parts["q"], parts["fused"], prev[:n_c], ws, intra, final)
         if intra is not None:
             return num if final is not None else _normalise(num, n_q, out, raw)
     elif prev is not None:
@@ -414,11 +415,10 @@ def _key_step(state, k, u, ws=None):
 
 def _query_step(state, q, w, raw: bool = False, out=None, ws=None):
     """Non-causal pass 2: phi(Q) S for one block of queries (Eq. 6)."""
-    xq = _feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq")
-    if _fused(xq, state.dtype, ws, w[2]):
-        num = _fused_readout(xq, w[2], state.unsqueeze(0).contiguous(), ws)  # no intra-chunk term: not causal
+    if _fused(q, q.shape[2], state.dtype, ws, w[2]):
+        num = _fused_readout(q, w[2], state.unsqueeze(0).contiguous(), ws)  # no intra-chunk term: not causal
     else:
-        phi, phi_lin = _query_features(xq, w, ws)
+        phi, phi_lin = _query_features(_feature_major(q, state.shape[1], 1, q.shape[2], ws, "xq"), w, ws)
         num = _readout(phi, state.unsqueeze(0), ws, phi_lin)
     return _normalise(num, q.shape[1], out, raw)
 

@@ -155,10 +155,11 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
         raise _NotTheKernel(f"{path} lacks {', '.join(missing)}: not the kernel this oal builds")
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     intra = [ptr] * 5 + [i32, f32]  # kb, ub, order, bounds, lower, groups, eps
-    final = [ptr, i64, i64, i64, i32, i32]  # the normalised output, its strides, bf16 or not, the batch
+    queries = [ptr, i64, i64, i64, i32]  # q, its batch, head and token strides, the batch
+    final = [ptr, i64, i64, i64, i32]  # the normalised output, its strides, bf16 or not
     lib.oal_readout_vw.restype = lib.oal_readout_bf16_dots.restype = lib.oal_readout_amx.restype = i32
-    lib.oal_readout_f32.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 5 + intra + final
-    lib.oal_readout_bf16.argtypes = [ptr] * 4 + [i64, i64] + [i32] * 6 + intra + final
+    lib.oal_readout_f32.argtypes = queries + [ptr] * 3 + [i64, i64] + [i32] * 5 + intra + final
+    lib.oal_readout_bf16.argtypes = queries + [ptr] * 3 + [i64, i64] + [i32] * 6 + intra + final
     for chain in (lib.oal_states_bf16, lib.oal_states_f32):
         chain.restype = i32
         chain.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, i64, i32, i32, i32, i32]
@@ -224,16 +225,18 @@ def amx() -> bool:
             and bool(lib.oal_readout_amx()))
 
 
-def supports(x: torch.Tensor, state_dtype: torch.dtype) -> bool:
-    """Whether `readout` takes queries x (feature-major, contiguous) against a state of `state_dtype`: CPU, no
-    autograd, an fp32 state, fp32 or bf16 queries, and a chunk (x's last dim) that is a multiple of the vector
-    width."""
-    if not enabled() or x.device.type != "cpu" or state_dtype != torch.float32 or not x.is_contiguous():
+def supports(q: torch.Tensor, state_dtype: torch.dtype, chunk: int) -> bool:
+    """Whether `readout` takes queries q [B, Hq, N, d] in chunks of `chunk` tokens against a state of `state_dtype`:
+    CPU, no autograd, an fp32 state, fp32 or bf16 queries whose last dim is contiguous, and a chunk that is a multiple
+    of the vector width."""
+    if not enabled() or q.device.type != "cpu" or state_dtype != torch.float32:
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() and x.requires_grad:
+    if q.stride(-1) != 1 and q.shape[-1] > 1:  # a dim of size 1 has any stride
+        return False
+    if q.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() and q.requires_grad:
         return False
     vw = vector_width()
-    return vw > 0 and x.shape[-1] % vw == 0
+    return vw > 0 and chunk % vw == 0
 
 
 class Intra(NamedTuple):
@@ -279,25 +282,30 @@ def heads(w_rows: torch.Tensor, groups: torch.Tensor, factor: torch.Tensor, scal
     return Heads(rows, order, bounds.contiguous(), lower.contiguous())
 
 
-def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor | None,
+def readout(q: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.Tensor | None,
             intra: Intra | None = None, final: torch.Tensor | None = None) -> torch.Tensor:
     """num^T = S^T phi(Q)^T for every (chunk, batch, KV head), written into `out` (Eq. 6), phi(Q) = w * psi(Q);
     with `intra` plus each chunk's own keys, sum_{l <= i in the chunk} kappa(i, l) u_l (Eq. 7), so that `out` is
     the whole numerator. With `final` the kernel divides each item's numerator by its denominator itself and writes
-    the output there instead (then `out` is None and `final` is returned): final [B, Hkv * rep, nc * C, dv] fp32
-    or bf16, dv contiguous (a view of the operator's output), row t from chunk t // C.
+    the output there instead (then `out` is None and `final` is returned): final [B, Hq, nc * C, dv] fp32 or
+    bf16, dv contiguous (a view of the operator's output).
 
-    x [nc, B, Hkv, d, rep, C] (fp32 or bf16), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out
-    [nc, B, Hkv, dv+1, rep * C] fp32, all contiguous (`supports`). bf16 x runs bf16 dot products for the quadratic
-    features where the CPU has them (`bf16_dots`; on AMX tiles where it has those, `amx`), else the fp32 kernel on x
-    widened exactly. With more than one torch thread the items are split over the operator's workers
-    (`ops.workers`)."""
+    q [B, Hkv * rep, nc * C, d] (fp32 or bf16, its last dim contiguous: the operator's queries, each item gathers
+    its own), w [Hkv, rep, F] fp32, states [nc, B, Hkv, F, dv+1] fp32 and out [nc, B, Hkv, dv+1, rep * C] fp32
+    contiguous (`supports`); C = N / nc. bf16 q runs bf16 dot products for the quadratic features where the CPU
+    has them (`bf16_dots`; on AMX tiles where it has those, `amx`), else the fp32 kernel on q widened exactly.
+    With more than one torch thread the items are split over the operator's workers (`ops.workers`)."""
     lib = _load()
-    n_c, bsz, n_kv, d, rep, c = x.shape
-    dv1 = states.shape[-1]
-    feats = feature_dim(d)
+    n_kv, rep, feats = w.shape
+    n_c, bsz, dv1 = states.shape[0], states.shape[1], states.shape[-1]
+    d, c = q.shape[-1], q.shape[2] // max(n_c, 1)
     # the C side trusts these layouts: a wrong one would read or write out of bounds, not raise
-    checks = [("w", w, (n_kv, rep, feats)), ("states", states, (n_c, bsz, n_kv, feats, dv1))]
+    if (q.dtype not in (torch.float32, torch.bfloat16) or q.dim() != 4 or (q.stride(-1) != 1 and q.shape[-1] > 1)
+            or tuple(q.shape[:3]) != (bsz, n_kv * rep, n_c * c) or c % vector_width() or q.device.type != "cpu"):
+        raise ValueError(f"q: expected float32 or bfloat16 queries [{bsz}, {n_kv * rep}, nc * C, d] for {n_c} chunks "
+                         f"of a multiple of {vector_width()} tokens, last dim contiguous, got {q.dtype} "
+                         f"{list(q.shape)}")
+    checks = [("w", w, (n_kv, rep, feature_dim(d))), ("states", states, (n_c, bsz, n_kv, feature_dim(d), dv1))]
     if (out is None) == (final is None):
         raise ValueError("readout: pass exactly one of out (the numerator) and final (the output)")
     if out is not None:
@@ -306,17 +314,14 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a contiguous float32 CPU tensor of shape {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or c % vector_width():
-        raise ValueError(f"x: expected contiguous float32 or bfloat16 queries whose last dim is a multiple of "
-                         f"{vector_width()}, got {x.dtype} {list(x.shape)}")
-    fin = (None, 0, 0, 0, 0, bsz)
+    fin = (None, 0, 0, 0, 0)
     if final is not None:
         shape = (bsz, n_kv * rep, n_c * c, dv1 - 1)
         if (final.dtype not in (torch.float32, torch.bfloat16) or tuple(final.shape) != shape
-                or final.stride(-1) != 1 or final.device.type != "cpu"):
+                or (final.stride(-1) != 1 and final.shape[-1] > 1) or final.device.type != "cpu"):
             raise ValueError(f"final: expected a float32 or bfloat16 CPU tensor of shape {list(shape)} whose last "
                              f"dim is contiguous, got {final.dtype} {list(final.shape)} strides {final.stride()}")
-        fin = (final.data_ptr(), *final.stride()[:3], int(final.dtype == torch.bfloat16), bsz)
+        fin = (final.data_ptr(), *final.stride()[:3], int(final.dtype == torch.bfloat16))
     extra = (None, None, None, None, None, 0, 0.0)
     if intra is not None:
         g1 = intra.lower.shape[-1]
@@ -333,11 +338,12 @@ def readout(x: torch.Tensor, w: torch.Tensor, states: torch.Tensor, out: torch.T
         extra = (*(t.data_ptr() for t in intra[:5]), g1 - 1, float(intra.eps))
     items = n_c * bsz * n_kv
     dims = (n_kv, d, rep, c, dv1)
-    ptrs = (x.data_ptr(), w.data_ptr(), states.data_ptr(), None if out is None else out.data_ptr())
+    ptrs = (q.data_ptr(), *q.stride()[:3], bsz, w.data_ptr(), states.data_ptr(),
+            None if out is None else out.data_ptr())
     mode = 2 if amx() else int(bf16_dots())  # oal_readout_bf16's mode
 
     def run(begin: int, end: int) -> None:
-        if x.dtype == torch.float32:
+        if q.dtype == torch.float32:
             lib.oal_readout_f32(*ptrs, begin, end, *dims, *extra, *fin)
         else:
             lib.oal_readout_bf16(*ptrs, begin, end, *dims, mode, *extra, *fin)

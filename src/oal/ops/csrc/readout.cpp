@@ -11,8 +11,9 @@
 // is built once into a C x C buffer (the group sums cost d multiply-adds per pair, not (G+1) d as the torch GEMMs
 // do), and the tiles then take the keys l like C more features with weights u_l. The numerator is then complete.
 //
-// Layouts (all contiguous, row-major), per item k = (chunk, batch, KV head) flattened:
-//   x   [items, d, rep, C]     queries feature-major (the operator's "xq" scratch), fp32 or bf16 (uint16 bits)
+// Layouts (row-major), per item k = (chunk, batch, KV head) flattened:
+//   q   [B, Hq, N, d]          the queries token-major, any strides but the last (the operator's), fp32 or bf16
+//                              (uint16 bits); each item gathers its own feature-major [d, rep, C] (gather_queries)
 //   w   [Hkv, rep, F]          per query head the weights [a, scale b_r, scale^2 m_rt C_rt] (query_coefficients)
 //   s   [items, F, dv1]        the state before each chunk (fp32)
 //   out [items, dv1, rep * C]  the numerator^T (fp32), overwritten
@@ -55,11 +56,8 @@
 #define TO 12
 #endif
 
-// aligned(4) / aligned(2): a pointer to these needs no vector alignment (unaligned loads); may_alias: they read
-// float / uint16 buffers
+// aligned(4): a pointer to it needs no vector alignment (unaligned loads); may_alias: it reads float buffers
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
-typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 
 static inline vf load(const float* p) { return *(const vf*)p; }
 
@@ -249,7 +247,7 @@ static void item(const float* x, const float* w, const float* s, float* out, int
 struct Final {
     void* out;
     int64_t sb, sh, st;
-    int half, bsz;
+    int half, bsz;  // bsz: the batch (the item's row b = item / hkv % bsz)
 };
 
 static inline uint16_t bf16_bits(float f) {
@@ -259,8 +257,8 @@ static inline uint16_t bf16_bits(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define HAVE_FIN_VEC 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // 16 x 16 transposes in registers
+#define HAVE_T16 1
 #include <immintrin.h>
 
 // r[0..15] (16 x 16 uint32) transposed in registers: unpacks within 128-bit lanes, then lane shuffles.
@@ -297,8 +295,54 @@ static inline __m256i bf16_round16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 #else
-#define HAVE_FIN_VEC 0
+#define HAVE_T16 0
 #endif
+
+static inline float widen(float f) { return f; }
+
+static inline float widen(uint16_t h) {  // bf16 bits, exactly
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+#if HAVE_T16
+static inline __m512i load16(const float* p, __mmask16 m) { return _mm512_castps_si512(_mm512_maskz_loadu_ps(m, p)); }
+
+static inline __m512i load16(const uint16_t* p, __mmask16 m) {  // bf16 widened: the bits shifted into the high half
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16);
+}
+#endif
+
+// Item k's queries feature-major, as the tiles read them: x [d, rep, c] fp32, head j's dim r at x + r * rep * c +
+// j * c, from the operator's token-major queries q [B, Hq, N, d] (row (b, h, t) at q + b * qb + h * qh + t * qt;
+// bf16 bits when T is uint16_t): 16 tokens x 16 dims transposed in registers, so that no feature-major copy of all
+// queries is written first.
+template <typename T>
+static void gather_queries(const T* q, int64_t qb, int64_t qh, int64_t qt, int64_t k, int hkv, int bsz, int d,
+                           int rep, int c, float* x) {
+    const int64_t kv = k % hkv, b = k / hkv % bsz, t0 = k / (hkv * (int64_t)bsz) * c;
+    const ptrdiff_t xs = (ptrdiff_t)rep * c;
+    for (int j = 0; j < rep; ++j) {
+        const T* src = q + b * qb + (kv * rep + j) * qh + t0 * qt;
+        float* dst = x + (ptrdiff_t)j * c;
+        int i0 = 0;
+#if HAVE_T16
+        for (; i0 + 16 <= c; i0 += 16)
+            for (int r0 = 0; r0 < d; r0 += 16) {
+                const int m = d - r0 < 16 ? d - r0 : 16;
+                const __mmask16 mask = (__mmask16)((1u << m) - 1);
+                __m512i v[16];
+                for (int i = 0; i < 16; ++i) v[i] = load16(src + (i0 + i) * qt + r0, mask);
+                transpose16(v);  // v[r]: dim r0 + r of the 16 tokens
+                for (int r = 0; r < m; ++r) _mm512_storeu_si512(dst + (r0 + r) * xs + i0, v[r]);
+            }
+#endif
+        for (; i0 < c; ++i0)
+            for (int r = 0; r < d; ++r) dst[r * xs + i0] = widen(src[i0 * qt + r]);
+    }
+}
 
 // Item k's numerator num [dv1, rep * c] (the layout of `out` above) divided and written to fin (see Final).
 static void finish(const float* num, int64_t k, int hkv, int rep, int c, int dv1, const Final& fin) {
@@ -309,7 +353,7 @@ static void finish(const float* num, int64_t k, int hkv, int rep, int c, int dv1
     for (int j = 0; j < rep; ++j) {
         const int64_t row0 = b * fin.sb + (kv * rep + j) * fin.sh + t0 * fin.st;  // token 0 of head j, in elements
         int i0 = 0;
-#if HAVE_FIN_VEC
+#if HAVE_T16
         for (; i0 + 16 <= c; i0 += 16) {
             const __m512 dn = _mm512_loadu_ps(den + (ptrdiff_t)j * c + i0);
             for (int o0 = 0; o0 < dv; o0 += 16) {
@@ -911,33 +955,36 @@ int oal_readout_amx(void) {
 #endif
 }
 
-// Items [begin, end) of the layouts above, with fp32 queries. kv = item % hkv picks the weights. kb == nullptr: no
-// intra-chunk term (the other intra arguments are then not read). fin != nullptr: the normalised output goes there
-// (`Final`: strides sb, sh, st in elements, half 1 for bf16, bsz the batch) and `out` is not written (nullptr).
-void oal_readout_f32(const float* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
-                     int hkv, int d, int rep, int c, int dv1, const float* kb, const float* ub, const int32_t* order,
-                     const int32_t* bounds, const float* lower, int groups, float eps, void* fin, int64_t sb,
-                     int64_t sh, int64_t st, int half, int bsz) {
+// Items [begin, end) of the layouts above, with fp32 queries read from q [B, Hq, N, d] (row (b, h, t) at q + b * qb +
+// h * qh + t * qt; gather_queries). kv = item % hkv picks the weights. kb == nullptr: no intra-chunk term (the other
+// intra arguments are then not read). fin != nullptr: the normalised output goes there (`Final`: strides sb, sh, st
+// in elements, half 1 for bf16) and `out` is not written (nullptr).
+void oal_readout_f32(const float* q, int64_t qb, int64_t qh, int64_t qt, int bsz, const float* w, const float* s,
+                     float* out, int64_t begin, int64_t end, int hkv, int d, int rep, int c, int dv1, const float* kb,
+                     const float* ub, const int32_t* order, const int32_t* bounds, const float* lower, int groups,
+                     float eps, void* fin, int64_t sb, int64_t sh, int64_t st, int half) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
     const Final final{fin, sb, sh, st, half, bsz};
-    std::vector<float> kappa(kb ? (size_t)c * (c + 2 * d) : 0), num(fin ? (size_t)on : 0);
+    std::vector<float> x(xn), kappa(kb ? (size_t)c * (c + 2 * d) : 0), num(fin ? (size_t)on : 0);
     for (int64_t k = begin; k < end; ++k) {
         const int kv = (int)(k % hkv);
+        gather_queries(q, qb, qh, qt, k, hkv, bsz, d, rep, c, x.data());
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
         float* dst = fin ? num.data() : out + k * on;
-        item(x + k * xn, w + kv * (ptrdiff_t)rep * feats, s + k * sn, dst, d, rep, c, dv1, feats, it, &in);
+        item(x.data(), w + kv * (ptrdiff_t)rep * feats, s + k * sn, dst, d, rep, c, dv1, feats, it, &in);
         if (fin) finish(dst, k, hkv, rep, c, dv1, final);
     }
 }
 
-// The same with bf16 queries (their uint16 bits), widened exactly to fp32 first. `mode` 0: the fp32 kernel; 1: bf16
-// dot products (needs oal_readout_bf16_dots()); 2: the quadratic features on AMX tiles (needs oal_readout_amx()).
-void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* out, int64_t begin, int64_t end,
-                      int hkv, int d, int rep, int c, int dv1, int mode, const float* kb, const float* ub,
-                      const int32_t* order, const int32_t* bounds, const float* lower, int groups, float eps,
-                      void* fin, int64_t sb, int64_t sh, int64_t st, int half, int bsz) {
+// The same with bf16 queries (their uint16 bits), widened exactly to fp32 as they are gathered. `mode` 0: the fp32
+// kernel; 1: bf16 dot products (needs oal_readout_bf16_dots()); 2: the quadratic features on AMX tiles (needs
+// oal_readout_amx()).
+void oal_readout_bf16(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, int bsz, const float* w, const float* s,
+                      float* out, int64_t begin, int64_t end, int hkv, int d, int rep, int c, int dv1, int mode,
+                      const float* kb, const float* ub, const int32_t* order, const int32_t* bounds, const float* lower,
+                      int groups, float eps, void* fin, int64_t sb, int64_t sh, int64_t st, int half) {
     const int feats = 1 + d + d * (d + 1) / 2;
     const ptrdiff_t xn = (ptrdiff_t)d * rep * c, sn = (ptrdiff_t)feats * dv1, on = (ptrdiff_t)dv1 * rep * c;
     const Intra in{kb, ub, order, bounds, lower, groups, eps};
@@ -959,9 +1006,7 @@ void oal_readout_bf16(const uint16_t* x, const float* w, const float* s, float* 
     std::vector<uint32_t> sp(dots ? (size_t)pairs * dv1 : 0), pp(dots ? (size_t)pairs * c : 0);
 #endif
     for (int64_t k = begin; k < end; ++k) {
-        const uint16_t* xk = x + k * xn;
-        for (ptrdiff_t i = 0; i < xn; i += VW)  // xn is a multiple of VW (C is)
-            *(vu*)(wide.data() + i) = __builtin_convertvector(*(const vh*)(xk + i), vu) << 16;
+        gather_queries(q, qb, qh, qt, k, hkv, bsz, d, rep, c, wide.data());  // widened exactly to fp32
         const int kv = (int)(k % hkv);
         const float* wk = w + kv * (ptrdiff_t)rep * feats;
         const ItemIntra it = item_intra(&in, k, kv, d, rep, c, dv1, kappa.data());
