@@ -91,10 +91,13 @@ def test_fused_readout_matches_reference_and_torch_path(monkeypatch, calls, shap
                                      initial_state=init.double(), output_final_state=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the serial layout splits the items over two workers, the pipelined one runs blocks
+    copies, real_copy = [], chunked._feature_major
+    monkeypatch.setattr(chunked, "_feature_major", lambda *a: copies.append(1) or real_copy(*a))
     try:
         with torch.inference_mode(), tuning.forced(tuning.Settings(chunk, 2, pipeline=pipeline)):
             got, state = oal_attention(q, k, v, groups, factor.float(), backend="chunked", initial_state=init,
                                        output_final_state=True)
+            assert not copies  # the kernel gathers its own queries: no feature-major copy of them
             monkeypatch.setenv("OAL_CPU_KERNEL", "0")
             torch_path = oal_attention(q, k, v, groups, factor.float(), backend="chunked", initial_state=init)
     finally:
