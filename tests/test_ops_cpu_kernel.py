@@ -243,6 +243,25 @@ def test_the_kernels_own_division_is_the_torch_division(monkeypatch, mode, shape
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+def _chain_inputs(b, hkv, feats, nc, c, dv1, dtype, seed):
+    """psi [b, hkv, F, nc * c], values ug whose rows are strided by head (a slice of heads, as the operator's
+    slices are) and prev [nc + 1, ...] NaN-filled but for the state before the first chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    psi = torch.randn(b, hkv, feats, nc * c, generator=gen).to(dtype)
+    ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen).to(dtype)[:, 1:]
+    prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
+    prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
+    return psi, ug, prev
+
+
+def _chain_float64(prev, psi, ug, c):
+    """Eq. 5 in float64 from prev[0]: S_{i+1} = S_i + psi(K_i)^T U_i for every chunk i, stacked."""
+    want = [prev[0].double()]
+    for i in range(prev.shape[0] - 1):
+        want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
+    return torch.stack(want)
+
+
 # (B, Hkv, F, chunks, chunk, dv + 1): the Qwen head shape at chunks of 64 and 128; F and dv + 1 with parts only
 # (5, 3), whole 16-row blocks and a part (37 = 2 x 16 + 5; 20 = 16 + 4), whole only (16), several column passes (151)
 CHAIN_SHAPES = [(1, 2, 2145, 3, 64, 65), (2, 3, 37, 2, 32, 20), (1, 1, 16, 1, 96, 16), (1, 1, 5, 2, 32, 3),
@@ -258,17 +277,10 @@ def test_amx_chain_of_states_is_exact_in_fp32(shape):
     if not cpu_kernel.amx():
         pytest.skip("no AMX-BF16 here (or the OS does not grant the tile registers)")
     b, hkv, feats, nc, c, dv1 = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    psi = torch.randn(b, hkv, feats, nc * c, generator=gen).to(torch.bfloat16)
-    ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen).to(torch.bfloat16)[:, 1:]  # a slice of heads
-    prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
-    prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
+    psi, ug, prev = _chain_inputs(*shape, torch.bfloat16, sum(shape))
     assert cpu_chain.chains(psi, torch.float32, c)
     assert cpu_chain.states(psi, ug, prev) is prev
-    want = [prev[0].double()]
-    for i in range(nc):
-        want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
-    want = torch.stack(want)
+    want = _chain_float64(prev, psi, ug, c)
     assert _rel(prev, want) < 1e-6
     rounded = want[0] + torch.stack([(psi[..., i * c : (i + 1) * c] @ ug[:, :, i * c : (i + 1) * c]).double()
                                      for i in range(nc)]).cumsum(0)
@@ -283,17 +295,10 @@ def test_fp32_chain_of_states_matches_float64(shape):
     vectors and a rest (dot products over the tokens), the values strided by head."""
     b, hkv, feats, nc, vectors, dv1 = shape
     c = vectors * cpu_kernel.vector_width()
-    gen = torch.Generator().manual_seed(sum(shape))
-    psi = torch.randn(b, hkv, feats, nc * c, generator=gen)
-    ug = torch.randn(b, hkv + 1, nc * c, dv1, generator=gen)[:, 1:]
-    prev = torch.full((nc + 1, b, hkv, feats, dv1), float("nan"))
-    prev[0] = torch.randn(b, hkv, feats, dv1, generator=gen)
+    psi, ug, prev = _chain_inputs(b, hkv, feats, nc, c, dv1, torch.float32, sum(shape))
     assert cpu_chain.chains(psi, torch.float32, c) and not cpu_chain.chains(psi, torch.float64, c)
     assert cpu_chain.states(psi, ug, prev) is prev
-    want = [prev[0].double()]
-    for i in range(nc):
-        want.append(want[-1] + psi[..., i * c : (i + 1) * c].double() @ ug[:, :, i * c : (i + 1) * c].double())
-    assert _rel(prev, torch.stack(want)) < 1e-6
+    assert _rel(prev, _chain_float64(prev, psi, ug, c)) < 1e-6
 
 
 def test_chain_of_states_refuses_layouts_it_would_misread():

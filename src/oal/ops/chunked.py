@@ -286,8 +286,8 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
     ub = u.view(bsz, n_kv, n_c, chunk, dv1).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, dv+1]
     parts = {"ub": ub.to(sdt).contiguous(), "n_c": n_c, "prev": None, "phi": None}
     fused = not fresh and _fused(q, chunk, sdt, ws, w[2])
-    # the queries feature-major [nc, B, Hkv, d, rep, C] for the torch GEMMs (the fused kernel gathers its own)
-    xq = None if fused and w[2].order is not None else _feature_major(q, n_kv, n_c, chunk, ws, "xq")
+    own_intra = fused and w[2].order is not None  # the kernel also takes Eq. 7 and gathers its own queries
+    xq = None if own_intra else _feature_major(q, n_kv, n_c, chunk, ws, "xq")  # [nc, B, Hkv, d, rep, C]
     with record_function("oal.intra"):
         n_m = wz.shape[-2]
         kc = k.view(bsz, n_kv, n_c, chunk, d).transpose(1, 2).transpose(0, 1)  # [nc, B, Hkv, C, d]
@@ -299,7 +299,7 @@ def _block_prefix(q, k, u, w, wz, chunk: int, fresh: bool, ws=None):
             kb[..., :d].copy_(kc)
             kb[..., d:].fill_(1.0)
             qw = None  # the fused kernel builds its kappa blocks from q and kb itself
-            if not (fused and w[2].order is not None):
+            if not own_intra:
                 qw = _scratch(ws, "qw", (n_c, bsz, n_kv, d + 1, rep, n_m, chunk), sdt, dev)
                 torch.mul(xq.unsqueeze(5), wz[:, :d], out=qw[:, :, :, :d])
                 qw[:, :, :, d:].copy_(wz[:, d:].expand_as(qw[:, :, :, d:]))

@@ -47,7 +47,7 @@ TUNE_SHAPE = dict(hq=14, hkv=2, d=64, g=5)  # the Qwen2.5-0.5B head shape, as in
 # Bump when a change to the chunked path can move the best settings: entries of another revision are stale, like
 # entries measured under another torch version.
 OPERATOR_REVISION = 5  # 3: the fused CPU kernel (ops.cpu_kernel: readout and intra-chunk term); 4: bf16 on AMX tiles;
-# 5: the kernel divides into the output, and bf16's chunk states on AMX tiles
+# 5: the kernel also writes the output, builds the chunk states (ops.cpu_chain) and gathers the queries
 # What a Settings may hold: far beyond what the tuner tries (chunks up to 256 tokens, blocks up to 2048 tokens),
 # small enough that a block's scratch memory stays bounded
 MAX_CHUNK, MAX_BLOCK_CHUNKS, MAX_KV_GROUPS = 4096, 4096, 1024

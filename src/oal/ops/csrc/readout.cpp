@@ -247,8 +247,18 @@ static void item(const float* x, const float* w, const float* s, float* out, int
 struct Final {
     void* out;
     int64_t sb, sh, st;
-    int half, bsz;  // bsz: the batch (the item's row b = item / hkv % bsz)
+    int half, bsz;  // bsz: the batch (item_at)
 };
+
+// Where item k = (chunk, batch row, KV head) lies in the operator's [B, H, N, ...] tensors: its KV head, batch row and
+// first token.
+struct ItemAt {
+    int64_t kv, b, t0;
+};
+
+static inline ItemAt item_at(int64_t k, int hkv, int bsz, int c) {
+    return ItemAt{k % hkv, k / hkv % bsz, k / (hkv * (int64_t)bsz) * c};
+}
 
 static inline uint16_t bf16_bits(float f) {
     uint32_t u;
@@ -322,10 +332,10 @@ static inline __m512i load16(const uint16_t* p, __mmask16 m) {  // bf16 widened:
 template <typename T>
 static void gather_queries(const T* q, int64_t qb, int64_t qh, int64_t qt, int64_t k, int hkv, int bsz, int d,
                            int rep, int c, float* x) {
-    const int64_t kv = k % hkv, b = k / hkv % bsz, t0 = k / (hkv * (int64_t)bsz) * c;
+    const ItemAt at = item_at(k, hkv, bsz, c);
     const ptrdiff_t xs = (ptrdiff_t)rep * c;
     for (int j = 0; j < rep; ++j) {
-        const T* src = q + b * qb + (kv * rep + j) * qh + t0 * qt;
+        const T* src = q + at.b * qb + (at.kv * rep + j) * qh + at.t0 * qt;
         float* dst = x + (ptrdiff_t)j * c;
         int i0 = 0;
 #if HAVE_T16
@@ -347,11 +357,11 @@ static void gather_queries(const T* q, int64_t qb, int64_t qh, int64_t qt, int64
 // Item k's numerator num [dv1, rep * c] (the layout of `out` above) divided and written to fin (see Final).
 static void finish(const float* num, int64_t k, int hkv, int rep, int c, int dv1, const Final& fin) {
     const int dv = dv1 - 1;
-    const int64_t kv = k % hkv, b = k / hkv % fin.bsz, t0 = k / (hkv * (int64_t)fin.bsz) * c;
+    const ItemAt at = item_at(k, hkv, fin.bsz, c);
     const ptrdiff_t ns = (ptrdiff_t)rep * c;
     const float* den = num + (ptrdiff_t)dv * ns;
     for (int j = 0; j < rep; ++j) {
-        const int64_t row0 = b * fin.sb + (kv * rep + j) * fin.sh + t0 * fin.st;  // token 0 of head j, in elements
+        const int64_t row0 = at.b * fin.sb + (at.kv * rep + j) * fin.sh + at.t0 * fin.st;  // token 0 of head j
         int i0 = 0;
 #if HAVE_T16
         for (; i0 + 16 <= c; i0 += 16) {
@@ -798,6 +808,19 @@ static void chain_rows(const float* s0, float* s1, const uint16_t* pc, ptrdiff_t
 #define HAVE_AMX 0
 #endif
 
+// The chains' loop (`oal_states_*`): chunk(s0, s1, pc, u) for every chunk ci of items [begin, end), with s0, s1 the
+// item's states S_ci and S_ci+1 in prev [nc + 1, items, F, dv1], pc its features at the chunk's first token (row
+// stride nc * c) and u the chunk's values (row stride dv1; item k's at ug + (k / hkv) * ub + (k % hkv) * uh).
+template <typename T, typename Chunk>
+static void each_chunk(const T* psi, const T* ug, int64_t ub, int64_t uh, float* prev, int64_t begin, int64_t end,
+                       int hkv, int64_t items, int nc, int c, int feats, int dv1, Chunk chunk) {
+    const ptrdiff_t t = (ptrdiff_t)nc * c, sn = (ptrdiff_t)feats * dv1;
+    for (int64_t k = begin; k < end; ++k)
+        for (int ci = 0; ci < nc; ++ci)
+            chunk(prev + ((ptrdiff_t)ci * items + k) * sn, prev + ((ptrdiff_t)(ci + 1) * items + k) * sn,
+                  psi + k * feats * t + (ptrdiff_t)ci * c, ug + k / hkv * ub + k % hkv * uh + (ptrdiff_t)ci * c * dv1);
+}
+
 // The chain of chunk states in fp32 (Eq. 5), the tiles' schedule in vector registers: R state rows x NB vectors of
 // columns accumulate from S_c's rows, take the chunk's c tokens (U's row loaded once for the R rows, psi broadcast)
 // and go to S_{c+1}: each chunk state read once and written once, where torch's baddbmm first copied S_c into
@@ -1038,26 +1061,20 @@ int oal_states_bf16(const uint16_t* psi, const uint16_t* ug, int64_t ub, int64_t
                     int64_t end, int hkv, int64_t items, int nc, int c, int feats, int dv1) {
 #if HAVE_AMX
     if (!amx_permitted() || c % 32) return -1;
-    const ptrdiff_t t = (ptrdiff_t)nc * c, sn = (ptrdiff_t)feats * dv1;
+    const ptrdiff_t t = (ptrdiff_t)nc * c;
     const int steps = c / 32, whole = feats / 16 * 16, rest = feats % 16;
     std::vector<uint32_t> bt((size_t)steps * ((dv1 + 15) / 16) * 256);
-    for (int64_t k = begin; k < end; ++k) {
-        const uint16_t* pk = psi + k * feats * t;
-        const uint16_t* uk = ug + k / hkv * ub + k % hkv * uh;
-        for (int ci = 0; ci < nc; ++ci) {
-            values_b(uk + (ptrdiff_t)ci * c * dv1, c, dv1, bt.data());
-            const float* s0 = prev + ((ptrdiff_t)ci * items + k) * sn;
-            float* s1 = prev + ((ptrdiff_t)(ci + 1) * items + k) * sn;
-            const uint16_t* pc = pk + (ptrdiff_t)ci * c;
-            chain_configure(16, dv1 % 16);  // whole blocks of 16 state rows, then the rest
-            for (int f0 = 0; f0 < whole; f0 += 16)
-                chain_rows(s0 + f0 * dv1, s1 + f0 * dv1, pc + f0 * t, t, bt.data(), steps, dv1);
-            if (rest) {
-                chain_configure(rest, dv1 % 16);
-                chain_rows(s0 + whole * dv1, s1 + whole * dv1, pc + whole * t, t, bt.data(), steps, dv1);
-            }
-        }
-    }
+    each_chunk(psi, ug, ub, uh, prev, begin, end, hkv, items, nc, c, feats, dv1,
+               [&](const float* s0, float* s1, const uint16_t* pc, const uint16_t* u) {
+                   values_b(u, c, dv1, bt.data());
+                   chain_configure(16, dv1 % 16);  // whole blocks of 16 state rows, then the rest
+                   for (int f0 = 0; f0 < whole; f0 += 16)
+                       chain_rows(s0 + f0 * dv1, s1 + f0 * dv1, pc + f0 * t, t, bt.data(), steps, dv1);
+                   if (rest) {
+                       chain_configure(rest, dv1 % 16);
+                       chain_rows(s0 + whole * dv1, s1 + whole * dv1, pc + whole * t, t, bt.data(), steps, dv1);
+                   }
+               });
     _tile_release();
     return 0;
 #else
@@ -1070,20 +1087,14 @@ int oal_states_bf16(const uint16_t* psi, const uint16_t* ug, int64_t ub, int64_t
 // The same chain with fp32 features and values (any CPU; C a multiple of VW). Returns 0.
 int oal_states_f32(const float* psi, const float* ug, int64_t ub, int64_t uh, float* prev, int64_t begin,
                    int64_t end, int hkv, int64_t items, int nc, int c, int feats, int dv1) {
-    const ptrdiff_t t = (ptrdiff_t)nc * c, sn = (ptrdiff_t)feats * dv1;
     const int rest = dv1 % VW;
     std::vector<float> ucol((size_t)(rest ? rest : 1) * c);
-    for (int64_t k = begin; k < end; ++k) {
-        const float* pk = psi + k * feats * t;
-        const float* uk = ug + k / hkv * ub + k % hkv * uh;
-        for (int ci = 0; ci < nc; ++ci) {
-            const float* u = uk + (ptrdiff_t)ci * c * dv1;
-            for (int j = 0; j < rest; ++j)
-                for (int l = 0; l < c; ++l) ucol[(size_t)j * c + l] = u[(ptrdiff_t)l * dv1 + dv1 - rest + j];
-            chain_chunk_f32(prev + ((ptrdiff_t)ci * items + k) * sn, prev + ((ptrdiff_t)(ci + 1) * items + k) * sn,
-                            pk + (ptrdiff_t)ci * c, t, u, c, dv1, feats, ucol.data());
-        }
-    }
+    each_chunk(psi, ug, ub, uh, prev, begin, end, hkv, items, nc, c, feats, dv1,
+               [&](const float* s0, float* s1, const float* pc, const float* u) {
+                   for (int j = 0; j < rest; ++j)
+                       for (int l = 0; l < c; ++l) ucol[(size_t)j * c + l] = u[(ptrdiff_t)l * dv1 + dv1 - rest + j];
+                   chain_chunk_f32(s0, s1, pc, (ptrdiff_t)nc * c, u, c, dv1, feats, ucol.data());
+               });
     return 0;
 }
 
