@@ -46,3 +46,39 @@ def test_bad_methods_are_refused():
     for bad in ("softmax", "nope"):
         with pytest.raises(ValueError, match=f"--methods: unknown or not linear-time: {bad}"):
             frontier.check_methods(frontier.parse(["--methods", bad]).methods)
+
+
+def test_retime_times_every_arm_again_and_keeps_the_adapted_numbers(result, tmp_path):
+    from benchmarks import frontier_retime
+    from oal.rundir.hashes import sha256_file
+
+    tmp, _, res = result
+    src = tmp / "out.json"
+    out = tmp_path / "retimed.json"
+    args = frontier_retime.parse([str(src), "--json", str(out), "--decode-tokens", "2", "--repeats", "2",
+                                  "--threads", "1"])
+    assert frontier_retime.main(args) == 0
+    again = json.loads(out.read_text())
+    assert again["retimed"]["from"] == {"file": "out.json", "sha256": sha256_file(src)}
+    labels = ["softmax", "swa K=1", "swa K=2", "oal K=1", "oal K=2"]
+    runs = again["retimed"]["runs"]
+    assert sorted(runs) == sorted(labels) and all(len(r) == 2 for r in runs.values())
+    for old, new, label in zip(res["rows"], again["rows"], labels[1:], strict=True):
+        assert (new["ppl"], new["passkey"], new["layers"]) == (old["ppl"], old["passkey"], old["layers"])
+        for n in ("64", "128"):  # the fastest prefill and the median (here: the upper of two) decode of the rounds
+            assert new["prefill_s"][n] == min(t["prefill_s"][n] for t in runs[label])
+            assert new["decode_ms"][n] == max(t["decode_ms"][n] for t in runs[label])
+    assert again["softmax"]["ppl"] == res["softmax"]["ppl"] and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_retime_refuses_another_model_and_other_files(result, tmp_path):
+    from benchmarks import frontier_retime
+
+    tmp, _, res = result
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**res, "provenance": {**res["provenance"], "state_dict_sha256": "0" * 64}}))
+    with pytest.raises(ValueError, match="other.json: its arms were measured on a model with state dict SHA256 0+,"):
+        frontier_retime.retime(frontier_retime.parse([str(other), "--repeats", "1"]), log=lambda *_: None)
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="bad.json: not a frontier JSON"):
+        frontier_retime.read_frontier(tmp_path / "bad.json")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DeviceOpt, DtypeOpt, Max, SelectByOpt, ThreadsOpt, set_threads
+from oal.cli.options import DeviceOpt, DtypeOpt, Max, ThreadsOpt, set_threads
 from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
@@ -19,12 +19,14 @@ def select_layers_cmd(
     out: Path = typer.Option(..., "--out", help="Run directory (as for `oal run`; `oal run --layers auto:K` with the "
                              "same options continues it)."),
     k: int = typer.Option(..., "--k", min=1, max=Max.LAYERS, help="Number of layers to convert."),
-    by: SelectByOpt = "probe",
+    by: str = typer.Option("probe", help="Rank layers by 'fidelity' (frozen-attention RelMSE after W_o) or 'probe' "
+                           "(validation perplexity with that layer alone converted)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
     data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods (calibrated on every layer)."),
-    preset: str = typer.Option("default", help="default | qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
+    preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
+                               "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seed: int = typer.Option(42, min=0, max=Max.SEED, help="Seed."),
     force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT."),
     device: DeviceOpt = "auto",
