@@ -245,7 +245,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     atomic_save_figure(fig, path, dpi=110)
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> int:
     import torch
 
     if args.device == "auto":
@@ -271,17 +271,32 @@ def main(args: argparse.Namespace) -> None:
     record = {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
               "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
               "prefill": None}
-    for method in args.methods:  # the JSON after each method: a time-out keeps what finished
-        rows.append(measure(method, args, args.device) | {"direct": None})
-        atomic_write_json(args.out, record)
+    failed = record["failed"] = {}  # what raised, by part: the other parts still run and are kept
+
+    def attempt(part: str, fn):
+        try:
+            return fn()
+        except Exception as err:
+            failed[part] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            Console(stderr=True).print(f"[red]{part} failed: {failed[part]}[/]")
+            return None
+        finally:
+            atomic_write_json(args.out, record)  # after each part: a time-out keeps what finished
+
+    for method in args.methods:
+        row = attempt(method, lambda m=method: measure(m, args, args.device))
+        if row is None:
+            continue
+        rows.append(row | {"direct": None})
         if args.direct_launch and args.device == "cuda":  # the stand-in's stubs compile nothing to launch directly
-            again = measure(method, args, args.device, direct=True)
-            rows[-1]["direct"] = {k: again[k] for k in ("softmax_us", "converted_us", "difference_us")}
-            atomic_write_json(args.out, record)
+            again = attempt(f"{method} direct", lambda m=method: measure(m, args, args.device, direct=True))
+            if again is not None:
+                rows[-1]["direct"] = {k: again[k] for k in ("softmax_us", "converted_us", "difference_us")}
     if args.prefill_n:
-        record["prefill"] = prefill(args, args.device)
-        atomic_write_json(args.out, record)
-    plot(rows, title, args.out.with_suffix(".png"))
+        record["prefill"] = attempt("prefill", lambda: prefill(args, args.device))
+    atomic_write_json(args.out, record)
+    if rows:
+        plot(rows, title, args.out.with_suffix(".png"))
     console = Console(width=140)
     console.print(table(rows, title))
     if record["prefill"]:
@@ -291,6 +306,7 @@ def main(args: argparse.Namespace) -> None:
             sdpa = f", launched directly {p['oal_direct_us']:.1f} µs" + sdpa
         sdpa = f" (its length changing every call: {p['oal_changing_us']:.1f} µs)" + sdpa
         console.print(f"prefill call, N = {p['n']} (Qwen2.5-0.5B heads): OAL {p['oal_us']:.1f} µs of host time{sdpa}")
+    return 1 if failed else 0  # a part that raised fails the command (its message is in the JSON's "failed")
 
 
 if __name__ == "__main__":

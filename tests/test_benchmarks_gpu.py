@@ -3,6 +3,7 @@ profiler trace shows (on canned event names: the real ones come from the GPU run
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -115,3 +116,47 @@ def test_oal_chunked_prev_times_the_chunked_kernels_as_before(monkeypatch):
     assert seen == [(torch.float32, False, False, False, "auto"), (torch.bfloat16, True, True, True, "auto")]
     assert function.HALF_STATES == torch.bfloat16 and function.NORM_DOTS and function.HALF_PRODUCTS
     assert function.FWD_CHUNKS
+
+
+def test_a_method_that_raises_is_noted_and_the_others_are_kept(monkeypatch, tmp_path):
+    """Any exception of one method at one length (a kernel's IndexError, Triton's compilation errors, which are not
+    RuntimeErrors) is noted in `skipped`, and every other method's timing is still measured and written: a GPU run
+    has minutes, not a second try. The sanity check's failure too."""
+    real = gpu.measure
+
+    def measure(method, n, backward, args):
+        if method == "oal":
+            raise IndexError("tuple index out of range")
+        return real(method, n, backward, args)
+
+    monkeypatch.setattr(gpu, "measure", measure)
+    monkeypatch.setattr(gpu, "sanity", lambda device, n: (_ for _ in ()).throw(KeyError("no such route")))
+    out = tmp_path / "gpu.json"
+    gpu.main(["--device", "cpu", "--lengths", "32", "--methods", "oal,oal_chunked", "--repeats", "1", "--warmup",
+              "0", "--no-backward", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["skipped"]["oal fwd 32"] == "IndexError: tuple index out of range"
+    assert res["sanity"] == res["skipped"]["sanity"] == "KeyError: 'no such route'"
+    assert res["rows"][0]["oal_fwd_ms"] is None and res["rows"][0]["oal_chunked_fwd_ms"] > 0
+
+
+def test_decode_host_notes_a_method_that_raises_and_measures_the_rest(monkeypatch, tmp_path):
+    """decode_host: one method's exception is noted in `failed` (and fails the command), the next method and the
+    prefill part are still measured and written."""
+    from benchmarks import decode_host
+
+    real = decode_host.measure
+
+    def measure(method, args, device, direct=False):
+        if method == "oal":
+            raise IndexError("tuple index out of range")
+        return real(method, args, device, direct)
+
+    monkeypatch.setattr(decode_host, "measure", measure)
+    out = tmp_path / "host.json"
+    args = decode_host.parse_args(["--device", "cpu", "--methods", "oal,swa", "--steps", "5", "--warmup", "1",
+                                   "--prompt", "8", "--out", str(out)])
+    assert decode_host.main(args) == 1
+    res = json.loads(out.read_text())
+    assert res["failed"] == {"oal": "IndexError: tuple index out of range"}
+    assert [r["method"] for r in res["rows"]] == ["swa"] and res["prefill"]["oal_us"] > 0

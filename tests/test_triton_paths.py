@@ -172,3 +172,38 @@ def test_owned_state_is_updated_in_place():
     want = oal_attention(*(x.to(F64) for x in (q, k, v)), groups, factor.to(F64), backend="reference",
                          output_final_state=True)[1]
     assert final is state and rel_err(final, want) < RTOL
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU autotunes for real; here a fake timing picks the config")
+def test_autotuning_the_parallel_backward_leaves_no_stale_dq_partials(monkeypatch):
+    """On a GPU the first backward of a new shape autotunes _par_dq: every config runs on the same dq partials
+    (PART), and a config with 128-row query blocks writes fewer rows than one with 64. Without zeroing PART
+    between and after the trials, the rows a 64-row trial left were summed into the factor's gradient of that
+    first call (5e-1 off). Here a real `triton.autotune` runs each config once under the interpreter and a fake
+    timing makes a 128-row config win."""
+    q, k, v, groups, factor = make_inputs(1, 2, 1, 200, 16, 16, 3, seed=1)
+    want = _grads("triton", q, k, v, groups, factor, torch.float32)  # the interpreter's DEFAULT tiles
+
+    def fake_bench(fn, quantiles):
+        fn()
+        t = [1.0, 1.0, 0.5, 0.7][fake_bench.calls % 4]  # CONFIGS[2]: BM 128
+        fake_bench.calls += 1
+        return [t, t, t]
+
+    fake_bench.calls = 0
+    site = parallel._site
+
+    def tuned_site(device, grid, consts):  # the GPU's branch, with the interpreter's loops
+        _, grid, meta = site(torch.device("cuda"), grid, consts)
+        return True, grid, dict(meta, LOOP_FOR=False)
+
+    monkeypatch.setattr(parallel, "_site", tuned_site)
+    monkeypatch.setattr(parallel, "short_bench", fake_bench)
+    parallel.tuned.cache_clear()
+    try:
+        first = _grads("triton", q, k, v, groups, factor, torch.float32)  # autotunes, then runs the pick
+        assert parallel.CONFIGS[2][0] == 128 and fake_bench.calls >= len(parallel.CONFIGS)
+        for name, a, w in zip(["out", "dq", "dk", "dv", "dfactor"], first, want, strict=True):
+            assert rel_err(a, w) < 1e-5, name
+    finally:
+        parallel.tuned.cache_clear()  # no autotuner kept with the fake timing

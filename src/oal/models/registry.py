@@ -97,8 +97,8 @@ def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
     if revision is None:
         if spec is None:
             raise bad_model(f"{name!r} is not 'default', a local folder or a pinned hub model "
-                             f"({sorted(HUB_MODELS)}); download another hub model to a folder and pass that, or in Python "
-                             f"pass revision=")
+                             f"({sorted(HUB_MODELS)}); download another hub model to a folder and pass that, or "
+                             f"in Python pass revision=")
         revision = spec["revision"]
     from huggingface_hub import snapshot_download
 

@@ -70,7 +70,7 @@ class Launch:
             try:
                 self.runner(*args, *self.tail, stream=self.stream)
                 return
-            except (TypeError, ValueError, RuntimeError) as err:  # raised before the launch: launch through Triton
+            except Exception as err:  # the launcher checks its arguments before it launches: launch through Triton
                 self._drop(err)
         compiled = fn[self.grid](*args, **self.meta)
         if self.runner is None and not self.failed:
@@ -102,7 +102,9 @@ class Launch:
         tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         if any(args[i].data_ptr() & 15 for i in tensors):
             return  # specialised for this call's alignment only
-        grid = self.grid(meta) if callable(self.grid) else self.grid
+        grid = tuple(self.grid(meta) if callable(self.grid) else self.grid)
         self.tail = tuple(meta[name] for name in names[len(args):])
         self.tensors, self.stream = tensors, _stream()
-        self.fn, self.runner = fn, compiled[tuple(grid)]
+        # the compiled kernel's launcher reads grid[0], grid[1] and grid[2] (Triton 3.6); only `kernel[grid]` pads
+        # a shorter grid with 1s
+        self.fn, self.runner = fn, compiled[grid + (1,) * (3 - len(grid))]

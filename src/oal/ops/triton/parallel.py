@@ -273,10 +273,13 @@ def short_bench(fn, quantiles):
 
 @functools.cache
 def tuned(kernel, half: bool, big: bool):
-    """`kernel` autotuned over `configs(half, big)` (compiled runs only)."""
+    """`kernel` autotuned over `configs(half, big)` (compiled runs only). dq's partials (PART) are zeroed before
+    each config's trial and after the last: a config with larger query blocks writes fewer rows, and the sum over
+    all rows would otherwise take the rows a smaller one left there."""
     options = [triton.Config({"BM": bm, "BN": bn}, num_warps=NUM_WARPS, num_stages=st)
                for bm, bn, st in configs(half, big)]
-    return triton.autotune(options, key=["d", "dv", "g1", "NBKT"], do_bench=short_bench)(kernel)
+    reset = ["PART"] if "PART" in kernel.arg_names else None
+    return triton.autotune(options, key=["d", "dv", "g1", "NBKT"], do_bench=short_bench, reset_to_zero=reset)(kernel)
 
 
 def _site(device, grid, consts: dict) -> tuple[bool, object, dict]:
