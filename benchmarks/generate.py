@@ -146,32 +146,40 @@ def run(model, context: int, batch: int, args) -> dict:
 
 
 def measure(args):
-    """The rows, one at a time (shape, method, context, batch spec)."""
+    """The rows, one at a time: per context in the order given (the first is the one a short time limit must
+    reach: the script asks for 32k first), per shape, per method, per batch spec. A row whose run raises (other
+    than running out of memory, which the batch search handles) is kept with the error in `skipped`."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    for shape in args.shapes:
-        for method in args.methods:
-            model, source = lc.build(shape, weights=args.weights, max_positions=max(args.contexts) + 1024,
-                                     dtype=dtype, device=args.device)
-            layers = convert(model, shape, method)
-            for context in args.contexts:
+    for context in args.contexts:
+        for shape in args.shapes:
+            for method in args.methods:
+                # built on the device for each context: a second or two, and nothing held between contexts
+                model, source = lc.build(shape, weights=args.weights, max_positions=max(args.contexts) + 1024,
+                                         dtype=dtype, device=args.device)
+                layers = convert(model, shape, method)
                 one = None  # the batch-1 run: the batch search starts from its bytes per sequence
                 for spec in args.batches:
-                    if spec == "max":
-                        one = one or attempt(model, context, 1, args)
-                        got = largest_batch(model, context, one, args) if one else None
-                    else:
-                        got = attempt(model, context, int(spec), args)
-                        one = got if spec == "1" else one
+                    error = None
+                    try:
+                        if spec == "max":
+                            one = one or attempt(model, context, 1, args)
+                            got = largest_batch(model, context, one, args) if one else None
+                        else:
+                            got = attempt(model, context, int(spec), args)
+                            one = got if spec == "1" else one
+                    except Exception as err:  # noted in the row; the other rows still run
+                        got, error = None, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
                     row = {"shape": shape, "method": method, "context": context, "batch_spec": spec,
                            "layers": layers, "source": source, "kernels": "default (uncalibrated)" if layers else None}
                     row |= got if got is not None else {"batch": None, "tokens_per_s": None, "peak_mib": None,
-                                                        "skipped": "out of memory"}
+                                                        "skipped": error or "out of memory"}
                     print(f"  {shape:13s} {method:8s} ctx={context:6d} batch={row['batch']} "
-                          f"{row['tokens_per_s'] or 0:10.1f} tok/s  {row['peak_mib'] or 0:9.0f} MiB", flush=True)
+                          f"{row['tokens_per_s'] or 0:10.1f} tok/s  {row['peak_mib'] or 0:9.0f} MiB"
+                          + (f"  {error}" if error else ""), flush=True)
                     yield row
-            del model
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+                del model
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
 
 
 def ratios(rows: list[dict]) -> list[dict]:

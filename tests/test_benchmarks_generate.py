@@ -57,6 +57,27 @@ def test_a_tiny_run_writes_the_issue_rows(tiny, tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+def test_rows_go_context_first_and_a_row_that_raises_is_kept_with_its_error(tiny, tmp_path, monkeypatch):
+    """The first context given comes first for every shape and method (a time limit cuts the later ones), and a
+    run that raises (not out of memory) is a row with the error in `skipped`; the other rows are measured."""
+    real = generate.run
+
+    def run(model, context, batch, args):
+        if context == 200 and any(getattr(m, "oal_method", None) for m in model.modules()):
+            raise IndexError("tuple index out of range")
+        return real(model, context, batch, args)
+
+    monkeypatch.setattr(generate, "run", run)
+    out = tmp_path / "gen.json"
+    generate.main(["--device", "cpu", "--shapes", "smollm2-135m", "--contexts", "200,100", "--methods",
+                   "softmax,oal", "--tokens", "2", "--warmup", "1", "--prompt", "80", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["method"]) for r in rows] == [(200, "softmax"), (200, "oal"), (100, "softmax"),
+                                                           (100, "oal")]
+    assert rows[1]["skipped"] == "IndexError: tuple index out of range" and rows[1]["tokens_per_s"] is None
+    assert all(isinstance(rows[i]["tokens_per_s"], float) for i in (0, 2, 3))
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--contexts", "8k"], "--contexts: expected an integer, got '8k'"),
     (["--contexts", "0"], "--contexts: expected an integer in [1, 1048576], got 0"),
