@@ -1,5 +1,7 @@
 """Joint LoRA + kernel adaptation (App. F.2): frozen backbone, kernel training, selection and exact resume."""
 
+import json
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -159,6 +161,14 @@ def test_save_and_load_adapter_roundtrip(tmp_path):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="adapter_dir"):
         load_adapter(_tiny_model(convert="oal"), tmp_path)
+    # the manifest's peft config is bound to the LoRA file's header: a lora_alpha edited by hand (the LoRA's
+    # scale) gave other outputs from files that all verified
+    manifest = tmp_path / "adapter" / "oal_adapter.json"
+    record = json.loads(manifest.read_text())
+    record["lora"]["lora_alpha"] *= 4
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="oal_adapter.json: its peft config or base model is not the one"):
+        load_adapter(_tiny_model(convert="oal"), tmp_path / "adapter")
 
 
 @pytest.mark.parametrize("kw, name", [({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"),

@@ -8,6 +8,7 @@ test_routes.py. The round trips are exact: the saved form holds the same tensors
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -189,6 +190,25 @@ def test_tampered_or_missing_files_are_refused(exported, tmp_path):
     (bad / MANIFEST).write_text("{not json")
     with pytest.raises(ValueError, match="oal.json: not valid JSON"):
         oal.load(bad)
+
+
+def test_files_added_to_an_export_are_refused(exported, tmp_path):
+    """An export records its whole folder, tokenizer included: a special_tokens_map.json added later (transformers
+    reads it beside the recorded tokenizer files: it changed how "def main(" was tokenized) or an added adapter is
+    refused; its model card and sampling defaults stay free, as do hidden files (.gitattributes)."""
+    for name, text in (("special_tokens_map.json", '{"eos_token": "main"}'), ("chat_template.jinja", "{{ x }}"),
+                       ("adapter_config.json", "{}")):
+        bad = tmp_path / name
+        shutil.copytree(exported, bad)
+        (bad / name).write_text(text)
+        for load in (oal.load, AutoModelForCausalLM.from_pretrained):
+            with pytest.raises(ValueError, match=rf"{name}: not recorded in oal.json \(added to the folder"):
+                load(bad)
+    free = tmp_path / "free"
+    shutil.copytree(exported, free)
+    for name in ("README.md", "generation_config.json", ".gitattributes"):
+        (free / name).write_text("{}" if name.endswith(".json") else "edited")
+    oal.load(free)
 
 
 def test_foreign_folders_are_refused(base_dir, tmp_path):

@@ -127,6 +127,10 @@ def test_kernels_of_an_older_construction_are_refused(tmp_path, name):
     meta = json.loads((tmp_path / META_FILE).read_text())
     assert meta["layers"]["1"]["version"] == 2
     del meta["layers"]["1"]["version"]
+    # as that oal wrote them: a tensor header without the record's hash
+    tensors = load_file(tmp_path / KERNELS_FILE)
+    save_file(tensors, tmp_path / KERNELS_FILE, metadata={"format": meta["format"]})
+    meta["sha256"][KERNELS_FILE] = sha256_file(tmp_path / KERNELS_FILE)
     (tmp_path / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="construction version 1"):
         load_kernels(tmp_path)
@@ -135,3 +139,19 @@ def test_kernels_of_an_older_construction_are_refused(tmp_path, name):
     spec["layers"]["1"]["version"] = 1
     with pytest.raises(ValueError, match="config.oal: layer 1: .*construction version 1"):
         build_methods(spec)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda meta: meta["layers"]["1"]["init"].update(eps=5.0),  # another function from the same tensors
+    lambda meta: meta["base_model"].update(state_dict_sha256="0" * 64),  # kernels vouched for another model
+])
+def test_an_edited_kernels_record_is_refused(tmp_path, edit):
+    """kernels.json's records are bound to the tensor file's header (record_sha256), which its SHA256 binds in
+    turn: an eps changed by hand gave other outputs from files that verified."""
+    oal.save_kernels({1: build_method("oal", 4, 2, 16, layer_idx=1, seed=3)}, tmp_path)
+    load_kernels(tmp_path)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    edit(meta)
+    (tmp_path / META_FILE).write_text(json.dumps(meta, indent=1))
+    with pytest.raises(ValueError, match="kernels.json: its records .* are not those kernels.safetensors was saved"):
+        load_kernels(tmp_path)

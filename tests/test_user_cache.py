@@ -132,6 +132,24 @@ def test_a_truncated_or_foreign_kernel_is_built_again_never_loaded(tmp_path):
 
 
 @needs_compiler
+def test_a_build_of_another_source_copied_in_with_its_record_is_built_again(tmp_path, caplog):
+    """The record of a build names its key (source, flags, compiler, CPU): a library and record of another key
+    (an earlier source, whose functions may take other arguments) put in this key's place are not loaded."""
+    from oal.rundir.hashes import sha256_file
+
+    folder = tmp_path / "kernels"
+    path = cpu_kernel.build(folder)
+    good = path.read_bytes()
+    record = json.loads(cpu_kernel._record(path).read_text())
+    other = "0" * 16
+    path.write_bytes(good + b"an earlier source's build")  # another library, its record copied in beside it
+    cpu_kernel._record(path).write_text(json.dumps({**record, "key": other, "sha256": sha256_file(path)}))
+    with caplog.at_level("WARNING", logger="oal"):
+        assert cpu_kernel.build(folder) == path
+    assert path.read_bytes() == good and "its record names other inputs" in caplog.text
+
+
+@needs_compiler
 def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monkeypatch, caplog):
     """Even with a record that matches (a foreign file and its hash both put there), the symbol check after dlopen
     keeps it unused: the torch path runs, with one log line."""

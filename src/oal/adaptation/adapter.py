@@ -4,7 +4,8 @@
 - kernel_params.safetensors: the trained kernel tensors, under the model's parameter names (none for softmax);
 - adapt.json: the training record (`AdaptResult`);
 - oal_adapter.json: the format, the LoRA's peft config ("lora"), the SHA256 of each file above and of the converted
-  model it was trained on.
+  model it was trained on ("base"); the LoRA file's header holds the SHA256 of "lora" and "base" (`record_sha256`),
+  so that an edited lora_alpha or base model is refused like an edited tensor.
 
 There is deliberately no adapter_config.json: peft's own loaders (`PeftModel.from_pretrained(base, DIR)`,
 `AutoPeftModelForCausalLM`, transformers' adapter detection) would attach the LoRA to whatever model they are given,
@@ -28,8 +29,15 @@ import torch
 
 from oal.adaptation.config import AdaptResult
 from oal.models.pretrained import confined_file, read_json_object
-from oal.rundir.files import atomic_dir, atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
-from oal.rundir.hashes import sha256_file
+from oal.rundir.files import (
+    atomic_dir,
+    atomic_save_safetensors,
+    atomic_write_json,
+    load_json,
+    load_safetensors,
+    safetensors_metadata,
+)
+from oal.rundir.hashes import record_hash, sha256_file
 
 __all__ = ["ADAPTER_MANIFEST", "LORA_FILE", "check_adapter", "converted_model_sha256", "load_adapter", "lora_record",
            "quiet_peft", "save_adapter", "strip_peft_prefix"]
@@ -42,6 +50,7 @@ ADAPTER_MANIFEST = "oal_adapter.json"
 
 
 ADAPTER_FORMAT = "oal-adapter/2"
+RECORD_KEY = "record_sha256"  # in the LoRA file's header: record_hash of the manifest's "lora" and "base"
 _FORMAT_V1 = "oal-adapter/1"  # a peft folder (adapter_config.json) beside the kernel file: still read
 LORA_FILE = "adapter_model.safetensors"
 KERNEL_FILE = "kernel_params.safetensors"
@@ -109,16 +118,16 @@ def save_adapter(peft_model, out_dir: str | Path, result: AdaptResult | None = N
             strip_peft_prefix(n) for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
     named = {strip_peft_prefix(n): p for n, p in peft_model.named_parameters()}
     config, lora = lora_record(peft_model)
+    bound = {"lora": config, "base": {"state_dict_sha256": base_sha256}}
     with atomic_dir(out_dir) as tmp:
-        atomic_save_safetensors(tmp / LORA_FILE, lora)
+        # the LoRA file's header binds the manifest's peft config and base model (its SHA256 binds the file)
+        atomic_save_safetensors(tmp / LORA_FILE, lora, metadata={RECORD_KEY: record_hash(bound)})
         if kernel_names:  # the softmax arm has no kernel parameters (and safetensors cannot read an empty file)
             atomic_save_safetensors(tmp / KERNEL_FILE, {n: named[n].data for n in kernel_names})
         if result is not None:
             atomic_write_json(tmp / "adapt.json", result.to_dict())
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        atomic_write_json(tmp / ADAPTER_MANIFEST, {
-            "format": ADAPTER_FORMAT, "lora": config, "sha256": files,
-            "base": {"state_dict_sha256": base_sha256}})
+        atomic_write_json(tmp / ADAPTER_MANIFEST, {"format": ADAPTER_FORMAT, "sha256": files, **bound})
     return out_dir
 
 
@@ -156,6 +165,11 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
             raise ValueError(f"{f}: missing (recorded in {manifest_path})")
         if sha256_file(f) != want:
             raise ValueError(f"{f}: SHA256 does not match {manifest_path} (file changed or truncated)")
+    if fmt == ADAPTER_FORMAT:  # adapters saved before the header held it have no record_sha256
+        bound = safetensors_metadata(adapter_dir / LORA_FILE).get(RECORD_KEY)
+        if bound is not None and bound != record_hash({"lora": manifest["lora"], "base": manifest.get("base")}):
+            raise ValueError(f"{manifest_path}: its peft config or base model is not the one {LORA_FILE} was saved "
+                             "with (edited after saving?)")
     if model is not None:
         base = manifest.get("base") or {}
         have = converted_model_sha256(model)

@@ -6,7 +6,8 @@ to rebuild and to refuse a wrong base model: per layer the method name and const
 another version is refused, or rebuilt as it computed: `methods.base.record_settings`), (Hq, Hkv, d) and
 constructor settings (eps, n_groups; window and sinks of the sliding windows), the base model's id, revision,
 architecture fingerprint, file hashes and the SHA256 of its tensors (`state_dict_sha256`, with the dtype it was
-computed in), and the SHA256 of the tensor file. Both files are written to a temporary name and renamed into place.
+computed in), and the SHA256 of the tensor file, whose header holds the SHA256 of the rest of kernels.json in turn
+(`record_sha256`): neither file changes unseen. Both are written to a temporary name and renamed into place.
 `load` checks the base model against that record: a model object by its tensors, a name/path by its tensors and by
 every file of its folder.
 """
@@ -19,14 +20,21 @@ from pathlib import Path
 from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, get_method, record_settings
-from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
-from oal.rundir.hashes import sha256_file
+from oal.rundir.files import (
+    atomic_save_safetensors,
+    atomic_write_json,
+    load_json,
+    load_safetensors,
+    safetensors_metadata,
+)
+from oal.rundir.hashes import record_hash, sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load_kernels", "method_from_record",
            "method_record", "model_fingerprint", "recorded_base_model", "save_kernels"]
 
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
+RECORD_KEY = "record_sha256"  # in the tensor file's metadata: record_hash of kernels.json without its "sha256"
 FORMAT = "oal-kernels/1"
 _INIT_ATTRS = ("eps", "n_groups", "window", "sinks")  # JSON-able constructor settings read off a method when present
 
@@ -89,15 +97,17 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
         base_model = base_model or getattr(model.config, "_name_or_path", None)
         content = weights_record(model)
     tensor_path = directory / KERNELS_FILE
-    atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT})
     meta = {
         "format": FORMAT,
         "layers": layers,
         "base_model": {"name_or_path": base_model, "revision": revision, "fingerprint": dict(fingerprint or {}),
                        "hashes": dict(model_hashes or {}), **content},
-        "sha256": {KERNELS_FILE: sha256_file(tensor_path)},
         **({"extra": dict(extra)} if extra else {}),
     }
+    # the tensors' header binds the record (each layer's method settings, the base model), whose SHA256 of the
+    # tensors binds them in turn: an edited eps or base model in kernels.json is refused like an edited tensor
+    atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT, RECORD_KEY: record_hash(meta)})
+    meta["sha256"] = {KERNELS_FILE: sha256_file(tensor_path)}
     meta_path = directory / META_FILE
     atomic_write_json(meta_path, meta)
     return meta_path
@@ -125,6 +135,10 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         raise ValueError(f"{meta_path}: records no SHA256 of {KERNELS_FILE}; cannot check it")
     if sha256_file(tensor_path) != want:
         raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
+    bound = safetensors_metadata(tensor_path).get(RECORD_KEY)  # absent in kernels saved before it was recorded
+    if bound is not None and bound != record_hash({k: v for k, v in meta.items() if k != "sha256"}):
+        raise ValueError(f"{meta_path}: its records (methods' settings, base model) are not those {KERNELS_FILE} "
+                         "was saved with (edited after saving?)")
     if fingerprint is not None:
         saved = meta["base_model"].get("fingerprint") or {}
         diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if k in saved and saved[k] != v}

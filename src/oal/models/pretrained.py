@@ -203,13 +203,19 @@ def verify_manifest(directory: str | Path) -> dict:
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
         if _digest(f, name, want) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
-    # files transformers would read as weights or attach as an adapter, added after the manifest was written
+    # added after the manifest was written: weights or an adapter, which transformers would load; and where the
+    # manifest records the tokenizer (`oal export` writes the whole folder), any other file, such as a
+    # special_tokens_map.json or chat_template.jinja that transformers reads beside the recorded tokenizer files.
+    # A folder of save_pretrained records the model only: the caller saves its tokenizer beside it afterwards.
+    closed = any(name.startswith("tokenizer") for name in files)
+    listed_dirs = {Path(name).parts[0] for name in files if len(Path(name).parts) > 1}
     extra = sorted(p.name for p in directory.iterdir() if p.name not in files and (
-        p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name
-        or p.name == "adapter_config.json"))
+        p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name or p.name == "adapter_config.json"
+        or closed and p.name not in (*UNHASHED, MANIFEST, *listed_dirs) and not p.name.startswith(".")))
     if extra:
-        raise ValueError(f"{directory / extra[0]}: not recorded in {MANIFEST} (weights or an adapter added to the "
-                         "folder after it was written)")
+        raise ValueError(f"{directory / extra[0]}: not recorded in {MANIFEST} (added to the folder after it was "
+                         "written: weights, an adapter or tokenizer files change what the model computes); remove "
+                         "it, or export the model again")
     return manifest
 
 

@@ -111,9 +111,11 @@ def _record(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def _problem(path: Path) -> str | None:
-    """None when `path` is a library this module built (its SHA256 is the one recorded at the build), else why not."""
-    return file_problem(path, _record(path))
+def _problem(path: Path, key: str, cxx: str) -> str | None:
+    """None when `path` is the library this module builds for `key` (its record names that key, these flags and
+    this compiler, and its SHA256 is the one recorded at the build), else why not: a build of an earlier source
+    copied in with its record would take this build's argument lists."""
+    return file_problem(path, _record(path), key=key, flags=_flags(), compiler=cxx)
 
 
 def build(folder: Path | None = None) -> Path:
@@ -127,7 +129,7 @@ def build(folder: Path | None = None) -> Path:
     key = _key(cxx)
     path = folder / f"readout-{key}.so"
     clean_stale(folder)  # what a killed build left, on every use
-    problem = _problem(path)
+    problem = _problem(path, key, cxx)
     if problem is None:
         return path
     if problem != "missing":

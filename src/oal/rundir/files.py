@@ -29,7 +29,7 @@ from oal.rundir.confine import inside
 
 __all__ = ["atomic_dir", "atomic_save_figure", "atomic_save_safetensors", "atomic_write", "atomic_write_json",
            "atomic_write_text", "check_out_dir", "clean_tmp", "existing_dir", "load_json", "load_safetensors",
-           "DiskFull", "make_dirs", "remove", "to_jsonable"]
+           "DiskFull", "make_dirs", "remove", "safetensors_metadata", "to_jsonable"]
 
 log = logging.getLogger("oal")
 
@@ -158,6 +158,20 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 
     try:
         return load_file(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: damaged or truncated safetensors file ({exc})") from None
+
+
+def safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The string metadata of a safetensors file's header (empty when it has none); ValueError naming a damaged
+    file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
     except FileNotFoundError:
         raise ValueError(f"{path}: file not found") from None
     except (SafetensorError, OSError) as exc:

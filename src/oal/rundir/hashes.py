@@ -13,7 +13,7 @@ import torch
 
 from oal.rundir.files import to_jsonable
 
-__all__ = ["config_hash", "sha256_file", "sha256_files", "sha256_tree", "tensor_hash", "versions"]
+__all__ = ["config_hash", "record_hash", "sha256_file", "sha256_files", "sha256_tree", "tensor_hash", "versions"]
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -28,6 +28,15 @@ def config_hash(obj) -> str:
     """SHA256 (first 16 hex) of the canonical JSON of `obj`."""
     blob = json.dumps(obj, sort_keys=True, default=to_jsonable, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def record_hash(record) -> str:
+    """The SHA256 of a JSON record as a reader sees it (written and parsed back: tuples are lists, keys strings),
+    canonical: what a tensor file's metadata binds, so that the record beside it cannot change unseen (callers
+    leave out the record's own field with the tensor file's SHA256: each binds the other)."""
+    parsed = json.loads(json.dumps(record, default=to_jsonable))
+    blob = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
