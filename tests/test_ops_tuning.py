@@ -199,3 +199,22 @@ def test_busy_process_spins_and_stops():
     with autotune.busy_process() as proc:
         assert proc.poll() is None  # running
     assert proc.poll() is not None
+
+
+def test_a_run_records_the_operator_settings_it_ran_with(monkeypatch):
+    """A tuning entry changes the chunking, hence the rounding (about 1e-7) of every number: config.json records the
+    settings, their source and the fused kernel's library by name and SHA256, with no local path."""
+    from oal.ops import cpu_kernel
+    from oal.pipeline.base import operator_record
+
+    monkeypatch.setenv("OAL_NO_TUNE", "1")
+    rec = operator_record("float32", torch.device("cpu"))
+    assert rec["chunked"]["source"] == "fixed" and rec["threads"] == torch.get_num_threads()
+    with tuning.forced(tuning.Settings(16, 3, pipeline=False)):
+        rec = operator_record("float32", torch.device("cpu"))
+    assert rec["chunked"] == {"chunk": 16, "block_chunks": 3, "pipeline": False, "kv_groups": 0, "source": "forced"}
+    assert rec["cpu_kernel"]["runs"] == cpu_kernel.available()
+    if cpu_kernel.available():
+        assert rec["cpu_kernel"]["library"].startswith("readout-") and len(rec["cpu_kernel"]["sha256"]) == 64
+    assert "/" not in json.dumps(rec)  # no local path
+    assert operator_record("float32", torch.device("meta")) == {}  # not on a GPU (nor any other device)

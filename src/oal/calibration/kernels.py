@@ -106,7 +106,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
     }
     # the tensors' header binds the record (each layer's method settings, the base model), whose SHA256 of the
     # tensors binds them in turn: an edited eps or base model in kernels.json is refused like an edited tensor
-    atomic_save_safetensors(tensor_path, tensors, metadata={"format": FORMAT, RECORD_KEY: record_hash(meta)})
+    atomic_save_safetensors(tensor_path, tensors, metadata={RECORD_KEY: record_hash(meta)})
     meta["sha256"] = {KERNELS_FILE: sha256_file(tensor_path)}
     meta_path = directory / META_FILE
     atomic_write_json(meta_path, meta)

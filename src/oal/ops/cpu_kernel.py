@@ -43,7 +43,7 @@ from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "amx", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled",
-           "heads", "readout", "supports", "vector_width", "window_decode"]
+           "heads", "readout", "record", "supports", "vector_width", "window_decode"]
 
 log = logging.getLogger("oal")
 
@@ -194,6 +194,17 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the fused kernel runs here (enabled, and built or buildable)."""
     return enabled() and _load() is not None
+
+
+def record() -> dict:
+    """What a run records of the kernel its numbers came from: whether it runs and, when it does, the library's
+    file name (it holds the build key: source, flags, compiler, CPU), its SHA256 and the paths it takes; no local
+    path."""
+    if not available():
+        return {"runs": False, "why": "OAL_CPU_KERNEL=0" if not enabled() else "unavailable"}
+    path = Path(_STATUS)
+    return {"runs": True, "library": path.name, "sha256": sha256_file(path), "vector_width": vector_width(),
+            "bf16": "amx" if amx() else "dots" if bf16_dots() else "fp32"}
 
 
 def describe() -> str:

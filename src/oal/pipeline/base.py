@@ -64,6 +64,24 @@ def _jsonable_provenance(obj):
     return str(obj)
 
 
+def operator_record(dtype: str, device) -> dict:
+    """How the CPU operator runs in this process, recorded beside the versions: its chunking settings and where they
+    came from (a tuning entry of the user's cache, forced, or the fixed defaults; they change timings and rounding
+    only), and the fused kernel's library and SHA256. Empty on a GPU, where neither runs."""
+    if device.type != "cpu":
+        return {}
+    import dataclasses
+
+    import torch
+
+    from oal.ops import chunked, cpu_kernel, tuning
+
+    dt = getattr(torch, dtype)
+    return {"threads": torch.get_num_threads(), "chunked": {**dataclasses.asdict(chunked.current_settings(dt)),
+                                                           "source": tuning.source(dt)},
+            "cpu_kernel": cpu_kernel.record()}
+
+
 class StagedRun:
     """One seed's run directory: setup (model, data, split plan, config.json), the stage mechanism, and metrics.json
     from the stages whose records verify. A protocol subclass supplies the loading hooks (`_load_model`,
@@ -135,6 +153,7 @@ class StagedRun:
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
+            "operator": operator_record(self.cfg.dtype, self.device),
         }
         # content, not paths: the same model files and text elsewhere give the same key
         self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),

@@ -42,6 +42,13 @@ def _tmp_path(path: Path) -> Path:
 
 def _replace(tmp: Path, path: Path) -> None:
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; run outputs are ordinary readable files
+    # the data reaches the disk before the name does: after a crash or power loss the old file or the new one,
+    # never an empty one under the new name (a kill alone never needs this: the rename is atomic)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
@@ -146,9 +153,14 @@ def load_json(path: str | Path):
 
 
 def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:
-    """safetensors needs contiguous, non-shared tensors: clone them (they are small: adapters, factors)."""
+    """safetensors needs contiguous, non-shared tensors: clone them (they are small: adapters, factors). At most
+    one metadata entry: safetensors writes its header's metadata in the order of a randomly seeded hash map, so two
+    entries give other bytes from one process to the next, and a recomputed file would not verify as the same."""
     tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
+    if len(meta) > 1:
+        raise ValueError(f"metadata: at most one entry keeps {Path(path).name}'s bytes reproducible, got "
+                         f"{sorted(meta)}")
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
