@@ -195,3 +195,48 @@ def test_a_checkpoint_of_another_conversion_is_not_resumed(tmp_path):
         adapt(model, _blocks(4, 12, 0), _blocks(2, 12, 1), cfg, ckpt_dir=tmp_path / "ckpt", progress=False,
               on_step=steps[layer].append)
     assert steps == {0: [1, 2], 1: [1, 2]}  # the second trained from the start
+
+
+def test_gradients_are_clipped_to_grad_clip():
+    """App. F.2 clips the gradient norm (to 1.0, cfg.grad_clip): with a clip far below the raw norm, every update
+    the optimizer takes sees a global gradient norm of exactly grad_clip (up to clip_grad_norm_'s 1e-6)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen = []
+
+    def before_step(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    try:
+        adapt(_tiny_model(convert="oal"), _blocks(4, 12, 0), _blocks(2, 12, 1),
+              AdaptConfig(**{**CFG, "steps": 3, "grad_clip": 1e-3}), progress=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 3 and all(n == pytest.approx(1e-3, rel=1e-3) for n in seen), seen
+
+
+def test_training_blocks_follow_a_seeded_shuffle(monkeypatch):
+    """App. F.2: one training-block order per backbone, fixed by the seed: concatenated seeded permutations of the
+    blocks (each block once per pass), another order for another seed, and the one adapt actually feeds."""
+    import oal.adaptation.train as train
+
+    order = train._block_order(5, 12, seed=3)
+    assert sorted(order[:5]) == sorted(order[5:10]) == list(range(5)) and len(set(order[10:])) == 2
+    assert order == train._block_order(5, 12, seed=3)
+    orders = {tuple(train._block_order(5, 12, seed=s)) for s in range(4)}
+    assert len(orders) == 4  # another seed, another order
+
+    fed = []
+
+    class Spy(train.CausalLMLoss):
+        def forward(self, input_ids, labels=None):
+            fed.append(input_ids)
+            return super().forward(input_ids, labels)
+
+    monkeypatch.setattr(train, "CausalLMLoss", Spy)
+    blocks = _blocks(4, 12, 0)
+    adapt(_tiny_model(), blocks, _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 6}), progress=False)
+    rows = [next(i for i in range(4) if torch.equal(ids[0], blocks[i])) for ids in fed]
+    assert rows == train._block_order(4, 6, seed=CFG["seed"])

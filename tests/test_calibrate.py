@@ -6,6 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oal.calibration.data import CalibConfig, LayerData
 from oal.calibration.fit import (
+    _clip_and_mask,
     calibrate_layer,
     calibrate_layer_sequential,
     calibrate_oal_layer,
@@ -225,6 +226,40 @@ def test_loss_is_the_eq20_sum_over_sampled_queries(monkeypatch):
     loss = 0.5 * (y - train.out[s : s + 1, :, pos]).square().sum()
     (grad,) = torch.autograd.grad(loss, ref.factor)
     torch.testing.assert_close(seen[0], grad, rtol=1e-8, atol=1e-10)
+
+
+def _grads(values):
+    """Parameters whose gradients are `values` (one per unit of the leading axis), spread over two tensors."""
+    v = torch.tensor(values, dtype=torch.float64)
+    params = {"a": torch.zeros(v.shape[0], 1, 1, dtype=torch.float64, requires_grad=True),
+              "b": torch.zeros(v.shape[0], 1, dtype=torch.float64, requires_grad=True)}
+    params["a"].grad, params["b"].grad = v[:, :1, None].clone(), v[:, 1:].clone()
+    return params
+
+
+def test_clip_and_mask_clips_each_head_to_the_max_norm_and_zeroes_stopped_heads():
+    """App. B (coefficient calibration): gradient norm clipped at 10, per head as if each were optimised alone: a
+    head under the norm is left as it is (never scaled up), one over it rescaled to norm 10, a stopped head gets
+    zero gradient; NaN gradients count as 0."""
+    params = _grads([[0.3, float("nan")], [30.0, 40.0], [3.0, 4.0]])  # head norms 0.3, 50, 5
+    _clip_and_mask(params, torch.tensor([False, False, True]), 10.0, per_head=True)
+    got = torch.cat([params["a"].grad.flatten(1), params["b"].grad], 1)
+    want = torch.tensor([[0.3, 0.0], [30.0 * 10 / 50, 40.0 * 10 / 50], [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_clip_and_mask_clips_the_global_norm_of_one_unit():
+    """Without per-head units the joint norm is clipped the same way; a stopped run gets zero gradient."""
+    small, large = _grads([[0.3, 0.4]]), _grads([[30.0, 40.0]])
+    for params in (small, large):
+        _clip_and_mask(params, torch.tensor([False]), 10.0, per_head=False)
+    torch.testing.assert_close(torch.cat([small["a"].grad.flatten(), small["b"].grad.flatten()]),
+                               torch.tensor([0.3, 0.4], dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.cat([large["a"].grad.flatten(), large["b"].grad.flatten()]),
+                               torch.tensor([6.0, 8.0], dtype=torch.float64), rtol=1e-6, atol=0)
+    stopped = _grads([[30.0, 40.0]])
+    _clip_and_mask(stopped, torch.tensor([True]), 10.0, per_head=False)
+    assert not stopped["a"].grad.any() and not stopped["b"].grad.any()
 
 
 def test_calibration_summary_is_strict_json():

@@ -95,17 +95,24 @@ def test_left_padding_matches_unpadded_rows():
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_right_padding_matches_unpadded_rows(method, use_cache):
     """Right padding (what scorers use): real positions equal each row run alone, padded positions are zero in the
-    converted layer, with or without a cache (a cache's state covers the real tokens only)."""
+    converted layer, with or without a cache; a cache's state is kept and covers each row's real tokens only (what
+    decoding after the prompt reads)."""
     model = _model(layers=(0, 1), method=method).double()
     lengths = (11, 5, 8)
     rows = [_ids(1, n, seed=s) for s, n in enumerate(lengths)]
     batch = torch.cat([torch.nn.functional.pad(r, (0, 11 - r.shape[1])) for r in rows])
     mask = (torch.arange(11)[None] < torch.tensor(lengths)[:, None]).long()
+    cache = DynamicCache(config=model.config) if use_cache else None
+    kw = cache_kwargs(model, cache) if use_cache else {}
     with torch.no_grad():
-        got = model(batch, attention_mask=mask, use_cache=use_cache).logits
+        got = model(batch, attention_mask=mask, use_cache=use_cache, **kw).logits
         for b, r in enumerate(rows):
-            torch.testing.assert_close(got[b, : r.shape[1]], model(r, use_cache=use_cache).logits[0],
-                                       rtol=1e-9, atol=1e-9)
+            alone = DynamicCache(config=model.config) if use_cache else None
+            want = model(r, use_cache=use_cache, **(cache_kwargs(model, alone) if use_cache else {})).logits
+            torch.testing.assert_close(got[b, : r.shape[1]], want[0], rtol=1e-9, atol=1e-9)
+            for i in (0, 1) if use_cache else ():  # the state covers the row's real tokens only
+                assert cache.layers[i].state is not None, "the padded forward dropped the converted layer's state"
+                torch.testing.assert_close(cache.layers[i].state[b], alone.layers[i].state[0], rtol=1e-9, atol=1e-9)
 
 
 def test_padded_queries_get_zero_output():
@@ -130,6 +137,19 @@ def test_inner_padding_is_a_clear_error():
     mask[1, 3] = 0
     with pytest.raises(ValueError, match="left or right padding"), torch.no_grad():
         model(ids, attention_mask=mask)
+
+
+def test_left_padding_after_earlier_tokens_is_a_clear_error():
+    """A cache already holds a row's earlier tokens: padding before that row's new tokens would sit between real
+    tokens, which the recurrent state cannot skip, so it is refused (naming attention_mask), not silently merged."""
+    model = _model()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(_ids(2, 6), **cache_kwargs(model, cache), use_cache=True)
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[1, 6] = 0  # row 1: its first new token is padding
+        with pytest.raises(ValueError, match="attention_mask: padding after earlier tokens"):
+            model(_ids(2, 3, seed=1), attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_stateless_method_falls_back_to_cached_kv():

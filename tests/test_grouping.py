@@ -118,6 +118,33 @@ def test_vectorised_bootstrap_matches_literal_loop(alpha):
     assert ((fast.support > 0.2) & (fast.support < 0.8)).any()
 
 
+def test_bootstrap_weights_are_multiplicities_of_p_draws():
+    """App. B: replicate b draws P prompt indices with replacement, kept with their multiplicities; its weights are
+    those counts / P, so each row sums to 1 and each weight times P is a whole number (not all 1: repeats occur)."""
+    from oal.analysis.grouping import bootstrap_weights
+
+    p = 7
+    w = bootstrap_weights(p, 200, seed=0)
+    assert w.shape == (200, p) and w.dtype == torch.float64
+    counts = w * p
+    assert torch.equal(counts, counts.round()) and (counts >= 0).all()
+    assert torch.equal(counts.sum(1), torch.full((200,), float(p), dtype=torch.float64))
+    assert (counts == 0).any() and (counts >= 2).any()  # with replacement: some prompts left out, some repeated
+    assert torch.equal(w, bootstrap_weights(p, 200, seed=0)) and not torch.equal(w, bootstrap_weights(p, 200, seed=1))
+
+
+def test_a_ratio_equal_to_tau_is_a_natural_cut():
+    """The thresholds are inclusive: rho_k >= tau (Eq. 16) with S_k >= gamma, where S_k counts R_k^(b) >= tau
+    (Eq. 18). Sorted tail 1, 1, 1, 1 | 1.5 with tau = 1.5: rho_15 = R_15^(b) = 1.5 exactly (P = 8 makes every
+    bootstrap average exact), so the cut is natural with support 1, even with G_min = 1 (no fallback)."""
+    profile = [1.0] * 15 + [1.5]
+    res = stable_gap_groups(_repeat(profile), min_ratio=1.5, min_groups=1, n_bootstrap=20)
+    assert res.ratios.tolist() == [1.0, 1.0, 1.0, 1.5] and res.support.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert res.natural.tolist() == [False, False, False, True] and res.cuts == [15] and res.fallback == []
+    ref = stable_gap_groups_reference(_repeat(profile), min_ratio=1.5, min_groups=1, n_bootstrap=20)
+    assert ref["natural"] == [False, False, False, True] and ref["cuts"] == [15]
+
+
 def test_oracle_catches_sampling_without_replacement(monkeypatch):
     # a fast path that resampled prompts without replacement would reproduce the full sample every time
     # (support 0 or 1); the oracle's own draw exposes it
@@ -140,7 +167,14 @@ def test_oracle_catches_sampling_without_replacement(monkeypatch):
     assert max(abs(float(wrong.support[i]) - ref["support"][i]) for i in mid) > 5 * (0.5 / 400) ** 0.5
 
 
-def test_batched_equals_per_head():
+@pytest.mark.parametrize("heads_per_chunk", [None, 4])
+def test_batched_equals_per_head(monkeypatch, heads_per_chunk):
+    """Every head of a batch is grouped as if alone, also when the bootstrap runs over several chunks of heads
+    (4 heads a chunk: chunks of 4 and 2 of the 6 heads)."""
+    import oal.analysis.grouping as grouping
+
+    if heads_per_chunk is not None:
+        monkeypatch.setattr(grouping, "_CHUNK_ELEMENTS", heads_per_chunk * 64 * 16)  # B * d elements a head
     gen = torch.Generator().manual_seed(1)
     chi = torch.rand(2, 3, 9, 16, dtype=torch.float64, generator=gen) ** 4
     batch = stable_gap_groups(chi, n_bootstrap=64)

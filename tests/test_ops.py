@@ -282,10 +282,16 @@ def test_learned_global_factor_gives_its_quadratic(a, b, c):
 
 
 def test_perturbed_factor_is_lower_and_seeded():
-    base = taylor_factor(2, 3)
+    """Gaussian noise of std `std` times each head's largest lower-triangle entry (1e-3 for an all-zero head), drawn
+    from the generator, on the lower triangle only: heads of scale 3, 0.5 and 0, and an upper entry it must drop."""
+    base = taylor_factor(3, 3) * torch.tensor([3.0, 0.5, 0.0])[:, None, None]
+    base[0, 0, 3] = 100.0  # upper triangle: neither a size nor kept
     one = perturbed_factor(base, 0.1, generator=torch.Generator().manual_seed(1))
     two = perturbed_factor(base, 0.1, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(one, two) and torch.equal(one, torch.tril(one)) and not torch.equal(one, base)
+    assert torch.equal(one, two) and torch.equal(one, torch.tril(one)) and not torch.equal(one, torch.tril(base))
+    noise = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
+    size = torch.stack([torch.tril(h).abs().max() for h in base]).clamp_min(1e-3)  # 3 * 1.0, 0.5 * 1.0, 1e-3
+    torch.testing.assert_close(one, torch.tril(base + 0.1 * size[:, None, None] * noise), rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -42,7 +42,20 @@ def test_perplexity_is_token_weighted_not_block_mean():
     nb, _ = block_nll(model, b)
     both = perplexity(model, torch.cat([a, b]))
     assert both == pytest.approx(math.exp((na + nb) / 16), rel=1e-6)
-    assert model.training is False
+
+
+def test_perplexity_scores_in_eval_mode_and_restores_the_mode():
+    """A model in the middle of training (dropout on) is scored in eval mode, then handed back still training; a
+    model in eval mode stays so."""
+    model = _tiny_model().train()
+    modes = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+    blocks = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(4))
+    perplexity(model, blocks)
+    assert modes == [False, False]  # one forward per block, each in eval mode
+    assert model.training and all(m.training for m in model.modules())
+    perplexity(model.eval(), blocks)
+    assert not any(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
