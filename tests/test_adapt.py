@@ -240,3 +240,26 @@ def test_training_blocks_follow_a_seeded_shuffle(monkeypatch):
     adapt(_tiny_model(), blocks, _blocks(2, 12, 1), AdaptConfig(**{**CFG, "steps": 6}), progress=False)
     rows = [next(i for i in range(4) if torch.equal(ids[0], blocks[i])) for ids in fed]
     assert rows == train._block_order(4, 6, seed=CFG["seed"])
+
+
+@pytest.mark.parametrize("edit", ["step", "sha256"])
+def test_an_edited_checkpoint_is_not_resumed(tmp_path, edit):
+    """state.json's loop state is bound to trainable.safetensors' header, and it must hash every file the resume
+    reads: a step edited by hand, or a file left out of its hashes, is a damaged checkpoint (adaptation starts
+    over) rather than a resume from what it says."""
+    from safetensors.torch import load_file
+
+    from oal.adaptation.checkpoint import read_checkpoint
+
+    with pytest.raises(_Kill):
+        _run(tmp_path, kill_after=5)
+    path = tmp_path / "state.json"
+    state = json.loads(path.read_text())
+    names = set(load_file(tmp_path / "trainable.safetensors"))
+    assert read_checkpoint(tmp_path, state["key"], names, 1) is not None
+    if edit == "step":
+        state["step"] -= 2
+    else:
+        del state["sha256"]["rng.safetensors"]
+    path.write_text(json.dumps(state))
+    assert read_checkpoint(tmp_path, state["key"], names, 1) is None

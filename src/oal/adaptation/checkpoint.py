@@ -1,6 +1,7 @@
 """Exact resume of an adaptation: trainable tensors, the best tensors so far, the optimizer state (its tensors in
 safetensors, the rest in JSON: no pickle), the scheduler, every process's RNG state and the step, with the SHA256 of
-each file in state.json (a damaged checkpoint is reported and adaptation starts over)."""
+each file in state.json, whose loop state is bound to trainable.safetensors' header in turn (a damaged or edited
+checkpoint is reported and adaptation starts over)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from oal.rundir.files import (
     existing_dir,
     load_json,
     load_safetensors,
+    safetensors_metadata,
 )
-from oal.rundir.hashes import sha256_file
+from oal.rundir.hashes import record_hash, sha256_file
 
 __all__ = ["read_checkpoint", "restore_checkpoint", "rng_state", "save_checkpoint"]
 
 log = logging.getLogger("oal")
+
+_FILES = {"trainable.safetensors", "best.safetensors", "rng.safetensors", "optimizer.json"}  # always written
+RECORD_KEY = "record_sha256"  # in trainable.safetensors' header: record_hash of state.json without its "sha256"
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -74,14 +79,18 @@ def _rng_name(rank: int, name: str) -> str:
 
 def save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: dict, rngs: list[dict]) -> None:
     """Main process only. `rngs`: every process's RNG state, in rank order."""
+    record = {**state, "scheduler": scheduler.state_dict()}
     with atomic_dir(ckpt_dir) as tmp:
-        atomic_save_safetensors(tmp / "trainable.safetensors", {n: p.data for n, p in params.items()})
+        # the tensors' header binds state.json's loop state (step, best so far, scheduler), which names the files'
+        # SHA256 in turn
+        atomic_save_safetensors(tmp / "trainable.safetensors", {n: p.data for n, p in params.items()},
+                                metadata={RECORD_KEY: record_hash(record)})
         atomic_save_safetensors(tmp / "best.safetensors", best)
         atomic_save_safetensors(tmp / "rng.safetensors", {_rng_name(r, k): v for r, rng in enumerate(rngs)
                                                           for k, v in rng.items()})
         _save_optimizer(tmp, optimizer)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        atomic_write_json(tmp / "state.json", {**state, "scheduler": scheduler.state_dict(), "sha256": files})
+        atomic_write_json(tmp / "state.json", {**record, "sha256": files})
 
 
 def read_checkpoint(ckpt_dir: Path, key: str, names: set[str], processes: int) -> dict | None:
@@ -95,10 +104,15 @@ def read_checkpoint(ckpt_dir: Path, key: str, names: set[str], processes: int) -
         state = load_json(found / "state.json")
         if state.get("key") != key:
             return None  # another configuration: start over rather than mix runs
-        bad = sorted(f for f, h in state.get("sha256", {}).items()
-                     if not (found / f).is_file() or sha256_file(found / f) != h)
-        if bad or not state.get("sha256"):
-            raise ValueError(f"{', '.join(bad) or 'state.json'} changed since it was written")
+        files = state.get("sha256")
+        if not isinstance(files, dict) or not _FILES <= set(files):
+            raise ValueError(f"state.json records no SHA256 of {', '.join(sorted(_FILES - set(files or {})))}")
+        bad = sorted(f for f, h in files.items() if not (found / f).is_file() or sha256_file(found / f) != h)
+        if bad:
+            raise ValueError(f"{', '.join(bad)} changed since it was written")
+        bound = safetensors_metadata(found / "trainable.safetensors").get(RECORD_KEY)
+        if bound != record_hash({k: v for k, v in state.items() if k != "sha256"}):
+            raise ValueError("state.json's loop state is not the one saved with trainable.safetensors")
         saved = load_safetensors(found / "trainable.safetensors")
         opt_state = _read_optimizer(found)
         rng = load_safetensors(found / "rng.safetensors")
