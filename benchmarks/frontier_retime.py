@@ -3,8 +3,9 @@
 `benchmarks.frontier` times each arm right after adapting it, so its rows are timed minutes or hours apart, each
 with whatever else the machine ran then. This tool takes a frontier JSON (`benchmarks/reference/frontier_smollm2.json`),
 rebuilds every arm's architecture (the same model, the same converted layers, the same method and window settings)
-and times them all again, interleaved: for each length, every arm once, then every arm again (--repeats), keeping
-each arm's fastest prefill and median decode. Kernel values do not change the speed, so the arms get their
+and times them all again, interleaved: every arm once, then every arm again (--repeats), keeping each arm's
+fastest prefill and fastest decode (each round's decode is already the median of its steps): on a machine whose
+speed wanders, the least disturbed round. Kernel values do not change the speed, so the arms get their
 methods' default (uncalibrated) kernels and no adaptation; perplexity and passkey stay those of the input (its
 adapted arms). The model must be the one the input records (its state dict's SHA256).
 
@@ -33,7 +34,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("frontier", type=input_file, help="a frontier JSON written by benchmarks.frontier")
     p.add_argument("--json", type=output_file, help="output (default benchmarks/results/<input name>_retimed.json)")
     p.add_argument("--decode-tokens", type=int_in(1, 10**4), default=8, help="timed greedy steps per length")
-    p.add_argument("--repeats", type=int_in(1, 100), default=2, help="rounds over the arms (interleaved)")
+    p.add_argument("--repeats", type=int_in(1, 100), default=3, help="rounds over the arms (interleaved)")
     p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     a = p.parse_args(argv)
@@ -111,7 +112,7 @@ def retime(args, log=print) -> dict:
     def best(label: str) -> dict:
         runs = times[label]
         return {"prefill_s": {str(n): min(t["prefill_s"][str(n)] for t in runs) for n in lengths},
-                "decode_ms": {str(n): sorted(t["decode_ms"][str(n)] for t in runs)[len(runs) // 2] for n in lengths},
+                "decode_ms": {str(n): min(t["decode_ms"][str(n)] for t in runs) for n in lengths},
                 "peak_mb": max((t["peak_mb"] for t in runs if t["peak_mb"] is not None), default=None)}
 
     out = copy.deepcopy(res)
@@ -124,8 +125,8 @@ def retime(args, log=print) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "threads": torch.get_num_threads(), "device": str(f.device)},
         "repeats": args.repeats, "decode_tokens": args.decode_tokens,
-        "how": "every arm rebuilt with default kernels (no adaptation), timed interleaved; fastest prefill, median "
-               "decode over the rounds; ppl and passkey are the input's",
+        "how": "every arm rebuilt with default kernels (no adaptation), timed interleaved; the fastest prefill and "
+               "decode (each a median of its steps) over the rounds; ppl and passkey are the input's",
         "runs": times}
     out["machine"] = out["retimed"]["machine"]
     return out

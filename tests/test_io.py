@@ -155,3 +155,16 @@ def test_an_edited_kernels_record_is_refused(tmp_path, edit):
     (tmp_path / META_FILE).write_text(json.dumps(meta, indent=1))
     with pytest.raises(ValueError, match="kernels.json: its records .* are not those kernels.safetensors was saved"):
         load_kernels(tmp_path)
+
+
+def test_a_damaged_layer_record_of_older_kernels_is_one_error(tmp_path):
+    """Kernels saved before the record was bound (no record_sha256): a layer field of the wrong type gave a
+    TypeError traceback from the method's constructor."""
+    oal.save_kernels({1: build_method("oal", 4, 2, 16, layer_idx=1, seed=3)}, tmp_path)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    meta["layers"]["1"]["init"]["n_groups"] = "x"
+    save_file(load_file(tmp_path / KERNELS_FILE), tmp_path / KERNELS_FILE)  # as an older oal wrote it
+    meta["sha256"][KERNELS_FILE] = sha256_file(tmp_path / KERNELS_FILE)
+    (tmp_path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"kernels.json: damaged layer record '1' \(TypeError"):
+        load_kernels(tmp_path)

@@ -196,6 +196,8 @@ def analyze(
         attn = attention_module(model, layers[0])
         head_dim = getattr(attn, "head_dim", None) or attn.attention_head_size  # the latter: BERT-family encoders
         check_min_groups(head_dim, params["tail_fraction"], params["min_groups"])
+        if budget is not None and budget > head_dim:  # it was capped at head_dim without a word
+            raise ValueError(f"budget: a budget of {budget} groups exceeds the {head_dim} dimensions of a head")
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers: duplicates in {layers}")
     device = next(model.parameters()).device

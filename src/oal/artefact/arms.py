@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir
+from oal.errors import InputError
 from oal.models.pretrained import read_json_object
 from oal.rundir.hashes import sha256_tree
 
@@ -45,8 +46,8 @@ def _kernels_or_fail(run_dir: Path, method: str) -> Path:
     kdir = kernel_dir(run_dir, method)
     if not (kdir / META_FILE).is_file():
         have = calibrated_methods(run_dir)
-        raise ValueError(f"{kdir / META_FILE}: missing; the run did not calibrate {method!r} "
-                         f"(calibrated: {', '.join(have) or 'none'})")
+        raise InputError(f"the run did not calibrate {method!r} ({kdir / META_FILE} is missing; calibrated: "
+                         f"{', '.join(have) or 'none'})", "--method")
     return kdir
 
 

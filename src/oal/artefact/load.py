@@ -25,6 +25,9 @@ def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
     Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
     model) and holds everything: `oal.artefact.load.load_export(directory, **load_kwargs)` (dtype=, device=).
     """
+    if not Path(directory).is_dir():
+        raise ValueError(f"directory: {directory} is not a folder (expected a converted model's folder, or a run's "
+                         "kernels folder with base_model)")
     if base_model is None:
         from oal.artefact.load import load_export
 

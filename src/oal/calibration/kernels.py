@@ -153,7 +153,10 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         i = int(key)
         prefix = f"layers.{i}."
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        methods[i] = method_from_record(i, info, state, where=str(tensor_path))
+        try:
+            methods[i] = method_from_record(i, info, state, where=str(tensor_path))
+        except (TypeError, KeyError, AttributeError) as exc:  # a field of the wrong type or missing: the record's
+            raise ValueError(f"{meta_path}: damaged layer record {key!r} ({type(exc).__name__}: {exc})") from None
     return methods, meta
 
 

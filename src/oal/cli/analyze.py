@@ -68,6 +68,9 @@ def analyze_cmd(
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise typer.BadParameter(f"expected 'LAYER:HEAD', got {head!r}", param_hint="--head")
         rep = (int(parts[0]), int(parts[1]))
+    positions = getattr(mdl.config, "max_position_embeddings", None)
+    if long_len is not None and positions is not None and long_len > positions:  # before any text is read
+        raise typer.BadParameter(f"{long_len} tokens exceed the model's {positions} positions", param_hint="--long-len")
     try:
         corpus = load_corpus(data, data_dir=data_dir)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -100,4 +103,5 @@ def analyze_cmd(
         s = summary["stability_inputs"]
         line += f"; held-out Spearman {s['mean_spearman']:.3f}, top-5 overlap {s['mean_top5_overlap']:.2f}/5"
     results.print(line)
-    console.print(f"wrote {Path(out) / 'groups.json'}, {Path(out) / 'analysis.json'} and {Path(out) / 'figures'}")
+    wrote = [Path(out) / "groups.json", Path(out) / "analysis.json", *([Path(out) / "figures"] if figures else [])]
+    console.print(f"wrote {', '.join(map(str, wrote[:-1]))} and {wrote[-1]}")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.export import export_or_fail
-from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt
+from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, RunDtypeOpt
 from oal.pipeline.inputs import converted_or_fail
 
 
@@ -22,7 +22,7 @@ def convert_cmd(
     adapter: AdapterOpt = None,
     export: Path = typer.Option(None, help="Also write the converted model as one folder, as `oal export` does."),
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = None,
+    dtype: RunDtypeOpt = None,
 ) -> None:
     """Load the converted model, check a forward pass, print the converted layers."""
     import torch

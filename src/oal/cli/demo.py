@@ -36,9 +36,10 @@ def demo(
                                  f"to one group), got {n_groups}", param_hint="--n-groups")
     need, have = _bytes_needed(length, heads, kv_heads, head_dim, n_groups, dtype), _available_bytes(device)
     if have is not None and need > have:
-        raise typer.BadParameter(f"N={length} needs about {need / 2**30:.3g} GiB (the dense reference holds an N x N "
-                                 f"score matrix per head), more than the {have / 2**30:.3g} GiB available on {device}; "
-                                 "use a smaller --length", param_hint="--length")
+        raise typer.BadParameter(f"N={length}, d={head_dim} need about {need / 2**30:.3g} GiB (the dense reference "
+                                 f"holds an N x N score matrix per head, the kernel's state (1 + d + d(d+1)/2) x "
+                                 f"(d + 1) numbers per KV head), more than the {have / 2**30:.3g} GiB available on "
+                                 f"{device}; use a smaller --length or --head-dim", param_hint="--length")
     gen = torch.Generator().manual_seed(seed)
     # inputs in --dtype on --device (as a converted model's q/k/v); the factor stays float32 (oal.device)
     q, k, v = (torch.randn(1, h, length, head_dim, generator=gen).to(device, getattr(torch, dtype))
@@ -66,11 +67,14 @@ def demo(
 def _bytes_needed(n: int, heads: int, kv_heads: int, d: int, groups: int, dtype: str) -> int:
     """Peak memory of the demo: q/k/v and their float32 (float64) copies, two outputs, and the dense reference's
     largest step, per head: einsum's q_r k_r for every pair [N, N, d], the scores s [N, N, G] and s_bar [N, N, G + 1],
-    kappa and its masked copy, the mask (measured: within 10% of the peak RSS at N = 2048 and 4096)."""
+    kappa and its masked copy, the mask (measured: within 10% of the peak RSS at N = 2048 and 4096); and two
+    states of the kernel per KV head, (1 + d + d(d+1)/2) x (d + 1) numbers each (the running state and one chunk's:
+    a lower bound, which decides at large d: 138 GB at d = 1024 with 64 KV heads)."""
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     work = 8 if dtype == "float64" else 4
     inputs = (heads + 2 * kv_heads) * n * d * (size + work)
-    return inputs + 2 * heads * n * d * size + n * n * ((d + 2 * groups + 3) * work + 1)
+    states = 2 * kv_heads * (1 + d + d * (d + 1) // 2) * (d + 1) * work
+    return inputs + 2 * heads * n * d * size + n * n * ((d + 2 * groups + 3) * work + 1) + states
 
 
 def _available_bytes(device: str) -> int | None:

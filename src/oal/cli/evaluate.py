@@ -15,9 +15,9 @@ from oal.cli.options import (
     BaseModelOpt,
     DataDirOpt,
     DeviceOpt,
-    DtypeOpt,
     LimitOpt,
     Max,
+    RunDtypeOpt,
     TaskFileOpt,
     TasksOpt,
     ZeroshotDirOpt,
@@ -25,9 +25,27 @@ from oal.cli.options import (
 )
 from oal.launch import log_console
 
+# the options of one mode only (fidelity when neither --zeroshot nor --passkey): another mode's are refused, not
+# silently ignored
+_MODE_OPTIONS = {"fidelity": ("data", "data_dir", "preset", "blocks_limit"),
+                 "zeroshot": ("tasks", "task_file", "zeroshot_dir", "limit", "log_samples"),
+                 "passkey": ("lengths", "depths", "trials")}
+
+
+def _refuse_other_modes(ctx: typer.Context, mode: str) -> None:
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    for other, names in _MODE_OPTIONS.items():
+        # typer vendors click: compare the source by name, not with click's own enum
+        given = [flags[n] for n in names
+                 if other != mode and getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
+        if given:
+            needs = {"fidelity": "fidelity (neither --zeroshot nor --passkey)"}.get(other, f"--{other}")
+            raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])
+
 
 @app.command("evaluate")
 def evaluate_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
     model: BaseModelOpt = None,
     data: str = typer.Option(None, help="Corpus of the held-out fidelity blocks (default: the run's, or builtin)."),
@@ -46,7 +64,7 @@ def evaluate_cmd(
                                      "candidate log-likelihoods to DIR/zeroshot_samples/<method>.json."),
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = None,
+    dtype: RunDtypeOpt = None,
     passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval instead of fidelity: greedy recall of a "
                                  "number hidden at several depths, for softmax and every method, before and after "
                                  "adaptation (--no-adapter / --adapter: one of the two only)."),
@@ -68,8 +86,9 @@ def evaluate_cmd(
                                  param_hint="--zeroshot / --passkey")
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = log_console()  # progress on stderr; the tables are the results (stdout)
-    if log_samples and not zeroshot:
-        raise typer.BadParameter("needs --zeroshot (it logs the zero-shot examples)", param_hint="--log-samples")
+    _refuse_other_modes(ctx, "zeroshot" if zeroshot else "passkey" if passkey else "fidelity")
+    if zeroshot and tasks.strip().lower() == "none":
+        raise typer.BadParameter("'none' leaves nothing for --zeroshot to evaluate", param_hint="--tasks")
     if passkey:
         _passkey(out, model, wanted, parse_numbers(lengths, int, "--lengths", 16, Max.TOKENS),
                  parse_numbers(depths, float, "--depths", 0.0, 1.0), trials, adapter, device, dtype, console)
@@ -107,6 +126,7 @@ def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, 
                                task_files=parse_task_files(task_file), zeroshot_dir=zeroshot_dir, limit=limit,
                                adapter=adapter, device=device, dtype=resolve_dtype(dtype) if dtype else None,
                                console=console, log_samples=log_samples)
-    if not scores:  # nothing to score: metrics.json records why the columns are missing; say so by the exit code
+    if not scores:  # nothing to score: metrics.json records why the columns are missing; say so, and by the exit code
+        console.print(f"no zero-shot task was scored: see {out / 'metrics.json'} (zeroshot_skipped)")
         raise typer.Exit(code=1)
     Console().print(zeroshot_table(scores))

@@ -18,7 +18,8 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
     try:
         path = export_run(out, method, to, **kwargs)
     except ValueError as exc:
-        hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
+        hint = getattr(exc, "param", None) or {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0],
+                                                                                       "--out")
         raise typer.BadParameter(str(exc), param_hint=hint) from None
     if method == "softmax":
         typer.echo(f"wrote {path}: reload it with AutoModelForCausalLM.from_pretrained('{path}')")

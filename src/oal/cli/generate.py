@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, DtypeOpt, Max
+from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, Max, RunDtypeOpt
 from oal.pipeline.inputs import converted_or_fail
 
 
@@ -20,7 +20,7 @@ def generate_cmd(
     max_new_tokens: int = typer.Option(64, min=1, max=Max.TOKENS, help="Tokens to generate."),
     adapter: AdapterOpt = None,
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = None,
+    dtype: RunDtypeOpt = None,
 ) -> None:
     """Greedy generation with the converted model (recurrent O(1) state in converted layers), adapted when the run
     has an adapter for the method.

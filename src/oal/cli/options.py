@@ -40,6 +40,10 @@ DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
 DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
                                        help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
                                        "calibration stay float32).")]
+RunDtypeOpt = Annotated[str, typer.Option("--dtype", callback=_dtype_callback,
+                                          help="Base model dtype (default: the run's own). The run recorded its "
+                                          "base model's weights in that dtype, so another one is refused where "
+                                          "its weights differ.")]
 GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap groups (the paper's protocol); "
                                           "'app-b-pairs': App. B over RoPE's rotation pairs, each pair (r, r + d/2) "
                                           "in one group, so outputs depend on relative positions only; "
@@ -58,7 +62,7 @@ BatchSizeOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Adaptatio
                                            "grad accum blocks).")]
 GradAccumOpt = Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Micro-batches accumulated per adaptation "
                                            "update (default: 1).")]
-LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="LoRA dropout in [0, 1) (default: 0.05; 0 makes "
+LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, max=0.99, help="LoRA dropout (default: 0.05; 0 makes "
                                                "several processes reproduce one process exactly).")]
 # zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
 TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]

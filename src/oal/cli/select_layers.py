@@ -10,6 +10,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.options import DeviceOpt, DtypeOpt, Max, ThreadsOpt, set_threads
+from oal.errors import InputError
 from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
@@ -44,7 +45,13 @@ def select_layers_cmd(
     set_threads(threads)
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
-    sel = run_selection(cfg, out, console=log_console(), progress=progress, force=force)
+    try:
+        sel = run_selection(cfg, out, console=log_console(), progress=progress, force=force)
+    except InputError as exc:
+        if exc.param != "--layers":
+            raise
+        # the run checks K against the model's candidate layers as `auto:K`; this command takes K as --k
+        raise InputError(exc.message.replace("auto:K with K", "K").replace("got auto:", "got "), "--k") from None
     table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "
                         f"(paper range {sel['paper_layers']})")
     for col in SELECTION_COLUMNS:

@@ -103,8 +103,8 @@ def check_base_model(recorded: Mapping, model: nn.Module, provenance: Mapping | 
     label = (provenance or {}).get("model") or getattr(getattr(model, "config", None), "_name_or_path", None) or "?"
     if have != want:
         own = model_dtype(model)
-        note = (f"; that record is of the model in {dtype} and this one is {own}: load it with dtype={dtype}"
-                if dtype and own != dtype else "")
+        note = (f"; that record is of the model in {dtype} and this one is {own}: load it with dtype={dtype} "
+                f"(--dtype {dtype})" if dtype and own != dtype else "")
         raise ValueError(f"base_model: the weights of {label!r} (sha256 {_short(have)}) differ from the base model "
                          f"recorded in {where} ({name!r}, sha256 {_short(want)}){note}")
     files = recorded.get("hashes")

@@ -174,6 +174,9 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise bad_model(f"{path}: cannot load its tokenizer ({first_line(exc)})") from exc
+    if not tokenizer("The quick brown fox.")["input_ids"]:  # transformers builds an empty one from no files
+        raise bad_model(f"{path}: no usable tokenizer (its tokenizer files are missing: it encodes text to no "
+                        "tokens)")
     from safetensors import SafetensorError
 
     try:
@@ -181,8 +184,11 @@ def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = tor
                                                      use_safetensors=True).to(device)
     except SafetensorError as exc:  # a truncated or damaged weights file
         raise bad_model(f"{path}: a *.safetensors weights file is damaged or truncated ({first_line(exc)})") from exc
-    except (OSError, ValueError, KeyError) as exc:
-        raise bad_model(f"{path}: cannot load the model ({first_line(exc)})") from exc
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: config.json and weights disagree
+        message = first_line(exc)
+        if "ignore_mismatched_sizes" in message:  # transformers' message points at a report it did not show
+            message = "its config.json does not fit the shapes of its weights"
+        raise bad_model(f"{path}: cannot load the model ({message})") from exc
     model.eval()
     provenance = {
         "model": name,

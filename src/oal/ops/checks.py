@@ -147,7 +147,8 @@ def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, ch
 def _group_range(groups: torch.Tensor, n_groups: int) -> None:
     if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= n_groups):
         raise ValueError(
-            f"groups: ids must lie in [0, G={n_groups}), got range [{int(groups.min())}, {int(groups.max())}]"
+            f"groups: ids must lie in [0, G={n_groups}) (G from factor's shape [Hq, G+1, G+1]), got range "
+            f"[{int(groups.min())}, {int(groups.max())}]"
         )
 
 

@@ -53,6 +53,7 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
     from oal.artefact.arms import arm_inputs, load_converted
     from oal.artefact.export import softmax_twin
     from oal.data import SplitPlan, default_plan, load_corpus, plan_blocks
+    from oal.data.splits import PLAN_PRESETS
     from oal.device import resolve_dtype
     from oal.evaluate.fidelity import fidelity
     from oal.models.attention import converted_methods
@@ -60,6 +61,8 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.metrics import record_evaluation
 
+    if preset is not None and preset not in PLAN_PRESETS:  # before any model is loaded
+        raise InputError(f"expected one of {', '.join(sorted(PLAN_PRESETS))}, got {preset!r}", "--preset", "preset")
     check_publishable(out_dir)
     run = load_json(out_dir / "config.json") if (out_dir / "config.json").is_file() else None
     recorded = (run or {}).get("config") or {}

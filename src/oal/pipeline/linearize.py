@@ -67,6 +67,17 @@ def _plan(prompts: int, prompt_len: int, block_len: int, calib_blocks: int, val_
                      test=none, notes="oal.linearize: the head of the text, one role after another")
 
 
+def calib_config(calib: Mapping | None, seed: int):
+    """The CalibConfig of `linearize`'s `calib` ({"preset": name} and CalibConfig fields); ValueError naming calib."""
+    from oal.calibration.data import CalibConfig
+
+    settings = dict(calib or {})
+    try:
+        return CalibConfig.preset(settings.pop("preset", "default"), **{"seed": seed, **settings})
+    except (TypeError, ValueError) as exc:  # an unknown field is a TypeError of the dataclass
+        raise ValueError(f"calib: {exc}") from None
+
+
 def _layers(spec, model) -> tuple[list[int], int | None]:
     """(candidate layers, K or None): 'auto:K' makes every layer a candidate; a list or 'A-B' string is fixed."""
     from oal.models.registry import default_layers
@@ -140,6 +151,11 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
         raise ValueError(f"method: expected one of {[m for m in method_names() if m != 'softmax']}, got {method!r}")
     if select_by not in ("fidelity", "probe"):
         raise ValueError(f"select_by: expected 'fidelity' or 'probe', got {select_by!r}")
+    for name, value, low in (("block_len", block_len, 1), ("calib_blocks", calib_blocks, 1), ("seed", seed, 0),
+                             ("window", window, 1), ("sinks", sinks, 0)):  # before any work: a bad one failed late
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    calib_config(calib, seed)
     if get_method(method).positional and window + sinks >= block_len:
         raise ValueError(f"window: {window} + {sinks} sinks cover every {block_len}-token calibration block, so "
                          f"{method} would be plain softmax there; choose window + sinks below block_len")
@@ -157,7 +173,6 @@ def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int
     from rich.console import Console
 
     from oal.analysis import analyze, load_groups, parse_grouping
-    from oal.calibration.data import CalibConfig
     from oal.calibration.kernels import kernel_dir, load_kernels, model_fingerprint, save_kernels
     from oal.calibration.resume import calibrate_directory
     from oal.data import plan_blocks
@@ -192,8 +207,7 @@ def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int
         analyze(model, tokenizer, blocks["grouping"], candidates, out, figures=False, console=console,
                 results=Console(quiet=True), seed=seed, meta={"model": name, "data": corpus.name}, **kw)
         groups = load_groups(out)
-    settings = dict(calib or {})
-    cfg = CalibConfig.preset(settings.pop("preset", "default"), **{"seed": seed, **settings})
+    cfg = calib_config(calib, seed)
     root = out / "candidates" if k is not None else out
     calibrate_directory(root, model, blocks, candidates, [method], groups=groups, cfg=cfg, seed=seed,
                         base_model=name, provenance=provenance, extra={"seed": seed, "linearize": True},

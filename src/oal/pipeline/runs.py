@@ -116,9 +116,16 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
     old = dict(config["config"])
     d = dict(old)
     if method not in d["methods"]:
+        from oal.methods import method_names
+
+        if method not in method_names():
+            raise InputError(f"unknown method {method!r}; expected one of {', '.join(d['methods'])} (this run's) "
+                             f"or {REFERENCE}", "--method", "method")
         if method != REFERENCE:
-            raise InputError(f"{out_dir} has no calibrated kernels for {method!r}; run `oal run --out {out_dir} "
-                             f"--methods ...,{method}` first", "--method", "method")
+            have = ",".join(d["methods"])
+            raise InputError(f"{out_dir} has no calibrated kernels for {method!r} (it calibrated {have}); a run "
+                             f"directory holds one configuration, so run `oal run --out NEW_DIR --methods "
+                             f"{have},{method}` (or add --force to replace this run)", "--method", "method")
         d["methods"] = [*d["methods"], method]
     if dtype is not None and dtype != d.get("dtype", "float32"):
         raise InputError(f"the run was made with dtype {d.get('dtype', 'float32')}, not {dtype}", "--dtype", "dtype")

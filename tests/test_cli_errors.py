@@ -1,0 +1,124 @@
+"""Bad input that a command-line audit found answered with a traceback, a misleading line or nothing (2026-12-06):
+each is now one line naming the option (or the argument, in Python), before any work where the value alone decides."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import oal
+from oal.cli import load_commands
+from oal.errors import InputError
+from oal.models.registry import DEFAULT_MODEL_DIR, load_model
+
+
+def _run(*args):
+    res = CliRunner().invoke(load_commands(), [str(a) for a in args])
+    return res, " ".join(res.output.replace("│", " ").replace("'", "").split())  # rich wraps long lines in a box
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from _runs import make_run
+    from _tiny import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("run")
+    return make_run(root, save_tiny_llama(root / "base"), {"oal": False})
+
+
+@pytest.mark.parametrize("args, option, words", [
+    (["--depths", "7"], "--depths", "applies to --passkey only"),
+    (["--task-file", "piqa=/nonexistent.jsonl"], "--task-file", "applies to --zeroshot only"),
+    (["--passkey", "--blocks", "2"], "--blocks", "applies to fidelity"),
+    (["--zeroshot", "--tasks", "none"], "--tasks", "nothing for --zeroshot to evaluate"),
+])
+def test_evaluate_refuses_options_of_another_mode(run_dir, args, option, words):
+    """They were ignored without a word (exit 0), and --tasks none exited 1 printing nothing."""
+    res, text = _run("evaluate", "--out", run_dir, *args)
+    assert res.exit_code == 2 and f"Invalid value for {option}" in text and words in text, res.output
+
+
+def test_evaluate_checks_the_preset_before_loading_a_model(tmp_path):
+    from oal.pipeline.evaluate_fidelity import evaluate_fidelity
+
+    with pytest.raises(InputError, match="preset: expected one of") as info:
+        evaluate_fidelity(tmp_path, ["oal"], preset="nope")
+    assert info.value.param == "--preset"
+
+
+def test_adapt_names_an_unknown_method_and_gives_advice_that_works(tmp_path):
+    """`oal adapt --method performer` advised `oal run --out SAME --methods ...,performer`, which that run refuses
+    (another configuration); an unknown name got the same advice."""
+    from oal.pipeline.runs import _arm_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"config": {"methods": ["oal", "global", "softmax"]}}))
+    with pytest.raises(InputError, match="unknown method 'nope'"):
+        _arm_config(tmp_path, "nope", None, {})
+    with pytest.raises(InputError, match=r"oal run --out NEW_DIR --methods oal,global,softmax,performer` \(or add "
+                                         r"--force"):
+        _arm_config(tmp_path, "performer", None, {})
+
+
+def test_select_layers_names_its_own_option():
+    res, text = _run("select-layers", "--out", "unused", "--k", "99", "--model", "default")
+    assert res.exit_code == 2 and "Invalid value for --k: expected K <= " in text and "got 99" in text, res.output
+
+
+def test_analyze_refuses_a_long_len_past_the_models_positions(tmp_path):
+    """It ran past the positions (and at 2**20 tokens for minutes, silently)."""
+    positions = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    res, text = _run("analyze", "--out", tmp_path / "a", "--long-len", positions + 1, "--no-figures")
+    assert res.exit_code == 2 and f"exceed the models {positions} positions" in text, res.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_demo_counts_the_kernels_state_in_its_memory_check():
+    """d = 1024 with 64 KV heads needs a 138 GB state: a traceback from the allocator before."""
+    res, text = _run("demo", "--length", "2", "--heads", "64", "--kv-heads", "64", "--head-dim", "1024",
+                     "--n-groups", "1")
+    assert res.exit_code == 2 and "Invalid value for --length" in text and "--head-dim" in text, res.output
+
+
+def test_a_model_folder_without_its_tokenizer_is_refused(tmp_path):
+    """transformers builds an empty tokenizer from no files; every text then had no tokens, and the error blamed
+    --data."""
+    folder = tmp_path / "notok"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        load_model(str(folder))
+
+
+def test_linearize_checks_its_numbers_before_any_work():
+    model, tok, _ = load_model("default")
+    for kwargs, match in (({"block_len": 0}, "block_len: expected an integer >= 1"),
+                          ({"seed": -1}, "seed: expected an integer >= 0"),
+                          ({"calib": {"nope": 1}}, "calib: .*nope")):
+        with pytest.raises(ValueError, match=match):
+            oal.linearize(model, tok, "builtin", layers=[1], progress=False, **kwargs)
+
+
+def test_load_of_a_file_names_the_argument(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="directory: .* is not a folder"):
+        oal.load(tmp_path / "f")
+
+
+def test_a_factor_of_the_wrong_size_is_named_in_the_groups_error():
+    from oal.ops import oal_attention
+
+    q = k = v = torch.randn(1, 2, 5, 4)
+    groups = torch.tensor([[0, 1, 2, 2]] * 2)
+    with pytest.raises(ValueError, match=r"groups: ids must lie in \[0, G=1\) \(G from factor's shape"):
+        oal_attention(q, k, v, groups, torch.eye(2).expand(2, 2, 2))
+
+
+def test_a_group_budget_beyond_the_head_dim_is_refused(tmp_path):
+    """budget:999 was capped at the head dim without a word (demo refuses --n-groups above --head-dim)."""
+    res, text = _run("analyze", "--out", tmp_path / "a", "--grouping", "budget:999", "--layers", "0", "--no-figures")
+    assert res.exit_code == 2 and "a budget of 999 groups exceeds the" in text, res.output
