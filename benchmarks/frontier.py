@@ -418,6 +418,7 @@ def figure(res: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     from oal.rundir.files import atomic_save_figure
 
@@ -435,6 +436,8 @@ def figure(res: dict, path: Path) -> None:
     ax.set_xlabel(f"decode ms/token at {longest} tokens ({where})")
     ax.set_ylabel("test perplexity (adapted)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # 12.6, not 1.26 x 10^1
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Conversion frontier: {res['model']} ({res['steps']} adaptation steps per arm)", fontsize=9)

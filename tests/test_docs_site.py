@@ -44,7 +44,7 @@ def test_the_site_builds_strictly_with_its_assets_local(tmp_path):
     assert "oal.linearize" in api and "oal.ops.oal_attention" in api and "RunConfig" in api
     for page in (home, api):  # the theme's fonts, scripts and styles come with the site, not from a CDN
         assert not re.findall(r'<(?:script|link)[^>]+(?:src|href)="https?://', page)
-    assert (tmp_path / "site" / "reference" / "frontier_smollm2.png").is_file()  # served by docs/hooks
+    assert (tmp_path / "site" / "reference" / "frontier_smollm2_retimed.png").is_file()  # served by docs/hooks
 
 
 def _mini_site(tmp_path: Path, page: str) -> Path:
