@@ -444,6 +444,24 @@ def figure(res: dict, path: Path) -> None:
     atomic_save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
+def publish(res: dict, path: Path, title: str) -> None:
+    """Write `res` to `path` (JSON) and its figure beside it, and print its table under `title`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from oal.rundir.files import atomic_write_json
+
+    atomic_write_json(path, res)
+    figure(res, path.with_suffix(".png"))
+    header, rows = table_rows(res)
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+
+
 def check_methods(methods: list[str]) -> None:
     """ValueError naming --methods unless every one is a linear-time method oal has."""
     from oal.methods import method_names
@@ -461,25 +479,14 @@ def main(argv=None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from oal.rundir.files import atomic_write_json
 
     check_methods(args.methods)
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     res = run(args, log=console.log)
-    atomic_write_json(args.json, res)
-    figure(res, args.json.with_suffix(".png"))
-    header, rows = table_rows(res)
-    table = Table(title=f"conversion frontier: {res['model']} ({res['steps']} adaptation steps, select by "
-                        f"{', '.join(res['select_by'])}, window {res['window']}, sinks {res['sinks']})")
-    for col in header:
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    Console().print(table)
+    publish(res, args.json, f"conversion frontier: {res['model']} ({res['steps']} adaptation steps, select by "
+                            f"{', '.join(res['select_by'])}, window {res['window']}, sinks {res['sinks']})")
     console.log(f"{res['seconds'] / 60:.1f} min; wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
 

@@ -134,24 +134,14 @@ def retime(args, log=print) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from oal.rundir.files import atomic_write_json
 
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     res = retime(args, log=console.log)
-    atomic_write_json(args.json, res)
-    frontier.figure(res, args.json.with_suffix(".png"))
-    header, rows = frontier.table_rows(res)
-    table = Table(title=f"conversion frontier, re-timed: {res['model']} ({res['retimed']['machine']['threads']} "
-                        f"threads, {args.repeats} interleaved rounds)")
-    for col in header:
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    Console().print(table)
+    threads = res["retimed"]["machine"]["threads"]
+    frontier.publish(res, args.json, f"conversion frontier, re-timed: {res['model']} ({threads} threads, "
+                                     f"{args.repeats} interleaved rounds)")
     console.log(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
 

@@ -202,8 +202,8 @@ def test_busy_process_spins_and_stops():
 
 
 def test_a_run_records_the_operator_settings_it_ran_with(monkeypatch):
-    """A tuning entry changes the chunking, hence the rounding (about 1e-7) of every number: config.json records the
-    settings, their source and the fused kernel's library by name and SHA256, with no local path."""
+    """A tuning entry changes the chunking, hence the rounding (about 1e-7) of every number: a run's stage log
+    records the settings, their source and the fused kernel's library by name and SHA256, with no local path."""
     from oal.ops import cpu_kernel
     from oal.pipeline.base import operator_record
 

@@ -154,9 +154,11 @@ def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monk
     """Even with a record that matches (a foreign file and its hash both put there), the symbol check after dlopen
     keeps it unused: the torch path runs, with one log line."""
     path = cpu_kernel.build(tmp_path / "kernels")
+    record = json.loads(path.with_suffix(".json").read_text())  # this build's key, flags and compiler
     subprocess.run([cpu_kernel._compiler(), "-shared", "-fPIC", "-x", "c++", "-", "-o", str(path)],
                    input="extern \"C\" int other() { return 1; }\n", text=True, check=True)
-    path.with_suffix(".json").write_text(json.dumps({"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
+    forged = {**record, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    path.with_suffix(".json").write_text(json.dumps(forged))
     monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path))
     for name, value in (("_LIB", None), ("_TRIED", False), ("_STATUS", "")):
         monkeypatch.setattr(cpu_kernel, name, value)

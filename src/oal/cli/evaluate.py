@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
+from oal.cli.modes import refuse_other_modes
 from oal.cli.options import (
     AdapterOpt,
     BaseModelOpt,
@@ -24,23 +25,6 @@ from oal.cli.options import (
     parse_numbers,
 )
 from oal.launch import log_console
-
-# the options of one mode only (fidelity when neither --zeroshot nor --passkey): another mode's are refused, not
-# silently ignored
-_MODE_OPTIONS = {"fidelity": ("data", "data_dir", "preset", "blocks_limit"),
-                 "zeroshot": ("tasks", "task_file", "zeroshot_dir", "limit", "log_samples"),
-                 "passkey": ("lengths", "depths", "trials")}
-
-
-def _refuse_other_modes(ctx: typer.Context, mode: str) -> None:
-    flags = {p.name: p.opts[0] for p in ctx.command.params}
-    for other, names in _MODE_OPTIONS.items():
-        # typer vendors click: compare the source by name, not with click's own enum
-        given = [flags[n] for n in names
-                 if other != mode and getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
-        if given:
-            needs = {"fidelity": "fidelity (neither --zeroshot nor --passkey)"}.get(other, f"--{other}")
-            raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])
 
 
 @app.command("evaluate")
@@ -86,7 +70,7 @@ def evaluate_cmd(
                                  param_hint="--zeroshot / --passkey")
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     console = log_console()  # progress on stderr; the tables are the results (stdout)
-    _refuse_other_modes(ctx, "zeroshot" if zeroshot else "passkey" if passkey else "fidelity")
+    refuse_other_modes(ctx, "zeroshot" if zeroshot else "passkey" if passkey else "fidelity")
     if zeroshot and tasks.strip().lower() == "none":
         raise typer.BadParameter("'none' leaves nothing for --zeroshot to evaluate", param_hint="--tasks")
     if passkey:

@@ -65,9 +65,10 @@ def _jsonable_provenance(obj):
 
 
 def operator_record(dtype: str, device) -> dict:
-    """How the CPU operator runs in this process, recorded beside the versions: its chunking settings and where they
-    came from (a tuning entry of the user's cache, forced, or the fixed defaults; they change timings and rounding
-    only), and the fused kernel's library and SHA256. Empty on a GPU, where neither runs."""
+    """How the CPU operator runs in this process, recorded in the setup stage's record of `.oal/stages.json`: its
+    chunking settings and where they came from (a tuning entry of the user's cache, forced, or the fixed defaults;
+    they change timings and rounding only), and the fused kernel's library and SHA256. Empty on a GPU, where neither
+    runs."""
     if device.type != "cpu":
         return {}
     import dataclasses
@@ -153,7 +154,6 @@ class StagedRun:
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
                      "meta": _jsonable_provenance(self.corpus.meta)},
             "versions": versions(),
-            "operator": operator_record(self.cfg.dtype, self.device),
         }
         # content, not paths: the same model files and text elsewhere give the same key
         self.keys["setup"] = config_hash({**({"protocol": self.protocol} if self.protocol else {}),
@@ -166,7 +166,10 @@ class StagedRun:
             claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
             self.log = StageLog(self.dir)
             atomic_write_json(self.dir / "config.json", config)
-            self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"])
+            # how the operator runs in this process: in the stage log, not config.json, which a rerun with another
+            # thread count must not change
+            self.log.mark("setup", self.keys["setup"], t.seconds, outputs=["config.json"],
+                          operator=operator_record(self.cfg.dtype, self.device))
 
         self._config = config
         self.ranks.on_main(claim)
