@@ -257,6 +257,7 @@ def main(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the stand-in's kernels (stubbed) are defined under the interpreter
     from rich.console import Console
 
+    from oal.models.folders import first_line
     from oal.rundir.files import atomic_write_json
 
     if args.device == "cuda":
@@ -277,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             return fn()
         except Exception as err:
-            failed[part] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            failed[part] = first_line(err)[:200]
             Console(stderr=True).print(f"[red]{part} failed: {failed[part]}[/]")
             return None
         finally:

@@ -91,10 +91,10 @@ def retime(args, log=print) -> dict:
 
     res = read_frontier(args.frontier)
     lengths = [int(n) for n in res["softmax"]["decode_ms"]]
-    fargs = types.SimpleNamespace(model=res["model"], device=args.device, lengths=lengths,
-                                  decode_tokens=args.decode_tokens, window=res["window"], sinks=res["sinks"])
     with tempfile.TemporaryDirectory() as work:  # Frontier makes a work folder; nothing is kept in it here
-        f = frontier.Frontier(types.SimpleNamespace(**vars(fargs), work=work), log)
+        f = frontier.Frontier(types.SimpleNamespace(model=res["model"], device=args.device, lengths=lengths,
+                                                    decode_tokens=args.decode_tokens, window=res["window"],
+                                                    sinks=res["sinks"], work=work), log)
     want = res["provenance"].get("state_dict_sha256")
     if want != f.prov["state_dict_sha256"]:
         raise ValueError(f"{args.frontier}: its arms were measured on a model with state dict SHA256 {want}, "

@@ -149,6 +149,8 @@ def measure(args):
     """The rows, one at a time: per context in the order given (the first is the one a short time limit must
     reach: the script asks for 32k first), per shape, per method, per batch spec. A row whose run raises (other
     than running out of memory, which the batch search handles) is kept with the error in `skipped`."""
+    from oal.models.folders import first_line
+
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     for context in args.contexts:
         for shape in args.shapes:
@@ -168,7 +170,7 @@ def measure(args):
                             got = attempt(model, context, int(spec), args)
                             one = got if spec == "1" else one
                     except Exception as err:  # noted in the row; the other rows still run
-                        got, error = None, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                        got, error = None, first_line(err)[:200]
                     row = {"shape": shape, "method": method, "context": context, "batch_spec": spec,
                            "layers": layers, "source": source, "kernels": "default (uncalibrated)" if layers else None}
                     row |= got if got is not None else {"batch": None, "tokens_per_s": None, "peak_mib": None,

@@ -470,6 +470,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                          "GPU machine, or --device cpu for a smoke test")
     from rich.console import Console
 
+    from oal.models.folders import first_line
     from oal.ops.triton import routes
     from oal.rundir.files import atomic_write_json
 
@@ -488,7 +489,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
     try:
         check = sanity(args.device, args.sanity_n) if args.sanity_n else None
     except Exception as err:  # noted; the timings still run
-        skipped["sanity"] = check = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        skipped["sanity"] = check = first_line(err)[:200]
         console.print(f"[bold red]sanity failed: {check}[/]")
     if isinstance(check, dict):
         for route, errs in check["rel_err_vs_chunked_fp32"].items():
@@ -520,7 +521,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                         try:
                             measured[method, n, mode] = measure(method, n, backward, args)
                         except Exception as err:  # out of memory, no cuDNN kernel here, a kernel that fails: noted
-                            reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                            reason = first_line(err)[:200]
                         if args.device == "cuda":
                             torch.cuda.empty_cache()
                     if reason:

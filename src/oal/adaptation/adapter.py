@@ -29,15 +29,8 @@ import torch
 
 from oal.adaptation.config import AdaptResult
 from oal.models.pretrained import confined_file, read_json_object
-from oal.rundir.files import (
-    atomic_dir,
-    atomic_save_safetensors,
-    atomic_write_json,
-    load_json,
-    load_safetensors,
-    safetensors_metadata,
-)
-from oal.rundir.hashes import record_hash, sha256_file
+from oal.rundir.files import atomic_dir, atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.hashes import header_binds, record_header, sha256_file
 
 __all__ = ["ADAPTER_MANIFEST", "LORA_FILE", "check_adapter", "converted_model_sha256", "load_adapter", "lora_record",
            "quiet_peft", "save_adapter", "strip_peft_prefix"]
@@ -50,7 +43,6 @@ ADAPTER_MANIFEST = "oal_adapter.json"
 
 
 ADAPTER_FORMAT = "oal-adapter/2"
-RECORD_KEY = "record_sha256"  # in the LoRA file's header: record_hash of the manifest's "lora" and "base"
 _FORMAT_V1 = "oal-adapter/1"  # a peft folder (adapter_config.json) beside the kernel file: still read
 LORA_FILE = "adapter_model.safetensors"
 KERNEL_FILE = "kernel_params.safetensors"
@@ -121,7 +113,7 @@ def save_adapter(peft_model, out_dir: str | Path, result: AdaptResult | None = N
     bound = {"lora": config, "base": {"state_dict_sha256": base_sha256}}
     with atomic_dir(out_dir) as tmp:
         # the LoRA file's header binds the manifest's peft config and base model (its SHA256 binds the file)
-        atomic_save_safetensors(tmp / LORA_FILE, lora, metadata={RECORD_KEY: record_hash(bound)})
+        atomic_save_safetensors(tmp / LORA_FILE, lora, metadata=record_header(bound))
         if kernel_names:  # the softmax arm has no kernel parameters (and safetensors cannot read an empty file)
             atomic_save_safetensors(tmp / KERNEL_FILE, {n: named[n].data for n in kernel_names})
         if result is not None:
@@ -165,11 +157,11 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
             raise ValueError(f"{f}: missing (recorded in {manifest_path})")
         if sha256_file(f) != want:
             raise ValueError(f"{f}: SHA256 does not match {manifest_path} (file changed or truncated)")
-    if fmt == ADAPTER_FORMAT:  # adapters saved before the header held it have no record_sha256
-        bound = safetensors_metadata(adapter_dir / LORA_FILE).get(RECORD_KEY)
-        if bound is not None and bound != record_hash({"lora": manifest["lora"], "base": manifest.get("base")}):
-            raise ValueError(f"{manifest_path}: its peft config or base model is not the one {LORA_FILE} was saved "
-                             "with (edited after saving?)")
+    # adapters saved before the header held it (None) load as before
+    if fmt == ADAPTER_FORMAT and header_binds(adapter_dir / LORA_FILE, {"lora": manifest["lora"],
+                                                                        "base": manifest.get("base")}) is False:
+        raise ValueError(f"{manifest_path}: its peft config or base model is not the one {LORA_FILE} was saved "
+                         "with (edited after saving?)")
     if model is not None:
         base = manifest.get("base") or {}
         have = converted_model_sha256(model)

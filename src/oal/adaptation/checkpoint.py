@@ -17,16 +17,14 @@ from oal.rundir.files import (
     existing_dir,
     load_json,
     load_safetensors,
-    safetensors_metadata,
 )
-from oal.rundir.hashes import record_hash, sha256_file
+from oal.rundir.hashes import header_binds, record_header, sha256_file
 
 __all__ = ["read_checkpoint", "restore_checkpoint", "rng_state", "save_checkpoint"]
 
 log = logging.getLogger("oal")
 
 _FILES = {"trainable.safetensors", "best.safetensors", "rng.safetensors", "optimizer.json"}  # always written
-RECORD_KEY = "record_sha256"  # in trainable.safetensors' header: record_hash of state.json without its "sha256"
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -84,7 +82,7 @@ def save_checkpoint(ckpt_dir: Path, params, best, optimizer, scheduler, state: d
         # the tensors' header binds state.json's loop state (step, best so far, scheduler), which names the files'
         # SHA256 in turn
         atomic_save_safetensors(tmp / "trainable.safetensors", {n: p.data for n, p in params.items()},
-                                metadata={RECORD_KEY: record_hash(record)})
+                                metadata=record_header(record))
         atomic_save_safetensors(tmp / "best.safetensors", best)
         atomic_save_safetensors(tmp / "rng.safetensors", {_rng_name(r, k): v for r, rng in enumerate(rngs)
                                                           for k, v in rng.items()})
@@ -110,8 +108,7 @@ def read_checkpoint(ckpt_dir: Path, key: str, names: set[str], processes: int) -
         bad = sorted(f for f, h in files.items() if not (found / f).is_file() or sha256_file(found / f) != h)
         if bad:
             raise ValueError(f"{', '.join(bad)} changed since it was written")
-        bound = safetensors_metadata(found / "trainable.safetensors").get(RECORD_KEY)
-        if bound != record_hash({k: v for k, v in state.items() if k != "sha256"}):
+        if not header_binds(found / "trainable.safetensors", {k: v for k, v in state.items() if k != "sha256"}):
             raise ValueError("state.json's loop state is not the one saved with trainable.safetensors")
         saved = load_safetensors(found / "trainable.safetensors")
         opt_state = _read_optimizer(found)

@@ -20,21 +20,14 @@ from pathlib import Path
 from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, get_method, record_settings
-from oal.rundir.files import (
-    atomic_save_safetensors,
-    atomic_write_json,
-    load_json,
-    load_safetensors,
-    safetensors_metadata,
-)
-from oal.rundir.hashes import record_hash, sha256_file
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.hashes import header_binds, record_header, sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load_kernels", "method_from_record",
            "method_record", "model_fingerprint", "recorded_base_model", "save_kernels"]
 
 KERNELS_FILE = "kernels.safetensors"
 META_FILE = "kernels.json"
-RECORD_KEY = "record_sha256"  # in the tensor file's metadata: record_hash of kernels.json without its "sha256"
 FORMAT = "oal-kernels/1"
 _INIT_ATTRS = ("eps", "n_groups", "window", "sinks")  # JSON-able constructor settings read off a method when present
 
@@ -106,7 +99,7 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
     }
     # the tensors' header binds the record (each layer's method settings, the base model), whose SHA256 of the
     # tensors binds them in turn: an edited eps or base model in kernels.json is refused like an edited tensor
-    atomic_save_safetensors(tensor_path, tensors, metadata={RECORD_KEY: record_hash(meta)})
+    atomic_save_safetensors(tensor_path, tensors, metadata=record_header(meta))
     meta["sha256"] = {KERNELS_FILE: sha256_file(tensor_path)}
     meta_path = directory / META_FILE
     atomic_write_json(meta_path, meta)
@@ -135,8 +128,8 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         raise ValueError(f"{meta_path}: records no SHA256 of {KERNELS_FILE}; cannot check it")
     if sha256_file(tensor_path) != want:
         raise ValueError(f"{tensor_path}: SHA256 does not match {META_FILE} (file changed or corrupt)")
-    bound = safetensors_metadata(tensor_path).get(RECORD_KEY)  # absent in kernels saved before it was recorded
-    if bound is not None and bound != record_hash({k: v for k, v in meta.items() if k != "sha256"}):
+    # kernels saved before the record was bound (None) load as before
+    if header_binds(tensor_path, {k: v for k, v in meta.items() if k != "sha256"}) is False:
         raise ValueError(f"{meta_path}: its records (methods' settings, base model) are not those {KERNELS_FILE} "
                          "was saved with (edited after saving?)")
     if fingerprint is not None:

@@ -155,13 +155,13 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
                              ("window", window, 1), ("sinks", sinks, 0)):  # before any work: a bad one failed late
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-    calib_config(calib, seed)
+    cfg = calib_config(calib, seed)
     if get_method(method).positional and window + sinks >= block_len:
         raise ValueError(f"window: {window} + {sinks} sinks cover every {block_len}-token calibration block, so "
                          f"{method} would be plain softmax there; choose window + sinks below block_len")
     candidates, k = _layers(layers, model)
     settings = dict(method=method, select_by=select_by, grouping=grouping, window=window, sinks=sinks,
-                    block_len=block_len, calib_blocks=calib_blocks, calib=calib, seed=seed, progress=progress)
+                    block_len=block_len, calib_blocks=calib_blocks, cfg=cfg, seed=seed, progress=progress)
     if out_dir is not None:
         return _linearize(model, tokenizer, texts, Path(out_dir), candidates, k, **settings)
     with tempfile.TemporaryDirectory(prefix="oal-linearize-") as tmp:
@@ -169,7 +169,7 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
 
 
 def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int | None, *, method, select_by,
-               grouping, window, sinks, block_len, calib_blocks, calib, seed, progress):
+               grouping, window, sinks, block_len, calib_blocks, cfg, seed, progress):
     from rich.console import Console
 
     from oal.analysis import analyze, load_groups, parse_grouping
@@ -207,7 +207,6 @@ def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int
         analyze(model, tokenizer, blocks["grouping"], candidates, out, figures=False, console=console,
                 results=Console(quiet=True), seed=seed, meta={"model": name, "data": corpus.name}, **kw)
         groups = load_groups(out)
-    cfg = calib_config(calib, seed)
     root = out / "candidates" if k is not None else out
     calibrate_directory(root, model, blocks, candidates, [method], groups=groups, cfg=cfg, seed=seed,
                         base_model=name, provenance=provenance, extra={"seed": seed, "linearize": True},

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
-from oal.rundir.files import to_jsonable
+from oal.rundir.files import safetensors_metadata, to_jsonable
 
-__all__ = ["config_hash", "record_hash", "sha256_file", "sha256_files", "sha256_tree", "tensor_hash", "versions"]
+__all__ = ["RECORD_KEY", "config_hash", "header_binds", "record_hash", "record_header", "sha256_file", "sha256_files",
+           "sha256_tree", "tensor_hash", "versions"]
+
+RECORD_KEY = "record_sha256"  # the tensor file's header entry that binds the JSON record saved beside it
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -37,6 +40,18 @@ def record_hash(record) -> str:
     parsed = json.loads(json.dumps(record, default=to_jsonable))
     blob = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def record_header(record) -> dict[str, str]:
+    """The safetensors metadata that binds `record` to the tensor file saved with it."""
+    return {RECORD_KEY: record_hash(record)}
+
+
+def header_binds(path: str | Path, record) -> bool | None:
+    """Whether the tensor file at `path` was saved with `record` (`record_header`); None when its header binds no
+    record (a file saved before records were bound)."""
+    bound = safetensors_metadata(path).get(RECORD_KEY)
+    return None if bound is None else bound == record_hash(record)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
