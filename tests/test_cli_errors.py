@@ -68,6 +68,19 @@ def test_select_layers_names_its_own_option():
     assert res.exit_code == 2 and "Invalid value for --k: expected K <= " in text and "got 99" in text, res.output
 
 
+@pytest.mark.parametrize("command", [["evaluate"], ["export", "--to", "unused"], ["convert"]])
+def test_a_folder_without_kernels_is_an_out_error(tmp_path, command):
+    """It was blamed on --method ("the run did not calibrate 'oal' ..."), which no other method would have mended."""
+    res, text = _run(*command, "--out", tmp_path)
+    assert res.exit_code == 2 and f"Invalid value for --out: {tmp_path} holds no calibrated kernels" in text, text
+
+
+def test_export_names_an_uncalibrated_method_once(run_dir):
+    """It printed "Invalid value for --method: method: the run did not calibrate ..." (the argument named twice)."""
+    res, text = _run("export", "--out", run_dir, "--method", "performer", "--to", run_dir / "unused")
+    assert res.exit_code == 2 and "Invalid value for --method: the run did not calibrate performer" in text, text
+
+
 def test_analyze_refuses_a_long_len_past_the_models_positions(tmp_path):
     """It ran past the positions (and at 2**20 tokens for minutes, silently)."""
     positions = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]

@@ -355,10 +355,13 @@ def test_input_errors_travel_whole_between_processes():
     """`Ranks.on_main` pickles the main process's error for the others: the CLI option it names survives."""
     import pickle
 
-    from oal.errors import InputError
+    from oal.errors import InputError, SelectionSizeError
 
     err = pickle.loads(pickle.dumps(InputError("no such arm", "--method")))
     assert (err.param, err.message, str(err)) == ("--method", "no such arm", "method: no such arm")
+    big = pickle.loads(pickle.dumps(SelectionSizeError(9, 4)))
+    assert (type(big), big.k, big.limit, big.param, str(big)) == (
+        SelectionSizeError, 9, 4, "--layers", "layers: expected auto:K with K <= 4 (the candidate layers), got auto:9")
 
 
 def test_the_process_group_is_destroyed_at_exit(monkeypatch):

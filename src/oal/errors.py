@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["InputError", "from_known_keys", "parse_names"]
+__all__ = ["InputError", "SelectionSizeError", "from_known_keys", "parse_names"]
 
 
 class InputError(ValueError):
@@ -23,6 +23,18 @@ class InputError(ValueError):
 
     def __reduce__(self):  # pickled whole (not just str()) when it travels between processes (oal.launch)
         return type(self), (self.message, self.param, self.arg)
+
+
+class SelectionSizeError(InputError):
+    """`auto:K` asks for more layers than the model has candidates; `k` and `limit` let a command that takes K under
+    another option (`oal select-layers --k`) word the error its own way."""
+
+    def __init__(self, k: int, limit: int, param: str = "--layers"):
+        self.k, self.limit = k, limit
+        super().__init__(f"expected auto:K with K <= {limit} (the candidate layers), got auto:{k}", param, "layers")
+
+    def __reduce__(self):
+        return type(self), (self.k, self.limit, self.param)
 
 
 def from_known_keys(cls, d: dict, label: str):

@@ -42,10 +42,13 @@ def calibrated_methods(run_dir: str | Path) -> list[str]:
 
 def _kernels_or_fail(run_dir: Path, method: str) -> Path:
     if not run_dir.is_dir():
-        raise ValueError(f"run_dir: {run_dir} is not a directory (expected a run directory of `oal run`)")
+        raise InputError(f"{run_dir} is not a directory (expected a run directory of `oal run`)", "--out", "run_dir")
     kdir = kernel_dir(run_dir, method)
     if not (kdir / META_FILE).is_file():
         have = calibrated_methods(run_dir)
+        if not have:  # not a run that calibrated anything: the folder is wrong, not the method
+            raise InputError(f"{run_dir} holds no calibrated kernels (run `oal run --out {run_dir}` first)", "--out",
+                             "run_dir")
         raise InputError(f"the run did not calibrate {method!r} ({kdir / META_FILE} is missing; calibrated: "
                          f"{', '.join(have) or 'none'})", "--method")
     return kdir

@@ -8,6 +8,7 @@ import typer
 
 from oal.cli.app import app
 from oal.cli.options import BaseModelOpt
+from oal.errors import InputError
 
 
 def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
@@ -18,8 +19,9 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
     try:
         path = export_run(out, method, to, **kwargs)
     except ValueError as exc:
-        hint = getattr(exc, "param", None) or {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0],
-                                                                                       "--out")
+        if isinstance(exc, InputError) and exc.param:  # it names its option: the CLI's one line names it too
+            raise
+        hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
         raise typer.BadParameter(str(exc), param_hint=hint) from None
     if method == "softmax":
         typer.echo(f"wrote {path}: reload it with AutoModelForCausalLM.from_pretrained('{path}')")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.options import DeviceOpt, DtypeOpt, Max, ThreadsOpt, set_threads
-from oal.errors import InputError
+from oal.errors import InputError, SelectionSizeError
 from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
@@ -47,11 +47,8 @@ def select_layers_cmd(
                                 **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
     try:
         sel = run_selection(cfg, out, console=log_console(), progress=progress, force=force)
-    except InputError as exc:
-        if exc.param != "--layers":
-            raise
-        # the run checks K against the model's candidate layers as `auto:K`; this command takes K as --k
-        raise InputError(exc.message.replace("auto:K with K", "K").replace("got auto:", "got "), "--k") from None
+    except SelectionSizeError as exc:  # the run words it as `--layers auto:K`; this command takes K as --k
+        raise InputError(f"expected K <= {exc.limit} (the candidate layers), got {exc.k}", "--k") from None
     table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "
                         f"(paper range {sel['paper_layers']})")
     for col in SELECTION_COLUMNS:

@@ -28,7 +28,7 @@ from rich.console import Console
 
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
-from oal.errors import InputError
+from oal.errors import InputError, SelectionSizeError
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
 from oal.pipeline.config import RunConfig
@@ -135,8 +135,7 @@ class StagedRun:
                 raise InputError(f"expected layer indices in [0, {n_layers}) for this model, got {self.layers}",
                                  "--layers", "layers")
             if self.cfg.select and self.cfg.select["k"] > len(self.layers):
-                raise InputError(f"expected auto:K with K <= {len(self.layers)} (the candidate layers), got "
-                                 f"auto:{self.cfg.select['k']}", "--layers", "layers")
+                raise SelectionSizeError(self.cfg.select["k"], len(self.layers))
             self.calib_root = self.dir / CANDIDATES if self.cfg.select else self.dir
             try:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
