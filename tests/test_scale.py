@@ -110,6 +110,30 @@ def test_capture_store_reuse_integrity_and_removal(tmp_path):
     assert not root.exists()
 
 
+def test_capture_store_refuses_an_edited_role_list(tmp_path):
+    """The manifest's role lists were trusted: swapped, a calibration role read the validation role's blocks (each
+    file's hash matched, as the files themselves were intact)."""
+    import json
+
+    from oal.rundir.files import atomic_write_json
+
+    model = tiny_model("qwen2", vocab_size=61)
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    root = tmp_path / "cap"
+    capture_to_disk(model, {"calib": ids, "val": ids[:1]}, [1], root, key="k")
+    manifest = json.loads((root / "manifest.json").read_text())
+    roles = manifest["roles"]
+    roles["calib"], roles["val"] = roles["val"], roles["calib"]
+    atomic_write_json(root / "manifest.json", manifest)
+    store = open_store(root, "k")  # every file intact and hashed: opened, and each read checks its list
+    with pytest.raises(ValueError, match="not that role's and layer's blocks"):
+        store.load("calib", 1)
+    roles["calib"], roles["val"] = roles["val"], roles["calib"]
+    roles["val"]["1"] = []  # a listed file dropped: the store is not reused
+    atomic_write_json(root / "manifest.json", manifest)
+    assert open_store(root, "k") is None
+
+
 # ----------------------------------------------------------------------------------------------- bf16 end to end
 
 

@@ -9,8 +9,8 @@ the layers one at a time inside that forward. Each layer's tensors go straight t
 
 written atomically and recorded with its SHA256 in ROOT/manifest.json, which also holds a key (model, blocks,
 layers) and whether the attention was causal (encoders: not). A later `open_store` with the same key reuses the
-files (a killed calibration resumes without capturing again); `load` checks each file's hash before reading it, and
-`remove` deletes everything once calibration is done.
+files (a killed calibration resumes without capturing again); `load` checks each file's hash, and that the manifest
+lists it under its own role and layer, before reading it, and `remove` deletes everything once calibration is done.
 
 Memory bound. While capturing, nothing outlives the layer callback: the extra memory is one layer's tensors for
 one batch of blocks, (2 Hq + 2 Hkv) * N * d elements (Qwen2.5-0.5B, N = 4096, bf16: 16.8 MB per block), next to
@@ -57,10 +57,19 @@ class CaptureStore:
         return bool(self.manifest.get("causal", True))
 
     def files(self, role: str, layer: int) -> list[str]:
+        """The files of `role` and `layer` in block order; each must be named for that role, layer and its place
+        (the manifest's lists are checked against the names, so an edited list cannot hand one role another's)."""
         try:
-            return self.manifest["roles"][role][str(layer)]
+            rels = self.manifest["roles"][role][str(layer)]
         except KeyError:
             raise ValueError(f"capture: no data for role {role!r}, layer {layer} in {self.root}") from None
+        prefix = f"{role}/layer-{layer}/"
+        starts = [rel.removeprefix(prefix).removesuffix(".safetensors") for rel in rels]
+        named = all(r.startswith(prefix) and s.isdigit() for r, s in zip(rels, starts, strict=True))
+        if not rels or not named or [int(s) for s in starts] != sorted({int(s) for s in starts}) or int(starts[0]):
+            raise ValueError(f"capture: {self.root / MANIFEST} lists files for role {role!r}, layer {layer} that are "
+                             "not that role's and layer's blocks in order; delete the capture folder to capture again")
+        return rels
 
     def load(self, role: str, layer: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """{q, k, v, out} (and `mask` [S, N], True = real token, when the blocks were padded) of `layer` for every
@@ -92,6 +101,9 @@ def open_store(root: str | Path, key: str) -> CaptureStore | None:
     except (OSError, ValueError):
         return None
     if manifest.get("key") != key:
+        return None
+    listed = {rel for layers in manifest.get("roles", {}).values() for rels in layers.values() for rel in rels}
+    if listed != set(manifest.get("sha256", {})):  # every listed file hashed, every hashed file listed
         return None
     for rel, digest in manifest.get("sha256", {}).items():
         if not (root / rel).is_file() or sha256_file(root / rel) != digest:
