@@ -8,10 +8,10 @@ head), and the tokenizer is trained on the same text. Validation and test splits
 
 Deterministic (fixed seed; batch k is drawn from a generator seeded by (seed, k), so a resumed run sees the same
 batches; the tokenizer is rebuilt and checked against the one saved with the first checkpoint). Checkpoints
-(safetensors + json, no pickle) go to --work-dir every --ckpt-every steps; rerunning the same command resumes from
-the latest one. At the end the model is evaluated on the test split against a unigram baseline, exported with
-save_pretrained (half precision safetensors) into --out atomically, and the model card is written by `write_card`
-(run with --card-only to redo it).
+(safetensors, and json with their SHA256, which the resume checks; no pickle) go to --work-dir every --ckpt-every
+steps; rerunning the same command resumes from the latest one. At the end the model is evaluated on the test split
+against a unigram baseline, exported with save_pretrained (half precision safetensors) into --out atomically, and
+the model card is written by `write_card` (run with --card-only to redo it).
 
     .venv/bin/python scripts/train_embedded_model.py                       # train (or resume) and export
     .venv/bin/python scripts/train_embedded_model.py --export-now          # export the latest checkpoint as is
@@ -45,6 +45,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from oal.data import default_plan, encode
 from oal.data.corpus import builtin_corpus
+from oal.rundir.hashes import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "src" / "oal" / "assets" / "default_model"
@@ -300,6 +301,9 @@ def init_weights(model, path: Path) -> dict:
 # --- checkpoints (safetensors + json, atomic) -------------------------------------------------------------------
 
 
+CHECKPOINT_TENSORS = ("model.safetensors", "optimizer.safetensors")
+
+
 def save_checkpoint(work: Path, step: int, model, opt, elapsed: float, losses: list, keep_every: int = 0) -> None:
     tmp = work / f"ckpt-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -317,7 +321,8 @@ def save_checkpoint(work: Path, step: int, model, opt, elapsed: float, losses: l
                 opt_t[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
                 opt_steps[n] = float(st["step"])
     save_file(opt_t, str(tmp / "optimizer.safetensors"))
-    meta = {"step": step, "elapsed_s": elapsed, "losses": losses, "opt_steps": opt_steps}
+    meta = {"step": step, "elapsed_s": elapsed, "losses": losses, "opt_steps": opt_steps,
+            "sha256": {f: sha256_file(tmp / f) for f in CHECKPOINT_TENSORS}}  # the resume checks them
     (tmp / "state.json").write_text(json.dumps(meta))
     final = work / f"ckpt-{step}"
     shutil.rmtree(final, ignore_errors=True)
@@ -335,10 +340,14 @@ def latest_checkpoint(work: Path) -> Path | None:
 
 
 def load_checkpoint(ck: Path, model, opt) -> dict:
+    meta = json.loads((ck / "state.json").read_text())
+    for f in CHECKPOINT_TENSORS:  # a checkpoint without hashes predates them: read as before
+        if "sha256" in meta and sha256_file(ck / f) != meta["sha256"].get(f):
+            raise ValueError(f"checkpoint {ck / f}: its SHA256 is not the one in state.json; delete {ck} to resume "
+                             "from the checkpoint before it")
     missing, unexpected = model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"checkpoint {ck}: missing {missing}, unexpected {unexpected}")
-    meta = json.loads((ck / "state.json").read_text())
     opt_t = load_file(str(ck / "optimizer.safetensors"))
     for n, p in model.named_parameters():
         if n in meta["opt_steps"]:
