@@ -297,3 +297,48 @@ def test_shell_completion(monkeypatch):
     env = {"_OAL_COMPLETE": "complete_bash", "COMP_WORDS": "oal ev", "COMP_CWORD": "1"}
     res = CliRunner(env=env).invoke(load_commands(), [], prog_name="oal")
     assert res.exit_code == 0 and res.output.split() == ["evaluate"]
+
+
+def test_adaptation_starts_where_the_paper_says(assets, tmp_path, monkeypatch):
+    """App. F.1-F.2: OAL starts LoRA from its calibrated coefficients; a baseline's trainable kernel parameters
+    (DiJiang's theta = 0, TaylorShift's tau = 1, SpectraFormer's FastFood draws) start it at their initial values,
+    their calibration serving the frozen-attention evaluation only. They started from the calibrated values."""
+    import torch
+
+    from oal.calibration.kernels import load_kernels
+    from oal.methods.base import build_method
+    from oal.pipeline import decoder
+
+    starts, real_adapt = {}, decoder.adapt
+
+    def recording_adapt(model, *args, description="", **kwargs):
+        starts[description.removeprefix("adapt ")] = {
+            n.split("oal_method.")[-1]: p.detach().clone() for n, p in model.named_parameters()
+            if "oal_method." in n}
+        return real_adapt(model, *args, description=description, **kwargs)
+
+    monkeypatch.setattr(decoder, "adapt", recording_adapt)
+    out = tmp_path / "run"
+    run_seed(_cfg(assets, methods=parse_methods("oal,dijiang,taylorshift,spectraformer"),
+                  adapt={"steps": 1, "val_every": 1, "ckpt_every": 1}), out, progress=False)
+    calibrated = {m: load_kernels(out if m == "oal" else out / "kernels" / m)[0][1]
+                  for m in ("oal", "dijiang", "taylorshift", "spectraformer")}
+    assert torch.equal(starts["oal"]["factor"], calibrated["oal"].factor)
+    assert not torch.equal(calibrated["dijiang"].theta, torch.zeros_like(calibrated["dijiang"].theta))
+    assert torch.equal(starts["dijiang"]["theta"], torch.zeros_like(calibrated["dijiang"].theta))
+    assert not torch.equal(calibrated["taylorshift"].tau, torch.ones_like(calibrated["taylorshift"].tau))
+    assert torch.equal(starts["taylorshift"]["tau"], torch.ones_like(calibrated["taylorshift"].tau))
+    fresh = build_method("spectraformer", 4, 2, 16, layer_idx=1, seed=calibrated["spectraformer"].seed)
+    for name in ("B", "G", "S"):
+        assert torch.equal(starts["spectraformer"][name], getattr(fresh, name)), name
+    assert not torch.equal(calibrated["spectraformer"].B, fresh.B)
+    # the adapter goes back onto the run's calibrated kernels (its check sees the start), its trained tensors win
+    from oal.artefact.arms import load_converted
+    from oal.models.attention import converted_methods
+    from oal.rundir.files import load_safetensors
+
+    model, _, _ = load_converted(out, "dijiang")
+    trained = next(v for k, v in load_safetensors(out / "adapter" / "dijiang" / "kernel_params.safetensors").items()
+                   if k.endswith("theta"))
+    assert torch.equal(converted_methods(model)[1].theta, trained)
+    assert not torch.equal(trained, starts["dijiang"]["theta"])

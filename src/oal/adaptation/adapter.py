@@ -70,6 +70,32 @@ def converted_model_sha256(model) -> str:
     return state_dict_sha256(model, torch.float32, kernels=True)
 
 
+@contextlib.contextmanager
+def _at_adaptation_start(model):
+    """`model` with its converted layers' trainable kernel parameters where a run starts LoRA from them (App. F.1:
+    a baseline's at their initial values; OAL's and the learned global's stay calibrated), restored on exit.
+    Yields whether anything moved. The trained kernel tensors an adapter loads replace them all, so only the check
+    of what the adapter was trained on sees the start."""
+    from oal.calibration.kernels import initial_method
+    from oal.models.attention import converted_methods
+
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in converted_methods(model).values():
+                if m.adapts_from_calibration or not m.trainable:
+                    continue
+                start = dict(initial_method(m).named_parameters())
+                for name, p in m.named_parameters():
+                    saved.append((p, p.detach().clone()))
+                    p.copy_(start[name])
+        yield bool(saved)
+    finally:
+        with torch.no_grad():
+            for p, value in saved:
+                p.copy_(value)
+
+
 def strip_peft_prefix(name: str) -> str:
     return name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
 
@@ -165,6 +191,9 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
     if model is not None:
         base = manifest.get("base") or {}
         have = converted_model_sha256(model)
+        if have != base.get("state_dict_sha256"):  # a baseline's adapter started from its initial parameters
+            with _at_adaptation_start(model) as moved:
+                have = converted_model_sha256(model) if moved else have
         if have != base.get("state_dict_sha256"):
             raise ValueError(f"adapter_dir: the adapter in {adapter_dir} was trained on another model (sha256 "
                              f"{str(base.get('state_dict_sha256'))[:12]}) than the one given (sha256 {have[:12]}): "

@@ -1,8 +1,9 @@
 """Joint LoRA + kernel adaptation (paper App. F.2), resumable after a kill, data-parallel across processes.
 
 LoRA (peft) on q/k/v/o of every layer, softmax layers included; the backbone stays frozen. Kernel parameters of
-converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, TaylorShift tau) train jointly from
-their calibrated start; groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
+converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, TaylorShift tau) train jointly with it,
+from where the caller's model holds them (a run: OAL and the learned global calibrated, the baselines at their
+initial values, App. F.1-F.2); groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
 clip 1.0, batch 1. The loss is computed without full-vocabulary logits (`oal.evaluate.loss`). Validation NLL
 every `val_every` updates on fixed blocks picks the checkpoint (never test).
 

@@ -163,15 +163,31 @@ def method_record(m: AttentionMethod) -> tuple[dict, dict]:
     return info, state
 
 
+def _build_from_record(layer: int, info: Mapping, state: Mapping) -> AttentionMethod:
+    """The method `info` describes as construction left it (its groups from `state` where it uses them)."""
+    kwargs = record_settings(info)
+    if "groups" in state and get_method(info["method"]).uses_groups:
+        kwargs["groups"] = state["groups"]
+    return build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
+                        seed=info.get("seed", 0), **kwargs)
+
+
+def initial_method(m: AttentionMethod) -> AttentionMethod:
+    """`m` before calibration: its trainable parameters at the values construction gives them (the same seed and
+    layer), its buffers (groups, fixed random features) as they are. Where a baseline starts LoRA (App. F.1)."""
+    info, state = method_record(m)
+    fresh = _build_from_record(m.layer_idx, info, state)
+    trained = {n for n, p in fresh.named_parameters() if p.requires_grad}
+    fresh.load_state_dict({k: v for k, v in state.items() if k not in trained}, strict=False)
+    where = next(iter([*m.parameters(), *m.buffers()]), None)
+    return fresh if where is None else fresh.to(where.device)
+
+
 def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str = "state") -> AttentionMethod:
     """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
     fit it or the record is of another construction version of the method (`methods.base.check_version`)."""
     check_version(info, f"{where}: layer {layer}")
-    kwargs = record_settings(info)
-    if "groups" in state and get_method(info["method"]).uses_groups:
-        kwargs["groups"] = state["groups"]
-    m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
-                     seed=info.get("seed", 0), **kwargs)
+    m = _build_from_record(layer, info, state)
     own = m.state_dict()
     bad = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))

@@ -109,6 +109,9 @@ class AttentionMethod(nn.Module):
     positional: ClassVar[bool] = False  # causal only; dense_kernel(q, k, positions=) depends on where queries sit
     version: ClassVar[int] = 1  # construction version, recorded with saved kernels (see module doc)
     legacy: ClassVar[dict[int, dict]] = {}  # older version -> the settings under which this one computes it
+    # App. F.1-F.2: OAL and the learned global start LoRA from their calibrated coefficients; a baseline's trainable
+    # kernel parameters start it at their initial values (its calibration serves the frozen-attention evaluation)
+    adapts_from_calibration: ClassVar[bool] = False
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()

@@ -20,6 +20,7 @@ class OALMethod(AttentionMethod):
     name = "oal"
     supports_state = True
     uses_groups = True
+    adapts_from_calibration = True  # App. F.2 (and F.1 for the learned global, a subclass)
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from oal.adaptation.train import adapt
 from oal.analysis import analysis_inputs, analyze, load_groups
 from oal.analysis.regime import REGIME_FILE, attention_regime
 from oal.calibration.data import CalibConfig
-from oal.calibration.kernels import kernel_dir, load_kernels, model_fingerprint, save_kernels
+from oal.calibration.kernels import initial_method, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from oal.calibration.resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from oal.data import SplitPlan, bind_pretraining, default_plan, plan_blocks
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
@@ -35,7 +35,7 @@ from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from oal.evaluate.fidelity import fidelity
 from oal.evaluate.perplexity import block_nll
 from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
-from oal.methods.base import newer_versions
+from oal.methods.base import get_method, newer_versions
 from oal.models.convert import convert
 from oal.models.registry import default_layers, load_model
 from oal.pipeline.aggregate import aggregate_seeds, summary_table
@@ -249,11 +249,16 @@ class Run(StagedRun):
             self.model, self.blocks, self.dir / "groups.json", self.layers[0], 0, self._calib_config(), self.dir),
             inputs=["groups.json"])
 
-    def model_for(self, method: str):
-        """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model)."""
+    def model_for(self, method: str, *, adaptation_start: bool = False):
+        """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model).
+        `adaptation_start`: where LoRA starts (App. F.1-F.2): a baseline's trainable parameters at their initial
+        values, OAL's and the learned global's calibrated."""
         model = self.base_model()
         if method != REFERENCE:
-            convert(model, self.layers, self.load_methods(method))
+            methods = self.load_methods(method)
+            if adaptation_start and not get_method(method).adapts_from_calibration:
+                methods = {i: initial_method(m) for i, m in methods.items()}
+            convert(model, self.layers, methods)
         return model
 
     def adapt(self, method: str, run: bool = True) -> bool:
@@ -262,13 +267,15 @@ class Run(StagedRun):
         processes = self.ranks.size if run else self._trained_processes(method)
         deps = {"setup": self.keys["setup"], "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
                 "method": method}
+        if method != REFERENCE and not get_method(method).adapts_from_calibration:
+            deps["start"] = "initial"  # a baseline adapted from its calibrated kernels (before 2026-12-06) reruns
         out = self.dir / "adapter" / method
         ckpt = self.dir / ".oal" / "checkpoints" / method
 
         def fn():
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
-            model = self.model_for(method)
+            model = self.model_for(method, adaptation_start=True)
             if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
                 enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
