@@ -184,6 +184,10 @@ def test_diagnose_end_to_end_and_resume(tmp_path):
     assert (tmp_path / "figures" / "group_budget.png").stat().st_size > 0
     assert (tmp_path / "figures" / "retained_error.png").stat().st_size > 0
     assert "High-contrib." in (tmp_path / "diagnostics" / "table1.md").read_text()
+    # App. A.1: the Gaussian control groups on as many prompts of the real grouping's length (6 x 24 here, where the
+    # tiny preset says 8 x 16): only the distribution of q and k differs
+    t1_config = json.loads((tmp_path / "diagnostics" / "table1.json").read_text())["config"]
+    assert (t1_config["gaussian_prompts"], t1_config["gaussian_prompt_len"]) == (6, 24)
     # second call: every part is found done (same settings) and nothing is recomputed
     stamps = {p: (tmp_path / "diagnostics" / p).stat().st_mtime_ns for p in ("table1.json", "budget.json",
                                                                                "table2.json")}

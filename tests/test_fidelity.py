@@ -65,6 +65,25 @@ def test_fidelity_matches_manual_aggregation():
     assert set(g["per_layer"]) == {"0", "2"} and g["relmse"] > 0
 
 
+def test_a_subset_of_layers_aggregates_as_eq_22_over_its_layers():
+    """Sec. 5.1 measures Table 2 on Layers 4, 12 and 20 of the 18 converted: a named subset of the evaluated layers
+    sums error and energy over its layers per sequence (Eq. 22), not the mean of the per-layer RelMSEs."""
+    model = _model()
+    blocks = torch.randint(0, 43, (3, 17), generator=torch.Generator().manual_seed(1))
+    methods = {"global": {i: build_method("taylorshift", HQ, HKV, D, layer_idx=i) for i in (0, 1, 2)}}
+    res = fidelity(model, blocks, methods, subsets={"pair": [2, 0], "one": [1]})["global"]
+    only = fidelity(model, blocks, {"global": {i: methods["global"][i] for i in (0, 2)}})["global"]
+    pair = res["subsets"]["pair"]
+    assert pair["layers"] == [0, 2]
+    for k in ("mse", "relmse", "mse_post_o", "relmse_post_o"):
+        assert pair[k] == pytest.approx(only[k], rel=1e-12)
+        assert res["subsets"]["one"][k] == pytest.approx(res["per_layer"]["1"][k], rel=1e-12)
+    mean = (res["per_layer"]["0"]["relmse"] + res["per_layer"]["2"]["relmse"]) / 2
+    assert pair["relmse"] != pytest.approx(mean, rel=1e-6, abs=0)
+    with pytest.raises(ValueError, match="subsets: 'far' must be some of the evaluated layers"):
+        fidelity(model, blocks, methods, [0, 1], subsets={"far": [2]})
+
+
 def test_bad_input():
     model = _model()
     with pytest.raises(ValueError, match="layers"):

@@ -342,3 +342,25 @@ def test_adaptation_starts_where_the_paper_says(assets, tmp_path, monkeypatch):
                    if k.endswith("theta"))
     assert torch.equal(converted_methods(model)[1].theta, trained)
     assert not torch.equal(trained, starts["dijiang"]["theta"])
+
+
+def test_a_preset_with_the_papers_table_layers_reports_them(assets, tmp_path, monkeypatch):
+    """Sec. 5.1 / App. B on a preset that has them (Qwen2.5-0.5B: Layers 4, 12, 20; Layer 4, Head 0): fidelity gets
+    their own Eq. 22 aggregate in metrics.json and the report, Fig. 2's analysis and the budget curve use that head.
+    Here the default preset is given table layers [1] and head 1:1 on the tiny model's one converted layer."""
+    from oal.models import registry
+
+    monkeypatch.setitem(registry.PRESETS["default"], "table_layers", [1])
+    monkeypatch.setitem(registry.PRESETS["default"], "representative", [1, 1])
+    out = tmp_path / "run"
+    metrics = run_seed(_cfg(assets, methods=parse_methods("oal,global"), adapt={"steps": 1, "val_every": 1,
+                                                                                 "ckpt_every": 1}), out, progress=False)
+    for m in ("oal", "global"):
+        paper = metrics["fidelity"][m]["subsets"]["paper_layers"]
+        assert paper["layers"] == [1]
+        assert {k: paper[k] for k in ("mse", "relmse")} == {k: metrics["fidelity"][m][k] for k in ("mse", "relmse")}
+    assert "The paper's layers [1] alone" in (out / "report.md").read_text()
+    budget = json.loads((out / "budget.json").read_text())
+    assert (budget["layer"], budget["head"]) == (1, 1)
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert analysis["representative"] == {"layer": 1, "head": 1}

@@ -92,3 +92,16 @@ def test_default_layers_and_presets():
     assert (PRESETS["llama-3.2-1b"]["alpha"], PRESETS["llama-3.2-1b"]["gamma"]) == (0.5, 0.5)
     for p in PRESETS.values():
         assert p["tau"] == 1.5 and p["min_groups"] == 2 and p["n_prompts"] == 40
+
+
+def test_the_papers_table_layers_and_representative_head():
+    """Sec. 5.1: Tables 1-2 on all query heads of Qwen2.5-0.5B's Layers 4, 12 and 20; App. B: Fig. 2's head is
+    zero-based Layer 4, Head 0. Other presets: every converted layer and the first one's head 0."""
+    from oal.models.registry import representative_head, table_layers
+
+    assert table_layers("qwen2.5-0.5b", range(3, 21)) == [4, 12, 20]
+    assert table_layers("qwen2.5-0.5b", [3, 4, 5]) is None  # the run did not convert all three
+    assert table_layers("llama-3.2-1b", range(1, 15)) is None and table_layers("default", [1, 2]) is None
+    assert representative_head("qwen2.5-0.5b", range(3, 21)) == (4, 0)
+    assert representative_head("qwen2.5-0.5b", [7, 5]) == (5, 0)
+    assert representative_head("smollm2-135m", range(3, 27)) == (3, 0)

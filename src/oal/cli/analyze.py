@@ -28,7 +28,8 @@ def analyze_cmd(
     n_bootstrap: int = typer.Option(None, min=1, max=Max.COUNT, help="B, bootstrap replicates (default: preset)."),
     grouping: GroupingOpt = "app-b",
     seed: int = typer.Option(0, min=0, max=Max.SEED, help="Seed of the bootstrap and the Gaussian controls."),
-    head: str = typer.Option(None, help="Representative head 'LAYER:HEAD' for single-head figures."),
+    head: str = typer.Option(None, help="Representative head 'LAYER:HEAD' for single-head figures (default: the "
+                             "paper's, Qwen2.5-0.5B's 4:0; else the first layer's head 0)."),
     heldout: int = typer.Option(40, min=0, max=Max.COUNT,
                                 help="Held-out prompts (validation split) for the stability check; "
                                 "0 skips."),
@@ -44,7 +45,7 @@ def analyze_cmd(
     from oal.analysis import analyze, parse_grouping
     from oal.analysis.inputs import analysis_inputs
     from oal.data import default_plan, load_corpus
-    from oal.models.registry import PRESETS, default_layers
+    from oal.models.registry import PRESETS, default_layers, representative_head
     from oal.pipeline.config import grouping_preset
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
@@ -62,7 +63,7 @@ def analyze_cmd(
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers
     layer_list = parse_layers(layers, n_layers) if layers is not None else default_layers(mdl)
-    rep = None
+    rep = representative_head(preset, layer_list)  # the paper's Fig. 2 head where the preset has one
     if head:
         parts = head.split(":")
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):

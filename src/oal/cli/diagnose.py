@@ -9,16 +9,9 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, LayersOpt, Max, ModelOpt
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, comma_names
 from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
-
-
-def _names(spec: str, allowed, option: str) -> list[str]:
-    names = [m.strip() for m in spec.split(",") if m.strip()]
-    if not names or set(names) - set(allowed):
-        raise typer.BadParameter(f"expected a comma list of {', '.join(allowed)}, got {spec!r}", param_hint=option)
-    return names
 
 
 @app.command("diagnose")
@@ -29,7 +22,8 @@ def diagnose_cmd(
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
     data_dir: DataDirOpt = None,
-    layers: LayersOpt = None,
+    layers: str = typer.Option(None, help="'all', '3-20' or '1,4,7'. Default: Qwen2.5-0.5B's 4, 12, 20 (the paper's "
+                               "Tables 1-2); else a run's layers or the preset's conversion layers."),
     preset: str = typer.Option(None, help="Data/grouping preset (default: detected from the model)."),
     parts: str = typer.Option("table1,budget,table2", help="Comma list of: table1, budget, table2, offset."),
     methods: str = typer.Option("all", help="Table 2 methods: 'all' or a comma list."),
@@ -37,7 +31,8 @@ def diagnose_cmd(
     paper: bool = typer.Option(False, help="Paper settings: B = 1000 controls, App. B calibration protocol."),
     sequences: int = typer.Option(None, min=1, max=Max.COUNT, help="Held-out sequences for Table 1 and the offset "
                                   "part (default: all fidelity blocks)."),
-    head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: first layer, head 0)."),
+    head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: the paper's, Qwen2.5-0.5B's 4:0; "
+                             "else the first layer's head 0)."),
     max_budget: int = typer.Option(16, min=1, max=Max.DIM, help="Largest group budget G for Fig. 2(b)."),
     layer: int = typer.Option(None, min=0, max=Max.LAYERS, help="Offset part: the layer (default: the run's "
                               "representative layer)."),
@@ -59,14 +54,14 @@ def diagnose_cmd(
     from oal.diagnostics.retained_error import RetainedErrorConfig
     from oal.diagnostics.run_inputs import read_run, run_blocks
     from oal.diagnostics.runner import PARTS, diagnose
-    from oal.models.registry import PRESETS, default_layers
+    from oal.models.registry import PRESETS, default_layers, representative_head, table_layers
     from oal.pipeline.config import RunConfig
     from oal.rundir.files import check_out_dir
 
     console = log_console()  # progress and notes on stderr; the tables are the results (stdout)
     check_out_dir(out)
-    part_list = _names(parts, PARTS, "--parts")
-    method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else _names(methods, TABLE2_METHODS,
+    part_list = comma_names(parts, PARTS, "--parts")
+    method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else comma_names(methods, TABLE2_METHODS,
                                                                                        "--methods")
     stds = parse_stds(offsets)
     run = read_run(out)
@@ -79,9 +74,9 @@ def diagnose_cmd(
     n_layers = mdl.config.num_hidden_layers
     if layer is not None and layer >= n_layers:  # before the blocks are built
         raise typer.BadParameter(f"expected a layer in [0, {n_layers}), got {layer}", param_hint="--layer")
-    layer_list = (parse_layers(layers, n_layers) if layers is not None else run["layers"] if run and run["layers"]
-                  else default_layers(mdl))
-    budget_head = None
+    layer_list = (parse_layers(layers, n_layers) if layers is not None else table_layers(preset, range(n_layers))
+                  or (run["layers"] if run and run["layers"] else default_layers(mdl)))  # Qwen: the paper's 4, 12, 20
+    budget_head = representative_head(preset, layer_list)
     if head:
         try:
             budget_head = tuple(int(x) for x in head.split(":"))

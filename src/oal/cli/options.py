@@ -16,6 +16,14 @@ DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manif
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 
 
+def comma_names(spec: str, allowed, option: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed`; a one-line error on `option` otherwise."""
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names or set(names) - set(allowed):
+        raise typer.BadParameter(f"expected a comma list of {', '.join(allowed)}, got {spec!r}", param_hint=option)
+    return names
+
+
 def _device_callback(value: str | None) -> str:
     from oal.device import resolve_device
 

@@ -132,6 +132,8 @@ def diagnose(
     grouping = grouping or dict(tail_fraction=0.25, min_support=0.9, min_ratio=1.5, min_groups=2, n_bootstrap=1000)
     t1cfg = copy.copy(table1_cfg or RetainedErrorConfig(seed=seed))
     t1cfg.grouping = dict(grouping)  # the Gaussian control groups with the same App. B procedure and settings
+    if "grouping" in blocks:  # ... on as many prompts of the same length as the real grouping (App. A.1)
+        t1cfg.gaussian_prompts, t1cfg.gaussian_prompt_len = (int(n) for n in blocks["grouping"].shape)
     ccfg = calib_cfg or CalibConfig(seed=seed)
     results: dict = {}
     blocks = to_device(dict(blocks), module_device(model))  # the stage's boundary: every part runs where the model is

@@ -58,12 +58,14 @@ def _post_o(o_proj, y: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, torch.nn.Module]],
              layers: Sequence[int] | None = None, *, batch_size: int = 1, progress: bool = False,
-             attention_mask: torch.Tensor | None = None) -> dict:
+             attention_mask: torch.Tensor | None = None, subsets: Mapping[str, Sequence[int]] | None = None) -> dict:
     """Table 2 metrics for each named method set on held-out `blocks` [B, N] (disjoint from calibration).
 
     `methods` maps a name (e.g. "oal", "global") to {layer: AttentionMethod}. `layers` defaults to the layers
     every method set covers. Returns {name: {"mse", "relmse", "mse_post_o", "relmse_post_o", "per_layer": {...}}}
-    as in metrics.json["fidelity"]; "per_layer" holds the same four numbers for each layer on its own.
+    as in metrics.json["fidelity"]; "per_layer" holds the same four numbers for each layer on its own, and
+    "subsets" (with `subsets` {label: layers}) the four numbers over each named subset of `layers`, summed over its
+    layers as Eq. 22 sums over the evaluated ones (the paper's Table 2 layers of a preset).
     `attention_mask` [B, N] (encoders' padded passages) leaves padded positions out.
 
     Devices: the blocks, the mask and the methods (moved in place) go to the model's device here, once; the sums
@@ -82,6 +84,10 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
     layers = sorted(common) if layers is None else sorted(layers)
     if not layers or not set(layers) <= common:
         raise ValueError(f"layers: every method set must cover the evaluated layers {layers}; common: {sorted(common)}")
+    subsets = {label: sorted(int(i) for i in over) for label, over in (subsets or {}).items()}
+    for label, over in subsets.items():
+        if not over or not set(over) <= set(layers):
+            raise ValueError(f"subsets: {label!r} must be some of the evaluated layers {layers}, got {over}")
     device = module_device(model)
     blocks, attention_mask, methods = to_device((blocks, attention_mask, methods), device)
     keys = ("pre", "post")
@@ -116,18 +122,13 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
     def totals(name, key, over):  # per-sequence (err, energy, n) summed over the layers `over`
         return [sum(torch.cat([entry[j] for entry in acc[name][i][key]]) for i in over) for j in range(3)]
 
+    def four(name, over):  # MSE and RelMSE before and after W_o over the layers `over` (Eq. 21-22)
+        return {metric + suffix: value for key, suffix in (("pre", ""), ("post", "_post_o"))
+                for metric, value in summarize(*totals(name, key, over)).items()}
+
     out = {}
     for name in methods:
-        res: dict = {}
-        for key, suffix in (("pre", ""), ("post", "_post_o")):
-            for metric, value in summarize(*totals(name, key, layers)).items():
-                res[metric + suffix] = value
-        res["per_layer"] = {}
-        for i in layers:
-            row = {}
-            for key, suffix in (("pre", ""), ("post", "_post_o")):
-                for metric, value in summarize(*totals(name, key, [i])).items():
-                    row[metric + suffix] = value
-            res["per_layer"][str(i)] = row
-        out[name] = res
+        out[name] = {**four(name, layers), "per_layer": {str(i): four(name, [i]) for i in layers}}
+        if subsets:
+            out[name]["subsets"] = {label: {"layers": over, **four(name, over)} for label, over in subsets.items()}
     return out

@@ -45,13 +45,17 @@ HUB_MODELS: dict[str, dict] = {
 }
 
 # Per-preset grouping / protocol settings (paper App. B, F.2). `layers=None` means default_layers' rule.
+# `table_layers`: where the paper measures frozen-attention fidelity and Table 1 (Sec. 5.1: "all query heads in
+# Layers 4, 12, and 20" of Qwen2.5-0.5B); `representative`: its (layer, head) of Fig. 2 (App. B: "zero-based
+# Layer 4, Head 0"). Presets without them use every converted layer and the first one's head 0.
 PRESETS: dict[str, dict] = {
     "default": {"model": "default", "layers": None, "alpha": 0.25, "gamma": 0.9, "tau": 1.5, "min_groups": 2,
                 "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "block_len": 256, "adapt_steps": 64,
                 "val_blocks": 8, "plan": "default"},
     "qwen2.5-0.5b": {"model": "Qwen/Qwen2.5-0.5B", "layers": list(range(3, 21)), "alpha": 0.25, "gamma": 0.9,
                      "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
-                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "qwen2.5-0.5b"},
+                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "qwen2.5-0.5b",
+                     "table_layers": [4, 12, 20], "representative": [4, 0]},
     "llama-3.2-1b": {"model": "meta-llama/Llama-3.2-1B", "layers": list(range(1, 15)), "alpha": 0.5, "gamma": 0.5,
                      "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
                      "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "llama-3.2-1b"},
@@ -241,3 +245,17 @@ def default_layers(model_or_config) -> list[int]:
     cfg = getattr(model_or_config, "config", model_or_config)
     n = int(cfg.num_hidden_layers)
     return list(range(1, n - 1)) if n >= 3 else list(range(n))
+
+
+def table_layers(preset: str, layers) -> list[int] | None:
+    """The layers where the paper measures a preset's frozen-attention fidelity and Table 1 (Qwen2.5-0.5B: 4, 12 and
+    20), when all of them are among `layers`; None for presets without them."""
+    want = PRESETS.get(preset, {}).get("table_layers")
+    return list(want) if want and set(want) <= set(layers) else None
+
+
+def representative_head(preset: str, layers) -> tuple[int, int]:
+    """The paper's representative (layer, head) of Fig. 2 for a preset (Qwen2.5-0.5B: Layer 4, Head 0) when its
+    layer is among `layers`; otherwise head 0 of the first of `layers`."""
+    want = PRESETS.get(preset, {}).get("representative")
+    return tuple(want) if want and want[0] in layers else (sorted(layers)[0], 0)

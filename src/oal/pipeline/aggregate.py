@@ -37,6 +37,12 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
             out["fidelity"][m]["per_layer"] = {
                 layer: {k: statistics.fmean(per_seed[s]["fidelity"][m]["per_layer"][layer][k] for s in seeds)
                         for k in row} for layer, row in layers.items()}
+        subsets = first["fidelity"][m].get("subsets", {})
+        if subsets and all("subsets" in per_seed[s]["fidelity"].get(m, {}) for s in seeds):
+            out["fidelity"][m]["subsets"] = {
+                label: {k: v if k == "layers" else statistics.fmean(
+                    per_seed[s]["fidelity"][m]["subsets"][label][k] for s in seeds) for k, v in row.items()}
+                for label, row in subsets.items()}
     for m, tasks in first.get("zeroshot", {}).items():
         for t, row in tasks.items():
             per = [per_seed[s].get("zeroshot", {}).get(m, {}).get(t) for s in seeds]

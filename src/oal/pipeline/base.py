@@ -261,12 +261,13 @@ class StagedRun:
         methods, _ = load_kernels(self.kernel_dir(method))
         return methods
 
-    def evaluation(self, name: str, path: str, compute) -> bool:
-        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative)."""
+    def evaluation(self, name: str, path: str, compute, extra: dict | None = None) -> bool:
+        """A stage over every kernel method's files: `compute(methods)` -> the JSON written to `path` (relative).
+        `extra`: more of what the result depends on, in the stage's key."""
         methods = self.kernel_methods
         if not methods:
             return True
-        deps = {"setup": self.keys["setup"], "methods": methods}
+        deps = {"setup": self.keys["setup"], "methods": methods, **(extra or {})}
         return self.stage(name, deps, [path], lambda: atomic_write_json(self.dir / path, compute(methods)),
                           inputs=[f for m in methods for f in self.kernel_files(m)])
 

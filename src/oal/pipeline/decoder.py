@@ -37,7 +37,7 @@ from oal.evaluate.perplexity import block_nll
 from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
 from oal.methods.base import get_method, newer_versions
 from oal.models.convert import convert
-from oal.models.registry import default_layers, load_model
+from oal.models.registry import default_layers, load_model, representative_head, table_layers
 from oal.pipeline.aggregate import aggregate_seeds, summary_table
 from oal.pipeline.base import FIDELITY_FILE, REFERENCE, StagedRun
 from oal.pipeline.report import write_report
@@ -89,10 +89,12 @@ class Run(StagedRun):
         if not any(m in NEEDS_GROUPS for m in self.cfg.methods):
             return True
         deps = {"setup": self.keys["setup"], "grouping": self.cfg.grouping, "seed": self.cfg.seed}
+        rep = self._representative(deps)
 
         def fn():
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
-                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, **self.cfg.grouping)
+                    **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, representative=rep,
+                    **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
 
@@ -217,12 +219,16 @@ class Run(StagedRun):
         return {**sel, "comparison": comparison}
 
     def fidelity(self) -> bool:
+        # the paper's Table 2 layers of the preset (Qwen2.5-0.5B: 4, 12, 20) get their own aggregate
+        paper = table_layers(self.cfg.preset, self.layers)
+        subsets = {"paper_layers": paper} if paper else {}
+
         def compute(methods):
             ids, kwargs = self._fidelity_data()
             return fidelity(self.model, ids, {m: self.load_methods(m) for m in methods}, self.layers,
-                            progress=self.progress, **kwargs)
+                            progress=self.progress, subsets=subsets, **kwargs)
 
-        return self.evaluation("fidelity", FIDELITY_FILE, compute)
+        return self.evaluation("fidelity", FIDELITY_FILE, compute, {"subsets": subsets} if subsets else None)
 
     def _fidelity_data(self) -> tuple:
         """(held-out token blocks on the model's device, extra keyword arguments of `evaluate.fidelity`)."""
@@ -239,14 +245,23 @@ class Run(StagedRun):
 
         return self.evaluation("regime", REGIME_FILE, compute)
 
+    def _representative(self, deps: dict) -> tuple[int, int]:
+        """The paper's representative head of the preset (Qwen2.5-0.5B: layer 4, head 0), else the first converted
+        layer's head 0; in `deps` where it is not the latter (so that the other presets' keys stay as they were)."""
+        rep = representative_head(self.cfg.preset, self.layers)
+        if rep != (self.layers[0], 0):
+            deps["head"] = list(rep)
+        return rep
+
     def budget(self) -> bool:
-        """Fig. 2(b)'s group-budget curve for the first converted layer's head 0, beside App. B's choice."""
+        """Fig. 2(b)'s group-budget curve for the representative head, beside App. B's choice."""
         if "oal" not in self.cfg.methods:
             return True
         deps = {"setup": self.keys["setup"], "calib": self.cfg.calib, "seed": self.cfg.seed,
                 "budgets": list(RUN_BUDGETS)}
+        layer, head = self._representative(deps)
         return self.stage("budget", deps, [BUDGET_FILE], lambda: run_budget(
-            self.model, self.blocks, self.dir / "groups.json", self.layers[0], 0, self._calib_config(), self.dir),
+            self.model, self.blocks, self.dir / "groups.json", layer, head, self._calib_config(), self.dir),
             inputs=["groups.json"])
 
     def model_for(self, method: str, *, adaptation_start: bool = False):

@@ -182,6 +182,12 @@ def fidelity_section(metrics: dict) -> list[str]:
     header = ["Method", "Before W_o MSE", "Before W_o RelMSE", "After W_o MSE", "After W_o RelMSE"]
     out += [f"This run: layers {metrics.get('converted_layers')}, all query heads, fidelity blocks of the split plan.",
             "", markdown_table(header, rows), ""]
+    paper = {m: fid[m]["subsets"]["paper_layers"] for m in ordered(fid) if "paper_layers" in fid[m].get("subsets", {})}
+    if paper:
+        rows = [[display_name(m), *(fmt(row.get(k)) for k in keys)] for m, row in paper.items()]
+        layers = next(iter(paper.values()))["layers"]
+        out += [f"The paper's layers {layers} alone (Sec. 5.1: all query heads of these layers), the numbers to "
+                "hold beside its Table 2:", "", markdown_table(header, rows), ""]
     if "oal" in fid and "global" in fid and fid["oal"].get("per_layer") and fid["global"].get("per_layer"):
         rows = []
         for layer, o in fid["oal"]["per_layer"].items():
