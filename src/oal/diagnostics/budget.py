@@ -103,7 +103,9 @@ def budget_markdown(res: dict) -> list[str]:
     out = [f"Fig. 2(b) procedure on layer {res['layer']}, head {res['head']}: the G - 1 largest gaps of the sorted "
            "contribution profile become group boundaries, each budget is calibrated by the run's protocol, and the "
            "held-out (fidelity-block) output MSE is pooled over tokens and dims. App. B chose "
-           f"G = {res.get('app_b_groups')} for this head; the best budget on the curve is G = {best['G']}.", "",
+           f"G = {res.get('app_b_groups')} for this head; the best budget on the curve is G = {best['G']}."
+           + ("" if len(pts) > len(RUN_BUDGETS) else f" A run draws {len(pts)} budgets; the paper's axis runs to 16 "
+              "(`oal diagnose --parts budget` draws G = 1-16)."), "",
            "| G | coefficients / head | held-out MSE | validation MSE | |", "|---|---|---|---|---|", *rows, ""]
     if res.get("procedure", "app_b") != "app_b":
         out += [f"This run converted with `--grouping {res['procedure']}`: a fixed budget per head instead of "
