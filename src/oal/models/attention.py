@@ -38,6 +38,7 @@ Sliding-window models (Mistral): a converted layer attends the full causal prefi
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -186,7 +187,7 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
 
 def _converted_forward(module, query, key, value, attention_mask):
     method: AttentionMethod = module.oal_method
-    layer = getattr(module, "_oal_cache_layer", None)
+    layer = _slots().get(module)
     if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
         out = encoder.noncausal_attention(method, query, key, value, _key_validity(attention_mask, key.shape[-2]))
     elif layer is not None and not layer.stateful:
@@ -202,8 +203,8 @@ def _base_function(module: nn.Module, impl: str):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
-def _register(base: str) -> str:
-    """Register (once) the dispatching attention function "oal_<base>" with `base`'s mask function."""
+def dispatch_name(base: str) -> str:
+    """Register (once) the dispatching attention function "oal_<base>" with `base`'s mask function; its name."""
     name = f"{_PREFIX}{base}"
     if name in ALL_ATTENTION_FUNCTIONS:
         return name
@@ -247,13 +248,34 @@ def _cache_slot(cache, idx: int, method: AttentionMethod) -> OALStateLayer:
     return cache.layers[idx]
 
 
+# The cache slot of the forward in flight, per thread and attention module: the pre-hook finds it in the call's
+# cache, the attention function reads it. Kept on the module, two threads generating with one model (a server's
+# streams) wrote into each other's caches.
+_IN_FLIGHT = threading.local()
+
+
+def _slots() -> WeakIdKeyDictionary:
+    slots = getattr(_IN_FLIGHT, "slots", None)
+    if slots is None:
+        slots = _IN_FLIGHT.slots = WeakIdKeyDictionary()
+    return slots
+
+
 def _pre_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    module._oal_cache_layer = None if cache is None else _cache_slot(cache, module.layer_idx, module.oal_method)
+    _slots()[module] = None if cache is None else _cache_slot(cache, module.layer_idx, module.oal_method)
 
 
 def _post_hook(module, args, kwargs, output):
-    module._oal_cache_layer = None
+    _slots().pop(module, None)
+
+
+def _no_attention_weights(model, args, kwargs):
+    """A converted layer computes no attention matrix (that is its linear time); transformers would silently drop
+    its entry from `attentions`, shifting every later layer's to a wrong index."""
+    if kwargs.get("output_attentions") and converted_methods(model):
+        raise ValueError("output_attentions: converted layers compute no attention weights (linear-time kernels); "
+                         f"layers {sorted(converted_methods(model))} of this model are converted")
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -286,8 +308,10 @@ def swap_attention(model: nn.Module, layers: Sequence[int] | None = None,
                              f"the model has {(n_heads, n_kv, head_dim)}")
     base = model.config._attn_implementation or "sdpa"
     if not base.startswith(_PREFIX):
-        model.set_attn_implementation(_register(base))
+        model.set_attn_implementation(dispatch_name(base))
     device = next(model.parameters()).device
+    if not getattr(model, _HOOKS_ATTR, None):
+        setattr(model, _HOOKS_ATTR, model.register_forward_pre_hook(_no_attention_weights, with_kwargs=True))
     for i in layers:
         attn = attns[i]
         attn.oal_method = methods[i].to(device)

@@ -113,6 +113,9 @@ def make_saveable(model):
 
     if not isinstance(model, ConvertedModelMixin):
         model.__class__ = converted_class(type(model))
+    family = getattr(model.config, "model_type", "")
+    if family in FAMILIES or family in ENCODER_FAMILIES:
+        register_model(family)  # transformers' pipeline() knows the class (it logged "not supported" otherwise)
     return model
 
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, record_settings
-from oal.models.attention import converted_methods, swap_attention
+from oal.models.attention import converted_methods, dispatch_name, swap_attention
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json
 from oal.rundir.hashes import sha256_file, versions
 
@@ -284,6 +284,14 @@ class ConvertedModelMixin:
             raise ValueError(f"config: {type(self).__name__} needs the conversion under config.oal "
                              "(a config saved from a converted model)")
         swap_attention(self, methods=build_methods(spec))
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' switch of attention function, kept behind oal's dispatch: 'eager' becomes 'oal_eager' (the
+        converted layers keep their kernel and cache; the others run eager). Plain 'eager' made the converted layers
+        softmax again, and their OAL cache slots then fed softmax one key at a time."""
+        if isinstance(attn_implementation, str) and not attn_implementation.startswith("oal_"):
+            attn_implementation = dispatch_name(attn_implementation)
+        return super().set_attn_implementation(attn_implementation, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, oal_source: dict | None = None,
                         lora: tuple[dict, dict] | None = None, **kwargs):

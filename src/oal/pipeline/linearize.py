@@ -239,7 +239,9 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
     and, with `train_kernel`, the converted layers' kernel coefficients (OAL's factors; groups stay fixed) from their
     calibrated values; the backbone stays frozen. Train it with your own loop or `transformers.Trainer`, then
     `merge_and_unload()` gives the converted model with LoRA merged and the trained kernels, which
-    `save_pretrained` writes in the converted form. The defaults are App. F.2's (rank 8, alpha 16, dropout 0.05,
+    `save_pretrained` writes in the converted form. The kernel coefficients are not peft adapter weights: the peft
+    model's own `save_pretrained` (and so a Trainer checkpoint) holds the LoRA matrices only, so keep a trained
+    model with `merge_and_unload().save_pretrained(DIR)`. The defaults are App. F.2's (rank 8, alpha 16, dropout 0.05,
     q/k/v/o); `oal run` and `oal adapt` train the same way with AdamW, warmup and cosine decay.
 
     Args:
@@ -258,6 +260,10 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
 
     if not converted_methods(model):
         raise ValueError("model: no converted layers; convert it first (oal.linearize, oal.convert or oal.load)")
+    if getattr(model, "_hf_peft_config_loaded", False):  # peft would add a fresh adapter and drop that one
+        raise ValueError("model: it already carries a LoRA adapter (an unmerged export); a second one would leave "
+                         "it out of training and out of the merge: load the export made with merging (`oal export`'s "
+                         "default) to adapt further")
     cfg = AdaptConfig(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=tuple(target_modules),
                       train_kernel=train_kernel, seed=seed)
     return wrap_lora(model, cfg)[0]

@@ -1,0 +1,117 @@
+"""A converted model used as users use any Hugging Face model (a helper's audit, 2026-12-06): what it found wrong, each
+now right or refused with one line. The rest of that audit (generation modes, padding, caches, save/load, dtypes,
+peft, gradient checkpointing) is covered by test_decode, test_convert and test_export."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from _tiny import tiny_model
+
+import oal
+from oal.methods import build_method
+from oal.models import attention
+from oal.ops.kernel import perturbed_factor
+
+LAYERS = (1,)
+
+
+def _converted(seed: int = 0):
+    model = tiny_model("qwen2", vocab_size=67)
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    gen = torch.Generator().manual_seed(seed)
+    methods = {}
+    for i in LAYERS:
+        m = build_method("oal", hq, hkv, d, groups=torch.randint(0, 3, (hq, d), generator=gen), n_groups=3,
+                         layer_idx=i)
+        with torch.no_grad():
+            m.factor.copy_(perturbed_factor(m.factor, 0.3, gen))
+        methods[i] = m
+    return oal.convert(model, list(LAYERS), methods).eval()
+
+
+def _ids(n=9, seed=1):
+    return torch.randint(0, 67, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          pad_token_id=0, **kw)
+
+
+def test_each_thread_has_its_own_cache_slot():
+    """The slot of the forward in flight lived on the shared attention module: a second thread's pre-hook replaced
+    the first thread's before its attention read it, and each wrote into the other's cache."""
+    from transformers import DynamicCache
+
+    model = _converted()
+    module = attention._attention(model, LAYERS[0])
+    mine, theirs = DynamicCache(), DynamicCache()
+    attention._pre_hook(module, (), {"past_key_values": mine})
+    other = threading.Thread(target=attention._pre_hook, args=(module, (), {"past_key_values": theirs}))
+    other.start()
+    other.join()
+    assert attention._slots()[module] is mine.layers[LAYERS[0]]
+    attention._post_hook(module, (), {}, None)
+    assert attention._slots().get(module) is None
+
+
+def test_threads_generating_with_one_model_get_the_sequential_text():
+    model = _converted()
+    prompts = [_ids(seed=s) for s in range(4)]
+    want = [_greedy(model, p) for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = _greedy(model, prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_switching_the_attention_implementation_keeps_the_converted_layers(impl):
+    """It made them softmax again (logits of the base model), and generating with a cache fed softmax the OAL
+    slot's one new key at a time."""
+    model = _converted()
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    model.set_attn_implementation(impl)
+    assert model.config._attn_implementation == f"oal_{impl}"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_greedy(model, ids), _greedy(model, ids, use_cache=False))
+
+
+def test_output_attentions_is_refused():
+    """transformers dropped the converted layers' missing weights, so attentions[1] was layer 2's."""
+    model = _converted()
+    with pytest.raises(ValueError, match=r"output_attentions: converted layers compute no attention weights .* "
+                                         r"layers \[1\]"):
+        model(_ids(), output_attentions=True)
+
+
+def test_a_converted_model_in_memory_is_known_to_pipeline():
+    """pipeline() logged "The model 'OALQwen2ForCausalLM' is not supported for text-generation" with ~300 names."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model = _converted()
+    assert type(model) in MODEL_FOR_CAUSAL_LM_MAPPING.values()  # what pipeline() checks the class against
+
+
+def test_add_lora_refuses_a_model_that_carries_an_adapter():
+    """On an unmerged export, peft added a fresh "default" adapter over the loaded one, which then sat outside
+    training and the merge (0.063 of logits lost without a word)."""
+    model = _converted()
+    model._hf_peft_config_loaded = True  # what transformers' load_adapter sets (oal.load of an unmerged export)
+    with pytest.raises(ValueError, match="already carries a LoRA adapter"):
+        oal.add_lora(model)
