@@ -11,27 +11,16 @@ import torch
 from _tiny import tiny_model
 
 import oal
-from oal.methods import build_method
 from oal.models import attention
-from oal.ops.kernel import perturbed_factor
 
 LAYERS = (1,)
 
 
 def _converted(seed: int = 0):
+    from benchmarks.model import random_kernels
+
     model = tiny_model("qwen2", vocab_size=67)
-    cfg = model.config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    gen = torch.Generator().manual_seed(seed)
-    methods = {}
-    for i in LAYERS:
-        m = build_method("oal", hq, hkv, d, groups=torch.randint(0, 3, (hq, d), generator=gen), n_groups=3,
-                         layer_idx=i)
-        with torch.no_grad():
-            m.factor.copy_(perturbed_factor(m.factor, 0.3, gen))
-        methods[i] = m
-    return oal.convert(model, list(LAYERS), methods).eval()
+    return oal.convert(model, list(LAYERS), random_kernels(model, LAYERS, seed=seed)).eval()
 
 
 def _ids(n=9, seed=1):
