@@ -104,3 +104,35 @@ def test_add_lora_refuses_a_model_that_carries_an_adapter():
     model._hf_peft_config_loaded = True  # what transformers' load_adapter sets (oal.load of an unmerged export)
     with pytest.raises(ValueError, match="already carries a LoRA adapter"):
         oal.add_lora(model)
+
+
+def test_trainer_checkpoints_carry_the_kernel_coefficients(tmp_path):
+    """They were not peft adapter weights: a Trainer checkpoint (peft's save_pretrained) and its resume
+    (load_adapter) kept the LoRA matrices and lost the jointly trained kernels (0.075 of logits)."""
+    from transformers import Trainer, TrainingArguments
+
+    from oal.adaptation.peft_kernels import KERNELS_FILE
+
+    model = oal.add_lora(_converted(), dropout=0.0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if ".oal_method." in n}
+    ids = _ids(n=16)
+    train = [{"input_ids": ids[0], "labels": ids[0]}] * 2
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=2, save_steps=2, per_device_train_batch_size=1,
+                             learning_rate=1e-2, report_to=[], remove_unused_columns=False, use_cpu=True)
+    Trainer(model=model, args=args, train_dataset=train).train()
+    assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters() if n in start)  # kernels trained
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / KERNELS_FILE).is_file()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    fresh = oal.add_lora(_converted(), dropout=0.0)
+    fresh.load_adapter(str(checkpoint), "default", is_trainable=True)  # what the Trainer's resume calls
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+    other = oal.add_lora(_converted(), dropout=0.0)
+    other.save_pretrained(str(tmp_path / "other"))
+    (checkpoint / KERNELS_FILE).write_bytes((tmp_path / "other" / KERNELS_FILE).read_bytes())
+    with pytest.raises(ValueError, match="saved beside another adapter_model.safetensors"):
+        oal.add_lora(_converted(), dropout=0.0).load_adapter(str(checkpoint), "default")

@@ -239,10 +239,12 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
     and, with `train_kernel`, the converted layers' kernel coefficients (OAL's factors; groups stay fixed) from their
     calibrated values; the backbone stays frozen. Train it with your own loop or `transformers.Trainer`, then
     `merge_and_unload()` gives the converted model with LoRA merged and the trained kernels, which
-    `save_pretrained` writes in the converted form. The kernel coefficients are not peft adapter weights: the peft
-    model's own `save_pretrained` (and so a Trainer checkpoint) holds the LoRA matrices only, so keep a trained
-    model with `merge_and_unload().save_pretrained(DIR)`. The defaults are App. F.2's (rank 8, alpha 16, dropout 0.05,
-    q/k/v/o); `oal run` and `oal adapt` train the same way with AdamW, warmup and cosine decay.
+    `save_pretrained` writes in the converted form. The peft model's own `save_pretrained` (each Trainer
+    checkpoint) writes the kernel coefficients beside the LoRA matrices (`oal_kernels.safetensors`), and its
+    `load_adapter` (the Trainer's resume and `load_best_model_at_end`) reads them back; peft's
+    `PeftModel.from_pretrained` reads the LoRA matrices only: on a model from `add_lora`, use `load_adapter`.
+    The defaults are App. F.2's (rank 8, alpha 16, dropout 0.05, q/k/v/o); `oal run` and `oal adapt` train the
+    same way with AdamW, warmup and cosine decay.
 
     Args:
         model: a converted model (`oal.linearize`, `oal.convert`, `oal.load`).
@@ -255,6 +257,7 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
         a `peft.PeftModel` whose trainable parameters are the LoRA matrices and the kernel coefficients.
     """
     from oal.adaptation.config import AdaptConfig
+    from oal.adaptation.peft_kernels import with_kernels_in_saves
     from oal.adaptation.train import wrap_lora
     from oal.models.attention import converted_methods
 
@@ -266,4 +269,4 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
                          "default) to adapt further")
     cfg = AdaptConfig(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=tuple(target_modules),
                       train_kernel=train_kernel, seed=seed)
-    return wrap_lora(model, cfg)[0]
+    return with_kernels_in_saves(wrap_lora(model, cfg)[0])
