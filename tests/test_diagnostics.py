@@ -216,6 +216,32 @@ def test_diagnose_recomputes_a_part_after_a_method_construction_change(tmp_path,
     assert path.stat().st_mtime_ns != stamp and again["table2"]["settings_key"] != first["table2"]["settings_key"]
 
 
+def test_an_edited_or_foreign_part_is_computed_again(tmp_path):
+    """A part's key alone let an edited result file be served (its table and figure redrawn from the edited
+    numbers), and a part computed on another model was reused: its content hash and the model's fingerprint in its
+    key make both count as not done."""
+    import json
+
+    from oal.calibration.data import CalibConfig
+    from oal.diagnostics import diagnose
+
+    model = _tiny_model()
+    cc = CalibConfig.preset("tiny", max_steps=2, val_every=1, patience=1)
+    grouping = dict(tail_fraction=0.25, min_support=0.5, min_ratio=1.2, min_groups=2, n_bootstrap=20)
+    kw = dict(parts=("table2",), table2_methods=("taylorshift",), calib_cfg=cc, grouping=grouping)
+    first = diagnose(model, _blocks(), [1], tmp_path, **kw)["table2"]
+    path = tmp_path / "diagnostics" / "table2.json"
+    data = json.loads(path.read_text())
+    data["fidelity"]["taylorshift"]["relmse"] = 0.001
+    path.write_text(json.dumps(data))
+    again = diagnose(model, _blocks(), [1], tmp_path, **kw)["table2"]
+    assert again["fidelity"]["taylorshift"]["relmse"] == first["fidelity"]["taylorshift"]["relmse"] != 0.001
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    other = diagnose(model, _blocks(), [1], tmp_path, **kw)["table2"]
+    assert other["settings_key"] != first["settings_key"]
+
+
 def test_cli_diagnose_rejects_bad_options(tmp_path):
     from typer.testing import CliRunner
 

@@ -175,11 +175,19 @@ def test_tiny_model_oal_beats_global_on_planted_offsets_only(tmp_path, monkeypat
     stamp = (tmp_path / "diagnostics" / "offset.json").stat().st_mtime_ns
     diagnose(model, _blocks(), [1], tmp_path, parts=["offset"], offset=settings)
     assert calls == [] and (tmp_path / "diagnostics" / "offset.json").stat().st_mtime_ns == stamp
-    # an interrupted result resumes at the missing row only
+    # an interrupted result (as the part writes it after each row) resumes at the missing row only
+    from oal.diagnostics.parts import write_part
+
     saved.update(complete=False, rows=saved["rows"][:1])
-    (tmp_path / "diagnostics" / "offset.json").write_text(json.dumps(saved))
+    write_part(tmp_path / "diagnostics" / "offset.json", saved)
     again = diagnose(model, _blocks(), [1], tmp_path, parts=["offset"], offset=settings)["offset"]
     assert calls == [1] and again["complete"] and again["rows"][1]["ratio"] == pytest.approx(rows[6.0]["ratio"])
+    # the same file edited by hand is not trusted: every row is computed again
+    edited = json.loads((tmp_path / "diagnostics" / "offset.json").read_text())
+    edited.update(complete=False, rows=edited["rows"][:1])
+    (tmp_path / "diagnostics" / "offset.json").write_text(json.dumps(edited))
+    diagnose(model, _blocks(), [1], tmp_path, parts=["offset"], offset=settings)
+    assert calls == [1, 1, 1]
 
 
 def test_experiment_refuses_padded_data():

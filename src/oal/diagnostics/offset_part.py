@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from oal.diagnostics.offset import OFFSET_FILE, OFFSET_STDS, offset_experiment, plot_offset, slowest_rope_pair
+from oal.diagnostics.parts import done_part, write_part
 from oal.errors import InputError
-from oal.rundir.files import atomic_save_figure, atomic_write_json, atomic_write_text, load_json
+from oal.rundir.files import atomic_save_figure, atomic_write_text, load_json
 
 __all__ = ["GAIN_FIGURE", "OFFSET_FIGURE", "OffsetSettings", "gain_points", "offset_report", "offset_table",
            "parse_stds", "plot_gain", "representative_layer", "run_offset"]
@@ -96,8 +97,7 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
               "model": weights_record(model)["state_dict_sha256"]}
     key = config_hash(record)
     path = out / "diagnostics" / OFFSET_FILE
-    old = load_json(path) if path.is_file() else None
-    old = old if isinstance(old, dict) and old.get("settings_key") == key else None
+    old = done_part(path, key)
     if old is None or not old.get("complete"):
         t0 = time.perf_counter()
         if console is not None:
@@ -107,9 +107,8 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
                  ("held", held_ids))}
 
         def write(rows: list[dict], complete: bool = False, **extra) -> dict:
-            res = {"settings_key": key, "settings": record, "complete": complete, **extra, "rows": rows}
-            atomic_write_json(path, res)
-            return res
+            return write_part(path, {"settings_key": key, "settings": record, "complete": complete, **extra,
+                                     "rows": rows})
 
         def on_row(rows):
             write(rows, elapsed_s=time.perf_counter() - t0 + (old or {}).get("elapsed_s", 0.0))

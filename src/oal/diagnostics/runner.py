@@ -37,11 +37,13 @@ from oal.diagnostics.fidelity_table import (
     capture_sequences,
 )
 from oal.diagnostics.fidelity_table import table2 as run_table2
+from oal.diagnostics.parts import done_part, write_part
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
 from oal.errors import InputError
 from oal.launch import log_console
 from oal.methods.base import newer_versions
+from oal.models.provenance import weights_record
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 
 __all__ = ["DEFAULT_PARTS", "PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
@@ -54,14 +56,6 @@ DEFAULT_PARTS = PARTS[:3]  # the paper's; the offset experiment runs when asked 
 
 def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _done(path: Path, key: str):
-    if path.is_file():
-        data = load_json(path)
-        if isinstance(data, dict) and data.get("settings_key") == key:
-            return data
-    return None
 
 
 def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], run_dir: Path, grouping: dict,
@@ -150,15 +144,16 @@ def diagnose(
     atomic_write_json(diag / "groups.json", {"source": source, "grouping": grouping,
                                              "groups": {str(i): g.tolist() for i, g in groups.items()}})
 
+    model_sha = weights_record(model)["state_dict_sha256"]  # in every part's key: another model recomputes
     if "table1" in parts:
         n_seq = fid_blocks.shape[0] if table1_sequences is None else min(table1_sequences, fid_blocks.shape[0])
-        settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers,
+        settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers, "model": model_sha,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
                     "blocks": fid_blocks[:n_seq].tolist()}
         if versions := newer_versions(table1_methods):
             settings["versions"] = versions
         key = _key(settings)
-        done = _done(diag / "table1.json", key)
+        done = done_part(diag / "table1.json", key)
         if done is None:
             t0 = time.perf_counter()
             data = capture_sequences(model, fid_blocks[:n_seq], layers)
@@ -170,7 +165,7 @@ def diagnose(
                     gauss[name] = gaussian_control(name, data, t1cfg, progress=lambda t=task: bar.advance(t))
             done = {"settings_key": key, "config": t1cfg.to_dict(), "layers": layers, "sequences": n_seq,
                     "high_contribution": real, "gaussian": gauss, "elapsed_s": time.perf_counter() - t0}
-            atomic_write_json(diag / "table1.json", done)
+            done = write_part(diag / "table1.json", done)
             atomic_write_text(diag / "table1.md", "# Table 1\n\n" + table1_markdown(real, gauss))
         plot_table1(done["high_contribution"], done["gaussian"], out / "figures" / "retained_error.png")
         results["table1"] = done
@@ -185,10 +180,10 @@ def diagnose(
         layer, head = budget_head or (layers[0], 0)
         if layer not in layers:
             raise ValueError(f"budget_head: layer {layer} is not among the evaluated layers {layers}")
-        settings = {"cfg": ccfg.to_dict(), "layer": layer, "head": head, "budgets": list(budgets),
+        settings = {"cfg": ccfg.to_dict(), "layer": layer, "head": head, "budgets": list(budgets), "model": model_sha,
                     "chi": chi[layer][head].tolist()}
         key = _key(settings)
-        done = _done(diag / "budget.json", key)
+        done = done_part(diag / "budget.json", key)
         if done is None:
             held = capture_layer_data(model, fid_blocks, [layer])[layer]
             with Progress(console=console, transient=True) as bar:
@@ -196,17 +191,18 @@ def diagnose(
                 res = budget_curve(train[layer], val[layer], held, chi[layer][head], head, budgets, ccfg,
                                    layer=layer, on_budget=lambda _p: bar.advance(task))
             done = {"settings_key": key, **res}
-            atomic_write_json(diag / "budget.json", done)
+            done = write_part(diag / "budget.json", done)
         plot_budget(done, out / "figures" / "group_budget.png")
         results["budget"] = done
 
     if "table2" in parts:
         settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
+                    "model": model_sha,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
         if versions := newer_versions(table2_methods):
             settings["versions"] = versions
         key = _key(settings)
-        done = _done(diag / "table2.json", key)
+        done = done_part(diag / "table2.json", key)
         if done is None:
             t0 = time.perf_counter()
             with Progress(console=console, transient=True) as bar:
@@ -216,7 +212,7 @@ def diagnose(
             fid = run_table2(model, fid_blocks, methods, progress=True)
             done = {"settings_key": key, "fidelity": fid, "calibration": summaries, "layers": layers,
                     "elapsed_s": time.perf_counter() - t0}
-            atomic_write_json(diag / "table2.json", done)
+            done = write_part(diag / "table2.json", done)
             atomic_write_text(diag / "table2.md", "# Table 2\n\n" + table2_markdown(
                 done["fidelity"], f"Frozen-attention fidelity, layers {layers}, {fid_blocks.shape[0]} held-out "
                 f"blocks of {fid_blocks.shape[1]} tokens. Lower is better."))
