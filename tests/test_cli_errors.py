@@ -135,3 +135,16 @@ def test_a_group_budget_beyond_the_head_dim_is_refused(tmp_path):
     """budget:999 was capped at the head dim without a word (demo refuses --n-groups above --head-dim)."""
     res, text = _run("analyze", "--out", tmp_path / "a", "--grouping", "budget:999", "--layers", "0", "--no-figures")
     assert res.exit_code == 2 and "a budget of 999 groups exceeds the" in text, res.output
+
+
+def test_ctrl_c_says_so_in_one_line(monkeypatch):
+    """typer turned it into exit code 130 in silence, the last line on screen a progress bar."""
+    import importlib
+
+    def interrupted(level):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("oal.cli.app"), "setup_logging", interrupted)
+    res, text = _run("demo", "--length", "8")
+    assert res.exit_code == 130 and text.startswith("Interrupted. Nothing half-written is left"), res.output
+    assert "Traceback" not in res.output

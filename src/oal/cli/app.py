@@ -2,7 +2,8 @@
 
 Errors: bad input anywhere below a command (a `ValueError`, such as the library's `InputError`, an `OSError`, a
 model that cannot be fetched, or a click usage error) is printed as one line, `Error: ...`, naming the argument or
-file, with exit code 2 and no traceback; `oal --debug COMMAND ...` shows the traceback instead.
+file, with exit code 2 and no traceback; `oal --debug COMMAND ...` shows the traceback instead. Ctrl-C prints one
+line too (exit code 130).
 """
 
 import logging
@@ -11,33 +12,9 @@ import typer
 from typer.core import TyperGroup
 
 from oal.cli.docs import docs_line
+from oal.cli.failures import bad_input_message, drop_stdout
 
 _STATE = {"debug": False}
-
-
-def _bad_input_message(exc: Exception) -> str | None:
-    """The one-line message of an error of bad input, or None for anything else (a bug: keep its traceback)."""
-    from oal.errors import InputError
-    from oal.models.folders import ModelUnavailableError
-
-    if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):  # typer's (vendored click) errors
-        return exc.format_message()
-    if isinstance(exc, InputError) and exc.param:
-        return f"Invalid value for '{exc.param}': {exc.message}"
-    if isinstance(exc, (ValueError, OSError, ModelUnavailableError)):
-        return str(exc)
-    return None
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null, as rich does on a broken pipe, so that the interpreter's last flush stays quiet."""
-    import os
-    import sys
-
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (a test runner's)
-        pass
 
 
 class _Group(TyperGroup):
@@ -53,11 +30,15 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: one line (typer would exit 130 in silence, a progress bar last)
+            typer.echo("Interrupted. Nothing half-written is left; the same command again resumes from its last "
+                       "checkpoint (or starts over where it keeps none).", err=True)
+            raise typer.Exit(130) from None
         except BrokenPipeError:  # whoever read stdout has gone (`oal fetch NAME | head -0`): nothing to report
-            _drop_stdout()
+            drop_stdout()
             raise typer.Exit(1) from None
         except Exception as exc:
-            message = None if _STATE["debug"] else _bad_input_message(exc)
+            message = None if _STATE["debug"] else bad_input_message(exc)
             if message is None:
                 raise
             code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
