@@ -166,8 +166,11 @@ def test_bad_input(tiny, tmp_path):
         analyze(tiny, None, torch.zeros(2, 5, dtype=torch.long), [7], tmp_path)
     with pytest.raises(ValueError, match="representative"):
         analyze(tiny, None, torch.zeros(2, 5, dtype=torch.long), [0], tmp_path, representative=(1, 0))
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(ValueError, match="missing: is missing"):
         load_groups(tmp_path / "missing")
+    (tmp_path / "folder" / "groups.json").mkdir(parents=True)  # it said "no groups.json at" a path that exists
+    with pytest.raises(ValueError, match="groups.json: is a directory, not the groups file"):
+        load_groups(tmp_path / "folder")
 
 
 @pytest.fixture(scope="module")

@@ -148,3 +148,15 @@ def test_ctrl_c_says_so_in_one_line(monkeypatch):
     res, text = _run("demo", "--length", "8")
     assert res.exit_code == 130 and text.startswith("Interrupted. Nothing half-written is left"), res.output
     assert "Traceback" not in res.output
+
+
+def test_a_directory_in_place_of_a_kernels_file_is_named(tmp_path):
+    """It said "directory: expected kernels.json and kernels.safetensors in DIR", naming neither as the fault."""
+    from oal.calibration.kernels import load_kernels
+
+    (tmp_path / "kernels.json").write_text("{}")
+    (tmp_path / "kernels.safetensors").mkdir()
+    with pytest.raises(ValueError, match=r"kernels.safetensors: is a directory, not a file"):
+        load_kernels(tmp_path)
+    with pytest.raises(ValueError, match=r"kernels.json: is missing"):
+        load_kernels(tmp_path / "kernels.safetensors")

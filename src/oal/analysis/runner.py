@@ -418,7 +418,8 @@ def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
     if path.is_dir():
         path = path / GROUPS_FILE
     if not path.is_file():
-        raise ValueError(f"path: no {GROUPS_FILE} at {path}")
+        what = "is a directory, not the groups file" if path.is_dir() else "is missing"
+        raise ValueError(f"{path}: {what} (`oal analyze` writes {GROUPS_FILE})")
     data = load_json(path)
     if not isinstance(data, dict) or data.get("format") != "oal.groups/1":
         got = data.get("format") if isinstance(data, dict) else type(data).__name__

@@ -115,8 +115,11 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
     """
     directory = Path(directory)
     meta_path, tensor_path = directory / META_FILE, directory / KERNELS_FILE
-    if not meta_path.is_file() or not tensor_path.is_file():
-        raise ValueError(f"directory: expected {META_FILE} and {KERNELS_FILE} in {directory}")
+    for f in (meta_path, tensor_path):
+        if not f.is_file():
+            what = "is a directory, not a file" if f.is_dir() else "is missing"
+            raise ValueError(f"{f}: {what} (a kernels folder holds the {META_FILE} and {KERNELS_FILE} that "
+                             "oal.save_kernels writes)")
     meta = load_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
