@@ -139,7 +139,22 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path, kill_after, mid_s
         _run(tmp_path / "killed", kill_after=kill_after)
     if mid_swap:  # killed between atomic_dir's two renames: only the previous checkpoint is on disk
         (tmp_path / "killed").rename(tmp_path / ".killed.old")
-    model, res = _run(tmp_path / "killed")  # a fresh process would rebuild the same model, then resume
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger, level = logging.getLogger("oal"), logging.getLogger("oal").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as the command line sets it
+    try:
+        model, res = _run(tmp_path / "killed")  # a fresh process would rebuild the same model, then resume
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # the rerun says where it resumes (it said nothing); killed before the first checkpoint (every 2 updates), it
+    # starts over
+    assert any("resuming at update 4 of" in m for m in said) == (kill_after >= CFG["ckpt_every"]), said
     assert res.history == ref.history and res.validation == ref.validation
     assert res.best_step == ref.best_step and res.best_val_nll == ref.best_val_nll
     a = dict(ref_model.named_parameters())

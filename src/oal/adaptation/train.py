@@ -169,6 +169,9 @@ def adapt(
         saved = group.on_main(lambda: read_checkpoint(ckpt_dir, key, set(params), group.size))
         if saved is not None:
             state, best = restore_checkpoint(saved, params, optimizer, scheduler, group.index)
+            if group.is_main:
+                log.info("%s: resuming at update %d of %d from its checkpoint in %s", description, state["step"],
+                         cfg.steps, ckpt_dir)
 
     train_model.train()
     with _progress(progress and group.is_main) as bar:
