@@ -76,16 +76,16 @@ def _at_adaptation_start(model):
     a baseline's at their initial values; OAL's and the learned global's stay calibrated), restored on exit.
     Yields whether anything moved. The trained kernel tensors an adapter loads replace them all, so only the check
     of what the adapter was trained on sees the start."""
-    from oal.calibration.kernels import initial_method
+    from oal.calibration.kernels import adaptation_start
     from oal.models.attention import converted_methods
 
     saved = []
     try:
         with torch.no_grad():
             for m in converted_methods(model).values():
-                if m.adapts_from_calibration or not m.trainable:
+                if (start_method := adaptation_start(m)) is m:
                     continue
-                start = dict(initial_method(m).named_parameters())
+                start = dict(start_method.named_parameters())
                 for name, p in m.named_parameters():
                     saved.append((p, p.detach().clone()))
                     p.copy_(start[name])

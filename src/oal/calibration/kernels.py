@@ -186,6 +186,12 @@ def initial_method(m: AttentionMethod) -> AttentionMethod:
     return fresh if where is None else fresh.to(where.device)
 
 
+def adaptation_start(m: AttentionMethod) -> AttentionMethod:
+    """Where LoRA adaptation starts a converted layer's method (App. F.1-F.2): `m` itself for OAL and the learned
+    global (their calibrated coefficients) and for a method with nothing to train; a baseline's `initial_method`."""
+    return m if m.adapts_from_calibration or not m.trainable else initial_method(m)
+
+
 def method_from_record(layer: int, info: Mapping, state: Mapping, *, where: str = "state") -> AttentionMethod:
     """The method of `layer` that `method_record` described; ValueError (naming `where`) when the tensors do not
     fit it or the record is of another construction version of the method (`methods.base.check_version`)."""

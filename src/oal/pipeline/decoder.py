@@ -27,7 +27,7 @@ from oal.adaptation.train import adapt
 from oal.analysis import analysis_inputs, analyze, load_groups
 from oal.analysis.regime import REGIME_FILE, attention_regime
 from oal.calibration.data import CalibConfig
-from oal.calibration.kernels import initial_method, kernel_dir, load_kernels, model_fingerprint, save_kernels
+from oal.calibration.kernels import adaptation_start, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from oal.calibration.resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from oal.data import SplitPlan, bind_pretraining, default_plan, plan_blocks
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
@@ -264,15 +264,15 @@ class Run(StagedRun):
             self.model, self.blocks, self.dir / "groups.json", layer, head, self._calib_config(), self.dir),
             inputs=["groups.json"])
 
-    def model_for(self, method: str, *, adaptation_start: bool = False):
+    def model_for(self, method: str, *, for_adaptation: bool = False):
         """Base model with `method`'s calibrated kernels in the converted layers (softmax: the base model).
-        `adaptation_start`: where LoRA starts (App. F.1-F.2): a baseline's trainable parameters at their initial
+        `for_adaptation`: where LoRA starts (App. F.1-F.2): a baseline's trainable parameters at their initial
         values, OAL's and the learned global's calibrated."""
         model = self.base_model()
         if method != REFERENCE:
             methods = self.load_methods(method)
-            if adaptation_start and not get_method(method).adapts_from_calibration:
-                methods = {i: initial_method(m) for i, m in methods.items()}
+            if for_adaptation:
+                methods = {i: adaptation_start(m) for i, m in methods.items()}
             convert(model, self.layers, methods)
         return model
 
@@ -290,7 +290,7 @@ class Run(StagedRun):
         def fn():
             # the base copy is frozen; kernel parameters keep their own requires_grad (trainable ones train
             # jointly with LoRA, App. F.2; fixed random features stay fixed)
-            model = self.model_for(method, adaptation_start=True)
+            model = self.model_for(method, for_adaptation=True)
             if checkpoint_layers(self.device, self.blocks["adapt_train"].shape[1]):
                 enable_layer_checkpointing(model)  # N=4096 on a CPU: recompute layers rather than store them
             peft_model, result = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
