@@ -151,6 +151,40 @@ def test_commands_refuse_a_directory_in_use(assets, run_copy):
     assert tree(run_copy) == before
 
 
+def test_the_stage_commands_and_linearize_refuse_a_folder_in_use(assets, run_copy, tmp_path):
+    """Two calibrations into one folder deleted each other's capture files (one failed with a missing or changed
+    capture file, and calibration.json listed only the last method), and `oal diagnose` wrote a run's report while
+    `oal run` held it: every command that writes a folder now holds its lock."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import oal
+
+    d = tmp_path / "stage"
+    model = ("--model", assets / "model", "--data", assets / "corpus.txt")
+    for folder, args in ((d, ("analyze", "--out", d, *model, "--layers", "1", "--no-figures")),
+                         (d, ("calibrate", "--out", d, *model, "--methods", "global", "--layers", "1")),
+                         (run_copy, ("diagnose", "--out", run_copy, "--model", assets / "model", "--parts", "table2",
+                                     "--layers", "1"))):
+        before = tree(folder) if folder.exists() else None
+        proc = _holder(folder)
+        try:
+            assert_bad_input(cli(*args), "--out", "in use by another oal process", f"pid {proc.pid}")
+            mdl, tok = AutoModelForCausalLM.from_pretrained(assets / "model"), AutoTokenizer.from_pretrained(
+                assets / "model")
+            with pytest.raises(InputError, match="in use by another oal process"):
+                oal.linearize(mdl, tok, (assets / "corpus.txt").read_text(), layers=[1], method="global",
+                              out_dir=folder, progress=False)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if before is not None:
+            assert tree(folder) == before
+    with own_dir(d):  # a folder below a held one is held too (`oal.linearize` calibrates into `candidates/`)
+        with own_dir(d / "candidates"):
+            pass
+    assert not (d / "candidates").exists()
+
+
 # ------------------------------------------------------------------------------------------- links in a run directory
 
 

@@ -240,6 +240,7 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
     methods' settings ({"window": W, "sinks": S}; see `calibrate_methods`)."""
     from oal.launch import ranks
     from oal.rundir.hashes import tensor_hash
+    from oal.rundir.lock import own_dir
 
     key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
                        "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
@@ -248,13 +249,14 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
                        **({"options": dict(options)} if options else {})})
 
     group = ranks(next(model.parameters()).device)
-    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
-    checkpoints = LayerCheckpoints(out_dir, key)
-    per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
-                                          checkpoints=checkpoints, progress=progress, console=console, ranks=group,
-                                          options=options)
-    stats = capture.gathered_stats(group)
-    capture.remove()
-    group.on_main(lambda: write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model,
-                                            provenance=provenance, extra=extra, capture=stats))
+    with own_dir(out_dir, group):  # a second calibration into `out_dir` would delete this one's capture files
+        capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
+        checkpoints = LayerCheckpoints(out_dir, key)
+        per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
+                                              checkpoints=checkpoints, progress=progress, console=console,
+                                              ranks=group, options=options)
+        stats = capture.gathered_stats(group)
+        capture.remove()
+        group.on_main(lambda: write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model,
+                                                provenance=provenance, extra=extra, capture=stats))
     return group.broadcast(report)

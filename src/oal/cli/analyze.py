@@ -49,6 +49,7 @@ def analyze_cmd(
     from oal.pipeline.config import grouping_preset
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
+    from oal.rundir.lock import own_dir
 
     console = log_console()  # progress and notes on stderr; the summary table is the result (stdout)
     results = Console()
@@ -94,9 +95,10 @@ def analyze_cmd(
     meta = dict(model=model, provenance=provenance, preset=preset, data=inputs["meta"])
     console.print(f"[bold]oal analyze[/]: {provenance.get('architecture')} '{model}', layers {layer_list}, "
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
-    summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
-                      long_sequence=inputs["long_sequence"], seed=seed, representative=rep, batch_size=batch_size,
-                      figures=figures, console=console, results=results, meta=meta, **kw)
+    with own_dir(out):  # two analyses into one folder would mix their groups.json and analysis.json
+        summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
+                          long_sequence=inputs["long_sequence"], seed=seed, representative=rep,
+                          batch_size=batch_size, figures=figures, console=console, results=results, meta=meta, **kw)
     conc = summary["concentration"]["mean"]
     line = (f"top-5 share {100 * conc['real_top5']:.1f}% vs Gaussian {100 * conc['gaussian_top5']:.1f}% "
             f"(at real coords {100 * conc['gaussian_at_real_top5']:.1f}%)")

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, SinksOpt, WindowOpt, main_console
-from oal.launch import log_console
+from oal.launch import log_console, process_device, ranks
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 
@@ -42,6 +42,7 @@ def calibrate_cmd(
     from oal.models.registry import default_layers
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
+    from oal.rundir.lock import own_dir
 
     console = log_console()  # under torchrun the processes share the layers out; the main one reports
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
@@ -50,26 +51,28 @@ def calibrate_cmd(
         raise typer.BadParameter(f"unknown {unknown}; expected some of {method_names()}", param_hint="--methods")
     check_out_dir(out)
     refuse_run_dir(out, "calibration")
-    grouped = [m for m in wanted if get_method(m).uses_groups]  # oal, oal-swa
-    try:
-        groups = load_groups(out) if grouped else {}
-    except ValueError as exc:
-        raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
-    mdl, tok, prov = load_model_or_fail(model, device, dtype)
-    if groups:
-        check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
-    layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
-        sorted(groups) if groups else default_layers(mdl))
-    missing = [i for i in layer_list if grouped and i not in groups]
-    if missing:
-        raise typer.BadParameter(f"groups.json has no groups for layers {missing}", param_hint="--layers")
-    overrides = {k: v for k, v in (("max_steps", max_steps), ("val_every", val_every), ("patience", patience))
-                 if v is not None}
-    cfg = CalibConfig.preset("paper" if paper else "default", seed=seed, **overrides)
-    blocks, plan, preset = blocks_or_fail(tok, mdl, data, data_dir, preset)
-    report = calibrate_directory(out, mdl, blocks, layer_list, wanted, groups=groups, cfg=cfg, seed=seed,
-                                 base_model=model, provenance=prov, extra={"seed": seed, "preset": preset},
-                                 progress=progress, console=console, options={"window": window, "sinks": sinks})
+    # held from here: a second calibration into OUT would delete this one's capture files
+    with own_dir(out, ranks(process_device(device))):
+        grouped = [m for m in wanted if get_method(m).uses_groups]  # oal, oal-swa
+        try:
+            groups = load_groups(out) if grouped else {}
+        except ValueError as exc:
+            raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
+        mdl, tok, prov = load_model_or_fail(model, device, dtype)
+        if groups:
+            check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
+        layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
+            sorted(groups) if groups else default_layers(mdl))
+        missing = [i for i in layer_list if grouped and i not in groups]
+        if missing:
+            raise typer.BadParameter(f"groups.json has no groups for layers {missing}", param_hint="--layers")
+        overrides = {k: v for k, v in (("max_steps", max_steps), ("val_every", val_every), ("patience", patience))
+                     if v is not None}
+        cfg = CalibConfig.preset("paper" if paper else "default", seed=seed, **overrides)
+        blocks, plan, preset = blocks_or_fail(tok, mdl, data, data_dir, preset)
+        report = calibrate_directory(out, mdl, blocks, layer_list, wanted, groups=groups, cfg=cfg, seed=seed,
+                                     base_model=model, provenance=prov, extra={"seed": seed, "preset": preset},
+                                     progress=progress, console=console, options={"window": window, "sinks": sinks})
     table = Table(title="calibration: validation MSE (mean over heads)")
     for col in ("layer", *wanted):
         table.add_column(col, justify="right")

@@ -57,6 +57,7 @@ def diagnose_cmd(
     from oal.models.registry import PRESETS, default_layers, representative_head, table_layers
     from oal.pipeline.config import RunConfig
     from oal.rundir.files import check_out_dir
+    from oal.rundir.lock import own_dir
 
     console = log_console()  # progress and notes on stderr; the tables are the results (stdout)
     check_out_dir(out)
@@ -104,12 +105,12 @@ def diagnose_cmd(
                             sequences=sequences)
     console.print(f"diagnose: model {model}, layers {layer_list}, parts {part_list}"
                   + (f", B = {t1.n_controls} matched controls" if "table1" in part_list else ""))
-    diagnose(mdl, blocks, layer_list, out, parts=part_list, table2_methods=method_list, grouping=grouping,
-             table1_cfg=t1, calib_cfg=calib, budget_head=budget_head, budgets=tuple(range(1, max_budget + 1)),
-             table1_sequences=sequences, seed=seed or 0, offset=offset, console=console,
-             tables=Console())
-    if run is not None and (out / "metrics.json").is_file():  # the run's report shows the new diagnostics
-        from oal.pipeline.report import write_report
+    with own_dir(out):  # not while `oal run` / `oal adapt` writes this run (its report would mix the two)
+        diagnose(mdl, blocks, layer_list, out, parts=part_list, table2_methods=method_list, grouping=grouping,
+                 table1_cfg=t1, calib_cfg=calib, budget_head=budget_head, budgets=tuple(range(1, max_budget + 1)),
+                 table1_sequences=sequences, seed=seed or 0, offset=offset, console=console, tables=Console())
+        if run is not None and (out / "metrics.json").is_file():  # the run's report shows the new diagnostics
+            from oal.pipeline.report import write_report
 
-        write_report(out, console=console)
+            write_report(out, console=console)
     console.print(f"[green]wrote {out / 'diagnostics'}")

@@ -162,8 +162,12 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
     candidates, k = _layers(layers, model)
     settings = dict(method=method, select_by=select_by, grouping=grouping, window=window, sinks=sinks,
                     block_len=block_len, calib_blocks=calib_blocks, cfg=cfg, seed=seed, progress=progress)
-    if out_dir is not None:
-        return _linearize(model, tokenizer, texts, Path(out_dir), candidates, k, **settings)
+    if out_dir is not None:  # one writer at a time: a second one would delete this one's capture files
+        from oal.rundir.files import check_out_dir
+        from oal.rundir.lock import own_dir
+
+        with own_dir(check_out_dir(out_dir)):
+            return _linearize(model, tokenizer, texts, Path(out_dir), candidates, k, **settings)
     with tempfile.TemporaryDirectory(prefix="oal-linearize-") as tmp:
         return _linearize(model, tokenizer, texts, Path(tmp), candidates, k, **settings)
 
