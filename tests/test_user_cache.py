@@ -77,7 +77,8 @@ def test_a_changed_gguf_folder_is_written_again(cache, tiny_gguf, tamper, name, 
     warned = [r.getMessage() for r in caplog.records if "writing it again" in r.getMessage()]
     assert len(warned) == 1 and name in warned[0]
     assert again["sha256"] == prov["sha256"]  # the same files as first written: a run's fingerprint holds
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary, no old copy left
+    # no temporary, no old copy left (beside the empty file of `user_cache.entry_lock`)
+    assert sorted(p.name for p in folder.parent.iterdir()) == [f".{folder.name}.lock", folder.name]
 
 
 def test_a_gguf_folder_without_a_record_is_not_trusted(cache, tiny_gguf):
@@ -99,6 +100,57 @@ def test_a_killed_dequantisation_is_cleaned_up(cache, tiny_gguf):
         (stale / ".lock").touch()  # its process is gone: nobody holds the lock
         materialize_gguf(tiny_gguf)
         assert not stale.exists()
+
+
+_SLOW_DEQUANTISATION = """
+import sys, time
+from oal.models import gguf
+write = gguf._write_folder
+def slow(*args):
+    print("dequantising", flush=True)
+    time.sleep(3)
+    write(*args)
+gguf._write_folder = slow
+print(gguf.materialize_gguf(sys.argv[1]), flush=True)
+"""
+
+
+def test_processes_that_dequantise_at_once_share_one_folder(cache, tiny_gguf, monkeypatch):
+    """Three `oal adapt` on a fresh cache each dequantised the model, and when two finished together one failed with
+    'Directory not empty' (a helper's reproduction): one process writes the folder, the others wait and use it."""
+    from oal.models import gguf
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_DEQUANTISATION, str(tiny_gguf)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "OAL_CACHE_DIR": str(cache)})
+    try:
+        assert proc.stdout.readline().strip() == "dequantising"
+
+        def never(*args):
+            raise AssertionError("a second dequantisation of a folder another process is writing")
+
+        monkeypatch.setattr(gguf, "_write_folder", never)
+        folder = gguf.materialize_gguf(tiny_gguf)  # waits for the other process, then reuses its folder
+        assert gguf.cache_problem(folder, gguf.file_sha256(tiny_gguf)) is None
+        assert proc.stdout.readline().strip() == str(folder)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_cleanup_never_removes_a_folder_that_is_being_made(tmp_path):
+    """Between a work folder's creation and its lock, another process's cleanup found its lock free and deleted it
+    (the kernel build then failed and that process ran the slower torch path for its life). A cleanup now skips the
+    folder while its parent's creation lock is held, and removes it once the lock is free and it is stale."""
+    from oal.rundir import user_cache
+
+    young = tmp_path / ".readout-abc.x1y2.tmp"
+    young.mkdir()
+    (young / ".lock").touch()  # made, not yet locked: what another process sees in that window
+    with user_cache._flock(tmp_path):  # as work_dir holds it while it makes a folder
+        assert user_cache.clean_stale(tmp_path) == [] and young.is_dir()
+    assert user_cache.clean_stale(tmp_path) == [young] and not young.exists()
+    with user_cache.work_dir(tmp_path, "readout-abc") as work:
+        assert user_cache.clean_stale(tmp_path) == [] and work.is_dir()  # a running one's: locked, kept
 
 
 # ----------------------------------------------------------------------------------------------- compiled kernels
@@ -265,6 +317,35 @@ def test_tune_cpu_progress_goes_to_stderr(tuned, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "float32 chunk" in res.stderr and "fused CPU kernel" in res.stderr  # each candidate, the kernel
     assert [ln.split(":")[0] for ln in res.stdout.splitlines()] == ["float32", "cache"]  # the result only
+
+
+_SLOW_MERGE = """
+import time
+from oal.ops import tuning
+read = tuning._read
+def slow(path):
+    entries = read(path)
+    print("read", flush=True)
+    time.sleep(2)
+    return entries
+tuning._read = slow
+tuning.store_entry("first", {"from": "the other process"})
+"""
+
+
+def test_tunings_that_finish_together_keep_both_entries(cache):
+    """Two `oal tune-cpu` (2 and 4 threads) that finished together each rewrote the file with only their own entry
+    (a thread lock excludes no other process): the read-merge-write now holds the file's lock."""
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_MERGE], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OAL_CACHE_DIR": str(cache)})
+    try:
+        assert proc.stdout.readline().strip() == "read"
+        tuning.store_entry("second", {"from": "this process"})
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert set(tuning._read(tuning.cache_path())) == {"first", "second"}
+    assert tuning.cache_path().stat().st_mode & 0o777 == 0o644
 
 
 # ----------------------------------------------------------------------------------------------- fetches

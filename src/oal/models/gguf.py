@@ -27,6 +27,7 @@ from oal.rundir.user_cache import (
     cache_root,
     changed_file,
     clean_stale,
+    entry_lock,
     files_sha256,
     read_record,
     work_dir,
@@ -155,17 +156,19 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     problem = cache_problem(folder, sha)
     if problem is None:
         return folder
-    if problem != "missing":
-        log.warning("%s: %s; writing it again from %s", folder, problem, path.name)
-    log.info("dequantising %s to %s (once; cached in %s)", path.name, dname, folder)
-    with work_dir(folder.parent, folder.name) as work:
-        out = work / "folder"
-        _write_folder(path, meta, sha, dtype, source, out)
-        if cache_problem(folder, sha) is None:  # another process wrote it meanwhile
+    with entry_lock(folder):  # several processes at once: one dequantises, the others wait and use its folder
+        problem = cache_problem(folder, sha)
+        if problem is None:
             return folder
-        if folder.exists() or folder.is_symlink():
-            os.replace(folder, work / "old")  # removed with the work folder
-        os.replace(out, folder)
+        if problem != "missing":
+            log.warning("%s: %s; writing it again from %s", folder, problem, path.name)
+        log.info("dequantising %s to %s (once; cached in %s)", path.name, dname, folder)
+        with work_dir(folder.parent, folder.name) as work:
+            out = work / "folder"
+            _write_folder(path, meta, sha, dtype, source, out)
+            if folder.exists() or folder.is_symlink():
+                os.replace(folder, work / "old")  # removed with the work folder
+            os.replace(out, folder)
     return folder
 
 

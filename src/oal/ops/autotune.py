@@ -16,20 +16,19 @@ import torch
 from oal.ops import chunked, oal_attention
 from oal.ops.kernel import perturbed_factor, taylor_factor
 from oal.ops.tuning import (
-    _LOCK,
     OPERATOR_REVISION,
     TUNE_SHAPE,
     Settings,
     _current,
     _dtype_name,
     _read,
-    _write,
     cache_path,
     cpu_info,
     entry_problem,
     forced,
     machine_key,
     reload,
+    store_entry,
 )
 
 __all__ = ["busy_process", "candidates", "tune"]
@@ -179,10 +178,7 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
                      "loaded": [dataclasses.asdict(s) | {"time_s": t} for s, t in loaded.items()],
                      "load_before": load, "load_after": os.getloadavg()[0],
                      "tuning_s": time.perf_counter() - t_start, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            with _LOCK:  # merge with entries other processes may have written meanwhile
-                entries = _read(cache_path())
-                entries[key] = entry
-                _write(cache_path(), entries)
+            store_entry(key, entry)  # merged with the entries other processes wrote meanwhile
             results[_dtype_name(dtype)] = entry
     finally:
         torch.set_num_threads(saved)

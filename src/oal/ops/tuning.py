@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from oal.rundir.user_cache import cache_root, clean_stale
+from oal.rundir.user_cache import cache_root, clean_stale, entry_lock
 
 __all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "lookup", "machine_key", "settings_for",
-           "source"]
+           "source", "store_entry"]
 
 log = logging.getLogger("oal")
 
@@ -174,6 +174,16 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
+def store_entry(key: str, entry: dict) -> None:
+    """Add `entry` under `key` to the cache file, merged with the entries other threads and processes wrote
+    meanwhile (two tunings that finished together each kept only their own entry)."""
+    path = cache_path()
+    with _LOCK, entry_lock(path):
+        entries = _read(path)
+        entries[key] = entry
+        _write(path, entries)
+
+
 def _write(path: Path, entries: dict) -> None:
     """Atomically: a temporary file in the same folder, renamed over the cache file (and those a killed write left
     are removed)."""
@@ -183,6 +193,7 @@ def _write(path: Path, entries: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"version": 1, "entries": entries}, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)  # as every file of the cache (write_record); mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -4,7 +4,11 @@ compiled kernels, tuned settings): `$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`,
 Nothing read from it is trusted as found: what oal writes there comes with a record of the SHA256 of every file,
 written with it (`write_record`), and a reader checks the files against it (`changed_file`) and rebuilds what differs.
 Work in progress lives in temporary folders (`work_dir`) that hold a lock while their process runs, so the next use
-removes what a killed process left (`clean_stale`) and never a running one's.
+removes what a killed process left (`clean_stale`) and never a running one's: a folder is created and locked while
+its process holds a lock on the parent folder itself, which a cleanup also takes, so none sees a new folder before
+its lock. An entry that
+several processes may fill at once (a dequantised model, the tuning file) is filled under its own lock
+(`entry_lock`): the others wait, then use what the first wrote.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from pathlib import Path
 
 from oal.rundir.hashes import sha256_file
 
-__all__ = ["cache_root", "changed_file", "clean_stale", "file_problem", "files_sha256", "read_record", "work_dir",
-           "write_record"]
+__all__ = ["cache_root", "changed_file", "clean_stale", "entry_lock", "file_problem", "files_sha256", "read_record",
+           "work_dir", "write_record"]
 
 log = logging.getLogger("oal")
 
@@ -119,15 +123,47 @@ def file_problem(path: Path, record_path: Path, **expected) -> str | None:
 
 
 @contextlib.contextmanager
+def _flock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on `path`, a folder or a file (created empty), for the block; with `wait=False` the block
+    gets False, and no lock, when another process holds it."""
+    fd = os.open(path, os.O_RDONLY) if path.is_dir() else os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def entry_lock(entry: Path) -> Iterator[None]:
+    """Hold `entry`'s lock (`.<name>.lock` beside it) for the block: a cache entry that several processes may fill at
+    once is filled by one, while the others wait (then find it filled)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    lock = entry.parent / f".{entry.name}.lock"
+    with _flock(lock, wait=False) as free:
+        if free:
+            yield
+            return
+    log.info("waiting for another oal process that is writing %s", entry)
+    with _flock(lock):
+        yield
+
+
+@contextlib.contextmanager
 def work_dir(parent: Path, label: str) -> Iterator[Path]:
     """A fresh temporary folder `.<label>.<random>.tmp` in `parent`, locked while the block runs and removed after
     it (what the block renames out of it stays). Stale ones in `parent` are removed first."""
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale(parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TMP_SUFFIX, dir=parent))
-    fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
+    with _flock(parent):  # a cleanup in another process must not see the folder before its lock
+        tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TMP_SUFFIX, dir=parent))
+        fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -155,6 +191,14 @@ def clean_stale(parent: Path, legacy: tuple[str, ...] = (".fetch.",)) -> list[Pa
     STALE_S. Returns what was removed."""
     if not parent.is_dir():
         return []
+    try:
+        with _flock(parent, wait=False) as free:
+            return _clean(parent, legacy) if free else []  # another process is making a folder: clean next time
+    except OSError:  # a folder oal cannot write: nothing to clean there either
+        return []
+
+
+def _clean(parent: Path, legacy: tuple[str, ...]) -> list[Path]:
     removed = []
     now = time.time()
     for p in parent.iterdir():
