@@ -75,6 +75,20 @@ def test_auto_resumes_after_a_kill(assets, auto_run, tmp_path):
         {k: v for k, v in auto_run[1].items() if k not in drop}
 
 
+def test_force_deletes_the_selection_too(auto_run, tmp_path):
+    """`--force` left selection.json and candidates/ (the report reads candidates/calibration.json)."""
+    import shutil
+
+    from oal.rundir.claim import clear_run
+    from oal.rundir.lock import LOCK_FILE
+
+    out = tmp_path / "run"
+    shutil.copytree(auto_run[0], out)
+    assert {"selection.json", "candidates"} <= {p.name for p in out.iterdir()}
+    clear_run(out)
+    assert [p.name for p in out.iterdir() if p.name != LOCK_FILE] == []
+
+
 def test_select_layers_command_then_run_continues(assets, auto_run, tmp_path):
     from oal.cli import load_commands
 

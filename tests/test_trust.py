@@ -185,6 +185,15 @@ def test_the_stage_commands_and_linearize_refuse_a_folder_in_use(assets, run_cop
     assert not (d / "candidates").exists()
 
 
+def test_force_deletes_every_result_of_a_run(run_copy):
+    """`--force` left budget.json and regime.json of the earlier configuration, which the new report shows."""
+    from oal.rundir.claim import clear_run
+
+    assert {"budget.json", "regime.json"} <= {p.name for p in run_copy.iterdir()}
+    clear_run(run_copy)
+    assert [p.name for p in run_copy.iterdir() if p.name != LOCK_FILE] == []
+
+
 # ------------------------------------------------------------------------------------------- links in a run directory
 
 

@@ -20,9 +20,12 @@ __all__ = ["RUN_ENTRIES", "claim_run_dir", "clear_run", "config_diff", "identity
 
 log = logging.getLogger("oal")
 
-# What `oal run` writes into a run directory (design.md); `clear_run` deletes these and nothing else.
-RUN_ENTRIES = ("config.json", "groups.json", "analysis.json", "kernels.safetensors", "kernels.json",
-               "calibration.json", "metrics.json", "report.md", "kernels", "adapter", "figures", ".oal")
+# What `oal run` (and `oal diagnose` into a run) writes into a run directory (design.md); `clear_run` deletes these
+# and nothing else. The report reads budget.json, regime.json and candidates/ as found: a forced run must not show an
+# earlier configuration's.
+RUN_ENTRIES = ("config.json", "groups.json", "analysis.json", "regime.json", "budget.json", "selection.json",
+               "kernels.safetensors", "kernels.json", "calibration.json", "metrics.json", "report.md", "kernels",
+               "candidates", "adapter", "figures", "diagnostics", ".oal")
 # Configuration keys that do not change the numbers' meaning: where things run and where local files live (their
 # content is verified by hash: the model here, the data in the stages that read it).
 RUNTIME_KEYS = ("device", "data_dir", "model", "zeroshot_dir")
