@@ -42,6 +42,34 @@ def test_evaluate_refuses_options_of_another_mode(run_dir, args, option, words):
     assert res.exit_code == 2 and f"Invalid value for {option}" in text and words in text, res.output
 
 
+@pytest.mark.parametrize("args, option, words", [
+    (["run", "--select-by", "fidelity"], "--select-by", "applies to --layers auto:K only"),
+    (["run", "--layers", "1-2", "--select-by", "probe"], "--select-by", "applies to --layers auto:K only"),
+    (["run", "--passkey-depths", "0.5"], "--passkey-depths", "applies to --passkey only"),
+    (["run", "--passkey-trials", "2"], "--passkey-trials", "applies to --passkey only"),
+    (["run", "--window", "32"], "--window", "applies to the sliding-window methods"),
+    (["run", "--methods", "oal", "--sinks", "2"], "--sinks", "applies to the sliding-window methods"),
+    (["calibrate", "--methods", "oal,global", "--window", "32"], "--window", "applies to the sliding-window methods"),
+])
+def test_an_option_that_would_be_ignored_is_refused(tmp_path, args, option, words):
+    """They were accepted and ignored (a dead-code audit found them); --window on a run without a window method
+    also bound the run's configuration, so a rerun with another value was refused for a setting that changed
+    nothing. Refused before any work: nothing is created."""
+    out = tmp_path / "out"
+    res, text = _run(*args, "--out", out)
+    assert res.exit_code == 2 and f"Invalid value for {option}" in text and words in text, res.output
+    assert not out.exists()
+
+
+def test_window_options_apply_with_a_window_method():
+    from oal.pipeline.config import RunConfig
+
+    assert RunConfig(methods=["oal", "oal-swa"], window=32, sinks=2).method_options() == {"window": 32, "sinks": 2}
+    with pytest.raises(InputError, match="sliding-window methods") as exc:
+        RunConfig(methods=["oal", "global"], sinks=2)
+    assert exc.value.param == "--sinks"
+
+
 def test_evaluate_checks_the_preset_before_loading_a_model(tmp_path):
     from oal.pipeline.evaluate_fidelity import evaluate_fidelity
 

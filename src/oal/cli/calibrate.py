@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from oal.cli.app import app
+from oal.cli.modes import refuse_unless
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, SinksOpt, WindowOpt, main_console
 from oal.launch import log_console, process_device, ranks
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
@@ -15,6 +16,7 @@ from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 @app.command("calibrate")
 def calibrate_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Directory holding groups.json (from `oal analyze`)."),
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
@@ -49,6 +51,8 @@ def calibrate_cmd(
     unknown = [m for m in wanted if m not in method_names()]
     if not wanted or unknown:
         raise typer.BadParameter(f"unknown {unknown}; expected some of {method_names()}", param_hint="--methods")
+    refuse_unless(ctx, any(get_method(m).settings for m in wanted), ("window", "sinks"),
+                  "the sliding-window methods (swa, oal-swa, global-swa)")
     check_out_dir(out)
     refuse_run_dir(out, "calibration")
     # held from here: a second calibration into OUT would delete this one's capture files

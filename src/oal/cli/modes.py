@@ -1,5 +1,5 @@
 """`oal evaluate`'s three modes (fidelity; --zeroshot; --passkey): an option of another mode than the one asked for
-is refused, not silently ignored."""
+is refused, not silently ignored; `refuse_unless` does the same for any option that applies only with another."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ MODE_OPTIONS = {"fidelity": ("data", "data_dir", "preset", "blocks_limit"),
 
 def refuse_other_modes(ctx: typer.Context, mode: str) -> None:
     """typer's one-line error for the first option of another mode than `mode` given on the command line."""
-    flags = {p.name: p.opts[0] for p in ctx.command.params}
     for other, names in MODE_OPTIONS.items():
-        # typer vendors click: compare the source by name, not with click's own enum
-        given = [flags[n] for n in names
-                 if other != mode and getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
-        if given:
-            needs = {"fidelity": "fidelity (neither --zeroshot nor --passkey)"}.get(other, f"--{other}")
-            raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])
+        needs = {"fidelity": "fidelity (neither --zeroshot nor --passkey)"}.get(other, f"--{other}")
+        refuse_unless(ctx, other == mode, names, needs)
+
+
+def refuse_unless(ctx: typer.Context, applies: bool, names: tuple[str, ...], needs: str) -> None:
+    """typer's one-line error for the first option of `names` given on the command line where it does not apply
+    (`applies` False): it would be ignored."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    # typer vendors click: compare the source by name, not with click's own enum
+    given = [flags[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
+    if given and not applies:
+        raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
+from oal.cli.modes import refuse_unless
 from oal.cli.options import (
     BatchSizeOpt,
     DeviceOpt,
@@ -33,6 +34,7 @@ from oal.pipeline.inputs import layer_selection
 
 @app.command()
 def run(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory (created; an existing one of the same configuration "
                              "is resumed, another configuration is refused)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded; "
@@ -84,6 +86,8 @@ def run(
     from oal.pipeline.runs import run as run_pipeline
 
     set_threads(threads)
+    refuse_unless(ctx, passkey is not None, ("passkey_depths", "passkey_trials"), "--passkey")
+    refuse_unless(ctx, (layers or "").strip().lower().startswith("auto"), ("select_by",), "--layers auto:K")
     lengths = parse_numbers(passkey, int, "--passkey", 16, Max.TOKENS)
     depths = parse_numbers(passkey_depths, float, "--passkey-depths", 0.0, 1.0)
     try:

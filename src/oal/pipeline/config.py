@@ -154,10 +154,13 @@ class RunConfig:
         if self.select is not None:
             self.select = parse_select(self.select)
         resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
-        for name, low in (("window", 1), ("sinks", 0)):
+        for name, low, default in (("window", 1, WINDOW), ("sinks", 0, SINKS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InputError(f"expected an integer >= {low}, got {value!r}", f"--{name}", name)
+            if value != default and not self.method_options():  # it would change nothing, yet bind the run's key
+                raise InputError("applies to the sliding-window methods (swa, oal-swa, global-swa) only, and "
+                                 f"methods {','.join(self.methods)} have none", f"--{name}", name)
         AdaptConfig.from_dict({**self.adapt_config_dict()})  # validate early
         for method in self.adapt_overrides:
             self.adapt_config(method)
