@@ -14,7 +14,7 @@ from oal.calibration.fit import (
     sampled_dense_output,
 )
 from oal.calibration.loss import _oal_dense_kernel
-from oal.calibration.model import calibrate_model, capture_layer_data
+from oal.calibration.model import capture_layer_data, capture_layers_data
 from oal.methods import build_method
 from oal.ops.kernel import perturbed_factor
 
@@ -155,20 +155,19 @@ def test_bad_input():
         calibrate_oal_layer(train, train, torch.zeros(HQ, D + 1, dtype=torch.long))
 
 
-def test_calibrate_model_with_capture():
+def test_capture_of_several_layers_in_one_pass_is_each_layers_own():
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=HQ, num_key_value_heads=HKV, max_position_embeddings=64)
     model = Qwen2ForCausalLM(cfg).eval()
     ids = torch.randint(0, 61, (3, 24), generator=torch.Generator().manual_seed(0))
-    data = capture_layer_data(model, ids[:2], 1)
-    assert data.q.shape == (2, HQ, 24, D) and data.out.shape == (2, HQ, 24, D)
-    seen = []
-    res = calibrate_model(model, ids[:2], ids[2:], {1: _groups()}, CalibConfig.preset("tiny", max_steps=6),
-                          on_layer=lambda i, g, o: seen.append(i))
-    assert seen == [1] and set(res) == {1}
-    glob, oal = res[1]
-    assert glob.params["factor"].shape == (HQ, 2, 2) and oal.params["factor"].shape == (HQ, 4, 4)
+    data = capture_layer_data(model, ids, 1, batch_size=2)
+    assert data.q.shape == (3, HQ, 24, D) and data.k.shape == (3, HKV, 24, D) and data.out.shape == (3, HQ, 24, D)
+    both = capture_layers_data(model, ids, [2, 1])
+    assert sorted(both) == [1, 2]
+    for name in ("q", "k", "v", "out"):
+        torch.testing.assert_close(getattr(both[1], name), getattr(data, name), rtol=0, atol=0)
+    assert not torch.equal(both[2].q, both[1].q)
 
 
 def _planted(seed, n_seq, n_tok=64):

@@ -139,6 +139,14 @@ def test_bad_input_is_one_line_not_a_traceback(art, tmp_path, case):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+@pytest.mark.parametrize("value, shown", [("", False), ("0", False), ("1", True), ("yes", True)])
+def test_oal_debug_0_is_off_as_every_other_switch(monkeypatch, value, shown):
+    from oal.lm_eval import show_traceback
+
+    monkeypatch.setenv("OAL_DEBUG", value)
+    assert show_traceback() is shown
+
+
 def test_the_device_defaults_to_the_available_one(monkeypatch):
     from oal import lm_eval as entry
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["InputError", "SelectionSizeError", "from_known_keys", "parse_names"]
+__all__ = ["InputError", "SelectionSizeError", "check_int", "from_known_keys", "parse_names"]
 
 
 class InputError(ValueError):
@@ -35,6 +35,13 @@ class SelectionSizeError(InputError):
 
     def __reduce__(self):
         return type(self), (self.k, self.limit, self.param)
+
+
+def check_int(name: str, value, low: int) -> int:
+    """`value` when it is an integer >= `low` (a bool is not); ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return value
 
 
 def from_known_keys(cls, d: dict, label: str):

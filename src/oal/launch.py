@@ -93,10 +93,6 @@ class Ranks:
     def is_main(self) -> bool:
         return self.index == 0
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            self.state.wait_for_everyone()
-
     def broadcast(self, obj: T) -> T:
         """The main process's `obj` on every process (pickled: keep tensors on the CPU)."""
         if self.size == 1:

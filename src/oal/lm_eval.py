@@ -68,10 +68,15 @@ def main(argv: list[str] | None = None) -> None:
         _check_pretrained(args)
         cli_evaluate()
     except (ValueError, OSError) as exc:
-        if os.environ.get("OAL_DEBUG"):
+        if show_traceback():
             raise
         print(f"Error: {' '.join(str(exc).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def show_traceback() -> bool:
+    """`OAL_DEBUG` set to anything but "" or "0" (as the other OAL_ switches, 0 is off)."""
+    return os.environ.get("OAL_DEBUG", "0") not in ("", "0")
 
 
 if __name__ == "__main__":

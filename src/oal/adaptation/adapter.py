@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from oal.adaptation.config import AdaptResult
-from oal.models.pretrained import confined_file, read_json_object
+from oal.models.pretrained import LORA_FILE, confined_file, read_json_object
 from oal.rundir.files import atomic_dir, atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
 from oal.rundir.hashes import header_binds, record_header, sha256_file
 
@@ -44,7 +44,6 @@ ADAPTER_MANIFEST = "oal_adapter.json"
 
 ADAPTER_FORMAT = "oal-adapter/2"
 _FORMAT_V1 = "oal-adapter/1"  # a peft folder (adapter_config.json) beside the kernel file: still read
-LORA_FILE = "adapter_model.safetensors"
 KERNEL_FILE = "kernel_params.safetensors"
 _ALLOWED_SUFFIXES = (".json", ".safetensors")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from oal.models.pretrained import LORA_FILE
 from oal.rundir.files import atomic_save_safetensors, load_safetensors
 from oal.rundir.hashes import header_binds, record_header, sha256_file
 
 __all__ = ["KERNELS_FILE", "with_kernels_in_saves"]
 
 KERNELS_FILE = "oal_kernels.safetensors"
-_ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def _kernels(model) -> dict[str, torch.nn.Parameter]:
@@ -29,7 +29,7 @@ def _kernels(model) -> dict[str, torch.nn.Parameter]:
 
 
 def _binding(folder: Path) -> dict:
-    adapter = folder / _ADAPTER_FILE
+    adapter = folder / LORA_FILE
     return {"adapter_sha256": sha256_file(adapter) if adapter.is_file() else None}
 
 
@@ -48,7 +48,7 @@ class _KernelsInSaves:
         path = Path(str(model_id)) / KERNELS_FILE
         if path.is_file():  # a folder saved without them (peft's own) keeps the model's kernels
             if header_binds(path, _binding(path.parent)) is False:
-                raise ValueError(f"{path}: saved beside another {_ADAPTER_FILE} than the one in its folder")
+                raise ValueError(f"{path}: saved beside another {LORA_FILE} than the one in its folder")
             saved, own = load_safetensors(path), _kernels(self)
             if set(saved) != set(own) or any(saved[n].shape != own[n].shape for n in own):
                 raise ValueError(f"{path}: its kernel tensors do not fit this model's converted layers")

@@ -53,10 +53,6 @@ class GroupingResult:
     params: dict = field(default_factory=dict)
 
     @property
-    def batch_shape(self) -> torch.Size:
-        return self.groups.shape[:-1]
-
-    @property
     def n_groups(self):
         """Number of groups (int for one head, LongTensor [...] for a batch)."""
         n = self.selected.sum(-1) + 1

@@ -1,59 +1,33 @@
-"""Calibration straight from a model: capture one layer's frozen attention tensors, or calibrate global then OAL on
-several layers in one pass over the blocks (the library entry point; `oal run` goes through `calibration.resume`)."""
+"""Capture a model's frozen attention tensors for calibration: q/k/v and the softmax output of chosen layers, as
+`LayerData` (`oal run` calibrates through `calibration.resume`, which streams the same capture to disk)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Sequence
 
 import torch
 
-from oal.calibration.data import CalibConfig, LayerCalibration, LayerData
-from oal.calibration.fit import calibrate_oal_layer
+from oal.calibration.data import LayerData
 from oal.device import module_device
-from oal.launch import log_console
 
-__all__ = ["calibrate_model", "capture_layer_data"]
+__all__ = ["capture_layer_data", "capture_layers_data"]
 
 
-def capture_layer_data(model, input_ids: torch.Tensor, layer: int, batch_size: int = 4) -> LayerData:
-    """Frozen q/k/v/softmax-out of `layer` for the blocks `input_ids` [S, N] (via `oal.models.capture`), on the
-    model's device (the blocks go there first)."""
+def capture_layers_data(model, input_ids: torch.Tensor, layers: Sequence[int], batch_size: int = 4
+                        ) -> dict[int, LayerData]:
+    """{layer: frozen q/k/v/softmax-out} of `layers` for the blocks `input_ids` [S, N] (via `oal.models.capture`,
+    one forward per batch of blocks for every layer), on the model's device (the blocks go there first)."""
     from oal.models.capture import capture
 
     input_ids = input_ids.to(module_device(model))
-    got = []
+    got: dict[int, list] = {int(i): [] for i in layers}
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
-            capture(model, input_ids[start : start + batch_size], [layer], got.append, stop_after_last=True)
-    return LayerData.from_captured(got)
+            capture(model, input_ids[start : start + batch_size], list(got), lambda c: got[c.layer].append(c),
+                    stop_after_last=True)
+    return {i: LayerData.from_captured(items) for i, items in got.items()}
 
 
-def calibrate_model(model, train_ids: torch.Tensor, val_ids: torch.Tensor, groups: Mapping[int, torch.Tensor],
-                    cfg: CalibConfig | None = None, *, eps: float = 1e-6, progress: bool = False,
-                    on_layer: Callable[[int, LayerCalibration, LayerCalibration], None] | None = None,
-                    ) -> dict[int, tuple[LayerCalibration, LayerCalibration]]:
-    """Calibrate global then OAL on every layer in `groups` (layer -> [Hq, d]); returns layer -> (global, oal).
-
-    `on_layer(layer, global, oal)` is called after each layer (e.g. to checkpoint).
-    """
-    import tempfile
-
-    from rich.progress import Progress
-
-    from oal.models.capture_store import capture_to_disk
-
-    cfg = cfg or CalibConfig()
-    out = {}
-    device = module_device(model)
-    with (Progress(disable=not progress, console=log_console()) as bar,
-          tempfile.TemporaryDirectory(prefix="oal-capture-") as tmp):
-        # one forward per block for all layers (not one per layer), each layer's data streamed to its own files
-        store = capture_to_disk(model, {"train": train_ids, "val": val_ids}, sorted(groups), tmp, key="calibrate")
-        task = bar.add_task("calibrating", total=len(groups))
-        for layer in sorted(groups):
-            train, val = (LayerData(**store.load(r, layer, device)) for r in ("train", "val"))
-            out[layer] = calibrate_oal_layer(train, val, groups[layer], cfg, layer=layer, eps=eps)
-            if on_layer is not None:
-                on_layer(layer, *out[layer])
-            bar.advance(task)
-    return out
+def capture_layer_data(model, input_ids: torch.Tensor, layer: int, batch_size: int = 4) -> LayerData:
+    """`capture_layers_data` of one layer."""
+    return capture_layers_data(model, input_ids, [layer], batch_size)[int(layer)]

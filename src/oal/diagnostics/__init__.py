@@ -4,12 +4,12 @@
 entry points for `oal evaluate --methods all`; `diagnose(...)` runs everything into a run directory.
 """
 
+from oal.calibration.model import capture_layers_data
 from oal.diagnostics.budget import budget_curve, coefficients_per_head, plot_budget
 from oal.diagnostics.fidelity_table import (
     TABLE2_METHODS,
     calibrate_methods,
     capture_chi,
-    capture_layer_data,
     capture_sequences,
     table2,
 )
@@ -31,7 +31,7 @@ __all__ = [
     "budget_curve",
     "calibrate_methods",
     "capture_chi",
-    "capture_layer_data",
+    "capture_layers_data",
     "capture_sequences",
     "coefficients_per_head",
     "diagnose",

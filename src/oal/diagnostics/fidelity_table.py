@@ -15,7 +15,6 @@ __all__ = [
     "TABLE2_METHODS",
     "calibrate_methods",
     "capture_chi",
-    "capture_layer_data",
     "capture_sequences",
     "table2",
 ]
@@ -31,15 +30,6 @@ def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch
     with torch.no_grad():
         for start in range(0, blocks.shape[0], batch_size):
             capture(model, blocks[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
-
-
-def capture_layer_data(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
-    """{layer: oal.calibration.data.LayerData} of frozen q, k, v and softmax outputs for token blocks [S, N]."""
-    from oal.calibration.data import LayerData
-
-    got: dict[int, list] = {int(i): [] for i in layers}
-    _capture(model, blocks, layers, lambda c: got[c.layer].append(c), batch_size)
-    return {i: LayerData.from_captured(items) for i, items in got.items()}
 
 
 def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:

@@ -27,13 +27,13 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from oal.calibration.model import capture_layer_data, capture_layers_data
 from oal.device import module_device, to_device
 from oal.diagnostics.budget import budget_curve, plot_budget
 from oal.diagnostics.fidelity_table import (
     TABLE2_METHODS,
     calibrate_methods,
     capture_chi,
-    capture_layer_data,
     capture_sequences,
 )
 from oal.diagnostics.fidelity_table import table2 as run_table2
@@ -173,8 +173,8 @@ def diagnose(
 
     need_calib = "budget" in parts or "table2" in parts
     if need_calib:
-        train = capture_layer_data(model, blocks["calib_train"], layers)
-        val = capture_layer_data(model, blocks["calib_val"], layers)
+        train = capture_layers_data(model, blocks["calib_train"], layers)
+        val = capture_layers_data(model, blocks["calib_val"], layers)
 
     if "budget" in parts:
         layer, head = budget_head or (layers[0], 0)
@@ -185,7 +185,7 @@ def diagnose(
         key = _key(settings)
         done = done_part(diag / "budget.json", key)
         if done is None:
-            held = capture_layer_data(model, fid_blocks, [layer])[layer]
+            held = capture_layer_data(model, fid_blocks, layer)
             with Progress(console=console, transient=True) as bar:
                 task = bar.add_task(f"Fig. 2(b): layer {layer} head {head}", total=len(budgets))
                 res = budget_curve(train[layer], val[layer], held, chi[layer][head], head, budgets, ccfg,

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-__all__ = ["AttentionMethod", "METHODS", "build_method", "check_version", "get_method", "method_names",
+__all__ = ["AttentionMethod", "METHODS", "build_method", "causal_mask", "check_version", "get_method", "method_names",
            "method_settings", "newer_versions", "record_settings", "register", "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
@@ -93,6 +93,11 @@ def newer_versions(names) -> dict[str, int]:
     return {n: get_method(n).version for n in names if get_method(n).version != 1}
 
 
+def causal_mask(n: int, m: int, device) -> torch.Tensor:
+    """[n, m] bool: query i sees key j iff j <= i + m - n (the last n of m positions query)."""
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, Hkv, N, d] -> [B, Hkv * n_rep, N, d], query head h reading KV head h // n_rep (as HF's repeat_kv)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -142,8 +147,7 @@ class AttentionMethod(nn.Module):
         """Dense O(N^2): normalised kernel-weighted sum of values (Eq. 1 evaluated pairwise)."""
         w = self.dense_kernel(q, k)
         if causal:
-            n, m = w.shape[-2:]
-            w = w.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=w.device).tril(m - n), 0.0)
+            w = w.masked_fill(~causal_mask(*w.shape[-2:], w.device), 0.0)
         w = w.to(v.dtype)
         return (w @ repeat_kv(v, self.n_rep)) / w.sum(-1, keepdim=True)
 

@@ -23,12 +23,7 @@ import torch
 from oal.methods._common import check_qkv
 from oal.methods.base import AttentionMethod
 
-__all__ = ["FeatureMapMethod", "causal_mask", "dense_feature_kernel", "feature_attention"]
-
-
-def causal_mask(n: int, m: int, device) -> torch.Tensor:
-    """[n, m] bool: query i sees key j iff j <= i + m - n (the base-class alignment)."""
-    return torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)
+__all__ = ["FeatureMapMethod", "dense_feature_kernel", "feature_attention"]
 
 
 def _group(x: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from oal.errors import check_int
 from oal.methods._common import check_qkv
 from oal.methods.base import AttentionMethod, register
 from oal.methods.oal import GlobalMethod, OALMethod
@@ -46,12 +47,6 @@ def _weights(logw: torch.Tensor) -> torch.Tensor:
     return torch.exp(logw - logw.amax(-1, keepdim=True))
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-    return value
-
-
 @register
 class SWAMethod(AttentionMethod):
     name = "swa"
@@ -62,7 +57,7 @@ class SWAMethod(AttentionMethod):
     def __init__(self, n_heads, n_kv_heads, head_dim, *, window: int = 64, sinks: int = 4, layer_idx: int = 0,
                  seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
-        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)
+        self.window, self.sinks = check_int("window", window, 1), check_int("sinks", sinks, 0)
 
     def dense_kernel(self, q, k, positions=None):
         check_qkv(self, q, k)
@@ -119,7 +114,7 @@ class OALSWAMethod(_WindowKernel, OALMethod):
                  factor=None, n_groups: int = 2, eps: float = 1e-6, layer_idx: int = 0, seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, groups=groups, factor=factor, n_groups=n_groups, eps=eps,
                          layer_idx=layer_idx, seed=seed)
-        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)
+        self.window, self.sinks = check_int("window", window, 1), check_int("sinks", sinks, 0)
 
 
 @register
@@ -132,4 +127,4 @@ class GlobalSWAMethod(_WindowKernel, GlobalMethod):
                  eps: float = 1e-6, groups=None, n_groups: int = 1, layer_idx: int = 0, seed: int = 0):
         # groups / n_groups are accepted and ignored, as by `global`: one group whatever the caller's grouping
         super().__init__(n_heads, n_kv_heads, head_dim, factor=factor, eps=eps, layer_idx=layer_idx, seed=seed)
-        self.window, self.sinks = _check_int("window", window, 1), _check_int("sinks", sinks, 0)
+        self.window, self.sinks = check_int("window", window, 1), check_int("sinks", sinks, 0)

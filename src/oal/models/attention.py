@@ -37,7 +37,6 @@ Sliding-window models (Mistral): a converted layer attends the full causal prefi
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -49,9 +48,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from oal.methods.base import AttentionMethod, build_method, repeat_kv
+from oal.methods.base import AttentionMethod, build_method, causal_mask, repeat_kv
 from oal.models import encoder
 from oal.models.cache import OALStateLayer
+from oal.models.capture import attention_function
 from oal.models.registry import default_layers
 from oal.ops.checks import cache_owned
 from oal.ops.kernel import version
@@ -127,7 +127,7 @@ def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
         allowed = mask[..., -n:, -m:]
         allowed = allowed if allowed.dtype == torch.bool else allowed == 0
     else:
-        allowed = torch.ones(n, m, dtype=torch.bool, device=w.device).tril(m - n)
+        allowed = causal_mask(n, m, w.device)
     w = w.masked_fill(~allowed, 0.0).to(v.dtype)
     return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
 
@@ -197,12 +197,6 @@ def _converted_forward(module, query, key, value, attention_mask):
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def _base_function(module: nn.Module, impl: str):
-    if impl == "eager":  # each modeling file defines its own eager function
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[impl]
-
-
 def dispatch_name(base: str) -> str:
     """Register (once) the dispatching attention function "oal_<base>" with `base`'s mask function; its name."""
     name = f"{_PREFIX}{base}"
@@ -215,7 +209,7 @@ def dispatch_name(base: str) -> str:
 
     def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
         if getattr(module, "oal_method", None) is None:
-            return _base_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+            return attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
         return _converted_forward(module, query, key, value, attention_mask)
 
     oal_dispatch.__name__ = name

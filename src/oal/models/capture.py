@@ -103,7 +103,8 @@ def output_projection(model: nn.Module, layer: int) -> nn.Linear:
     return attention_module(model, layer).o_proj
 
 
-def _original_function(module: nn.Module, impl: str) -> Callable:
+def attention_function(module: nn.Module, impl: str) -> Callable:
+    """transformers' attention function `impl` for `module` (also `oal.models.attention`'s dispatch)."""
     if impl == "eager":  # each modeling file has its own eager function; use the module's
         return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[impl]
@@ -111,7 +112,7 @@ def _original_function(module: nn.Module, impl: str) -> Callable:
 
 def _make_wrapper(impl: str) -> Callable:
     def capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        out = _original_function(module, impl)(module, query, key, value, attention_mask, *args, **kwargs)
+        out = attention_function(module, impl)(module, query, key, value, attention_mask, *args, **kwargs)
         session = _SESSION.get()
         layer = None if session is None else session.modules.get(id(module))
         if layer is not None:

@@ -53,7 +53,7 @@ log = logging.getLogger("oal")
 MANIFEST = "oal.json"
 FORMAT = "oal-model/2"  # /1: weights in model.safetensors (the family class loaded them as softmax), peft adapter
 VARIANT = "oal"  # the weights file is model.oal.safetensors (transformers' `variant`)
-LORA_FILE = "adapter_model.safetensors"  # an unmerged export's LoRA tensors (peft's state-dict names)
+LORA_FILE = "adapter_model.safetensors"  # LoRA tensors: peft's SAFETENSORS_WEIGHTS_NAME (not imported: 4 s)
 UNHASHED = frozenset({"README.md", "generation_config.json"})  # routine edits (model card, sampling defaults)
 # JSON files hashed without the keys that change no number (tokenizer_config.json's model_max_length, which
 # transformers writes as 1e30 for "no limit": a user may set the true one), so that editing them keeps the folder

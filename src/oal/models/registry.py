@@ -44,27 +44,24 @@ HUB_MODELS: dict[str, dict] = {
     },
 }
 
-# Per-preset grouping / protocol settings (paper App. B, F.2). `layers=None` means default_layers' rule.
+# Per-preset grouping settings (paper App. B) and converted layers; `layers=None` means default_layers' rule. The
+# model, block lengths and adaptation budget of a preset are `oal.pipeline.config.PRESETS`' and its split plan's.
 # `table_layers`: where the paper measures frozen-attention fidelity and Table 1 (Sec. 5.1: "all query heads in
 # Layers 4, 12, and 20" of Qwen2.5-0.5B); `representative`: its (layer, head) of Fig. 2 (App. B: "zero-based
 # Layer 4, Head 0"). Presets without them use every converted layer and the first one's head 0.
 PRESETS: dict[str, dict] = {
-    "default": {"model": "default", "layers": None, "alpha": 0.25, "gamma": 0.9, "tau": 1.5, "min_groups": 2,
-                "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "block_len": 256, "adapt_steps": 64,
-                "val_blocks": 8, "plan": "default"},
-    "qwen2.5-0.5b": {"model": "Qwen/Qwen2.5-0.5B", "layers": list(range(3, 21)), "alpha": 0.25, "gamma": 0.9,
-                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
-                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "qwen2.5-0.5b",
+    "default": {"layers": None, "alpha": 0.25, "gamma": 0.9, "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000,
+                "n_prompts": 40, "prompt_len": 128, "plan": "default"},
+    "qwen2.5-0.5b": {"layers": list(range(3, 21)), "alpha": 0.25, "gamma": 0.9, "tau": 1.5, "min_groups": 2,
+                     "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "plan": "qwen2.5-0.5b",
                      "table_layers": [4, 12, 20], "representative": [4, 0]},
-    "llama-3.2-1b": {"model": "meta-llama/Llama-3.2-1B", "layers": list(range(1, 15)), "alpha": 0.5, "gamma": 0.5,
-                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
-                     "block_len": 4096, "adapt_steps": 512, "val_blocks": 32, "plan": "llama-3.2-1b"},
+    "llama-3.2-1b": {"layers": list(range(1, 15)), "alpha": 0.5, "gamma": 0.5, "tau": 1.5, "min_groups": 2,
+                     "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "plan": "llama-3.2-1b"},
     # SmolLM2-135M (a Llama, 30 layers): softmax kept in the first and last 3 layers, 24 of 30 converted (80%),
     # between the paper's proportions (Qwen2.5-0.5B 18 of 24 = 75%, Llama-3.2-1B 14 of 16 = 87.5%); grouping as
     # the paper's other Llama (App. B: alpha 0.5, gamma 0.5).
-    "smollm2-135m": {"model": "smollm2-135m", "layers": list(range(3, 27)), "alpha": 0.5, "gamma": 0.5,
-                     "tau": 1.5, "min_groups": 2, "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128,
-                     "block_len": 512, "adapt_steps": 32, "val_blocks": 8, "plan": "smollm2-135m"},
+    "smollm2-135m": {"layers": list(range(3, 27)), "alpha": 0.5, "gamma": 0.5, "tau": 1.5, "min_groups": 2,
+                     "n_bootstrap": 1000, "n_prompts": 40, "prompt_len": 128, "plan": "smollm2-135m"},
 }
 
 

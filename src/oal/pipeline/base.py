@@ -38,11 +38,9 @@ from oal.rundir.hashes import config_hash, versions
 from oal.rundir.metrics import METRICS_FILE, apply_entries, verified_evaluations
 from oal.rundir.stages import StageLog, Timer
 
-__all__ = ["CANDIDATES", "FIDELITY_FILE", "REFERENCE", "STAGES", "StagedRun", "tidy_zeroshot"]
+__all__ = ["CANDIDATES", "FIDELITY_FILE", "REFERENCE", "StagedRun", "tidy_zeroshot"]
 
 FIDELITY_FILE = ".oal/fidelity.json"
-STAGES = ("setup", "analyze", "calibrate", "select", "fidelity", "regime", "budget", "adapt", "perplexity", "zeroshot",
-          "compare", "report")
 REFERENCE = "softmax"  # the method without an approximation (the reference arm)
 CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
 

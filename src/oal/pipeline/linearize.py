@@ -145,6 +145,7 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
     Raises:
         ValueError: bad input, naming the argument (too little text, an unknown method, a layer out of range).
     """
+    from oal.errors import check_int
     from oal.methods import get_method, method_names
 
     if method not in method_names() or method == "softmax":
@@ -153,8 +154,7 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
         raise ValueError(f"select_by: expected 'fidelity' or 'probe', got {select_by!r}")
     for name, value, low in (("block_len", block_len, 1), ("calib_blocks", calib_blocks, 1), ("seed", seed, 0),
                              ("window", window, 1), ("sinks", sinks, 0)):  # before any work: a bad one failed late
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        check_int(name, value, low)
     cfg = calib_config(calib, seed)
     if get_method(method).positional and window + sinks >= block_len:
         raise ValueError(f"window: {window} + {sinks} sinks cover every {block_len}-token calibration block, so "

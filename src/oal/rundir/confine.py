@@ -21,7 +21,7 @@ from pathlib import Path
 
 from oal.errors import InputError
 
-__all__ = ["confined", "escaping_links", "inside", "roots"]
+__all__ = ["confined", "escaping_links", "inside"]
 
 _ROOTS: ContextVar[tuple[Path, ...]] = ContextVar("oal_confined_roots", default=())
 
@@ -33,11 +33,6 @@ def _absolute(path: str | Path) -> Path:
 
 def _below(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
-
-
-def roots() -> tuple[Path, ...]:
-    """The directories the current command may write below (innermost last); () when unconfined."""
-    return _ROOTS.get()
 
 
 @contextlib.contextmanager

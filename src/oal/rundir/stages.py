@@ -87,11 +87,6 @@ class StageLog:
         self._verified.add(stage)
         atomic_write_json(self.path, self.stages)
 
-    def forget(self, stage: str) -> None:
-        self._verified.discard(stage)
-        if self.stages.pop(stage, None) is not None:
-            atomic_write_json(self.path, self.stages)
-
     def elapsed(self) -> dict[str, float]:
         return {k: v["elapsed_s"] for k, v in self.stages.items()}
 

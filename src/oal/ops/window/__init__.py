@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oal.errors import check_int
 from oal.ops import checks, cpu_kernel, plans
 from oal.ops.checks import compute_dtype as _compute_dtype
 from oal.ops.checks import max_abs as _max_abs
@@ -100,12 +101,6 @@ def _triton_decode(q, k, v, groups, factor, *, window, sinks, eps, scale, state,
     return out, final
 
 
-def _positive_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-    return value
-
-
 def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial_state, chunk_size, check_state=True,
            values=True):
     """Validate everything but the kernel's own arguments; returns (max |q|, max |k|). `check_state`: read the
@@ -117,8 +112,8 @@ def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {t.device}")
     bsz, n_q, n, d = q.shape
     n_kv = k.shape[1]
-    _positive_int("window", window, 1)
-    _positive_int("sinks", sinks, 0)
+    check_int("window", window, 1)
+    check_int("sinks", sinks, 0)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
@@ -127,7 +122,7 @@ def _check(q, k, v, window, sinks, kernel: bool, scale, causal, backend, initial
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if chunk_size is not None:
-        _positive_int("chunk_size", chunk_size, 1)
+        check_int("chunk_size", chunk_size, 1)
     if initial_state is not None:
         want = (bsz, n_kv, window_state_size(d, v.shape[-1], window, sinks, kernel))
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
