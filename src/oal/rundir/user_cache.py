@@ -6,9 +6,8 @@ written with it (`write_record`), and a reader checks the files against it (`cha
 Work in progress lives in temporary folders (`work_dir`) that hold a lock while their process runs, so the next use
 removes what a killed process left (`clean_stale`) and never a running one's: a folder is created and locked while
 its process holds a lock on the parent folder itself, which a cleanup also takes, so none sees a new folder before
-its lock. An entry that
-several processes may fill at once (a dequantised model, the tuning file) is filled under its own lock
-(`entry_lock`): the others wait, then use what the first wrote.
+its lock. An entry that several processes may fill at once (a dequantised model, the tuning file) is filled under
+its own lock (`entry_lock`): the others wait, then use what the first wrote.
 """
 
 from __future__ import annotations
