@@ -143,6 +143,20 @@ def test_budget_grouping_records_app_b_beside_it(tiny, tmp_path):
         analyze(tiny, None, ids, [0], tmp_path, n_bootstrap=30, budget=0)
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_no_progress_draws_no_capture_bars(tiny, tmp_path, progress):
+    """`oal run --no-progress` still drew the analysis' three capture bars (Progress without disable=)."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    ids = torch.randint(0, 64, (4, 20), generator=torch.Generator().manual_seed(5))
+    analyze(tiny, None, ids, [0], tmp_path, n_bootstrap=10, figures=False, progress=progress,
+            console=Console(file=out, force_terminal=True, width=120), results=Console(quiet=True))
+    assert ("capture: calibration prompts" in out.getvalue()) is progress
+
+
 def _cap(model, ids, layers):
     got = []
     with torch.no_grad():

@@ -30,6 +30,18 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.mark.parametrize("xdg, where", [("", "home"), ("relcache", "home"), ("/abs/cache", "/abs/cache/oal")])
+def test_the_cache_folder_follows_the_xdg_spec(monkeypatch, tmp_path, xdg, where):
+    """A relative XDG_CACHE_HOME made a cache in every working folder; the spec says to ignore it."""
+    from oal.rundir.user_cache import cache_root
+
+    monkeypatch.delenv("OAL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    want = tmp_path / ".cache" / "oal" if where == "home" else Path(where)
+    assert cache_root("gguf") == want / "gguf"
+
+
 # ----------------------------------------------------------------------------------------------- GGUF folders
 
 

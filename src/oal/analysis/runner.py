@@ -162,6 +162,7 @@ def analyze(
     meta: dict | None = None,
     budget: int | None = None,
     pairs: bool = False,
+    progress: bool = True,
     **grouping,
 ) -> dict:
     """Group every query head of `layers` from `prompts` (token blocks [P, L] or strings) and write the outputs.
@@ -169,7 +170,8 @@ def analyze(
     heldout: prompts for the App. A.3 input-stability check (same format as `prompts`);
     long_sequence: LongTensor [N] for the Table 4 sequence-length check at prefix `lengths`;
     **grouping: keyword arguments of `stable_gap_groups`; representative: (layer, head) for the single-head figures.
-    console: progress bars (default: stderr); results: the summary table (default: `console`).
+    console: progress bars (default: stderr; `progress=False`: none); results: the summary table (default:
+    `console`).
     budget: G for the fixed-budget procedure of Fig. 2(b) (`fixed_budget_groups`: the G - 1 largest adjacent gaps
     of the sorted profile) instead of App. B's stable-gap groups -- a departure from the paper's protocol, which
     uses App. B for conversion; the App. B result is still computed and recorded beside it.
@@ -220,22 +222,22 @@ def analyze(
 
     t0 = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with torch.no_grad(), Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("capture: calibration prompts", total=n_prompts)
+    with torch.no_grad(), Progress(*columns, console=console, transient=False, disable=not progress) as bars:
+        task = bars.add_task("capture: calibration prompts", total=n_prompts)
         regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)), max_rows=ANALYZE_ROWS,
                                     max_logits=ANALYZE_LOGITS)  # linear in N: see oal.analysis.regime
         offsets = OffsetAccumulator()
-        calib = _run_capture(model, batches, layers, n_prompts, progress, task, regime, offsets)
+        calib = _run_capture(model, batches, layers, n_prompts, bars, task, regime, offsets)
         held = None
         if held_batches is not None:
             n_held = sum(b[0].shape[0] for b in held_batches)
-            task = progress.add_task("capture: held-out prompts", total=n_held)
-            held = _run_capture(model, held_batches, layers, n_held, progress, task)
+            task = bars.add_task("capture: held-out prompts", total=n_held)
+            held = _run_capture(model, held_batches, layers, n_held, bars, task)
         prefix = None
         if long_sequence is not None:
-            task = progress.add_task(f"capture: {long_sequence.numel()}-token sequence", total=1)
+            task = bars.add_task(f"capture: {long_sequence.numel()}-token sequence", total=1)
             prefix = _prefix_shares(model, long_sequence, layers, lengths)
-            progress.advance(task)
+            bars.advance(task)
     t_capture = time.perf_counter() - t0
 
     chi_pp = torch.stack([calib.chi[i].transpose(0, 1) for i in layers])  # [L, Hq, P, d]

@@ -94,7 +94,7 @@ class Run(StagedRun):
         def fn():
             analyze(self.model, self.tokenizer, self.blocks["grouping"], self.layers, self.dir,
                     **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, representative=rep,
-                    **self.cfg.grouping)
+                    progress=self.progress, **self.cfg.grouping)
 
         return self.stage("analyze", deps, ["groups.json"], fn)
 

@@ -43,8 +43,9 @@ def cache_root(*parts: str) -> Path:
     if base:
         root = Path(base).expanduser()
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "oal"
+        xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+        # the XDG spec: a relative path is invalid and ignored (else each working folder got a cache of its own)
+        root = (xdg if xdg.is_absolute() else Path.home() / ".cache") / "oal"
     return root.joinpath(*parts)
 
 
