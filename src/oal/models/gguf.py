@@ -25,6 +25,7 @@ from oal.models.folders import bad_model, first_line
 from oal.models.provenance import file_sha256
 from oal.rundir.user_cache import (
     cache_root,
+    cache_writes,
     changed_file,
     clean_stale,
     entry_lock,
@@ -156,7 +157,8 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     problem = cache_problem(folder, sha)
     if problem is None:
         return folder
-    with entry_lock(folder):  # several processes at once: one dequantises, the others wait and use its folder
+    # several processes at once: one dequantises, the others wait and use its folder
+    with cache_writes(f"the dequantised {path.name}", folder.parent), entry_lock(folder):
         problem = cache_problem(folder, sha)
         if problem is None:
             return folder

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from oal.rundir.user_cache import cache_root, clean_stale, entry_lock
+from oal.rundir.user_cache import cache_root, cache_writes, clean_stale, entry_lock
 
 __all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "lookup", "machine_key", "settings_for",
            "source", "store_entry"]
@@ -178,7 +178,7 @@ def store_entry(key: str, entry: dict) -> None:
     """Add `entry` under `key` to the cache file, merged with the entries other threads and processes wrote
     meanwhile (two tunings that finished together each kept only their own entry)."""
     path = cache_path()
-    with _LOCK, entry_lock(path):
+    with _LOCK, cache_writes("the tuning entries", path.parent), entry_lock(path):
         entries = _read(path)
         entries[key] = entry
         _write(path, entries)

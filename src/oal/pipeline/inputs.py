@@ -18,9 +18,12 @@ def load_model_or_fail(model: str, device: str, dtype: str | None = None):
     from oal.device import resolve_dtype
     from oal.launch import process_device
     from oal.models.registry import load_model
+    from oal.rundir.user_cache import CacheWriteError
 
     try:
         return load_model(model, device=process_device(device), dtype=resolve_dtype(dtype or "float32"))
+    except CacheWriteError:
+        raise  # its one line names the cache folder and OAL_CACHE_DIR: not the model's fault
     except (ValueError, RuntimeError, OSError) as exc:
         raise InputError(str(exc), "--model") from None
 

@@ -13,6 +13,7 @@ its own lock (`entry_lock`): the others wait, then use what the first wrote.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from oal.rundir.hashes import sha256_file
 
-__all__ = ["cache_root", "changed_file", "clean_stale", "entry_lock", "file_problem", "files_sha256", "read_record",
-           "work_dir", "write_record"]
+__all__ = ["WRITE_ERRNOS", "CacheWriteError", "cache_root", "cache_writes", "changed_file", "clean_stale", "entry_lock",
+           "file_problem", "files_sha256", "probe_writable", "read_record", "work_dir", "write_record"]
 
 log = logging.getLogger("oal")
 
@@ -47,6 +48,42 @@ def cache_root(*parts: str) -> Path:
         # the XDG spec: a relative path is invalid and ignored (else each working folder got a cache of its own)
         root = (xdg if xdg.is_absolute() else Path.home() / ".cache") / "oal"
     return root.joinpath(*parts)
+
+
+# ----------------------------------------------------------------------------------------------- failed writes
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a write failed for want of room or of write access
+
+
+class CacheWriteError(OSError):
+    """A write into the user's cache failed (read-only, full, a file in the way). Its message names the folder and
+    OAL_CACHE_DIR: the cache, not the model or data being written, is what the user must change."""
+
+
+@contextlib.contextmanager
+def cache_writes(what: str, folder: Path) -> Iterator[None]:
+    """Turn an OSError (or safetensors' error of a failed write) in the block into a CacheWriteError about writing
+    `what` into `folder`."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except CacheWriteError:
+        raise
+    except (OSError, SafetensorError) as exc:
+        reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split()))
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "space" in reason
+        advice = "free space there, or set OAL_CACHE_DIR to a folder with room" if full else \
+            "set OAL_CACHE_DIR to a writable folder"
+        raise CacheWriteError(f"cannot write {what} into the cache folder {folder} ({reason}); {advice}") from None
+
+
+def probe_writable(folder: Path, what: str) -> None:
+    """CacheWriteError now, before any long work, when `folder` cannot be created or written."""
+    with cache_writes(what, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
 
 
 # ----------------------------------------------------------------------------------------------- file records
