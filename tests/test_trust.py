@@ -185,6 +185,24 @@ def test_the_stage_commands_and_linearize_refuse_a_folder_in_use(assets, run_cop
     assert not (d / "candidates").exists()
 
 
+def test_a_rerun_naming_the_same_files_by_other_paths_resumes(assets, run_copy, tmp_path, monkeypatch):
+    """A resumed run was refused when --data named the same file by another path (config.data is stored as typed,
+    its content by SHA256); content decides, and nothing is computed again."""
+    monkeypatch.chdir(tmp_path)
+    before = tree(run_copy)
+    cfg = _cfg(assets, **CFG)
+    cfg.data, cfg.model = os.path.relpath(cfg.data), os.path.relpath(cfg.model)  # relative, from elsewhere
+    run_seed(cfg, run_copy, progress=False)
+    after = tree(run_copy)
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    assert changed <= {"config.json", "metrics.json", "report.md", ".oal/stages.json"}  # the records, no result
+    other = tmp_path / "other.txt"
+    other.write_text((assets / "corpus.txt").read_text().replace("alpha", "omega"))
+    cfg.data = str(other)
+    with pytest.raises(InputError, match=r"another configuration \(data\.test: "):
+        run_seed(cfg, run_copy, progress=False)
+
+
 def test_force_deletes_every_result_of_a_run(run_copy):
     """`--force` left budget.json and regime.json of the earlier configuration, which the new report shows."""
     from oal.rundir.claim import clear_run

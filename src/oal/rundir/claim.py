@@ -26,9 +26,10 @@ log = logging.getLogger("oal")
 RUN_ENTRIES = ("config.json", "groups.json", "analysis.json", "regime.json", "budget.json", "selection.json",
                "kernels.safetensors", "kernels.json", "calibration.json", "metrics.json", "report.md", "kernels",
                "candidates", "adapter", "figures", "diagnostics", ".oal")
-# Configuration keys that do not change the numbers' meaning: where things run and where local files live (their
-# content is verified by hash: the model here, the data in the stages that read it).
-RUNTIME_KEYS = ("device", "data_dir", "model", "zeroshot_dir")
+# Configuration keys that do not change the numbers' meaning: where things run and where local files live, as typed
+# (their content is what counts, and `identity` holds it: the model's SHA256 and the corpus's). So a run resumes
+# when --data or --model names the same files by another path.
+RUNTIME_KEYS = ("device", "data", "data_dir", "model", "zeroshot_dir")
 # Configuration keys of the last evaluations only: changing them on a finished run reruns just the stages that read
 # them (their keys hold the data's hashes) and metrics.json is rebuilt from the stages that verify.
 EVALUATION_KEYS = ("config.zeroshot_tasks", "config.zeroshot_limit", "config.zeroshot_files")
