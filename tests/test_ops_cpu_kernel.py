@@ -397,7 +397,11 @@ def test_build_is_cached_and_missing_compiler_is_one_line(monkeypatch, tmp_path,
         monkeypatch.setenv("OAL_CPU_MARCH", "x86-64-v2")
         assert cpu_kernel.build(tmp_path) != path
         monkeypatch.delenv("OAL_CPU_MARCH")
-    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("CXX", "ccache g++")  # a $CXX that is not one program was called "no compiler found"
+    with pytest.raises(RuntimeError, match="CXX='ccache g\\+\\+' is not a program on PATH .*unset it"):
+        cpu_kernel.build(tmp_path / "other")
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_kernel.build(tmp_path / "other")
     for name, value in (("_LIB", None), ("_TRIED", False), ("_STATUS", "")):

@@ -123,6 +123,9 @@ def build(folder: Path | None = None) -> Path:
     is reused; another file in its place is built again, with a warning) and return the shared library's path.
     Raises RuntimeError with the compiler's first error line."""
     cxx = _compiler()
+    if cxx is None and os.environ.get("CXX"):  # the user's choice is kept, not replaced by one found on PATH
+        raise RuntimeError(f"CXX={os.environ['CXX']!r} is not a program on PATH (one word: the compiler); unset it "
+                           f"to use one of {', '.join(COMPILERS)}")
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found ($CXX, or one of {', '.join(COMPILERS)} on PATH)")
     folder = cache_root("kernels") if folder is None else folder
