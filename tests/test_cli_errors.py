@@ -61,6 +61,18 @@ def test_an_option_that_would_be_ignored_is_refused(tmp_path, args, option, word
     assert not out.exists()
 
 
+@pytest.mark.parametrize("text, words", [(b"tiny text.\n", "it needs at least"),
+                                         (b"text\xff\xfe", "is not UTF-8 text")])
+def test_a_data_error_names_the_file_once_and_no_library_argument(tmp_path, text, words):
+    """'--data: notes.bin: name_or_path: notes.bin is not UTF-8' named the file twice and a library argument the
+    user never typed; a too small file said how many blocks it lacked, not how much text it needs."""
+    data = tmp_path / "notes.txt"
+    data.write_bytes(text)
+    res, line = _run("run", "--out", tmp_path / "out", "--data", data, "--tasks", "none")
+    assert res.exit_code == 2 and words in line, res.output
+    assert "name_or_path" not in line and "indices:" not in line and line.count(str(data)) == 1
+
+
 def test_window_options_apply_with_a_window_method():
     from oal.pipeline.config import RunConfig
 

@@ -9,8 +9,9 @@ ValueError) with `param` set, so the CLI can name the option (`--data`, `--model
 from __future__ import annotations
 
 import dataclasses
+import re
 
-__all__ = ["InputError", "SelectionSizeError", "check_int", "from_known_keys", "parse_names"]
+__all__ = ["InputError", "SelectionSizeError", "check_int", "from_known_keys", "message_of", "parse_names"]
 
 
 class InputError(ValueError):
@@ -35,6 +36,14 @@ class SelectionSizeError(InputError):
 
     def __reduce__(self):
         return type(self), (self.k, self.limit, self.param)
+
+
+def message_of(exc: Exception, about: str | None = None) -> str:
+    """`exc`'s message without the library argument named in front ("name_or_path: ...", "indices: ..."): for a
+    command's error, which names its own option. `about` (a path, a name) goes in front unless the message names
+    it already."""
+    text = exc.message if isinstance(exc, InputError) else re.sub(r"^[a-z_]+: ", "", str(exc))
+    return text if about is None or str(about) in text else f"{about}: {text}"
 
 
 def check_int(name: str, value, low: int) -> int:

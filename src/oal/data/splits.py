@@ -59,7 +59,8 @@ class BlockSet:
         bad = [i for i in idx if i >= n_blocks]
         if bad:
             raise ValueError(f"indices: blocks {bad[:5]} requested but split {self.split!r} of corpus "
-                             f"{self.corpus or '(run corpus)'} has only {n_blocks} blocks of {self.block_len} tokens")
+                             f"{self.corpus or '(run corpus)'} has only {n_blocks} blocks of {self.block_len} tokens "
+                             f"(it needs at least {(max(bad) + 1) * self.block_len} tokens)")
         return idx
 
     def token_ranges(self) -> list[tuple[int, float]]:

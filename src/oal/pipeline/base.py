@@ -28,7 +28,7 @@ from rich.console import Console
 
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
-from oal.errors import InputError, SelectionSizeError
+from oal.errors import InputError, SelectionSizeError, message_of
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
 from oal.pipeline.config import RunConfig
@@ -139,7 +139,7 @@ class StagedRun:
                 self.corpus = load_corpus(self.cfg.data, data_dir=self.cfg.data_dir)
                 self.plan, self.blocks = self._plan_blocks()
             except (ValueError, OSError) as exc:
-                raise InputError(f"{self.cfg.data}: {exc}", "--data", "data") from exc
+                raise InputError(message_of(exc, self.cfg.data), "--data", "data") from exc
             self._check_windows()
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from oal.errors import InputError
+from oal.errors import InputError, message_of
 from oal.rundir.files import load_json
 from oal.rundir.lock import own_dir
 
@@ -89,7 +89,7 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
                     plan = default_plan(preset or preset_for(converted))
                 held_out = plan_blocks(corpus, tok, plan, data_dir=data_dir)["fidelity"]
             except (ValueError, OSError) as exc:
-                raise InputError(f"{data}: {exc}", "--data", "data") from exc
+                raise InputError(message_of(exc, data), "--data", "data") from exc
             if blocks and blocks > held_out.shape[0]:
                 log.warning("--blocks %d: the split plan has only %d fidelity blocks; using all %d", blocks,
                             held_out.shape[0], held_out.shape[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oal.errors import InputError
+from oal.errors import InputError, message_of
 
 __all__ = ["blocks_or_fail", "converted_or_fail", "layer_selection", "load_model_or_fail", "parse_layers",
            "registry_preset", "run_methods"]
@@ -25,7 +25,7 @@ def load_model_or_fail(model: str, device: str, dtype: str | None = None):
     except CacheWriteError:
         raise  # its one line names the cache folder and OAL_CACHE_DIR: not the model's fault
     except (ValueError, RuntimeError, OSError) as exc:
-        raise InputError(str(exc), "--model") from None
+        raise InputError(message_of(exc), "--model") from None
 
 
 def registry_preset(preset: str | None, mdl) -> str:
@@ -94,7 +94,7 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
         corpus = load_corpus(data, data_dir=data_dir)
         return plan_blocks(corpus, tokenizer, plan, data_dir=data_dir), plan, preset
     except (ValueError, RuntimeError, OSError) as exc:
-        raise InputError(str(exc), "--data") from None
+        raise InputError(message_of(exc), "--data") from None
 
 
 def converted_or_fail(out: Path, model: str | None, method: str, device: str, adapter: bool | None = None,
