@@ -13,11 +13,11 @@ exit code 2 instead of a traceback (`OAL_DEBUG=1` shows the traceback).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import oal  # noqa: F401  (registers the oal_* model types with transformers' Auto classes)
+from oal.env import flag
 
 
 def _option(args: list[str], name: str) -> str | None:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def show_traceback() -> bool:
     """`OAL_DEBUG` set to anything but "" or "0" (as the other OAL_ switches, 0 is off)."""
-    return os.environ.get("OAL_DEBUG", "0") not in ("", "0")
+    return flag("OAL_DEBUG", False)
 
 
 if __name__ == "__main__":

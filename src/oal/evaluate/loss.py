@@ -18,12 +18,13 @@ use the chunked torch path, so reported numbers do not depend on an optional pac
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from oal.env import flag
 
 __all__ = ["IGNORE_INDEX", "CausalLMLoss", "causal_lm_loss", "causal_lm_nll", "chunk_tokens", "chunked_cross_entropy",
            "full_cross_entropy", "fused_backend", "lm_parts"]
@@ -123,7 +124,7 @@ def causal_lm_nll(model, input_ids: torch.Tensor, labels: torch.Tensor | None = 
 def fused_backend(device: torch.device | str, head: nn.Module, *, available: bool | None = None) -> str | None:
     """"liger" when the training loss can use Liger-Kernel's fused linear cross-entropy: a CUDA device, a plain
     `nn.Linear` head (not LoRA-wrapped), the package importable, and OAL_FUSED_CE not "0"; else None (chunked)."""
-    if os.environ.get(FUSED_ENV, "1") == "0" or torch.device(device).type != "cuda" or type(head) is not nn.Linear:
+    if not flag(FUSED_ENV, True) or torch.device(device).type != "cuda" or type(head) is not nn.Linear:
         return None
     if available is None:
         available = importlib.util.find_spec("liger_kernel") is not None

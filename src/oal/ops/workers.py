@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from oal.env import flag
+
 __all__ = ["Chain", "Workers", "enabled", "workers"]
 
 
 def enabled() -> bool:
-    return os.environ.get("OAL_CPU_PIPELINE", "1") != "0"
+    return flag("OAL_CPU_PIPELINE", True)
 
 
 class Chain:

@@ -31,9 +31,10 @@ Not yet measured on a GPU, so off by default: `scripts/gpu_perf.sh` times it (`b
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from oal.env import flag
 
 ENV = "OAL_TRITON_DIRECT_LAUNCH"
 log = logging.getLogger("oal")
@@ -41,7 +42,7 @@ _WARNED: set[str] = set()
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    return flag(ENV, False)
 
 
 def _stream():
