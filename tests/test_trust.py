@@ -151,6 +151,17 @@ def test_commands_refuse_a_directory_in_use(assets, run_copy):
     assert tree(run_copy) == before
 
 
+def test_a_read_only_run_is_named_before_any_work(run_copy, monkeypatch):
+    """Resuming a run in a read-only folder failed on its first write, naming `.config.json.<random>.tmp`."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == run_copy and mode == os.W_OK
+                        else real(p, mode))
+    with pytest.raises(InputError, match="is not writable") as exc:
+        with own_dir(run_copy):
+            pass
+    assert exc.value.param == "--out"
+
+
 def test_the_stage_commands_and_linearize_refuse_a_folder_in_use(assets, run_copy, tmp_path):
     """Two calibrations into one folder deleted each other's capture files (one failed with a missing or changed
     capture file, and calibration.json listed only the last method), and `oal diagnose` wrote a run's report while

@@ -91,6 +91,9 @@ def _take(path: Path) -> tuple[bool, int | None, list[Path]]:
         created = [] if path.is_dir() else [p for p in (path, *path.parents) if not p.exists()]
         if not path.is_dir():
             path.mkdir(parents=True, exist_ok=True)  # another process may create it meanwhile
+        if not os.access(path, os.W_OK):  # else the first write failed, naming a temporary file
+            raise InputError(f"{path} is not writable (a read-only folder or file system): copy it somewhere "
+                             "writable, or use another --out", "--out", "out_dir")
         fd = _acquire(path)
         _HELD.add(key)
         return False, fd, created
