@@ -1,12 +1,12 @@
-"""oal's on/off switches in the environment are read one way (`oal.env.flag`): OAL_CPU_KERNEL=false left the kernel
-on, OAL_NO_TUNE=false turned tuning off, OAL_DEBUG=0 showed tracebacks."""
+"""oal's on/off switches in the environment are read one way (`oal.errors.env_flag`): OAL_CPU_KERNEL=false left the
+kernel on, OAL_NO_TUNE=false turned tuning off, OAL_DEBUG=0 showed tracebacks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag as flag
 from oal.ops import cpu_kernel
 
 

@@ -1,5 +1,6 @@
-"""The one exception type for bad input that knows which argument it is about, and the two checks of
-configuration values (dict keys, name lists) that raise it.
+"""The user's input, read one way: the exception type for bad input that knows which argument it is about, the
+checks of configuration values (dict keys, name lists, integers) that raise it, and the environment's on/off
+switches (`env_flag`).
 
 Library code raises `ValueError` for bad input (the project's convention), its message starting with the argument's
 name. Where the library also knows which command-line option a value came from, it raises `InputError` (a
@@ -9,9 +10,11 @@ ValueError) with `param` set, so the CLI can name the option (`--data`, `--model
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
-__all__ = ["InputError", "SelectionSizeError", "check_int", "from_known_keys", "message_of", "parse_names"]
+__all__ = ["ENV_OFF", "InputError", "SelectionSizeError", "check_int", "env_flag", "from_known_keys", "message_of",
+           "parse_names"]
 
 
 class InputError(ValueError):
@@ -44,6 +47,17 @@ def message_of(exc: Exception, about: str | None = None) -> str:
     it already."""
     text = exc.message if isinstance(exc, InputError) else re.sub(r"^[a-z_]+: ", "", str(exc))
     return text if about is None or str(about) in text else f"{about}: {text}"
+
+
+ENV_OFF = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """oal's on/off switch `name` in the environment (OAL_CPU_KERNEL, OAL_NO_TUNE, ...), read one way for all: unset or
+    empty gives `default`; "0", "false", "no" and "off" (any case) are off; any other value is on. (Each switch read
+    its own way: OAL_CPU_KERNEL=false left the kernel on, OAL_NO_TUNE=false turned tuning off.)"""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ENV_OFF
 
 
 def check_int(name: str, value, low: int) -> int:

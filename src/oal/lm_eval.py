@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import oal  # noqa: F401  (registers the oal_* model types with transformers' Auto classes)
-from oal.env import flag
+from oal.errors import env_flag
 
 
 def _option(args: list[str], name: str) -> str | None:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def show_traceback() -> bool:
     """`OAL_DEBUG` set to anything but "" or "0" (as the other OAL_ switches, 0 is off)."""
-    return flag("OAL_DEBUG", False)
+    return env_flag("OAL_DEBUG", False)
 
 
 if __name__ == "__main__":

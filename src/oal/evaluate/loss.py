@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from oal.env import flag
+from oal.errors import env_flag
 
 __all__ = ["IGNORE_INDEX", "CausalLMLoss", "causal_lm_loss", "causal_lm_nll", "chunk_tokens", "chunked_cross_entropy",
            "full_cross_entropy", "fused_backend", "lm_parts"]
@@ -124,7 +124,7 @@ def causal_lm_nll(model, input_ids: torch.Tensor, labels: torch.Tensor | None = 
 def fused_backend(device: torch.device | str, head: nn.Module, *, available: bool | None = None) -> str | None:
     """"liger" when the training loss can use Liger-Kernel's fused linear cross-entropy: a CUDA device, a plain
     `nn.Linear` head (not LoRA-wrapped), the package importable, and OAL_FUSED_CE not "0"; else None (chunked)."""
-    if not flag(FUSED_ENV, True) or torch.device(device).type != "cuda" or type(head) is not nn.Linear:
+    if not env_flag(FUSED_ENV, True) or torch.device(device).type != "cuda" or type(head) is not nn.Linear:
         return None
     if available is None:
         available = importlib.util.find_spec("liger_kernel") is not None

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag
 from oal.ops import checks, plans
 from oal.ops.checks import BACKENDS, check_errors
 from oal.ops.checks import check as _check  # noqa: F401  (the host checks, for callers of the old name)
@@ -106,7 +106,7 @@ def cpu_bf16() -> bool:
     native bf16 dot products (avx512_bf16 or AMX), where bf16 GEMMs run at several times the fp32 rate (here 4.5x).
     Elsewhere bf16 has no GEMM instructions of its own, and bf16 inputs run the fp32 path (exact; outputs in bf16).
     OAL_CPU_BF16=1 or 0 overrides the detection."""
-    return flag("OAL_CPU_BF16", _cpu_has_bf16())
+    return env_flag("OAL_CPU_BF16", _cpu_has_bf16())
 
 
 def empty_state(batch: int, n_kv: int, d: int, dv: int, *, dtype=torch.float32, device="cpu"):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from oal.env import flag
+from oal.errors import env_flag
 from oal.ops.kernel import feature_dim, packed_pairs, version
 
 BACKENDS = ("auto", "reference", "recurrent", "chunked", "triton")
@@ -259,7 +259,7 @@ def out_message(eps: float, dtype: torch.dtype) -> str:
 def deferred(q) -> bool:
     """Whether the value checks of a call with this q run on the device (see the module docstring)."""
     return (isinstance(q, torch.Tensor) and q.device.type in DEFERRED_DEVICES
-            and not flag("OAL_SYNC_CHECKS", False))
+            and not env_flag("OAL_SYNC_CHECKS", False))
 
 
 @dataclass

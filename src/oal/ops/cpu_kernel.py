@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag
 from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
 from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
@@ -71,7 +71,7 @@ SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_re
 def enabled() -> bool:
     """`OAL_CPU_KERNEL=0` turns the fused kernel off (the torch path then runs everywhere; one log line says so)."""
     global _SAID_OFF
-    on = flag("OAL_CPU_KERNEL", True)
+    on = env_flag("OAL_CPU_KERNEL", True)
     if not on and not _SAID_OFF:
         _SAID_OFF = True
         log.info("OAL_CPU_KERNEL=0: the fused CPU kernel is off; the chunked operator runs its torch path")
@@ -238,7 +238,7 @@ def amx() -> bool:
     """Whether bf16 queries run their quadratic features on AMX tiles here (the CPU has AMX-BF16 and Linux grants
     the tile registers; not with `OAL_CPU_AMX=0`), rather than the vector dot products (`bf16_dots`)."""
     lib = _load()
-    return (bf16_dots() and AMX and flag("OAL_CPU_AMX", True)
+    return (bf16_dots() and AMX and env_flag("OAL_CPU_AMX", True)
             and bool(lib.oal_readout_amx()))
 
 

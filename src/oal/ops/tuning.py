@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag
 from oal.rundir.user_cache import cache_root, cache_writes, clean_stale, entry_lock
 
 __all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "lookup", "machine_key", "settings_for",
@@ -244,7 +244,7 @@ def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | N
     (the caller's fixed defaults). Cheap after the first call: it never measures."""
     if _FORCED:
         return _FORCED[-1]
-    if flag("OAL_NO_TUNE", False):
+    if env_flag("OAL_NO_TUNE", False):
         return None
     return lookup(dtype, torch.get_num_threads() if threads is None else threads)
 

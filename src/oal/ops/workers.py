@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag
 
 __all__ = ["Chain", "Workers", "enabled", "workers"]
 
 
 def enabled() -> bool:
-    return flag("OAL_CPU_PIPELINE", True)
+    return env_flag("OAL_CPU_PIPELINE", True)
 
 
 class Chain:

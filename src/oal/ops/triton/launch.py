@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from oal.env import flag
+from oal.errors import env_flag
 
 ENV = "OAL_TRITON_DIRECT_LAUNCH"
 log = logging.getLogger("oal")
@@ -42,7 +42,7 @@ _WARNED: set[str] = set()
 
 
 def enabled() -> bool:
-    return flag(ENV, False)
+    return env_flag(ENV, False)
 
 
 def _stream():
