@@ -99,6 +99,34 @@ def test_clean_tmp_and_escaping_links_never_follow_a_link(tmp_path):
     assert inside(tmp_path / "x") == tmp_path / "x"  # outside any confined block
 
 
+_SWAP = """
+import sys
+from oal.rundir.files import atomic_dir
+with atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "who").write_text("the other process")
+print("swapped", flush=True)
+"""
+
+
+def test_two_writers_of_one_folder_swap_in_turn(tmp_path):
+    """Two `oal export --to X` at once each moved X to the one `.X.old` name, and one failed with 'Directory not
+    empty' (a helper lined the swaps up with a barrier): a swap holds its folder's lock, so the last one wins."""
+    from oal.rundir.files import flock
+
+    target = tmp_path / "X"
+    with atomic_dir(target) as tmp:
+        (tmp / "who").write_text("this process")
+    with flock(tmp_path):  # as a swap of this process would hold it
+        proc = subprocess.Popen([sys.executable, "-c", _SWAP, str(target)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(SRC)})
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)  # it waits for the lock
+        assert (target / "who").read_text() == "this process"
+    assert proc.stdout.readline().strip() == "swapped" and proc.wait(timeout=60) == 0
+    assert (target / "who").read_text() == "the other process"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X"]  # no .X.old, no temporary, no lock file
+
+
 # ------------------------------------------------------------------------------------------- the lock
 
 

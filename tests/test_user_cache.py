@@ -158,7 +158,7 @@ def test_a_cleanup_never_removes_a_folder_that_is_being_made(tmp_path):
     young = tmp_path / ".readout-abc.x1y2.tmp"
     young.mkdir()
     (young / ".lock").touch()  # made, not yet locked: what another process sees in that window
-    with user_cache._flock(tmp_path):  # as work_dir holds it while it makes a folder
+    with user_cache.flock(tmp_path):  # as work_dir holds it while it makes a folder
         assert user_cache.clean_stale(tmp_path) == [] and young.is_dir()
     assert user_cache.clean_stale(tmp_path) == [young] and not young.exists()
     with user_cache.work_dir(tmp_path, "readout-abc") as work:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from oal.rundir.confine import inside
 
 __all__ = ["atomic_dir", "atomic_save_figure", "atomic_save_safetensors", "atomic_write", "atomic_write_json",
            "atomic_write_text", "check_out_dir", "clean_tmp", "existing_dir", "load_json", "load_safetensors",
-           "DiskFull", "make_dirs", "remove", "safetensors_metadata", "to_jsonable"]
+           "DiskFull", "flock", "make_dirs", "remove", "safetensors_metadata", "to_jsonable"]
 
 log = logging.getLogger("oal")
 
@@ -191,6 +192,22 @@ def safetensors_metadata(path: str | Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def flock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on `path`, a folder or a file (created empty), for the block; with `wait=False` the block
+    gets False, and no lock, when another process holds it."""
+    fd = os.open(path, os.O_RDONLY) if path.is_dir() else os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Fill a fresh temporary directory, then swap it in for `path` (old contents removed only afterwards)."""
     path = Path(path)
@@ -208,12 +225,15 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             if full is None:
                 raise
             raise full from None
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)  # also a stale one left by a kill between the renames
+        # one swap at a time in this folder: two processes writing `path` at once (two `oal export --to X`) each
+        # moved `path` to the one `.old` name and one failed with 'Directory not empty'; the last swap now wins
+        with flock(path.parent):  # the folder itself: no lock file beside the user's
+            if path.exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)  # also a stale one left by a kill between the renames
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from oal.rundir.files import flock
 from oal.rundir.hashes import sha256_file
 
 __all__ = ["WRITE_ERRNOS", "CacheWriteError", "cache_root", "cache_writes", "changed_file", "clean_stale", "entry_lock",
@@ -160,33 +161,17 @@ def file_problem(path: Path, record_path: Path, **expected) -> str | None:
 
 
 @contextlib.contextmanager
-def _flock(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive flock on `path`, a folder or a file (created empty), for the block; with `wait=False` the block
-    gets False, and no lock, when another process holds it."""
-    fd = os.open(path, os.O_RDONLY) if path.is_dir() else os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
-
-
-@contextlib.contextmanager
 def entry_lock(entry: Path) -> Iterator[None]:
     """Hold `entry`'s lock (`.<name>.lock` beside it) for the block: a cache entry that several processes may fill at
     once is filled by one, while the others wait (then find it filled)."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     lock = entry.parent / f".{entry.name}.lock"
-    with _flock(lock, wait=False) as free:
+    with flock(lock, wait=False) as free:
         if free:
             yield
             return
     log.info("waiting for another oal process that is writing %s", entry)
-    with _flock(lock):
+    with flock(lock):
         yield
 
 
@@ -196,7 +181,7 @@ def work_dir(parent: Path, label: str) -> Iterator[Path]:
     it (what the block renames out of it stays). Stale ones in `parent` are removed first."""
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale(parent)
-    with _flock(parent):  # a cleanup in another process must not see the folder before its lock
+    with flock(parent):  # a cleanup in another process must not see the folder before its lock
         tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TMP_SUFFIX, dir=parent))
         fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -229,7 +214,7 @@ def clean_stale(parent: Path, legacy: tuple[str, ...] = (".fetch.",)) -> list[Pa
     if not parent.is_dir():
         return []
     try:
-        with _flock(parent, wait=False) as free:
+        with flock(parent, wait=False) as free:
             return _clean(parent, legacy) if free else []  # another process is making a folder: clean next time
     except OSError:  # a folder oal cannot write: nothing to clean there either
         return []
