@@ -218,10 +218,15 @@ def test_the_stage_commands_and_linearize_refuse_a_folder_in_use(assets, run_cop
             proc.wait()
         if before is not None:
             assert tree(folder) == before
-    with own_dir(d):  # a folder below a held one is held too (`oal.linearize` calibrates into `candidates/`)
-        with own_dir(d / "candidates"):
-            pass
-    assert not (d / "candidates").exists()
+    seed = d / "seed-1"  # a folder below a held one takes its own lock: another command may not write it meanwhile
+    proc = _holder(seed)
+    try:
+        with own_dir(d), pytest.raises(InputError, match="in use by another oal process"):
+            with own_dir(seed):
+                pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
 
 
 def test_a_rerun_naming_the_same_files_by_other_paths_resumes(assets, run_copy, tmp_path, monkeypatch):

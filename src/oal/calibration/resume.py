@@ -237,10 +237,11 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
     """`oal calibrate`: calibrate `methods` on `layers` of `model` from the plan's calibration blocks into `out_dir`
     (kernels + calibration.json), resuming from per-layer checkpoints of the same inputs. Returns the report (on
     every process of a launch, whose processes share the layers out; the main process writes). `options`: the
-    methods' settings ({"window": W, "sinks": S}; see `calibrate_methods`)."""
+    methods' settings ({"window": W, "sinks": S}; see `calibrate_methods`). The caller holds `out_dir`'s lock
+    (`rundir.lock.own_dir`: `oal calibrate`, `oal.linearize`): a second calibration there would delete this one's
+    capture files."""
     from oal.launch import ranks
     from oal.rundir.hashes import tensor_hash
-    from oal.rundir.lock import own_dir
 
     key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
                        "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
@@ -249,14 +250,13 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
                        **({"options": dict(options)} if options else {})})
 
     group = ranks(next(model.parameters()).device)
-    with own_dir(out_dir, group):  # a second calibration into `out_dir` would delete this one's capture files
-        capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
-        checkpoints = LayerCheckpoints(out_dir, key)
-        per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
-                                              checkpoints=checkpoints, progress=progress, console=console,
-                                              ranks=group, options=options)
-        stats = capture.gathered_stats(group)
-        capture.remove()
-        group.on_main(lambda: write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model,
-                                                provenance=provenance, extra=extra, capture=stats))
+    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
+    checkpoints = LayerCheckpoints(out_dir, key)
+    per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
+                                          checkpoints=checkpoints, progress=progress, console=console, ranks=group,
+                                          options=options)
+    stats = capture.gathered_stats(group)
+    capture.remove()
+    group.on_main(lambda: write_calibration(out_dir, per_method, report, cfg, model=model, base_model=base_model,
+                                            provenance=provenance, extra=extra, capture=stats))
     return group.broadcast(report)

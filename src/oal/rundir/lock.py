@@ -5,11 +5,11 @@
 write to DIR (`rundir.confine`). A second command on the same directory is refused at once with one line that names
 the holder (its pid and command line, from /proc/locks where there is one); it never waits. The kernel releases the
 lock when its process ends, however it ends, so a killed run leaves no stale lock: the next command takes it.
-Nested `own_dir` calls of one process on a directory it already holds, or on a folder below it, only confine (`oal
-run` over seeds, `oal adapt` calling the pipeline, `oal.linearize` calibrating into its `candidates/`). Under a
-launch of several processes only the main process writes, so only it locks and is confined, and its refusal reaches
-every process (`group=`; the others write nothing below DIR: calibration's scratch
-capture of a process other than the main one goes to a private temporary folder).
+Nested `own_dir` calls of one process on a directory it already holds only confine (`oal adapt` calling the
+pipeline); a folder below it (a seed's `seed-<s>/` under `oal run --seeds`) takes its own lock, so that no other
+command writes that folder meanwhile. Under a launch of several processes only the main process writes, so only it
+locks and is confined, and its refusal reaches every process (`group=`; the others write nothing below DIR:
+calibration's scratch capture of a process other than the main one goes to a private temporary folder).
 
 The lock file stays in place when released (another process may be opening it); `clear_run` does not delete it.
 On a platform without `fcntl` (Windows) no lock is taken, with a warning.
@@ -86,7 +86,7 @@ def _take(path: Path) -> tuple[bool, int | None, list[Path]]:
             raise InputError(f"{path} holds symbolic links that leave it ({shown}); oal writes only inside its "
                              "directory: remove them, or copy their targets in", "--out", "out_dir")
         key = os.path.realpath(path)
-        if any(key == h or key.startswith(h.rstrip(os.sep) + os.sep) for h in _HELD):  # held by an enclosing command
+        if key in _HELD:  # an enclosing command of this process holds it
             return True, None, []
         created = [] if path.is_dir() else [p for p in (path, *path.parents) if not p.exists()]
         if not path.is_dir():
