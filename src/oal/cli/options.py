@@ -30,7 +30,9 @@ def _device_callback(value: str | None) -> str:
     try:
         return str(resolve_device(value))
     except ValueError as exc:
-        raise typer.BadParameter(str(exc).removeprefix("device: "), param_hint="--device") from None
+        from oal.errors import message_of
+
+        raise typer.BadParameter(message_of(exc), param_hint="--device") from None
 
 
 def _dtype_callback(value: str | None) -> str | None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from oal.calibration.model import capture_batches
 from oal.diagnostics.retained_error import SequenceQKV
 
 __all__ = [
@@ -24,14 +25,6 @@ TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "globa
                   "oal-swa")
 
 
-def _capture(model, blocks: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int) -> None:
-    from oal.models.capture import capture
-
-    with torch.no_grad():
-        for start in range(0, blocks.shape[0], batch_size):
-            capture(model, blocks[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
-
-
 def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
     """{layer: [SequenceQKV per block]} for Table 1 (float64 copies, one sequence each)."""
     out: dict[int, list[SequenceQKV]] = {int(i): [] for i in layers}
@@ -40,7 +33,7 @@ def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, bat
         for b in range(c.q.shape[0]):
             out[c.layer].append(SequenceQKV(*(t[b : b + 1].double() for t in (c.q, c.k, c.v))))
 
-    _capture(model, blocks, layers, on_layer, batch_size)
+    capture_batches(model, blocks, layers, on_layer, batch_size)
     return out
 
 
@@ -49,7 +42,7 @@ def capture_chi(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_siz
     from oal.analysis import head_contributions
 
     got: dict[int, list] = {int(i): [] for i in layers}
-    _capture(model, blocks, layers, lambda c: got[c.layer].append(head_contributions(c.q, c.k).double()),
+    capture_batches(model, blocks, layers, lambda c: got[c.layer].append(head_contributions(c.q, c.k).double()),
              batch_size)
     return {i: torch.cat(v).transpose(0, 1) for i, v in got.items()}
 

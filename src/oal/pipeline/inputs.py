@@ -47,7 +47,7 @@ def layer_selection(spec: str | None, by: str, by_option: str = "--select-by") -
     try:
         k = parse_auto(spec)
     except ValueError as exc:
-        raise InputError(str(exc).removeprefix("layers: "), "--layers") from None
+        raise InputError(message_of(exc), "--layers") from None
     if k is not None:
         return {"layers": None, "select": {"k": k, "by": by}}
     return {"layers": parse_layers(spec) if spec is not None else None}
