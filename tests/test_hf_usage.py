@@ -136,3 +136,88 @@ def test_trainer_checkpoints_carry_the_kernel_coefficients(tmp_path):
     (checkpoint / KERNELS_FILE).write_bytes((tmp_path / "other" / KERNELS_FILE).read_bytes())
     with pytest.raises(ValueError, match="saved beside another adapter_model.safetensors"):
         oal.add_lora(_converted(), dropout=0.0).load_adapter(str(checkpoint), "default")
+
+
+# A second audit (2026-12-07): masks that the converted layers could not honour were run as plain causal attention.
+
+NOT_CAUSAL = "converted layers attend exactly the earlier real tokens of each row"
+
+
+def test_packed_sequences_are_refused():
+    """position_ids that restart (packed sequences, no attention_mask, no cache: DataCollatorWithFlattening) make
+    transformers build a block-causal mask; the converted layer attended across the packed sequences, the second
+    sequence's logits 0.2 off those of the sequence run alone."""
+    model = _converted()
+    ids = torch.cat([_ids(n=7, seed=3), _ids(n=5, seed=4)], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with torch.no_grad(), pytest.raises(ValueError, match=NOT_CAUSAL):
+        model(ids, position_ids=pos, use_cache=False)
+
+
+@pytest.mark.parametrize("shape", ["blocks", "bidirectional"])
+def test_a_custom_4d_mask_that_is_not_causal_is_refused(shape):
+    model = _converted()
+    ids = _ids(n=12)
+    mask = torch.ones(12, 12, dtype=torch.bool)
+    if shape == "blocks":
+        mask[:7, 7:] = mask[7:, :7] = False
+        mask = mask.tril()
+    with torch.no_grad(), pytest.raises(ValueError, match=NOT_CAUSAL):
+        model(ids, attention_mask=mask[None, None], use_cache=False)
+    with torch.no_grad():  # the causal mask itself is taken, as a bool or an additive float mask
+        want = model(ids).logits
+        causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+        for m in (causal, torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)):
+            torch.testing.assert_close(model(ids, attention_mask=m, use_cache=False).logits, want)
+
+
+def test_a_sliding_window_model_still_takes_padding():
+    """The mask of a sliding-window layer hides the tokens out of its window: not refused (a converted layer
+    attends its whole prefix), and a left-padded row gives the tokens of the row run alone."""
+    from benchmarks.model import random_kernels
+
+    base = tiny_model("mistral", vocab_size=67)
+    base.config.sliding_window = 4
+    model = oal.convert(base, list(LAYERS), random_kernels(base, LAYERS, seed=0)).eval()
+    alone = _ids(n=6, seed=2)
+    batch = torch.cat([_ids(n=9, seed=1), torch.cat([torch.zeros(1, 3, dtype=torch.long), alone], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    got = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got[1, 9:], _greedy(model, alone)[0, 6:12])
+    with torch.no_grad():
+        pos = (mask.cumsum(1) - 1).clamp_min(0)
+        torch.testing.assert_close(model(batch, attention_mask=mask, position_ids=pos, use_cache=False).logits[1, 3:],
+                                   model(alone).logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_attention_implementations_without_a_padding_mask_are_refused(impl):
+    """flex_attention hands attention functions a BlockMask: the converted layers saw no padding, and a left-padded
+    row's logits were 0.27 off those of the row run alone."""
+    model = _converted()
+    with pytest.raises(ValueError, match=f"attention implementation '{impl}' .* use 'sdpa' or 'eager'"):
+        model.set_attn_implementation(impl)
+    assert model.config._attn_implementation == "oal_sdpa"
+
+
+def test_a_trainer_checkpoint_of_a_converted_model_loads(tmp_path):
+    """A full fine-tune's checkpoint-N holds the Trainer's own state beside the model (optimizer.pt, rng_state.pth,
+    training_args.bin...): from_pretrained refused it as pickle files added after oal.json. Added weights still are.
+    (Trainer's resume_from_checkpoint and load_best_model_at_end look for model.safetensors only, and so do not find
+    the converted weights, model.oal.safetensors.)"""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    model = _converted()
+    ids = _ids(n=16)
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, save_steps=1, per_device_train_batch_size=1,
+                             learning_rate=1e-2, report_to=[], remove_unused_columns=False, use_cpu=True)
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": ids[0], "labels": ids[0]}]).train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "training_args.bin").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(checkpoint).eval()(ids).logits,
+                                   model.eval()(ids).logits)
+    (checkpoint / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: not recorded in oal.json"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)

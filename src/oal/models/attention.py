@@ -22,7 +22,10 @@ the batch at once: under causal attention a right-padded key comes after every r
 query ever sees it. Otherwise (left padding, or any padding while a cache is kept) each row's real tokens are cut
 out and run alone (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
 normaliser: a cached state covers real tokens only. Padded query positions get a zero output either way. Padding
-is read off the 4-D mask transformers passes to attention functions (a key no query may see is padding).
+is read off the 4-D mask transformers passes to attention functions (a key no query may see is padding), so only
+'sdpa' and 'eager' (whose masks are such tensors) can be the base: flex's BlockMask and flash's 2-D mask are refused.
+A mask that shows a real query other keys than the real ones before it (packed sequences' block-causal masks, custom
+4-D masks) raises ValueError: the methods' state cannot follow it.
 
 Decoding: a few new tokens on top of a state go through the operator's token loop (`oal_attention`'s `auto`
 picks it), whose per-token cost is a handful of small ops.
@@ -98,22 +101,45 @@ def _head_shape(model: nn.Module) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------------------------- attention function
 
 
-def _key_validity(mask, n_new: int) -> torch.Tensor | None:
+def _key_validity(mask, n_new: int, window: int | None = None, causal: bool = False) -> torch.Tensor | None:
     """[B, n_new] True for real (non-padded) new tokens: a key that no query row may see is padding.
 
-    (Taking any row rather than the last keeps sliding-window masks from looking like padding.)
+    (Taking any row rather than the last keeps sliding-window masks from looking like padding.) `causal`: also
+    ValueError where the mask shows a real query other keys than the real ones before it (within `window`, a
+    sliding-window layer's size), which a converted layer's causal state cannot follow (`_hidden_keys`).
     """
     if mask is None or not torch.is_tensor(mask) or mask.dim() != 4:
         return None
-    key = (version(mask), n_new)
+    key = (version(mask), n_new, window, causal)
     hit = _VALIDITY.get(mask)
     if hit is None or hit[0] != key:
-        cols = mask[:, 0, :, -n_new:]
-        valid = (cols if cols.dtype == torch.bool else cols == 0).any(dim=1)
+        allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, n, M]
+        valid = allowed[:, :, -n_new:].any(dim=1)
+        checks = torch.stack([valid.all(), _hidden_keys(allowed, window) if causal else valid.new_zeros(())])
         # None when nothing is padded: read once per mask (every layer of a forward gets the same one), not once
         # per layer, since on a GPU the read waits for the device
-        hit = _VALIDITY[mask] = (key, None if bool(valid.all()) else valid)
+        every, hidden = checks.tolist()
+        if hidden:
+            raise ValueError("attention_mask: converted layers attend exactly the earlier real tokens of each row "
+                             "(causal, left or right padding only); this mask hides some of them from a real token or "
+                             "shows it later ones (packed sequences, i.e. position_ids that restart without an "
+                             "attention_mask, or a custom 4-D mask): give each sequence its own row")
+        hit = _VALIDITY[mask] = (key, None if every else valid)
     return hit[1]
+
+
+def _hidden_keys(allowed: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether some real query of `allowed` [B, n, M] (n new queries after M - n earlier keys) sees another number of
+    keys than causal attention over the real keys (within `window`) gives it: fewer under packed sequences'
+    block-causal masks, more under a bidirectional one.
+    Counted per query row, so that no [B, n, M] temporary is made beyond the mask's own."""
+    n, m = allowed.shape[-2:]
+    seen = allowed.any(dim=1)  # [B, M] real keys: those some query sees
+    before = torch.nn.functional.pad(seen.cumsum(-1), (1, 0))  # [B, M + 1] real keys before each index
+    hi = torch.arange(m - n + 1, m + 1, device=allowed.device)  # each query's causal stop
+    lo = (hi - window).clamp_min(0) if window else torch.zeros_like(hi)
+    want = before[:, hi] - before[:, lo]  # [B, n] keys a causal (windowed) row of real keys gives each query
+    return ((allowed.sum(-1) != want) & seen[:, m - n:]).any()
 
 
 _VALIDITY = WeakIdKeyDictionary()  # 4-D mask -> (its version, address, n_new; the key validity or None)
@@ -185,7 +211,7 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
     return out
 
 
-def _converted_forward(module, query, key, value, attention_mask):
+def _converted_forward(module, query, key, value, attention_mask, window: int | None = None):
     method: AttentionMethod = module.oal_method
     layer = _slots().get(module)
     if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
@@ -193,7 +219,8 @@ def _converted_forward(module, query, key, value, attention_mask):
     elif layer is not None and not layer.stateful:
         out = _dense_with_mask(method, query, key, value, attention_mask)
     else:
-        out = _stateful(method, query, key, value, _key_validity(attention_mask, key.shape[-2]), layer)
+        out = _stateful(method, query, key, value,
+                        _key_validity(attention_mask, key.shape[-2], window=window, causal=True), layer)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -206,11 +233,16 @@ def dispatch_name(base: str) -> str:
         raise ValueError(f"model: attention implementation {base!r} is not supported; use 'sdpa' or 'eager'")
     if base not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"model: attention implementation {base!r} has no mask function; use 'sdpa' or 'eager'")
+    if ALL_MASK_ATTENTION_FUNCTIONS[base] not in (ALL_MASK_ATTENTION_FUNCTIONS["sdpa"],
+                                                  ALL_MASK_ATTENTION_FUNCTIONS["eager"]):
+        # flex's BlockMask, flash's 2-D mask or none: converted layers would see no padding, nor packed sequences
+        raise ValueError(f"model: attention implementation {base!r} gives converted layers no 4-D mask to read "
+                         "padding from; use 'sdpa' or 'eager'")
 
     def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
         if getattr(module, "oal_method", None) is None:
             return attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
-        return _converted_forward(module, query, key, value, attention_mask)
+        return _converted_forward(module, query, key, value, attention_mask, kwargs.get("sliding_window"))
 
     oal_dispatch.__name__ = name
     AttentionInterface.register(name, oal_dispatch)

@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -60,6 +61,10 @@ UNHASHED = frozenset({"README.md", "generation_config.json"})  # routine edits (
 # loadable; every other key, and every other file, is bound byte for byte.
 FREE_KEYS = {"tokenizer_config.json": ("model_max_length",)}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# What transformers' Trainer writes beside the model in a checkpoint-N folder: its own state, which from_pretrained
+# never reads (refused as added pickle files, a checkpoint could not be loaded for evaluation).
+_TRAINER_STATE = re.compile(r"optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|training_args\.bin|trainer_state\.json"
+                            r"|rng_state(_\d+)?\.pth")
 SPEC_FORMAT = "oal-conversion/1"
 _INIT_ATTRS = ("eps", "n_groups", "n_features", "chunk_size", "window", "sinks")  # JSON-able constructor settings
 
@@ -209,9 +214,10 @@ def verify_manifest(directory: str | Path) -> dict:
     # A folder of save_pretrained records the model only: the caller saves its tokenizer beside it afterwards.
     closed = any(name.startswith("tokenizer") for name in files)
     listed_dirs = {Path(name).parts[0] for name in files if len(Path(name).parts) > 1}
-    extra = sorted(p.name for p in directory.iterdir() if p.name not in files and (
-        p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name or p.name == "adapter_config.json"
-        or closed and p.name not in (*UNHASHED, MANIFEST, *listed_dirs) and not p.name.startswith(".")))
+    extra = sorted(p.name for p in directory.iterdir() if p.name not in files and not _TRAINER_STATE.fullmatch(p.name)
+                   and (p.suffix in (".safetensors", *_PICKLE_SUFFIXES) or ".index." in p.name
+                        or p.name == "adapter_config.json"
+                        or closed and p.name not in (*UNHASHED, MANIFEST, *listed_dirs) and not p.name.startswith(".")))
     if extra:
         raise ValueError(f"{directory / extra[0]}: not recorded in {MANIFEST} (added to the folder after it was "
                          "written: weights, an adapter or tokenizer files change what the model computes); remove "
