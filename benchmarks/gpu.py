@@ -12,8 +12,11 @@ Shape: the Qwen2.5-0.5B head shape (B=1, Hq=14, Hkv=2, d=dv=64), G=5, bf16, caus
                  off: the forward at 64-token chunks, not 128): what those changes did, in the same run;
   sdpa           F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), torch's default
                  dispatch; which backend it picked is read off a torch.profiler trace of one call;
-  sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it.
-Forward (no autograd) and forward + backward. Times: CUDA events around each call, median of --repeats after
+  sdpa_flash, sdpa_cudnn   one backend forced through torch.nn.attention.sdpa_kernel, where torch offers it;
+  oal_factor     forward + backward with the kernel's factor trained too (joint adaptation; not in the default
+                 --methods): oal_attention runs fp32 kernels then, as dfactor cancels (tests/test_numerics_outliers).
+Forward (no autograd) and forward + backward (the gradients of q, k and v; the oal methods' factor frozen, as in
+LoRA-only training, except oal_factor's). Times: CUDA events around each call, median of --repeats after
 --warmup calls (the first calls compile and autotune); beside each forward time, the host's time to issue the call
 (`<method>_fwd_host_ms`: where it exceeds the device's work, as at short lengths, the events measure the host).
 Memory: torch.cuda.max_memory_allocated over one call, inputs included. Before timing, the kernels' bf16 output and
@@ -43,7 +46,9 @@ from benchmarks._common import MAX_TOKENS, ToolParser, direct_launch, int_in, li
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
-METHODS = ("oal", "oal_direct", "oal_parallel", "oal_chunked", "oal_chunked_prev", "sdpa", "sdpa_flash", "sdpa_cudnn")
+METHODS = ("oal", "oal_direct", "oal_parallel", "oal_chunked", "oal_chunked_prev", "sdpa", "sdpa_flash", "sdpa_cudnn",
+           "oal_factor")
+DEFAULT_METHODS = METHODS[:-1]  # oal_factor compiles the fp32 kernels too: asked for by name
 LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
 
 
@@ -54,7 +59,8 @@ def parse_args(argv=None):
                         help="comma-separated N values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {METHODS}")
     parser.add_argument("--parallel-max-n", type=int, default=32768, help="longest N for oal_parallel")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--sanity-n", type=int, default=2048, help="length of the accuracy check (0: skip)")
@@ -88,8 +94,9 @@ REQUIRED = ("oal_fwd_ms", "sdpa_fwd_ms", "oal_fwdbwd_ms", "sdpa_fwdbwd_ms")
 MODES = {"fwd": False, "fwdbwd": True}
 
 
-def inputs(n: int, device: str, *, grad: bool, seed: int = 0):
-    """q, k, v (bf16), groups and a calibrated-looking factor (perturbed Taylor), and an output gradient."""
+def inputs(n: int, device: str, *, grad: bool, seed: int = 0, train_factor: bool = False):
+    """q, k, v (bf16), groups and a calibrated-looking factor (perturbed Taylor; trained where `train_factor`), and
+    an output gradient."""
     from oal.ops.kernel import perturbed_factor, taylor_factor
 
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +107,7 @@ def inputs(n: int, device: str, *, grad: bool, seed: int = 0):
     factor = perturbed_factor(taylor_factor(SHAPE["hq"], SHAPE["g"]), 0.1, generator=gen)
     q, k, v = (t.to(device, torch.bfloat16).requires_grad_(grad) for t in (q, k, v))
     do = torch.randn(SHAPE["B"], SHAPE["hq"], n, SHAPE["dv"], generator=gen).to(device, torch.bfloat16)
-    return q, k, v, groups.to(device), factor.to(device).requires_grad_(grad), do
+    return q, k, v, groups.to(device), factor.to(device).requires_grad_(grad and train_factor), do
 
 
 @contextlib.contextmanager
@@ -138,7 +145,7 @@ def attention(method: str):
     from oal.ops import oal_attention
 
     if method.startswith("oal"):
-        backend = "auto" if method in ("oal", "oal_direct", "oal_chunked_prev") else "triton"
+        backend = "auto" if method in ("oal", "oal_direct", "oal_chunked_prev", "oal_factor") else "triton"
 
         def oal(q, k, v, groups, factor):
             with triton_route(method), direct_launch(method == "oal_direct"), chunked_kernels(method):
@@ -191,12 +198,12 @@ class Timer:
 def measure(method: str, n: int, backward: bool, args) -> dict:
     """Median time (ms) over `repeats` calls and the peak memory of one call (MiB; GPU only)."""
     fn = attention(method)
-    q, k, v, groups, factor, do = inputs(n, args.device, grad=backward)
+    q, k, v, groups, factor, do = inputs(n, args.device, grad=backward, train_factor=method == "oal_factor")
 
     def call():
         if backward:
             out = fn(q, k, v, groups, factor)
-            leaves = (q, k, v) + ((factor,) if method.startswith("oal") else ())
+            leaves = (q, k, v) + ((factor,) if factor.requires_grad else ())
             return out, torch.autograd.grad(out, leaves, do)
         with torch.no_grad():
             return fn(q, k, v, groups, factor)
@@ -218,6 +225,8 @@ def measure(method: str, n: int, backward: bool, args) -> dict:
 def skip_reason(method: str, n: int, args, backward: bool = False) -> str | None:
     from oal.ops.triton import routes
 
+    if method == "oal_factor" and not backward:
+        return "the forward (no gradient) is oal's"
     if method == "oal_direct" and (backward or n > routes.PARALLEL_MAX):
         return "no kept plan (a gradient, or past the parallel route): the same launches as oal"
     if method == "oal_chunked_prev" and n <= routes.PARALLEL_MAX:
@@ -267,23 +276,26 @@ def default_backend(n: int, device: str) -> dict:
 
 def sanity(device: str, n: int) -> dict:
     """The kernels (bf16) against the torch path (fp32) on the benchmark's inputs, on both routes: relative errors
-    (in norm) of the output and of the q, k, v and factor gradients (a wrong backward is not timed unnoticed)."""
+    (in norm) of the output and of the q, k, v gradients with the factor frozen (the bf16 kernels), and of the
+    factor's gradient with it trained (the fp32 kernels: `oal_attention` upcasts then), so that a wrong backward
+    is not timed unnoticed."""
     q, k, v, groups, factor, do = inputs(n, device, grad=True, seed=1)
 
-    def run(method, dtype, backend=None):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + [factor.detach().requires_grad_()]
+    def run(method, dtype, train_factor, backend=None):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves.append(factor.detach().requires_grad_(train_factor))
         if backend:  # the torch path
             from oal.ops import oal_attention
 
             out = oal_attention(*leaves[:3], groups, leaves[3], backend=backend)
         else:
             out = attention(method)(*leaves[:3], groups, leaves[3])
-        return [out, *torch.autograd.grad(out, leaves, do.to(out.dtype))]
+        return [out, *torch.autograd.grad(out, leaves[:4] if train_factor else leaves[:3], do.to(out.dtype))]
 
-    want = run("", torch.float32, backend="chunked")
+    want = run("", torch.float32, True, backend="chunked")
     errs = {}
     for method in ("oal_parallel", "oal_chunked"):
-        got = run(method, torch.bfloat16)
+        got = run(method, torch.bfloat16, False) + run(method, torch.bfloat16, True)[4:]
         errs[method] = {name: float((g.detach().float() - w.detach().float()).norm() / w.detach().float().norm())
                         for name, g, w in zip(("out", "dq", "dk", "dv", "dfactor"), got, want, strict=True)}
     return {"n": n, "rel_err_vs_chunked_fp32": errs}

@@ -160,3 +160,38 @@ def test_decode_host_notes_a_method_that_raises_and_measures_the_rest(monkeypatc
     res = json.loads(out.read_text())
     assert res["failed"] == {"oal": "IndexError: tuple index out of range"}
     assert [r["method"] for r in res["rows"]] == ["swa"] and res["prefill"]["oal_us"] > 0
+
+
+def test_fwdbwd_trains_the_factor_only_for_oal_factor(monkeypatch):
+    """The oal methods' forward + backward take the gradients of q, k and v with the factor frozen (the bf16
+    kernels, compared with SDPA's q, k, v gradients); oal_factor trains the factor too (joint adaptation, which
+    oal_attention runs on fp32 kernels) and is asked for by name only."""
+    args = gpu.parse_args(["--device", "cpu", "--repeats", "1", "--warmup", "0"])
+    assert "oal_factor" not in args.methods and "oal_factor" in gpu.METHODS
+    assert gpu.skip_reason("oal_factor", 64, args) and gpu.skip_reason("oal_factor", 64, args, backward=True) is None
+    seen = []
+    real = gpu.attention
+
+    def attention(method):
+        fn = real(method)
+
+        def call(q, k, v, groups, factor):
+            seen.append((method, factor.requires_grad))
+            return fn(q, k, v, groups, factor)
+
+        return call
+
+    monkeypatch.setattr(gpu, "attention", attention)
+    for method in ("oal", "oal_chunked", "oal_factor"):
+        gpu.measure(method, 32, True, args)
+    assert set(seen) == {("oal", False), ("oal_chunked", False), ("oal_factor", True)}
+
+
+def test_sanity_checks_the_bf16_kernels_and_the_trained_factor():
+    """The sanity check's errors against the fp32 torch path, under the interpreter: out, dq, dk, dv of the bf16
+    kernels at the bf16 level, and the trained factor's gradient (fp32 kernels) well within 1% (Eq. 7)."""
+    res = gpu.sanity("cpu", 48)["rel_err_vs_chunked_fp32"]
+    for route in ("oal_parallel", "oal_chunked"):
+        errs = res[route]
+        assert max(errs[name] for name in ("out", "dq", "dk", "dv")) < 3e-2, (route, errs)
+        assert errs["dfactor"] < 1e-3, (route, errs)

@@ -147,6 +147,15 @@ def oal_attention(
     values (NaN/Inf, overflow) run on the device and are reported by a later call or by `check_errors()`, so that
     no call waits for the GPU (`oal.ops.checks`; OAL_SYNC_CHECKS=1 reads them in the call itself).
     """
+    if q.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and factor.requires_grad:
+        # Training the factor: kappa's overall scale drops out of the output (Eq. 7), so its gradient is the small
+        # remainder of large terms that cancel, and half-precision features and dots left only noise of it where
+        # q/k carry outliers (relative error 0.4-23: tests/test_numerics_outliers.py). Every backend runs fp32 then
+        # (the GPU's dots as tf32x3); with the factor frozen (LoRA only, or inference) half inputs stay half.
+        res = oal_attention(q.float(), k.float(), v.float(), groups, factor, eps=eps, scale=scale, causal=causal,
+                            backend=backend, initial_state=initial_state, output_final_state=output_final_state,
+                            chunk_size=chunk_size)
+        return (res[0].to(q.dtype), res[1]) if output_final_state else res.to(q.dtype)
     own = checks.owned(initial_state)  # the generation cache's state: checked when it was made, updated in place
     if checks.deferred(q):  # CUDA: no host read on the kernels' path (see oal.ops.checks)
         sig = None
@@ -191,7 +200,7 @@ def oal_attention(
     if q.numel() == 0 or k.numel() == 0:  # N = 0 or B = 0: an empty result (and the state unchanged)
         backend = "reference"
     # bf16 inputs keep bf16 features and GEMMs (fp32 accumulation inside the GEMM) where the hardware has bf16
-    # GEMMs (`cpu_bf16`; GPUs do); states stay in `dtype`
+    # GEMMs (`cpu_bf16`; GPUs do), unless the factor is trained (above); states stay in `dtype`
     low = (backend == "chunked" and q.dtype == k.dtype == v.dtype == torch.bfloat16
            and (q.device.type != "cpu" or cpu_bf16()))
     q, k, v = (t.to(torch.bfloat16 if low else dtype) for t in (q, k, v))
