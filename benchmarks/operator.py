@@ -516,7 +516,8 @@ def main(args: argparse.Namespace) -> None:
         console.print(table)
         oal_t = {r["n"]: r["time_s"] for r in rows if r["method"] == "oal" and r["dtype"] == dt}
         scaling = ", ".join(f"{oal_t[2 * n] / oal_t[n]:.2f}" for n in lengths if 2 * n in oal_t)
-        console.print(f"{dt}: OAL time(2N)/time(N) = {scaling}")
+        if scaling:  # only where the lengths hold a doubling
+            console.print(f"{dt}: OAL time(2N)/time(N) = {scaling}")
     goals = [f"{s['dtype']} N={s['n']}: {s['ratio_sdpa_over_oal']:.2f} (goal {s['goal']:g}) "
              f"{'met' if s['ratio_sdpa_over_oal'] >= s['goal'] else 'NOT met'}" for s in summary if s["goal"]]
     goals += [f"{s['dtype']} N={s['n']}: {s['pct_of_gemm']:.0f}% of GEMM (goal {s['gemm_goal_pct']:g}%) "
