@@ -22,7 +22,8 @@ Encoders: with `LayerData.causal=False` every query sees every real key (Eq. 20 
 scored.
 
 Generic over methods: a tensor (parameter or buffer) whose first dimension equals the method's `n_heads` is
-taken to be per query head and is sliced/tiled along that dimension; any other trainable parameter is shared by
+taken to be per query head (unless the method names it in `layer_shared`) and is sliced/tiled along that
+dimension; any other trainable parameter is shared by
 the layer, in which case the layer is one selection unit and only a single initialisation is allowed.
 """
 
@@ -48,10 +49,12 @@ __all__ = ["calibrate_layer", "calibrate_layer_sequential", "calibrate_methods",
 
 
 def _per_head_names(method: AttentionMethod) -> tuple[set[str], set[str]]:
-    """(per-head tensor names, shared trainable parameter names) by the first-dimension convention."""
+    """(per-head tensor names, shared trainable parameter names) by the first-dimension convention; the method's
+    `layer_shared` tensors are the layer's whatever their shape (SpectraFormer's B, G, S when Hq equals their
+    length)."""
     per_head, shared = set(), set()
     for name, t in list(method.named_parameters()) + list(method.named_buffers()):
-        if t.dim() >= 1 and t.shape[0] == method.n_heads:
+        if t.dim() >= 1 and t.shape[0] == method.n_heads and name not in method.layer_shared:
             per_head.add(name)
         elif isinstance(t, nn.Parameter) and t.requires_grad:
             shared.add(name)

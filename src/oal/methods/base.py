@@ -117,6 +117,9 @@ class AttentionMethod(nn.Module):
     # App. F.1-F.2: OAL and the learned global start LoRA from their calibrated coefficients; a baseline's trainable
     # kernel parameters start it at their initial values (its calibration serves the frozen-attention evaluation)
     adapts_from_calibration: ClassVar[bool] = False
+    # tensors shared by every head of the layer whatever their first dimension (calibration otherwise reads a tensor
+    # whose first dimension equals n_heads as per query head: `calibration.fit._per_head_names`)
+    layer_shared: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()

@@ -53,6 +53,7 @@ class DiJiangMethod(FeatureMapMethod):
     name = "dijiang"
     stochastic = True  # the fixed inverse-normal diagonal is a random draw
     version = 2  # P = C diag(g) applied as x P (version 1: diag(1/g) C applied as C x / g)
+    layer_shared = ("projection",)  # one fixed [d, d] draw per layer (theta is per query head)
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):

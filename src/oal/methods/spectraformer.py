@@ -74,6 +74,7 @@ class SpectraFormerMethod(FeatureMapMethod):
     name = "spectraformer"
     stochastic = True
     version = 2  # upstream's feature map (see module doc); version 1 computed another one from the same B, G, S
+    layer_shared = ("B", "G", "S", "perm", "H")  # App. F.1: one set per layer, shared by its query heads
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float64, chunk_size: int = 64,
                  layer_idx: int = 0, seed: int = 0, **_ignored):
