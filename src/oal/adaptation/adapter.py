@@ -69,25 +69,31 @@ def converted_model_sha256(model) -> str:
     return state_dict_sha256(model, torch.float32, kernels=True)
 
 
-@contextlib.contextmanager
-def _at_adaptation_start(model):
-    """`model` with its converted layers' trainable kernel parameters where a run starts LoRA from them (App. F.1:
-    a baseline's at their initial values; OAL's and the learned global's stay calibrated), restored on exit.
-    Yields whether anything moved. The trained kernel tensors an adapter loads replace them all, so only the check
-    of what the adapter was trained on sees the start."""
+def _to_adaptation_start(model, saved: list) -> None:
+    """Put `model`'s converted layers' trainable kernel parameters where a run starts LoRA from them (App. F.1:
+    a baseline's at their initial values; OAL's and the learned global's stay calibrated); each moved parameter
+    and its old value are appended to `saved`."""
     from oal.calibration.kernels import adaptation_start
     from oal.models.attention import converted_methods
 
+    with torch.no_grad():
+        for m in converted_methods(model).values():
+            if (start_method := adaptation_start(m)) is m:
+                continue
+            start = dict(start_method.named_parameters())
+            for name, p in m.named_parameters():
+                saved.append((p, p.detach().clone()))
+                p.copy_(start[name])
+
+
+@contextlib.contextmanager
+def _at_adaptation_start(model):
+    """`model` at its adaptation start (`_to_adaptation_start`), restored on exit; yields whether anything moved.
+    The check of what an adapter was trained on uses it; `load_adapter` keeps the start where the adapter matched
+    only there (kernel parameters it holds no trained tensors of, e.g. frozen ones, keep their start values)."""
     saved = []
     try:
-        with torch.no_grad():
-            for m in converted_methods(model).values():
-                if (start_method := adaptation_start(m)) is m:
-                    continue
-                start = dict(start_method.named_parameters())
-                for name, p in m.named_parameters():
-                    saved.append((p, p.detach().clone()))
-                    p.copy_(start[name])
+        _to_adaptation_start(model, saved)
         yield bool(saved)
     finally:
         with torch.no_grad():
@@ -152,6 +158,11 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
     """Check a saved adapter before use: every file it recorded (a .json or .safetensors file inside the folder)
     has its SHA256 and, given `model` (converted, not yet adapted), that model is the one it was trained on.
     Returns the manifest; ValueError naming the file."""
+    return _check_adapter(adapter_dir, model)[0]
+
+
+def _check_adapter(adapter_dir: str | Path, model=None) -> tuple[dict, bool]:
+    """`check_adapter`, and whether `model` matched the adapter's base only at its adaptation start."""
     adapter_dir = Path(adapter_dir)
     manifest_path = adapter_dir / ADAPTER_MANIFEST
     if not manifest_path.is_file():
@@ -187,17 +198,19 @@ def check_adapter(adapter_dir: str | Path, model=None) -> dict:
                                                                         "base": manifest.get("base")}) is False:
         raise ValueError(f"{manifest_path}: its peft config or base model is not the one {LORA_FILE} was saved "
                          "with (edited after saving?)")
+    at_start = False
     if model is not None:
         base = manifest.get("base") or {}
         have = converted_model_sha256(model)
         if have != base.get("state_dict_sha256"):  # a baseline's adapter started from its initial parameters
             with _at_adaptation_start(model) as moved:
                 have = converted_model_sha256(model) if moved else have
+            at_start = moved
         if have != base.get("state_dict_sha256"):
             raise ValueError(f"adapter_dir: the adapter in {adapter_dir} was trained on another model (sha256 "
                              f"{str(base.get('state_dict_sha256'))[:12]}) than the one given (sha256 {have[:12]}): "
                              "other base weights or other kernels")
-    return manifest
+    return manifest, at_start
 
 
 def _peft_config(manifest: dict, adapter_dir: Path):
@@ -219,11 +232,12 @@ def _peft_config(manifest: dict, adapter_dir: Path):
 def load_adapter(model, adapter_dir: str | Path):
     """Attach a saved LoRA adapter to `model` (already converted, if it was) and load its trained kernel tensors,
     after `check_adapter` (file hashes, and that `model` is the model the adapter was trained on). Every LoRA tensor
-    of the adapter must fill a LoRA parameter of the model, and every LoRA parameter must be filled."""
+    of the adapter must fill a LoRA parameter of the model, and every LoRA parameter must be filled. A baseline's
+    adapter, trained from its initial kernel values (App. F.1), puts the calibrated model given at that start first."""
     from peft import get_peft_model, set_peft_model_state_dict
 
     adapter_dir = Path(adapter_dir)
-    manifest = check_adapter(adapter_dir, model)
+    manifest, at_start = _check_adapter(adapter_dir, model)
     config = _peft_config(manifest, adapter_dir)
     kernels = load_safetensors(adapter_dir / KERNEL_FILE) if KERNEL_FILE in manifest["sha256"] else {}
     named = dict(model.named_parameters())
@@ -231,10 +245,13 @@ def load_adapter(model, adapter_dir: str | Path):
     if missing:
         raise ValueError(f"adapter_dir: kernel parameters {missing[:3]} do not exist in the model "
                          "(was it converted with the same layers and methods?)")
+    for n, t in kernels.items():
+        if named[n].shape != t.shape:
+            raise ValueError(f"adapter_dir: {n} has shape {tuple(t.shape)}, model has {tuple(named[n].shape)}")
+    if at_start:  # trained from the start: what the adapter holds no trained tensors of (frozen kernels) stays there
+        _to_adaptation_start(model, [])
     with torch.no_grad():
         for n, t in kernels.items():
-            if named[n].shape != t.shape:
-                raise ValueError(f"adapter_dir: {n} has shape {tuple(t.shape)}, model has {tuple(named[n].shape)}")
             named[n].copy_(t)
     with quiet_peft():
         peft_model = get_peft_model(model, config)

@@ -105,6 +105,10 @@ def read_checkpoint(ckpt_dir: Path, key: str, names: set[str], processes: int) -
         files = state.get("sha256")
         if not isinstance(files, dict) or not _FILES <= set(files):
             raise ValueError(f"state.json records no SHA256 of {', '.join(sorted(_FILES - set(files or {})))}")
+        read = _FILES | ({"optimizer.safetensors"} if (found / "optimizer.safetensors").exists() else set())
+        unlisted = sorted(read - set(files))
+        if unlisted:  # every file a resume reads is hashed (optimizer.safetensors is written only with state)
+            raise ValueError(f"state.json records no SHA256 of {', '.join(unlisted)}")
         bad = sorted(f for f, h in files.items() if not (found / f).is_file() or sha256_file(found / f) != h)
         if bad:
             raise ValueError(f"{', '.join(bad)} changed since it was written")

@@ -5,7 +5,8 @@ converted layers (OAL factors, global, DiJiang theta, SpectraFormer B/G/S, Taylo
 from where the caller's model holds them (a run: OAL and the learned global calibrated, the baselines at their
 initial values, App. F.1-F.2); groups are buffers and stay fixed. AdamW + linear warmup (5%) + cosine decay, grad-norm
 clip 1.0, batch 1. The loss is computed without full-vocabulary logits (`oal.evaluate.loss`). Validation NLL
-every `val_every` updates on fixed blocks picks the checkpoint (never test).
+every `val_every` updates on fixed blocks picks the checkpoint (never test); a non-finite training loss or
+validation NLL stops adaptation with FloatingPointError.
 
 Several processes (`torchrun`, `accelerate launch`; see `oal.launch`) compute what one process computes: an
 update takes the next `batch_size x processes x grad_accum` blocks (the global batch) of one block order that does
@@ -202,6 +203,8 @@ def adapt(
             validate = step % cfg.val_every == 0 or step == cfg.steps
             if validate:
                 val_nll = _validation_nll(peft_model, val_blocks, group)
+                if not math.isfinite(val_nll):  # never "better": all NaN would select the untrained start
+                    raise FloatingPointError(f"adapt: non-finite validation NLL at update {step}")
                 state["validation"].append({"step": step, "val_nll": val_nll})
                 if val_nll < state["best_val_nll"]:
                     state["best_val_nll"], state["best_step"] = val_nll, step
