@@ -108,3 +108,24 @@ def test_learning_rate_is_linear_warmup_then_cosine_to_zero():
     want = [1e-3 * (s / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (20 - warm))))
             for s in range(20)]
     assert [h["lr"] for h in res.history] == pytest.approx(want, abs=1e-15)
+
+
+def test_frozen_kernels_are_not_skipped_silently():
+    """train_kernel=True on a model whose kernel parameters the user froze (model.requires_grad_(False) before
+    adapting) trains LoRA alone: said in a warning, not silently."""
+    import logging
+
+    from oal.adaptation.train import wrap_lora
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("oal")  # the command line's logger does not propagate to pytest's caplog
+    logger.addHandler(handler)
+    try:
+        _, names = wrap_lora(_tiny_model(convert="oal"), AdaptConfig(**CFG))
+        assert names and not said
+        _, names = wrap_lora(_tiny_model(convert="oal").requires_grad_(False), AdaptConfig(**CFG))
+    finally:
+        logger.removeHandler(handler)
+    assert names == [] and any("kernel parameters are frozen" in m for m in said), said

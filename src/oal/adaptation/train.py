@@ -41,7 +41,7 @@ from oal.device import module_device
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
 from oal.launch import Ranks, log_console, ranks, training_accelerator
-from oal.models.attention import converted_methods
+from oal.models.attention import converted_methods, kernel_parameters
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["adapt", "kernel_parameter_names", "wrap_lora"]
@@ -51,8 +51,6 @@ log = logging.getLogger("oal")
 
 def kernel_parameter_names(model) -> list[str]:
     """Names of the converted layers' trainable kernel parameters (call before LoRA freezes them)."""
-    from oal.models.attention import kernel_parameters
-
     ids = {id(p) for p in kernel_parameters(model) if p.requires_grad}
     return [name for name, p in model.named_parameters() if id(p) in ids]
 
@@ -67,6 +65,9 @@ def wrap_lora(model, cfg: AdaptConfig):
     from peft import LoraConfig, get_peft_model
 
     kernel_names = set(kernel_parameter_names(model)) if cfg.train_kernel else set()
+    if cfg.train_kernel and not kernel_names and kernel_parameters(model):  # (fixed draws are buffers)
+        log.warning("train_kernel: the converted layers' kernel parameters are frozen (requires_grad False, e.g. "
+                    "after model.requires_grad_(False)), so only LoRA trains; unfreeze them to train the kernel")
     torch.manual_seed(cfg.seed)  # LoRA A initialisation
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
