@@ -19,8 +19,9 @@ device that refuses to mix, as CUDA does):
 Mixed precision (how `--dtype` is applied): the base model's weights and activations are in `--dtype`; everything
 the method owns stays in float32, by explicit casts rather than autocast:
 - kernel parameters (OAL factors, baselines' parameters) are built in float32 and `convert` moves them to the
-  model's device without changing their dtype; the operator (`oal.ops.oal_attention`) casts q/k/v to float32 on
-  entry, accumulates its prefix states in float32 and casts the output back to the model's dtype;
+  model's device without changing their dtype; the operator (`oal.ops.oal_attention`) accumulates its prefix
+  states in float32 and returns the model's dtype (bf16 inputs run bf16 features and dots with fp32 accumulation
+  where the hardware has them, float32 where the factor is trained: `docs/design/backends.md`);
 - calibration captures q/k/v/outputs in the model's dtype and `oal.calibration.fit` upcasts them to float32 before
   fitting (`CalibConfig.dtype`);
 - LoRA adapters are float32: peft's `autocast_adapter_dtype` (on by default) keeps adapter weights in float32 on a
@@ -30,10 +31,15 @@ the method owns stays in float32, by explicit casts rather than autocast:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import sys
+
 import torch
 
-__all__ = ["DTYPES", "checkpoint_layers", "enable_layer_checkpointing", "module_device", "resolve_device",
-           "resolve_dtype", "to_device"]
+__all__ = ["DTYPES", "checkpoint_layers", "enable_layer_checkpointing", "module_device", "release_memory",
+           "resolve_device", "resolve_dtype", "to_device"]
 
 # --dtype choices for the base model (float64 is accepted by the library for exactness tests)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -127,3 +133,36 @@ def enable_layer_checkpointing(model) -> None:
         model.activation_checkpointing_enable(kwargs)
     else:  # transformers before the rename
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+_LIBC: object = None  # ctypes handle of glibc (False where there is none: macOS, musl, Windows)
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                _LIBC = libc if hasattr(libc, "malloc_trim") else False
+            except OSError:
+                pass
+    return _LIBC
+
+
+def release_memory(*, collect: bool = True) -> bool:
+    """Give freed memory back: CUDA's cached blocks, and the heap pages glibc keeps after frees (`malloc_trim(0)`,
+    every arena); True where glibc trimmed. It changes no tensor, only what the process holds: the attention
+    regime's fp64 query chunks left SmolLM2-135M's process at 7.7 GB for ~10 MB of statistics, and every later
+    stage of `oal run` started from there (1.6 GB with a trim per captured layer). `collect`: run the garbage
+    collector first (a stage's reference cycles, e.g. a model copy's, go now)."""
+    if collect:
+        gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    libc = _libc()
+    if not libc:
+        return False
+    libc.malloc_trim(0)
+    return True

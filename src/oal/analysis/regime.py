@@ -22,6 +22,7 @@ evenly spaced query rows of each sequence are scored (O(N max_rows)) and with `m
 sequence is thinned to that many evenly spaced values per head: the medians, shares and quantiles are then
 estimates from those rows, and `pairs` counts the pairs scored. `oal analyze` uses both (ANALYZE_ROWS,
 ANALYZE_LOGITS): at N = 4096 the full rows made it quadratic in N and the stored logit sample grew as P N^2.
+`attention_regime` (oal run) scores every row and keeps at most REGIME_LOGITS logits per sequence and head.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from oal.device import module_device
+from oal.device import module_device, release_memory
 
 __all__ = ["ANALYZE_LOGITS", "ANALYZE_ROWS", "PEAKED_MAX_WEIGHT", "REGIME_FILE", "VERTEX_EXCESS", "RegimeAccumulator",
            "attention_regime", "regime_markdown", "regime_verdict"]
@@ -45,6 +46,10 @@ REGIME_FILE = "regime.json"  # `oal run`: the regime on the fidelity blocks with
 PEAKED_MAX_WEIGHT = 0.5
 VERTEX_EXCESS = 0.15
 ANALYZE_ROWS, ANALYZE_LOGITS = 256, 4096  # `oal analyze`: scored query rows, kept logits per sequence and head
+# `attention_regime` (oal run's regime stage): every query row is scored, and at most this many logits of a sequence
+# and head are kept for the quantiles (the whole sample of every 8th row held 112 MB per 4096-token block and layer
+# of Qwen2.5-0.5B, ~36 GB at the paper's sizes; a 512-token block keeps ~16k, so shorter runs are unchanged)
+REGIME_LOGITS = 32768
 
 
 def _median(values: list[torch.Tensor]) -> torch.Tensor:
@@ -211,16 +216,23 @@ def regime_verdict(layers: Mapping[str, Mapping]) -> dict:
 @torch.no_grad()
 def attention_regime(model, blocks: torch.Tensor, layers: Sequence[int], *,
                      kernels: Mapping[str, Mapping[int, object]] | None = None, batch_size: int = 1,
-                     min_keys: int = 16) -> dict:
-    """Capture `layers` of `model` on token `blocks` [B, N] and summarise their attention regime (see module doc)."""
+                     min_keys: int = 16, max_logits: int | None = REGIME_LOGITS) -> dict:
+    """Capture `layers` of `model` on token `blocks` [B, N] and summarise their attention regime (see module doc).
+    Freed heap pages go back to the OS after every captured layer (`release_memory`): the fp64 query chunks
+    otherwise stay resident."""
     from oal.models.capture import capture
 
     if not torch.is_tensor(blocks) or blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"blocks: expected a LongTensor [B, N] with B >= 1, got {getattr(blocks, 'shape', blocks)}")
-    acc = RegimeAccumulator(kernels=kernels, min_keys=min(min_keys, blocks.shape[1]))
+    acc = RegimeAccumulator(kernels=kernels, min_keys=min(min_keys, blocks.shape[1]), max_logits=max_logits)
+
+    def on_layer(captured):
+        acc(captured)
+        release_memory(collect=False)
+
     blocks = blocks.to(module_device(model))  # once, where the model is
     for start in range(0, blocks.shape[0], batch_size):
-        capture(model, blocks[start : start + batch_size], list(layers), acc, stop_after_last=True)
+        capture(model, blocks[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
     res = acc.summary()
     res["settings"].update(blocks=list(blocks.shape))
     return res

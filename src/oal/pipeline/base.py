@@ -28,6 +28,7 @@ from rich.console import Console
 
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
+from oal.device import release_memory
 from oal.errors import InputError, SelectionSizeError, message_of
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
@@ -238,6 +239,7 @@ class StagedRun:
         with Timer() as t:
             fn() if parallel else self.ranks.on_main(fn)
             check_errors()  # on CUDA the operator's value checks report late: none may outlive the stage it came from
+        release_memory()  # what the stage freed goes back to the OS: the next one starts from what is still held
         self.ranks.on_main(lambda: self.log.mark(name, key, t.seconds, outputs=outputs, inputs=read))
         self.ran.append(name)
         if self.stop_after == name:
