@@ -167,3 +167,24 @@ def test_passkey_command(auto_run, tmp_path):
     assert bad.exit_code == 2 and "--lengths" in bad.output
     short = CliRunner().invoke(app, ["evaluate", "--out", str(out), "--passkey", "--lengths", "40"])
     assert short.exit_code == 2 and "cannot hold" in short.output
+
+
+def test_the_comparison_adapts_a_baseline_from_its_initial_values(assets, tmp_path, monkeypatch):
+    """`--layers auto:K` with a baseline: each compared layer set starts LoRA where the baseline's own arm does
+    (App. F.1: DiJiang's theta at 0, not calibrated), after its frozen perplexity on the calibrated kernels. The
+    comparison started from the calibrated values."""
+    from oal.pipeline import decoder
+    from oal.pipeline.config import parse_methods
+
+    starts, real_adapt = {}, decoder.adapt
+
+    def recording_adapt(model, *args, description="", **kwargs):
+        starts[description] = [p.detach().clone() for n, p in model.named_parameters() if n.endswith("theta")]
+        return real_adapt(model, *args, description=description, **kwargs)
+
+    monkeypatch.setattr(decoder, "adapt", recording_adapt)
+    run_seed(_cfg(assets, methods=parse_methods("dijiang")), tmp_path / "run", progress=False)
+    compared = {d: t for d, t in starts.items() if d.startswith("adapt dijiang ")}
+    assert compared and starts["adapt dijiang"]  # the arm itself, and at least one other layer set
+    for description, thetas in [*compared.items(), ("adapt dijiang", starts["adapt dijiang"])]:
+        assert thetas and all(torch.equal(t, torch.zeros_like(t)) for t in thetas), description

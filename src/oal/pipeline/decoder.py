@@ -189,6 +189,9 @@ class Run(StagedRun):
                 candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
                 model = convert(self.base_model(), layers, {i: candidates[i] for i in layers})
                 before = block_nll(model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
+                starts = {i: adaptation_start(candidates[i]) for i in layers}  # as the arm's own (App. F.1)
+                if any(starts[i] is not candidates[i] for i in layers):  # a baseline: at its initial values
+                    model = convert(self.base_model(), layers, starts)
                 ckpt = self.dir / ".oal" / "checkpoints" / f"compare-{tag}"
                 peft_model, _ = adapt(model, self.blocks["adapt_train"], self.blocks["val"],
                                       self.cfg.adapt_config(method), ckpt_dir=ckpt, progress=self.progress,
