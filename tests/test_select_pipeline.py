@@ -148,6 +148,10 @@ def test_passkey_on_a_run_directory(auto_run, tmp_path, monkeypatch):
     assert saved == json.loads(json.dumps(res))
     report = (out / "report.md").read_text()
     assert "## Passkey retrieval" in report and (out / "figures" / "passkey.png").stat().st_size > 0
+    calls.clear()  # another decoding (plain greedy since 2026-12-07): every arm is measured again
+    monkeypatch.setattr(passkey, "DECODING_VERSION", passkey.DECODING_VERSION + 1)
+    evaluate_passkey_run(out, ["softmax"], progress=False, **settings)
+    assert calls == ["passkey:softmax (no_adapt)", "passkey:softmax (adapted)"]
 
 
 def test_passkey_command(auto_run, tmp_path):

@@ -96,6 +96,14 @@ def test_stage_resumes_and_reruns_only_on_change(zs_run, assets, tmp_path):  # n
     r = stages(_zs_cfg(assets, zeroshot_limit=LIMIT - 1))  # other data: zero-shot only is redone
     assert set(r.ran) == {"zeroshot:oal", "zeroshot:softmax"}
     assert all(row["n"] == LIMIT - 1 for row in r.metrics()["zeroshot"]["oal"].values())
+    import oal.pipeline.decoder as decoder
+
+    decoder.SCORING_VERSION += 1  # another scorer (the tokenization of 2026-12-07): zero-shot only is redone
+    try:
+        r = stages(_zs_cfg(assets, zeroshot_limit=LIMIT - 1))
+    finally:
+        decoder.SCORING_VERSION -= 1
+    assert set(r.ran) == {"zeroshot:oal", "zeroshot:softmax"}
 
 
 def test_cli_evaluate_zeroshot_matches_the_stage(zs_run, tmp_path):

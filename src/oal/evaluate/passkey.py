@@ -114,13 +114,30 @@ def answer_tokens(tokenizer, digits: int = 5) -> int:
     return len(_ids(tokenizer, " " + "9" * digits)) + 2
 
 
+# what a run's passkey cache key records of the decoding, so that a resumed evaluation reruns after a change of it
+DECODING_VERSION = 2  # 2 (2026-12-07): greedy whatever the model's generation_config (1: its penalties applied)
+
+
 @torch.no_grad()
 def _generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
+    """Plain greedy decoding of `max_new_tokens` tokens (fewer at EOS).
+
+    generate() fills every option not given from the model's own `generation_config`, so an instruct model's
+    repetition penalty or no_repeat_ngram_size would penalise copying the key out of the prompt: for the call, the
+    model (under a peft wrapper, its base model) gets a fresh config that keeps only its EOS."""
+    from transformers import GenerationConfig
+
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                         do_sample=False, use_cache=True, pad_token_id=pad)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = getattr(base, "generation_config", None)
+    base.generation_config = GenerationConfig(eos_token_id=getattr(own, "eos_token_id", None), pad_token_id=pad)
+    try:
+        seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1, use_cache=True, pad_token_id=pad)
+    finally:
+        base.generation_config = own
     return tokenizer.decode(seq[0, x.shape[1]:], skip_special_tokens=True)
 
 

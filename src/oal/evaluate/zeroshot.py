@@ -3,9 +3,11 @@
 Prompts: PIQA and ARC-E use "Question: {question}\\nAnswer:"; HellaSwag uses "{activity label}: {ctx_a} {ctx_b
 capitalised}" with title markers replaced by periods and bracketed artifacts removed (endings cleaned the same way).
 Every candidate is prefixed with a space and scored by its conditional log-likelihood given the context; only the
-candidate's tokens are scored. No chat template, no BOS/EOS. Context and candidate are tokenized separately and
-concatenated, so the candidate's token count is that of " " + candidate on its own (for byte-level BPE tokenizers,
-which split before a space, these are the tokens lm-eval gets by encoding the whole string and splitting it).
+candidate's tokens are scored. No chat template, no BOS/EOS. The pair is tokenized as lm-eval does
+(`_encode_pair`): whitespace at the end of the context moves to the start of the continuation, the context is
+tokenized on its own and context + continuation as one string, and the candidate's tokens are those past the
+context's (tokenizing " " + candidate on its own differs for SentencePiece tokenizers with a dummy prefix, which
+give it an extra "▁", and for contexts ending in whitespace, which HellaSwag's cleaning can leave).
 
 Accuracies (in %) per task:
 - `acc`: argmax of the summed log-likelihood;
@@ -35,8 +37,9 @@ from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse
 from oal.device import module_device
 from oal.launch import log_console
 
-__all__ = ["TASKS", "Example", "accuracies", "evaluate_task", "evaluate_tasks", "load_task", "load_tasks",
-           "loglikelihoods", "merge_metrics", "sample_records", "score_candidates", "score_examples", "to_example"]
+__all__ = ["SCORING_VERSION", "TASKS", "Example", "accuracies", "encode_pair", "evaluate_task", "evaluate_tasks",
+           "load_task", "load_tasks", "loglikelihoods", "merge_metrics", "sample_records", "score_candidates",
+           "score_examples", "to_example"]
 
 
 @dataclass
@@ -108,14 +111,26 @@ def load_tasks(tasks=None, *, data_dir: str | Path | None = None, task_files: di
 # ----------------------------------------------------------------------------------------------- scoring
 
 
+# what a run's zero-shot stage key records of the scorer, so that a resumed run rescores after a change of it
+SCORING_VERSION = 2  # 2 (2026-12-07): pairs tokenized as lm-eval's _encode_pair (1: context and " " + candidate apart)
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-eval's `_encode_pair` for a causal LM, without special tokens."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    if not ctx:
+        raise ValueError(f"example: the context {context!r} tokenizes to nothing")
+    cont = tokenizer(context + continuation, add_special_tokens=False)["input_ids"][len(ctx):]
+    if not cont:
+        raise ValueError(f"example: the continuation {continuation!r} adds no tokens to the context {context!r}")
+    return list(ctx), list(cont)
+
+
 def _encode(tokenizer, examples: list[Example]) -> list[list[tuple[list[int], list[int]]]]:
-    out = []
-    for ex in examples:
-        ctx = tokenizer(ex.context, add_special_tokens=False)["input_ids"]
-        if not ctx:
-            raise ValueError(f"example: the context {ex.context!r} tokenizes to nothing")
-        out.append([(ctx, tokenizer(" " + c, add_special_tokens=False)["input_ids"]) for c in ex.candidates])
-    return out
+    return [[encode_pair(tokenizer, ex.context, " " + c) for c in ex.candidates] for ex in examples]
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -182,7 +197,8 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: i
 
 def score_examples(model, tokenizer, examples: list[Example], *, batch_size: int = 8, progress: bool = False,
                    description: str = "zero-shot") -> list[list[tuple[float, int]]]:
-    """Per example, per candidate: (summed log-likelihood of " " + candidate, its token count)."""
+    """Per example, per candidate: (summed log-likelihood of " " + candidate, its token count), tokenized as lm-eval
+    does (`encode_pair`)."""
     encoded = _encode(tokenizer, examples)
     pairs = [p for ex in encoded for p in ex]
     # pad with id 0, as lm-eval does: right padding never reaches a real position, and 0 is always an embedding row

@@ -34,7 +34,7 @@ from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dt
 from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from oal.evaluate.fidelity import fidelity
 from oal.evaluate.perplexity import block_nll
-from oal.evaluate.zeroshot import evaluate_tasks, load_tasks, merge_metrics
+from oal.evaluate.zeroshot import SCORING_VERSION, evaluate_tasks, load_tasks, merge_metrics
 from oal.methods.base import get_method, newer_versions
 from oal.models.convert import convert
 from oal.models.registry import default_layers, load_model, representative_head, table_layers
@@ -346,7 +346,7 @@ class Run(StagedRun):
         if not sets:
             return True
         data = {t: {k: v for k, v in prov.items() if k != "path"} for t, (_, prov) in sets.items()}
-        deps = {"setup": self.keys["setup"], "method": method, "data": data}
+        deps = {"setup": self.keys["setup"], "method": method, "data": data, "scoring": SCORING_VERSION}
         inputs = self.kernel_files(method) + [f"adapter/{method}"]
         path = self.dir / ".oal" / f"zeroshot_{method}.json"
 

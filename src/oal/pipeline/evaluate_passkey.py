@@ -48,7 +48,7 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
 def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, adapter, device, dtype, progress,
               console) -> dict[str, dict]:
     from oal.artefact.arms import adapter_dir, arm_inputs, load_arm
-    from oal.evaluate.passkey import DEPTHS, answer_tokens, default_lengths, evaluate_passkey
+    from oal.evaluate.passkey import DECODING_VERSION, DEPTHS, answer_tokens, default_lengths, evaluate_passkey
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.metrics import record_evaluation
 
@@ -56,7 +56,7 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
     cache = out_dir / ".oal" / "passkey"
     # the requested settings (lengths None: the model's default lengths) make each arm's cache key with its files
     settings = {"lengths": list(lengths) if lengths else None, "depths": list(depths or DEPTHS), "trials": trials,
-                "seed": seed}
+                "seed": seed, "decoding": DECODING_VERSION}
     results: dict[str, dict] = {}
     for m in methods:
         has_adapter = (adapter_dir(out_dir, m) / "oal_adapter.json").is_file()
