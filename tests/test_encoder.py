@@ -391,3 +391,12 @@ def test_converted_encoder_reloads_through_automodel(tmp_path, family):
     cfg.write_text(cfg.read_text().replace('"hidden_act"', '"hidden_act" '))
     with pytest.raises(ValueError, match="does not match"):
         AutoModel.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.parametrize("method", ["swa", "oal-swa"])
+def test_a_sliding_window_on_an_encoder_is_refused_at_conversion(method):
+    """The windows are causal only: oal.convert accepted them on an encoder and the first forward failed."""
+    model = tiny_encoder("bert")
+    with pytest.raises(ValueError, match=f"'{method}' is causal only .* this model is an encoder"):
+        convert(model, [1], method)
+    assert not converted_methods(model)

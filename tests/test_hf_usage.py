@@ -221,3 +221,18 @@ def test_a_trainer_checkpoint_of_a_converted_model_loads(tmp_path):
     (checkpoint / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"pytorch_model.bin: not recorded in oal.json"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_a_family_with_its_own_score_scale_is_refused():
+    """The methods score q.k / sqrt(d) (Eq. 2, 7) whatever the `scaling` transformers passes: a family that scales
+    otherwise (a query_pre_attn_scalar, an attention multiplier) got its converted layers silently wrong."""
+    model = _converted()
+    ids = _ids()
+    with torch.no_grad():
+        model(ids)  # qwen2: scaling = head_dim ** -0.5, accepted
+        model.model.layers[LAYERS[0]].self_attn.scaling = 0.5
+        with pytest.raises(ValueError, match=r"scales attention scores by 0.5, not 1/sqrt\(head_dim\)"):
+            model(ids)
+        model.model.layers[0].self_attn.scaling = 0.5  # a softmax layer takes any scale
+        model.model.layers[LAYERS[0]].self_attn.scaling = model.model.layers[2].self_attn.scaling
+        model(ids)

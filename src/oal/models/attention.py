@@ -40,6 +40,7 @@ Sliding-window models (Mistral): a converted layer attends the full causal prefi
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -242,6 +243,11 @@ def dispatch_name(base: str) -> str:
     def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
         if getattr(module, "oal_method", None) is None:
             return attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
+        if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
+            # the methods score q.k / sqrt(d) (Eq. 2, 7): a family with its own scale would be silently wrong
+            raise ValueError(f"model: this family scales attention scores by {scaling:g}, not 1/sqrt(head_dim) = "
+                             f"{query.shape[-1] ** -0.5:g}; converted layers support 1/sqrt(head_dim) only")
         return _converted_forward(module, query, key, value, attention_mask, kwargs.get("sliding_window"))
 
     oal_dispatch.__name__ = name
@@ -332,6 +338,8 @@ def swap_attention(model: nn.Module, layers: Sequence[int] | None = None,
         if (m.n_heads, m.n_kv_heads, m.head_dim) != (n_heads, n_kv, head_dim):
             raise ValueError(f"methods[{i}]: built for (Hq, Hkv, d) = {(m.n_heads, m.n_kv_heads, m.head_dim)}, "
                              f"the model has {(n_heads, n_kv, head_dim)}")
+        if m.positional and encoder.is_encoder(model):  # refused here, not at the first forward
+            raise ValueError(f"methods[{i}]: {m.name!r} is causal only (a sliding window); this model is an encoder")
     base = model.config._attn_implementation or "sdpa"
     if not base.startswith(_PREFIX):
         model.set_attn_implementation(dispatch_name(base))
