@@ -48,6 +48,8 @@ def layer_profiles(path: Path, layer: int, heads: list[dict]) -> Path:
         n_fb = len(h.get("fallback_cuts", []))
         ax.set_title(f"head {h['head']}: G={h['n_groups']}" + (f" ({n_fb} fallback)" if n_fb else ""), fontsize=9)
         ax.tick_params(labelsize=7)
+        if i % cols == 0:  # each row's first panel names the y axis (the panels share its meaning, not its range)
+            ax.set_ylabel("contribution $\\chi_r$", fontsize=8)
     fig.suptitle(f"Layer {layer}: sorted contribution scores $\\chi_r$ (colour = group; cuts: natural dotted, "
                  "fallback dashed red)")
     fig.supxlabel("dimension rank (ascending $\\chi_r$)")
@@ -122,9 +124,13 @@ def stability_scatter(path: Path, calib: list[float], heldout: list[float], rho:
     rest = [r for r in range(len(calib)) if r not in top]
     ax.scatter([calib[r] for r in rest], [heldout[r] for r in rest], s=12, c="#7f7f7f", label="other dimensions")
     ax.scatter([calib[r] for r in top], [heldout[r] for r in top], s=26, c="#d62728", label="calibration top-5")
-    for r in top:
-        ax.annotate(f"r={r}", (calib[r], heldout[r]), fontsize=8, xytext=(3, 3), textcoords="offset points")
     hi = max(max(calib), max(heldout)) * 1.05
+    # labels left of the diagonal, at least 5% of the axis apart, so that close points do not print over each other
+    label_y = -hi
+    for r in sorted(top, key=lambda r: heldout[r]):
+        label_y = max(heldout[r], label_y + 0.05 * hi)
+        ax.annotate(f"r={r}", (calib[r], heldout[r]), xytext=(calib[r] - 0.06 * hi, label_y), fontsize=8,
+                    ha="right", va="center", arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "#555555"})
     ax.plot([0, hi], [0, hi], color="k", lw=0.6, ls="--")
     ax.set_xlabel("calibration $\\chi_r$")
     ax.set_ylabel("held-out $\\chi_r$")

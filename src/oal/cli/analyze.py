@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, Max, ModelOpt
-from oal.launch import log_console
+from oal.cli.consoles import notes_console
+from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, GroupingOpt, LayersOpt, Max, ModelOpt, ProgressOpt
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
@@ -40,6 +40,7 @@ def analyze_cmd(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     figures: bool = typer.Option(True, help="Write figures."),
+    progress: ProgressOpt = True,
 ) -> None:
     """Find each head's high-contribution dimensions and group them (paper Sec. 3, 4.2, App. A, B)."""
     from oal.analysis import analyze, parse_grouping
@@ -51,7 +52,7 @@ def analyze_cmd(
     from oal.rundir.files import check_out_dir
     from oal.rundir.lock import own_dir
 
-    console = log_console()  # progress and notes on stderr; the summary table is the result (stdout)
+    console = notes_console()  # progress and notes on stderr; the summary table is the result (stdout)
     results = Console()
     try:
         procedure = parse_grouping(grouping)
@@ -97,7 +98,7 @@ def analyze_cmd(
                   f"{prompts.shape[0]} prompts x {prompts.shape[1]} tokens, preset {preset} {kw}")
     with own_dir(out):  # two analyses into one folder would mix their groups.json and analysis.json
         summary = analyze(mdl, tok, prompts, layer_list, out, heldout=inputs["heldout"],
-                          long_sequence=inputs["long_sequence"], seed=seed, representative=rep,
+                          long_sequence=inputs["long_sequence"], seed=seed, representative=rep, progress=progress,
                           batch_size=batch_size, figures=figures, console=console, results=results, meta=meta, **kw)
     conc = summary["concentration"]["mean"]
     line = (f"top-5 share {100 * conc['real_top5']:.1f}% vs Gaussian {100 * conc['gaussian_top5']:.1f}% "

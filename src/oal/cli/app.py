@@ -11,19 +11,23 @@ import logging
 import typer
 from typer.core import TyperGroup
 
-from oal.cli.docs import docs_line
+from oal.cli.docs import PANELS, arrange, docs_line
 from oal.cli.failures import bad_input_message, drop_stdout
 
-_STATE = {"debug": False}
+_STATE = {"debug": False, "quiet": False}
 
 
 class _Group(TyperGroup):
     """Runs a command; turns the errors of bad input into one line and exit code 2 (unless --debug)."""
 
-    def get_command(self, ctx, name):  # a command's help ends with the page that explains it (`oal.cli.docs`)
+    def get_command(self, ctx, name):  # help ends with the page that explains the command (`oal.cli.docs`)
         if (command := super().get_command(ctx, name)) is not None:
-            command.epilog = docs_line(name)
+            arrange(name, command)  # its panel and one line in `oal --help`, its options' panels
         return command
+
+    def list_commands(self, ctx):  # the panels' order, then any command they do not name
+        order = [n for names in PANELS.values() for n in names]
+        return sorted(super().list_commands(ctx), key=lambda n: order.index(n) if n in order else len(order))
 
     def invoke(self, ctx):
         try:
@@ -38,7 +42,9 @@ class _Group(TyperGroup):
             drop_stdout()
             raise typer.Exit(1) from None
         except Exception as exc:
-            message = None if _STATE["debug"] else bad_input_message(exc)
+            sub = super().get_command(ctx, ctx.invoked_subcommand or "")
+            options = [o for p in (sub.params if sub else ()) for o in p.opts]
+            message = None if _STATE["debug"] else bad_input_message(exc, options)
             if message is None:
                 raise
             code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
@@ -69,6 +75,11 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def quiet() -> bool:
+    """True under `oal --quiet`: a command's notes, stage rules and progress bars stay off (warnings still show)."""
+    return _STATE["quiet"]
+
+
 def setup_logging(level: int) -> None:
     """`oal` messages through a rich handler on stderr (stdout keeps a command's results); transformers' own progress
     bars and advice kept quiet."""
@@ -89,13 +100,18 @@ def setup_logging(level: int) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug messages too."),
     debug: bool = typer.Option(False, "--debug", help="On an error, show the full traceback (default: one line)."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars in any command (--quiet "
+                                     "implies it; a command's own --progress turns them back on)."),
 ) -> None:
     """Outlier-Aware Attention Linearization (OAL)."""
-    _STATE["debug"] = debug
+    _STATE["debug"], _STATE["quiet"] = debug, quiet
     if quiet and verbose:
         raise typer.BadParameter("choose one of --quiet and --verbose", param_hint="--quiet")
+    if quiet or no_progress:  # every command's --progress defaults to off (click's default_map)
+        ctx.default_map = {name: {"progress": False} for name in ctx.command.list_commands(ctx)}
     setup_logging(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)

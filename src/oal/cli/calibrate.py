@@ -8,9 +8,21 @@ import typer
 from rich.table import Table
 
 from oal.cli.app import app
+from oal.cli.consoles import notes_console
 from oal.cli.modes import refuse_unless
-from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, SinksOpt, WindowOpt, main_console
-from oal.launch import log_console, process_device, ranks
+from oal.cli.options import (
+    DataDirOpt,
+    DataOpt,
+    DeviceOpt,
+    DtypeOpt,
+    Max,
+    ModelOpt,
+    ProgressOpt,
+    SinksOpt,
+    WindowOpt,
+    main_console,
+)
+from oal.launch import process_device, ranks
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
 
@@ -34,7 +46,7 @@ def calibrate_cmd(
                              help="Seed of the sampled sequences/positions and perturbed initialisations."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
-    progress: bool = typer.Option(True, help="Show progress bars."),
+    progress: ProgressOpt = True,
 ) -> None:
     """Fit kernel coefficients by output matching on frozen attention (paper Eq. 20, App. B); resumes per layer."""
     from oal.analysis import check_groups_model, load_groups
@@ -46,7 +58,7 @@ def calibrate_cmd(
     from oal.rundir.files import check_out_dir
     from oal.rundir.lock import own_dir
 
-    console = log_console()  # under torchrun the processes share the layers out; the main one reports
+    console = notes_console()  # under torchrun the processes share the layers out; the main one reports
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in method_names()]
     if not wanted or unknown:

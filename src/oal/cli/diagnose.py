@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
+from oal.cli.consoles import notes_console
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, comma_names
-from oal.launch import log_console
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
@@ -59,7 +59,7 @@ def diagnose_cmd(
     from oal.rundir.files import check_out_dir
     from oal.rundir.lock import own_dir
 
-    console = log_console()  # progress and notes on stderr; the tables are the results (stdout)
+    console = notes_console()  # progress and notes on stderr; the tables are the results (stdout)
     check_out_dir(out)
     part_list = comma_names(parts, PARTS, "--parts")
     method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else comma_names(methods, TABLE2_METHODS,

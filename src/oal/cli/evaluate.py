@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from oal.cli.app import app
+from oal.cli.consoles import notes_console
 from oal.cli.modes import refuse_other_modes
 from oal.cli.options import (
     AdapterOpt,
@@ -18,13 +19,13 @@ from oal.cli.options import (
     DeviceOpt,
     LimitOpt,
     Max,
+    ProgressOpt,
     RunDtypeOpt,
     TaskFileOpt,
     TasksOpt,
     ZeroshotDirOpt,
     parse_numbers,
 )
-from oal.launch import log_console
 
 
 @app.command("evaluate")
@@ -57,6 +58,7 @@ def evaluate_cmd(
     depths: str = typer.Option(None, help="--passkey: comma-separated needle depths in [0, 1] (default: "
                                "0,0.25,0.5,0.75,1)."),
     trials: int = typer.Option(4, min=1, max=Max.TRIALS, help="--passkey: prompts (keys) per length and depth."),
+    progress: ProgressOpt = True,
 ) -> None:
     """Frozen-attention fidelity (Table 2, App. C) on the plan's held-out blocks -> DIR/metrics.json (and report.md,
     in an `oal run` directory); with --zeroshot: PIQA / HellaSwag / ARC-E (App. F.3) -> metrics.json["zeroshot"];
@@ -69,38 +71,39 @@ def evaluate_cmd(
         raise typer.BadParameter("choose one of --zeroshot and --passkey (run `oal evaluate` once for each)",
                                  param_hint="--zeroshot / --passkey")
     wanted = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
-    console = log_console()  # progress on stderr; the tables are the results (stdout)
+    console = notes_console()  # progress on stderr; the tables are the results (stdout)
     refuse_other_modes(ctx, "zeroshot" if zeroshot else "passkey" if passkey else "fidelity")
     if zeroshot and tasks.strip().lower() == "none":
         raise typer.BadParameter("'none' leaves nothing for --zeroshot to evaluate", param_hint="--tasks")
     if passkey:
         _passkey(out, model, wanted, parse_numbers(lengths, int, "--lengths", 16, Max.TOKENS),
-                 parse_numbers(depths, float, "--depths", 0.0, 1.0), trials, adapter, device, dtype, console)
+                 parse_numbers(depths, float, "--depths", 0.0, 1.0), trials, adapter, device, dtype, console, progress)
         return
     if zeroshot:
         _zeroshot(out, model, wanted, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype, console,
-                  log_samples)
+                  log_samples, progress)
         return
     from oal.pipeline.evaluate_fidelity import evaluate_fidelity, fidelity_table
 
     res = evaluate_fidelity(out, wanted, model=model, data=data, data_dir=data_dir, preset=preset,
-                            blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console)
+                            blocks=blocks_limit, adapter=adapter, device=device, dtype=dtype, console=console,
+                            progress=progress)
     Console().print(fidelity_table(res))
 
 
-def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console) -> None:
+def _passkey(out: Path, model, methods, lengths, depths, trials, adapter, device, dtype, console, progress) -> None:
     from oal.device import resolve_dtype
     from oal.pipeline.evaluate_passkey import evaluate_passkey_run, passkey_rich_table
     from oal.pipeline.inputs import run_methods
 
     res = evaluate_passkey_run(out, run_methods(out, methods, ["softmax", "oal"]), model=model, lengths=lengths,
                                depths=depths, trials=trials, adapter=adapter, device=device,
-                               dtype=resolve_dtype(dtype) if dtype else None, console=console)
+                               dtype=resolve_dtype(dtype) if dtype else None, console=console, progress=progress)
     Console().print(passkey_rich_table(res))
 
 
 def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, adapter, device, dtype,
-              console, log_samples: bool) -> None:
+              console, log_samples: bool, progress: bool) -> None:
     from oal.data.zeroshot import parse_task_files
     from oal.device import resolve_dtype
     from oal.pipeline.evaluate_zeroshot import evaluate_zeroshot, zeroshot_table
@@ -109,7 +112,7 @@ def _zeroshot(out: Path, model, methods, tasks, task_file, zeroshot_dir, limit, 
     scores = evaluate_zeroshot(out, run_methods(out, methods, ["oal"]), model=model, tasks=tasks,
                                task_files=parse_task_files(task_file), zeroshot_dir=zeroshot_dir, limit=limit,
                                adapter=adapter, device=device, dtype=resolve_dtype(dtype) if dtype else None,
-                               console=console, log_samples=log_samples)
+                               console=console, log_samples=log_samples, progress=progress)
     if not scores:  # nothing to score: metrics.json records why the columns are missing; say so, and by the exit code
         console.print(f"no zero-shot task was scored: see {out / 'metrics.json'} (zeroshot_skipped)")
         raise typer.Exit(code=1)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
+from oal.cli.consoles import notes_console
 from oal.cli.modes import refuse_unless
 from oal.cli.options import (
     BatchSizeOpt,
@@ -17,6 +18,7 @@ from oal.cli.options import (
     LimitOpt,
     LoraDropoutOpt,
     Max,
+    ProgressOpt,
     SelectByOpt,
     SinksOpt,
     TaskFileOpt,
@@ -28,7 +30,6 @@ from oal.cli.options import (
     parse_numbers,
     set_threads,
 )
-from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
 
@@ -66,7 +67,7 @@ def run(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
-    progress: bool = typer.Option(True, help="Show progress bars."),
+    progress: ProgressOpt = True,
     passkey: str = typer.Option(None, help="After the run, passkey retrieval of every arm (adapted) at these "
                                 "comma-separated lengths, e.g. 1024,2048,4096, into metrics.json and report.md."),
     passkey_depths: str = typer.Option(None, help="--passkey: needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)."),
@@ -107,10 +108,10 @@ def run(
                                  f"{out}/seed-<s>`", param_hint="--passkey")
     if lengths and is_encoder_model(cfg.model):
         raise typer.BadParameter("an encoder has no passkey retrieval (causal LMs only)", param_hint="--passkey")
-    run_pipeline(cfg, out, seed_list, console=log_console(), results=main_console(), progress=progress, force=force)
+    run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force)
     if lengths:
         from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_rich_table
 
         res = passkey_after_run(out, cfg.methods, lengths=lengths, depths=depths, trials=passkey_trials,
-                                device=cfg.device, console=log_console())
+                                device=cfg.device, console=notes_console())
         main_console().print(passkey_rich_table(res))

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DeviceOpt, DtypeOpt, Max, ThreadsOpt, set_threads
+from oal.cli.consoles import notes_console
+from oal.cli.options import DeviceOpt, DtypeOpt, Max, ProgressOpt, ThreadsOpt, set_threads
 from oal.errors import InputError, SelectionSizeError
-from oal.launch import log_console
 from oal.pipeline.inputs import layer_selection
 
 
@@ -33,7 +33,7 @@ def select_layers_cmd(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,
-    progress: bool = typer.Option(True, help="Show progress bars."),
+    progress: ProgressOpt = True,
 ) -> None:
     """Calibrate every layer, rank the layers by frozen-attention RelMSE after W_o and by the swap probe (validation
     perplexity with that layer alone converted, no training), and write DIR/selection.json with the K best by
@@ -46,7 +46,7 @@ def select_layers_cmd(
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
                                 **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
     try:
-        sel = run_selection(cfg, out, console=log_console(), progress=progress, force=force)
+        sel = run_selection(cfg, out, console=notes_console(), progress=progress, force=force)
     except SelectionSizeError as exc:  # the run words it as `--layers auto:K`; this command takes K as --k
         raise InputError(f"expected K <= {exc.limit} (the candidate layers), got {exc.k}", "--k") from None
     table = Table(title=f"layer selection: the {sel['k']} best by {sel['by']} -> {sel['chosen']} "

@@ -63,12 +63,28 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
 
 
 def summary_table(metrics: dict) -> Table:
-    """methods x (fidelity, PPL, zero-shot) for the terminal."""
+    """methods x (fidelity, PPL, PPL against softmax, zero-shot) for the terminal, its caption naming each column's
+    unit and what it is compared against."""
+    from oal.pipeline.report_summary import ppl_ratio
+
     multi = "perplexity_std" in metrics
     tasks = [t for t in DISPLAY_NAMES if any(t in z for z in metrics.get("zeroshot", {}).values())]
+    has_ratio = bool(metrics.get("perplexity", {}).get("softmax"))
+    caption = ["RelMSE: held-out attention-output error against softmax, before / after W_o (0 = identical). "
+               "PPL: test perplexity, lower is better" + (" (mean ± sample std over seeds)" if multi else "") + "."]
+    if has_ratio:
+        caption.append("PPL / softmax: adapted PPL over softmax's (1.000x = matches softmax).")
+    if tasks:
+        caption.append("PIQA / HellaSwag / ARC-E: zero-shot acc_norm %.")
+    if metrics.get("zeroshot_skipped"):
+        skipped = ", ".join(DISPLAY_NAMES.get(t, t) for t in metrics["zeroshot_skipped"])
+        caption.append(f"Zero-shot not measured: {skipped} (report.md says why).")
     table = Table(title=f"oal run: {metrics.get('model')} (layers {metrics.get('converted_layers')})",
-                  caption="PIQA / HellaSwag / ARC-E: zero-shot acc_norm %" if tasks else None)
-    for col in ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)", *(DISPLAY_NAMES[t] for t in tasks)):
+                  caption=" ".join(caption))
+    ratio_col = ("PPL / softmax",) if has_ratio else ()
+    cols = ("method", "RelMSE", "RelMSE post-o", "PPL no adapt", "PPL (LoRA)", *ratio_col,
+            *(DISPLAY_NAMES[t] for t in tasks))
+    for col in cols:
         table.add_column(col, justify="right")
     for m in metrics.get("methods", []):
         f = metrics.get("fidelity", {}).get(m, {})
@@ -78,8 +94,10 @@ def summary_table(metrics: dict) -> Table:
             cell += f" ± {metrics['perplexity_std'][m]:.3f}"
         pre = metrics.get("perplexity_no_adapt", {}).get(m)
         z = metrics.get("zeroshot", {}).get(m, {})
+        ratio = ppl_ratio(metrics, m)
+        ratio_cell = ("1.000x" if m == "softmax" else "-" if ratio is None else f"{ratio:.3f}x",) if has_ratio else ()
         table.add_row(m, f"{f['relmse']:.4f}" if "relmse" in f else "-",
                       f"{f['relmse_post_o']:.4f}" if "relmse_post_o" in f else "-",
-                      "-" if pre is None else f"{pre:.3f}", cell,
+                      "-" if pre is None else f"{pre:.3f}", cell, *ratio_cell,
                       *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
     return table

@@ -1,9 +1,10 @@
 """`DIR/report.md` and its figures, from the files of a run directory (never from memory).
 
-Sections: configuration and provenance (versions, hashes, splits), the analysis figures, calibration curves, the
-fidelity table (paper Table 2 layout), the perplexity table (paper Table 3 layout, with the paper's Qwen2.5-0.5B
-numbers as a labelled reference group), Table 3's zero-shot columns, passkey retrieval, layer selection, adaptation
-curves and time per stage.
+Sections: the summary (each arm's adapted PPL against softmax's, fidelity, zero-shot), the analysis figures,
+calibration curves, the fidelity table (paper Table 2 layout) and per-layer figure, the perplexity table (paper
+Table 3 layout, with the paper's Qwen2.5-0.5B numbers as a labelled reference group), Table 3's zero-shot columns,
+passkey retrieval, layer selection, adaptation curves, time per stage, and last the configuration and provenance
+(versions, hashes, splits).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 from pathlib import Path
 
 from oal.evaluate.passkey import passkey_section
-from oal.pipeline.report_figures import adaptation_figure, calibration_figure, perplexity_figure
+from oal.pipeline.report_figures import adaptation_figure, calibration_figure, fidelity_figure, perplexity_figure
 from oal.pipeline.report_format import markdown_table, read_optional
 from oal.pipeline.report_sections import (
     adaptation_section,
@@ -25,13 +26,14 @@ from oal.pipeline.report_sections import (
     timing_section,
     zeroshot_section,
 )
+from oal.pipeline.report_summary import summary_section
 from oal.pipeline.selection import selection_section
 from oal.rundir.files import atomic_write_text, make_dirs
 
 __all__ = ["OWN_FIGURES", "figure_references", "write_markdown", "write_report"]
 
 OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png", "passkey.png",
-               "layer_selection.png")
+               "layer_selection.png", "fidelity_per_layer.png")
 
 
 def figure_references(markdown: str) -> list[str]:
@@ -66,7 +68,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     head = f"Seeds: {seeds}" if seeds else f"Seed: {metrics.get('seed')}"
     lines += [f"{head}; methods: {', '.join(metrics.get('methods', []))}; "
               f"converted layers: {metrics.get('converted_layers')}.", ""]
-    lines += provenance_section(config)
+    lines += summary_section(metrics)
     analysis = analysis_section(analysis_dir, analysis_figs)
     if prefix:
         analysis = [ln.replace("](figures/", f"]({prefix}figures/") for ln in analysis]
@@ -74,6 +76,8 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += analysis
     lines += calibration_section(calibration, has_cal)
     lines += fidelity_section(metrics)
+    if fidelity_figure(metrics, fig_dir / "fidelity_per_layer.png"):
+        lines += ["![fidelity per layer](figures/fidelity_per_layer.png)", ""]
     lines += regime_section(adapt_dir, prefix)
     lines += perplexity_section(metrics, has_ppl)
     lines += zeroshot_section(metrics)
@@ -81,6 +85,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += passkey_section(metrics, fig_dir, markdown_table)
     lines += adaptation_section(adapt_dir, metrics, has_adapt)
     lines += timing_section(metrics)
+    lines += provenance_section(config)  # last: hashes and versions are for the record, not the first screen
     return write_markdown(run_dir, lines, console=console)
 
 

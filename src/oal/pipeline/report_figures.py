@@ -1,5 +1,5 @@
-"""The report's own figures: calibration curves, adaptation curves and the perplexity bars (written atomically; a
-figure that has nothing to show is not drawn and the report says so)."""
+"""The report's own figures: calibration curves, adaptation curves, per-layer fidelity and the perplexity bars
+(written atomically; a figure that has nothing to show is not drawn and the report says so)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from oal.pipeline.report_format import display_name, ordered, read_optional  # noqa: E402
 from oal.rundir.files import atomic_save_figure  # noqa: E402
 
-__all__ = ["adaptation_figure", "calibration_figure", "perplexity_figure"]
+__all__ = ["adaptation_figure", "calibration_figure", "fidelity_figure", "perplexity_figure"]
 
 
 def _carry(curve: list, steps: list[int]) -> list[float]:
@@ -110,6 +110,31 @@ def perplexity_figure(metrics: dict, path: Path) -> bool:
     ax.set_title("Test perplexity (App. F.3 protocol)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
+    return True
+
+
+def fidelity_figure(metrics: dict, path: Path) -> bool:
+    """Held-out RelMSE of each converted layer, one bar per method, before and after W_o (Eq. 21-22)."""
+    fid = {m: f["per_layer"] for m, f in (metrics.get("fidelity") or {}).items() if f.get("per_layer")}
+    if not fid:
+        return False
+    methods = ordered(fid)
+    layers = sorted({int(k) for rows in fid.values() for k in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(layers) * len(methods) ** 0.5 + 4), 3.6))
+    width = 0.8 / len(methods)
+    for ax, key, where in zip(axes, ("relmse", "relmse_post_o"), ("before W_o", "after W_o"), strict=True):
+        values = []
+        for j, m in enumerate(methods):
+            ys = [fid[m].get(str(layer), {}).get(key, float("nan")) for layer in layers]
+            ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(layers))], ys, width, label=display_name(m))
+            values += ys
+        ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
+        ax.set(title=f"Attention fidelity per layer, {where}", xlabel="converted layer")
+        _auto_scale(ax, values, "held-out RelMSE vs softmax (lower is better)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)
     return True
