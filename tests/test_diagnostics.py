@@ -270,3 +270,22 @@ def test_table1_on_embedded_model():
     for name in BASELINES:
         res = retained_error(name, data, groups, cfg)
         assert math.isfinite(res["R_S"]) and res["R_S"] > 0 and res["per_layer"][1]["E_full"] > 0
+
+
+def test_table2s_fidelity_bar_follows_a_quiet_console(tmp_path, monkeypatch):
+    """`oal -q diagnose` (a quiet console): Table 2's fidelity pass showed its progress bar anyway."""
+    from rich.console import Console
+
+    import oal.diagnostics.runner as runner
+    from oal.calibration.data import CalibConfig
+
+    seen = []
+    real = runner.run_table2
+    monkeypatch.setattr(runner, "run_table2", lambda *a, **kw: seen.append(kw["progress"]) or real(*a, **kw))
+    cc = CalibConfig.preset("tiny", max_steps=2, val_every=1, patience=1)
+    grouping = dict(tail_fraction=0.25, min_support=0.5, min_ratio=1.2, min_groups=2, n_bootstrap=20)
+    for quiet in (True, False):
+        runner.diagnose(_tiny_model(), _blocks(), [1], tmp_path / str(quiet), parts=("table2",),
+                        table2_methods=("taylorshift",), calib_cfg=cc, grouping=grouping,
+                        console=Console(stderr=True, quiet=quiet))
+    assert seen == [False, True]
