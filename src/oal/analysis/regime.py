@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from oal.device import module_device, release_memory
+from oal.device import release_memory
 
 __all__ = ["ANALYZE_LOGITS", "ANALYZE_ROWS", "PEAKED_MAX_WEIGHT", "REGIME_FILE", "VERTEX_EXCESS", "RegimeAccumulator",
            "attention_regime", "regime_markdown", "regime_verdict"]
@@ -220,7 +220,7 @@ def attention_regime(model, blocks: torch.Tensor, layers: Sequence[int], *,
     """Capture `layers` of `model` on token `blocks` [B, N] and summarise their attention regime (see module doc).
     Freed heap pages go back to the OS after every captured layer (`release_memory`): the fp64 query chunks
     otherwise stay resident."""
-    from oal.models.capture import capture
+    from oal.models.capture import capture_batches
 
     if not torch.is_tensor(blocks) or blocks.dim() != 2 or blocks.shape[0] == 0:
         raise ValueError(f"blocks: expected a LongTensor [B, N] with B >= 1, got {getattr(blocks, 'shape', blocks)}")
@@ -230,9 +230,7 @@ def attention_regime(model, blocks: torch.Tensor, layers: Sequence[int], *,
         acc(captured)
         release_memory(collect=False)
 
-    blocks = blocks.to(module_device(model))  # once, where the model is
-    for start in range(0, blocks.shape[0], batch_size):
-        capture(model, blocks[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
+    capture_batches(model, blocks, layers, on_layer, batch_size)
     res = acc.summary()
     res["settings"].update(blocks=list(blocks.shape))
     return res

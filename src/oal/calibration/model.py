@@ -8,25 +8,16 @@ from collections.abc import Sequence
 import torch
 
 from oal.calibration.data import LayerData
-from oal.device import module_device
 
-__all__ = ["capture_batches", "capture_layer_data", "capture_layers_data"]
-
-
-def capture_batches(model, input_ids: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int = 4) -> None:
-    """`on_layer(captured)` for each of `layers` and each batch of the blocks `input_ids` [S, N] (one forward per
-    batch for every layer, via `oal.models.capture`), on the model's device (the blocks go there first)."""
-    from oal.models.capture import capture
-
-    input_ids = input_ids.to(module_device(model))
-    with torch.no_grad():
-        for start in range(0, input_ids.shape[0], batch_size):
-            capture(model, input_ids[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
+__all__ = ["capture_layer_data", "capture_layers_data"]
 
 
 def capture_layers_data(model, input_ids: torch.Tensor, layers: Sequence[int], batch_size: int = 4
                         ) -> dict[int, LayerData]:
-    """{layer: frozen q/k/v/softmax-out} of `layers` for the blocks `input_ids` [S, N] (`capture_batches`)."""
+    """{layer: frozen q/k/v/softmax-out} of `layers` for the blocks `input_ids` [S, N] (one forward per batch for
+    every layer: `oal.models.capture.capture_batches`)."""
+    from oal.models.capture import capture_batches
+
     got: dict[int, list] = {int(i): [] for i in layers}
     capture_batches(model, input_ids, list(got), lambda c: got[c.layer].append(c), batch_size)
     return {i: LayerData.from_captured(items) for i, items in got.items()}

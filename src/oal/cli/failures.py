@@ -10,25 +10,24 @@ __all__ = ["bad_input_message", "drop_stdout"]
 def bad_input_message(exc: Exception, options=()) -> str | None:
     """The one-line message of an error of bad input, or None for anything else (a bug: keep its traceback).
     `options`: the command's option names; a message naming '--method' where the command has --methods names it."""
-    message = _message(exc)
+    message = _message(exc, options)
     if message is None:
         return None
-    named = re.match(r"Invalid value for '?(--[\w-]+)'?", message)  # '--method' where the command has --methods
-    if named and options and named[1] not in options and named[1] + "s" in options:
-        message = message.replace(named[1], named[1] + "s", 1)
     # typer's 'Invalid value for --grouping: grouping: ...' -> once
     return re.sub(r"^(Invalid value for '?--([\w-]+)'?: )([\w-]+): ",
                   lambda m: m[1] if m[3].replace("_", "-") == m[2] else m[0], message)
 
 
-def _message(exc: Exception) -> str | None:
+def _message(exc: Exception, options) -> str | None:
     from oal.errors import InputError
     from oal.models.folders import ModelUnavailableError
 
     if isinstance(exc, typer.TyperException) and hasattr(exc, "format_message"):  # typer's (vendored click) errors
         return exc.format_message()
     if isinstance(exc, InputError) and exc.param:
-        return f"Invalid value for '{exc.param}': {exc.message}"
+        # a library function shared by commands names '--method'; this command may take --methods
+        typed = exc.param + "s" if exc.param not in options and exc.param + "s" in options else exc.param
+        return f"Invalid value for '{typed}': {exc.message}"
     if isinstance(exc, (ValueError, OSError, ModelUnavailableError)):
         return str(exc)
     return None

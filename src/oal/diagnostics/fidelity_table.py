@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from oal.calibration.model import capture_batches
 from oal.diagnostics.retained_error import SequenceQKV
+from oal.models.capture import capture_batches
 
 __all__ = [
     "TABLE2_METHODS",

@@ -230,13 +230,11 @@ def dispatch_name(base: str) -> str:
     name = f"{_PREFIX}{base}"
     if name in ALL_ATTENTION_FUNCTIONS:
         return name
-    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
-        raise ValueError(f"model: attention implementation {base!r} is not supported; use 'sdpa' or 'eager'")
-    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise ValueError(f"model: attention implementation {base!r} has no mask function; use 'sdpa' or 'eager'")
-    if ALL_MASK_ATTENTION_FUNCTIONS[base] not in (ALL_MASK_ATTENTION_FUNCTIONS["sdpa"],
-                                                  ALL_MASK_ATTENTION_FUNCTIONS["eager"]):
-        # flex's BlockMask, flash's 2-D mask or none: converted layers would see no padding, nor packed sequences
+    known = base == "eager" or base in ALL_ATTENTION_FUNCTIONS
+    if not known or ALL_MASK_ATTENTION_FUNCTIONS.get(base) not in (ALL_MASK_ATTENTION_FUNCTIONS["sdpa"],
+                                                                   ALL_MASK_ATTENTION_FUNCTIONS["eager"]):
+        # unknown, or flex's BlockMask, flash's 2-D mask or none: converted layers would see no padding, nor packed
+        # sequences
         raise ValueError(f"model: attention implementation {base!r} gives converted layers no 4-D mask to read "
                          "padding from; use 'sdpa' or 'eager'")
 

@@ -211,6 +211,17 @@ def capture(
         _SESSION.reset(token)
 
 
+def capture_batches(model, input_ids: torch.Tensor, layers: Sequence[int], on_layer, batch_size: int = 4) -> None:
+    """`on_layer(captured)` for each of `layers` and each batch of the blocks `input_ids` [S, N] (one forward per
+    batch for every layer, cut after the deepest), on the model's device (the blocks go there first)."""
+    from oal.device import module_device
+
+    input_ids = input_ids.to(module_device(model))
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            capture(model, input_ids[start : start + batch_size], list(layers), on_layer, stop_after_last=True)
+
+
 def capture_layer(
     model: nn.Module, input_ids: torch.Tensor, layer: int, attention_mask: torch.Tensor | None = None
 ) -> Captured:

@@ -54,7 +54,8 @@ def cache_root(*parts: str) -> Path:
 # ----------------------------------------------------------------------------------------------- failed writes
 
 
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a write failed for want of room or of write access
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write failed for want of room
+WRITE_ERRNOS = (*FULL_ERRNOS, errno.EROFS)  # ... or of write access
 
 
 class CacheWriteError(OSError):
@@ -74,7 +75,7 @@ def cache_writes(what: str, folder: Path) -> Iterator[None]:
         raise
     except (OSError, SafetensorError) as exc:
         reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split()))
-        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "space" in reason
+        full = (isinstance(exc, OSError) and exc.errno in FULL_ERRNOS) or "space" in reason
         advice = "free space there, or set OAL_CACHE_DIR to a folder with room" if full else \
             "set OAL_CACHE_DIR to a writable folder"
         raise CacheWriteError(f"cannot write {what} into the cache folder {folder} ({reason}); {advice}") from None
