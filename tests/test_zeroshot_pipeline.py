@@ -123,9 +123,11 @@ def test_cli_evaluate_zeroshot_matches_the_stage(zs_run, tmp_path):
     res = wide.invoke(app, args + ["--tasks", "piqa,mmlu"])
     assert res.exit_code == 2 and "unknown task 'mmlu'" in res.output
     res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--limit", "0"])
-    assert res.exit_code == 2 and "zeroshot_limit" in res.output
+    assert res.exit_code == 2 and "Invalid value for '--limit': expected a positive number" in res.output
     res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--zeroshot-dir", str(tmp_path / "no")])
-    assert res.exit_code == 2 and "zeroshot_dir: no such folder" in res.output
+    assert res.exit_code == 2 and "Invalid value for '--zeroshot-dir': no such folder" in res.output
+    res = wide.invoke(load_commands(), ["run", "--out", str(tmp_path / "x"), "--methods", " "])
+    assert res.exit_code == 2 and "Invalid value for '--methods': expected a comma-separated" in res.output
     from oal.pipeline.config import RunConfig
 
     assert RunConfig.from_preset("default").zeroshot_limit == 100  # a quick run within the default budget

@@ -60,8 +60,9 @@ def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path |
         return None
     if not (adir / _ADAPTER_MANIFEST).is_file():
         if adapter:
-            raise ValueError(f"{adir / _ADAPTER_MANIFEST}: missing; the run has no adapter for {method!r} (train one "
-                             f"with `oal adapt --out {run_dir} --method {method}`, or leave the adapter out)")
+            raise InputError(f"{adir / _ADAPTER_MANIFEST} is missing: the run has no adapter for {method!r} (train "
+                             f"one with `oal adapt --out {run_dir} --method {method}`, or pass --no-adapter for the "
+                             "calibrated kernels alone)", "--adapter", "adapter")
         return None
     return adir
 

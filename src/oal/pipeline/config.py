@@ -80,7 +80,8 @@ def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
     out = parse_names(spec, ALL_METHODS, "methods")
     if not out:
-        raise ValueError("methods: expected a comma-separated list of method names or 'all', got nothing")
+        raise InputError("expected a comma-separated list of method names or 'all', got nothing", "--methods",
+                         "methods")
     return out
 
 
@@ -167,9 +168,10 @@ class RunConfig:
         self.zeroshot_tasks = parse_tasks(self.zeroshot_tasks)
         self.zeroshot_files = parse_task_files(self.zeroshot_files)
         if self.zeroshot_limit is not None and self.zeroshot_limit < 1:
-            raise ValueError(f"zeroshot_limit: expected a positive number of examples, got {self.zeroshot_limit}")
+            raise InputError(f"expected a positive number of examples, got {self.zeroshot_limit}", "--limit",
+                             "zeroshot_limit")
         if self.zeroshot_dir is not None and not Path(self.zeroshot_dir).is_dir():
-            raise ValueError(f"zeroshot_dir: no such folder: {self.zeroshot_dir}")
+            raise InputError(f"no such folder: {self.zeroshot_dir}", "--zeroshot-dir", "zeroshot_dir")
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
