@@ -50,6 +50,9 @@ def test_evaluate_refuses_options_of_another_mode(run_dir, args, option, words):
     (["run", "--window", "32"], "--window", "applies to the sliding-window methods"),
     (["run", "--methods", "oal", "--sinks", "2"], "--sinks", "applies to the sliding-window methods"),
     (["calibrate", "--methods", "oal,global", "--window", "32"], "--window", "applies to the sliding-window methods"),
+    # the default preset reads the builtin corpus: a WikiText folder (even a missing one) went unread, unremarked
+    (["run", "--data-dir", "."], "--data-dir", "holds WikiText for the paper presets"),
+    (["run", "--data-dir", "/no/such/oal-folder"], "--data-dir", "no such folder"),
 ])
 def test_an_option_that_would_be_ignored_is_refused(tmp_path, args, option, words):
     """They were accepted and ignored (a dead-code audit found them); --window on a run without a window method

@@ -173,6 +173,20 @@ class RunConfig:
         if self.zeroshot_dir is not None and not Path(self.zeroshot_dir).is_dir():
             raise InputError(f"no such folder: {self.zeroshot_dir}", "--zeroshot-dir", "zeroshot_dir")
 
+    def _check_data_dir(self) -> None:
+        """--data-dir must exist and be read: only WikiText loads from it (an ignored option would pass silently)."""
+        from oal.data import default_plan
+        from oal.data.sources import WIKITEXT_CONFIGS
+
+        if not Path(self.data_dir).is_dir():
+            raise InputError(f"no such folder: {self.data_dir}", "--data-dir", "data_dir")
+        corpora = {self.data} | ({bs.corpus for bs in default_plan(self.preset).roles().values()}
+                                 if self.plan is None else set(WIKITEXT_CONFIGS))  # a custom plan may name any
+        if not corpora & set(WIKITEXT_CONFIGS):
+            raise InputError(f"holds WikiText for the paper presets, and this run reads only {self.data!r} (preset "
+                             f"{self.preset}): leave it out, or pass --data {WIKITEXT_CONFIGS[0]}", "--data-dir",
+                             "data_dir")
+
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides) -> RunConfig:
         """Preset values, with any explicit override (None means 'keep the preset')."""
@@ -184,7 +198,10 @@ class RunConfig:
         for key in ("grouping", "calib", "adapt"):
             base[key] = {**base[key], **(overrides.pop(key, None) or {})}
         base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
+        cfg = cls(**base)
+        if cfg.data_dir is not None:  # checked here, not on reading a recorded run whose folder may have moved
+            cfg._check_data_dir()
+        return cfg
 
     def method_options(self) -> dict:
         """The method settings (`oal.methods.base.method_settings`) of this run's methods: {"window", "sinks"} when
