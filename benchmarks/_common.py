@@ -281,6 +281,43 @@ def direct_launch(on: bool, otherwise: str | None = None):
     return mock.patch.dict(os.environ, {launch.ENV: value}) if value is not None else contextlib.nullcontext()
 
 
+# ------------------------------------------------------------------------------------------------ provenance
+
+
+def environment() -> dict:
+    """What a benchmark's numbers were measured with, for its JSON: the versions of the interpreter and libraries
+    (`oal.rundir.hashes.versions`, torch's build included), the commit of the checkout (as scripts/gpu_check.sh:
+    $COMMIT where set, else `git rev-parse HEAD` with "+uncommitted" when tracked files differ; None outside git)
+    and the machine (CPU model, cores, torch's threads, the GPU torch sees)."""
+    import platform
+    import subprocess
+
+    import torch
+
+    from oal.ops.tuning import cpu_info
+    from oal.rundir.hashes import versions
+
+    commit = os.environ.get("COMMIT") or None
+    if commit is None:
+        def git(*args: str) -> str | None:
+            try:
+                res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                                     cwd=Path(__file__).resolve().parent)
+            except (OSError, subprocess.SubprocessError):
+                return None
+            return res.stdout.strip() if res.returncode == 0 else None
+
+        commit = git("rev-parse", "HEAD")
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+uncommitted"
+    cuda = torch.cuda.is_available()
+    return {"versions": versions() | {"torch_build": torch.__version__, "cuda": torch.version.cuda},
+            "commit": commit,
+            "machine": {"platform": platform.platform(), "cpu": cpu_info()["model"],
+                        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                        "gpu": torch.cuda.get_device_name() if cuda else None}}
+
+
 # ------------------------------------------------------------------------------------------------ the device's tag
 
 # Cards the GPU scripts may be lent, matched as whole words so that "GH200" is not taken for "H200".

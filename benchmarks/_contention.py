@@ -25,6 +25,7 @@ def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str,
     from rich.console import Console
     from rich.table import Table
 
+    from benchmarks._common import environment
     from oal.rundir.files import atomic_write_json
 
     rows = []
@@ -66,7 +67,7 @@ def run(child, lengths: list[int], dtypes: list[str], repeats: int, device: str,
                   f"{max(s['load_max'] for s in summary):.1f} on {os.cpu_count()} CPUs; the quiet runs are only "
                   "quiet when the load before them is near 0")
     atomic_write_json(out, {"rows": rows, "summary": summary, "goal": GOAL, "cpu_count": os.cpu_count(),
-                            "title": title})
+                            "title": title, "environment": environment()})
     _plot(summary, out.with_suffix(".png"), title)
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import ToolParser, int_in, output_file, run_tool
+from benchmarks._common import ToolParser, environment, int_in, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/calibration.json) and a PNG beside it; the table "
@@ -106,7 +106,8 @@ def main(args: argparse.Namespace) -> None:
     record = {"shape": {"Hq": hq, "Hkv": hkv, "d": d, "tokens": args.tokens, "train_seqs": 8, "val_seqs": 2,
                         "groups_per_head": (groups.max(1).values + 1).tolist()},
               "config": cfg.to_dict(), "time_s": times, "repeats": args.repeats, "speedup": speedup, "methods": rows,
-              "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
+              "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "environment": environment()}
     atomic_write_json(args.out, record)
 
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import ToolParser, int_in, list_of, output_file, run_tool
+from benchmarks._common import ToolParser, environment, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Qwen2.5-0.5B's config.json values (as in scripts/scale_rehearsal.py), vocabulary cut: capture stops before the head
@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
 
+import os
 import platform
 import tempfile
 import time
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> None:
         per_layer = [capture_layer_data(model, ids, i, batch_size=1) for i in layers]
         per_layer_s = time.perf_counter() - t0
         assert all(torch.equal(first[f], getattr(per_layer[0], f)) for f in ("q", "k", "v", "out"))
-        rows.append({"layers": n_layers, "one_pass_s": round(one_pass, 2), "per_layer_s": round(per_layer_s, 2)})
+        rows.append({"layers": n_layers, "one_pass_s": one_pass, "per_layer_s": per_layer_s})
     table = Table(title=f"capture, Qwen2.5-0.5B shapes, {args.blocks} blocks x {args.seq_len} tokens, bf16")
     for col in ("converted layers", "one pass (s)", "per layer (s)", "ratio"):
         table.add_column(col, justify="right")
@@ -83,7 +84,8 @@ def main(args: argparse.Namespace) -> None:
                       f"{r['per_layer_s'] / r['one_pass_s']:.1f}x")
     Console().print(table)
     out = {"seq_len": args.seq_len, "blocks": args.blocks, "rows": rows, "threads": torch.get_num_threads(),
-           "machine": platform.processor() or platform.machine(), "note": "one run on a shared, busy 2-core CPU"}
+           "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg()[0],
+           "environment": environment()}
     atomic_write_json(args.out, out)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     x = [r["layers"] for r in rows]

@@ -600,8 +600,10 @@ def run(shape_names=SHAPE_NAMES, gpu_names=tuple(GPUS), cpu_check: bool = True, 
 
 def main(args: argparse.Namespace) -> None:
     result = run(args.shapes, args.gpus, cpu_check=not args.no_cpu_check)
+    from benchmarks._common import environment
     from oal.rundir.files import atomic_write_json
 
+    result["environment"] = environment()
     atomic_write_json(args.json, result)
     figure(result, args.json.with_suffix(".png"))
     print_table(result)

@@ -27,7 +27,7 @@ import platform
 import statistics
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, ToolParser, int_in, run_tool
+from benchmarks._common import MAX_THREADS, ToolParser, environment, int_in, run_tool
 
 SHAPES = ("default", "qwen2.5-0.5b")
 
@@ -58,7 +58,7 @@ from benchmarks import _long_context as lc  # noqa: E402
 from oal.models.cache import state_nbytes  # noqa: E402
 from oal.models.convert import convert  # noqa: E402
 from oal.models.registry import default_layers  # noqa: E402
-from oal.rundir.files import atomic_write_json  # noqa: E402
+from oal.rundir.files import atomic_save_figure, atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POS = 40_000
@@ -136,8 +136,7 @@ def plot(shapes: dict, path: Path) -> None:
             ax.legend()
     fig.suptitle("Per-token decoding on CPU: recurrent OAL state vs softmax KV cache")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    atomic_save_figure(fig, path, dpi=120)
 
 
 def table(shape: str, record: dict, contexts: list[int], threads: int, tokens: int) -> Table:
@@ -162,7 +161,7 @@ def main(args: argparse.Namespace) -> None:
     shapes = SHAPES if args.shape == "both" else (args.shape,)
     record = {"contexts": contexts, "tokens": tokens, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),
-              "shapes": {shape: measure(shape, contexts, tokens) for shape in shapes}}
+              "shapes": {shape: measure(shape, contexts, tokens) for shape in shapes}, "environment": environment()}
     RESULTS.mkdir(exist_ok=True)
     atomic_write_json(RESULTS / "decode.json", record)
     plot(record["shapes"], RESULTS / "decode.png")

@@ -42,7 +42,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks._common import ToolParser, direct_launch, int_in, list_of, output_file, run_tool
+from benchmarks._common import ToolParser, direct_launch, environment, int_in, list_of, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("oal", "oal-swa", "swa")
@@ -271,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     record = {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
               "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-              "prefill": None}
+              "prefill": None, "environment": environment()}
     failed = record["failed"] = {}  # what raised, by part: the other parts still run and are kept
 
     def attempt(part: str, fn):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import ToolParser, output_file, run_tool
+from benchmarks._common import ToolParser, environment, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUTPUTS = ("the JSON of the comparison (--out; default benchmarks/results/encoder_<model folder name>.json); the "
@@ -88,6 +88,7 @@ def main(args: argparse.Namespace) -> None:
                                    "cosine": {p: {k: e[k] for k in ("mean", "min", "p05")} for p, e in emb.items()}}
         table.add_row(name, f"{f['relmse']:.4f}", f"{f['relmse_post_o']:.4f}",
                       *(f"{emb[p]['mean']:.4f} / {emb[p]['min']:.4f}" for p in ("mean", "cls")))
+    result["environment"] = environment()
     out = args.out or RESULTS / f"encoder_{Path(cfg['model']).name}.json"
     atomic_write_json(out, result)
     Console().print(table)

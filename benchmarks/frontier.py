@@ -34,6 +34,7 @@ from benchmarks._common import (
     MAX_THREADS,
     MAX_TOKENS,
     ToolParser,
+    environment,
     float_in,
     int_in,
     list_of,
@@ -365,6 +366,12 @@ class Frontier:
         return row
 
 
+def machine(device: torch.device) -> dict:
+    """Where the rows were timed: the platform, torch's threads, the device and, on CUDA, the GPU's name."""
+    return {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "device": str(device), **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})}
+
+
 def run(args, log=print) -> dict:
     t0 = time.perf_counter()
     f = Frontier(args, log)
@@ -372,9 +379,7 @@ def run(args, log=print) -> dict:
            "recall_threshold": args.recall_threshold if any("recall" in x for x in args.select_by) else None,
            "steps": args.steps,
            "window": args.window, "sinks": args.sinks, "candidates": f.candidates,
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "threads": torch.get_num_threads(), "device": str(f.device),
-                       **({"gpu": torch.cuda.get_device_name(f.device)} if f.device.type == "cuda" else {})},
+           "machine": machine(f.device), "environment": environment(),
            "provenance": {k: f.prov.get(k) for k in ("model", "source", "gguf", "base_model", "state_dict_sha256")}}
     cands = f.calibrated(args.methods)
     soft = f.row("softmax", [], None)

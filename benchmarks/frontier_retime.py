@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, ToolParser, input_file, int_in, output_file, run_tool
+from benchmarks._common import MAX_THREADS, ToolParser, environment, input_file, int_in, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUTPUTS = ("the re-timed frontier JSON (--json; default benchmarks/results/<input name>_retimed.json) and a PNG "
@@ -47,7 +47,6 @@ ARGS = parse() if __name__ == "__main__" else None  # before the heavy imports: 
 import copy
 import datetime
 import json
-import platform
 import tempfile
 import types
 
@@ -122,13 +121,12 @@ def retime(args, log=print) -> dict:
     out["retimed"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "from": {"file": args.frontier.name, "sha256": sha256_file(args.frontier)},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "threads": torch.get_num_threads(), "device": str(f.device)},
+        "machine": frontier.machine(f.device),
         "repeats": args.repeats, "decode_tokens": args.decode_tokens,
         "how": "every arm rebuilt with default kernels (no adaptation), timed interleaved; the fastest prefill and "
                "decode (each a median of its steps) over the rounds; ppl and passkey are the input's",
         "runs": times}
-    out["machine"] = out["retimed"]["machine"]
+    out["machine"], out["environment"] = out["retimed"]["machine"], environment()
     return out
 
 

@@ -28,10 +28,20 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, MAX_TOKENS, ToolParser, int_in, list_of, output_file, run_tool
+from benchmarks._common import (
+    MAX_THREADS,
+    MAX_TOKENS,
+    ToolParser,
+    environment,
+    int_in,
+    list_of,
+    output_file,
+    run_tool,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("softmax", "oal", "oal-swa")
@@ -177,7 +187,7 @@ def measure(args):
                                                         "skipped": error or "out of memory"}
                     print(f"  {shape:13s} {method:8s} ctx={context:6d} batch={row['batch']} "
                           f"{row['tokens_per_s'] or 0:10.1f} tok/s  {row['peak_mib'] or 0:9.0f} MiB"
-                          + (f"  {error}" if error else ""), flush=True)
+                          + (f"  {error}" if error else ""), file=sys.stderr, flush=True)
                     yield row
                 del model
                 if args.device == "cuda":
@@ -272,7 +282,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
 
     from oal.rundir.files import atomic_write_json
 
-    console = Console(width=max(Console().width, 140))
+    console, progress = Console(width=max(Console().width, 140)), Console(stderr=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     if args.profile:
         from benchmarks._decode_profile import profile_step
@@ -283,9 +293,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
              else f"Decoding on {device}, fp32, {torch.get_num_threads()} threads")
     t0 = time.time()
     rows = []
+    env = environment()
 
     def record(interrupted: bool) -> dict:
-        return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(), "environment": env,
                 "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "speedups": ratios(rows),
                 "goals": goals(rows, args.device), "interrupted": interrupted, "elapsed_s": time.time() - t0}
 
@@ -296,14 +307,14 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
             atomic_write_json(args.out, record(False))  # a time-out keeps what finished
     except KeyboardInterrupt:
         interrupted = True
-        console.print("interrupted: reporting the rows measured so far")
+        progress.print("interrupted: reporting the rows measured so far")
     atomic_write_json(args.out, record(interrupted))
     console.print(table(rows, title))
     for goal, met in goals(rows, args.device).items():
         console.print(f"goal: {goal}: {'not measured' if met is None else 'met' if met else 'NOT met'}")
     if rows:
         plot(rows, title, args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    progress.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import statistics
 import time
@@ -42,7 +43,16 @@ from pathlib import Path
 from unittest import mock
 
 # one-line errors, exit code 2; --help names the outputs
-from benchmarks._common import MAX_TOKENS, ToolParser, direct_launch, int_in, list_of, output_file, run_tool
+from benchmarks._common import (
+    MAX_TOKENS,
+    ToolParser,
+    direct_launch,
+    environment,
+    int_in,
+    list_of,
+    output_file,
+    run_tool,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(B=1, hq=14, hkv=2, d=64, dv=64, g=5)
@@ -480,13 +490,15 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda is not available here (torch.cuda.is_available() is False); run it on a "
                          "GPU machine, or --device cpu for a smoke test")
+    if args.device == "cpu":  # the smoke test runs the kernels under Triton's interpreter (read when they are defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from rich.console import Console
 
     from oal.models.folders import first_line
     from oal.ops.triton import routes
     from oal.rundir.files import atomic_write_json
 
-    console = Console(width=max(Console().width, 160), stderr=False)
+    console, progress = Console(width=max(Console().width, 160)), Console(stderr=True)
     if args.profile:
         if args.ncu_only:
             profile_calls(args.profile, args.device, None, tables=False)
@@ -510,12 +522,14 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
             if not all(err < 5e-2 for err in errs.values()):
                 console.print(f"[bold red]sanity: {route} has an error above 5e-2: wrong on this device[/]")
     picked = default_backend(min(args.lengths), args.device)
+    env = environment()
     console.print(f"default SDPA picks: {picked['backend']} (kernels: {', '.join(picked['kernels'][:4])})")
 
     def record(interrupted: bool) -> dict:
         rows = [row_of(n, measured) for n in args.lengths if any(key[1] == n for key in measured)]
         return {"shape": SHAPE | {"dtype": "bfloat16", "causal": True}, "device": device_name,
-                "versions": _versions(), "host": platform.node(), "parallel_max": routes.PARALLEL_MAX,
+                "versions": _versions(), "host": platform.node(), "environment": env,
+                "parallel_max": routes.PARALLEL_MAX,
                 "default_sdpa_backend": picked, "sanity": check, "rows": rows, "skipped": skipped,
                 "tuning": tuning(args.device),
                 "goals": goals(rows), "args": {k: str(v) for k, v in vars(args).items()},
@@ -539,11 +553,11 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                     if reason:
                         skipped[f"{method} {mode} {n}"] = reason
                     r = measured.get((method, n, mode))
-                    console.print(f"  {method:13s} {mode:7s} N={n:7d} " + (f"{r['ms']:9.3f} ms" if r else reason))
+                    progress.print(f"  {method:13s} {mode:7s} N={n:7d} " + (f"{r['ms']:9.3f} ms" if r else reason))
                     atomic_write_json(args.out, record(False))  # after every method: a time-out keeps what finished
     except KeyboardInterrupt:  # a time limit (timeout --signal=INT): report what was measured
         interrupted = True
-        console.print("interrupted: reporting the lengths measured so far")
+        progress.print("interrupted: reporting the lengths measured so far")
     result = record(interrupted)
     if errors := schema_errors(result):
         console.print(f"[bold red]schema: {errors}[/]")
@@ -553,7 +567,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
         console.print(f"goal: {goal}: {'not measured' if met is None else 'met' if met else 'NOT met'}")
     if result["rows"]:
         plot(result["rows"], title, args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    progress.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import ToolParser, int_in, output_file, run_tool
+from benchmarks._common import ToolParser, environment, int_in, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/grouping.json) and a PNG beside it; the table on "
@@ -101,6 +101,7 @@ def main(args: argparse.Namespace) -> None:
         n_groups_histogram=hist,
         threads=torch.get_num_threads(),
         machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count()),
+        environment=environment(),
     )
     atomic_write_json(args.out, out)
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import PeakRSS, finish_figure
+from benchmarks._common import PeakRSS, environment, finish_figure
 from benchmarks.model import QWEN_SHAPE, random_kernels
 
 GOAL_GB = 3.0  # issue 24: one adaptation step of Qwen2.5-0.5B's shape, 1 layer, N = 4096
@@ -225,7 +225,8 @@ def _write(path: Path | None, results: list[dict]) -> None:
 
     goal = results[0]["goal_gb"]
     atomic_write_json(path, dict(results[0], compared={r["loss"]: r for r in results[1:]},
-                                 goal_met=results[0]["peak_rss_gb"] <= goal if goal is not None else None))
+                                 goal_met=results[0]["peak_rss_gb"] <= goal if goal is not None else None,
+                                 environment=environment()))
     _figure(results, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr, flush=True)
 

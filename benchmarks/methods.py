@@ -18,7 +18,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks._common import MAX_TOKENS, ToolParser, int_in, output_file, run_tool  # noqa: E402
+from benchmarks._common import MAX_TOKENS, ToolParser, environment, int_in, output_file, run_tool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("softmax", "oal", "global", "performer", "spectraformer", "dijiang", "taylorshift")
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> None:
         r["ratio_to_sdpa"] = r["ms"] / base[r["N"]]
     meta = {"shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "d": D}, "dtype": "float32", "device": args.device,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
-    atomic_write_json(args.out, {"meta": meta, "rows": rows})
+    atomic_write_json(args.out, {"meta": meta, "rows": rows, "environment": environment()})
 
     table = Table(title=f"causal forward, B=1 Hq={HQ} Hkv={HKV} d={D}, fp32, {args.device}")
     table.add_column("method")

@@ -371,7 +371,7 @@ def main(args: argparse.Namespace) -> None:
     if goals:
         console.print("goals: " + "; ".join(goals))
     atomic_write_json(args.out, {"rows": rows, "summary": summary, "complete": True, "dtype": args.dtype,
-                                 "torch": torch.__version__, "clock": args.clock})
+                                 "torch": torch.__version__, "clock": args.clock, "environment": bench.environment()})
     _plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 

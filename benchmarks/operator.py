@@ -330,8 +330,25 @@ def _sweep(n: int, repeats: int, device: str, dtypes: list[str], out: Path) -> N
     Console(width=160).print(table)
     from oal.rundir.files import atomic_write_json
 
-    atomic_write_json(out, {"n": n, "rows": rows, "torch": torch.__version__})
-    print(f"wrote {out}", file=sys.stderr)
+    atomic_write_json(out, {"n": n, "rows": rows, "torch": torch.__version__, "environment": _common.environment()})
+    _plot_sweep(rows, n, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+
+
+def _plot_sweep(rows: list[dict], n: int, path: Path) -> None:
+    """--sweep's figure: OAL's time against chunks per block, one line per dtype and chunk size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dt in sorted({r["dtype"] for r in rows}, reverse=True):
+        for chunk in sorted({r["chunk"] for r in rows if r["dtype"] == dt}):
+            pts = sorted((r["block_chunks"], r["time_s"]) for r in rows if r["dtype"] == dt and r["chunk"] == chunk)
+            ax.semilogx(*zip(*pts, strict=True), "o-", base=2, label=f"{dt}, chunk {chunk}")
+    ax.set(xlabel="chunks per block", ylabel="forward time (s)")
+    finish_figure(fig, [ax], f"OAL chunked, N={n}: chunk size x chunks per block", path)
 
 
 def compare(fixed_path: Path, tuned_path: Path) -> str:
@@ -532,7 +549,8 @@ def main(args: argparse.Namespace) -> None:
 
     result = {"shape": SHAPE | {"B": 1}, "device": args.device, "threads": torch.get_num_threads(), "rows": rows,
               "summary": summary, "torch": torch.__version__, "cpu_count": os.cpu_count(), "clock": _common.CLOCK_NAME,
-              "cpu": cpu, "tune": not (args.no_tune or args.settings), "settings": settings}
+              "cpu": cpu, "tune": not (args.no_tune or args.settings), "settings": settings,
+              "environment": _common.environment()}
     atomic_write_json(args.out, result)
     png = args.out.with_suffix(".png")
     _plot(rows, summary, png)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, ToolParser, int_in, output_file, run_tool
+from benchmarks._common import MAX_THREADS, ToolParser, environment, int_in, output_file, run_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUTPUTS = ("the JSON of the results (--json; default benchmarks/results/recall.json) and a PNG beside it; the tables "
@@ -323,7 +323,8 @@ def run(cfg: SimpleNamespace, log=print) -> dict:
     base, training = train_softmax(cfg, log)
     res = {"trained_length": cfg.trained_length, "eval_pairs": cfg.eval_pairs, "setup": vars(cfg),
            "training": training, "void": not training["solved"],
-           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": cfg.device}}
+           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": cfg.device},
+           "environment": environment()}
     if res["void"]:
         log(f"VOID: the softmax model did not solve MQAR at length {cfg.trained_length} in {cfg.max_steps} steps")
         return res

@@ -119,6 +119,7 @@ def run(n: int, others: list[str], rounds: int, dtype: torch.dtype, loaded: bool
             "clock": _common.CLOCK_NAME, "load_before": load_before, "load_after": os.getloadavg()[0],
             "settings": {name: s.label() for name, s in pinned.items()}, "readout": cpu_kernel.describe(),
             "source": tuning.source(dtype), "times": result, "cpu": tuning.cpu_info(), "torch": torch.__version__,
+            "environment": _common.environment(),
             "median": {cond: {name: statistics.median(ts) for name, ts in times.items()}
                        for cond, times in result.items()}}
 

@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> None:
     from oal.rundir.files import atomic_write_json
 
     atomic_write_json(args.out, {"shape": SHAPE, "threads": torch.get_num_threads(), "clock": _common.CLOCK_NAME,
-                                 "rows": rows})
+                                 "rows": rows, "environment": _common.environment()})
     _plot(rows, args.out.with_suffix(".png"))
     print(f"{'method':>8} {'N':>6} {'prefill s':>10} {'decode ms':>10} {'load':>5}")
     for r in rows:

@@ -107,3 +107,13 @@ def test_profile_breaks_a_step_down_per_layer_type(tiny, monkeypatch):
 def test_the_shapes_named_before_torch_are_long_context_s():
     """generate names its shapes before it imports torch (bad arguments are refused at once); they are lc's."""
     assert generate.SHAPES == tuple(lc.SHAPES)
+
+
+def test_progress_goes_to_stderr_and_the_table_to_stdout(tiny, tmp_path, capsys):
+    """Each row's progress line was printed on stdout, among the results (the benchmarks' rule: results on stdout,
+    progress on stderr)."""
+    generate.main(["--device", "cpu", "--shapes", "smollm2-135m", "--contexts", "100", "--methods", "softmax",
+                   "--tokens", "1", "--warmup", "0", "--prompt", "80", "--out", str(tmp_path / "gen.json")])
+    out, err = capsys.readouterr()
+    assert "ctx=   100" in err and "ctx=" not in out
+    assert "tokens/s" in out and "wrote" in err

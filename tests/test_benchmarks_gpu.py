@@ -195,3 +195,35 @@ def test_sanity_checks_the_bf16_kernels_and_the_trained_factor():
         errs = res[route]
         assert max(errs[name] for name in ("out", "dq", "dk", "dv")) < 3e-2, (route, errs)
         assert errs["dfactor"] < 1e-3, (route, errs)
+
+
+def test_the_cpu_smoke_test_runs_the_kernels_under_the_interpreter_it_names(tmp_path):
+    """`benchmarks.gpu --device cpu` is documented as a smoke test under Triton's interpreter, but it left
+    TRITON_INTERPRET to the caller: run as documented, its sanity check and the forced-Triton rows failed with
+    "backend: 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "gpu.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--lengths", "16", "--repeats",
+                          "1", "--warmup", "0", "--sanity-n", "16", "--methods", "oal_chunked", "--no-backward",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    record = json.loads(out.read_text())
+    assert record["skipped"] == {} and isinstance(record["sanity"], dict), record["skipped"]
+    assert record["rows"][0]["oal_chunked_fwd_ms"] > 0
+
+
+def test_progress_goes_to_stderr_and_the_table_to_stdout(monkeypatch, tmp_path, capsys):
+    """benchmarks.gpu printed each measurement's progress line on stdout, among its results."""
+    monkeypatch.setattr(gpu, "measure", lambda method, n, backward, args: {"ms": 1.0, "ms_all": [1.0], "host_ms": 0.5,
+                                                                          "peak_mib": None})
+    monkeypatch.setattr(gpu, "default_backend", lambda n, device: {"n": n, "backend": "math", "kernels": []})
+    gpu.main(["--device", "cpu", "--lengths", "32", "--methods", "oal,sdpa", "--sanity-n", "0", "--repeats", "1",
+              "--no-backward", "--out", str(tmp_path / "gpu.json")])
+    out, err = capsys.readouterr()
+    assert "N=     32" in err and "N=     32" not in out
+    assert "goal:" in out and "sdpa/OAL" in out and "wrote" in err

@@ -65,6 +65,16 @@ def test_incremental_logits_equal_one_forward_and_cache_holds_state():
     assert cache.get_seq_length() == 19 and cache.layers[1].state.shape == (2, HKV, 1 + D + D * (D + 1) // 2, D + 1)
 
 
+def test_the_cache_layer_answers_every_transformers_5_release():
+    """In transformers 5.0-5.12 a cache layer must define get_max_cache_shape (abstract there: every cached generate
+    of a converted model failed to make its OALStateLayer), and in 5.0-5.3 get_mask_sizes gets the cache_position
+    tensor, not the query length; pyproject allows transformers >= 5.0."""
+    layer = OALStateLayer()
+    layer.update(torch.zeros(1, HKV, 4, D), torch.zeros(1, HKV, 4, D))
+    assert layer.get_max_cache_shape() == layer.get_max_length() == -1
+    assert layer.get_mask_sizes(3) == layer.get_mask_sizes(torch.arange(4, 7)) == (7, 0)
+
+
 def test_state_memory_constant_in_context_length():
     model = _model(layers=(1,))
     sizes = []
@@ -115,6 +125,24 @@ def test_right_padding_matches_unpadded_rows(method, use_cache):
                 torch.testing.assert_close(cache.layers[i].state[b], alone.layers[i].state[0], rtol=1e-9, atol=1e-9)
 
 
+def chunked_prefill_matches_one_prefill(model):
+    """generate(prefill_chunk_size=...) on a left-padded batch: the tokens and scores of one prefill, also for a row
+    whose padding fills whole chunks (no real token in them) and then starts a chunk."""
+    lengths = (20, 11, 3)
+    rows = [_ids(1, n, seed=s + 1) for s, n in enumerate(lengths)]
+    batch = torch.cat([torch.nn.functional.pad(r, (20 - r.shape[1], 0)) for r in rows])
+    mask = (torch.arange(20)[None] >= 20 - torch.tensor(lengths)[:, None]).long()
+    seq, sc = _generate(model, batch, True, attention_mask=mask, prefill_chunk_size=6)
+    want_seq, want_sc = _generate(model, batch, True, attention_mask=mask)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(sc, want_sc, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["oal", "performer", "softmax"])
+def test_chunked_prefill_of_a_left_padded_batch(method):
+    chunked_prefill_matches_one_prefill(_model(layers=(0, 1), method=method).double())
+
+
 def test_padded_queries_get_zero_output():
     model = _model(layers=(1,))
     seen = {}
@@ -137,6 +165,16 @@ def test_inner_padding_is_a_clear_error():
     mask[1, 3] = 0
     with pytest.raises(ValueError, match="left or right padding"), torch.no_grad():
         model(ids, attention_mask=mask)
+
+
+def test_a_pad_token_inside_a_prompt_names_the_inferred_mask():
+    """generate without an attention_mask infers one from pad_token_id (when it is not the eos token): a pad token
+    inside a prompt then reads as padding between real tokens, which the error must explain."""
+    model = _model()
+    ids = _ids(1, 8)
+    ids[0, 3] = 5
+    with pytest.raises(ValueError, match="left or right padding.*pad_token_id"), torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=5, eos_token_id=1)
 
 
 def test_left_padding_after_earlier_tokens_is_a_clear_error():
