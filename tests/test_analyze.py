@@ -219,3 +219,86 @@ def test_cli_end_to_end(tiny_dir, tmp_path, monkeypatch):
     assert bad.exit_code != 0 and "--layers" in bad.output
     bad = CliRunner().invoke(app, ["analyze", "--model", str(tiny_dir), "--out", str(out), "--grouping", "gaps"])
     assert bad.exit_code == 2 and "--grouping" in bad.output
+
+
+@pytest.mark.parametrize("damage", ["negative", "fraction", "head twice", "head missing", "not a list"])
+def test_load_groups_refuses_group_ids_it_cannot_use_naming_the_file(tmp_path, damage):
+    """Eq. 19's groups are ids 0..G-1 per dimension, one row per query head 0..Hq-1. A negative or fractional id (it
+    was truncated to an integer silently), a head twice or missing is a damaged groups.json, named as such, rather
+    than a one_hot crash in calibration or a groups tensor of the wrong shape."""
+    heads = [{"head": 0, "groups": [0, 0, 1, 1]}, {"head": 1, "groups": [0, 1, 0, 2]}]
+    if damage == "negative":
+        heads[1]["groups"][0] = -1
+    elif damage == "fraction":
+        heads[1]["groups"][3] = 1.5
+    elif damage == "head twice":
+        heads[1]["head"] = 0
+    elif damage == "head missing":
+        heads[1]["head"] = 2
+    else:
+        heads[0]["groups"] = 3
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps({"format": "oal.groups/1", "heads": {"0": heads}}))
+    with pytest.raises(ValueError, match="groups.json: damaged groups record"):
+        load_groups(tmp_path)
+
+
+def test_gaussian_control_of_an_encoder_takes_every_pair(tmp_path):
+    """Fig. 5's isotropic control keeps everything but the q/k distribution: for an encoder, whose chi (Eq. 2) runs
+    over every pair of real tokens, the control's chi does too, not over causal pairs only."""
+    from _tiny_encoders import tiny_encoder
+
+    model = tiny_encoder("bert")
+    ids = torch.randint(5, 64, (3, 12), generator=torch.Generator().manual_seed(0))
+    summary = analyze(model, None, ids, [1], tmp_path, n_bootstrap=10, figures=False, progress=False, seed=4)
+
+    def control(causal):
+        gen = torch.Generator().manual_seed(4)
+        chi = torch.stack([head_contributions(torch.randn(1, 4, 12, 8, generator=gen, dtype=torch.float64),
+                                              torch.randn(1, 4, 12, 8, generator=gen, dtype=torch.float64),
+                                              causal=causal)[0] for _ in range(3)])  # [P, H, d]
+        return topk_concentration(chi.mean(0), 5)
+
+    got = torch.tensor(summary["concentration"]["gaussian_top5"][0], dtype=torch.float64)
+    torch.testing.assert_close(got, control(False))
+    assert not torch.allclose(got, control(True))
+
+
+def test_pair_tied_grouping_settings_are_checked_before_the_capture(tiny, tmp_path, monkeypatch):
+    """`pairs=True` groups the d/2 RoPE pairs with App. B, whose G_min must fit d/2's candidate cuts: d = 8, alpha
+    0.25 leaves d/2 = 4 one candidate cut, so G_min = 3 is refused up front (as for d), not after the capture."""
+    import oal.analysis.runner as runner
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before refusing the settings")
+
+    monkeypatch.setattr(runner, "_run_capture", no_capture)
+    ids = torch.randint(0, 64, (4, 20), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="min_groups"):
+        analyze(tiny, None, ids, [0], tmp_path, n_bootstrap=10, figures=False, pairs=True, min_groups=3)
+
+
+def test_a_dead_head_leaves_analysis_json_strict_and_its_means_defined(tiny, tmp_path):
+    """A head whose queries are all zero has chi = 0 (Eq. 2): its top-5 share and Spearman are undefined. They were
+    NaN, which made every layer mean NaN and wrote bare NaN into analysis.json (strict JSON parsers reject it)."""
+    import copy
+
+    model = copy.deepcopy(tiny)
+    attn = model.model.layers[0].self_attn
+    d = attn.head_dim
+    with torch.no_grad():  # query head 0 of layer 0 reads nothing
+        attn.q_proj.weight[:d].zero_()
+        attn.q_proj.bias[:d].zero_()
+    gen = torch.Generator().manual_seed(3)
+    ids, held = torch.randint(0, 64, (4, 20), generator=gen), torch.randint(0, 64, (3, 20), generator=gen)
+    summary = analyze(model, None, ids, [0], tmp_path, heldout=held, n_bootstrap=10, figures=False)
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in analysis.json")
+
+    data = json.loads((tmp_path / "analysis.json").read_text(), parse_constant=refuse)
+    conc, stab = data["concentration"], data["stability_inputs"]
+    assert conc["real_top5"][0][0] is None and conc["real_top5"][0][1] is not None
+    assert conc["mean"]["real_top5"] == pytest.approx(sum(conc["real_top5"][0][1:]) / 3)
+    assert stab["spearman"][0][0] is None and stab["mean_spearman"] is not None and stab["min_spearman"] is not None
+    assert summary["concentration"]["mean"] == conc["mean"]

@@ -268,3 +268,29 @@ def test_calibration_summary_is_strict_json():
     res = calibrate_layer(build_method("global", HQ, HKV, D), train, val, CalibConfig(max_steps=4, val_every=2))
     text = json.dumps(res.summary(), allow_nan=False)  # raises on a bare NaN
     assert '"curves"' in text and "null" in text  # step 0 has no training loss yet: null, not NaN
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "out"])
+def test_non_finite_captures_are_refused_by_name(name):
+    """Eq. 20 matches the softmax output on frozen q, k, v: a NaN or inf in a capture (an fp16 overflow) would zero
+    those heads' gradients and mark their validation MSE inf, leaving them at an initialisation without a word.
+    LayerData refuses it, naming the tensor; padded positions of the softmax output (never scored) may be anything."""
+    data = _data(2, n_tok=9)
+    bad = {n: getattr(data, n).clone() for n in ("q", "k", "v", "out")}
+    bad[name][1, 0, 4, 2] = float("nan") if name in ("q", "v") else float("inf")
+    with pytest.raises(ValueError, match=f"^{name}: .*non-finite"):
+        LayerData(**bad)
+    out = data.out.clone()
+    out[0, :, 8] = float("nan")  # a padded query's row
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 8] = False
+    LayerData(data.q, data.k, data.v, out, mask=mask)
+
+
+def test_validation_data_of_another_gqa_shape_is_refused():
+    """The GQA map (query head h reads KV head h // (Hq / Hkv)) and the value size come from the training data; a
+    validation set with other KV heads or value size was scored under the wrong map, without a word."""
+    train, val = _data(2), _data(2, seed=1)
+    other = LayerData(val.q, val.k.repeat(1, 2, 1, 1), val.v.repeat(1, 2, 1, 1), val.out)
+    with pytest.raises(ValueError, match="val: expected k of 2 heads"):
+        calibrate_layer(build_method("global", HQ, HKV, D), train, other, CalibConfig.preset("tiny"))

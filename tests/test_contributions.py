@@ -95,3 +95,6 @@ def test_bad_input_raises():
         head_contributions(torch.randn(1, 3, 5, 4), torch.randn(1, 2, 5, 4))
     with pytest.raises(ValueError, match="lengths"):
         prefix_contributions(q, q, [0, 3])
+    # a mask of one row for a batch of two masked both rows alike, without a word
+    with pytest.raises(ValueError, match="attention_mask"):
+        head_contributions(torch.randn(2, 4, 5, 4), torch.randn(2, 2, 5, 4), torch.ones(1, 5, dtype=torch.bool))

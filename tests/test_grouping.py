@@ -28,6 +28,16 @@ def test_candidate_cuts_follow_appendix_b():
     assert candidate_cuts(4, 1.0).tolist() == [1, 2, 3]  # max(1, d - m) keeps both sides non-empty
 
 
+def test_tail_size_is_the_exact_ceiling_of_alpha_d():
+    """App. B: m = ceil(alpha d). 0.55 * 100 is 55.00000000000001 in floating point; the tail is still 55 dims
+    (candidate cuts k = 45..99), not 56, and the oracle agrees."""
+    assert candidate_cuts(100, 0.55).tolist() == list(range(45, 100))
+    chi = torch.rand(3, 100, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref = stable_gap_groups_reference(chi, tail_fraction=0.55, n_bootstrap=2)
+    assert len(ref["ratios"]) == 55
+    assert candidate_cuts(64, 1e-12).tolist() == [63]  # alpha > 0: at least the top dimension (m >= 1)
+
+
 def test_hand_built_profile_known_groups():
     # d = 16, alpha = 0.25 -> candidates k = 12..15. Sorted tail 1 | 2 | 5 | 20 | 40: ratios 2, 2.5, 4, 2.
     profile = [1.0] * 16

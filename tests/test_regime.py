@@ -178,3 +178,26 @@ def test_sampled_rows_score_only_those_rows():
     assert full.summary()["layers"] == exact.summary()["layers"]
     with pytest.raises(ValueError, match="max_rows"):
         RegimeAccumulator(max_rows=0)
+
+
+def test_non_causal_captures_score_every_real_key():
+    """Encoders (`Captured.causal=False`, e.g. `oal analyze` on a BERT-family model): softmax attends every real key,
+    so each query's row is the softmax over all real keys, not over its causal prefix; padded keys stay out."""
+    gen = torch.Generator().manual_seed(4)
+    n, d = 9, 4
+    q = torch.randn(1, 2, n, d, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(1, 1, n, d, generator=gen, dtype=torch.float64) * 2
+    mask = torch.tensor([[1] * 7 + [0] * 2])
+    v, out = torch.zeros(1, 1, n, 3), torch.zeros(1, 2, n, 3)
+    acc = RegimeAccumulator(min_keys=1, logit_row_stride=1)
+    acc(Captured(1, q, k, v, out, mask, 1 / math.sqrt(d), causal=False))
+    row = acc.summary()["layers"]["1"]
+    s = q[0, :, :7] @ k[0, :, :7].transpose(-1, -2) / math.sqrt(d)  # [2, 7, 7]: every real query, every real key
+    p = torch.softmax(s, -1)
+    for h in range(2):
+        assert row["max_weight"][h] == pytest.approx(float(p[h].amax(-1).median()), rel=1e-12)
+        ent = -(p[h] * p[h].log()).sum(-1)
+        assert row["eff_keys"][h] == pytest.approx(float(ent.exp().median()), rel=1e-12)
+        assert row["logit_min"][h] == pytest.approx(float(s[h].min()))
+        assert row["logit_max"][h] == pytest.approx(float(s[h].max()))
+    assert row["pairs"] == 7 * 7

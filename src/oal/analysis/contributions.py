@@ -103,6 +103,8 @@ def head_contributions(
     g = hq // hkv
     qg = q.reshape(b, hkv, g, n, d)
     kg = k[:, :, None]  # broadcast over the g query heads of each KV head
+    if attention_mask is not None and tuple(attention_mask.shape) != (b, n):  # [1, N] would mask every row alike
+        raise ValueError(f"attention_mask: expected [B={b}, N={n}], got {tuple(attention_mask.shape)}")
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
     return contribution_scores(qg, kg.expand(b, hkv, g, n, d), scale, mask=mask, causal=causal).reshape(b, hq, d)
 

@@ -20,11 +20,13 @@ def share_at(chi: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
 
 
 def gaussian_chi(
-    n_prompts: int, n_heads: int, head_dim: int, lengths: list[int], generator: torch.Generator
+    n_prompts: int, n_heads: int, head_dim: int, lengths: list[int], generator: torch.Generator, *,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Isotropic control: chi of i.i.d. N(0, 1) post-RoPE q and k with the real shape -> [P, H, d].
 
-    Each prompt keeps its real token count, so the control differs from the model only in the q/k distribution.
+    Each prompt keeps its real token count and the model's pair set (`causal=False` for encoders: every pair), so
+    the control differs from the model only in the q/k distribution.
     """
     if len(lengths) != n_prompts:
         raise ValueError(f"lengths: expected {n_prompts} prompt lengths, got {len(lengths)}")
@@ -32,7 +34,7 @@ def gaussian_chi(
     for p, n in enumerate(lengths):
         q = torch.randn(1, n_heads, n, head_dim, generator=generator, dtype=torch.float64)
         k = torch.randn(1, n_heads, n, head_dim, generator=generator, dtype=torch.float64)
-        out[p] = head_contributions(q, k)[0]
+        out[p] = head_contributions(q, k, causal=causal)[0]
     return out
 
 

@@ -118,9 +118,15 @@ def check_min_groups(d: int, tail_fraction: float, min_groups: int) -> None:
                          f"({most - 1} candidate cuts), got {min_groups}", "--min-groups", "min_groups")
 
 
+def _tail_size(d: int, tail_fraction: float) -> int:
+    """m = ceil(alpha d) >= 1 for alpha > 0, the ceiling of the product as written (0.55 * 100 is
+    55.00000000000001 in floats)."""
+    return max(1, math.ceil(round(tail_fraction * d, 9)))
+
+
 def candidate_cuts(d: int, tail_fraction: float) -> torch.Tensor:
     """k in {max(1, d - m), ..., d - 1}, m = ceil(alpha d) (App. B)."""
-    m = math.ceil(tail_fraction * d)
+    m = _tail_size(d, tail_fraction)
     return torch.arange(max(1, d - m), d)
 
 
@@ -254,7 +260,7 @@ def stable_gap_groups_reference(chi_per_prompt: torch.Tensor, **kwargs) -> dict:
     p, d = chi_pp.shape
     chi = chi_pp.mean(0)
     order = sorted(range(d), key=lambda r: float(chi[r]))  # Python sort is stable
-    m = math.ceil(tail_fraction * d)
+    m = _tail_size(d, tail_fraction)
     cands = list(range(max(1, d - m), d))
     rho = [float(chi[order[k]]) / max(float(chi[order[k - 1]]), eps) for k in cands]
     rng = random.Random(seed)

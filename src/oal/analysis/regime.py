@@ -5,7 +5,8 @@ exp(s) only over a moderate range of logits. When a head's softmax is nearly one
 the weight) the fitted parabola's vertex moves into the logit distribution, and the pairs below the vertex get a
 kernel that *grows* as their logit falls; then every quadratic kernel fails the same way and OAL ties with global.
 
-Per layer and query head, over the causal pairs of captured post-RoPE q/k (s = q.k / sqrt(d)):
+Per layer and query head, over the causal pairs of captured post-RoPE q/k (s = q.k / sqrt(d); for encoders,
+`Captured.causal=False`, every pair of real tokens):
 - `max_weight`: median over queries of the largest softmax weight of the row;
 - `eff_keys`: median over queries of exp(entropy) of the row, the effective number of attended keys;
 - `logit`: quantiles p01 / p50 / p99 and min / max of s (quantiles from every `logit_row_stride`-th query row);
@@ -101,7 +102,8 @@ class RegimeAccumulator:
             logits = []
             for start in range(0, row_ids.numel(), self.query_chunk):
                 rows = row_ids[start : start + self.query_chunk]
-                causal = (keys[None, :] <= rows[:, None]) & mask[b][None, :]  # [n, M]
+                # the keys each query sees: its causal prefix (all keys for encoders, `causal=False`), real ones only
+                causal = ((keys[None, :] <= rows[:, None]) | (not c.causal)) & mask[b][None, :]  # [n, M]
                 valid = mask[b, rows] & (causal.sum(-1) >= self.min_keys)
                 if not bool(valid.any()):
                     continue

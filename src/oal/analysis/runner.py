@@ -11,6 +11,7 @@ Writes into `out_dir`:
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from collections.abc import Mapping, Sequence
@@ -36,11 +37,12 @@ from oal.analysis.grouping import (
 )
 from oal.analysis.offset import OffsetAccumulator, offset_summary
 from oal.analysis.regime import ANALYZE_LOGITS, ANALYZE_ROWS, RegimeAccumulator
+from oal.errors import InputError
 from oal.launch import log_console
 from oal.models.capture import Captured, attention_module, capture
 from oal.models.encoder import is_encoder
 from oal.models.provenance import weights_record
-from oal.rundir.files import atomic_write_json, check_out_dir, load_json
+from oal.rundir.files import atomic_write_json, check_out_dir, load_json, strict_json
 
 GROUPS_FILE = "groups.json"
 ANALYSIS_FILE = "analysis.json"
@@ -198,6 +200,11 @@ def analyze(
         attn = attention_module(model, layers[0])
         head_dim = getattr(attn, "head_dim", None) or attn.attention_head_size  # the latter: BERT-family encoders
         check_min_groups(head_dim, params["tail_fraction"], params["min_groups"])
+        if pairs:  # App. B over the d/2 RoPE pairs (`pair_tied_groups`): refused here, not after the capture
+            if head_dim % 2:
+                raise InputError(f"app-b-pairs ties RoPE pairs and needs an even head dim, got d = {head_dim}",
+                                 "--grouping", "pairs")
+            check_min_groups(head_dim // 2, params["tail_fraction"], params["min_groups"])
         if budget is not None and budget > head_dim:  # it was capped at head_dim without a word
             raise ValueError(f"budget: a budget of {budget} groups exceeds the {head_dim} dimensions of a head")
     if len(set(layers)) != len(layers):
@@ -254,7 +261,9 @@ def analyze(
 
     # Fig. 5 controls: i.i.d. N(0, 1) q/k with the real prompt count, lengths and head dim
     gen = torch.Generator().manual_seed(seed)
-    g_pp = torch.stack([gaussian_chi(n_prompts, n_heads, d, prompt_lengths, gen).transpose(0, 1) for _ in layers])
+    causal = not is_encoder(model)  # the control takes the model's pairs (Eq. 2): every pair for encoders
+    g_pp = torch.stack([gaussian_chi(n_prompts, n_heads, d, prompt_lengths, gen, causal=causal).transpose(0, 1)
+                        for _ in layers])
     g_chi = g_pp.mean(2)
     g_res = stable_gap_groups(g_pp, **params)
     gauss_top = topk_concentration(g_chi, TOP_K)
@@ -309,8 +318,9 @@ def analyze(
         ),
         concentration=dict(
             real_top5=real_top.tolist(), gaussian_top5=gauss_top.tolist(), gaussian_at_real_top5=gauss_at_real.tolist(),
-            mean=dict(real_top5=float(real_top.mean()), gaussian_top5=float(gauss_top.mean()),
-                      gaussian_at_real_top5=float(gauss_at_real.mean())),
+            # a dead head (chi all zero) has no defined share: the means are over the heads that have one
+            mean=dict(real_top5=float(real_top.nanmean()), gaussian_top5=float(gauss_top.nanmean()),
+                      gaussian_at_real_top5=float(gauss_at_real.nanmean())),
             representative=dict(real_top5=float(real_top[li_rep, rep[1]]),
                                 gaussian_top5=float(gauss_top[li_rep, rep[1]]),
                                 gaussian_at_real_top5=float(gauss_at_real[li_rep, rep[1]])),
@@ -320,7 +330,7 @@ def analyze(
         summary["stability_inputs"] = dict(
             n_heldout=sum(b[0].shape[0] for b in held_batches),
             spearman=stab["spearman"].tolist(), top5_overlap=stab["overlap"].tolist(),
-            mean_spearman=float(stab["spearman"].mean()), min_spearman=float(stab["spearman"].min()),
+            mean_spearman=float(stab["spearman"].nanmean()), min_spearman=_nanmin(stab["spearman"]),
             mean_top5_overlap=float(stab["overlap"].double().mean()),
             representative=dict(spearman=float(stab["spearman"][li_rep, rep[1]]),
                                 top5_overlap=int(stab["overlap"][li_rep, rep[1]])),
@@ -333,6 +343,7 @@ def analyze(
             per_head={str(i): dict(dims=prefix[i][0].tolist(), percent=(100 * prefix[i][1]).transpose(0, 1).tolist())
                       for i in layers},
         )
+    summary = strict_json(summary)  # an undefined statistic (a dead head's) is null, not a bare NaN
     atomic_write_json(out / ANALYSIS_FILE, summary)
 
     if figures:
@@ -380,10 +391,10 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
         g = res.n_groups[li]
         n_fb = int((res.selected[li] & ~res.natural[li]).any(-1).sum())
         row = [str(layer), f"{int(g.min())}-{int(g.max())} ({g.double().mean():.2f})", f"{n_fb}/{g.numel()}",
-               f"{100 * real_top[li].mean():.1f}%", f"{100 * gauss_top[li].mean():.1f}%",
-               f"{100 * gauss_at_real[li].mean():.1f}%"]
+               f"{100 * real_top[li].nanmean():.1f}%", f"{100 * gauss_top[li].nanmean():.1f}%",
+               f"{100 * gauss_at_real[li].nanmean():.1f}%"]
         if stab is not None:
-            row += [f"{stab['spearman'][li].mean():.3f}", f"{stab['overlap'][li].double().mean():.2f}"]
+            row += [f"{stab['spearman'][li].nanmean():.3f}", f"{stab['overlap'][li].double().mean():.2f}"]
         else:
             row += ["-", "-"]
         table.add_row(*row)
@@ -399,6 +410,11 @@ def _print_table(console, layers, res, real_top, gauss_top, gauss_at_real, stab,
                       f"App. B would give {summary['n_groups']['app_b_histogram']})")
     console.print(f"attention regime on these prompts: {summary['regime']['verdict']['text']}")
     console.print(f"per-query offsets: this model {summary['offset']['verdict']['text']}")
+
+
+def _nanmin(x: torch.Tensor) -> float:
+    defined = x[~x.isnan()]
+    return float(defined.min()) if defined.numel() else math.nan
 
 
 def check_groups_model(path: str | Path, model, provenance=None) -> None:
@@ -427,9 +443,15 @@ def load_groups(path: str | Path) -> dict[int, torch.Tensor]:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"path: {path} is not an oal groups file (format={got!r})")
     try:
-        return {
-            int(layer): torch.tensor([h["groups"] for h in sorted(rows, key=lambda h: h["head"])], dtype=torch.long)
-            for layer, rows in data["heads"].items()
-        }
+        out = {}
+        for layer, rows in data["heads"].items():
+            if sorted(h["head"] for h in rows) != list(range(len(rows))):
+                raise ValueError(f"layer {layer}: expected one row per head 0..{len(rows) - 1}")
+            ids = [h["groups"] for h in sorted(rows, key=lambda h: h["head"])]
+            # Eq. 19: an integer id >= 0 per dimension (torch.tensor would truncate 1.5 to 1 without a word)
+            if not all(type(g) is int and g >= 0 for row in ids for g in row):
+                raise ValueError(f"layer {layer}: group ids must be integers >= 0")
+            out[int(layer)] = torch.tensor(ids, dtype=torch.long)
+        return out
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path}: damaged groups record ({type(exc).__name__}: {exc})") from None

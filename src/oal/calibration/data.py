@@ -3,12 +3,12 @@ parameters of a layer with their per-head evidence (calibration.json)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from oal.methods.base import AttentionMethod
+from oal.rundir.files import strict_json
 
 __all__ = ["CalibConfig", "HeadResult", "LayerCalibration", "LayerData", "NOT_CALIBRATED"]
 
@@ -97,6 +97,12 @@ class LayerData:
             self.mask = self.mask.bool()
             if not bool(self.mask.any(1).all()):
                 raise ValueError("mask: every sequence needs at least one real token")
+        for name in ("q", "k", "v", "out"):  # a NaN would silently leave heads at their start (Eq. 20 undefined)
+            t = getattr(self, name)
+            if name == "out" and self.mask is not None:
+                t = t.transpose(1, 2)[self.mask]  # padded queries are never scored
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: non-finite values (NaN or inf) in the captured attention tensors")
 
     def to(self, dtype) -> LayerData:
         return LayerData(*(t.to(dtype) for t in (self.q, self.k, self.v, self.out)), mask=self.mask,
@@ -143,18 +149,8 @@ class LayerCalibration:
     def summary(self) -> dict:
         """calibration.json's entry; NaN / inf (no training loss at step 0, a diverged start) become null, since
         strict JSON parsers reject bare NaN."""
-        return _strict_json({"layer": self.layer, "method": self.method, "elapsed_s": self.elapsed_s,
-                             "per_head": self.per_head, "heads": [asdict(h) for h in self.heads]})
-
-
-def _strict_json(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_strict_json(v) for v in obj]
-    return obj
+        return strict_json({"layer": self.layer, "method": self.method, "elapsed_s": self.elapsed_s,
+                            "per_head": self.per_head, "heads": [asdict(h) for h in self.heads]})
 
 
 # calibration.json entry of a method without trainable kernel parameters

@@ -205,6 +205,10 @@ def _prepare(method, inits, train, val, cfg):
                          f"{tuple(train.q.shape)} / {tuple(val.q.shape)}")
     if train.k.shape[1] != method.n_kv_heads:
         raise ValueError(f"train: expected {method.n_kv_heads} KV heads, got {train.k.shape[1]}")
+    for name in ("k", "v"):  # the GQA map and value size come from train: val must share them
+        a, b = getattr(train, name).shape, getattr(val, name).shape
+        if a[1::2] != b[1::2]:
+            raise ValueError(f"val: expected {name} of {a[1]} heads of size {a[3]} as in train, got {tuple(b)}")
     inits = dict(inits) if inits else {"default": {}}
     copies = {}
     for name, values in inits.items():

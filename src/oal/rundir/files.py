@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -135,6 +136,17 @@ def to_jsonable(obj):
     if isinstance(obj, (set, tuple)):
         return list(obj)
     raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+
+
+def strict_json(obj):
+    """`obj` with every NaN / inf float as None (null): strict JSON parsers reject bare NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
 
 
 def atomic_write_json(path: str | Path, obj) -> Path:
