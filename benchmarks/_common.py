@@ -219,6 +219,18 @@ def timing_flags() -> list[str]:
     return ["--threads", str(torch.get_num_threads()), "--clock", CLOCK_NAME]
 
 
+def child_json(cmd: list[str], what: str):
+    """Run a timing child (`cmd`, from the checkout's root) and parse the JSON of its last stdout line; a failed
+    child raises with the end of its stderr, which a bare CalledProcessError threw away."""
+    import json
+    import subprocess
+
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    if res.returncode:
+        raise RuntimeError(f"{what} failed (exit code {res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def clock() -> float:
     return CLOCK()
 

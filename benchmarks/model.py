@@ -85,7 +85,6 @@ ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy impo
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -349,8 +348,7 @@ def main(args: argparse.Namespace) -> None:
         for m, n, v in jobs:
             cmd = [sys.executable, "-m", "benchmarks.model", "--child", m, v, str(n), "--decode-tokens",
                    str(args.decode_tokens), "--dtype", args.dtype, *bench.timing_flags()]
-            res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-            got = json.loads(res.stdout.strip().splitlines()[-1])
+            got = bench.child_json(cmd, f"the timing child of {m} {v} at {n} tokens")
             for r in got if isinstance(got, list) else [got]:
                 rows.append(r)
                 progress.console.print(f"  {m} {r['variant']:7s} L={n:6d}{' composed' if r['composed'] else ''} "

@@ -121,7 +121,7 @@ import subprocess  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from benchmarks._common import PeakRSS, apply_timing_args, clock, finish_figure, timing_flags  # noqa: E402
+from benchmarks._common import PeakRSS, apply_timing_args, child_json, clock, finish_figure, timing_flags  # noqa: E402
 
 SHAPE = dict(hq=14, hkv=2, d=64, g=5)
 PHASES = ("features", "intra", "state", "readout")
@@ -264,8 +264,7 @@ def parse_settings(text: str):
 
 def _child(args: list[str]) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.operator", *args, *timing_flags()]
-    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return child_json(cmd, f"the timing child `benchmarks.operator {' '.join(args)}`")
 
 
 def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:

@@ -134,3 +134,14 @@ def test_retime_on_cuda_names_the_gpu_as_the_frontier_does(tmp_path, monkeypatch
                                                         str(tmp_path / "o.json")]), log=lambda *_: None)
     assert out["machine"]["gpu"] == "NVIDIA H200" and out["machine"]["device"] == "cuda:0"
     _has_environment(out)
+
+
+def test_a_failed_timing_child_says_why():
+    """operator and model time in children; a failure raised CalledProcessError and threw the child's stderr away."""
+    import sys
+
+    from benchmarks._common import child_json
+
+    assert child_json([sys.executable, "-c", "print('progress'); print('{\"ms\": 1.5}')"], "ok") == {"ms": 1.5}
+    with pytest.raises(RuntimeError, match=r"(?s)the child failed \(exit code 1\).*boom: out of memory"):
+        child_json([sys.executable, "-c", "import sys; sys.exit('boom: out of memory')"], "the child")
