@@ -333,6 +333,9 @@ class Frontier:
                 "options": self.options if methods else {}, "lengths": a.lengths, "passkey": a.passkey_lengths,
                 "trials": a.trials, "depths": a.depths,
                 "kernels": {i: sorted(m.state_dict()) for i, m in (methods or {}).items()}}
+        # the timing settings bind a row too, named only when not the defaults so earlier work folders stay valid
+        spec |= {k: v for k, v, default in (("decode_tokens", a.decode_tokens, 8), ("threads", a.threads, 0))
+                 if v != default}
         key = _row_key(spec)
         tag = "" if select == "fidelity" or not methods else f"-{select}"  # the first rows' names stay
         path = self.work / "rows" / f"{name}-{len(layers)}{tag}.json"

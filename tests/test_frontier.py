@@ -42,6 +42,20 @@ def test_rerun_reads_the_rows_back(result, capsys):
     assert sum("done earlier" in line for line in logged) == 5  # softmax and the four rows
 
 
+def test_rows_timed_with_other_settings_are_measured_again(result, tmp_path):
+    """--decode-tokens and --threads set how a row is timed; a work folder's rows timed with others were reused."""
+    import shutil
+
+    tmp, args, _ = result
+    shutil.copytree(tmp / "work", tmp_path / "work")
+    args = [*args, "--work", str(tmp_path / "work"), "--json", str(tmp_path / "out.json")]
+    args[args.index("--methods") + 1], args[args.index("--k") + 1] = "swa", "1"
+    args[args.index("--decode-tokens") + 1] = "3"
+    logged = []
+    frontier.run(frontier.parse(args), log=logged.append)
+    assert not any("done earlier" in line for line in logged), logged
+
+
 def test_bad_methods_are_refused():
     for bad in ("softmax", "nope"):
         with pytest.raises(ValueError, match=f"--methods: unknown or not linear-time: {bad}"):
