@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from _tiny import save_tiny_llama
-from test_decode import HKV, HQ, D, V, _generate, _ids  # the tiny Qwen2's shape; greedy generate with scores
+from test_decode import HKV, HQ, D, V, _generate, _ids, chunked_prefill_matches_one_prefill  # tiny Qwen2, greedy
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 import oal
@@ -95,6 +95,11 @@ def test_left_padding_matches_unpadded_rows(name):
         seq_r, sc_r = _generate(model, r, True)
         assert torch.equal(seq[b, 10:], seq_r[0, r.shape[1] :])
         torch.testing.assert_close(sc[b], sc_r[0], rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_prefill_of_a_left_padded_batch(name):
+    chunked_prefill_matches_one_prefill(_model(name))
 
 
 def test_beam_search_reorders_the_window_state():

@@ -21,9 +21,11 @@ mask, and a padded key inside the sequence would enter every later prefix sum). 
 the batch at once: under causal attention a right-padded key comes after every real token of its row, so no real
 query ever sees it. Otherwise (left padding, or any padding while a cache is kept) each row's real tokens are cut
 out and run alone (a per-row loop, only when a batch has padding), so padded tokens never enter the row's state or
-normaliser: a cached state covers real tokens only. Padded query positions get a zero output either way. Padding
-is read off the 4-D mask transformers passes to attention functions (a key no query may see is padding), so only
-'sdpa' and 'eager' (whose masks are such tensors) can be the base: flex's BlockMask and flash's 2-D mask are refused.
+normaliser: a cached state covers real tokens only (a chunk of a chunked prefill, `generate(prefill_chunk_size=...)`,
+may hold only a row's left padding: that row's state starts in a later chunk, `OALStateLayer.fresh`). Padded query
+positions get a zero output either way. Padding is read off the 4-D mask transformers passes to attention functions
+(a key no query may see is padding), so only 'sdpa' and 'eager' (whose masks are such tensors) can be the base:
+flex's BlockMask and flash's 2-D mask are refused.
 A mask that shows a real query other keys than the real ones before it (packed sequences' block-causal masks, custom
 4-D masks) raises ValueError: the methods' state cannot follow it.
 
@@ -167,27 +169,32 @@ def _run(method, q, k, v, state, want_state, owned: bool = False):
     return method(q, k, v, causal=True), None
 
 
-def _real_spans(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the [start, stop) of its real tokens; ValueError for padding between real tokens or an empty row."""
+def _real_spans(valid: torch.Tensor, empty_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the [start, stop) of its real tokens; ValueError for padding between real tokens, or for an empty row
+    unless `empty_rows` (a cached chunk of a chunked prefill can hold only a row's left padding)."""
     n_real = valid.sum(1)
-    if bool((n_real == 0).any()):
+    if bool((n_real == 0).all() if empty_rows else (n_real == 0).any()):
         raise ValueError("attention_mask: a row of the batch is entirely padding")
     start = valid.int().argmax(1)  # first real token
     pos = torch.arange(valid.shape[1], device=valid.device)
     if not bool(((pos >= start[:, None]) & (pos < (start + n_real)[:, None]) == valid).all()):
         raise ValueError("attention_mask: converted layers support left or right padding only (padding tokens "
-                         "must come before or after every real token of the row, not between them)")
+                         "must come before or after every real token of the row, not between them; generate "
+                         "without an attention_mask reads every pad_token_id in a prompt as padding: pass one)")
     return start, start + n_real
 
 
 def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
     want = layer is not None
     state = layer.state if want else None
+    fresh = layer.fresh if want else None
     n = q.shape[2]
-    if valid is None:  # nothing padded (`_key_validity`)
+    if valid is None and fresh is None:  # nothing padded (`_key_validity`)
         out, state = _run(method, q, k, v, state, want, owned=want and layer.owned)
     else:
-        start, stop = _real_spans(valid)
+        if valid is None:
+            valid = torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device)
+        start, stop = _real_spans(valid, empty_rows=want)
         if not want and not bool(start.any()):
             # right padding only and no state to keep: causal attention never lets a real query see a key that
             # comes after every real token of its row, so the whole batch runs at once
@@ -197,18 +204,30 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
             outs, states = [], []
             for b in range(q.shape[0]):
                 s0, s1 = int(start[b]), int(stop[b])
-                if s0 and state is not None and layer.seen > n:
+                # a row's state starts at its first real token, which a chunked prefill can bring in a later chunk
+                new = state is None or (fresh is not None and bool(fresh[b]))
+                if s0 and not new and layer.seen > n:
                     raise ValueError("attention_mask: padding after earlier tokens is not supported in converted "
                                      "layers")
-                st = None if state is None else state[b : b + 1]
+                st = None if new else state[b : b + 1]
+                if s0 == s1:  # no real token in this chunk: zero output, the state as it was
+                    outs.append(q.new_zeros(1, q.shape[1], n, v.shape[-1]))
+                    states.append(st)
+                    continue
                 o, st = _run(method, q[b : b + 1, :, s0:s1], k[b : b + 1, :, s0:s1], v[b : b + 1, :, s0:s1], st,
                              want)
                 outs.append(torch.nn.functional.pad(o, (0, 0, s0, n - s1)))  # padded queries: zero output
                 states.append(st)
             out = torch.cat(outs)
-            state = torch.cat(states) if want else None
+            if want:
+                # rows still without a real token hold a placeholder, never read (`new` above)
+                some = next(s for s in states if s is not None)  # `_real_spans`: some row has a real token
+                still = (start == stop) & (fresh if fresh is not None else state is None)
+                state = torch.cat([some.new_zeros(some.shape) if s is None else s for s in states])
+                fresh = still if bool(still.any()) else None
     if want:
         layer.keep(state)
+        layer.fresh = fresh
     return out
 
 

@@ -61,6 +61,9 @@ class OALStateLayer(CacheLayerMixin):
         self._state: torch.Tensor | None = None
         self.owned = False  # whether the state is one the operator returned, held by nobody else
         self.seen = 0
+        # [B] bool, rows that have had no real token yet (a chunked prefill's left padding; their state rows are
+        # placeholders), or None when every row has one
+        self.fresh: torch.Tensor | None = None
 
     def __repr__(self):
         return f"OALStateLayer(stateful={self.stateful}, seen={self.seen})"
@@ -95,8 +98,11 @@ class OALStateLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states], dim=-2)
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # the same (kv_length, kv_offset) a dynamic layer reports: masks cover every token seen so far
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # the same (kv_length, kv_offset) a dynamic layer reports: masks cover every token seen so far; transformers
+        # 5.0-5.3 (not 5.8) pass the cache_position tensor instead of the query length
+        if torch.is_tensor(query_length):
+            query_length = query_length.shape[0]
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -105,8 +111,11 @@ class OALStateLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # get_max_length's name, abstract, in transformers 5.0-5.12 (not 5.17)
+        return -1
+
     def reset(self) -> None:
-        self.state, self.keys, self.values = None, None, None
+        self.state, self.keys, self.values, self.fresh = None, None, None, None
         self.seen = 0
         self.is_initialized = False
 
@@ -115,6 +124,8 @@ class OALStateLayer(CacheLayerMixin):
             self._state = fn(self._state)
         if not self.stateful and self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.fresh is not None:
+            self.fresh = fn(self.fresh)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
