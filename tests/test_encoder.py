@@ -400,3 +400,28 @@ def test_a_sliding_window_on_an_encoder_is_refused_at_conversion(method):
     with pytest.raises(ValueError, match=f"'{method}' is causal only .* this model is an encoder"):
         convert(model, [1], method)
     assert not converted_methods(model)
+
+
+@torch.no_grad()
+def test_output_hidden_states_of_a_converted_encoder():
+    """oal.convert gives a BertModel its converted class after its __init__; transformers finds the output-capture
+    hooks under the class's name, so output_hidden_states=True returned None."""
+    model = tiny_encoder("bert")
+    ids, mask = _batch()
+    ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    conv = convert(tiny_encoder("bert"), [1], "oal")
+    out = conv(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert out.hidden_states is not None and len(out.hidden_states) == len(ref) == 4
+    torch.testing.assert_close(out.hidden_states[1], ref[1], rtol=0, atol=0)  # before the converted layer
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state, rtol=0, atol=0)
+
+
+def test_a_converted_encoder_with_a_task_head_is_not_saved_as_if_it_reloaded(tmp_path):
+    """BertForSequenceClassification saved as oal_bert; AutoModel and oal.load then refused its head's weights."""
+    from _tiny_encoders import tiny_encoder_config
+    from transformers import BertForSequenceClassification
+
+    model = convert(BertForSequenceClassification(tiny_encoder_config("bert")).eval(), [1], "oal")
+    with pytest.raises(ValueError, match="converted BertForSequenceClassification cannot be saved"):
+        model.save_pretrained(tmp_path / "head")
+    assert not (tmp_path / "head").exists()

@@ -159,3 +159,50 @@ def test_methods_all_on_an_encoder_is_every_method_that_applies(assets, tmp_path
     assert set(metrics["fidelity"]) == set(applies) - {"softmax"}
     with pytest.raises(InputError, match="sliding windows"):
         run_seed(_cfg(assets, methods=["oal", "swa"]), tmp_path / "swa", progress=False)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_passages_longer_than_the_position_embeddings_are_cut_to_them(tmp_path, family):
+    """A plan's max_len beyond the encoder's position embeddings, with a tokenizer that sets no model_max_length
+    (transformers' 1e30), cut passages to the model's limit (RoBERTa's positions start after the padding id)
+    instead of failing deep in the embeddings' forward."""
+    from _tiny_encoders import tiny_encoder, wordpiece_tokenizer
+
+    tok = wordpiece_tokenizer(WORDS, max_len=int(1e30))
+    tiny_encoder(family, vocab_size=len(tok)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(100)) + "."
+                                                     for _ in range(400)))
+    cfg = RunConfig(model=str(tmp_path / "model"), data=str(tmp_path / "corpus.txt"), methods=["global"],
+                    plan={**_plan(), "max_len": 100}, grouping={"n_bootstrap": 20})
+    run_seed(cfg, tmp_path / "run", progress=False, stop_after="analyze")
+    blocks = json.loads((tmp_path / "run" / "config.json").read_text())["blocks"]
+    assert {b["shape"][1] for b in blocks.values()} == {80 if family == "bert" else 79}  # max_position_embeddings 80
+
+
+def test_cli_export_of_an_encoder_run(enc_run, tmp_path):
+    """`oal export --out RUN --to DIR --no-adapter` (the docs' command) on an encoder run: the card's numbers are
+    rebuilt from the run's records with no model loaded, which failed on the encoder's declared pooling."""
+    import oal
+    from oal.cli import load_commands
+
+    out, metrics = enc_run
+    args = ["export", "--out", str(out), "--method", "oal", "--to", str(tmp_path / "exp"), "--no-adapter"]
+    res = CliRunner().invoke(load_commands(), args)
+    assert res.exit_code == 0, res.output
+    assert "AutoModel.from_pretrained" in res.output and "CausalLM" not in res.output  # an encoder's Auto class
+    assert type(oal.load(tmp_path / "exp")).__name__ == "OALBertModel"
+    from oal.pipeline.publish import verified_metrics
+
+    assert verified_metrics(out)["pooling"] == metrics["pooling"]
+
+
+def test_evaluate_says_an_encoder_run_is_measured_by_oal_run(enc_run):
+    """`oal evaluate` read an encoder's passage plan as a decoder's split plan and blamed --data."""
+    from oal.cli import load_commands
+
+    out, _ = enc_run
+    for extra in ([], ["--zeroshot"], ["--passkey"]):
+        res = CliRunner(env={"COLUMNS": "300"}).invoke(load_commands(), ["evaluate", "--out", str(out), *extra])
+        assert res.exit_code == 2 and "an encoder's run" in res.output and "--data" not in res.output, res.output

@@ -157,3 +157,43 @@ def test_the_device_defaults_to_the_available_one(monkeypatch):
     seen.clear()
     entry.main(["--model", "hf", "--tasks", "x", "--device", "cuda:1"])
     assert seen["argv"].count("--device") == 1
+
+
+def test_a_plain_model_folder_is_scored_not_called_a_run_directory(tmp_path):
+    """The base (softmax) model's own folder has a config.json too: `python -m oal.lm_eval` refused it as "a run
+    directory", so the base could not be scored beside its conversion."""
+    from oal.lm_eval import _check_pretrained
+
+    base = save_tiny_llama(tmp_path / "base")
+    _check_pretrained(["--model", "hf", "--model_args", f"pretrained={base},dtype=float32"])  # no error
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {}}))  # what `oal run` writes first
+    with pytest.raises(ValueError, match="a run directory"):
+        _check_pretrained(["--model_args", f"pretrained={run}"])
+
+
+@pytest.mark.parametrize("name", ["converted/", "runs/a/converted"])
+def test_a_missing_relative_folder_is_no_such_folder(tmp_path, monkeypatch, name):
+    """`pretrained=converted/` (the docs' example) with no such folder: a path, not a hub id, so "no such folder"
+    rather than huggingface_hub's "Repo id must use alphanumeric chars"."""
+    from oal.lm_eval import _check_pretrained
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="no such folder"):
+        _check_pretrained(["--model_args", f"pretrained={name}"])
+    _check_pretrained(["--model_args", "pretrained=Qwen/Qwen2.5-0.5B"])  # a hub id is lm-eval's to resolve
+
+
+def test_an_encoder_export_is_refused_in_one_short_line(tmp_path):
+    """An encoder's export (model type oal_bert) has no causal LM for lm-eval to score: say so, instead of
+    transformers' list of every config class AutoModelForCausalLM knows."""
+    from oal.lm_eval import _check_pretrained
+
+    folder = tmp_path / "enc"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "oal_bert"}))
+    (folder / "oal.json").write_text("{}")
+    with pytest.raises(ValueError, match="an encoder .*oal_bert.* causal") as exc:
+        _check_pretrained(["--model_args", f"pretrained={folder}"])
+    assert len(str(exc.value)) < 300

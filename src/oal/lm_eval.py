@@ -7,8 +7,9 @@ scores the converted model: lm-eval's HFLM loads the folder with AutoModelForCau
 "oal_<family>" types (the folder's hashes are checked on load). The arguments go to lm-eval's `cli_evaluate` as
 they are, with two exceptions: without `--device`, the device is the available one (CUDA when torch sees a GPU,
 else the CPU; lm-eval's own default is CUDA), and bad input (a missing `pretrained=` folder, an `oal run` directory
-instead of an export, an unknown task, an export whose files fail their SHA256) is one line, `Error: ...`, with
-exit code 2 instead of a traceback (`OAL_DEBUG=1` shows the traceback).
+instead of an export, an encoder's export, an unknown task, an export whose files fail their SHA256) is one line,
+`Error: ...`, with exit code 2 instead of a traceback (`OAL_DEBUG=1` shows the traceback). A plain transformers
+folder (the base model, to score beside its conversion) goes to lm-eval as it is.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def _option(args: list[str], name: str) -> str | None:
 def _check_pretrained(args: list[str]) -> None:
     """Refuse, before lm-eval starts, a `pretrained=` that is a local path but not a converted-model folder."""
     from oal.calibration.kernels import META_FILE as KERNELS_META
+    from oal.models.families import ENCODER_ARCHITECTURES
     from oal.models.pretrained import MANIFEST
     from oal.rundir.claim import is_run_dir
 
@@ -42,13 +44,31 @@ def _check_pretrained(args: list[str]) -> None:
     if not pretrained:
         return
     path = Path(pretrained).expanduser()
-    looks_local = path.is_absolute() or pretrained.startswith(("./", "../", "~")) or path.exists()
+    # a hub id is "name" or "owner/name": a trailing slash or a deeper path is a folder
+    looks_local = (path.is_absolute() or pretrained.startswith(("./", "../", "~")) or path.exists()
+                   or pretrained.endswith("/") or pretrained.count("/") > 1)
     if looks_local and not path.is_dir():
         raise ValueError(f"--model_args pretrained={pretrained}: no such folder")
-    run_like = is_run_dir(path) or (path / KERNELS_META).is_file()
+    # a model folder's config.json names its model_type; a run's records its configuration instead
+    model_type = _model_type(path) or ""
+    run_like = (is_run_dir(path) or (path / KERNELS_META).is_file()) and not model_type
     if path.is_dir() and not (path / MANIFEST).is_file() and run_like:
         raise ValueError(f"--model_args pretrained={pretrained}: a run directory (kernels, no oal.json), not a "
                          f"converted model; write one with `oal export --out {pretrained} --to DIR` and score DIR")
+    if model_type.startswith("oal_") and model_type[len("oal_"):] in ENCODER_ARCHITECTURES:
+        raise ValueError(f"--model_args pretrained={pretrained}: an encoder ({model_type}), which lm-eval's causal-LM "
+                         f"tasks cannot score; `oal run` measures an encoder's fidelity and embedding agreement")
+
+
+def _model_type(path: Path) -> str | None:
+    """The `model_type` of `path/config.json` (a transformers model folder), or None."""
+    import json
+
+    try:
+        data = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
-from oal.cli.modes import refuse_other_modes
+from oal.cli.modes import decoder_run, refuse_other_modes
 from oal.cli.options import (
     AdapterOpt,
     BaseModelOpt,
@@ -31,7 +31,7 @@ from oal.cli.options import (
 @app.command("evaluate")
 def evaluate_cmd(
     ctx: typer.Context,
-    out: Path = typer.Option(..., "--out", help="Run directory with calibrated kernels."),
+    out: Path = typer.Option(..., "--out", callback=decoder_run, help="Run directory with calibrated kernels."),
     model: BaseModelOpt = None,
     data: str = typer.Option(None, help="Corpus of the held-out fidelity blocks (default: the run's, or builtin)."),
     data_dir: DataDirOpt = None,

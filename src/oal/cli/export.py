@@ -23,12 +23,21 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
             raise
         hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
         raise typer.BadParameter(str(exc), param_hint=hint) from None
+    auto = "AutoModel" if _is_encoder(path) else "AutoModelForCausalLM"
     if method == "softmax":
-        typer.echo(f"wrote {path}: reload it with AutoModelForCausalLM.from_pretrained('{path}')")
+        typer.echo(f"wrote {path}: reload it with {auto}.from_pretrained('{path}')")
     else:
-        typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with "
-                   f"AutoModelForCausalLM.from_pretrained('{path}') (an encoder: AutoModel) after `import oal`")
+        typer.echo(f"wrote {path}: reload it with oal.load('{path}'), or with {auto}.from_pretrained('{path}') "
+                   "after `import oal`")
     return path
+
+
+def _is_encoder(folder: Path) -> bool:
+    from oal.models.families import ENCODER_ARCHITECTURES
+    from oal.rundir.files import load_json
+
+    model_type = str(load_json(folder / "config.json").get("model_type", ""))
+    return model_type.removeprefix("oal_") in ENCODER_ARCHITECTURES
 
 
 @app.command("export")

@@ -1,7 +1,10 @@
 """`oal evaluate`'s three modes (fidelity; --zeroshot; --passkey): an option of another mode than the one asked for
-is refused, not silently ignored; `refuse_unless` does the same for any option that applies only with another."""
+is refused, not silently ignored; `refuse_unless` does the same for any option that applies only with another;
+`decoder_run` refuses an encoder's run, whose measures `oal run` took."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
@@ -26,3 +29,17 @@ def refuse_unless(ctx: typer.Context, applies: bool, names: tuple[str, ...], nee
     given = [flags[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
     if given and not applies:
         raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])
+
+
+def decoder_run(out: Path) -> Path:
+    """--out's callback: a causal LM's run (an encoder's held-out blocks, perplexity, passkey and zero-shot tasks
+    do not exist; its plan read as a decoder's failed on --data)."""
+    from oal.models.encoder import is_encoder_model
+    from oal.rundir.files import load_json
+
+    config = out / "config.json"
+    model = (load_json(config).get("config") or {}).get("model") if config.is_file() else None
+    if model and is_encoder_model(model):
+        raise typer.BadParameter(f"an encoder's run ({model}): `oal evaluate` measures causal LMs, and `oal run "
+                                 f"--out {out}` measured this encoder (fidelity, embedding agreement: report.md)")
+    return out

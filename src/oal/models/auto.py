@@ -113,10 +113,24 @@ def make_saveable(model):
 
     if not isinstance(model, ConvertedModelMixin):
         model.__class__ = converted_class(type(model))
+        _record_outputs_as(model)
     family = getattr(model.config, "model_type", "")
     if family in FAMILIES or family in ENCODER_FAMILIES:
         register_model(family)  # transformers' pipeline() knows the class (it logged "not supported" otherwise)
     return model
+
+
+def _record_outputs_as(model) -> None:
+    """transformers 5 finds a model's output-capture hooks (output_hidden_states, output_attentions) under the name of
+    the class its __init__ ran as: a BertModel given its converted class afterwards returned hidden_states=None. The
+    registry is private (a dict keyed by str(class); a subclass of one from 5.2x), so a missing one changes nothing."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY as registry
+    except ImportError:
+        return
+    can_record = getattr(model, "_can_record_outputs", None)
+    if isinstance(registry, dict) and can_record:
+        dict.__setitem__(registry, str(model.__class__), can_record)
 
 
 # ----------------------------------------------------------------------------------------------- post-import hook

@@ -28,7 +28,7 @@ from torch import nn
 from oal.models.families import ENCODER_ARCHITECTURES
 
 __all__ = ["ENCODER_ARCHITECTURES", "attention_module", "encoder_layers", "is_encoder", "is_encoder_model",
-           "load_encoder", "noncausal_attention", "output_projection"]
+           "load_encoder", "max_tokens", "noncausal_attention", "output_projection"]
 
 
 def _config(model_or_config):
@@ -83,6 +83,17 @@ def attention_module(model: nn.Module, layer: int) -> nn.Module:
 def output_projection(model: nn.Module, layer: int) -> nn.Linear:
     """The output projection W_o of encoder layer `layer` (`attention.output.dense`)."""
     return _layer(model, layer).attention.output.dense
+
+
+def max_tokens(model: nn.Module) -> int | None:
+    """The longest input (special tokens included) the encoder's position embeddings take, or None when its config
+    sets no `max_position_embeddings`: RoBERTa, XLM-R and CamemBERT number positions from `padding_idx + 1`, so
+    theirs is `max_position_embeddings - padding_idx - 1` (512 of 514)."""
+    n = getattr(_config(model), "max_position_embeddings", None)
+    if n is None:
+        return None
+    pad = getattr(getattr(getattr(model, "base_model", model), "embeddings", None), "padding_idx", None)
+    return n - pad - 1 if isinstance(pad, int) else n
 
 
 def noncausal_attention(method, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

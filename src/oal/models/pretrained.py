@@ -308,6 +308,7 @@ class ConvertedModelMixin:
             raise ValueError("model: transformers would save only its LoRA adapter; merge it into the weights first, "
                              "or export the run with `oal export`")
         _check_variant(kwargs.pop("variant", None))
+        self._check_reloadable()
         spec = conversion_spec(self)
         if lora is not None:
             spec["lora"] = lora[0]
@@ -320,6 +321,22 @@ class ConvertedModelMixin:
         if lora is not None:
             atomic_save_safetensors(Path(save_directory) / LORA_FILE, lora[1])
         write_manifest(save_directory, oal_source)
+
+    def _check_reloadable(self) -> None:
+        """Only the class an Auto class maps the family to reloads (a causal LM; an encoder's base model): a task
+        head's folder (BertForSequenceClassification) was written, then refused by every loader."""
+        from oal.models.auto import register_model
+
+        def plain(cls):  # OAL<Base> -> Base
+            return next(c for c in cls.__mro__ if not issubclass(c, ConvertedModelMixin))
+
+        base = plain(type(self))
+        family = base.config_class.model_type
+        loads = plain(register_model(family))
+        if base is not loads:
+            raise ValueError(f"model: a converted {base.__name__} cannot be saved for reloading (oal saves and "
+                             f"reloads {family} as {loads.__name__} only); keep it in memory, or save its "
+                             "state_dict with safetensors")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -26,7 +26,7 @@ from rich.table import Table
 from oal.data.passages import PassagePlan, default_passage_plan, plan_passages, tokenize_passages
 from oal.device import resolve_dtype
 from oal.evaluate.embedding import cosine_summary, sentence_embeddings
-from oal.models.encoder import load_encoder
+from oal.models.encoder import load_encoder, max_tokens
 from oal.pipeline.aggregate import _mean_std, aggregate_seeds
 from oal.pipeline.base import FIDELITY_FILE
 from oal.pipeline.decoder import Run
@@ -53,7 +53,9 @@ class EncoderRun(Run):
     def _plan_blocks(self) -> tuple:
         plan = PassagePlan.from_dict(self.cfg.plan) if self.cfg.plan else default_passage_plan()
         texts = plan_passages(self.corpus, plan)
-        return plan, {role: tokenize_passages(self.tokenizer, t, plan.max_len) for role, t in texts.items()}
+        # no longer than the position embeddings: a tokenizer may set no model_max_length (transformers' 1e30)
+        max_len = min(plan.max_len, max_tokens(self.model) or plan.max_len)
+        return plan, {role: tokenize_passages(self.tokenizer, t, max_len) for role, t in texts.items()}
 
     def _blocks_record(self) -> dict:
         return {role: {"shape": list(b["input_ids"].shape), "real_tokens": int(b["attention_mask"].sum()),
@@ -90,13 +92,21 @@ class EncoderRun(Run):
 
     def results(self, valid) -> dict:
         out = {"model": str(self.cfg.model), "protocol": self.protocol, "converted_layers": self.layers,
-               "seed": self.cfg.seed, "methods": self.cfg.methods, "pooling": self.provenance.get("pooling"),
+               "seed": self.cfg.seed, "methods": self.cfg.methods, "pooling": self._pooling(),
                "fidelity": {}, "embedding": {}, "perplexity": {}, "perplexity_no_adapt": {}, "adapt": {},
                "not_run": dict(NOT_RUN)}
         for key, path in (("fidelity", FIDELITY_FILE), ("embedding", EMBEDDING_FILE)):
             if valid(key):
                 out[key] = load_json(self.dir / path)
         return out
+
+    def _pooling(self) -> str | None:
+        """The sentence pooling the encoder's folder declares; from config.json when the run was rebuilt from its
+        records (`pipeline.publish`: `oal export`, `oal evaluate`), which loads no model."""
+        provenance = getattr(self, "provenance", None)
+        if provenance is None:
+            provenance = load_json(self.dir / "config.json").get("model") or {}
+        return provenance.get("pooling")
 
     @staticmethod
     def report(run_dir, console) -> None:

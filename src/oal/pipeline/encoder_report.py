@@ -59,7 +59,8 @@ def provenance_section(config: dict) -> list[str]:
             ((r, plan[r]) for r in PASSAGE_ROLES if r in plan)]
     if rows:
         out += [f"Passage plan (paragraphs of >= {plan.get('min_words')} words, each tokenised with its special "
-                f"tokens, truncated to {plan.get('max_len')} tokens, right-padded; roles disjoint):", "",
+                f"tokens, truncated to {plan.get('max_len')} tokens (or the tokenizer's or position embeddings' "
+                "limit, when shorter), right-padded; roles disjoint):", "",
                 markdown_table(["role", "split", "paragraphs", "tokens (passages x padded length)", "real tokens"],
                                rows), ""]
     out += ["<details><summary>effective configuration (config.json)</summary>", "", "```json",
