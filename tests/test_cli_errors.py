@@ -203,3 +203,15 @@ def test_a_directory_in_place_of_a_kernels_file_is_named(tmp_path):
         load_kernels(tmp_path)
     with pytest.raises(ValueError, match=r"kernels.json: is missing"):
         load_kernels(tmp_path / "kernels.safetensors")
+
+
+def test_export_names_no_merge_once(monkeypatch, tmp_path):
+    """The library's 'merge: ...' under --no-merge read "Invalid value for --no-merge: merge: the softmax arm"."""
+    import oal.pipeline.publish as publish
+
+    def refuse(*args, **kwargs):
+        raise ValueError("merge: the softmax arm is written as a plain transformers model")
+
+    monkeypatch.setattr(publish, "export_run", refuse)
+    res, text = _run("export", "--out", tmp_path, "--method", "softmax", "--no-merge", "--to", tmp_path / "e")
+    assert res.exit_code == 2 and "Invalid value for --no-merge: the softmax arm" in text, res.output

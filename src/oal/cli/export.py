@@ -8,7 +8,7 @@ import typer
 
 from oal.cli.app import app
 from oal.cli.options import BaseModelOpt
-from oal.errors import InputError
+from oal.errors import InputError, message_of
 
 
 def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
@@ -22,7 +22,7 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
         if isinstance(exc, InputError) and exc.param:  # it names its option: the CLI's one line names it too
             raise
         hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
-        raise typer.BadParameter(str(exc), param_hint=hint) from None
+        raise typer.BadParameter(message_of(exc), param_hint=hint) from None  # the option named once
     auto = "AutoModel" if _is_encoder(path) else "AutoModelForCausalLM"
     if method == "softmax":
         typer.echo(f"wrote {path}: reload it with {auto}.from_pretrained('{path}')")

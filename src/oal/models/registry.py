@@ -97,9 +97,10 @@ def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
     spec = HUB_MODELS.get(name)
     if revision is None:
         if spec is None:
-            raise bad_model(f"{name!r} is not 'default', a local folder or a pinned hub model "
-                             f"({sorted(HUB_MODELS)}); download another hub model to a folder and pass that, or "
-                             f"in Python pass revision=")
+            fetched, pinned = ", ".join(sorted(LOCAL_MODELS)), ", ".join(sorted(HUB_MODELS))
+            raise bad_model(f"{name!r} is not 'default', a local folder, a .gguf file, a fetched model ({fetched}) "
+                            f"or a pinned hub model ({pinned}); download another hub model to a folder and pass "
+                            "that, or in Python pass revision=")
         revision = spec["revision"]
     from huggingface_hub import snapshot_download
 
