@@ -325,18 +325,19 @@ class ConvertedModelMixin:
     def _check_reloadable(self) -> None:
         """Only the class an Auto class maps the family to reloads (a causal LM; an encoder's base model): a task
         head's folder (BertForSequenceClassification) was written, then refused by every loader."""
-        from oal.models.auto import register_model
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-        def plain(cls):  # OAL<Base> -> Base
-            return next(c for c in cls.__mro__ if not issubclass(c, ConvertedModelMixin))
+        from oal.models.families import ENCODER_ARCHITECTURES
 
-        base = plain(type(self))
+        base = next(c for c in type(self).__mro__ if not issubclass(c, ConvertedModelMixin))  # OAL<Base> -> Base
         family = base.config_class.model_type
-        loads = plain(register_model(family))
+        # the classes `oal.models.auto.register_model` registers: an encoder's base model, else the causal LM
+        mapping = MODEL_MAPPING if family in ENCODER_ARCHITECTURES else MODEL_FOR_CAUSAL_LM_MAPPING
+        loads = mapping[base.config_class] if base.config_class in mapping else None
         if base is not loads:
+            what = f"{family} as {loads.__name__} only" if loads else f"no {family} model"
             raise ValueError(f"model: a converted {base.__name__} cannot be saved for reloading (oal saves and "
-                             f"reloads {family} as {loads.__name__} only); keep it in memory, or save its "
-                             "state_dict with safetensors")
+                             f"reloads {what}); keep it in memory, or save its state_dict with safetensors")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
