@@ -294,3 +294,21 @@ def test_validation_data_of_another_gqa_shape_is_refused():
     other = LayerData(val.q, val.k.repeat(1, 2, 1, 1), val.v.repeat(1, 2, 1, 1), val.out)
     with pytest.raises(ValueError, match="val: expected k of 2 heads"):
         calibrate_layer(build_method("global", HQ, HKV, D), train, other, CalibConfig.preset("tiny"))
+
+
+def test_on_step_reports_every_optimiser_step_of_a_fit():
+    """A layer's fits take minutes on a real model, and the layer bar stood still meanwhile: `on_step` feeds a bar
+    inside the layer (calibrate_layers)."""
+    from oal.calibration.fit import on_step
+
+    train, val = _data(2), _data(2, seed=1)
+    cfg = CalibConfig.preset("tiny")
+    seen = []
+    with on_step(lambda name, step, total: seen.append((name, step, total))):
+        calibrate_layer(build_method("global", HQ, HKV, D), train, val, cfg)
+    assert seen and {(n, t) for n, _, t in seen} == {("global", cfg.max_steps)}
+    assert seen[0][1] == 1
+    assert all(1 <= s <= cfg.max_steps for _, s, _ in seen)
+    count = len(seen)
+    calibrate_layer(build_method("global", HQ, HKV, D), train, val, cfg)  # outside: nothing reported
+    assert len(seen) == count

@@ -29,10 +29,12 @@ the layer, in which case the layer is one selection unit and only a single initi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ from oal.calibration.loss import _val_mse, sampled_dense_output
 from oal.methods.base import AttentionMethod
 
 __all__ = ["calibrate_layer", "calibrate_layer_sequential", "calibrate_methods", "calibrate_oal_layer", "global_inits",
-           "oal_inits", "sampled_dense_output"]
+           "oal_inits", "on_step", "sampled_dense_output"]
 
 
 # ----------------------------------------------------------------------------------------------- method surgery
@@ -97,6 +99,20 @@ def _head(method: AttentionMethod, h: int) -> AttentionMethod:
 # ----------------------------------------------------------------------------------------------- the loop
 
 
+_on_step: ContextVar[Callable[[str, int, int], None] | None] = ContextVar("oal_calibration_on_step", default=None)
+
+
+@contextlib.contextmanager
+def on_step(callback: Callable[[str, int, int], None]) -> Iterator[None]:
+    """Within it, `callback(method name, step, max_steps)` follows every optimiser step of the fits: a progress
+    bar inside a layer, which takes minutes on a real model."""
+    token = _on_step.set(callback)
+    try:
+        yield
+    finally:
+        _on_step.reset(token)
+
+
 def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, n_units: int,
               n_copies: int = 1):
     """Run the protocol on `method` (already folded/sliced; `n_copies` stacked initialisations of the data's
@@ -126,6 +142,7 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
     curves: list[list[list[float]]] = [[[0, float(best_val[u]), math.nan]] for u in range(n_units)]
     train_sum = torch.zeros(n_units, dtype=torch.float64, device=train.q.device)  # read at validations only
     train_count = 0
+    report = _on_step.get()
     for step in range(1, cfg.max_steps + 1):
         s = int(torch.randint(n_seq, (1,), generator=gen))
         key_mask = None if train.mask is None else train.mask[s : s + 1]
@@ -149,6 +166,8 @@ def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: Ca
         with torch.no_grad():
             _clip_and_mask(params, stopped, cfg.clip_norm, per_head)
             opt.step()
+            if report is not None:
+                report(method.name, step, cfg.max_steps)
             active = ~stopped
             steps[active] = step
             train_sum += (err if per_head else err.mean().reshape(1)).double().nan_to_num(math.inf)

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from oal.calibration.data import NOT_CALIBRATED, CalibConfig
-from oal.calibration.fit import calibrate_methods
+from oal.calibration.fit import calibrate_methods, on_step
 from oal.calibration.kernels import (
     kernel_dir,
     load_kernels,
@@ -114,15 +114,24 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not (progress and group.is_main)) as bar:
         task = bar.add_task(f"calibrate {', '.join(methods)}", total=len(layers), completed=len(results))
+        steps = bar.add_task("", total=None, visible=False)  # inside a layer: its fits' optimiser steps
+
+        def on_fit_step(name: str, step: int, total: int) -> None:
+            bar.update(steps, description=f"  {name}: optimiser steps (early stopping may end sooner)",
+                       completed=step, total=total, visible=True)
+
         for start in range(0, len(todo), group.size):  # one round: one layer per process
             mine = todo[start + group.index] if start + group.index < len(todo) else None
             fitted = None
             if mine is not None:
                 bar.update(task, description=f"calibrate layer {mine}: {', '.join(methods)}")
                 train, val = capture(mine)
-                fitted = {m: (method, res.summary() if res is not None else NOT_CALIBRATED) for m, (method, res)
-                          in calibrate_methods(methods, train, val, layer=mine, groups=groups.get(mine), cfg=cfg,
-                                               seed=seed, options=options).items()}
+                with on_step(on_fit_step):
+                    fitted = {m: (method, res.summary() if res is not None else NOT_CALIBRATED)
+                              for m, (method, res) in calibrate_methods(methods, train, val, layer=mine,
+                                                                        groups=groups.get(mine), cfg=cfg, seed=seed,
+                                                                        options=options).items()}
+                bar.update(steps, visible=False)
                 del train, val
             for layer, done in _gather_round(group, mine, fitted):
                 results[layer] = done
