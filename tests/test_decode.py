@@ -292,3 +292,33 @@ def test_no_model_call_names_the_cache_keyword_itself():
              for path in sorted((root / folder).rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
     assert not found, f"pass the cache with oal.models.cache.cache_kwargs(model, cache): {found}"
+
+
+def test_caches_and_decoding_it_cannot_keep_a_state_in_are_refused_by_name():
+    """docs/guides/convert.md: a static cache, and assisted decoding (which crops the cache back), are refused
+    (transformers refuses the latter itself, for a cache that cannot be cropped: ours, `OALStateLayer.crop`)."""
+    model = _model()
+    ids = _ids(1, 9)
+    with pytest.raises(ValueError, match="static/sliding/quantized caches are not supported"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with pytest.raises(ValueError, match="(?i)assisted"):
+        model.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=_model(), pad_token_id=0)
+
+
+def test_sampling_several_sequences_and_a_continued_cache_give_the_tokens_of_no_cache():
+    """docs/guides/convert.md: sampled decoding with num_return_sequences (the cache repeated per sequence) and a
+    second turn continuing a returned past_key_values give the tokens that full forwards (use_cache=False) give."""
+    model = _model(layers=(0, 1))
+    ids = _ids(2, 7) % (V - 1) + 1  # no pad token (0) inside the prompts: generate would read it as padding
+    kw = dict(max_new_tokens=5, do_sample=True, top_k=0, num_return_sequences=3, pad_token_id=0)
+    runs = []
+    for use_cache in (True, False):
+        torch.manual_seed(11)
+        runs.append(model.generate(ids, use_cache=use_cache, **kw))
+    assert runs[0].shape == (6, 12) and torch.equal(runs[0], runs[1])
+
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, _ids(2, 3, seed=5) % (V - 1) + 1], 1)  # the user's next message
+    cont = model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(cont, model.generate(turn, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False))
