@@ -339,6 +339,25 @@ def test_a_bad_input_stops_every_process_with_one_line(one_process_run, tmp_path
     assert {f: (tmp_path / "run" / f).read_bytes() for f in files(tmp_path / "run")} == before
 
 
+def test_a_one_process_command_under_a_launch_stops_every_process_with_one_line(one_process_run, tmp_path):
+    """`oal evaluate` runs in one process: under torchrun its processes raced for the run directory's lock, and the
+    one refused (often not the main one) stopped the launch without a word. Now every process refuses it at once,
+    one says why, and nothing is written."""
+    import shutil
+
+    _, ref, _ = one_process_run
+    shutil.copytree(ref, tmp_path / "run")
+    before = {f: (tmp_path / "run" / f).read_bytes() for f in files(tmp_path / "run")}
+    proc, writes = launch(tmp_path, {"mode": "cli", "watch": str(tmp_path / "run"),
+                                     "args": ["evaluate", "--out", str(tmp_path / "run"), "--no-progress"]},
+                          check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "one process" in errors[0], errors
+    assert "in use by another oal process" not in proc.stdout + proc.stderr
+    assert writes == [[], []]
+    assert {f: (tmp_path / "run" / f).read_bytes() for f in files(tmp_path / "run")} == before
+
+
 # ----------------------------------------------------------------------------------------------- in one process
 
 
@@ -376,3 +395,16 @@ def test_the_process_group_is_destroyed_at_exit(monkeypatch):
     state = launch._state(cpu=True)
     launch._state(cpu=True)
     assert len(registered) == 1 and registered[0] == state.destroy_process_group
+
+
+def test_a_one_process_command_is_refused_under_a_launch(monkeypatch, tmp_path):
+    """`own_dir` without the launch's group (`oal evaluate`, `analyze`, `diagnose`) under a launch of several
+    processes: refused on every process before anything is locked or created (each would take the lock for itself)."""
+    from oal.errors import InputError
+    from oal.rundir.lock import own_dir
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InputError, match="one process"):
+        with own_dir(tmp_path / "run"):
+            pass
+    assert not (tmp_path / "run").exists()

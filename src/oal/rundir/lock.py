@@ -117,7 +117,15 @@ def own_dir(path: str | Path, group=None) -> Iterator[Path]:
     `oal.launch.Ranks`, when given: its refusal reaches every process, and the others only wait).
 
     Refused (InputError on --out) when another process holds the lock, or when a symbolic link below `path` leads
-    outside it (oal would write or delete through it)."""
+    outside it (oal would write or delete through it). Without `group` under a launch of several processes (a
+    command that runs in one process: each process would take the lock for itself, and the one refused would stop
+    the launch, often without a word), refused on every process before anything is locked."""
+    from oal.launch import launched
+
+    if group is None and launched():
+        raise InputError("this command runs in one process: run it without torchrun / accelerate launch (oal run, "
+                         "adapt, calibrate and select-layers are the commands that run under them; "
+                         "docs/guides/distributed.md)")
     path = Path(path)
     held, fd, created = group.on_main(lambda: _take(path)) if group is not None else _take(path)
     if group is not None and not group.is_main:  # writes nothing below `path` (its scratch: a private temp folder)
