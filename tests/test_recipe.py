@@ -102,6 +102,10 @@ def test_run_passkey_option(monkeypatch, tmp_path):
                 ["--passkey", "64", "--seeds", "1,2"]):
         res = cli("run", "--out", tmp_path / "r", *bad)
         assert res.exit_code == 2 and "--passkey" in res.output and not calls, res.output
+    # under a launch the passkey step (one process) was refused only after the whole run
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = cli("run", "--out", tmp_path / "r", "--passkey", "64")
+    assert res.exit_code == 2 and "one seed, in one process" in res.output and not calls, res.output
 
 
 def test_report_names_oal_by_its_distribution(recipe_run):

@@ -82,6 +82,7 @@ def run(
     """
     from oal.analysis import parse_grouping
     from oal.data.zeroshot import parse_task_files
+    from oal.launch import launched
     from oal.models.encoder import is_encoder_model
     from oal.pipeline.config import RunConfig, parse_methods, parse_seeds
     from oal.pipeline.runs import run as run_pipeline
@@ -103,9 +104,10 @@ def run(
                                 device=device, dtype=dtype, adapt=adapt, zeroshot_tasks=tasks, zeroshot_limit=limit,
                                 zeroshot_dir=zeroshot_dir, zeroshot_files=parse_task_files(task_file),
                                 grouping=procedure, window=window, sinks=sinks)
-    if lengths and len(seed_list) > 1:
-        raise typer.BadParameter("one seed at a time; measure each seed's run with `oal evaluate --passkey --out "
-                                 f"{out}/seed-<s>`", param_hint="--passkey")
+    if lengths and (len(seed_list) > 1 or launched()):  # before the run, not after it (one process, one seed)
+        where = f"{out}/seed-<s>" if len(seed_list) > 1 else str(out)
+        raise typer.BadParameter("one seed, in one process: after the run, measure it with `oal evaluate --passkey "
+                                 f"--out {where}` (without a launch)", param_hint="--passkey")
     if lengths and is_encoder_model(cfg.model):
         raise typer.BadParameter("an encoder has no passkey retrieval (causal LMs only)", param_hint="--passkey")
     run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force)
