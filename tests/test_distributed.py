@@ -408,3 +408,21 @@ def test_a_one_process_command_is_refused_under_a_launch(monkeypatch, tmp_path):
         with own_dir(tmp_path / "run"):
             pass
     assert not (tmp_path / "run").exists()
+
+
+def test_another_process_reports_only_an_error_of_its_own(monkeypatch):
+    """The CLI printed errors on the main process only, so a failure of rank 1 alone (its scratch disk full) was
+    shown by no process: the launch died with torchrun's summary. Errors alike on every process (raised before the
+    group formed, or re-raised from the main process by Ranks.on_main) stay the main process's to print."""
+    import oal.launch as launch
+
+    exc = OSError("no space left on device")
+    monkeypatch.setenv("RANK", "0")
+    assert launch.reports_error(exc)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(launch, "_RANKS", {})
+    assert not launch.reports_error(exc)  # parsing and checks before the group: every process raises the same
+    monkeypatch.setattr(launch, "_RANKS", {"this": object()})
+    assert launch.reports_error(exc)
+    exc.oal_from_main = True  # what on_main sets on the other processes
+    assert not launch.reports_error(exc)

@@ -51,6 +51,16 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def reports_error(exc: BaseException) -> bool:
+    """Whether this process prints `exc`'s one line: the main process always; another process of a launch only an
+    error of its own, raised after the launch's group formed (one raised before it, alike on every process, or one
+    `Ranks.on_main` re-raised from the main process, the main process prints). A rank's own failure (its scratch
+    disk full, its layers' calibration) was otherwise shown by no process."""
+    if env_rank() == 0:
+        return True
+    return "this" in _RANKS and not getattr(exc, "oal_from_main", False)
+
+
 def log_console():
     """The rich console of what a command says while it works (stage rules, progress bars, skip lines): stderr, so
     that stdout keeps its results; quiet on the other processes of a launch (the main process reports)."""
@@ -132,6 +142,7 @@ class Ranks:
         if error is not None:
             if self.is_main:
                 raise error
+            error.oal_from_main = True  # the main process reports it (`reports_error`)
             raise error from None
         return result
 

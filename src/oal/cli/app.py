@@ -48,10 +48,11 @@ class _Group(TyperGroup):
             if message is None:
                 raise
             code = getattr(exc, "exit_code", 2) if isinstance(exc, typer.TyperException) else 2
-            from oal.launch import env_rank
+            from oal.launch import env_rank, reports_error
 
-            if env_rank() == 0:  # every process of a launch gets the main one's error; one of them says it
-                typer.echo(f"Error: {' '.join(str(message).split())}", err=True)
+            if reports_error(exc):  # the main process's error reaches every process of a launch; it says it
+                rank = f"(process {env_rank()}) " if env_rank() else ""
+                typer.echo(f"Error: {rank}{' '.join(str(message).split())}", err=True)
             raise typer.Exit(code) from None
 
 
