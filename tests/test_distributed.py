@@ -426,3 +426,22 @@ def test_another_process_reports_only_an_error_of_its_own(monkeypatch):
     assert launch.reports_error(exc)
     exc.oal_from_main = True  # what on_main sets on the other processes
     assert not launch.reports_error(exc)
+
+
+def test_a_capture_left_by_a_process_that_died_is_removed(monkeypatch, tmp_path):
+    """torchrun ends the other processes of a failed launch with SIGTERM, which runs no cleanup: each left its
+    scratch capture in the temp folder. The next scratch folder removes those whose owner has ended."""
+    import tempfile
+
+    from oal.calibration.resume import scratch_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left, live, other = tmp_path / "oal-capture-left", tmp_path / "oal-capture-live", tmp_path / "oal-capture-x"
+    for folder, pid in ((left, dead.stdout.strip()), (live, str(os.getpid())), (other, None)):
+        (folder / "capture").mkdir(parents=True)
+        if pid is not None:
+            (folder / "owner.pid").write_text(pid)
+    new = scratch_folder()
+    assert not left.exists() and live.exists() and other.exists()  # a folder without an owner is not ours
+    assert new.parent == tmp_path and (new / "owner.pid").read_text() == str(os.getpid())

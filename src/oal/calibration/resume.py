@@ -16,6 +16,7 @@ one process computes.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -177,6 +178,7 @@ class OnePassCapture:
         self.root, self.key, self.progress = Path(root), key, progress
         self.store = None
         self.seconds = 0.0
+        self.scratch: Path | None = None  # another process's private folder (`prepare`)
 
     def prepare(self, layers: Sequence[int], *, scratch: bool = False) -> None:
         """Capture only `layers` (this process's share under a launch of several processes), under a key of their
@@ -184,7 +186,8 @@ class OnePassCapture:
         self.layers = sorted(int(i) for i in layers)
         self.key = config_hash({"key": self.key, "layers": self.layers})
         if scratch:
-            self.root = Path(tempfile.mkdtemp(prefix="oal-capture-"))
+            self.scratch = scratch_folder()
+            self.root = self.scratch / "capture"
 
     def __call__(self, layer: int):
         from oal.calibration.data import LayerData
@@ -220,6 +223,39 @@ class OnePassCapture:
         if self.store is not None:
             self.store.remove()
         remove(self.root)
+        if self.scratch is not None:
+            remove(self.scratch)
+
+
+SCRATCH_PREFIX = "oal-capture-"
+
+
+def scratch_folder() -> Path:
+    """A private temporary folder (with its owner's pid) for another process's capture; those left by processes
+    that have died are removed first: torchrun ends the other processes of a failed launch with SIGTERM, which runs
+    no cleanup, and each left its capture behind (gigabytes at paper scale)."""
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            pid = int((old / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or being made
+        if not _alive(pid):
+            log.info("removing %s, left by process %d, which has ended", old, pid)
+            remove(old)
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    (folder / "owner.pid").write_text(str(os.getpid()))
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,
