@@ -64,7 +64,7 @@ def test_an_option_that_would_be_ignored_is_refused(tmp_path, args, option, word
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text, words", [(b"tiny text.\n", "it needs at least"),
+@pytest.mark.parametrize("text, words", [(b"tiny text.\n", "need at least"),
                                          (b"text\xff\xfe", "is not UTF-8 text")])
 def test_a_data_error_names_the_file_once_and_no_library_argument(tmp_path, text, words):
     """'--data: notes.bin: name_or_path: notes.bin is not UTF-8' named the file twice and a library argument the

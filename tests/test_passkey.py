@@ -57,8 +57,9 @@ def test_bad_input():
         make_prompt(TOK, 50, 0.5)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match="positions") as exc:
         evaluate_passkey(model, TOK, lengths=[64], template=SHORT, digits=1)
+    assert exc.value.param == "--lengths"  # the CLI names its option, not the library's "lengths:"
     with pytest.raises(ValueError, match="trials"):
         evaluate_passkey(model, TOK, lengths=[32], template=SHORT, digits=1, trials=0)
 

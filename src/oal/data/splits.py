@@ -241,10 +241,19 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
             streams[key] = encode_prefix(tokenizer, c.splits[bs.split], reach[(bs.corpus, bs.split)])
         ids = streams[key]
         n_blocks = len(ids) // bs.block_len
+        need = reach[(bs.corpus, bs.split)]
+        if math.isfinite(need) and len(ids) < need:  # all roles on this split at once, not the first one short
+            where = f"corpus {bs.corpus}" if bs.corpus else "the run's corpus"
+            raise ValueError(f"corpus: split {bs.split!r} of {where} has {len(ids)} tokens, and this plan's roles on "
+                             f"it ({', '.join(_roles_on(plan, bs))}) need at least {int(need)}")
         idx = bs.resolve(n_blocks)
         flat = torch.tensor(ids[: n_blocks * bs.block_len], dtype=torch.long).reshape(n_blocks, bs.block_len)
         out[role] = flat[idx] if idx else flat[:0]
     return out
+
+
+def _roles_on(plan: SplitPlan, bs: BlockSet) -> list[str]:
+    return [r for r, other in plan.roles().items() if (other.corpus, other.split) == (bs.corpus, bs.split)]
 
 
 def bind_pretraining(plan: SplitPlan, provenance: Mapping, corpus: Corpus) -> SplitPlan:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from oal.errors import InputError
 from oal.launch import log_console
 
 __all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "default_lengths",
@@ -157,8 +158,8 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     new_tokens = answer_tokens(tokenizer, digits)
     if max_pos is not None and max(lengths) + new_tokens > max_pos:
-        raise ValueError(f"lengths: {max(lengths)} + {new_tokens} generated tokens exceed the model's "
-                         f"{max_pos} positions")
+        raise InputError(f"{max(lengths)} + {new_tokens} generated tokens exceed the model's {max_pos} positions "
+                         "(max_position_embeddings)", "--lengths", "lengths")
     from rich.progress import Progress
 
     was_training = model.training
