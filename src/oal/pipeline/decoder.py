@@ -179,11 +179,12 @@ class Run(StagedRun):
         for tag, layers in comparison_sets(sel).items():
             if layers == self.layers:
                 continue
-            processes = self.ranks.size if run else 1
+            path = self.dir / ".oal" / f"compare_{tag}.json"
+            # not rerun here (`oal adapt` of another arm): the processes that adapted it, as `_trained_processes`
+            processes = self.ranks.size if run else self._recorded_processes(path)
             deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
                     "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
                     "batch": self.cfg.eval_batch_size}
-            path = self.dir / ".oal" / f"compare_{tag}.json"
 
             def fn(layers=layers, tag=tag, path=path):
                 candidates, _ = load_kernels(kernel_dir(self.calib_root, method))
@@ -199,7 +200,7 @@ class Run(StagedRun):
                 after = block_nll(peft_model, self.blocks["test"], batch_size=self.cfg.eval_batch_size)
                 if self.ranks.is_main:  # every process trained the same tensors (DDP, as in `adapt`); one writes
                     atomic_write_json(path, {"layers": layers, "ppl_no_adapt": math.exp(before[0] / before[1]),
-                                             "ppl": math.exp(after[0] / after[1])})
+                                             "ppl": math.exp(after[0] / after[1]), "processes": self.ranks.size})
                     remove(ckpt)
 
             complete &= self.stage(f"compare:{tag}", deps, [str(path.relative_to(self.dir))], fn,
@@ -308,8 +309,13 @@ class Run(StagedRun):
 
     def _trained_processes(self, method: str) -> int:
         """How many processes trained `method`'s adapter on disk (its adapt.json; 1 when unknown)."""
+        return self._recorded_processes(self.dir / "adapter" / method / "adapt.json")
+
+    @staticmethod
+    def _recorded_processes(path) -> int:
+        """The "processes" a record says trained it (1 when absent or unknown)."""
         try:
-            return int(load_json(self.dir / "adapter" / method / "adapt.json").get("processes", 1))
+            return int(load_json(path).get("processes", 1))
         except (ValueError, TypeError, AttributeError):
             return 1
 
