@@ -291,7 +291,7 @@ def test_a_dead_head_leaves_analysis_json_strict_and_its_means_defined(tiny, tmp
         attn.q_proj.bias[:d].zero_()
     gen = torch.Generator().manual_seed(3)
     ids, held = torch.randint(0, 64, (4, 20), generator=gen), torch.randint(0, 64, (3, 20), generator=gen)
-    summary = analyze(model, None, ids, [0], tmp_path, heldout=held, n_bootstrap=10, figures=False)
+    summary = analyze(model, None, ids, [0], tmp_path, heldout=held, n_bootstrap=10)  # with its figures
 
     def refuse(name):
         raise ValueError(f"bare {name} in analysis.json")
@@ -302,3 +302,9 @@ def test_a_dead_head_leaves_analysis_json_strict_and_its_means_defined(tiny, tmp
     assert conc["mean"]["real_top5"] == pytest.approx(sum(conc["real_top5"][0][1:]) / 3)
     assert stab["spearman"][0][0] is None and stab["mean_spearman"] is not None and stab["min_spearman"] is not None
     assert summary["concentration"]["mean"] == conc["mean"]
+    # the report's readers of the file take the nulls
+    from oal.analysis.offset import offset_markdown
+    from oal.pipeline.report_sections import stability_section
+
+    assert any("%" in line for line in offset_markdown(data["offset"], conc))
+    assert "Spearman rho" in stability_section(data)[0]

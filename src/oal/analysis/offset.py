@@ -225,8 +225,9 @@ def offset_markdown(offset: Mapping, concentration: Mapping | None = None) -> li
         cells = [layer, f"{100 * sum(share) / len(share):.1f}% ({100 * min(share):.0f}-{100 * max(share):.0f}%)",
                  f"{max(std):.2f}", f"{max(iso):.2f}", ", ".join(map(str, dims))]
         for key in ("real_top5", "gaussian_top5"):
-            vals = conc.get(key)
-            cells.append(f"{100 * sum(vals[li]) / len(vals[li]):.1f}%" if vals and li < len(vals) else "-")
+            # a dead head's share is null in analysis.json: the mean is over the heads that have one
+            vals = [v for v in conc.get(key)[li] if v is not None] if li < len(conc.get(key) or []) else []
+            cells.append(f"{100 * sum(vals) / len(vals):.1f}%" if vals else "-")
         rows.append("| " + " | ".join(cells) + " |")
     head = ["layer", "offset share of the score (mean; min-max over heads)", "offset std, logits (max)",
             "isolated offset std, logits (max)", "dims carrying it (top 2 per head)", "top-5 chi share",

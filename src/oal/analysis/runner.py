@@ -343,8 +343,8 @@ def analyze(
             per_head={str(i): dict(dims=prefix[i][0].tolist(), percent=(100 * prefix[i][1]).transpose(0, 1).tolist())
                       for i in layers},
         )
-    summary = strict_json(summary)  # an undefined statistic (a dead head's) is null, not a bare NaN
-    atomic_write_json(out / ANALYSIS_FILE, summary)
+    # on disk an undefined statistic (a dead head's) is null, not a bare NaN; the figures take the NaN
+    atomic_write_json(out / ANALYSIS_FILE, strict_json(summary))
 
     if figures:
         _figures(out / "figures", layers, heads_json, calib, summary, stab, rep, li_rep)
