@@ -13,8 +13,8 @@ import dataclasses
 import os
 import re
 
-__all__ = ["ENV_OFF", "InputError", "SelectionSizeError", "check_int", "env_flag", "from_known_keys", "message_of",
-           "parse_names"]
+__all__ = ["ENV_OFF", "InputError", "ModelUnavailableError", "SelectionSizeError", "check_int", "env_flag",
+           "from_known_keys", "message_of", "parse_names"]
 
 
 class InputError(ValueError):
@@ -27,6 +27,10 @@ class InputError(ValueError):
 
     def __reduce__(self):  # pickled whole (not just str()) when it travels between processes (oal.launch)
         return type(self), (self.message, self.param, self.arg)
+
+
+class ModelUnavailableError(RuntimeError):
+    """A hub model that is neither reachable nor in the local cache (`oal.models.folders`)."""
 
 
 class SelectionSizeError(InputError):

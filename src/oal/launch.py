@@ -52,13 +52,16 @@ def env_rank() -> int:
 
 
 def reports_error(exc: BaseException) -> bool:
-    """Whether this process prints `exc`'s one line: the main process always; another process of a launch only an
-    error of its own, raised after the launch's group formed (one raised before it, alike on every process, or one
-    `Ranks.on_main` re-raised from the main process, the main process prints). A rank's own failure (its scratch
-    disk full, its layers' calibration) was otherwise shown by no process."""
+    """Whether this process prints `exc`'s one line: the main process always; another process of a launch only a
+    failure of its own, raised after the launch's group formed and not bad input (bad input is alike on every
+    process, as is an error raised before the group formed or re-raised from the main process by `Ranks.on_main`:
+    the main process prints those). A rank's own failure (its scratch disk full) was otherwise shown by none."""
+    from oal.errors import InputError, ModelUnavailableError
+
     if env_rank() == 0:
         return True
-    return "this" in _RANKS and not getattr(exc, "oal_from_main", False)
+    alike = isinstance(exc, (InputError, ModelUnavailableError)) or getattr(exc, "oal_from_main", False)
+    return "this" in _RANKS and not alike
 
 
 def log_console():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from oal.errors import InputError
+from oal.errors import InputError, ModelUnavailableError  # noqa: F401  (its home was here)
 from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.rundir.files import load_json
 
@@ -15,10 +15,6 @@ __all__ = ["ModelUnavailableError", "PICKLE_SUFFIXES", "bad_model", "check_model
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class ModelUnavailableError(RuntimeError):
-    """A hub model that is neither reachable nor in the local cache."""
 
 
 def bad_model(message: str) -> InputError:
