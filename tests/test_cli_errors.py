@@ -215,3 +215,14 @@ def test_export_names_no_merge_once(monkeypatch, tmp_path):
     monkeypatch.setattr(publish, "export_run", refuse)
     res, text = _run("export", "--out", tmp_path, "--method", "softmax", "--no-merge", "--to", tmp_path / "e")
     assert res.exit_code == 2 and "Invalid value for --no-merge: the softmax arm" in text, res.output
+
+
+def test_an_option_the_command_lacks_is_not_named():
+    """oal run --passkey reaches the passkey check that names '--lengths' (oal evaluate's option): the line said
+    "Invalid value for '--lengths'" on a command without it."""
+    from oal.cli.failures import bad_input_message
+
+    exc = InputError("4096 + 8 generated tokens exceed the model's 2048 positions", "--lengths", "lengths")
+    assert bad_input_message(exc, ["--out", "--passkey"]) == exc.message
+    assert bad_input_message(exc, ["--out", "--lengths"]).startswith("Invalid value for '--lengths': 4096")
+    assert bad_input_message(InputError("bad", "--method"), ["--methods"]) == "Invalid value for '--methods': bad"

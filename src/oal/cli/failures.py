@@ -27,6 +27,8 @@ def _message(exc: Exception, options) -> str | None:
     if isinstance(exc, InputError) and exc.param:
         # a library function shared by commands names '--method'; this command may take --methods
         typed = exc.param + "s" if exc.param not in options and exc.param + "s" in options else exc.param
+        if options and typed not in options:  # another command's option ('--lengths' under oal run --passkey)
+            return exc.message
         return f"Invalid value for '{typed}': {exc.message}"
     if isinstance(exc, (ValueError, OSError, ModelUnavailableError)):
         return str(exc)

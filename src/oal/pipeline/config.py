@@ -170,8 +170,6 @@ class RunConfig:
         if self.zeroshot_limit is not None and self.zeroshot_limit < 1:
             raise InputError(f"expected a positive number of examples, got {self.zeroshot_limit}", "--limit",
                              "zeroshot_limit")
-        if self.zeroshot_dir is not None and not Path(self.zeroshot_dir).is_dir():
-            raise InputError(f"no such folder: {self.zeroshot_dir}", "--zeroshot-dir", "zeroshot_dir")
 
     def _check_data_dir(self) -> None:
         """--data-dir must exist and be read: only WikiText loads from it (an ignored option would pass silently)."""
@@ -199,7 +197,10 @@ class RunConfig:
             base[key] = {**base[key], **(overrides.pop(key, None) or {})}
         base.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**base)
-        if cfg.data_dir is not None:  # checked here, not on reading a recorded run whose folder may have moved
+        # checked here, not on reading a recorded run whose folders may have moved (oal export needs neither)
+        if cfg.zeroshot_dir is not None and not Path(cfg.zeroshot_dir).is_dir():
+            raise InputError(f"no such folder: {cfg.zeroshot_dir}", "--zeroshot-dir", "zeroshot_dir")
+        if cfg.data_dir is not None:
             cfg._check_data_dir()
         return cfg
 
