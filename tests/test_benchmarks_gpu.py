@@ -11,6 +11,18 @@ import torch
 
 from benchmarks import gpu
 
+
+@pytest.fixture(autouse=True)
+def _triton_interpret_as_it_was():
+    """gpu.main(--device cpu) sets TRITON_INTERPRET for its process; in this test process it must not outlive the
+    test (on a CUDA test run, later files' kernels would be defined under the interpreter)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
 # event names as torch.profiler reports them for one SDPA call (operator, then kernels), per backend
 TRACES = {
     "cudnn": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention",
