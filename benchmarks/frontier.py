@@ -333,16 +333,19 @@ class Frontier:
                 "options": self.options if methods else {}, "lengths": a.lengths, "passkey": a.passkey_lengths,
                 "trials": a.trials, "depths": a.depths,
                 "kernels": {i: sorted(m.state_dict()) for i, m in (methods or {}).items()}}
-        # the timing settings bind a row too, named only when not the defaults so earlier work folders stay valid
-        spec |= {k: v for k, v, default in (("decode_tokens", a.decode_tokens, 8), ("threads", a.threads, 0))
-                 if v != default}
         key = _row_key(spec)
+        # how the row's times were taken: not part of the key (a row is hours of adaptation; re-timing one is
+        # benchmarks.frontier_retime's job), but a row read back with others is said to be
+        timed = {"decode_tokens": a.decode_tokens, "threads": torch.get_num_threads()}
         tag = "" if select == "fidelity" or not methods else f"-{select}"  # the first rows' names stay
         path = self.work / "rows" / f"{name}-{len(layers)}{tag}.json"
         if path.is_file():
             saved = json.loads(path.read_text())
             if saved.get("key") == key:
                 self.log(f"{name} K={len(layers)}: done earlier")
+                if saved["row"].get("timed", timed) != timed:
+                    self.log(f"  timed with {saved['row']['timed']}, not {timed}: its decode and prefill times "
+                             "are those; re-time every row alike with `python -m benchmarks.frontier_retime`")
                 return {**saved["row"], "select_by": select if methods else None}
         self.log(f"{name} K={len(layers)}: layers {layers}; adapt {a.steps} steps, then measure")
         t0 = time.perf_counter()
@@ -362,7 +365,7 @@ class Frontier:
                "n_linear": len(layers) if methods else 0,
                "ppl": math.exp(total / count), "passkey": pk["by_length"], "decode_ms": times["decode_ms"],
                "prefill_s": times["prefill_s"], "peak_mb": times["peak_mb"], "best_val_nll": result.best_val_nll,
-               "seconds": round(time.perf_counter() - t0, 1)}
+               "seconds": round(time.perf_counter() - t0, 1), "timed": timed}
         atomic_write_json(path, {"key": key, "row": row})
         del model, peft_model
         gc.collect()

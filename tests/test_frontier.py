@@ -42,18 +42,20 @@ def test_rerun_reads_the_rows_back(result, capsys):
     assert sum("done earlier" in line for line in logged) == 5  # softmax and the four rows
 
 
-def test_rows_timed_with_other_settings_are_measured_again(result, tmp_path):
-    """--decode-tokens and --threads set how a row is timed; a work folder's rows timed with others were reused."""
+def test_rows_timed_with_other_settings_say_so(result, tmp_path):
+    """--decode-tokens and --threads set how a row is timed: a row read back (adaptation is the hours of a row)
+    with others was used without a word; now it says so and names the re-timing tool."""
     import shutil
 
     tmp, args, _ = result
-    shutil.copytree(tmp / "work", tmp_path / "work")
+    shutil.copytree(tmp / "work", tmp_path / "work")  # the module's run stays as it was
     args = [*args, "--work", str(tmp_path / "work"), "--json", str(tmp_path / "out.json")]
-    args[args.index("--methods") + 1], args[args.index("--k") + 1] = "swa", "1"
     args[args.index("--decode-tokens") + 1] = "3"
     logged = []
     frontier.run(frontier.parse(args), log=logged.append)
-    assert not any("done earlier" in line for line in logged), logged
+    assert sum("done earlier" in line for line in logged) == 5  # still read back
+    said = [line for line in logged if "timed with" in line]
+    assert said and all("'decode_tokens': 2" in line and "frontier_retime" in line for line in said), logged
 
 
 def test_bad_methods_are_refused():
