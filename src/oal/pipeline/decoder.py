@@ -181,7 +181,8 @@ class Run(StagedRun):
                 continue
             path = self.dir / ".oal" / f"compare_{tag}.json"
             # not rerun here (`oal adapt` of another arm): the processes that adapted it, as `_trained_processes`
-            processes = self.ranks.size if run else self._recorded_processes(path)
+            # (a record from before they were named there: the arm's, which the same launch adapted)
+            processes = self.ranks.size if run else self._recorded_processes(path, self._trained_processes(method))
             deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
                     "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
                     "batch": self.cfg.eval_batch_size}
@@ -312,12 +313,12 @@ class Run(StagedRun):
         return self._recorded_processes(self.dir / "adapter" / method / "adapt.json")
 
     @staticmethod
-    def _recorded_processes(path) -> int:
-        """The "processes" a record says trained it (1 when absent or unknown)."""
+    def _recorded_processes(path, unknown: int = 1) -> int:
+        """The "processes" a record says trained it (`unknown` when it does not say)."""
         try:
-            return int(load_json(path).get("processes", 1))
+            return int(load_json(path).get("processes", unknown))
         except (ValueError, TypeError, AttributeError):
-            return 1
+            return unknown
 
     def perplexity(self, method: str, adapted: bool, run: bool = True) -> bool:
         name = f"perplexity:{method}" if adapted else f"perplexity_no_adapt:{method}"
