@@ -46,14 +46,13 @@ ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy impo
 
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks._common import PeakRSS, environment, finish_figure
+from benchmarks._common import PeakRSS, child_json, environment, finish_figure
 from benchmarks.model import QWEN_SHAPE, random_kernels
 
 GOAL_GB = 3.0  # issue 24: one adaptation step of Qwen2.5-0.5B's shape, 1 layer, N = 4096
@@ -151,10 +150,7 @@ def step(shape: str, layers: int, seq_len: int, loss_kind: str, dtype: torch.dty
 def _child(args, loss_kind: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.memory", "--shape", args.shape, "--layers", str(args.layers),
            "--seq-len", str(args.seq_len), "--loss", loss_kind, "--dtype", args.dtype, "--child"]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if res.returncode:
-        raise RuntimeError(f"the {loss_kind} child failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return child_json(cmd, f"the {loss_kind} child")
 
 
 def _table(results: list[dict]) -> None:

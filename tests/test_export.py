@@ -332,7 +332,8 @@ def test_cli_bad_input_is_one_clean_line(cli, run_dir, tmp_path):
         assert "Traceback" not in res.output
     # the option to change is the one named: export takes the adapter unless told --no-adapter
     res = cli("export", "--out", run_dir, "--method", "taylorshift", "--to", tmp_path / "a")
-    assert "Invalid value for '--adapter'" in _text(res) and "pass --no-adapter" in _text(res), res.output
+    assert res.exit_code == 2 and "Invalid value for '--adapter'" in _text(res), res.output
+    assert "pass --no-adapter" in _text(res), res.output
     res = cli("export", "--out", run_dir, "--method", "taylorshift", "--no-adapter", "--to", tmp_path / "e",
               "--dtype", "bfloat16")
     assert res.exit_code == 0 and (tmp_path / "e" / MANIFEST).is_file(), res.output
