@@ -430,18 +430,30 @@ def test_another_process_reports_only_an_error_of_its_own(monkeypatch):
 
 def test_a_capture_left_by_a_process_that_died_is_removed(monkeypatch, tmp_path):
     """torchrun ends the other processes of a failed launch with SIGTERM, which runs no cleanup: each left its
-    scratch capture in the temp folder. The next scratch folder removes those whose owner has ended."""
+    scratch capture in the temp folder. The next scratch folder removes those whose owner's lock is free (a pid
+    would do across PID namespaces sharing /tmp); a live owner's stays."""
     import tempfile
 
-    from oal.calibration.resume import scratch_folder
+    from oal.calibration.resume import release_scratch, scratch_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
     left, live, other = tmp_path / "oal-capture-left", tmp_path / "oal-capture-live", tmp_path / "oal-capture-x"
-    for folder, pid in ((left, dead.stdout.strip()), (live, str(os.getpid())), (other, None)):
+    for folder in (left, live, other):
         (folder / "capture").mkdir(parents=True)
-        if pid is not None:
-            (folder / "owner.pid").write_text(pid)
-    new = scratch_folder()
-    assert not left.exists() and live.exists() and other.exists()  # a folder without an owner is not ours
-    assert new.parent == tmp_path and (new / "owner.pid").read_text() == str(os.getpid())
+    (left / "owner.lock").write_text("123")  # its owner ended: nobody holds it
+    (live / "owner.lock").write_text("456")
+    owner = subprocess.Popen([sys.executable, "-c", hold, str(live / "owner.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "held"
+        new = scratch_folder()
+        assert not left.exists() and live.exists() and other.exists()  # a folder without a lock is not ours
+        second = scratch_folder()
+        assert second != new and new.exists()  # this process's own folder is not taken for a left one
+        release_scratch(second)
+    finally:
+        owner.kill()
+        owner.wait()
+    release_scratch(new)
+    assert not new.exists()

@@ -224,37 +224,50 @@ class OnePassCapture:
             self.store.remove()
         remove(self.root)
         if self.scratch is not None:
-            remove(self.scratch)
+            release_scratch(self.scratch)
 
 
 SCRATCH_PREFIX = "oal-capture-"
+_OWNED: dict[Path, int] = {}  # this process's scratch folders -> the descriptor holding the owner's lock
 
 
 def scratch_folder() -> Path:
-    """A private temporary folder (with its owner's pid) for another process's capture; those left by processes
-    that have died are removed first: torchrun ends the other processes of a failed launch with SIGTERM, which runs
-    no cleanup, and each left its capture behind (gigabytes at paper scale)."""
+    """A private temporary folder for another process's capture, whose `owner.lock` this process holds (an flock,
+    released by the kernel when the process ends however it ends); folders whose lock is free are left by
+    processes that have ended and are removed first: torchrun ends the other processes of a failed launch with
+    SIGTERM, which runs no cleanup, and each left its capture behind (gigabytes at paper scale)."""
+    import fcntl
+
     base = Path(tempfile.gettempdir())
     for old in base.glob(f"{SCRATCH_PREFIX}*"):
+        if old in _OWNED or not (old / "owner.lock").is_file():
+            continue  # ours, or not made by this version
         try:
-            pid = int((old / "owner.pid").read_text())
-        except (OSError, ValueError):
-            continue  # not one of ours, or being made
-        if not _alive(pid):
-            log.info("removing %s, left by process %d, which has ended", old, pid)
-            remove(old)
+            fd = os.open(old / "owner.lock", os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner is alive
+            continue
+        finally:
+            os.close(fd)
+        log.info("removing %s, left by a process that has ended", old)
+        remove(old)
     folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
-    (folder / "owner.pid").write_text(str(os.getpid()))
+    fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, str(os.getpid()).encode())  # for a person reading /tmp
+    _OWNED[folder] = fd
     return folder
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
+def release_scratch(folder: Path) -> None:
+    """Remove a folder of `scratch_folder` and let go of its lock."""
+    remove(folder)
+    fd = _OWNED.pop(folder, None)
+    if fd is not None:
+        os.close(fd)
     return True
 
 
