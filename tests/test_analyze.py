@@ -274,7 +274,7 @@ def test_pair_tied_grouping_settings_are_checked_before_the_capture(tiny, tmp_pa
 
     monkeypatch.setattr(runner, "_run_capture", no_capture)
     ids = torch.randint(0, 64, (4, 20), generator=torch.Generator().manual_seed(5))
-    with pytest.raises(ValueError, match="min_groups"):
+    with pytest.raises(ValueError, match=r"min_groups: expected at most 2 for the d/2 = 4 RoPE pairs"):
         analyze(tiny, None, ids, [0], tmp_path, n_bootstrap=10, figures=False, pairs=True, min_groups=3)
 
 

@@ -110,11 +110,12 @@ def check_settings(tail_fraction, min_support, min_ratio, min_groups, n_bootstra
         raise ValueError(f"eps: expected > 0, got {eps}")
 
 
-def check_min_groups(d: int, tail_fraction: float, min_groups: int) -> None:
-    """G_min can be reached only with the candidate cuts there are: at most len(candidates) + 1 groups."""
+def check_min_groups(d: int, tail_fraction: float, min_groups: int, what: str | None = None) -> None:
+    """G_min can be reached only with the candidate cuts there are: at most len(candidates) + 1 groups. `what`
+    names the d ranked (default: the head dim's)."""
     most = len(candidate_cuts(d, tail_fraction)) + 1
     if min_groups > most:
-        raise InputError(f"expected at most {most} for head dim d={d} and tail_fraction={tail_fraction} "
+        raise InputError(f"expected at most {most} for {what or f'head dim d={d}'} and tail_fraction={tail_fraction} "
                          f"({most - 1} candidate cuts), got {min_groups}", "--min-groups", "min_groups")
 
 

@@ -204,7 +204,8 @@ def analyze(
             if head_dim % 2:
                 raise InputError(f"app-b-pairs ties RoPE pairs and needs an even head dim, got d = {head_dim}",
                                  "--grouping", "pairs")
-            check_min_groups(head_dim // 2, params["tail_fraction"], params["min_groups"])
+            check_min_groups(head_dim // 2, params["tail_fraction"], params["min_groups"],
+                             f"the d/2 = {head_dim // 2} RoPE pairs (app-b-pairs)")
         if budget is not None and budget > head_dim:  # it was capped at head_dim without a word
             raise ValueError(f"budget: a budget of {budget} groups exceeds the {head_dim} dimensions of a head")
     if len(set(layers)) != len(layers):
