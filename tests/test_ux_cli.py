@@ -113,3 +113,26 @@ def test_adapt_says_its_dtype_defaults_to_the_runs():
     _, _, commands = _commands()
     (dtype,) = [p for p in commands["adapt"].params if p.name == "dtype"]
     assert "the run's own" in dtype.help
+
+
+def test_a_progress_bar_in_a_log_file_leaves_its_last_line():
+    """Where stderr is a file (a cluster's log) rich draws nothing while a bar runs, and a transient bar left
+    nothing either: a 10-minute passkey evaluation logged no trace of itself. On a terminal it stays transient."""
+    import io
+
+    from rich.console import Console
+
+    from oal.launch import progress_bar
+
+    log = io.StringIO()
+    with progress_bar(console=Console(file=log, width=120)) as bar:  # not a terminal
+        task = bar.add_task("passkey oal", total=4)
+        for _ in range(4):
+            bar.advance(task)
+    assert "passkey oal" in log.getvalue() and "100% 4/4" in log.getvalue()
+    tty = io.StringIO()
+    with progress_bar(console=Console(file=tty, width=120, force_terminal=True)) as bar:
+        bar.advance(bar.add_task("passkey oal", total=1))
+    assert bar.live.transient
+    with progress_bar(False, console=Console(file=io.StringIO())) as bar:
+        assert bar.disable

@@ -64,6 +64,24 @@ def reports_error(exc: BaseException) -> bool:
     return "this" in _RANKS and not alike
 
 
+def progress_bar(progress: bool = True, console=None):
+    """A rich Progress on `console` (default `log_console()`): transient on a terminal; where stderr is a file (a
+    cluster's log), where rich draws nothing while it runs, each bar leaves its last line, with its elapsed time."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = console or log_console()
+    columns = () if console.is_terminal else (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                              MofNCompleteColumn(), TimeElapsedColumn())  # what finished, how long
+    return Progress(*columns, console=console, disable=not progress, transient=console.is_terminal)
+
+
 def log_console():
     """The rich console of what a command says while it works (stage rules, progress bars, skip lines): stderr, so
     that stdout keeps its results; quiet on the other processes of a launch (the main process reports)."""

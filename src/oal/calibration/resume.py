@@ -36,7 +36,7 @@ from oal.calibration.kernels import (
     model_fingerprint,
     save_kernels,
 )
-from oal.launch import log_console
+from oal.launch import log_console, progress_bar
 from oal.rundir.files import atomic_write_json, remove
 from oal.rundir.hashes import config_hash
 
@@ -195,7 +195,7 @@ class OnePassCapture:
 
         if self.store is None:
             t0 = time.perf_counter()
-            with Progress(disable=not self.progress, transient=True, console=log_console()) as bar:
+            with progress_bar(self.progress) as bar:
                 total = sum(block_ids(r, self.blocks[r])[0].shape[0] for r in self.ROLES)
                 task = bar.add_task("capture", total=total)
                 self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 
 from oal.calibration.model import capture_layer_data, capture_layers_data
 from oal.device import module_device, to_device
@@ -41,7 +40,7 @@ from oal.diagnostics.parts import done_part, write_part
 from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
 from oal.errors import InputError
-from oal.launch import log_console
+from oal.launch import log_console, progress_bar
 from oal.methods.base import newer_versions
 from oal.models.provenance import weights_record
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
@@ -158,7 +157,7 @@ def diagnose(
             t0 = time.perf_counter()
             data = capture_sequences(model, fid_blocks[:n_seq], layers)
             real, gauss = {}, {}
-            with Progress(console=console, transient=True) as bar:
+            with progress_bar(console=console) as bar:
                 for name in table1_methods:
                     task = bar.add_task(f"Table 1: {name}", total=2 * n_seq * len(layers))
                     real[name] = retained_error(name, data, groups, t1cfg, progress=lambda t=task: bar.advance(t))
@@ -186,7 +185,7 @@ def diagnose(
         done = done_part(diag / "budget.json", key)
         if done is None:
             held = capture_layer_data(model, fid_blocks, layer)
-            with Progress(console=console, transient=True) as bar:
+            with progress_bar(console=console) as bar:
                 task = bar.add_task(f"Fig. 2(b): layer {layer} head {head}", total=len(budgets))
                 res = budget_curve(train[layer], val[layer], held, chi[layer][head], head, budgets, ccfg,
                                    layer=layer, on_budget=lambda _p: bar.advance(task))
@@ -205,7 +204,7 @@ def diagnose(
         done = done_part(diag / "table2.json", key)
         if done is None:
             t0 = time.perf_counter()
-            with Progress(console=console, transient=True) as bar:
+            with progress_bar(console=console) as bar:
                 task = bar.add_task("Table 2: calibration", total=len(table2_methods) * len(layers))
                 methods, summaries = calibrate_methods(table2_methods, train, val, groups, ccfg, seed=seed,
                                                        on_done=lambda *_: bar.advance(task))

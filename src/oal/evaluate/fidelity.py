@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from oal.device import module_device, to_device
-from oal.launch import log_console
+from oal.launch import progress_bar
 
 __all__ = ["fidelity", "sequence_errors", "summarize"]
 
@@ -110,9 +110,8 @@ def fidelity(model, blocks: torch.Tensor, methods: Mapping[str, Mapping[int, tor
                 n = torch.as_tensor(n, dtype=torch.float64, device=err.device).expand_as(err)
                 acc[name][c.layer][key].append((err, energy, n))
 
-    from rich.progress import Progress
 
-    with Progress(disable=not progress, transient=True, console=log_console()) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("fidelity", total=blocks.shape[0])
         for start in range(0, blocks.shape[0], batch_size):
             mask = None if attention_mask is None else attention_mask[start : start + batch_size]

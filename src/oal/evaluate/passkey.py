@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from oal.errors import InputError
-from oal.launch import log_console
+from oal.launch import progress_bar
 
 __all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "default_lengths",
            "evaluate_passkey", "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "prompt_pieces",
@@ -160,14 +160,13 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     if max_pos is not None and max(lengths) + new_tokens > max_pos:
         raise InputError(f"{max(lengths)} + {new_tokens} generated tokens exceed the model's {max_pos} positions "
                          "(max_position_embeddings)", "--lengths", "lengths")
-    from rich.progress import Progress
 
     was_training = model.training
     model.eval()
     acc: dict[str, dict[str, float]] = {}
     examples: dict[str, dict[str, str]] = {}
     try:
-        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
+        with progress_bar(progress) as bar:
             task = bar.add_task(description, total=len(lengths) * len(depths) * trials)
             for n in lengths:
                 acc[str(n)] = {}

@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-from rich.progress import Progress
 
 from oal.device import module_device
 from oal.evaluate.loss import causal_lm_nll
-from oal.launch import log_console
+from oal.launch import progress_bar
 
 __all__ = ["block_nll", "perplexity"]
 
@@ -43,7 +42,7 @@ def block_nll(model, blocks: torch.Tensor, *, batch_size: int = 1, progress: boo
     model.eval()
     total, count = blocks.new_zeros((), dtype=torch.float64), 0
     try:
-        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
+        with progress_bar(progress) as bar:
             task = bar.add_task(description, total=blocks.shape[0])
             for start in range(0, blocks.shape[0], batch_size):
                 ids = blocks[start : start + batch_size]

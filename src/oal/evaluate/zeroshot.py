@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 
 from oal.data.zeroshot import SOURCES, TASKS, DataUnavailable, fetch_task, parse_tasks
 from oal.device import module_device
-from oal.launch import log_console
+from oal.launch import progress_bar
 
 __all__ = ["SCORING_VERSION", "TASKS", "Example", "accuracies", "encode_pair", "evaluate_task", "evaluate_tasks",
            "load_task", "load_tasks", "loglikelihoods", "merge_metrics", "sample_records", "score_candidates",
@@ -167,7 +166,7 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], *, pad_id: i
     was_training = model.training
     model.eval()
     try:
-        with Progress(transient=True, disable=not progress, console=log_console()) as bar:
+        with progress_bar(progress) as bar:
             task = bar.add_task(description, total=len(pairs))
             for s in range(0, len(order), batch_size):
                 idx = order[s : s + batch_size]

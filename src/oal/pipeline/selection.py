@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from oal.evaluate.perplexity import block_nll
-from oal.launch import log_console
+from oal.launch import progress_bar
 from oal.models.convert import convert
 
 __all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "layer_scores",
@@ -65,10 +65,9 @@ def _ppl(model: nn.Module, blocks, batch_size: int) -> float:
 def swap_probe(make_model: Callable[[], nn.Module], methods: Mapping[int, nn.Module], blocks, *,
                batch_size: int = 1, progress: bool = False) -> dict[int, float]:
     """Validation perplexity with only layer i converted to `methods[i]`, for every i (no training)."""
-    from rich.progress import Progress
 
     out = {}
-    with Progress(transient=True, disable=not progress, console=log_console()) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("swap probe", total=len(methods))
         for i in sorted(methods):
             out[i] = _ppl(convert(make_model(), [i], {i: methods[i]}), blocks, batch_size)
@@ -80,14 +79,13 @@ def conversion_curve(make_model: Callable[[], nn.Module], order: Sequence[int], 
                      blocks, *, max_layers: int | None = None, batch_size: int = 1,
                      progress: bool = False) -> list[dict]:
     """[{"k", "layers", "ppl"}]: perplexity before adaptation with the first k layers of `order` converted."""
-    from rich.progress import Progress
 
     order = list(order)[: max_layers or len(order)]
     missing = [i for i in order if i not in methods]
     if missing:
         raise ValueError(f"order: layers {missing} have no calibrated method")
     out = []
-    with Progress(transient=True, disable=not progress, console=log_console()) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("conversion curve", total=len(order))
         for k in range(1, len(order) + 1):
             chosen = sorted(order[:k])
