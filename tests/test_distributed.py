@@ -430,30 +430,31 @@ def test_another_process_reports_only_an_error_of_its_own(monkeypatch):
 
 def test_a_capture_left_by_a_process_that_died_is_removed(monkeypatch, tmp_path):
     """torchrun ends the other processes of a failed launch with SIGTERM, which runs no cleanup: each left its
-    scratch capture in the temp folder. The next scratch folder removes those whose owner's lock is free (a pid
-    would do across PID namespaces sharing /tmp); a live owner's stays."""
+    scratch capture in the temp folder. Another process's capture goes to a locked `user_cache.work_dir` folder,
+    and the next one removes those whose lock is free (a pid would misjudge PID namespaces sharing /tmp); a live
+    owner's stays, and `remove` takes this process's own away."""
     import tempfile
 
-    from oal.calibration.resume import release_scratch, scratch_folder
+    from oal.calibration.resume import OnePassCapture, scratch_parent
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    parent = scratch_parent()
     hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
-    left, live, other = tmp_path / "oal-capture-left", tmp_path / "oal-capture-live", tmp_path / "oal-capture-x"
+    left, live, other = (parent / f".capture.{name}.tmp" for name in ("left", "live", "other"))
     for folder in (left, live, other):
         (folder / "capture").mkdir(parents=True)
-    (left / "owner.lock").write_text("123")  # its owner ended: nobody holds it
-    (live / "owner.lock").write_text("456")
-    owner = subprocess.Popen([sys.executable, "-c", hold, str(live / "owner.lock")], stdout=subprocess.PIPE, text=True)
+    (left / ".lock").write_text("")  # its owner ended: nobody holds it
+    (live / ".lock").write_text("")
+    owner = subprocess.Popen([sys.executable, "-c", hold, str(live / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "held"
-        new = scratch_folder()
-        assert not left.exists() and live.exists() and other.exists()  # a folder without a lock is not ours
-        second = scratch_folder()
-        assert second != new and new.exists()  # this process's own folder is not taken for a left one
-        release_scratch(second)
+        capture = OnePassCapture(None, {}, [0], tmp_path / "run" / "capture", "key")
+        capture.prepare([0], scratch=True)
+        assert not left.exists() and live.exists() and other.exists()  # a young folder without a lock stays
+        assert capture.root.parent.parent == parent and capture.root.parent not in (live, other)
     finally:
         owner.kill()
         owner.wait()
-    release_scratch(new)
-    assert not new.exists()
+    capture.remove()
+    assert not capture.root.parent.exists()

@@ -15,6 +15,7 @@ one process computes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -39,6 +40,7 @@ from oal.calibration.kernels import (
 from oal.launch import log_console, progress_bar
 from oal.rundir.files import atomic_write_json, remove
 from oal.rundir.hashes import config_hash
+from oal.rundir.user_cache import work_dir
 
 __all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "OnePassCapture", "calibrate_layers", "write_calibration"]
 
@@ -178,7 +180,7 @@ class OnePassCapture:
         self.root, self.key, self.progress = Path(root), key, progress
         self.store = None
         self.seconds = 0.0
-        self.scratch: Path | None = None  # another process's private folder (`prepare`)
+        self.scratch = contextlib.ExitStack()  # another process's private folder (`prepare`), held until `remove`
 
     def prepare(self, layers: Sequence[int], *, scratch: bool = False) -> None:
         """Capture only `layers` (this process's share under a launch of several processes), under a key of their
@@ -186,8 +188,7 @@ class OnePassCapture:
         self.layers = sorted(int(i) for i in layers)
         self.key = config_hash({"key": self.key, "layers": self.layers})
         if scratch:
-            self.scratch = scratch_folder()
-            self.root = self.scratch / "capture"
+            self.root = self.scratch.enter_context(work_dir(scratch_parent(), "capture")) / "capture"
 
     def __call__(self, layer: int):
         from oal.calibration.data import LayerData
@@ -223,52 +224,14 @@ class OnePassCapture:
         if self.store is not None:
             self.store.remove()
         remove(self.root)
-        if self.scratch is not None:
-            release_scratch(self.scratch)
+        self.scratch.close()
 
 
-SCRATCH_PREFIX = "oal-capture-"
-_OWNED: dict[Path, int] = {}  # this process's scratch folders -> the descriptor holding the owner's lock
-
-
-def scratch_folder() -> Path:
-    """A private temporary folder for another process's capture, whose `owner.lock` this process holds (an flock,
-    released by the kernel when the process ends however it ends); folders whose lock is free are left by
-    processes that have ended and are removed first: torchrun ends the other processes of a failed launch with
-    SIGTERM, which runs no cleanup, and each left its capture behind (gigabytes at paper scale)."""
-    import fcntl
-
-    base = Path(tempfile.gettempdir())
-    for old in base.glob(f"{SCRATCH_PREFIX}*"):
-        if old in _OWNED or not (old / "owner.lock").is_file():
-            continue  # ours, or not made by this version
-        try:
-            fd = os.open(old / "owner.lock", os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its owner is alive
-            continue
-        finally:
-            os.close(fd)
-        log.info("removing %s, left by a process that has ended", old)
-        remove(old)
-    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
-    fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, str(os.getpid()).encode())  # for a person reading /tmp
-    _OWNED[folder] = fd
-    return folder
-
-
-def release_scratch(folder: Path) -> None:
-    """Remove a folder of `scratch_folder` and let go of its lock."""
-    remove(folder)
-    fd = _OWNED.pop(folder, None)
-    if fd is not None:
-        os.close(fd)
-    return True
+def scratch_parent() -> Path:
+    """Where other processes' scratch captures go: a folder of this user's in the temp folder, holding only
+    `oal.rundir.user_cache.work_dir` folders (locked while their process runs; a killed launch's are removed by the
+    next one: torchrun ends the other processes of a failed launch with SIGTERM, which runs no cleanup)."""
+    return Path(tempfile.gettempdir()) / f"oal-scratch-{os.getuid()}"
 
 
 def write_calibration(out_dir: str | Path, per_method: Mapping[str, Mapping[int, object]], report: Mapping,
