@@ -34,7 +34,7 @@ def _option(args: list[str], name: str) -> str | None:
 def _check_pretrained(args: list[str]) -> None:
     """Refuse, before lm-eval starts, a `pretrained=` that is a local path but not a converted-model folder."""
     from oal.calibration.kernels import META_FILE as KERNELS_META
-    from oal.models.families import ENCODER_ARCHITECTURES
+    from oal.models.families import is_encoder_type
     from oal.models.pretrained import MANIFEST
     from oal.rundir.claim import is_run_dir
 
@@ -55,7 +55,7 @@ def _check_pretrained(args: list[str]) -> None:
     if path.is_dir() and not (path / MANIFEST).is_file() and run_like:
         raise ValueError(f"--model_args pretrained={pretrained}: a run directory (kernels, no oal.json), not a "
                          f"converted model; write one with `oal export --out {pretrained} --to DIR` and score DIR")
-    if model_type.startswith("oal_") and model_type[len("oal_"):] in ENCODER_ARCHITECTURES:
+    if model_type.startswith("oal_") and is_encoder_type(model_type):
         raise ValueError(f"--model_args pretrained={pretrained}: an encoder ({model_type}), which lm-eval's causal-LM "
                          f"tasks cannot score; `oal run` measures an encoder's fidelity and embedding agreement")
 

@@ -33,11 +33,10 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
 
 
 def _is_encoder(folder: Path) -> bool:
-    from oal.models.families import ENCODER_ARCHITECTURES
+    from oal.models.families import is_encoder_type
     from oal.rundir.files import load_json
 
-    model_type = str(load_json(folder / "config.json").get("model_type", ""))
-    return model_type.removeprefix("oal_") in ENCODER_ARCHITECTURES
+    return is_encoder_type(load_json(folder / "config.json").get("model_type", ""))
 
 
 @app.command("export")

@@ -23,7 +23,7 @@ import _thread  # threading.local without threading's imports
 import functools
 import sys
 
-from oal.models.families import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from oal.models.families import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, auto_class
 
 __all__ = ["ENCODER_FAMILIES", "FAMILIES", "PREFIX", "base_model_type", "converted_class", "install", "make_saveable",
            "register_config", "register_model"]
@@ -76,12 +76,8 @@ def register_model(family: str) -> type:
     if family in _model_classes:
         return _model_classes[family]
     config_cls = register_config(family)
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
-
     base_config = config_cls.__mro__[1]
-    auto, mapping, what = ((AutoModel, MODEL_MAPPING, "base model") if family in ENCODER_FAMILIES
-                           else (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING, "causal LM"))
+    auto, mapping, what = auto_class(family)
     if base_config not in mapping:
         raise ValueError(f"model_type: transformers has no {what} for {family!r}")
     cls = converted_class(mapping[base_config])

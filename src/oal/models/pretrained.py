@@ -325,14 +325,11 @@ class ConvertedModelMixin:
     def _check_reloadable(self) -> None:
         """Only the class an Auto class maps the family to reloads (a causal LM; an encoder's base model): a task
         head's folder (BertForSequenceClassification) was written, then refused by every loader."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
-
-        from oal.models.families import ENCODER_ARCHITECTURES
+        from oal.models.families import auto_class
 
         base = next(c for c in type(self).__mro__ if not issubclass(c, ConvertedModelMixin))  # OAL<Base> -> Base
         family = base.config_class.model_type
-        # the classes `oal.models.auto.register_model` registers: an encoder's base model, else the causal LM
-        mapping = MODEL_MAPPING if family in ENCODER_ARCHITECTURES else MODEL_FOR_CAUSAL_LM_MAPPING
+        _, mapping, _ = auto_class(family)
         loads = mapping[base.config_class] if base.config_class in mapping else None
         if base is not loads:
             what = f"{family} as {loads.__name__} only" if loads else f"no {family} model"
