@@ -238,14 +238,14 @@ def plan_blocks(corpus: Corpus | Mapping[str, Corpus], tokenizer, plan: SplitPla
         c = corpora[bs.corpus]
         key = (id(c), bs.split)
         if key not in streams:
-            streams[key] = encode_prefix(tokenizer, c.splits[bs.split], reach[(bs.corpus, bs.split)])
+            need = reach[(bs.corpus, bs.split)]
+            streams[key] = encode_prefix(tokenizer, c.splits[bs.split], need)
+            if math.isfinite(need) and len(streams[key]) < need:  # all roles on this split, not the first one short
+                where = f"corpus {bs.corpus}" if bs.corpus else "the run's corpus"
+                raise ValueError(f"corpus: split {bs.split!r} of {where} has {len(streams[key])} tokens, and this "
+                                 f"plan's roles on it ({', '.join(_roles_on(plan, bs))}) need at least {int(need)}")
         ids = streams[key]
         n_blocks = len(ids) // bs.block_len
-        need = reach[(bs.corpus, bs.split)]
-        if math.isfinite(need) and len(ids) < need:  # all roles on this split at once, not the first one short
-            where = f"corpus {bs.corpus}" if bs.corpus else "the run's corpus"
-            raise ValueError(f"corpus: split {bs.split!r} of {where} has {len(ids)} tokens, and this plan's roles on "
-                             f"it ({', '.join(_roles_on(plan, bs))}) need at least {int(need)}")
         idx = bs.resolve(n_blocks)
         flat = torch.tensor(ids[: n_blocks * bs.block_len], dtype=torch.long).reshape(n_blocks, bs.block_len)
         out[role] = flat[idx] if idx else flat[:0]
