@@ -86,8 +86,8 @@ def analysis_section(run_dir: Path, figures: list[str]) -> list[str]:
             out.append(f"- groups used: `{summary['procedure']}`, {what}, a departure "
                        f"from the paper's App. B protocol (App. B would give {ng.get('app_b_histogram')})")
         if conc:
-            out.append(f"- mean top-5 contribution concentration: {_3f(conc.get('real_top5'))} "
-                       f"(Gaussian control {_3f(conc.get('gaussian_top5'))})")
+            out.append(f"- mean top-5 contribution concentration: {fmt(conc.get('real_top5'), 3)} "
+                       f"(Gaussian control {fmt(conc.get('gaussian_top5'), 3)})")
         out.append("")
         out += stability_section(summary)
     if not figures:
@@ -97,11 +97,6 @@ def analysis_section(run_dir: Path, figures: list[str]) -> list[str]:
     return out
 
 
-def _3f(x) -> str:
-    """A statistic of analysis.json to 3 decimals; null (undefined: every head dead) as n/a."""
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def stability_section(summary: dict) -> list[str]:
     """App. A.3: calibration vs held-out contributions, and the top-5 dims' share across prefix lengths (Table 4)."""
     out = []
@@ -109,8 +104,8 @@ def stability_section(summary: dict) -> list[str]:
     if inputs:
         rep = inputs["representative"]
         out += ["Stability across inputs (App. A.3, Fig. 6): Spearman rho between calibration and held-out chi "
-                f"{_3f(inputs['mean_spearman'])} on average (minimum {_3f(inputs['min_spearman'])}), top-5 overlap "
-                f"{inputs['mean_top5_overlap']:.2f} of 5; representative head: rho {_3f(rep['spearman'])}, "
+                f"{fmt(inputs['mean_spearman'], 3)} on average (minimum {fmt(inputs['min_spearman'], 3)}), top-5 "
+                f"overlap {inputs['mean_top5_overlap']:.2f} of 5; representative head: rho {fmt(rep['spearman'], 3)}, "
                 f"overlap {rep['top5_overlap']} of 5.", ""]
     if lengths:
         rep = lengths["representative"]
