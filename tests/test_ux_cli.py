@@ -109,6 +109,31 @@ def test_long_commands_group_their_options():
     assert {p.rich_help_panel for p in commands["analyze"].params} == {None}  # its --batch-size is not adaptation's
 
 
+def test_a_progress_bar_in_a_log_file_writes_a_line_while_it_moves(monkeypatch):
+    """In a log file a 30-minute adaptation showed only its final line: a tail of the log could not tell a moving
+    stage from a hung one. A bar now writes its line every LOG_EVERY_S seconds while it moves (not once more at its
+    end, where it leaves its last line anyway)."""
+    import io
+
+    from rich.console import Console
+
+    from oal import launch
+
+    now = [0.0]  # the bar's clock, moved 40 s before each step
+    monkeypatch.setattr(launch, "LOG_EVERY_S", 60.0)
+    log = io.StringIO()
+    with launch.progress_bar(console=Console(file=log, width=120)) as bar:
+        bar.get_time = lambda: now[0]
+        bar.logged_at = 0.0
+        task = bar.add_task("adapt oal", total=4)
+        for _ in range(4):
+            now[0] += 40
+            bar.advance(task)
+    lines = [line for line in log.getvalue().splitlines() if "adapt oal" in line]
+    assert len(lines) >= 2 and "4/4" in lines[-1] and "4/4" not in lines[0]
+    assert sum("4/4" in line for line in lines) == 1
+
+
 def test_adapt_says_its_dtype_defaults_to_the_runs():
     _, _, commands = _commands()
     (dtype,) = [p for p in commands["adapt"].params if p.name == "dtype"]

@@ -64,9 +64,14 @@ def reports_error(exc: BaseException) -> bool:
     return "this" in _RANKS and not alike
 
 
+# where stderr is a file, a running bar writes a line this often (seconds): a cluster's log shows a long stage moving
+LOG_EVERY_S = 60.0
+
+
 def progress_bar(progress: bool = True, console=None):
     """A rich Progress on `console` (default `log_console()`): transient on a terminal; where stderr is a file (a
-    cluster's log), where rich draws nothing while it runs, each bar leaves its last line, with its elapsed time."""
+    cluster's log), where rich draws nothing while it runs, a bar writes its line every `LOG_EVERY_S` seconds while it
+    moves, and leaves its last line, with its elapsed time."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -77,9 +82,33 @@ def progress_bar(progress: bool = True, console=None):
     )
 
     console = console or log_console()
-    columns = () if console.is_terminal else (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                                              MofNCompleteColumn(), TimeElapsedColumn())  # what finished, how long
-    return Progress(*columns, console=console, disable=not progress, transient=console.is_terminal)
+    if console.is_terminal:
+        return Progress(console=console, disable=not progress, transient=True)
+
+    class LoggedProgress(Progress):
+        """Writes the bars' lines into the log when `LOG_EVERY_S` passed since it last did (checked as they move)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.logged_at = self.get_time()
+
+        def update(self, task_id, **kwargs) -> None:
+            super().update(task_id, **kwargs)
+            self.log_now()
+
+        def advance(self, task_id, advance: float = 1) -> None:
+            super().advance(task_id, advance)
+            self.log_now()
+
+        def log_now(self) -> None:
+            finished = all(task.finished for task in self.tasks)  # its last line is written when it stops
+            if not (self.disable or finished) and self.get_time() - self.logged_at >= LOG_EVERY_S:
+                self.logged_at = self.get_time()
+                self.console.print(self.make_tasks_table(self.tasks))
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # what finished, how long
+    return LoggedProgress(*columns, console=console, disable=not progress, transient=False)
 
 
 def log_console():
