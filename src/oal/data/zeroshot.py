@@ -29,7 +29,7 @@ from oal.rundir.files import atomic_write_json
 from oal.rundir.hashes import sha256_file
 
 __all__ = ["DISPLAY_NAMES", "SOURCES", "TASKS", "DataUnavailable", "TaskSource", "TaskRows", "fetch_task",
-           "parse_task_files", "parse_tasks", "read_rows", "verify_manifest", "write_manifest"]
+           "parse_task_files", "parse_tasks", "read_rows", "skip_lines", "verify_manifest", "write_manifest"]
 
 log = logging.getLogger("oal")
 
@@ -235,9 +235,20 @@ def _download(spec: TaskSource, task: str) -> Path:
         where = "the hub is offline and the file is not in the local cache" if offline else \
             f"the hub download failed ({exc.__class__.__name__})"
         raise DataUnavailable(
-            f"{task}: {spec.dataset_id}@{spec.revision[:8]} {spec.file} is not available ({where}); pass a local "
-            f"folder (--zeroshot-dir DIR with DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file "
+            f"{task}: {spec.dataset_id}@{spec.revision[:8]} {spec.file} is not available ({where}){_HOW} "
+            f"(--zeroshot-dir DIR with DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file "
             f"(--task-file {task}=PATH.jsonl)") from exc
+
+
+_HOW = "; pass a local folder"  # where a DataUnavailable's message turns from what is missing to how to provide it
+
+
+def skip_lines(skipped: dict[str, str]) -> list[str]:
+    """What a command prints of the tasks skipped for want of data ({task: DataUnavailable's message}): one line per
+    task of what is missing, then once how to provide them (three tasks' whole messages wrapped to nine lines)."""
+    lines = [f"skip zero-shot {why.partition(_HOW)[0]}" for why in skipped.values()]
+    return lines + [f"  zero-shot data: pass --zeroshot-dir DIR (DIR/<task>/<file> and {MANIFEST_NAME}) or "
+                    "--task-file <task>=PATH.jsonl"] * bool(lines)
 
 
 def _check_hub_file(path: Path, spec: TaskSource, task: str) -> str:

@@ -30,6 +30,7 @@ from oal.calibration.data import CalibConfig
 from oal.calibration.kernels import adaptation_start, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from oal.calibration.resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
 from oal.data import SplitPlan, bind_pretraining, default_plan, plan_blocks
+from oal.data.zeroshot import skip_lines
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
 from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
 from oal.evaluate.fidelity import fidelity
@@ -343,8 +344,8 @@ class Run(StagedRun):
             self._zeroshot, self.zeroshot_skipped = load_tasks(
                 self.cfg.zeroshot_tasks, data_dir=self.cfg.zeroshot_dir, task_files=self.cfg.zeroshot_files,
                 limit=self.cfg.zeroshot_limit)
-            for reason in self.zeroshot_skipped.values():
-                self.console.print(f"[yellow]skip zero-shot {reason}[/yellow]")
+            for line in skip_lines(self.zeroshot_skipped):
+                self.console.print(line, style="yellow", markup=False)
         return self._zeroshot
 
     def zeroshot(self, method: str, run: bool = True) -> bool:

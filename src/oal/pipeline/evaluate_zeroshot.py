@@ -49,6 +49,7 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
 def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir, limit, adapter, device, dtype,
               progress, console, log_samples) -> dict[str, dict]:
     from oal.artefact.arms import arm_inputs, load_arm
+    from oal.data.zeroshot import skip_lines
     from oal.evaluate.zeroshot import evaluate_tasks, load_tasks
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.files import atomic_write_json
@@ -56,8 +57,8 @@ def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir,
 
     check_publishable(out_dir)
     sets, skipped = load_tasks(tasks, data_dir=zeroshot_dir, task_files=task_files, limit=limit)
-    for reason in skipped.values():
-        log.warning("skip zero-shot %s", reason)
+    for line in skip_lines(skipped):
+        log.warning("%s", line)
     provenance = {t: prov for t, (_, prov) in sets.items()}
     scores: dict[str, dict] = {}
     for m in methods if sets else ():
