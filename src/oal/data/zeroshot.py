@@ -232,12 +232,11 @@ def _download(spec: TaskSource, task: str) -> Path:
         return Path(hf_hub_download(spec.dataset_id, spec.file, repo_type="dataset", revision=spec.revision,
                                     local_files_only=offline))
     except Exception as exc:  # huggingface_hub raises several types (offline, missing, network, auth)
-        where = "the hub is offline and the file is not in the local cache" if offline else \
-            f"the hub download failed ({exc.__class__.__name__})"
+        where = "offline, not cached" if offline else f"download failed: {exc.__class__.__name__}"
         raise DataUnavailable(
-            f"{task}: {spec.dataset_id}@{spec.revision[:8]} {spec.file} is not available ({where}){_HOW} "
-            f"(--zeroshot-dir DIR with DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file "
-            f"(--task-file {task}=PATH.jsonl)") from exc
+            f"{task}: no {spec.dataset_id}@{spec.revision[:8]} ({where}){_HOW} (--zeroshot-dir DIR with "
+            f"DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file (--task-file {task}=PATH.jsonl)"
+        ) from exc
 
 
 _HOW = "; pass a local folder"  # where a DataUnavailable's message turns from what is missing to how to provide it
@@ -247,8 +246,8 @@ def skip_lines(skipped: dict[str, str]) -> list[str]:
     """What a command prints of the tasks skipped for want of data ({task: DataUnavailable's message}): one line per
     task of what is missing, then once how to provide them (three tasks' whole messages wrapped to nine lines)."""
     lines = [f"skip zero-shot {why.partition(_HOW)[0]}" for why in skipped.values()]
-    return lines + [f"  zero-shot data: pass --zeroshot-dir DIR (DIR/<task>/<file> and {MANIFEST_NAME}) or "
-                    "--task-file <task>=PATH.jsonl"] * bool(lines)
+    how = "  to score them: --zeroshot-dir DIR or --task-file TASK=PATH.jsonl (docs/guides/evaluation.md)"
+    return lines + [how] * bool(lines)
 
 
 def _check_hub_file(path: Path, spec: TaskSource, task: str) -> str:
