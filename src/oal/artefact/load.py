@@ -6,24 +6,40 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from oal.calibration.kernels import check_kernels_base, load_kernels, model_fingerprint, recorded_base_model
+from oal.calibration.kernels import META_FILE, check_kernels_base, load_kernels, model_fingerprint, recorded_base_model
 from oal.models.pretrained import read_json_object
 
 __all__ = ["load", "load_export", "load_with_tokenizer"]
 
 
-def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
-    """Rebuild a converted model: `base_model` is a loaded HF model (converted in place) or a name/path.
+def load(directory: str | Path, base_model: nn.Module | str | os.PathLike | None = None,
+         **load_kwargs: Any) -> nn.Module:
+    """Rebuild a converted model: from a converted model's folder, or from kernels on the base model they fit.
 
     The base model must be the one the kernels were calibrated on: a loaded model is checked by the SHA256 of its
     tensors (`models.provenance.state_dict_sha256`); a name/path goes through `oal.models.registry.load_model`
-    (`load_kwargs` passed on) and its folder must also hold exactly the files recorded at save time.
-    Without `base_model`, `directory` is a converted-model folder (`oal export`, `save_pretrained` of a converted
-    model) and holds everything: `oal.artefact.load.load_export(directory, **load_kwargs)` (dtype=, device=).
+    and its folder must also hold exactly the files recorded at save time.
+
+    Args:
+        directory: without `base_model`, a converted model's folder (`oal export`, or `save_pretrained` of a
+            converted model: `oal.linearize`'s result, `oal.convert`'s). With `base_model`, a kernels folder:
+            what `oal.save_kernels` writes, `oal.linearize`'s `out_dir` (whichever method it converted to), or a
+            run directory of `oal run` (its OAL kernels; `DIR/kernels/<method>` for another method).
+        base_model: the base model of those kernels: a loaded HF model (converted in place) or a name/path.
+        **load_kwargs: how to load: `dtype=`, `device=` (`oal.artefact.load.load_export`) for a converted folder,
+            `load_model`'s options for a base model given by name; none for a loaded base model.
+
+    Returns:
+        the converted model (a converted folder's in eval mode).
+
+    Raises:
+        ValueError: a folder that is neither, a base model whose architecture or tensors differ from the
+            kernels' record, files changed since they were saved.
     """
     if not Path(directory).is_dir():
         raise ValueError(f"directory: {directory} is not a folder (expected a converted model's folder, or a run's "
@@ -31,12 +47,35 @@ def load(directory: str | Path, base_model=None, **load_kwargs) -> nn.Module:
     if base_model is None:
         from oal.artefact.load import load_export
 
+        kernels = [Path(directory) / META_FILE, *(Path(directory) / "kernels").glob(f"*/{META_FILE}")]
+        if not (Path(directory) / "config.json").is_file() and any(p.is_file() for p in kernels):
+            raise ValueError(f"base_model: {directory} holds kernels, not a converted model; pass the base model "
+                             "they were calibrated on: oal.load(directory, base_model)")
         return load_export(directory, **load_kwargs)
     if isinstance(base_model, (str, os.PathLike)):
         return load_with_tokenizer(directory, str(base_model), **load_kwargs)[0]
     if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
         raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
+    if load_kwargs:
+        raise ValueError(f"load_kwargs: {sorted(load_kwargs)} set how a model is loaded, and base_model is already "
+                         "loaded (convert it with .to() first)")
     return _convert_checked(directory, base_model, None)
+
+
+def _kernels_folder(directory: str | Path) -> Path:
+    """The folder of `directory`'s kernels: `directory` itself when it holds kernels.json, else its one
+    `kernels/<method>/` (what `oal.linearize` keeps for a method other than "oal"); ValueError naming them where
+    there are several. Where there is none, `directory` (`load_kernels` says what is missing)."""
+    directory = Path(directory)
+    if (directory / META_FILE).is_file():
+        return directory
+    found = sorted(p.parent for p in (directory / "kernels").glob(f"*/{META_FILE}"))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(f"directory: {directory} holds the kernels of several methods "
+                         f"({', '.join(p.name for p in found)}); pass one of {[str(p) for p in found]}")
+    return directory
 
 
 def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):
@@ -46,12 +85,14 @@ def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **
     from oal.models.encoder import is_encoder_model, load_encoder
     from oal.models.registry import load_model
 
+    directory = _kernels_folder(directory)
     name = base_model or recorded_base_model(directory) or "default"
     model, tokenizer, provenance = (load_encoder if is_encoder_model(name) else load_model)(name, **load_kwargs)
     return _convert_checked(directory, model, provenance), tokenizer, provenance
 
 
 def _convert_checked(directory, base_model: nn.Module, provenance: Mapping | None) -> nn.Module:
+    directory = _kernels_folder(directory)
     methods, meta = load_kernels(directory, fingerprint=model_fingerprint(base_model))
     check_kernels_base(directory, meta, base_model, provenance)
     n_layers = model_fingerprint(base_model)["num_hidden_layers"]
@@ -66,6 +107,10 @@ def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, devi
     """Load a folder written by `export` / `save_pretrained` of a converted model (`oal.load(directory)`)."""
     from oal.models.auto import base_model_type, register_model
 
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected a torch device ('cpu', 'cuda', 'cuda:1'), got {device!r} ({exc})") from None
     directory = Path(directory)
     cfg_path = directory / "config.json"
     model_type = read_json_object(cfg_path, "the config of a converted model folder (oal export)").get("model_type")

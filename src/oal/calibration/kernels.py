@@ -63,15 +63,31 @@ def _methods_of(model_or_methods) -> tuple[dict[int, AttentionMethod], nn.Module
     return methods, model_or_methods
 
 
-def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | None = None,
-                 revision: str | None = None, model_hashes: Mapping[str, str] | None = None,
-                 fingerprint: Mapping | None = None, extra: Mapping | None = None,
-                 provenance: Mapping | None = None) -> Path:
+def save_kernels(model_or_methods: nn.Module | Mapping[int, AttentionMethod], directory: str | Path, *,
+                 base_model: str | None = None, revision: str | None = None,
+                 model_hashes: Mapping[str, str] | None = None, fingerprint: Mapping | None = None,
+                 extra: Mapping | None = None, provenance: Mapping | None = None) -> Path:
     """Write the kernels of a converted model (or a dict layer -> method) to `directory`; returns the JSON path.
 
-    `base_model`/`revision`/`model_hashes` identify the base model (defaults: `config._name_or_path`). With a
-    model, its tensors are fingerprinted here; with a dict of methods, pass `provenance` (what `load_model`
-    returns for the base model: file hashes, `state_dict_sha256`, dtype), or `oal.load` will refuse the kernels.
+    `oal.load(directory, base_model)` converts the base model again with them (and refuses another model).
+
+    Args:
+        model_or_methods: a converted model (`oal.linearize`, `oal.convert`, `oal.load`), whose tensors are
+            fingerprinted here, or a dict layer index -> `AttentionMethod`.
+        directory: the folder to write `kernels.safetensors` and `kernels.json` to (created when missing).
+        base_model: the base model's name or path, recorded (default: the model's `config._name_or_path`).
+        revision: its revision, recorded (default: `provenance`'s).
+        model_hashes: SHA256 of its files, by name (default: `provenance`'s).
+        fingerprint: its architecture facts (`model_fingerprint`; default: the model's).
+        extra: anything JSON-able to record beside them (under `"extra"`).
+        provenance: with a dict of methods, what `load_model` returns for the base model (file hashes,
+            `state_dict_sha256`, dtype); without it `oal.load` refuses those kernels (no record of the weights).
+
+    Returns:
+        the path of the written `kernels.json`.
+
+    Raises:
+        ValueError: a model with no converted layers, a `directory` that is a file.
     """
     from oal.models.provenance import weights_record
 
@@ -80,6 +96,8 @@ def save_kernels(model_or_methods, directory: str | Path, *, base_model: str | N
     model_hashes = model_hashes or provenance.get("sha256")
     revision = revision or provenance.get("revision")
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"directory: {directory} is a file; expected a folder to write the kernels to")
     tensors, layers = {}, {}
     for i, m in sorted(methods.items()):
         layers[str(i)], state = method_record(m)

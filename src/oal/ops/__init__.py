@@ -133,20 +133,48 @@ def oal_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int | None = None,
-):
-    """OAL attention: sum_j kappa_ij v_j / sum_j kappa_ij over j <= i (all j when causal=False).
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """OAL attention: sum_j kappa_ij v_j / sum_j kappa_ij over j <= i (all j when causal=False), with
+    kappa_ij = eps + |L^T [1, s_1, ..., s_G]|^2 and s_g = scale * sum_{r in group g} q_ir k_jr (Eq. 7).
 
-    q [B, Hq, N, d], k [B, Hkv, N, d], v [B, Hkv, N, dv]; groups [Hq, d] ids in [0, G); factor
-    [Hq, G+1, G+1] (lower triangle read). Returns out [B, Hq, N, dv] in q's dtype, and the final state
-    [B, Hkv, 1 + d + d(d+1)/2, dv + 1] when `output_final_state`. `initial_state` continues a sequence.
-    `chunk_size` (chunked backend): tokens per chunk; None picks it, and short fresh sequences run as one chunk.
-    For `triton` (causal only; non-causal runs `chunked`) it is a power of two >= 16, 64 by default, and at most 64
-    on CUDA (`auto` runs `chunked` for longer chunks).
+    Args:
+        q: queries [B, Hq, N, d], floating point (any strides).
+        k: keys [B, Hkv, N, d]; Hq a multiple of Hkv (GQA: query head h reads KV head h // (Hq / Hkv)).
+        v: values [B, Hkv, N, dv].
+        groups: [Hq, d] integer group ids in [0, G): each dimension's group, per query head.
+        factor: [Hq, G+1, G+1], L per query head (its lower triangle is read).
+        eps: the kernel's floor, a number >= 0 (0 may leave a query with no weight: a ValueError then).
+        scale: the scores' scale; None is 1 / sqrt(d).
+        causal: True: query i sees keys j <= i; False: every key of the call (and the initial state's).
+        backend: `"auto"` (the Triton kernels on CUDA when installed, else the token loop for a few tokens on a
+            state and the chunked path otherwise), `"reference"` (dense O(N^2), the oracle), `"recurrent"` (one
+            token at a time), `"chunked"` (linear time in chunks) or `"triton"` (CUDA; causal only, non-causal
+            runs `chunked`).
+        initial_state: a state [B, Hkv, 1 + d + d(d+1)/2, dv + 1] returned by an earlier call with
+            `output_final_state=True`: this call continues that sequence.
+        output_final_state: also return the state after this call's keys.
+        chunk_size: tokens per chunk (chunked backend); None picks it, and short fresh sequences run as one chunk.
+            For `triton` a power of two >= 16, 64 by default, and at most 64 on CUDA (`auto` runs `chunked` for
+            longer chunks).
 
-    Bad input gets a ValueError naming the argument. On the Triton kernels' path on CUDA the checks of tensor
-    values (NaN/Inf, overflow) run on the device and are reported by a later call or by `check_errors()`, so that
-    no call waits for the GPU (`oal.ops.checks`; OAL_SYNC_CHECKS=1 reads them in the call itself).
+    Returns:
+        out [B, Hq, N, dv] in q's dtype (k, v and factor are read in q's compute dtype: float64 for float64 q,
+        else float32); with `output_final_state`, the tuple (out, final state [B, Hkv, 1 + d + d(d+1)/2, dv + 1]).
+
+    Raises:
+        ValueError: bad input, naming the argument (shapes, dtypes, devices, ids out of range, NaN/Inf, a flag
+            that is not a bool). On the Triton kernels' path on CUDA the checks of tensor values (NaN/Inf,
+            overflow) run on the device and are reported by a later call or by `check_errors()`, so that no call
+            waits for the GPU (`oal.ops.checks`; OAL_SYNC_CHECKS=1 reads them in the call itself).
     """
+    checks.check_types(q, factor, causal, output_final_state)
+    if torch.is_autocast_enabled(q.device.type):
+        # autocast would run the torch paths' GEMMs in bf16 after they cast to fp32 on purpose (fp32 states, fp32
+        # features while the factor trains): the operator keeps its own precision rules, from its inputs' dtypes
+        with torch.autocast(q.device.type, enabled=False):
+            return oal_attention(q, k, v, groups, factor, eps=eps, scale=scale, causal=causal, backend=backend,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 chunk_size=chunk_size)
     if q.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and factor.requires_grad:
         # Training the factor: kappa's overall scale drops out of the output (Eq. 7), so its gradient is the small
         # remainder of large terms that cancel, and half-precision features and dots left only noise of it where

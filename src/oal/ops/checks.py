@@ -104,6 +104,17 @@ def qkv_shapes(q, k, v) -> None:
         raise ValueError(f"q/k: query heads Hq={n_q} must be a multiple of KV heads Hkv={n_kv}")
 
 
+def check_types(q, factor, causal, output_final_state) -> None:
+    """What the operator reads before its other checks: q and factor are tensors, the flags are bools (None or a
+    string is not read as a flag: `causal=None` ran non-causal attention). No tensor values are read."""
+    for name, t in (("q", q), ("factor", factor)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    for name, flag in (("causal", causal), ("output_final_state", output_final_state)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected True or False, got {flag!r}")
+
+
 def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, chunk_size=None):
     """Everything but tensor values, and the group ids (read on the host once per groups tensor and version:
     `groups_checked`)."""
@@ -132,7 +143,8 @@ def check_shapes(q, k, v, groups, factor, eps, scale, initial_state, backend, ch
     groups_checked(groups, n_groups)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

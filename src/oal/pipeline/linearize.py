@@ -11,8 +11,9 @@ checkpoints (`oal.calibration.resume.calibrate_directory`), layer selection for 
 from __future__ import annotations
 
 import logging
+import operator
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +72,9 @@ def calib_config(calib: Mapping | None, seed: int):
     """The CalibConfig of `linearize`'s `calib` ({"preset": name} and CalibConfig fields); ValueError naming calib."""
     from oal.calibration.data import CalibConfig
 
+    if calib is not None and not isinstance(calib, Mapping):
+        raise ValueError(f"calib: expected a dict of CalibConfig settings or None (e.g. {{'preset': 'paper'}}, "
+                         f"{{'max_steps': 100}}), got {calib!r}")
     settings = dict(calib or {})
     try:
         return CalibConfig.preset(settings.pop("preset", "default"), **{"seed": seed, **settings})
@@ -94,7 +98,12 @@ def _layers(spec, model) -> tuple[list[int], int | None]:
                 raise ValueError(f"layers: expected auto:K with K <= {n_layers} (this model's layers), got {spec!r}")
             return list(range(n_layers)), k
         return parse_layers(spec, n_layers), None
-    layers = sorted({int(i) for i in spec})
+    if not isinstance(spec, Iterable):
+        raise ValueError(f"layers: expected a list of layer indices, a range '3-20' or 'auto:K', got {spec!r}")
+    try:
+        layers = sorted({operator.index(i) for i in spec})  # numpy ints too; 1.5 is not layer 1
+    except TypeError:
+        raise ValueError(f"layers: expected integer layer indices, got {list(spec)}") from None
     if not layers or layers[0] < 0 or layers[-1] >= n_layers:
         raise ValueError(f"layers: expected layer indices in [0, {n_layers}), got {list(spec)}")
     return layers, None
@@ -136,18 +145,26 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
         seed: seed of the bootstrap, the sampled positions and the initialisations.
         out_dir: a folder to keep what the stages write (groups.json, analysis.json, the kernels, calibration.json,
             selection.json; a killed call resumes its calibration there); `oal.load(out_dir, base_model)` converts
-            the same base model again. Default: a temporary folder, removed at the end.
+            the same base model again (whichever the method). Default: a temporary folder, removed at the end.
         progress: show progress bars (stderr).
 
     Returns:
         `model`, converted in place.
 
     Raises:
-        ValueError: bad input, naming the argument (too little text, an unknown method, a layer out of range).
+        ValueError: bad input, naming the argument (too little text, an unknown method, a layer out of range or
+            not an integer, a model of an unsupported family), before any work where it can be seen up front.
     """
     from oal.errors import check_int
     from oal.methods import get_method, method_names
 
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"model: expected a Hugging Face causal LM (a loaded model), got {type(model).__name__}")
+    if not callable(tokenizer):
+        raise ValueError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
+                         f"{type(tokenizer).__name__}")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress: expected True or False, got {progress!r}")
     if method not in method_names() or method == "softmax":
         raise ValueError(f"method: expected one of {[m for m in method_names() if m != 'softmax']}, got {method!r}")
     if select_by not in ("fidelity", "probe"):
@@ -166,7 +183,7 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
         from oal.rundir.files import check_out_dir
         from oal.rundir.lock import own_dir
 
-        with own_dir(check_out_dir(out_dir)):
+        with own_dir(check_out_dir(out_dir, "out_dir")):
             return _linearize(model, tokenizer, texts, Path(out_dir), candidates, k, **settings)
     with tempfile.TemporaryDirectory(prefix="oal-linearize-") as tmp:
         return _linearize(model, tokenizer, texts, Path(tmp), candidates, k, **settings)
@@ -233,9 +250,9 @@ def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int
     return convert(model, chosen, {i: methods[i] for i in chosen})
 
 
-def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 0.05,
-             target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"), train_kernel: bool = True,
-             seed: int = 42) -> PeftModel:
+def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16, dropout: float = 0.05,
+             target_modules: Sequence[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
+             train_kernel: bool = True, seed: int = 42) -> PeftModel:
     """Attach LoRA (peft) to a converted model and mark its kernel parameters trainable: App. F.2's joint adaptation
     in any training loop.
 
@@ -252,25 +269,50 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 
 
     Args:
         model: a converted model (`oal.linearize`, `oal.convert`, `oal.load`).
-        r: LoRA rank; alpha: its scaling; dropout: LoRA dropout.
-        target_modules: the projections that get LoRA.
+        r: LoRA rank, an integer >= 1; alpha: its scaling (> 0; the update is scaled by alpha / r);
+            dropout: LoRA dropout, in [0, 1).
+        target_modules: the names of the projections that get LoRA (one name as a string: `"q_proj"`).
         train_kernel: train the kernel coefficients jointly (False: LoRA alone).
-        seed: seed of the LoRA initialisation.
+        seed: seed of the LoRA initialisation, an integer >= 0.
 
     Returns:
         a `peft.PeftModel` whose trainable parameters are the LoRA matrices and the kernel coefficients.
+
+    Raises:
+        ValueError: bad input, naming the argument (a model with no converted layers or already a peft model, a
+            module name the model does not have).
     """
+    from peft import PeftModel
+
     from oal.adaptation.config import AdaptConfig
     from oal.adaptation.peft_kernels import with_kernels_in_saves
     from oal.adaptation.train import wrap_lora
+    from oal.errors import check_int
     from oal.models.attention import converted_methods
 
+    if isinstance(model, PeftModel):  # add_lora's own result, or any peft model
+        raise ValueError("model: it is already a peft model (oal.add_lora's result?); train it as it is, or "
+                         "merge_and_unload() it first and call add_lora on the converted model that gives")
     if not converted_methods(model):
         raise ValueError("model: no converted layers; convert it first (oal.linearize, oal.convert or oal.load)")
+    check_int("r", r, 1)
+    check_int("seed", seed, 0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+        raise ValueError(f"alpha: expected a finite number > 0, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout: expected a number in [0, 1), got {dropout!r}")
+    if not isinstance(train_kernel, bool):
+        raise ValueError(f"train_kernel: expected True or False, got {train_kernel!r}")
+    targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    names = [name for name, _ in model.named_modules()]
+    unknown = [t for t in targets if not isinstance(t, str) or not any(n == t or n.endswith("." + t) for n in names)]
+    if not targets or unknown:  # peft's own error came from deep inside get_peft_model
+        raise ValueError(f"target_modules: expected names of the model's modules (such as q_proj, o_proj), got "
+                         f"{list(targets)}" + (f": {unknown} match none" if unknown else ""))
     if getattr(model, "_hf_peft_config_loaded", False):  # peft would add a fresh adapter and drop that one
         raise ValueError("model: it already carries a LoRA adapter (an unmerged export); a second one would leave "
                          "it out of training and out of the merge: load the export made with merging (`oal export`'s "
                          "default) to adapt further")
-    cfg = AdaptConfig(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=tuple(target_modules),
+    cfg = AdaptConfig(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                       train_kernel=train_kernel, seed=seed)
     return with_kernels_in_saves(wrap_lora(model, cfg)[0])
