@@ -234,14 +234,34 @@ def _stateful(method, q, k, v, valid, layer: OALStateLayer | None):
 def _converted_forward(module, query, key, value, attention_mask, window: int | None = None):
     method: AttentionMethod = module.oal_method
     layer = _slots().get(module)
-    if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
-        out = encoder.noncausal_attention(method, query, key, value, _key_validity(attention_mask, key.shape[-2]))
-    elif layer is not None and not layer.stateful:
-        out = _dense_with_mask(method, query, key, value, attention_mask)
-    else:
-        out = _stateful(method, query, key, value,
-                        _key_validity(attention_mask, key.shape[-2], window=window, causal=True), layer)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # autocast (Trainer(bf16=True), accelerate) ran the operator's GEMMs in bf16 after it had cast them to fp32
+        # (fp32 states; fp32 features while the factor trains: `oal.ops.oal_attention`). The method gets its inputs
+        # in autocast's dtype, as from a model of that dtype (RoPE left q, k in fp32), and keeps its own precision
+        low = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(low) if t.dtype == torch.float32 else t for t in (query, key, value))
+    with torch.autocast(device, enabled=False):
+        if not getattr(module, "is_causal", True):  # encoders: all real keys visible, no cache
+            out = encoder.noncausal_attention(method, query, key, value,
+                                              _key_validity(attention_mask, key.shape[-2]))
+        elif layer is not None and not layer.stateful:
+            out = _dense_with_mask(method, query, key, value, attention_mask)
+        else:
+            out = _stateful(method, query, key, value,
+                            _key_validity(attention_mask, key.shape[-2], window=window, causal=True), layer)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _untraceable(query) -> str | None:
+    """What traces this call in a way the converted layers cannot follow, or None. Their operator reads values on
+    the host (input checks, overflow rescaling, padding), so torch.export's fake tensors and torch.func's
+    transforms fail deep inside it; torch.compile graph-breaks there and runs (not refused)."""
+    if torch.compiler.is_exporting():
+        return "torch.export"
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(query):
+        return "torch.func (grad, vmap, jacrev, ...)"
+    return None
 
 
 def dispatch_name(base: str) -> str:
@@ -260,6 +280,10 @@ def dispatch_name(base: str) -> str:
     def oal_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
         if getattr(module, "oal_method", None) is None:
             return attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+        tracer = _untraceable(query)
+        if tracer is not None:
+            raise ValueError(f"model: converted layers cannot run under {tracer}: their operator reads tensor values "
+                             "on the host; use torch.compile (it graph-breaks there) or plain autograd")
         scaling = kwargs.get("scaling")
         if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
             # the methods score q.k / sqrt(d) (Eq. 2, 7): a family with its own scale would be silently wrong
@@ -310,7 +334,20 @@ def _slots() -> WeakIdKeyDictionary:
     return slots
 
 
+def _compile_break() -> None:
+    """Under torch.compile, end the graph at a converted layer, naming why: its operator reads values on the host
+    (input checks, overflow rescaling, padding), so `fullgraph=True` cannot hold (it failed on an internal
+    dictionary with no word of the cause); without fullgraph dynamo resumes after it, as at any graph break."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        torch._dynamo.graph_break(msg=_COMPILE_BREAK)
+
+
+_COMPILE_BREAK = ("converted OAL layers read tensor values on the host (input checks, padding): torch.compile runs "
+                  "them between graphs, so fullgraph=True is not possible")
+
+
 def _pre_hook(module, args, kwargs):
+    _compile_break()
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     _slots()[module] = None if cache is None else _cache_slot(cache, module.layer_idx, module.oal_method)
 

@@ -291,6 +291,24 @@ class ConvertedModelMixin:
                              "(a config saved from a converted model)")
         swap_attention(self, methods=build_methods(spec))
 
+    def _apply(self, fn, *args, **kwargs):
+        """What `model.to(torch.bfloat16)`, `.half()` and `.to(device)` run: the kernels' tensors (and their
+        gradients) keep their precision under a half-precision cast, as `from_pretrained(dtype=...)`, `oal.load` and
+        `oal export` leave them (oal.device: fp32 factors, fp64 features): a bf16 factor rounds the calibrated
+        coefficients and loses AdamW's small updates. Device moves and float64 casts apply to them as to the rest."""
+        kernel = set()
+        for name, t in (*self.named_parameters(), *self.named_buffers()):
+            if ".oal_method." in name:
+                kernel.update({id(t)} | ({id(t.grad)} if t.grad is not None else set()))
+
+        def keep_kernels(t):
+            out = fn(t)
+            if id(t) in kernel and out.dtype in (torch.float16, torch.bfloat16) and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_kernels, *args, **kwargs)
+
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         """transformers' switch of attention function, kept behind oal's dispatch: 'eager' becomes 'oal_eager' (the
         converted layers keep their kernel and cache; the others run eager). Plain 'eager' made the converted layers
