@@ -2,4 +2,5 @@
 
 from oal.cli import main
 
-main()
+if __name__ == "__main__":  # importing the module (pydoc, griffe, a module walker) starts nothing
+    main()

