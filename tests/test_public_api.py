@@ -122,6 +122,16 @@ def test_convert_takes_the_method_name_as_linearize_does():
         oal.convert(tiny_model("qwen2", 100), [1], "swa", method="global")
 
 
+@pytest.mark.parametrize("name", ["dijiang", "performer", "global", "oal"])
+def test_convert_names_a_setting_the_method_does_not_take(name):
+    """Several methods take `**_ignored` (the calibration gives every method the same settings): a misspelt setting
+    of `convert(model, layers, name, ...)` was dropped without a word."""
+    with pytest.raises(ValueError, match=f"^method_kwargs: {name} takes no setting 'windw'"):
+        oal.convert(tiny_model("qwen2", 100), [1], name, windw=64)
+    model = oal.convert(tiny_model("qwen2", 100), [1], "swa", window=8, sinks=2)  # the settings it names still apply
+    assert converted_methods(model)[1].window == 8
+
+
 def test_convert_names_an_unsupported_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -215,6 +225,14 @@ def test_linearize_names_a_bad_argument_before_any_work(folder, tmp_path, change
         oal.linearize(kwargs.pop("model"), kwargs.pop("tokenizer"), TEXT, **kwargs)
 
 
+def test_linearize_refuses_a_model_already_converted(folder):
+    """A second linearize of a converted model ran without a word: its captures were of the converted layers'
+    model, not of the base model whose softmax attention the kernels are to match."""
+    model, tok = _base(folder)
+    with pytest.raises(ValueError, match=r"^model: layers \[1\] are already converted"):
+        oal.linearize(oal.convert(model, [1], "global"), tok, TEXT, layers=[2], calib=QUICK, progress=False)
+
+
 # --------------------------------------------------------------------------------------------- oal.add_lora
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -276,3 +294,10 @@ def test_load_names_a_bad_device(tmp_path):
     oal.convert(tiny_model("qwen2", 100), [1]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="^device:"):  # was torch's RuntimeError from deep inside .to()
         oal.load(tmp_path, device="gpu0")
+
+
+def test_dir_of_oal_offers_the_public_names():
+    """A notebook's completion of `oal.` offered `annotations` and `importlib` (the module's own imports)."""
+    names = dir(oal)
+    assert set(oal.__all__) | {"__version__"} <= set(names)
+    assert not {"annotations", "importlib"} & set(names)

@@ -31,7 +31,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    """The public names (what a notebook's completion offers): no `annotations` or `importlib`."""
+    return sorted({*_LAZY, "__version__", *(n for n in globals() if not n.startswith("_"))} - {"annotations",
+                                                                                             "importlib"})
 
 
 _auto.install()

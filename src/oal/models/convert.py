@@ -72,4 +72,22 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
         layers = _layer_list(layers)
     elif isinstance(methods, Mapping) and not methods:
         raise ValueError("methods: expected at least one layer's method, got an empty dict")
+    if isinstance(methods, str) and method_kwargs:
+        _check_settings(methods, method_kwargs)
     return make_saveable(swap_attention(model, layers, methods, **method_kwargs))
+
+
+def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
+    """Refuse a setting that method `name`'s constructor does not name: several take `**_ignored` (the calibration
+    passes every method the same settings), so `convert(model, layers, "dijiang", windw=64)` dropped it silently."""
+    import inspect
+
+    from oal.methods import get_method
+
+    params = inspect.signature(get_method(name).__init__).parameters
+    known = sorted(k for k, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   and k not in ("self", "n_heads", "n_kv_heads", "head_dim", "layer_idx"))
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"method_kwargs: {name} takes no setting {', '.join(map(repr, unknown))} (its settings: "
+                         f"{', '.join(known) or 'none'})")

@@ -97,7 +97,7 @@ def check_base_model(recorded: Mapping, model: nn.Module, provenance: Mapping | 
     want = recorded.get("state_dict_sha256")
     if not want:
         raise ValueError(f"{where}: records no fingerprint of its base model's weights (written by an older oal "
-                         "or from bare methods); recompute it")
+                         "or from bare methods): pass provenance= to oal.save_kernels, or recalibrate")
     dtype = recorded.get("dtype")
     have = state_dict_sha256(model, dtype)
     label = (provenance or {}).get("model") or getattr(getattr(model, "config", None), "_name_or_path", None) or "?"

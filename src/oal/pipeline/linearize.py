@@ -160,6 +160,11 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"model: expected a Hugging Face causal LM (a loaded model), got {type(model).__name__}")
+    from oal.models.attention import converted_methods
+
+    if converted_methods(model):  # its captures would be of converted layers' inputs, not of the base model's
+        raise ValueError(f"model: layers {sorted(converted_methods(model))} are already converted; linearize the base "
+                         "model (its calibration matches softmax attention on the base model's own activations)")
     if not callable(tokenizer):
         raise ValueError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
                          f"{type(tokenizer).__name__}")
