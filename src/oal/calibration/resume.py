@@ -38,7 +38,7 @@ from oal.calibration.kernels import (
     save_kernels,
 )
 from oal.launch import log_console, progress_bar
-from oal.rundir.files import atomic_write_json, remove
+from oal.rundir.files import atomic_write_json, load_json, remove
 from oal.rundir.hashes import config_hash
 from oal.rundir.user_cache import work_dir
 
@@ -79,6 +79,11 @@ class LayerCheckpoints:
     def save(self, layer: int, done: Mapping[str, tuple[object, dict]]) -> None:
         for m, (method, report) in done.items():
             save_kernels({layer: method}, self._dir(layer, m), extra={"key": self.key, "report": report})
+
+    @property
+    def capture_record(self) -> Path:
+        """Where `OnePassCapture` keeps what it captured until `clear()` (see its `record`)."""
+        return self.root / "capture.json"
 
     def clear(self) -> None:
         remove(self.root)
@@ -175,9 +180,14 @@ class OnePassCapture:
 
     def __init__(self, model, blocks: Mapping[str, torch.Tensor | Mapping[str, torch.Tensor]], layers: Sequence[int],
                  root: str | Path, key: str,
-                 *, progress: bool = True):
+                 *, progress: bool = True, record: str | Path | None = None):
+        """`record`: a file that keeps `stats()` of the capture (with `key`) until the calibration is done (the
+        layer checkpoints' `LayerCheckpoints.capture_record`), so that a calibration killed after its last layer
+        and resumed from the checkpoints alone, which captures nothing, records the capture an uninterrupted one
+        records."""
         self.model, self.blocks, self.layers = model, blocks, list(layers)
         self.root, self.key, self.progress = Path(root), key, progress
+        self.record = Path(record) if record is not None else None
         self.store = None
         self.seconds = 0.0
         self.scratch = contextlib.ExitStack()  # another process's private folder (`prepare`), held until `remove`
@@ -187,8 +197,9 @@ class OnePassCapture:
         own; `scratch`: into a temporary folder outside the run directory (only the main process writes there)."""
         self.layers = sorted(int(i) for i in layers)
         self.key = config_hash({"key": self.key, "layers": self.layers})
-        if scratch:
+        if scratch:  # another process of a launch writes nothing into the run directory
             self.root = self.scratch.enter_context(work_dir(scratch_parent(), "capture")) / "capture"
+            self.record = None
 
     def __call__(self, layer: int):
         from oal.calibration.data import LayerData
@@ -202,15 +213,28 @@ class OnePassCapture:
                 self.store = capture_to_disk(self.model, {r: self.blocks[r] for r in self.ROLES}, self.layers,
                                              self.root, key=self.key, on_batch=lambda _role, n: bar.advance(task, n))
             self.seconds = time.perf_counter() - t0
+            if self.record is not None:
+                atomic_write_json(self.record, {"key": self.key, "stats": self.stats()})
         device = next(self.model.parameters()).device
         return tuple(LayerData(**self.store.load(r, layer, device), causal=self.store.causal) for r in self.ROLES)
 
     def stats(self) -> dict | None:
-        """What calibration.json records of the capture (None when every layer came from a checkpoint)."""
+        """What calibration.json records of the capture: when every layer came from a checkpoint, the record the
+        capture of this `key` left (None without one)."""
         if self.store is None:
-            return None
+            return self._recorded()
         return {"seconds": round(self.seconds, 3), "layers": len(self.layers), "bytes": self.store.nbytes(),
                 "blocks": {r: len(self.store.files(r, self.layers[0])) for r in self.ROLES}}
+
+    def _recorded(self) -> dict | None:
+        if self.record is None or not self.record.is_file():
+            return None
+        try:
+            saved = load_json(self.record)
+        except ValueError:
+            return None
+        ok = isinstance(saved, dict) and saved.get("key") == self.key and isinstance(saved.get("stats"), dict)
+        return saved["stats"] if ok else None
 
     def gathered_stats(self, ranks) -> dict | None:
         """`stats()` of one process, or of every process of a launch ({"processes": [...]}, None for a process that
@@ -271,8 +295,9 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
                        **({"options": dict(options)} if options else {})})
 
     group = ranks(next(model.parameters()).device)
-    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress)
     checkpoints = LayerCheckpoints(out_dir, key)
+    capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress,
+                             record=checkpoints.capture_record)
     per_method, report = calibrate_layers(methods, layers, capture, groups=groups, cfg=cfg, seed=seed,
                                           checkpoints=checkpoints, progress=progress, console=console, ranks=group,
                                           options=options)

@@ -130,7 +130,7 @@ class Run(StagedRun):
         checkpoints = LayerCheckpoints(self.dir, self.keys["calibrate"])
         capture = OnePassCapture(self.model, self.blocks, self.layers, self.dir / ".oal" / "capture",
                                  config_hash({"setup": self.keys["setup"], "layers": self.layers}),
-                                 progress=self.progress)
+                                 progress=self.progress, record=checkpoints.capture_record)
         per_method, report = calibrate_layers(
             methods, self.layers, capture, groups=groups, cfg=cfg, seed=self.cfg.seed, checkpoints=checkpoints,
             progress=self.progress, console=self.console, ranks=self.ranks, options=self.cfg.method_options())
