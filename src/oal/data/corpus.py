@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import json
+import logging
 import re
 import sys
 import sysconfig
@@ -21,10 +23,16 @@ from pathlib import Path
 
 from oal.data.builtin_cache import cached_layout
 
+log = logging.getLogger("oal")
+
 SPLITS = ("train", "validation", "test")
 # Fractions of the text (in characters) that go to train / validation / test, in that order.
 DEFAULT_FRACTIONS = (0.90, 0.05, 0.05)
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+JSONL_SUFFIXES = (".jsonl",)
+PARQUET_SUFFIXES = (".parquet",)
+FOLDER_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # of the named split files (train.txt, train.jsonl, ...)
 
 
 @dataclass
@@ -61,19 +69,26 @@ def normalize_whitespace(text: str) -> str:
 def split_text(text: str, fractions: tuple[float, float, float] = DEFAULT_FRACTIONS) -> dict[str, str]:
     """Cut `text` into contiguous train/validation/test parts by character fractions.
 
-    Each cut moves forward to the next paragraph break ("\\n\\n") so no document is torn mid-paragraph.
+    Each cut moves forward to the next paragraph break ("\\n\\n") so no document is torn mid-paragraph; when the
+    part it would cut into has none (text without blank lines, one long last paragraph), to its next line break,
+    then its next space, then it cuts where it is, so validation and test are never emptied by the layout.
     """
     if len(fractions) != 3 or any(f <= 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
         raise ValueError(f"fractions: expected three positive numbers summing to 1, got {fractions}")
     n = len(text)
 
-    def cut(pos: int) -> int:
-        nxt = text.find("\n\n", pos)
-        return n if nxt < 0 else nxt
+    def cut(lo: int, hi: int) -> tuple[int, int]:
+        """(end of the part before, start of the part after) at the first separator in text[lo:hi]."""
+        for sep in ("\n\n", "\n", " "):
+            i = text.find(sep, lo, hi)
+            if i >= 0:
+                return i, i + len(sep)
+        return lo, lo
 
-    a = cut(int(n * fractions[0]))
-    b = max(a, cut(int(n * (fractions[0] + fractions[1]))))
-    parts = {"train": text[:a], "validation": text[a:b], "test": text[b:]}
+    pos_a, pos_b = int(n * fractions[0]), int(n * (fractions[0] + fractions[1]))
+    a_end, a_next = cut(pos_a, pos_b)
+    b_end, b_next = cut(max(pos_b, a_next), n)
+    parts = {"train": text[:a_end], "validation": text[a_next:b_end], "test": text[b_next:]}
     return {k: v.strip("\n") for k, v in parts.items()}
 
 
@@ -244,8 +259,8 @@ def builtin_corpus() -> Corpus:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a byte-order mark is not text; universal newlines turn CRLF into LF
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ValueError(f"name_or_path: {path} is not UTF-8 text ({exc})") from exc
     if "\x00" in text:  # valid UTF-8 can still be a binary file
@@ -253,33 +268,126 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def local_corpus(path: str | Path) -> Corpus:
-    """A local text file or folder.
+def _text_field(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"name_or_path: {where}: expected a string 'text', got {type(value).__name__}")
+    return value
 
-    - a file: normalised and split 90/5/5;
-    - a folder with `train.txt`, `validation.txt` and `test.txt`: those are the splits, as they are;
-    - any other folder: every text file (suffixes .txt .md .rst .text) below it, in sorted path order,
-      normalised, joined with a blank line and split 90/5/5.
+
+def _read_jsonl(path: Path) -> list[str]:
+    """The "text" field of every object of a JSON-lines file (blank lines skipped)."""
+    docs = []
+    for i, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"name_or_path: {path} line {i} is not JSON ({exc})") from None
+        if not isinstance(row, dict) or "text" not in row:
+            raise ValueError(f"name_or_path: {path} line {i}: expected an object with a 'text' field, got "
+                             f"{line[:80]!r}")
+        docs.append(_text_field(row["text"], f"{path} line {i}"))
+    return docs
+
+
+def _read_parquet(path: Path) -> list[str]:
+    """The "text" column of a parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+        rows = pq.read_table(path, columns=["text"]).column("text").to_pylist() if "text" in names else None
+    except (OSError, pa.ArrowException) as exc:
+        raise ValueError(f"name_or_path: {path} is not a readable parquet file ({exc})") from exc
+    if rows is None:
+        raise ValueError(f"name_or_path: {path} has no 'text' column (columns: {', '.join(names)})")
+    return [_text_field(t, f"{path} row {i}") for i, t in enumerate(rows)]
+
+
+def read_documents(path: Path) -> str:
+    """The text of one local file: a text file as it is (no BOM, LF line ends), the "text" field of a JSON-lines
+    file (.jsonl) or the "text" column of a parquet file, one document after another with a blank line between."""
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "\n\n".join(_read_jsonl(path))
+    if suffix in PARQUET_SUFFIXES:
+        return "\n\n".join(_read_parquet(path))
+    return _read_text(path)
+
+
+def _paragraphs(text: str):
+    """The stripped blank-line separated paragraphs of `text` of at least MIN_REPEAT characters, one at a time."""
+    pos = 0
+    while pos <= len(text):
+        nxt = text.find("\n\n", pos)
+        nxt = len(text) if nxt < 0 else nxt
+        par = text[pos:nxt].strip()
+        if len(par) >= MIN_REPEAT:
+            yield par
+        pos = nxt + 2
+
+
+def _overlap_warning(splits: dict[str, str], where: Path) -> None:
+    """Warn when paragraphs (of at least MIN_REPEAT characters) of validation or test also occur in an earlier
+    split: the held-out numbers would then measure text the run calibrated, adapted or selected on. Only the two
+    held-out splits are held in memory; train is streamed."""
+    held = {s: set(_paragraphs(splits[s])) for s in SPLITS[1:]}
+    shared = {(s, "train"): set() for s in held}
+    for par in _paragraphs(splits["train"]):
+        for s, pars in held.items():
+            if par in pars:
+                shared[(s, "train")].add(par)
+    shared[("test", "validation")] = held["test"] & held["validation"]
+    for (s, earlier), pars in shared.items():
+        if pars:
+            log.warning("corpus at %s: %d of the %d paragraphs of %s also occur in %s, so %s is not held out from "
+                        "it (evaluation leakage)", where, len(pars), len(held[s]), s, earlier, s)
+
+
+def local_corpus(path: str | Path) -> Corpus:
+    """A local file or folder of text (.txt .md .rst .text or any other suffix for a file given by name),
+    JSON-lines (.jsonl, the "text" field of each line) or parquet (.parquet, the "text" column).
+
+    - a file: normalised and split 90/5/5 (cuts at paragraph breaks, see `split_text`);
+    - a folder with one `train`, `validation` and `test` file each (`train.txt`, `train.jsonl`, ...): those are the
+      splits, as they are (a byte-order mark dropped, CRLF read as LF);
+    - a folder with two of those but not the third: refused (merging them would put test text in train);
+    - any other folder: every text, JSON-lines and parquet file below it, in sorted path order, normalised, joined
+      with a blank line and split 90/5/5; files of other suffixes are skipped.
+
+    Paragraphs of validation or test that also occur in an earlier split are reported in a warning (leakage).
     """
     path = Path(path)
     if path.is_file():
-        text = normalize_whitespace(_read_text(path))
+        text = normalize_whitespace(read_documents(path))
         files = [path.name]
         splits = split_text(text)
     elif path.is_dir():
-        named = {s: path / f"{s}.txt" for s in SPLITS}
-        if all(p.is_file() for p in named.values()):
-            splits = {s: _read_text(p) for s, p in named.items()}
-            files = [p.name for p in named.values()]
+        named = {s: [path / f"{s}{x}" for x in DOCUMENT_SUFFIXES if (path / f"{s}{x}").is_file()] for s in SPLITS}
+        if all(named.values()):
+            ambiguous = {s: [p.name for p in ps] for s, ps in named.items() if len(ps) > 1}
+            if ambiguous:
+                raise ValueError(f"name_or_path: folder {path} holds more than one file for a split: {ambiguous}")
+            splits = {s: read_documents(ps[0]) for s, ps in named.items()}
+            files = [ps[0].name for ps in named.values()]
         else:
-            paths = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            partial = [ps[0].name for ps in named.values() if ps]
+            if len(partial) > 1:  # merged and re-split, the user's test text would land in train
+                missing = [s for s, ps in named.items() if not ps]
+                raise ValueError(f"name_or_path: folder {path} holds split files {partial} but none for {missing}; "
+                                 f"add {', '.join(f'{s}.txt' for s in missing)} (or .jsonl/.parquet) to use them "
+                                 "as the splits, or rename them to have the folder's text split 90/5/5")
+            paths = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FOLDER_SUFFIXES)
             if not paths:
-                raise ValueError(f"name_or_path: folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-            text = "\n\n".join(t for t in (normalize_whitespace(_read_text(p)) for p in paths) if t)
+                raise ValueError(f"name_or_path: folder {path} holds no text files ({', '.join(FOLDER_SUFFIXES)})")
+            text = "\n\n".join(t for t in (normalize_whitespace(read_documents(p)) for p in paths) if t)
             files = [str(p.relative_to(path)) for p in paths]
             splits = split_text(text)
     else:
         raise ValueError(f"name_or_path: expected 'builtin', a WikiText config or an existing path, got {path!s}")
     if not splits["train"].strip():
         raise ValueError(f"name_or_path: corpus at {path} has an empty train split")
+    _overlap_warning(splits, path)
     return Corpus(path.name or str(path), splits, meta={"source": str(path.resolve()), "files": files})

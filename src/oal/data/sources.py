@@ -37,7 +37,7 @@ def load_corpus(name_or_path: str | Path = "builtin", *, data_dir: str | Path | 
     - "wikitext-2-raw-v1" / "wikitext-103-raw-v1": WikiText at the pinned revision, from `data_dir` (verified by
       its manifest) or from the hub;
     - a folder holding a WikiText `manifest.json`: the single config listed there;
-    - any other text file or folder (see `local_corpus`).
+    - any other local file or folder of text, JSON-lines or parquet (see `local_corpus`).
     """
     name = str(name_or_path)
     if name == "builtin":
