@@ -257,9 +257,12 @@ def _untraceable(query) -> str | None:
     """What traces this call in a way the converted layers cannot follow, or None. Their operator reads values on
     the host (input checks, overflow rescaling, padding), so torch.export's fake tensors and torch.func's
     transforms fail deep inside it; torch.compile graph-breaks there and runs (not refused)."""
-    if torch.compiler.is_exporting():
+    if torch.compiler.is_dynamo_compiling():  # torch.compile: it graph-breaks inside (`_compile_break`)
+        return None
+    # torch.compiler.is_exporting() is no test: torch 2.11 answered True inside torch.compile
+    if torch._subclasses.fake_tensor.is_fake(query):
         return "torch.export"
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(query):
+    if torch._C._functorch.is_functorch_wrapped_tensor(query):
         return "torch.func (grad, vmap, jacrev, ...)"
     return None
 
@@ -338,7 +341,7 @@ def _compile_break() -> None:
     """Under torch.compile, end the graph at a converted layer, naming why: its operator reads values on the host
     (input checks, overflow rescaling, padding), so `fullgraph=True` cannot hold (it failed on an internal
     dictionary with no word of the cause); without fullgraph dynamo resumes after it, as at any graph break."""
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    if torch.compiler.is_dynamo_compiling():
         torch._dynamo.graph_break(msg=_COMPILE_BREAK)
 
 
