@@ -80,6 +80,12 @@ def test_bad_rows_and_arguments(tmp_path):
         load_task("mmlu", task_file=TASK_FILES["piqa"])
     with pytest.raises(ValueError, match="^task_file: no such file"):
         load_task("piqa", task_file=tmp_path / "missing.jsonl")
+    for call in (lambda: load_task("piqa", task_file=tmp_path), lambda: zdata.parse_task_files([f"piqa={tmp_path}"])):
+        with pytest.raises(ValueError, match=r"^task_file: .* \(piqa\) is a folder"):  # it said "no such file"
+            call()
+    bom = tmp_path / "bom.jsonl"  # as an editor saves it: its byte-order mark made line 1 "not JSON"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 1}).encode())
+    assert load_task("piqa", task_file=bom)[0][0].label == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"goal": "g", "sol1": "a", "label": 0}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl: row 0 lacks columns \['sol2'\].*lighteval/piqa schema"):

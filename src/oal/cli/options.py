@@ -12,6 +12,8 @@ from oal.cli.bounds import Max, parse_numbers  # noqa: F401  (the commands impor
 ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]
 BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one recorded in kernels.json).")]
 DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
+DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', a WikiText config, or a local file or folder of text, "
+                                      "JSON-lines or parquet (docs/guides/evaluation.md).")]
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
 LayersOpt = Annotated[str, typer.Option(help="'all', '3-20' or '1,4,7'. Default: the preset's conversion layers.")]
 

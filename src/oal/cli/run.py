@@ -11,6 +11,7 @@ from oal.cli.consoles import notes_console
 from oal.cli.modes import refuse_unless
 from oal.cli.options import (
     BatchSizeOpt,
+    DataOpt,
     DeviceOpt,
     DtypeOpt,
     GradAccumOpt,
@@ -40,7 +41,7 @@ def run(
                              "is resumed, another configuration is refused)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded; "
                               "a local encoder folder runs the encoder protocol)."),
-    data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
+    data: DataOpt = None,
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods, or 'all' (every method that "
                                 "applies: an encoder gets all but the causal sliding windows)."),

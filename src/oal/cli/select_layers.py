@@ -10,7 +10,7 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
-from oal.cli.options import DeviceOpt, DtypeOpt, Max, ProgressOpt, ThreadsOpt, set_threads
+from oal.cli.options import DataOpt, DeviceOpt, DtypeOpt, Max, ProgressOpt, ThreadsOpt, set_threads
 from oal.errors import InputError, SelectionSizeError
 from oal.pipeline.inputs import layer_selection
 
@@ -23,7 +23,7 @@ def select_layers_cmd(
     by: str = typer.Option("probe", help="Rank layers by 'fidelity' (frozen-attention RelMSE after W_o) or 'probe' "
                            "(validation perplexity with that layer alone converted)."),
     model: str = typer.Option(None, help="Model name or local path (default: the preset's; 'default' = embedded)."),
-    data: str = typer.Option(None, help="Corpus: 'builtin', a WikiText config or a local text path."),
+    data: DataOpt = None,
     data_dir: str = typer.Option(None, help="Local WikiText folder (manifest-checked) for the paper presets."),
     methods: str = typer.Option("oal,global,softmax", help="Comma-separated methods (calibrated on every layer)."),
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "

@@ -107,18 +107,24 @@ def parse_task_files(specs: list[str] | tuple[str, ...] | dict | None) -> dict[s
     out = {}
     for task, path in pairs:
         _check_task(task)
-        if not Path(path).is_file():
-            raise ValueError(f"task_file: no such file for {task}: {path}")
+        _check_task_file(task, Path(path))
         if not path.endswith(".parquet"):
             _text(Path(path))  # a binary file is refused here, before any run starts
         out[task] = str(path)
     return out
 
 
+def _check_task_file(task: str, path: Path) -> None:
+    if path.is_dir():  # "no such file" misled about a path that exists
+        raise ValueError(f"task_file: {path} ({task}) is a folder; expected a JSON-lines or parquet file")
+    if not path.is_file():
+        raise ValueError(f"task_file: no such file for {task}: {path}")
+
+
 def _text(path: Path) -> str:
     """The UTF-8 text of a JSON-lines file; a binary (or otherwise encoded) file is a ValueError naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
+    try:  # utf-8-sig: an editor's byte-order mark made line 1 "not JSON"
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a UTF-8 JSON-lines file (byte {exc.start} cannot be decoded); expected one "
                          "JSON object per line in the dataset's schema") from None
@@ -272,8 +278,7 @@ def fetch_task(task: str, *, data_dir: str | Path | None = None, task_file: str 
         raise ValueError(f"limit: expected a positive number of examples, got {limit}")
     if task_file is not None:
         path = Path(task_file)
-        if not path.is_file():
-            raise ValueError(f"task_file: no such file for {task}: {path}")
+        _check_task_file(task, path)
         prov = {"source": "task_file", "path": str(path.resolve()), "sha256": sha256_file(path),
                 "sha256_pinned": False, "schema_of": spec.dataset_id}
     else:
