@@ -26,7 +26,7 @@ def _jsonl(path, rows):
 
 
 def _parquet(path, columns):
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")  # datasets brings it; the GPU machine has no datasets
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table(columns), path)
