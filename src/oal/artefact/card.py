@@ -97,6 +97,7 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
     licence), "datasets" and "data_lines" (`base_facts.data_facts`), "run" (the run folder's name) and "method"."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from oal.adaptation.adapter import KERNEL_FILE
     from oal.models.attention import converted_methods
     from oal.models.encoder import is_encoder
 
@@ -121,7 +122,7 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         "unchanged. "
         + ("No LoRA adapter." if not adapter else
            f"With the run's LoRA adapter ({'merged into the weights' if adapter.get('merged') else 'kept unmerged'})"
-           " and trained kernels."),
+           + (" and trained kernels." if KERNEL_FILE in (adapter.get("sha256") or {}) else ".")),
         "", f"Licence: `{facts['license']}` ({facts['license_note']}).", "",
         "## Use", "", "```bash", f"pip install {DISTRIBUTION}", "```", "", "```python",
         "import oal  # registers the converted model types with transformers; without it loading fails",
@@ -129,22 +130,33 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         f'model = {auto}.from_pretrained("<this folder>")  # or oal.load("<this folder>")',
         'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
         "The family's own class and peft's loaders refuse this folder rather than give a softmax model; every load "
-        "checks the SHA256 of the files listed in `oal.json`. lm-eval: `python -m oal.lm_eval --model hf "
+        "from a local folder checks the SHA256 of the files listed in `oal.json` (loaded by its hub id, through "
+        "transformers' download cache, it is not checked: download the folder first to have it checked). "
+        "lm-eval: `python -m oal.lm_eval --model hf "
         '--model_args pretrained=<this folder> --tasks ...`.', "",
     ]
-    lines += _metrics_lines(metrics) + _data_lines(source)
+    weights = next((p.dtype for n, p in model.named_parameters() if ".oal_method." not in n), None)
+    lines += _metrics_lines(metrics, _dtype_name(weights), record.get("dtype")) + _data_lines(source)
     limits = [LIMITATIONS[0], _positions_line(model), *LIMITATIONS[1:]]
     lines += ["## Limitations", "", *limits, ""]
     lines += _provenance_lines(source, "its kernels and adapter files")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _metrics_lines(metrics: dict[str, str] | None) -> list[str]:
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _metrics_lines(metrics: dict[str, str] | None, weights: str | None = None, measured: str | None = None
+                   ) -> list[str]:
+    """`weights`: the dtype of the folder's weights; `measured`: the run's, which its numbers were measured in."""
     if not metrics:
         return ["## Metrics", "", "None quoted: the export was given no verified numbers of the run.", ""]
+    other = (f" The weights in `{weights}` here differ from the run's: these numbers were measured in `{measured}`, "
+             "before the cast." if weights and measured and weights != measured else "")
     return ["## Metrics (from the run that made it)", "",
             "Rebuilt from the run's verified records (the files they were computed from still have the SHA256 "
-            "recorded with them); a number edited into the run's metrics.json is never quoted.", "",
+            "recorded with them); a number edited into the run's metrics.json is never quoted." + other, "",
             "| metric | values |", "| --- | --- |", *(f"| {key} | {values} |" for key, values in metrics.items()), ""]
 
 
@@ -159,9 +171,10 @@ def _provenance_lines(source: dict, recorded: str) -> list[str]:
             f"; `oal.json` records the SHA256 of {recorded}.", ""]
 
 
-def reference_card_text(source: dict, metrics: dict[str, str] | None = None) -> str:
+def reference_card_text(source: dict, metrics: dict[str, str] | None = None, weights: str | None = None) -> str:
     """README.md of a run's exported softmax arm (`artefact.softmax_export`): the base model with the run's LoRA
-    adapter for softmax merged, loaded by transformers alone. `source` as for `card_text`."""
+    adapter for softmax merged, loaded by transformers alone. `source` as for `card_text`; `weights`: the dtype
+    of the written weights."""
     from huggingface_hub import ModelCard, ModelCardData
 
     facts = source.get("base") or base_model_facts(None, None)
@@ -182,7 +195,9 @@ def reference_card_text(source: dict, metrics: dict[str, str] | None = None) -> 
              'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
              "`oal.json` records the SHA256 of every file that defines the model and of the run files it came "
              "from; `oal.models.pretrained.verify_manifest(folder)` checks them.", ""]
-    lines += _metrics_lines(metrics) + _data_lines(source) + _provenance_lines(source, "its adapter files")
+    measured = (source.get("base_model") or {}).get("dtype")
+    lines += _metrics_lines(metrics, weights, measured) + _data_lines(source) + _provenance_lines(
+        source, "its adapter files")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 

@@ -12,9 +12,17 @@ __all__ = ["cast_base_weights", "save_tokenizer", "without_paths", "writable_tar
 
 
 def writable_target(to: Path) -> None:
-    """Refuse to replace a folder that is not an export: `atomic_dir` swaps the whole folder."""
+    """Refuse to replace a folder that is not an export, or the current folder (or one above it): `atomic_dir`
+    swaps the whole folder."""
     from oal.models.pretrained import MANIFEST
 
+    try:
+        here = Path.cwd().resolve()
+    except OSError:  # the current folder was removed: nothing to protect
+        here = None
+    if here is not None and (to.resolve() == here or to.resolve() in here.parents):
+        raise ValueError(f"to: {to} is the current folder (or holds it), which an export would replace as a whole; "
+                         "name a new folder instead, such as converted/")
     if to.exists() and (not to.is_dir() or (any(to.iterdir()) and not (to / MANIFEST).is_file())):
         raise ValueError(f"to: {to} exists and is not a converted-model folder; choose a new or empty folder")
 

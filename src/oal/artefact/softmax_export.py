@@ -61,7 +61,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
         save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
         mdl.save_pretrained(tmp)  # the family's own form: config.json, model.safetensors, generation_config.json
         write_manifest(tmp, source)
-        atomic_write_text(tmp / "README.md", reference_card_text(source, rows))
+        atomic_write_text(tmp / "README.md", reference_card_text(source, rows, str(mdl.dtype).removeprefix("torch.")))
         for f in tmp.rglob("*"):
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files
