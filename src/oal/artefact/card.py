@@ -100,6 +100,7 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
     from oal.adaptation.adapter import KERNEL_FILE
     from oal.models.attention import converted_methods
     from oal.models.encoder import is_encoder
+    from oal.models.provenance import model_dtype
 
     source = source or {}
     record = source.get("base_model") or {}
@@ -135,16 +136,11 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         "lm-eval: `python -m oal.lm_eval --model hf "
         '--model_args pretrained=<this folder> --tasks ...`.', "",
     ]
-    weights = next((p.dtype for n, p in model.named_parameters() if ".oal_method." not in n), None)
-    lines += _metrics_lines(metrics, _dtype_name(weights), record.get("dtype")) + _data_lines(source)
+    lines += _metrics_lines(metrics, model_dtype(model), record.get("dtype")) + _data_lines(source)
     limits = [LIMITATIONS[0], _positions_line(model), *LIMITATIONS[1:]]
     lines += ["## Limitations", "", *limits, ""]
     lines += _provenance_lines(source, "its kernels and adapter files")
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
-
-
-def _dtype_name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _metrics_lines(metrics: dict[str, str] | None, weights: str | None = None, measured: str | None = None

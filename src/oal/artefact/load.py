@@ -47,8 +47,7 @@ def load(directory: str | Path, base_model: nn.Module | str | os.PathLike | None
     if base_model is None:
         from oal.artefact.load import load_export
 
-        kernels = [Path(directory) / META_FILE, *(Path(directory) / "kernels").glob(f"*/{META_FILE}")]
-        if not (Path(directory) / "config.json").is_file() and any(p.is_file() for p in kernels):
+        if not (Path(directory) / "config.json").is_file() and _kernel_folders(directory):
             raise ValueError(f"base_model: {directory} holds kernels, not a converted model; pass the base model "
                              "they were calibrated on: oal.load(directory, base_model)")
         return load_export(directory, **load_kwargs)
@@ -67,15 +66,21 @@ def _kernels_folder(directory: str | Path) -> Path:
     `kernels/<method>/` (what `oal.linearize` keeps for a method other than "oal"); ValueError naming them where
     there are several. Where there is none, `directory` (`load_kernels` says what is missing)."""
     directory = Path(directory)
-    if (directory / META_FILE).is_file():
-        return directory
-    found = sorted(p.parent for p in (directory / "kernels").glob(f"*/{META_FILE}"))
+    found = _kernel_folders(directory)
     if len(found) == 1:
         return found[0]
     if found:
         raise ValueError(f"directory: {directory} holds the kernels of several methods "
                          f"({', '.join(p.name for p in found)}); pass one of {[str(p) for p in found]}")
     return directory
+
+
+def _kernel_folders(directory: str | Path) -> list[Path]:
+    """[`directory`] when it holds kernels.json, else its `kernels/<method>/` folders that do (sorted)."""
+    directory = Path(directory)
+    if (directory / META_FILE).is_file():
+        return [directory]
+    return sorted(p.parent for p in (directory / "kernels").glob(f"*/{META_FILE}"))
 
 
 def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **load_kwargs):

@@ -35,6 +35,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     from oal.artefact.card import card_metrics, reference_card_text
     from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
     from oal.models.pretrained import read_json_object, write_manifest
+    from oal.models.provenance import model_dtype
     from oal.models.registry import identify
 
     if not merge:
@@ -61,7 +62,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
         save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
         mdl.save_pretrained(tmp)  # the family's own form: config.json, model.safetensors, generation_config.json
         write_manifest(tmp, source)
-        atomic_write_text(tmp / "README.md", reference_card_text(source, rows, str(mdl.dtype).removeprefix("torch.")))
+        atomic_write_text(tmp / "README.md", reference_card_text(source, rows, model_dtype(mdl)))
         for f in tmp.rglob("*"):
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files

@@ -19,10 +19,10 @@ from oal.methods.base import AttentionMethod
 from oal.models.attention import swap_attention
 from oal.models.auto import make_saveable
 
-__all__ = ["convert"]
+__all__ = ["convert", "layer_indices"]
 
 
-def _layer_list(layers) -> list[int]:
+def layer_indices(layers) -> list[int]:
     """`layers` as a list of ints (numpy and 0-d tensor indices too); ValueError naming `layers` otherwise."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise ValueError(f"layers: expected a list of layer indices, got {layers!r}")
@@ -69,7 +69,7 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
             raise ValueError(f"method: given both as `methods` ({methods!r}) and as `method` ({method!r}); give one")
         methods = method
     if layers is not None:
-        layers = _layer_list(layers)
+        layers = layer_indices(layers)
     elif isinstance(methods, Mapping) and not methods:
         raise ValueError("methods: expected at least one layer's method, got an empty dict")
     if isinstance(methods, str) and method_kwargs:

@@ -11,7 +11,6 @@ checkpoints (`oal.calibration.resume.calibrate_directory`), layer selection for 
 from __future__ import annotations
 
 import logging
-import operator
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
@@ -84,6 +83,7 @@ def calib_config(calib: Mapping | None, seed: int):
 
 def _layers(spec, model) -> tuple[list[int], int | None]:
     """(candidate layers, K or None): 'auto:K' makes every layer a candidate; a list or 'A-B' string is fixed."""
+    from oal.models.convert import layer_indices
     from oal.models.registry import default_layers
     from oal.pipeline.inputs import parse_layers
     from oal.pipeline.selection import parse_auto
@@ -100,11 +100,8 @@ def _layers(spec, model) -> tuple[list[int], int | None]:
         return parse_layers(spec, n_layers), None
     if not isinstance(spec, Iterable):
         raise ValueError(f"layers: expected a list of layer indices, a range '3-20' or 'auto:K', got {spec!r}")
-    try:
-        layers = sorted({operator.index(i) for i in spec})  # numpy ints too; 1.5 is not layer 1
-    except TypeError:
-        raise ValueError(f"layers: expected integer layer indices, got {list(spec)}") from None
-    if not layers or layers[0] < 0 or layers[-1] >= n_layers:
+    layers = sorted(set(layer_indices(spec)))  # numpy ints too; 1.5 is not layer 1
+    if layers[0] < 0 or layers[-1] >= n_layers:
         raise ValueError(f"layers: expected layer indices in [0, {n_layers}), got {list(spec)}")
     return layers, None
 
@@ -162,9 +159,10 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
         raise ValueError(f"model: expected a Hugging Face causal LM (a loaded model), got {type(model).__name__}")
     from oal.models.attention import converted_methods
 
-    if converted_methods(model):  # its captures would be of converted layers' inputs, not of the base model's
-        raise ValueError(f"model: layers {sorted(converted_methods(model))} are already converted; linearize the base "
-                         "model (its calibration matches softmax attention on the base model's own activations)")
+    converted = sorted(converted_methods(model))
+    if converted:  # its captures would be of converted layers' inputs, not of the base model's
+        raise ValueError(f"model: layers {converted} are already converted; linearize the base model (its "
+                         "calibration matches softmax attention on the base model's own activations)")
     if not callable(tokenizer):
         raise ValueError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
                          f"{type(tokenizer).__name__}")
