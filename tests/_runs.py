@@ -63,3 +63,16 @@ def make_run(root: Path, base_dir: Path, methods: dict[str, bool], dtype: str | 
 def logits(model, ids=IDS):
     with torch.no_grad():
         return model(ids).logits
+
+
+def timeless(path: Path):
+    """A run file's content with its timing fields dropped (calibration.json records seconds per layer and of the
+    capture): what two runs of the same work must agree on."""
+    if path.name == "calibration.json":
+        data = json.loads(path.read_text())
+        data.get("capture", {}).pop("seconds", None)
+        for per_layer in data["methods"].values():
+            for rec in per_layer.values():
+                rec.pop("elapsed_s", None)
+        return data
+    return path.read_bytes()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import timeless
 from _tiny import save_tiny_model
 from test_pipeline import _byte_tokenizer, _cfg, _plan
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -396,18 +397,6 @@ STAGE_OUTPUTS = ["config.json", "groups.json", "kernels.safetensors", "kernels.j
                  "report.md"]
 
 
-def _timeless(path: Path):
-    """File content with timing fields dropped (calibration.json records seconds per layer and of the capture)."""
-    if path.name == "calibration.json":
-        data = json.loads(path.read_text())
-        data.get("capture", {}).pop("seconds", None)
-        for per_layer in data["methods"].values():
-            for rec in per_layer.values():
-                rec.pop("elapsed_s", None)
-        return data
-    return path.read_bytes()
-
-
 # every output with one byte changed; truncation on one JSON file, one tensor file and config.json
 CORRUPTIONS = [(name, "flip") for name in STAGE_OUTPUTS] + [
     (name, "truncate") for name in ("groups.json", "kernels.safetensors", "config.json")]
@@ -428,7 +417,7 @@ def test_corrupted_stage_output_is_recomputed_or_refused(name, how, assets, full
         return
     assert _strip_time(metrics) == _strip_time(ref)
     for f in STAGE_OUTPUTS[:-1]:  # report.md holds the time per stage
-        assert _timeless(run_copy / f) == _timeless(out_ref / f), f
+        assert timeless(run_copy / f) == timeless(out_ref / f), f
 
 
 def test_finished_run_with_truncated_outputs_is_not_skipped(assets, run_copy):

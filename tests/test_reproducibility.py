@@ -9,19 +9,10 @@ import json
 import pytest
 import torch
 from _dist_worker import calibration_inputs
+from _runs import timeless
 from safetensors.torch import load_file
 
 from oal.calibration import resume
-
-
-def _timeless(path):
-    """calibration.json without its timing fields (seconds per layer and of the capture)."""
-    record = json.loads(path.read_text())
-    record.get("capture", {}).pop("seconds", None)
-    for per_layer in record["methods"].values():
-        for summary in per_layer.values():
-            summary.pop("elapsed_s", None)
-    return record
 
 
 class _Kill(BaseException):
@@ -34,7 +25,7 @@ def test_calibration_killed_after_its_last_layer_records_the_same_capture(tmp_pa
     from an uninterrupted run's."""
     model, blocks, layers, methods, kw = calibration_inputs()
     resume.calibrate_directory(tmp_path / "ref", model, blocks, layers, methods, **kw)
-    want = _timeless(tmp_path / "ref" / "calibration.json")
+    want = timeless(tmp_path / "ref" / "calibration.json")
     assert want["capture"]["layers"] == len(layers)
 
     write = resume.write_calibration
@@ -50,7 +41,7 @@ def test_calibration_killed_after_its_last_layer_records_the_same_capture(tmp_pa
     monkeypatch.setattr(resume.OnePassCapture, "__call__", lambda self, layer: captured.append(layer))
     resume.calibrate_directory(tmp_path / "run", model, blocks, layers, methods, **kw)
     assert captured == []  # every layer came from its checkpoint
-    assert _timeless(tmp_path / "run" / "calibration.json") == want
+    assert timeless(tmp_path / "run" / "calibration.json") == want
     for rel in ("kernels.safetensors", "kernels/global/kernels.safetensors"):
         a, b = (load_file(str(tmp_path / d / rel)) for d in ("ref", "run"))
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rel
