@@ -49,8 +49,32 @@ def test_tune_writes_the_cache_and_the_operator_reads_it(cache_home, monkeypatch
     assert tuning.settings_for(torch.float32, 2) == best
     assert tuning.settings_for(torch.float32, 3) is None and tuning.settings_for(torch.bfloat16, 2) is None
     timed.clear()
-    assert autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"] == entry  # cached
-    assert not timed
+    cached = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    assert cached == entry | {"cached": True} and not timed  # reused, and said so
+
+
+def test_an_entry_of_another_length_is_measured_again(monkeypatch):
+    """`oal tune-cpu --length 4096` after a tuning at N=256 measured nothing and printed N=256's choice and "tuning
+    took 10 s"; now it measures at 4096, and a reused entry is printed as cached."""
+    from typer.testing import CliRunner
+
+    from oal.cli import load_commands
+
+    timed = []
+    monkeypatch.setattr(autotune, "_time", lambda s, inputs, *a: timed.append(inputs[0].shape[2]) or 1.0 / s.chunk)
+    first = autotune.tune([torch.float32], threads=2, n=200, repeats=1, shape=TINY)["float32"]
+    timed.clear()
+    again = autotune.tune([torch.float32], threads=2, n=256, repeats=1, shape=TINY)["float32"]
+    assert timed and set(timed) == {256} and again["n"] == 256 and "cached" not in again
+    stored = json.loads(tuning.cache_path().read_text())["entries"][tuning.machine_key(torch.float32, 2)]
+    assert stored["n"] == 256 and "cached" not in stored and first["n"] == 200
+    timed.clear()
+    args = ["tune-cpu", "--dtypes", "float32", "--threads", "2", "--length", "256"]
+    monkeypatch.setattr(tuning, "TUNE_SHAPE", TINY)
+    monkeypatch.setattr(autotune, "TUNE_SHAPE", TINY)
+    res = CliRunner().invoke(load_commands(), args)
+    assert res.exit_code == 0, res.output
+    assert not timed and "cached, measured" in res.output and "tuning took" not in res.output
 
 
 def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):

@@ -16,9 +16,10 @@ from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_prese
 
 @app.command("diagnose")
 def diagnose_cmd(
-    out: Path = typer.Option(..., "--out", help="Output or `oal run` directory (then its corpus, split plan, layers "
-                             "and, for the offset part, calibration settings and seed are used). Writes diagnostics/, "
-                             "figures/ and metrics.json['fidelity'] outside run directories."),
+    out: Path = typer.Option(..., "--out", help="Output or `oal run` directory (then its corpus, split plan, layers, "
+                             "and for calibration (Table 2, Fig. 2(b), offset part) its settings and seed are used, "
+                             "unless --paper / --seed). Writes diagnostics/, figures/ and metrics.json['fidelity'] "
+                             "outside run directories."),
     model: ModelOpt = "default",
     data: DataOpt = "builtin",
     data_dir: DataDirOpt = None,
@@ -41,7 +42,8 @@ def diagnose_cmd(
     steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Offset part: calibration updates per start "
                               "(default: the run's)."),
     seed: int = typer.Option(None, min=0, max=Max.SEED, help="Seed of query positions, controls, Gaussian draws "
-                             "and calibration (default 0; the offset part: the run's, 42 without a run directory)."),
+                             "and calibration (default 0; calibration on a run directory: the run's; the offset part: "
+                             "the run's, 42 without a run directory)."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
 ) -> None:
@@ -94,12 +96,13 @@ def diagnose_cmd(
     t1 = RetainedErrorConfig.preset("paper" if paper else "default", seed=seed or 0)
     if controls is not None:
         t1.n_controls = controls
-    calib = CalibConfig.preset("paper" if paper else "default", seed=seed or 0)
     grouping = dict(tail_fraction=spec["alpha"], min_support=spec["gamma"], min_ratio=spec["tau"],
                     min_groups=spec["min_groups"], n_bootstrap=spec["n_bootstrap"])
     ref = RunConfig.from_preset(preset, calib=run["calib"], grouping=run["grouping"], seed=run["seed"]) if run \
         else RunConfig.from_preset(preset)  # what `oal run` calibrated (or would calibrate) with
     o_seed = ref.seed if seed is None else seed
+    calib = (CalibConfig(**{**ref.calib, "seed": o_seed}) if run and not paper  # Table 2's OAL = the run's kernels
+             else CalibConfig.preset("paper" if paper else "default", seed=seed or 0))
     o_cfg = CalibConfig(**{**ref.calib, "seed": o_seed, **({"max_steps": steps} if steps else {})})
     offset = OffsetSettings(cfg=o_cfg, grouping=ref.grouping, seed=o_seed, layer=layer, stds=stds,
                             sequences=sequences)

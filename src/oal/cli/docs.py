@@ -17,7 +17,7 @@ PAGES = {
     "select-layers": "guides/layers-and-methods.md#which-layers-to-convert",
     "adapt": "guides/convert.md#adapting-a-run-again",
     "diagnose": "guides/regime.md#the-papers-diagnostics",
-    "demo": "design/backends.md",
+    "demo": "reference/cli.md#the-operator-demo",
     "fetch": "guides/convert.md#from-the-command-line",
     "tune-cpu": "performance/tuning.md",
 }

@@ -42,6 +42,8 @@ def tune_cpu(
                         log=lambda line: typer.echo(line, err=True), contention=not quiet_only)
     for name, entry in res.items():
         default = entry.get("default_time_s") or float("nan")
+        how = (f"cached, measured {entry.get('when', '?')}; --force measures again" if entry.get("cached")
+               else f"tuning took {entry['tuning_s']:.0f} s")
         typer.echo(f"{name}: {tuning.Settings(**entry['settings']).label()}: {entry['time_s']:.3f} s at "
-                   f"N={entry['n']} (fixed defaults {default:.3f} s; tuning took {entry['tuning_s']:.0f} s)")
+                   f"N={entry['n']} (fixed defaults {default:.3f} s; {how})")
     typer.echo(f"cache: {tuning.cache_path()}")

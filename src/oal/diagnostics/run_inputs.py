@@ -25,7 +25,19 @@ def read_run(out_dir: str | Path) -> dict | None:
     return {"model": str(cfg["model"]), "data": cfg.get("data", "builtin"), "data_dir": cfg.get("data_dir"),
             "calib": dict(cfg.get("calib") or {}), "grouping": dict(cfg.get("grouping") or {}),
             "seed": cfg.get("seed"), "plan": data["split_plan"], "blocks": data.get("blocks") or {},
-            "layers": data.get("converted_layers"), "path": str(path)}
+            "layers": _converted_layers(Path(out_dir), data.get("converted_layers")), "path": str(path)}
+
+
+def _converted_layers(run_dir: Path, recorded) -> list[int] | None:
+    """The layers the run converts. A `--layers auto:K` run (and `oal select-layers`) records its selection
+    ({"by", "k", "candidates"}), not layers: its layers are selection.json's choice once made (None before)."""
+    if isinstance(recorded, list):
+        return [int(i) for i in recorded]
+    sel = run_dir / "selection.json"
+    if isinstance(recorded, dict) and sel.is_file():
+        chosen = load_json(sel).get("chosen")
+        return [int(i) for i in chosen] if isinstance(chosen, list) else None
+    return None
 
 
 def run_blocks(run: dict, tokenizer) -> dict[str, torch.Tensor]:

@@ -106,12 +106,22 @@ def _beyond(best: Settings, stage: int) -> Settings | None:
     return None
 
 
+def _reuse_problem(entry: dict, n: int, shape: dict) -> str | None:
+    """Why a current cache entry cannot answer a tuning of length `n` at `shape` (None: it can). An entry timed at
+    another length answered `--length 4096` with the choice and times of N = 256."""
+    problem = entry_problem(entry, times=True)
+    if problem is None and (entry.get("n") != n or entry.get("shape") != shape):
+        problem = f"measured at N={entry.get('n')}, shape {entry.get('shape')}; asked N={n}, shape {shape}"
+    return problem
+
+
 def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: int = 8192, repeats: int = 2,
          force: bool = False, shape: dict | None = None, log=None, contention: bool = True) -> dict:
     """Measure and cache the best settings for each dtype (wall clock, `threads` torch threads, causal forward of
     length n at `shape`, best of `repeats` calls per candidate). Entries already cached for this torch version are
-    kept unless `force`. Returns {dtype name: entry}; an entry holds the settings, every candidate's time, the
-    load average before and after, and how long the tuning took.
+    kept unless `force` (or measured at another n or shape). Returns {dtype name: entry}; an entry holds the settings,
+    every candidate's time, the load average before and after, and how long the tuning took; a reused one also holds
+    "cached": True.
 
     `contention`: when torch's own threads (serial) win on the quiet machine, the serial winner and the best
     pipelined candidate are timed again beside one busy process, and the one with the smaller mean of quiet and
@@ -128,9 +138,9 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
             key = machine_key(dtype, threads, info)
             old = _read(cache_path()).get(key)
             if not force and _current(old):
-                problem = entry_problem(old, times=True)
+                problem = _reuse_problem(old, n, shape)
                 if problem is None:
-                    results[_dtype_name(dtype)] = old
+                    results[_dtype_name(dtype)] = {**old, "cached": True}  # marked for the caller, not stored
                     continue
                 if log:
                     log(f"  {_dtype_name(dtype)}: the cached entry is not usable ({problem}); measuring it again")
@@ -160,6 +170,8 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
                 for _ in range(repeats):
                     for cand in (default, best):
                         tried[cand] = min(tried[cand], _time(cand, inputs, 1))
+                for cand in (default, best) if log else ():  # the times the choice and the summary line use
+                    log(f"  {_dtype_name(dtype)} {cand.label()} against the other, interleaved: {tried[cand]:.3f} s")
                 best = min((default, best), key=tried.get)
             loaded = {}
             pipelined = [c for c in tried if c.pipeline]

@@ -3,8 +3,9 @@
 The paper (and LoLCATs, Liger) fixes a middle range and keeps the first and last layers on softmax. Once every
 candidate layer is calibrated, two cheap criteria are available without any training:
 
-- ``fidelity``: the layer's frozen-attention RelMSE after W_o on held-out blocks (Eq. 22, App. C), already
-  computed per layer by the fidelity stage;
+- ``fidelity``: the layer's frozen-attention RelMSE after W_o (Eq. 22, App. C) on the calibration validation
+  blocks, held out from the coefficients' training (not the fidelity stage's blocks, which the report's Table 2
+  measures: choosing on them would bias it);
 - ``probe``: a one-layer swap probe, the validation perplexity of the model with only that layer converted
   (calibrated kernel, no adaptation).
 
