@@ -15,7 +15,9 @@ import torch
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir
 from oal.errors import InputError
 from oal.models.pretrained import read_json_object
-from oal.rundir.hashes import sha256_tree
+from oal.rundir.confine import escaping_links
+from oal.rundir.hashes import sha256_file, sha256_tree
+from oal.rundir.stages import StageLog
 
 __all__ = ["adapter_dir", "arm_inputs", "calibrated_methods", "load_arm", "load_converted"]
 
@@ -40,9 +42,21 @@ def calibrated_methods(run_dir: str | Path) -> list[str]:
     return found
 
 
-def _kernels_or_fail(run_dir: Path, method: str) -> Path:
+def _check_run_dir(run_dir: Path, method: str) -> None:
+    """A run directory an arm may be read from: `method` a plain name (a run's config.json lists them, and
+    kernels/<method>, adapter/<method> must stay below the run), no symbolic link out of the directory."""
     if not run_dir.is_dir():
         raise InputError(f"{run_dir} is not a directory (expected a run directory of `oal run`)", "--out", "run_dir")
+    if not isinstance(method, str) or not method.isprintable() or method in ("", ".", "..") or any(
+            c in method for c in "/\\"):
+        raise InputError(f"{method!r} is not a method name", "--method")
+    for link, target in escaping_links(run_dir, limit=1):
+        raise InputError(f"{link} is a symbolic link to {target}, outside {run_dir}; oal reads a run directory from "
+                         "its own files only: remove the link (or move its target inside)", "--out", "run_dir")
+
+
+def _kernels_or_fail(run_dir: Path, method: str) -> Path:
+    _check_run_dir(run_dir, method)
     kdir = kernel_dir(run_dir, method)
     if not (kdir / META_FILE).is_file():
         have = calibrated_methods(run_dir)
@@ -67,13 +81,27 @@ def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path |
     return adir
 
 
+def _run_config(run_dir: Path) -> dict:
+    """config.json of `oal run`, checked against the SHA256 its setup stage recorded (where there is that record:
+    a run directory written by the library's parts alone has none); {} when there is no config.json."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return {}
+    config = read_json_object(path, "the configuration of an `oal run` run directory")
+    stages = run_dir / ".oal" / "stages.json"
+    if stages.is_file():
+        want = (StageLog(run_dir).stages.get("setup") or {}).get("sha256")
+        if isinstance(want, dict) and "config.json" in want and sha256_file(path) != want["config.json"]:
+            raise ValueError(f"{path}: changed since `oal run` wrote it (its SHA256 differs from {stages}); rerun "
+                             f"`oal run --out {run_dir}`")
+    return config
+
+
 def _run_dtype(run_dir: Path) -> torch.dtype:
     """The dtype the run loaded its model in (config.json of `oal run`), float32 when not recorded."""
     path = run_dir / "config.json"
-    name = "float32"
-    if path.is_file():
-        config = read_json_object(path, "the configuration of an `oal run` run directory").get("config")
-        name = (config.get("dtype") if isinstance(config, dict) else None) or name
+    config = _run_config(run_dir).get("config")
+    name = (config.get("dtype") if isinstance(config, dict) else None) or "float32"
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{path}: config.dtype: expected a torch dtype name, got {name!r}")
@@ -132,8 +160,11 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
     from oal.models.registry import load_model
 
     run_dir = Path(run_dir)
+    _check_run_dir(run_dir, method)
     config_path = run_dir / "config.json"
-    record = read_json_object(config_path, "the configuration of an `oal run` run directory").get("model")
+    if not config_path.is_file():
+        raise ValueError(f"{config_path}: missing; expected the configuration of an `oal run` run directory")
+    record = _run_config(run_dir).get("model")
     if not isinstance(record, dict) or not record.get("state_dict_sha256"):
         raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
     name = model or record.get("model") or "default"

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from oal.calibration.kernels import META_FILE, check_kernels_base, load_kernels, model_fingerprint, recorded_base_model
+from oal.models.folders import first_line
 from oal.models.pretrained import read_json_object
+from oal.rundir.confine import escaping_links
 
 __all__ = ["load", "load_export", "load_with_tokenizer"]
 
@@ -98,6 +100,9 @@ def load_with_tokenizer(directory: str | Path, base_model: str | None = None, **
 
 def _convert_checked(directory, base_model: nn.Module, provenance: Mapping | None) -> nn.Module:
     directory = _kernels_folder(directory)
+    for link, target in escaping_links(directory, limit=1):
+        raise ValueError(f"{link}: a symbolic link to {target}, outside {directory}; oal reads a kernels folder "
+                         "from its own files only")
     methods, meta = load_kernels(directory, fingerprint=model_fingerprint(base_model))
     check_kernels_base(directory, meta, base_model, provenance)
     n_layers = model_fingerprint(base_model)["num_hidden_layers"]
@@ -132,4 +137,17 @@ def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, devi
 
     auto = AutoModel if family in ENCODER_FAMILIES else AutoModelForCausalLM  # encoders: the base encoder
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    return auto.from_pretrained(directory, local_files_only=True, **kwargs).to(device).eval()
+    try:
+        model = auto.from_pretrained(directory, local_files_only=True, **kwargs)
+    except _config_errors() as exc:  # transformers' own check of config.json's fields: several lines, not a ValueError
+        raise ValueError(f"{cfg_path}: {first_line(exc)}") from None
+    return model.to(device).eval()
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """The error types of transformers' validation of a config's fields (huggingface_hub's strict dataclasses)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs are not validated there
+        return ()
+    return (StrictDataclassError,)

@@ -20,6 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, get_method, record_settings
+from oal.models.pretrained import check_records
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
 from oal.rundir.hashes import header_binds, record_header, sha256_file
 
@@ -160,6 +161,7 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
             details = ", ".join(f"{k}: file {a!r} vs model {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"base_model: kernels in {directory} were made for another model ({details})")
     tensors = load_safetensors(tensor_path)
+    _check_sizes(meta_path, meta, tensors, fingerprint or meta["base_model"].get("fingerprint"))
     methods = {}
     for key, info in meta["layers"].items():
         if not str(key).isdigit() or not isinstance(info, dict) or "method" not in info:
@@ -172,6 +174,35 @@ def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,
         except (TypeError, KeyError, AttributeError) as exc:  # a field of the wrong type or missing: the record's
             raise ValueError(f"{meta_path}: damaged layer record {key!r} ({type(exc).__name__}: {exc})") from None
     return methods, meta
+
+
+def _check_sizes(meta_path: Path, meta: dict, tensors: Mapping, fingerprint) -> None:
+    """The layer records against the model's shape (`fingerprint`: the model's, else the one the file records)
+    before any method is built: a layer it lacks, another head shape, a non-finite setting, or sizes that would
+    allocate far more than the kernels file holds; OAL builds a factor for its largest group id, whatever n_groups
+    says, so the stored group ids count too."""
+    keys = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers")
+    if not isinstance(fingerprint, Mapping) or not all(type(fingerprint.get(k)) is int for k in keys):
+        fingerprint = _own_shape(meta["layers"])  # kernels saved from methods alone: their records' one shape
+    sized = {}
+    for key, info in meta["layers"].items():
+        groups = tensors.get(f"layers.{key}.groups")
+        if isinstance(info, dict) and groups is not None and groups.numel() and not groups.is_floating_point():
+            init = info.get("init") if isinstance(info.get("init"), dict) else {}
+            n_groups = init.get("n_groups", 2) if type(init.get("n_groups", 2)) is int else 2
+            info = {**info, "init": {**init, "n_groups": max(n_groups, int(groups.max()) + 1, 1)}}
+        sized[key] = info
+    shape = tuple(fingerprint[k] for k in keys[:3])
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    check_records(sized, shape, fingerprint["num_hidden_layers"], nbytes, meta_path)
+
+
+def _own_shape(layers: Mapping) -> dict:
+    """A fingerprint of the (Hq, Hkv, d) the layer records share (one model has one), any number of layers; the
+    first record's shape when they differ, which `check_records` then refuses for the others."""
+    first = next((info for info in layers.values() if isinstance(info, dict)), {})
+    return {"num_attention_heads": first.get("n_heads"), "num_key_value_heads": first.get("n_kv_heads"),
+            "head_dim": first.get("head_dim"), "num_hidden_layers": 1 << 62}
 
 
 def method_record(m: AttentionMethod) -> tuple[dict, dict]:

@@ -35,15 +35,19 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import re
+from contextvars import ContextVar
 from pathlib import Path, PurePosixPath
 
 import torch
 from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, record_settings
-from oal.models.attention import converted_methods, dispatch_name, swap_attention
-from oal.rundir.files import atomic_save_safetensors, atomic_write_json
+from oal.models.attention import _head_shape, converted_methods, dispatch_name, swap_attention
+from oal.models.folders import first_line
+from oal.rundir.confine import escaping_links
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, check_json_size
 from oal.rundir.hashes import sha256_file, versions
 
 __all__ = ["FORMAT", "LORA_FILE", "MANIFEST", "UNHASHED", "VARIANT", "ConvertedModelMixin", "build_methods",
@@ -101,6 +105,79 @@ def _fp32_on_cpu():
         torch.set_default_dtype(old)
 
 
+# Integer settings a record may hold, and their least value; what construction allocates grows with them.
+_INT_SETTINGS = {"n_groups": 1, "n_features": 1, "chunk_size": 1, "window": 0, "sinks": 0}
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# What construction may allocate beyond the tensors a checkpoint holds (buffers rebuilt, not saved: a Hadamard
+# matrix); a record that asks for more is refused before anything is built.
+_SLACK_BYTES = 256 << 20
+
+
+def _construction_bytes(shape: tuple[int, int, int], init: dict) -> int:
+    """An upper bound of what building one method allocates: per-(head, dim) tensors (groups, features of
+    `n_features` each), an (n_groups + 1)^2 factor per head, and square matrices of the next power of two >= d."""
+    n_heads, _, d = shape
+    p = 1 << max(0, (d - 1).bit_length())
+    per_head = d * (1 + init.get("n_features", 1)) + (init.get("n_groups", 2) + 1) ** 2
+    return 8 * (n_heads * per_head + 2 * p * p)
+
+
+def _check_init(where: str, init) -> None:
+    if not isinstance(init, dict):
+        raise ValueError(f"{where}: 'init' must be a JSON object of settings, got {type(init).__name__}")
+    for name, v in init.items():
+        low = _INT_SETTINGS.get(name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{where}: {name} is {v}; expected a finite number")
+        if low is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ValueError(f"{where}: {name} must be an integer >= {low}, got {v!r}")
+        if name == "dtype" and v not in _DTYPES:
+            raise ValueError(f"{where}: dtype must be one of {', '.join(_DTYPES)}, got {v!r}")
+
+
+def check_records(layers, shape: tuple[int, int, int], n_layers: int, file_bytes: int | None, where) -> None:
+    """Refuse, before any method is built, saved layer records (config.oal's, kernels.json's) that do not fit the
+    model: a layer it does not have, another (Hq, Hkv, d), settings of the wrong type, a non-finite number, or sizes
+    whose construction would allocate far more than the `file_bytes` of tensors saved with them (a downloaded file
+    asking for tens of GB). ValueError naming `where`."""
+    if not isinstance(layers, dict):
+        raise ValueError(f"{where}: expected a JSON object of layer records, got {type(layers).__name__}")
+    total = 0
+    for key, info in layers.items():
+        here = f"{where}: layer {key!r}"
+        if not (isinstance(key, str) and key.isdecimal() and int(key) < n_layers) or not isinstance(info, dict):
+            raise ValueError(f"{here}: expected a record of one of the model's layers 0..{n_layers - 1}")
+        got = tuple(info.get(k) for k in ("n_heads", "n_kv_heads", "head_dim"))
+        if not all(type(v) is int and v >= 1 for v in got) or got != tuple(shape):
+            raise ValueError(f"{here}: built for (Hq, Hkv, d) = {got}, the model has {tuple(shape)}")
+        seed = info.get("seed", 0)
+        if type(seed) is not int or not 0 <= seed < 1 << 63:
+            raise ValueError(f"{here}: seed must be an integer in [0, 2^63), got {seed!r}")
+        _check_init(here, info.get("init", {}))
+        total += _construction_bytes(shape, info.get("init", {}))
+    if file_bytes is not None and total > file_bytes + _SLACK_BYTES:
+        raise ValueError(f"{where}: its layers would allocate {total / 2**30:.1f} GiB when built, far more than the "
+                         f"{file_bytes} bytes of tensors saved with them; refusing a damaged or hostile record")
+
+
+# The local folder being loaded (`from_pretrained`) and the bytes of its weights, which bound what building the
+# recorded methods may allocate (`check_records`); None otherwise (a hub id, a config built in memory).
+_LOADING: ContextVar[tuple[Path, int] | None] = ContextVar("oal_loading", default=None)
+
+
+def _loading(directory) -> tuple[Path, int] | None:
+    if directory is None or not Path(directory).is_dir():
+        return None
+    directory = Path(directory)
+    return directory, sum(p.stat().st_size for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
+
+
+def _where() -> str:
+    """How errors name the conversion record: with its file while a folder loads."""
+    loading = _LOADING.get()
+    return f"{loading[0] / 'config.json'}: config.oal" if loading else "config.oal"
+
+
 def _build(layer: int, info: dict) -> AttentionMethod:
     try:
         init = record_settings(info)
@@ -109,8 +186,8 @@ def _build(layer: int, info: dict) -> AttentionMethod:
         m = build_method(info["method"], info["n_heads"], info["n_kv_heads"], info["head_dim"], layer_idx=layer,
                          seed=info.get("seed", 0), **init)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"config.oal: layer {layer}: cannot rebuild the method from {info!r} ({exc})") from None
-    check_version(info, f"config.oal: layer {layer}")  # the checkpoint's tensors were made for this construction
+        raise ValueError(f"{_where()}: layer {layer}: cannot rebuild the method from {info!r} ({exc})") from None
+    check_version(info, f"{_where()}: layer {layer}")  # the checkpoint's tensors were made for this construction
     return m
 
 
@@ -118,7 +195,7 @@ def build_methods(spec) -> dict[int, AttentionMethod]:
     """layer -> freshly built method, as `conversion_spec` recorded them (the tensors come from the checkpoint)."""
     if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT or not isinstance(spec.get("layers"), dict):
         got = spec.get("format") if isinstance(spec, dict) else type(spec).__name__
-        raise ValueError(f"config.oal: expected a conversion of format {SPEC_FORMAT!r}, got {got!r}")
+        raise ValueError(f"{_where()}: expected a conversion of format {SPEC_FORMAT!r}, got {got!r}")
     with _fp32_on_cpu():
         return {int(key): _build(int(key), info) for key, info in spec["layers"].items()}
 
@@ -161,11 +238,14 @@ def _digest(path: Path, name: str, recorded: str | None = None) -> str:
 def read_json_object(path: Path, expected: str) -> dict:
     """The JSON object in `path`; ValueError naming the file when it is missing, not JSON or not an object."""
     try:
+        check_json_size(path)
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: missing; expected {expected}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc}); expected {expected}") from None
+    except RecursionError:  # json's C parser recurses once per level of nesting
+        raise ValueError(f"{path}: nested too deeply; expected {expected}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected {expected}, got a JSON {type(data).__name__}")
     return data
@@ -175,7 +255,7 @@ def confined_file(directory: str | Path, name, where: str | Path) -> Path:
     """`directory / name` for a file name read from `where` (a manifest): a relative path below `directory` (no
     absolute path, no `..`, no link out of it); ValueError naming `where` for anything else."""
     directory = Path(directory)
-    path = PurePosixPath(name) if isinstance(name, str) and name else None
+    path = PurePosixPath(name) if isinstance(name, str) and name and name.isprintable() else None  # no NUL, no \n
     if path is None or path.is_absolute() or ".." in path.parts or "\\" in name or path.as_posix() != name:
         raise ValueError(f"{where}: file name {name!r} is not a plain relative path inside {directory}")
     f = directory / path
@@ -208,6 +288,9 @@ def verify_manifest(directory: str | Path) -> dict:
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
         if _digest(f, name, want) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
+    for link, target in escaping_links(directory, limit=1):  # transformers reads unlisted files too (generation)
+        raise ValueError(f"{link}: a symbolic link to {target}, outside {directory}; a converted model folder is read "
+                         "from its own files only")
     # added after the manifest was written: weights or an adapter, which transformers would load; and where the
     # manifest records the tokenizer (`oal export` writes the whole folder), any other file, such as a
     # special_tokens_map.json or chat_template.jinja that transformers reads beside the recorded tokenizer files.
@@ -289,6 +372,10 @@ class ConvertedModelMixin:
         if spec is None:
             raise ValueError(f"config: {type(self).__name__} needs the conversion under config.oal "
                              "(a config saved from a converted model)")
+        if isinstance(spec, dict):  # the sizes first: a record can ask construction for tens of GB
+            n_layers = self.config.get_text_config().num_hidden_layers
+            loading = _LOADING.get()
+            check_records(spec.get("layers"), _head_shape(self), n_layers, loading and loading[1], _where())
         swap_attention(self, methods=build_methods(spec))
 
     def _apply(self, fn, *args, **kwargs):
@@ -367,8 +454,19 @@ class ConvertedModelMixin:
         want_info = kwargs.pop("output_loading_info", False)
         _check_variant(kwargs.pop("variant", None))
         kwargs["use_safetensors"] = True
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              variant=VARIANT, **kwargs)
+        token = _LOADING.set(_loading(pretrained_model_name_or_path))
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  variant=VARIANT, **kwargs)
+        except torch.OutOfMemoryError:  # not the folder's fault
+            raise
+        except (RuntimeError, IndexError, KeyError, TypeError) as exc:  # a config.json its weights do not fit
+            message = first_line(exc)
+            if "ignore_mismatched_sizes" in message:  # transformers points at a report it did not show
+                message = "its config.json does not fit the shapes of its weights"
+            raise ValueError(f"{pretrained_model_name_or_path}: cannot load the converted model ({message})") from exc
+        finally:
+            _LOADING.reset(token)
         _restore_non_persistent(model)
         problems = _loading_problems(info)
         if problems:

@@ -38,12 +38,17 @@ EVALUATION_KEYS = ("config.zeroshot_tasks", "config.zeroshot_limit", "config.zer
 def identity(config: dict) -> dict:
     """The parts of a config.json that define a run: the configuration (less runtime keys), the converted layers,
     the split plan, and the SHA256 of the model (files and tensors) and of the data."""
-    cfg = {k: v for k, v in (config.get("config") or {}).items() if k not in RUNTIME_KEYS}
-    model = config.get("model") or {}
+    cfg = {k: v for k, v in _object(config.get("config")).items() if k not in RUNTIME_KEYS}
+    model = _object(config.get("model"))
     return {"config": cfg, "converted_layers": config.get("converted_layers"),
             "split_plan": config.get("split_plan"),
             "model": {k: model.get(k) for k in ("sha256", "state_dict_sha256")},
-            "data": (config.get("data") or {}).get("sha256"), "seeds": config.get("seeds")}
+            "data": _object(config.get("data")).get("sha256"), "seeds": config.get("seeds")}
+
+
+def _object(value) -> dict:
+    """`value` when a JSON object, else {} (a damaged record then differs from any configuration)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _flat(d, prefix="") -> dict:
@@ -111,7 +116,7 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
     if recorded.exists():
         try:
             old = load_json(recorded)
-            if not isinstance(old, dict) or "config" not in old:
+            if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
                 raise ValueError(f"{recorded}: damaged, expected a run configuration")
         except ValueError as exc:
             problem = f"{exc}"
@@ -132,8 +137,8 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
             problem = str(exc)
     if problem is not None:
         if not force:
-            raise InputError(f"{problem}; use another --out, or start clean with `oal run --force` (deletes its "
-                             "results)", "--out", "out_dir")
+            raise InputError(f"{problem}; use another --out, or start clean with --force (of `oal run` or `oal "
+                             "select-layers`; it deletes the results)", "--out", "out_dir")
         clear_run(path)
     path.mkdir(parents=True, exist_ok=True)
     clean_tmp(path)
@@ -153,6 +158,12 @@ def multi_seed_layout(path: str | Path, seeds: list[int], *, force: bool = False
         clear_run(path)
         return
     recorded = (top or {}).get("seeds") if isinstance(top, dict) else None
+    if recorded is not None and not isinstance(recorded, list):
+        if not force:
+            raise InputError(f"{path / 'config.json'}: damaged, 'seeds' must be a list of seeds; use another --out, "
+                             "or --force to start clean", "--out", "out_dir")
+        clear_run(path)
+        return
     if len(seeds) == 1 and (seed_dirs or recorded):
         problem = (f"{path} holds a multi-seed run ({', '.join(seed_dirs) or recorded}); a single-seed run would "
                    "overwrite its aggregate: use another --out, the same --seeds, or --force to start clean")

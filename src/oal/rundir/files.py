@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,8 @@ from oal.errors import InputError
 from oal.rundir.confine import inside
 
 __all__ = ["atomic_dir", "atomic_save_figure", "atomic_save_safetensors", "atomic_write", "atomic_write_json",
-           "atomic_write_text", "check_out_dir", "clean_tmp", "existing_dir", "load_json", "load_safetensors",
-           "DiskFull", "flock", "make_dirs", "remove", "safetensors_metadata", "to_jsonable"]
+           "atomic_write_text", "check_json_size", "check_out_dir", "clean_tmp", "existing_dir", "load_json",
+           "load_safetensors", "DiskFull", "flock", "make_dirs", "remove", "safetensors_metadata", "to_jsonable"]
 
 log = logging.getLogger("oal")
 
@@ -154,15 +155,36 @@ def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=to_jsonable) + "\n")
 
 
+# The records oal writes are a few MB at most: a larger file (a downloaded run or export) is refused unread, rather
+# than parsed into many times its size in memory.
+MAX_JSON_BYTES = 256 << 20
+
+
+def check_json_size(path: Path) -> None:
+    """ValueError naming `path` when it is not a regular file (a FIFO or a device would block or never end) or is
+    larger than any record oal writes (`MAX_JSON_BYTES`); FileNotFoundError when it is missing."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file; expected a JSON record")
+    size = st.st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size} bytes, larger than any JSON record oal writes ({MAX_JSON_BYTES} at most); "
+                         "refusing to parse it")
+
+
 def load_json(path: str | Path):
-    """Parse a JSON file; a missing, unreadable or damaged file is a ValueError naming it."""
+    """Parse a JSON file; a missing, unreadable, oversized or damaged file (nested too deep included) is a ValueError
+    naming it."""
     path = Path(path)
     try:
+        check_json_size(path)
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: file not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: damaged, not valid JSON ({exc})") from None
+    except RecursionError:  # json's C parser recurses once per level of nesting
+        raise ValueError(f"{path}: damaged, JSON nested too deeply to be a record of oal") from None
 
 
 def atomic_save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata=None) -> Path:

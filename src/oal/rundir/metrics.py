@@ -60,16 +60,31 @@ def verified_evaluations(run_dir: str | Path) -> tuple[list[Entry], dict, dict[s
     entries: list[Entry] = []
     defaults: dict = {}
     inputs: dict[str, str] = {}
-    for name, rec in sorted(records.stages.items(), key=lambda kv: int(kv[1].get("seq", 0))):
+    if any(type(r.get("seq", 0)) is not int for r in records.stages.values()):
+        raise ValueError(f"{records.path}: damaged, a record's 'seq' is not an integer")
+    for name, rec in sorted(records.stages.items(), key=lambda kv: kv[1].get("seq", 0)):
         if not records.verified(name):
             changed = records.damaged(name) + records.stale_inputs(name)
             log.info("metrics.json: leaving out %s (%s changed since it was measured)", name, ", ".join(changed[:3]))
             continue
-        value = load_json(run_dir / rec["outputs"][0])
-        entries += [(tuple(path), v) for path, v in value["entries"]]
-        defaults.update(value.get("defaults") or {})
+        more, more_defaults = _read_value(run_dir / rec["outputs"][0])
+        entries += more
+        defaults.update(more_defaults)
         inputs.update(rec.get("inputs") or {})
     return entries, defaults, inputs
+
+
+def _read_value(path: Path) -> tuple[list[Entry], dict]:
+    """(entries, defaults) of one measurement's file, as `record_evaluation` writes it; ValueError naming the file
+    for any other shape (its SHA256 matching its record says who wrote it, not that it is well formed)."""
+    value = load_json(path)
+    entries = value.get("entries") if isinstance(value, dict) else None
+    defaults = (value.get("defaults") or {}) if isinstance(value, dict) else None
+    if not isinstance(entries, list) or not isinstance(defaults, dict) or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and e[0]
+            and all(isinstance(k, str) for k in e[0]) for e in entries):
+        raise ValueError(f"{path}: damaged, expected {{'entries': [[[key, ...], value], ...], 'defaults': {{...}}}}")
+    return [(tuple(keys), v) for keys, v in entries], defaults
 
 
 def apply_entries(metrics: dict, entries: Iterable[Entry]) -> dict:
@@ -78,6 +93,9 @@ def apply_entries(metrics: dict, entries: Iterable[Entry]) -> dict:
         d = metrics
         for key in path[:-1]:
             d = d.setdefault(key, {})
+            if not isinstance(d, dict):  # an earlier entry set a number where this one needs an object
+                raise ValueError(f"metrics: entry {'.'.join(path)} lies below the value of {key!r}, not an object "
+                                 f"(damaged evaluation records in .oal/{EVALUATIONS}?)")
         d[path[-1]] = value
     return metrics
 

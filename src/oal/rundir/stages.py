@@ -31,6 +31,9 @@ class StageLog:
         if not isinstance(self.stages, dict) or not all(isinstance(v, dict) for v in self.stages.values()):
             raise ValueError(f"{self.path}: damaged, expected a JSON object of stage records")
         for stage, rec in self.stages.items():  # checked before any recorded file is read (hashed)
+            shape = _bad_shape(rec)
+            if shape:
+                raise ValueError(f"{self.path}: damaged, stage {stage!r}: {shape}")
             outside = [p for p in _recorded_paths(rec) if not _within(self.run_dir, p)]
             if outside:
                 raise ValueError(f"{self.path}: stage {stage!r} records {outside[0]!r}, a path outside the run "
@@ -91,6 +94,19 @@ class StageLog:
         return {k: v["elapsed_s"] for k, v in self.stages.items()}
 
 
+def _bad_shape(rec: dict) -> str | None:
+    """What is wrong with the types of a stage record (None when nothing): its outputs a list of paths, its output
+    and input hashes objects of path -> SHA256."""
+    outputs = rec.get("outputs") or []
+    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
+        return "'outputs' must be a list of paths"
+    for key in ("sha256", "inputs"):
+        value = rec.get(key) or {}
+        if not isinstance(value, dict) or not all(isinstance(h, str) for h in value.values()):
+            return f"{key!r} must be a JSON object of path -> SHA256"
+    return None
+
+
 def _recorded_paths(rec: dict) -> list:
     """Every path a stage record names: its outputs and the keys of its output and input hashes."""
     paths = list(rec.get("outputs") or [])
@@ -102,8 +118,9 @@ def _recorded_paths(rec: dict) -> list:
 
 def _within(root: Path, rel) -> bool:
     """`rel` is a relative path that stays below `root`, lexically and with its links resolved."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-        return False
+    if not isinstance(rel, str) or not rel or not rel.isprintable() or Path(rel).is_absolute() or ".." in Path(
+            rel).parts:
+        return False  # not printable: a NUL (no path holds one) or a line break
     base = root.resolve()
     target = (root / rel).resolve()
     return target == base or base in target.parents
