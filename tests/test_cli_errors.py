@@ -193,6 +193,22 @@ def test_ctrl_c_says_so_in_one_line(monkeypatch):
     assert "Traceback" not in res.output
 
 
+def test_ctrl_c_while_the_commands_load_says_so_in_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the first second (the commands import torch before `app` can catch it) printed a traceback."""
+    import importlib
+
+    import oal.cli as cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.startswith("Interrupted. Nothing half-written is left")
+
+
 def test_a_directory_in_place_of_a_kernels_file_is_named(tmp_path):
     """It said "directory: expected kernels.json and kernels.safetensors in DIR", naming neither as the fault."""
     from oal.calibration.kernels import load_kernels

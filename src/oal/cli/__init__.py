@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
-from oal.cli.app import app
+from oal.cli.app import INTERRUPTED, app
 
 # One module per command (or small family of commands); each adds its commands to `app` on import.
 _COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose",
@@ -19,4 +20,9 @@ def load_commands():
 
 
 def main() -> None:
-    load_commands()(prog_name="oal")
+    try:
+        commands = load_commands()
+    except KeyboardInterrupt:  # Ctrl-C while the commands import torch, before `app` handles it: the same line
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
+    commands(prog_name="oal")

@@ -15,6 +15,8 @@ from oal.cli.docs import PANELS, arrange, docs_line
 from oal.cli.failures import bad_input_message, drop_stdout
 
 _STATE = {"debug": False, "quiet": False}
+INTERRUPTED = ("Interrupted. Nothing half-written is left; the same command again resumes from its last checkpoint "
+               "(or starts over where it keeps none).")
 
 
 class _Group(TyperGroup):
@@ -35,8 +37,7 @@ class _Group(TyperGroup):
         except (typer.Exit, typer.Abort):
             raise
         except KeyboardInterrupt:  # Ctrl-C: one line (typer would exit 130 in silence, a progress bar last)
-            typer.echo("Interrupted. Nothing half-written is left; the same command again resumes from its last "
-                       "checkpoint (or starts over where it keeps none).", err=True)
+            typer.echo(INTERRUPTED, err=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:  # whoever read stdout has gone (`oal fetch NAME | head -0`): nothing to report
             drop_stdout()
