@@ -91,6 +91,9 @@ def test_offline_hub_fails_fast_with_clear_message(monkeypatch, tmp_path):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    import huggingface_hub.constants as hc  # the parquet files are looked up in the hub cache first
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match="data_dir"):
         load_wikitext("wikitext-2-raw-v1")
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from oal.data.wikitext import MANIFEST_NAME, hub_reachable, read_manifest
+from oal.data.wikitext import MANIFEST_NAME, cached_revisions, hub_reachable, read_manifest
 from oal.errors import parse_names
 from oal.rundir.files import atomic_write_json
 from oal.rundir.hashes import sha256_file
@@ -207,10 +208,14 @@ def verify_manifest(data_dir: str | Path, task: str, *, sources: dict[str, TaskS
     """Check `task`'s entry of DIR/manifest.json and its file (against the pin, or the recorded hash); its path."""
     spec = (sources or SOURCES).get(task) or _check_task(task)
     data_dir = Path(data_dir)
-    mpath, manifest = read_manifest(data_dir, "oal.data.zeroshot.write_manifest")
+    mpath, manifest = read_manifest(data_dir, "oal.data.zeroshot.write_manifest(DIR) (layout: DIR/<task>/<file in "
+                                              "the repo>; docs/guides/evaluation.md)", "--zeroshot-dir")
     entry = manifest.get("tasks", {}).get(task) if isinstance(manifest.get("tasks"), dict) else None
     if not isinstance(entry, dict):
-        raise ValueError(f"manifest {mpath}: task {task!r} not listed")
+        listed = sorted(manifest.get("tasks") or {}) if isinstance(manifest.get("tasks"), dict) else []
+        raise ValueError(f"manifest {mpath}: task {task!r} not listed (the --zeroshot-dir folder holds {listed}); add "
+                         f"{task}/{spec.file} and rerun oal.data.zeroshot.write_manifest on it, or leave {task} out "
+                         "with --tasks")
     for key in ("dataset_id", "revision", "file"):
         if entry.get(key) != getattr(spec, key):
             raise ValueError(f"manifest {mpath}: {task} {key} is {entry.get(key)!r}, expected {getattr(spec, key)!r}")
@@ -238,7 +243,9 @@ def _download(spec: TaskSource, task: str) -> Path:
         return Path(hf_hub_download(spec.dataset_id, spec.file, repo_type="dataset", revision=spec.revision,
                                     local_files_only=offline))
     except Exception as exc:  # huggingface_hub raises several types (offline, missing, network, auth)
-        where = "offline, not cached" if offline else f"download failed: {exc.__class__.__name__}"
+        others = [r[:8] for r in cached_revisions(spec.dataset_id, "dataset") if r != spec.revision]
+        held = f"; the cache holds {', '.join(others)}" if others else ""
+        where = f"offline, not cached{held}" if offline else f"download failed: {exc.__class__.__name__}"
         raise DataUnavailable(
             f"{task}: no {spec.dataset_id}@{spec.revision[:8]} ({where}){_HOW} (--zeroshot-dir DIR with "
             f"DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file (--task-file {task}=PATH.jsonl)"
@@ -257,10 +264,12 @@ def skip_lines(skipped: dict[str, str]) -> list[str]:
 
 
 def _check_hub_file(path: Path, spec: TaskSource, task: str) -> str:
-    digest = sha256_file(path)
-    if spec.sha256 is not None and digest != spec.sha256:
-        raise ValueError(f"{task}: SHA256 mismatch for {path}: file has {digest}, the pinned "
-                         f"{spec.dataset_id}@{spec.revision} file has {spec.sha256}")
+    """The file's SHA256, checked against the pin, else against the cache's blob name (an LFS file's SHA256)."""
+    digest, blob = sha256_file(path), path.resolve().name
+    expected = spec.sha256 or (blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None)
+    if expected is not None and digest != expected:
+        pin = f"the pinned {spec.dataset_id}@{spec.revision} file" if spec.sha256 else "its cache blob name"
+        raise ValueError(f"{task}: SHA256 mismatch for {path}: file has {digest}, {pin} has {expected}")
     return digest
 
 

@@ -14,9 +14,16 @@ from pathlib import Path
 
 import torch
 
-from oal.data.wikitext import hub_reachable
+from oal.data.wikitext import cached_revisions, hub_reachable
 from oal.models.fetch import LOCAL_MODELS, fetch_model
-from oal.models.folders import ModelUnavailableError, bad_model, check_model_folder, first_line, looks_like_path
+from oal.models.folders import (
+    PICKLE_SUFFIXES,
+    ModelUnavailableError,
+    bad_model,
+    check_model_folder,
+    first_line,
+    looks_like_path,
+)
 from oal.models.gguf import GGUF_RECORD, is_gguf, materialize_gguf
 from oal.models.provenance import file_sha256, hash_model_dir, weights_record
 from oal.rundir.files import load_json
@@ -38,6 +45,7 @@ HUB_MODELS: dict[str, dict] = {
     "meta-llama/Llama-3.2-1B": {
         "revision": "4e20de362430cd3b72f300e6b0f18e50e7166e08",
         "weights": {},  # no published weight hash in our notes: hashes are recorded, not checked
+        "gated": True,  # the hub serves it only to an account that accepted Meta's license
         # Base: eos 128001 only; Instruct lists [128001, 128008, 128009].
         "base_config": {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "eos_token_id": 128001},
         "preset": "llama-3.2-1b",
@@ -93,6 +101,24 @@ def identify(path: str | Path) -> tuple[str | None, dict]:
     return None, evidence
 
 
+# What a hub checkpoint is read from: configs, safetensors weights, tokenizer files; never pickle (*.bin, *.pth).
+HUB_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")
+
+
+def hf_download_command(name: str, revision: str | None = None) -> str:
+    """The `hf download` command (huggingface_hub's CLI) that puts what `load_model` reads of `name` in the cache."""
+    rev = f" --revision {revision}" if revision else ""
+    return f"hf download {name}{rev} " + " ".join(f"--include '{p}'" for p in HUB_PATTERNS)
+
+
+def _how_to_get(name: str, revision: str) -> str:
+    spec = HUB_MODELS.get(name, {})
+    gated = (f"accept its license at https://huggingface.co/{name} (a gated model), run `hf auth login`, then "
+             if spec.get("gated") else "run ")
+    return (f"where the hub is reachable {gated}`{hf_download_command(name, revision)}` (fills the Hugging Face "
+            "cache; add --local-dir DIR for a folder to pass as --model DIR), or use the embedded model ('default')")
+
+
 def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
     spec = HUB_MODELS.get(name)
     if revision is None:
@@ -104,17 +130,32 @@ def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:
         revision = spec["revision"]
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
     online = hub_reachable()
     try:
-        path = snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=not online)
+        path = Path(snapshot_download(name, revision=revision, allow_patterns=list(HUB_PATTERNS),
+                                      local_files_only=not online))
     except Exception as exc:  # hub raises several error types; all mean "not available here"
-        why = "reachable" if online else "unreachable or HF_HUB_OFFLINE is set, and the files are not cached"
-        raise ModelUnavailableError(
-            f"model {name}@{revision}: hub {why} ({type(exc).__name__}: {exc}). Download it where the hub is "
-            f"reachable and pass the local folder instead, or use the embedded model ('default')."
-        ) from exc
-    return Path(path), revision
+        if online:
+            why = f"download failed ({first_line(exc)})"
+        else:
+            others = [r for r in cached_revisions(name) if r != revision]
+            held = f" (it holds revision {', '.join(others)} only)" if others else ""
+            why = f"not in the Hugging Face cache{held}, and the hub is unreachable or HF_HUB_OFFLINE is set"
+        raise ModelUnavailableError(f"model {name}@{revision}: {why}; {_how_to_get(name, revision)}") from exc
+    _check_snapshot(path, name, revision)
+    return path, path.name  # the snapshot folder is named by the commit a branch or tag resolved to
+
+
+def _check_snapshot(path: Path, name: str, revision: str) -> None:
+    """An interrupted download leaves a snapshot without its weights; say which file and how to complete it."""
+    spec = HUB_MODELS.get(name, {})
+    wanted = list(spec.get("weights") or [])
+    missing = [f for f in wanted if not (path / f).is_file()]
+    if not wanted and not any(p.is_file() for p in path.glob("*.safetensors")):
+        missing = ["*.safetensors"]
+    if missing and not any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):  # pickles: check_model_folder's
+        raise bad_model(f"{path} (the cached {name}@{revision}) lacks {', '.join(missing)}, an incomplete "
+                        f"download; {_how_to_get(name, revision)}")
 
 
 def load_model(name_or_path: str | Path = "default", *, dtype: torch.dtype = torch.float32, device: str = "cpu",
