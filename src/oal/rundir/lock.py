@@ -122,8 +122,8 @@ def _remove_if_unused(path: Path, created: list[Path]) -> None:
 def _remove_empty_scratch(path: Path) -> None:
     """Remove the scratch folders (SCRATCH) left empty below `path` (a link or a non-empty folder stays)."""
     for folder in SCRATCH:
-        with contextlib.suppress(OSError):
-            if not (path / folder).is_symlink():
+        with contextlib.suppress(OSError):  # a command that wrote nothing touches nothing (no rmdir attempted)
+            if (path / folder).is_dir() and not (path / folder).is_symlink() and not any((path / folder).iterdir()):
                 os.rmdir(path / folder)
 
 
