@@ -8,8 +8,6 @@ import hashlib
 import os
 import shutil
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -20,6 +18,15 @@ from oal.data.wikitext import REVISION, load_wikitext
 from oal.models import registry
 from oal.models.folders import ModelUnavailableError
 
+
+def _parquet():
+    """(pyarrow, pyarrow.parquet), or a skip: datasets brings pyarrow, and the GPU machine has no datasets."""
+    pytest.importorskip("pyarrow")
+    import pyarrow
+    import pyarrow.parquet
+
+    return pyarrow, pyarrow.parquet
+
 QWEN = "Qwen/Qwen2.5-0.5B"
 PIN = registry.HUB_MODELS[QWEN]["revision"]
 OTHER = "a" * 40
@@ -27,8 +34,7 @@ OTHER = "a" * 40
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    """An empty HF hub cache (and datasets cache) under tmp_path, offline."""
-    import datasets
+    """An empty HF hub cache (and datasets cache, where datasets is installed) under tmp_path, offline."""
     import huggingface_hub.constants as hc
 
     cache = tmp_path / "hf" / "hub"
@@ -36,6 +42,10 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    try:
+        import datasets
+    except ImportError:  # the GPU machine: only the model tests run there (the data ones skip on pyarrow)
+        return cache
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
     return cache
 
@@ -168,6 +178,7 @@ def wt_src(tmp_path):
             for i, part in enumerate(shards):
                 f = src / cfg / f"{split}-{i:05d}-of-{len(shards):05d}.parquet"
                 f.parent.mkdir(parents=True, exist_ok=True)
+                pa, pq = _parquet()
                 pq.write_table(pa.table({"text": part}), f)
     return src
 
@@ -279,6 +290,7 @@ def _task_file(tmp_path, task, rows):
     spec = zeroshot.SOURCES[task]
     f = tmp_path / "zs" / spec.file
     f.parent.mkdir(parents=True, exist_ok=True)
+    pa, pq = _parquet()
     pq.write_table(pa.Table.from_pylist(rows), f)
     return f.parent.parent if "/" in spec.file else f.parent
 
@@ -303,6 +315,7 @@ def test_zeroshot_dir_without_a_task_names_the_file_and_tasks(tmp_path):
     d = tmp_path / "zsdir"
     f = d / "piqa" / spec.file
     f.parent.mkdir(parents=True)
+    pa, pq = _parquet()
     pq.write_table(pa.Table.from_pylist([{"goal": "g", "sol1": "a", "sol2": "b", "label": 0}] * spec.rows), f)
     with pytest.raises(ValueError, match=r"\(--zeroshot-dir\) has no manifest\.json"):
         zeroshot.fetch_task("piqa", data_dir=d)
