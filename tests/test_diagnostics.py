@@ -289,3 +289,44 @@ def test_table2s_fidelity_bar_follows_a_quiet_console(tmp_path, monkeypatch):
                         table2_methods=("taylorshift",), calib_cfg=cc, grouping=grouping,
                         console=Console(stderr=True, quiet=quiet))
     assert seen == [False, True]
+
+
+def test_table1_progress_counts_its_real_work():
+    """Each method's progress moves per batch of subsets, in `work_units`: the real data's 2 + B subsets per seed,
+    the Gaussian control's 2 (the bar counted a (layer, sequence) pair as one step, so the cheap control looked
+    like half the work)."""
+    from oal.diagnostics.retained_error import work_units
+
+    data = {0: [_seq(30, seed=s) for s in range(2)], 1: [_seq(30, seed=7)]}
+    groups = {0: _groups(), 1: _groups()}
+    cfg = RetainedErrorConfig(queries=6, seeds=(0, 1), n_controls=9, control_batch=4)
+    for name, seeds in (("performer", 2), ("taylorshift", 1)):
+        steps = []
+        retained_error(name, data, groups, cfg, progress=steps.append)
+        assert sum(steps) == work_units(name, 3, cfg) == 3 * seeds * 11 and len(steps) == 3 * seeds * 3
+        steps.clear()
+        gaussian_control(name, data, cfg, progress=steps.append)
+        assert sum(steps) == work_units(name, 3, cfg, controls=False) == 3 * seeds * 2
+
+
+def test_table1_has_one_bar_over_the_whole_part(tmp_path, monkeypatch):
+    """`oal diagnose --parts table1` showed one bar per method, each counting (layer, sequence) pairs: no estimate of
+    the part's time until its last method."""
+    from rich.progress import Progress
+
+    import oal.diagnostics.runner as runner
+
+    bars = []
+
+    def recording(*a, **kw):
+        bars.append(Progress(disable=True))
+        return bars[-1]
+
+    monkeypatch.setattr(runner, "progress_bar", recording)
+    grouping = dict(tail_fraction=0.25, min_support=0.5, min_ratio=1.2, min_groups=2, n_bootstrap=20)
+    runner.diagnose(_tiny_model(), _blocks(), [1, 2], tmp_path, parts=("table1",),
+                    table1_methods=("performer", "taylorshift"), table1_cfg=RetainedErrorConfig.preset("tiny"),
+                    grouping=grouping)
+    (bar,) = bars
+    (task,) = bar.tasks
+    assert task.total > 0 and task.completed == task.total and task.description.startswith("Table 1")

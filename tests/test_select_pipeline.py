@@ -192,3 +192,39 @@ def test_the_comparison_adapts_a_baseline_from_its_initial_values(assets, tmp_pa
     assert compared and starts["adapt dijiang"]  # the arm itself, and at least one other layer set
     for description, thetas in [*compared.items(), ("adapt dijiang", starts["adapt dijiang"])]:
         assert thetas and all(torch.equal(t, torch.zeros_like(t)) for t in thetas), description
+
+
+def test_another_k_or_criterion_reuses_the_calibration_and_scores(assets, auto_run, tmp_path, monkeypatch):
+    """`oal select-layers --k 3` after a finished `--k 2` run was refused (another configuration), and `--force`
+    recalibrated every layer. Now calibration and the scores are reused; what reads the chosen layers is redone."""
+    import shutil
+
+    from rich.console import Console
+
+    from oal.pipeline import decoder
+    from oal.pipeline.publish import check_publishable
+    from oal.pipeline.runs import run
+
+    out = tmp_path / "run"
+    shutil.copytree(auto_run[0], out)
+    scored = []
+    monkeypatch.setattr(decoder, "calibrate_layers", lambda *a, **kw: pytest.fail("recalibrated"))
+    monkeypatch.setattr(decoder, "score_layers", lambda *a, **kw: scored.append(1) or pytest.fail("rescored"),
+                        raising=False)  # (older code scored inside select_layers)
+    sel = run_selection(_cfg(assets, select={"k": 3, "by": "fidelity"}), out, progress=False)
+    assert len(sel["chosen"]) == 3 and sel["k"] == 3 and scored == []
+    assert sorted(load_kernels(out)[0]) == sel["chosen"]
+    # metrics.json and report.md no longer quote the arms of the K = 2 kernels
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["converted_layers"] == sel["chosen"] and saved["selection"]["chosen"] == sel["chosen"]
+    assert "oal" not in saved["perplexity"] and "softmax" in saved["perplexity"] and not saved["fidelity"]
+    # `oal run` with another K and criterion continues: the chosen layers' stages redone, the rest reused
+    metrics = run(_cfg(assets, select={"k": 3, "by": "probe"}), out, progress=False, console=Console(quiet=True),
+                  results=Console(quiet=True))
+    chosen = json.loads((out / "selection.json").read_text())["chosen"]
+    assert metrics["converted_layers"] == chosen == sorted(metrics["selection"]["order"]["probe"][:3])
+    assert sorted(int(i) for i in metrics["fidelity"]["oal"]["per_layer"]) == chosen
+    assert metrics["perplexity"]["oal"] > 1 and set(metrics["selection"]["comparison"]) == {"probe_top2",
+                                                                                            "paper_range"}
+    check_publishable(out)  # every record verifies: nothing describes the old selection's files
+    assert json.loads((out / "config.json").read_text())["converted_layers"]["by"] == "probe"

@@ -29,7 +29,8 @@ def select_layers_cmd(
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
                                "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seed: int = typer.Option(42, min=0, max=Max.SEED, help="Seed."),
-    force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT."),
+    force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT (another --k "
+                               "or --by needs none: the calibration and scores are reused)."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     threads: ThreadsOpt = 1,

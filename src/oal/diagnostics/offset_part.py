@@ -19,6 +19,7 @@ import torch
 from oal.diagnostics.offset import OFFSET_FILE, OFFSET_STDS, offset_experiment, plot_offset, slowest_rope_pair
 from oal.diagnostics.parts import done_part, write_part
 from oal.errors import InputError
+from oal.models.pretrained import read_json_object
 from oal.rundir.files import atomic_save_figure, atomic_write_text, load_json
 
 __all__ = ["GAIN_FIGURE", "OFFSET_FIGURE", "OffsetSettings", "gain_points", "offset_report", "offset_table",
@@ -67,7 +68,8 @@ def representative_layer(out_dir: Path, layers: Sequence[int]) -> int:
     first of `layers` (analyze's own default)."""
     path = Path(out_dir) / "analysis.json"
     if path.is_file():
-        rep = (load_json(path).get("representative") or {}).get("layer")
+        rep = read_json_object(path, "the analysis record of `oal analyze` / `oal run`").get("representative")
+        rep = rep.get("layer") if isinstance(rep, dict) else None
         if rep in layers:
             return int(rep)
     return int(sorted(layers)[0])

@@ -38,6 +38,7 @@ __all__ = [
     "p_value",
     "retained_error",
     "subset_masks",
+    "work_units",
 ]
 
 
@@ -173,11 +174,12 @@ def matched_controls(groups: torch.Tensor, n_controls: int, gen: torch.Generator
     return out
 
 
-def _sequence_errors(make: Callable[[int], AttentionMethod], seeds, seq: SequenceQKV, pos, masks, batch, dtype):
+def _sequence_errors(make: Callable[[int], AttentionMethod], seeds, seq: SequenceQKV, pos, masks, batch, dtype,
+                     progress: Callable[[int], None] | None = None):
     """MSE vs exact softmax for each mask [C], averaged over seeds (Eq. 12-13 before the ratio); on the CPU.
 
     The positions and masks (drawn with CPU generators, the same draws on every device) and the methods go where the
-    sequence lives; the errors come back once, at the end."""
+    sequence lives; the errors come back once, at the end. `progress(n)`: n masks done for one seed (`work_units`)."""
     q, k, v = (t.to(dtype) for t in (seq.q, seq.k, seq.v))
     pos, masks = pos.to(q.device), masks.to(q.device)
     m = int(pos.max()) + 1
@@ -190,7 +192,24 @@ def _sequence_errors(make: Callable[[int], AttentionMethod], seeds, seq: Sequenc
             for c0 in range(0, masks.shape[0], batch):
                 y = hybrid_output(method, q, k, v, pos, masks[c0 : c0 + batch])
                 total[c0 : c0 + batch] += (y - ref).pow(2).mean(dim=(1, 2, 3)).double()
+                if progress is not None:
+                    progress(y.shape[0])
     return total.cpu() / len(seeds)
+
+
+def _seeds(method, cfg: RetainedErrorConfig) -> tuple[int, ...]:
+    """The seeds a method is averaged over: all of `cfg.seeds` for a stochastic one (and for a factory)."""
+    stochastic = get_method(method).stochastic if isinstance(method, str) else True
+    return tuple(cfg.seeds) if stochastic else tuple(cfg.seeds[:1])
+
+
+def work_units(method, pairs: int, cfg: RetainedErrorConfig | None = None, *, controls: bool = True) -> int:
+    """What `retained_error` (`controls=False`: `gaussian_control`) computes for `method` over `pairs` (layer,
+    sequence) pairs, in the units its `progress` counts: one subset's hybrid output for one seed. The full head, S
+    and the B matched controls each cost about the same, so a Gaussian control (2 subsets) counts for what it costs
+    beside the real data's 2 + B, and a deterministic method counts one seed, a stochastic one all of `cfg.seeds`."""
+    cfg = cfg or RetainedErrorConfig()
+    return pairs * len(_seeds(method, cfg)) * (2 + (cfg.n_controls if controls else 0))
 
 
 def retained_error(
@@ -199,26 +218,24 @@ def retained_error(
     groups: Mapping[int, torch.Tensor],
     cfg: RetainedErrorConfig | None = None,
     *,
-    progress: Callable[[], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict:
     """Table 1 for one method on captured data. `method` is a registered name (built at its initialisation,
     one instance per layer and seed) or a factory (layer, seed) -> AttentionMethod (e.g. calibrated ones).
-    data: layer -> sequences; groups: layer -> LongTensor [Hq, d]. Returns a JSON-ready dict."""
+    data: layer -> sequences; groups: layer -> LongTensor [Hq, d]. Returns a JSON-ready dict. `progress(n)` is
+    called as the work goes, n in the units of `work_units` (which gives their total)."""
     cfg = cfg or RetainedErrorConfig()
     dtype = getattr(torch, cfg.dtype)
     if isinstance(method, str):
-        name, cls = method, get_method(method)
+        name = method
         first = next(iter(data.values()))[0]
         hq, hkv, d = first.q.shape[1], first.k.shape[1], first.q.shape[-1]
 
         def factory(layer, seed):
             return build_method(name, hq, hkv, d, layer_idx=layer, seed=seed)
-
-        stochastic = cls.stochastic
     else:
         factory, name = method, None
-        stochastic = True
-    seeds = tuple(cfg.seeds) if stochastic else tuple(cfg.seeds[:1])
+    seeds = _seeds(method, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     ratios, ratios_ctrl, per_layer, sizes = [], [], {}, []
     for layer in sorted(data):
@@ -233,14 +250,12 @@ def retained_error(
                 name = factory(layer, seeds[0]).name
             pos = _sample_positions(seq.q.shape[2], cfg.queries, gen)
             err = _sequence_errors(lambda s, L=layer: factory(L, s), seeds, seq, pos, masks, cfg.control_batch,
-                                   dtype)
+                                   dtype, progress)
             e_full = float(err[0])
             r = err[1:] / e_full if e_full > 0 else torch.full_like(err[1:], math.nan)  # Eq. 14 per (layer, seq)
             layer_r.append({"E_full": e_full, "E_S": float(err[1]), "R_S": float(r[0])})
             ratios.append(float(r[0]))
             ratios_ctrl.append(r[1:])
-            if progress is not None:
-                progress()
         per_layer[layer] = {
             "R_S": sum(x["R_S"] for x in layer_r) / len(layer_r),
             "E_S": sum(x["E_S"] for x in layer_r) / len(layer_r),
@@ -282,7 +297,7 @@ def gaussian_groups(n_heads: int, head_dim: int, cfg: RetainedErrorConfig, gen: 
 
 
 def gaussian_control(method, data: Mapping[int, Sequence[SequenceQKV]], cfg: RetainedErrorConfig | None = None,
-                     *, progress: Callable[[], None] | None = None) -> dict:
+                     *, progress: Callable[[int], None] | None = None) -> dict:
     """Table 1's Gaussian column: the same protocol with q, k replaced by i.i.d. N(0, 1) samples (v kept) and
     S_h from the same grouping procedure on Gaussian contribution scores (App. A.1)."""
     cfg = cfg or RetainedErrorConfig()

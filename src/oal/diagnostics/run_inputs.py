@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from oal.errors import InputError
-from oal.rundir.files import load_json
+from oal.models.pretrained import read_json_object
 
 __all__ = ["read_run", "run_blocks"]
 
@@ -18,8 +18,11 @@ def read_run(out_dir: str | Path) -> dict | None:
     path = Path(out_dir) / "config.json"
     if not path.is_file():
         return None
-    data = load_json(path)
-    cfg = data.get("config") if isinstance(data, dict) else None
+    try:
+        data = read_json_object(path, "the configuration of an `oal run` run directory (or of a model)")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; use another --out, or start the run clean with `oal run --force`") from None
+    cfg = data.get("config")
     if not isinstance(cfg, dict) or "model" not in cfg or not isinstance(data.get("split_plan"), dict):
         return None
     return {"model": str(cfg["model"]), "data": cfg.get("data", "builtin"), "data_dir": cfg.get("data_dir"),
@@ -35,7 +38,8 @@ def _converted_layers(run_dir: Path, recorded) -> list[int] | None:
         return [int(i) for i in recorded]
     sel = run_dir / "selection.json"
     if isinstance(recorded, dict) and sel.is_file():
-        chosen = load_json(sel).get("chosen")
+        chosen = read_json_object(sel, "the layer selection of `oal select-layers` / `oal run --layers auto:K`; "
+                                       "rerun it").get("chosen")
         return [int(i) for i in chosen] if isinstance(chosen, list) else None
     return None
 

@@ -37,7 +37,7 @@ from oal.diagnostics.fidelity_table import (
 )
 from oal.diagnostics.fidelity_table import table2 as run_table2
 from oal.diagnostics.parts import done_part, write_part
-from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error
+from oal.diagnostics.retained_error import RetainedErrorConfig, gaussian_control, retained_error, work_units
 from oal.diagnostics.tables import plot_table1, table1_markdown, table2_markdown
 from oal.errors import InputError
 from oal.launch import log_console, progress_bar
@@ -156,12 +156,7 @@ def diagnose(
         if done is None:
             t0 = time.perf_counter()
             data = capture_sequences(model, fid_blocks[:n_seq], layers)
-            real, gauss = {}, {}
-            with progress_bar(console=console) as bar:
-                for name in table1_methods:
-                    task = bar.add_task(f"Table 1: {name}", total=2 * n_seq * len(layers))
-                    real[name] = retained_error(name, data, groups, t1cfg, progress=lambda t=task: bar.advance(t))
-                    gauss[name] = gaussian_control(name, data, t1cfg, progress=lambda t=task: bar.advance(t))
+            real, gauss = _table1(data, groups, t1cfg, table1_methods, console)
             done = {"settings_key": key, "config": t1cfg.to_dict(), "layers": layers, "sequences": n_seq,
                     "high_contribution": real, "gaussian": gauss, "elapsed_s": time.perf_counter() - t0}
             done = write_part(diag / "table1.json", done)
@@ -219,6 +214,27 @@ def diagnose(
         results["table2"] = done
         (tables or console).print(table2_markdown(done["fidelity"]))
     return results
+
+
+def _table1(data: dict, groups: dict, cfg: RetainedErrorConfig, methods: Sequence[str], console: Console):
+    """Table 1's two columns ({method: result} of the real data and of the Gaussian control) under one progress bar
+    over the whole part, counted in the units of `work_units` (each method's real data and control), so its
+    estimate of the time left holds from the first method on."""
+    pairs = sum(len(seqs) for seqs in data.values())
+    total = sum(work_units(m, pairs, cfg) + work_units(m, pairs, cfg, controls=False) for m in methods)
+    real, gauss = {}, {}
+    with progress_bar(console=console) as bar:
+        task = bar.add_task("Table 1", total=total)
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+
+        for i, name in enumerate(methods, 1):
+            bar.update(task, description=f"Table 1: {name} ({i}/{len(methods)})")
+            real[name] = retained_error(name, data, groups, cfg, progress=advance)
+            bar.update(task, description=f"Table 1: {name} ({i}/{len(methods)}), Gaussian control")
+            gauss[name] = gaussian_control(name, data, cfg, progress=advance)
+    return real, gauss
 
 
 def _merge_metrics(path: Path, fidelity: dict) -> None:

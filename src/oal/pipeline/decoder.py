@@ -1,13 +1,15 @@
 """The stages of `oal run`, resumable from the run directory (design.md "run directory and metrics").
 
-    setup -> analyze -> calibrate -> [select] -> fidelity -> regime -> budget -> adapt:<method> -> perplexity:<method>
-          -> zeroshot:<method> -> [compare:<layers>] -> report
+    setup -> analyze -> calibrate -> [scores -> curve:<by> -> select] -> fidelity -> regime -> budget -> adapt:<method>
+          -> perplexity:<method> -> zeroshot:<method> -> [compare:<layers>] -> report
 
 The bracketed stages run with `--layers auto:K` only (`pipeline.selection`): every layer is calibrated into candidates/,
-`select` ranks them and writes the K best layers' kernels where a fixed range would have them, and `compare` adapts
-the paper's range and the criterion's top layers at the paper's K for the report. `regime` measures softmax's
-attention regime and where the calibrated kernels sit beyond their vertex; `budget` draws Fig. 2(b)'s group-budget
-curve beside App. B's choice.
+`scores` scores every candidate by both criteria, `curve:<by>` draws the criterion's curve, `select` keeps the K best
+and writes their kernels where a fixed range would have them, and `compare` adapts the paper's range and the
+criterion's top layers at the paper's K for the report. Another K or criterion (`SELECTION_KEYS`) reuses the
+calibration and the scores: the stages that read the chosen layers' kernels rerun, as their inputs' SHA256 changed.
+`regime` measures softmax's attention regime and where the calibrated kernels sit beyond their vertex; `budget`
+draws Fig. 2(b)'s group-budget curve beside App. B's choice.
 
 The stage mechanism (keys, skipping, records, metrics from verified stages only) is `pipeline.base.StagedRun`'s;
 the encoder protocol (`pipeline.encoder.EncoderRun`) subclasses this one.
@@ -41,14 +43,16 @@ from oal.models.convert import convert
 from oal.models.registry import default_layers, load_model, representative_head, table_layers
 from oal.pipeline.aggregate import aggregate_seeds, summary_table
 from oal.pipeline.base import FIDELITY_FILE, REFERENCE, StagedRun
+from oal.pipeline.records import selection_record
 from oal.pipeline.report import write_report
-from oal.pipeline.selection import comparison_sets, select_layers
+from oal.pipeline.selection import choose_layers, comparison_sets, criterion_curve, score_layers
 from oal.rundir.files import atomic_write_json, load_json, remove
 from oal.rundir.hashes import config_hash, tensor_hash
 
 __all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
 
 SELECTION_FILE = "selection.json"
+SCORES_FILE = ".oal/layer_scores.json"  # --layers auto:K: the candidates' scores (`selection.score_layers`)
 NEEDS_GROUPS = ("oal", "oal-swa")  # methods that need stable-gap groups
 
 
@@ -97,7 +101,7 @@ class Run(StagedRun):
                     **self._analysis_inputs(), seed=self.cfg.seed, console=self.console, representative=rep,
                     progress=self.progress, **self.cfg.grouping)
 
-        return self.stage("analyze", deps, ["groups.json"], fn)
+        return self.stage("analyze", deps, ["groups.json", "analysis.json"], fn)  # the report reads both
 
     def _analysis_inputs(self) -> dict:
         """Held-out prompts and one long sequence: the App. A.3 stability checks (Fig. 6, Table 4)."""
@@ -144,38 +148,61 @@ class Run(StagedRun):
 
     def select(self) -> bool:
         """`--layers auto:K`: rank the calibrated candidates (`pipeline.selection`), write the K best layers' kernels
-        where a run keeps its kernels, and convert only those from here on."""
+        where a run keeps its kernels, and convert only those from here on. The scores and each criterion's curve
+        are stages of their own, which depend on neither K nor (the scores) the criterion: another --k or --by
+        reuses them."""
         if not self.cfg.select:
             return True
         method = "oal" if "oal" in self.kernel_methods else self.kernel_methods[0]
+        # the key of runs made before the scores were a stage of their own: a finished selection stays finished
         deps = {"setup": self.keys["setup"], "select": self.cfg.select, "method": method,
                 "batch": self.cfg.eval_batch_size}
         path = self.dir / SELECTION_FILE
+        outputs = [SELECTION_FILE] + [f for m in self.kernel_methods for f in self.kernel_files(m)]
+        inputs = [f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)]
+        if not self.stage("select", deps, outputs, None, inputs=inputs, run=False):
+            scored, curve = self._layer_scores(method)
 
-        def fn():
-            candidates = {m: load_kernels(kernel_dir(self.calib_root, m))[0] for m in self.kernel_methods}
-            sel = select_layers(self.model, candidates[method], **self.cfg.select,
-                                fidelity_blocks=self.blocks["calib_val"], val_blocks=self.blocks["val"],
-                                paper_layers=self._default_layers(), batch_size=self.cfg.eval_batch_size,
-                                progress=self.progress)
-            for m, ms in candidates.items():
-                save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
-                             provenance=self.provenance, fingerprint=model_fingerprint(self.model),
-                             extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
-            atomic_write_json(path, {**sel, "method": method})
+            def fn():
+                sel = choose_layers(load_json(self.dir / scored), load_json(self.dir / curve), **self.cfg.select)
+                for m in self.kernel_methods:
+                    ms = load_kernels(kernel_dir(self.calib_root, m))[0]
+                    save_kernels({i: ms[i] for i in sel["chosen"]}, self.kernel_dir(m), base_model=str(self.cfg.model),
+                                 provenance=self.provenance, fingerprint=model_fingerprint(self.model),
+                                 extra={"method": m, "seed": self.cfg.seed, "selected_from": sel["candidates"]})
+                atomic_write_json(path, {**sel, "method": method})
 
-        done = self.stage("select", deps, [SELECTION_FILE] + [f for m in self.kernel_methods
-                                                               for f in self.kernel_files(m)], fn,
-                          inputs=[f for m in self.kernel_methods for f in self.kernel_files(m, self.calib_root)])
-        self.layers = load_json(path)["chosen"]
-        return done
+            self.stage("select", deps, outputs, fn, inputs=inputs)
+        self.layers = selection_record(path)["chosen"]
+        return True
+
+    def _layer_scores(self, method: str) -> tuple[str, str]:
+        """The stages `scores` (both criteria for every candidate, the paper's curve) and `curve:<by>` (the
+        criterion's curve); their files, relative to the run directory."""
+        deps = {"setup": self.keys["setup"], "method": method, "batch": self.cfg.eval_batch_size}
+        kernels = self.kernel_files(method, self.calib_root)
+        scored, by = SCORES_FILE, self.cfg.select["by"]
+        curve = f".oal/curve_{by}.json"
+
+        def candidates():
+            return load_kernels(kernel_dir(self.calib_root, method))[0]
+
+        self.stage("scores", deps, [scored], lambda: atomic_write_json(self.dir / scored, score_layers(
+            self.model, candidates(), fidelity_blocks=self.blocks["calib_val"], val_blocks=self.blocks["val"],
+            paper_layers=self._default_layers(), batch_size=self.cfg.eval_batch_size, progress=self.progress)),
+            inputs=kernels)
+        self.stage(f"curve:{by}", {**deps, "by": by}, [curve], lambda: atomic_write_json(
+            self.dir / curve, criterion_curve(self.model, candidates(), load_json(self.dir / scored), by,
+                                              val_blocks=self.blocks["val"], batch_size=self.cfg.eval_batch_size,
+                                              progress=self.progress)), inputs=[*kernels, scored])
+        return scored, curve
 
     def compare(self, run: bool = True) -> bool:
         """`--layers auto:K`: the selection's top paper-K layers against the paper's range, each adapted with the
         selection's method and measured on the test blocks (a layer set equal to the converted one reuses its arm)."""
         if not self.cfg.select:
             return True
-        sel = load_json(self.dir / SELECTION_FILE)
+        sel = selection_record(self.dir / SELECTION_FILE)
         method, complete = sel["method"], True
         for tag, layers in comparison_sets(sel).items():
             if layers == self.layers:
@@ -214,7 +241,7 @@ class Run(StagedRun):
         arm's perplexities from `results` (this run's metrics, already read from the stage outputs)."""
         if not (self.cfg.select and valid("select")):
             return None
-        sel = load_json(self.dir / SELECTION_FILE)
+        sel = selection_record(self.dir / SELECTION_FILE)
         m, comparison = sel["method"], {}
         for tag, layers in comparison_sets(sel).items():
             if layers == self.layers and m in results["perplexity"] and m in results["perplexity_no_adapt"]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.table import Table
 
 from oal.errors import InputError, message_of
-from oal.rundir.files import load_json
+from oal.pipeline.records import run_config
 from oal.rundir.lock import own_dir
 
 __all__ = ["evaluate_fidelity"]
@@ -64,7 +64,7 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
     if preset is not None and preset not in PLAN_PRESETS:  # before any model is loaded
         raise InputError(f"expected one of {', '.join(sorted(PLAN_PRESETS))}, got {preset!r}", "--preset", "preset")
     check_publishable(out_dir)
-    run = load_json(out_dir / "config.json") if (out_dir / "config.json").is_file() else None
+    run = run_config(out_dir) if (out_dir / "config.json").is_file() else None
     recorded = (run or {}).get("config") or {}
     if methods is None:
         methods = [m for m in recorded.get("methods", ["oal", "global"]) if m != "softmax"]

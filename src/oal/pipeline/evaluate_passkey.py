@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.table import Table
 
 from oal.errors import InputError
-from oal.rundir.files import atomic_write_json, load_json
+from oal.rundir.files import atomic_write_json
 from oal.rundir.hashes import config_hash
 from oal.rundir.lock import own_dir
 
@@ -70,8 +70,8 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
             # checked before the arm is loaded, so a resumed evaluation does not load the arms it already measured
             key = config_hash({**settings, "inputs": used, "device": str(device), "dtype": str(dtype)})
             path = cache / f"{m}_{variant}.json"
-            cached = load_json(path) if path.is_file() else {}
-            if cached.get("key") == key:
+            cached = _cached(path)
+            if cached.get("key") == key and isinstance(cached.get("result"), dict):
                 log.info("passkey %s (%s): already measured for these settings and files", m, variant)
                 results.setdefault(m, {})[variant] = cached["result"]
                 record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), cached["result"])],
@@ -88,6 +88,19 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
     if results:
         republish(out_dir, console)
     return results
+
+
+def _cached(path: Path) -> dict:
+    """The result kept for one arm's variant ({} when none); a damaged file is measured again, with a warning."""
+    from oal.models.pretrained import read_json_object
+
+    if not path.is_file():
+        return {}
+    try:
+        return read_json_object(path, "a passkey result kept by `oal evaluate --passkey`")
+    except ValueError as exc:
+        log.warning("%s; measuring it again", exc)
+        return {}
 
 
 def passkey_after_run(out_dir: str | Path, methods: Sequence[str], *, lengths: Sequence[int],

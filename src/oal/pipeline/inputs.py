@@ -109,10 +109,11 @@ def converted_or_fail(out: Path, model: str | None, method: str, device: str, ad
 
 
 def run_methods(out: Path, methods: list[str] | None, fallback: list[str]) -> list[str]:
-    """`methods`, or the methods recorded in the run's config.json, or `fallback`."""
-    from oal.rundir.files import load_json
+    """`methods`, or the methods recorded in the run's config.json, or `fallback`; a damaged config.json is a
+    ValueError naming it."""
+    from oal.pipeline.records import run_config
 
     if methods is not None:
         return methods
     config = out / "config.json"
-    return (load_json(config).get("config", {}).get("methods") if config.is_file() else None) or fallback
+    return (run_config(config)["config"].get("methods") if config.is_file() else None) or fallback

@@ -23,8 +23,8 @@ from rich.console import Console
 from oal.errors import InputError
 from oal.pipeline.base import StagedRun, tidy_zeroshot
 from oal.pipeline.config import RunConfig
+from oal.pipeline.records import run_config, selection_record
 from oal.rundir.claim import is_run_dir
-from oal.rundir.files import load_json
 from oal.rundir.hashes import sha256_file
 from oal.rundir.metrics import METRICS_FILE, publish_evaluations
 from oal.rundir.stages import StageLog
@@ -35,10 +35,7 @@ log = logging.getLogger("oal")
 
 
 def _run_config(run_dir: Path) -> dict:
-    path = run_dir / "config.json"
-    config = load_json(path)
-    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
-        raise ValueError(f"{path}: damaged, expected a run configuration")
+    config = run_config(run_dir / "config.json")
     if "seeds" in config:
         raise InputError(f"{run_dir} is a multi-seed run; evaluate one seed (--out {run_dir}/seed-<s>) instead",
                          "--out", "out_dir")
@@ -77,7 +74,8 @@ def _recorded_run(run_dir: Path, console: Console | None) -> StagedRun:
     r.log = log
     layers = config.get("converted_layers")
     if isinstance(layers, dict):  # --layers auto:K: the selection's layers once it verifies
-        layers = load_json(run_dir / SELECTION_FILE)["chosen"] if log.verified("select") else layers["candidates"]
+        layers = selection_record(run_dir / SELECTION_FILE)["chosen"] if log.verified("select") else \
+            layers.get("candidates")
     r.layers = layers
     r.zeroshot_skipped = dict((log.stages.get("report") or {}).get("zeroshot_skipped") or {})
     return r
@@ -118,5 +116,5 @@ def export_run(run_dir: str | Path, method: str, to: str | Path, **kwargs) -> Pa
 
     run_dir = Path(run_dir)
     metrics = verified_metrics(run_dir)
-    config = load_json(run_dir / "config.json") if is_run_dir(run_dir) else None
+    config = run_config(run_dir) if is_run_dir(run_dir) else None
     return export(run_dir, method, to, metrics=metrics, config=config, **kwargs)

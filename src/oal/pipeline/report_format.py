@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oal.rundir.files import load_json
+from oal.pipeline.records import read_record
 
 __all__ = ["DISPLAY", "ORDER", "PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "display_name", "fmt", "markdown_table",
            "ordered", "read_optional"]
@@ -42,8 +42,10 @@ PAPER_TABLE2_QWEN = {
 }
 
 
-def read_optional(path: Path):
-    return load_json(path) if path.exists() else None
+def read_optional(path: Path) -> dict | None:
+    """The JSON object a report reads from `path`, None when there is none; a damaged file is a ValueError naming
+    it (a section drawn from a list or a number would fail further on, without saying which file)."""
+    return read_record(path, "a JSON object written by oal") if path.exists() else None
 
 
 def ordered(methods) -> list[str]:

@@ -14,8 +14,10 @@ from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
 from oal.pipeline.config import ALL_METHODS, RunConfig
 from oal.pipeline.decoder import SELECTION_FILE, Run
+from oal.pipeline.records import run_config, selection_record
+from oal.pipeline.selection import SELECTION_KEYS
 from oal.rundir.claim import multi_seed_layout
-from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp, load_json
+from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp
 from oal.rundir.hashes import sha256_file
 from oal.rundir.lock import own_dir
 
@@ -103,11 +105,9 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
     cfg_path = out_dir / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{out_dir} has no config.json; run `oal run --out {out_dir}` first", "--out", "out_dir")
-    config = load_json(cfg_path)
-    if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
-        raise ValueError(f"{cfg_path}: damaged, expected a run configuration")
+    config = run_config(cfg_path)
     parent = out_dir.parent / "config.json"
-    if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in load_json(parent)):
+    if "seeds" in config or (out_dir.name.startswith("seed-") and parent.is_file() and "seeds" in run_config(parent)):
         raise InputError(f"{out_dir} is (part of) a multi-seed run, whose aggregate would then mix settings; rerun "
                          "all seeds with `oal run --seeds ... --steps N` instead", "--out", "out_dir")
     if config.get("protocol") == "encoder":
@@ -158,14 +158,15 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     with own_dir(out_dir, group):
         group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
         if len(seeds) == 1:
-            metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force)
+            metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force,
+                               allow_changes=SELECTION_KEYS)
         else:
             group.on_main(lambda: clean_tmp(out_dir))
             per_seed = {}
             for s in seeds:
                 console.rule(f"[bold]seed {s}")
                 per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
-                                       force=force)
+                                       force=force, allow_changes=SELECTION_KEYS)
             metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
     results.print(protocol.summary(metrics))
     return metrics
@@ -177,7 +178,7 @@ def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_s
     metrics = protocol.aggregate(per_seed)
     metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
                          for s in seeds}
-    config = load_json(out_dir / f"seed-{seeds[0]}" / "config.json")
+    config = run_config(out_dir / f"seed-{seeds[0]}" / "config.json")
     atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
     atomic_write_json(out_dir / "metrics.json", metrics)
     protocol.report(out_dir, console)
@@ -187,13 +188,21 @@ def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_s
 def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
                   force: bool = False) -> dict:
     """`oal select-layers`: the stages of `oal run --layers auto:K` up to the layer selection (selection.json); `oal
-    run` with the same options continues from there."""
+    run` with the same options continues from there. Another K or criterion than recorded reuses the calibration
+    and the scores; where the run went on past the selection, metrics.json and report.md are rebuilt from the
+    records that still verify (the arms of the old selection's kernels drop out until `oal run` redoes them)."""
     if not cfg.select:
         raise InputError("expected a layer selection such as auto:2", "--k", "select")
-    r = Run(cfg, out_dir, console=console, progress=progress, force=force)
+    r = Run(cfg, out_dir, console=console, progress=progress, force=force, allow_changes=SELECTION_KEYS)
     with own_dir(r.dir, r.ranks):
         r.setup()
         r.analyze()
         r.calibrate()
         r.select()
-        return load_json(r.dir / SELECTION_FILE)
+        if r.ranks.is_main and "select" in r.ran and "report" in r.log.stages:  # the run went on past the old one
+            from oal.pipeline.publish import republish
+
+            republish(r.dir, r.console)
+            r.console.print(f"metrics.json and report.md rebuilt for this selection; `oal run --out {r.dir} --layers "
+                            f"auto:{cfg.select['k']} --select-by {cfg.select['by']}` redoes what depends on it")
+        return selection_record(r.dir / SELECTION_FILE)

@@ -24,8 +24,9 @@ from oal.evaluate.perplexity import block_nll
 from oal.launch import progress_bar
 from oal.models.convert import convert
 
-__all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "comparison_sets", "conversion_curve", "layer_scores",
-           "parse_auto", "rank_layers", "select_layers", "selection_rows", "selection_section", "swap_probe"]
+__all__ = ["CRITERIA", "DEFAULT_CRITERION", "SELECTION_COLUMNS", "SELECTION_KEYS", "choose_layers", "comparison_sets",
+           "conversion_curve", "criterion_curve", "layer_scores", "parse_auto", "rank_layers", "score_layers",
+           "select_layers", "selection_rows", "selection_section", "swap_probe"]
 
 CRITERIA = ("fidelity", "probe")
 # The probe by default, as measured on the embedded default before its passkey stages (`oal run --layers auto:2`):
@@ -34,6 +35,9 @@ CRITERIA = ("fidelity", "probe")
 # the network amplifies it (layer 0: RelMSE 0.33, middle of the pack; alone converted, val PPL 106.9 against 71-79
 # for the others). On the shipped default both criteria pick 2-5 (layer 0: RelMSE 0.35, alone val PPL 88.6).
 DEFAULT_CRITERION = "probe"
+# The configuration keys (config.json's, dotted) of K and the criterion: a run directory may change them (`oal run
+# --layers auto:K`, `oal select-layers`), since calibration and the scores depend on neither.
+SELECTION_KEYS = ("config.select.", "converted_layers.k", "converted_layers.by")
 
 
 def parse_auto(spec: str | None) -> int | None:
@@ -113,39 +117,69 @@ def layer_scores(model: nn.Module, methods: Mapping[int, nn.Module], by: str, *,
     return swap_probe(lambda: copy.deepcopy(model), methods, val_blocks, batch_size=batch_size, progress=progress)
 
 
-def select_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, k: int, by: str, fidelity_blocks,
-                  val_blocks, paper_layers: Sequence[int], batch_size: int = 1, progress: bool = False) -> dict:
-    """Score every calibrated candidate layer by both criteria, keep the `k` best by `by`, and draw the perplexity
-    curves before adaptation (the criterion's order over all candidates; the paper's range in layer order).
+def score_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, fidelity_blocks, val_blocks,
+                 paper_layers: Sequence[int], batch_size: int = 1, progress: bool = False) -> dict:
+    """What a selection reads that depends on neither K nor the criterion (one stage of `oal run --layers auto:K`,
+    kept when only --k or --by changes): every candidate's score by both criteria, their orders, softmax's
+    validation perplexity, and the perplexity curve before adaptation over the paper's range in layer order.
 
     `methods`: {layer: calibrated method} for every candidate; `fidelity_blocks`: blocks held out from calibration
     training (the plan's calibration validation blocks), `val_blocks`: the validation blocks of the perplexity probe.
-    Both are validation data: the test blocks stay untouched by the choice. Returns selection.json's record.
+    Both are validation data: the test blocks stay untouched by the choice.
     """
+    import copy
+
+    scores = {c: layer_scores(model, methods, c, fidelity_blocks=fidelity_blocks, val_blocks=val_blocks,
+                              batch_size=batch_size, progress=progress) for c in CRITERIA}
+    paper = [i for i in paper_layers if i in methods]
+    curve = conversion_curve(lambda: copy.deepcopy(model), paper, methods, val_blocks, batch_size=batch_size,
+                             progress=progress) if paper else []
+    return {"candidates": sorted(methods), "paper_layers": paper, "paper_k": len(paper),
+            "scores": {c: {str(i): v for i, v in s.items()} for c, s in scores.items()},
+            "order": {c: rank_layers(s) for c, s in scores.items()},
+            "softmax_val_ppl": _ppl(model, val_blocks, batch_size), "paper_curve": curve}
+
+
+def criterion_curve(model: nn.Module, methods: Mapping[int, nn.Module], scored: dict, by: str, *, val_blocks,
+                    batch_size: int = 1, progress: bool = False) -> list[dict]:
+    """The perplexity curve before adaptation over every candidate in the order of `by` (`scored`: `score_layers`'
+    record); it depends on the criterion, not on K."""
     import copy
 
     if by not in CRITERIA:
         raise ValueError(f"by: expected one of {', '.join(CRITERIA)}, got {by!r}")
-    candidates = sorted(methods)
+    return conversion_curve(lambda: copy.deepcopy(model), scored["order"][by], methods, val_blocks,
+                            batch_size=batch_size, progress=progress)
+
+
+def choose_layers(scored: dict, curve: list[dict], *, k: int, by: str) -> dict:
+    """selection.json's record: the `k` best candidates by `by`, from `score_layers`' record and `by`'s curve."""
+    if by not in CRITERIA:
+        raise ValueError(f"by: expected one of {', '.join(CRITERIA)}, got {by!r}")
+    candidates, order = scored["candidates"], scored["order"]
     if not 1 <= k <= len(candidates):
         raise ValueError(f"k: expected 1 <= K <= {len(candidates)} (the candidate layers), got {k}")
-
-    def fresh():
-        return copy.deepcopy(model)
-
-    scores = {c: layer_scores(model, methods, c, fidelity_blocks=fidelity_blocks, val_blocks=val_blocks,
-                              batch_size=batch_size, progress=progress) for c in CRITERIA}
-    order = {c: rank_layers(s) for c, s in scores.items()}
-    paper = [i for i in paper_layers if i in methods]
-    curves = {"criterion": conversion_curve(fresh, order[by], methods, val_blocks, batch_size=batch_size,
-                                            progress=progress),
-              "paper": conversion_curve(fresh, paper, methods, val_blocks, batch_size=batch_size,
-                                        progress=progress) if paper else []}
     return {"k": k, "by": by, "candidates": candidates, "chosen": sorted(order[by][:k]),
-            "paper_layers": paper, "paper_k": len(paper),
-            "scores": {c: {str(i): v for i, v in s.items()} for c, s in scores.items()},
-            "order": order, "softmax_val_ppl": _ppl(model, val_blocks, batch_size), "curves": curves,
+            "paper_layers": scored["paper_layers"], "paper_k": scored["paper_k"], "scores": scored["scores"],
+            "order": order, "softmax_val_ppl": scored["softmax_val_ppl"],
+            "curves": {"criterion": curve, "paper": scored["paper_curve"]},
             "agreement": len(set(order["fidelity"][:k]) & set(order["probe"][:k])) / k}
+
+
+def select_layers(model: nn.Module, methods: Mapping[int, nn.Module], *, k: int, by: str, fidelity_blocks,
+                  val_blocks, paper_layers: Sequence[int], batch_size: int = 1, progress: bool = False) -> dict:
+    """Score every calibrated candidate layer by both criteria, keep the `k` best by `by`, and draw the perplexity
+    curves before adaptation (the criterion's order over all candidates; the paper's range in layer order): the
+    three steps above in one call (arguments as `score_layers`'). Returns selection.json's record."""
+    if by not in CRITERIA:
+        raise ValueError(f"by: expected one of {', '.join(CRITERIA)}, got {by!r}")
+    if not 1 <= k <= len(methods):
+        raise ValueError(f"k: expected 1 <= K <= {len(methods)} (the candidate layers), got {k}")
+    scored = score_layers(model, methods, fidelity_blocks=fidelity_blocks, val_blocks=val_blocks,
+                          paper_layers=paper_layers, batch_size=batch_size, progress=progress)
+    curve = criterion_curve(model, methods, scored, by, val_blocks=val_blocks, batch_size=batch_size,
+                            progress=progress)
+    return choose_layers(scored, curve, k=k, by=by)
 
 
 def selection_figure(sel: dict, path) -> bool:

@@ -35,6 +35,11 @@ RUNTIME_KEYS = ("device", "data", "data_dir", "model", "zeroshot_dir")
 EVALUATION_KEYS = ("config.zeroshot_tasks", "config.zeroshot_limit", "config.zeroshot_files")
 
 
+# what to do about a run directory that cannot be resumed
+START_CLEAN = ("use another --out, or start clean with --force (of `oal run` or `oal select-layers`; it deletes the "
+               "results)")
+
+
 def identity(config: dict) -> dict:
     """The parts of a config.json that define a run: the configuration (less runtime keys), the converted layers,
     the split plan, and the SHA256 of the model (files and tensors) and of the data."""
@@ -137,8 +142,7 @@ def claim_run_dir(path: str | Path, config: dict, *, force: bool = False, allow:
             problem = str(exc)
     if problem is not None:
         if not force:
-            raise InputError(f"{problem}; use another --out, or start clean with --force (of `oal run` or `oal "
-                             "select-layers`; it deletes the results)", "--out", "out_dir")
+            raise InputError(f"{problem}; {START_CLEAN}", "--out", "out_dir")
         clear_run(path)
     path.mkdir(parents=True, exist_ok=True)
     clean_tmp(path)
