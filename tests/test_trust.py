@@ -420,10 +420,15 @@ def test_one_line_errors_where_tracebacks_were(assets, run_copy, tmp_path):
 def test_wikitext_offline_is_one_line(assets, tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")  # the GPU machine (and its twin) has none
 
+    import huggingface_hub.constants as hc
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when called (the env only at import)
     res = cli("run", "--out", tmp_path / "w", "--model", assets / "model", "--data", "wikitext-2-raw-v1",
-              env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")})
-    assert_bad_input(res, "--data", "wikitext-2-raw-v1", "not reachable", "--data-dir")
+              env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+                   "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert_bad_input(res, "--data", "wikitext-2-raw-v1", "is not in the Hugging Face cache", "hf download",
+                     "--data-dir")
 
 
 def test_blocks_beyond_the_plan_are_clamped_with_a_warning_and_logs_go_to_stderr(run_copy):
