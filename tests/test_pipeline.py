@@ -1,5 +1,6 @@
 """`oal run` end to end on a tiny random Qwen2 model: run directory contract, consistency and resume."""
 
+import dataclasses
 import json
 import math
 import random
@@ -364,3 +365,23 @@ def test_a_preset_with_the_papers_table_layers_reports_them(assets, tmp_path, mo
     assert (budget["layer"], budget["head"]) == (1, 1)
     analysis = json.loads((out / "analysis.json").read_text())
     assert analysis["representative"] == {"layer": 1, "head": 1}
+
+
+def test_config_records_every_corpus_the_plan_reads(assets, tmp_path):
+    """The paper's plans read WikiText-2 beside the --data corpus: config.json recorded only the --data corpus's
+    provenance (revision, file hashes), the other one's blocks alone by hash."""
+    from oal.data import load_corpus
+    from oal.pipeline.decoder import Run
+    from oal.rundir.lock import own_dir
+
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"paragraph {i} of another corpus, long enough to fill blocks." for i in range(400)))
+    plan = _plan()
+    plan["test"] = {**plan["test"], "split": "train", "corpus": str(other)}
+    r = Run(dataclasses.replace(_cfg(assets), plan=plan), tmp_path / "run", progress=False)
+    with own_dir(r.dir, r.ranks):
+        r.setup()
+    data = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert data["name"] == load_corpus(assets / "corpus.txt").name
+    recorded = data["other_corpora"][str(other)]
+    assert recorded["sha256"] == load_corpus(other).sha256 and recorded["meta"]

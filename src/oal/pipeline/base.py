@@ -117,6 +117,7 @@ class StagedRun:
         self._base = None
         self._zeroshot = None
         self.zeroshot_skipped: dict[str, str] = {}
+        self.other_corpora: dict = {}  # name -> Corpus of the corpora the split plan reads besides --data
 
     def setup(self) -> None:
         """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
@@ -150,7 +151,9 @@ class StagedRun:
             "blocks": self._blocks_record(),
             "model": _jsonable_provenance(self.provenance),
             "data": {"name": self.corpus.name, "sha256": self.corpus.sha256,
-                     "meta": _jsonable_provenance(self.corpus.meta)},
+                     "meta": _jsonable_provenance(self.corpus.meta),
+                     **({"other_corpora": {name: {"sha256": c.sha256, "meta": _jsonable_provenance(c.meta)}
+                                           for name, c in self.other_corpora.items()}} if self.other_corpora else {})},
             "versions": versions(),
         }
         # content, not paths: the same model files and text elsewhere give the same key

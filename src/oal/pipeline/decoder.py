@@ -31,7 +31,7 @@ from oal.analysis.regime import REGIME_FILE, attention_regime
 from oal.calibration.data import CalibConfig
 from oal.calibration.kernels import adaptation_start, kernel_dir, load_kernels, model_fingerprint, save_kernels
 from oal.calibration.resume import LayerCheckpoints, OnePassCapture, calibrate_layers, write_calibration
-from oal.data import SplitPlan, bind_pretraining, default_plan, plan_blocks
+from oal.data import SplitPlan, bind_pretraining, default_plan, load_corpus, plan_blocks
 from oal.data.zeroshot import skip_lines
 from oal.device import checkpoint_layers, enable_layer_checkpointing, resolve_dtype
 from oal.diagnostics.budget import BUDGET_FILE, RUN_BUDGETS, run_budget
@@ -77,7 +77,11 @@ class Run(StagedRun):
         """(split plan, {role: token blocks [S, N]}) from the corpus."""
         plan = bind_pretraining(SplitPlan.from_dict(self.cfg.plan) if self.cfg.plan else default_plan(self.cfg.preset),
                                 self.provenance, self.corpus)
-        return plan, plan_blocks(self.corpus, self.tokenizer, plan, data_dir=self.cfg.data_dir)
+        # the other corpora the plan reads (the paper's: WikiText-2 beside WikiText-103), kept for config.json
+        named = {bs.corpus for bs in plan.roles().values() if bs.corpus not in (None, self.corpus.name)}
+        self.other_corpora = {name: load_corpus(name, data_dir=self.cfg.data_dir) for name in sorted(named)}
+        corpora = {None: self.corpus, self.corpus.name: self.corpus, **self.other_corpora}
+        return plan, plan_blocks(corpora, self.tokenizer, plan, data_dir=self.cfg.data_dir)
 
     def _blocks_record(self) -> dict:
         """What config.json records of the blocks (shapes and content hashes; part of the setup key)."""
