@@ -106,9 +106,9 @@ def test_an_export_does_not_pass_on_the_options_of_the_load_that_made_it(tmp_pat
     assert saved["tokenizer_class"] == "ByT5Tokenizer"
     oal.load(to)  # the manifest names the tokenizer config as written
     assert AutoTokenizer.from_pretrained(to).vocab_size == tok.vocab_size
-    from oal.artefact.softmax_export import save_export_tokenizer
+    from oal.artefact.folder_io import save_tokenizer
 
-    save_export_tokenizer(tok, tmp_path / "softmax", None)  # the softmax arm's export writes it the same way
+    save_tokenizer(tok, tmp_path / "softmax", None)  # what the softmax arm's export writes it with
     assert "local_files_only" not in json.loads((tmp_path / "softmax" / "tokenizer_config.json").read_text())
 
 

@@ -16,7 +16,7 @@ from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir
 from oal.errors import InputError
 from oal.models.pretrained import read_json_object
 from oal.rundir.confine import escaping_links
-from oal.rundir.hashes import sha256_file, sha256_tree
+from oal.rundir.hashes import sha256_tree
 from oal.rundir.stages import StageLog
 
 __all__ = ["adapter_dir", "arm_inputs", "calibrated_methods", "load_arm", "load_converted"]
@@ -88,19 +88,15 @@ def _run_config(run_dir: Path) -> dict:
     if not path.is_file():
         return {}
     config = read_json_object(path, "the configuration of an `oal run` run directory")
-    stages = run_dir / ".oal" / "stages.json"
-    if stages.is_file():
-        want = (StageLog(run_dir).stages.get("setup") or {}).get("sha256")
-        if isinstance(want, dict) and "config.json" in want and sha256_file(path) != want["config.json"]:
-            raise ValueError(f"{path}: changed since `oal run` wrote it (its SHA256 differs from {stages}); rerun "
-                             f"`oal run --out {run_dir}`")
+    StageLog(run_dir).check_config(required=False)
     return config
 
 
-def _run_dtype(run_dir: Path) -> torch.dtype:
-    """The dtype the run loaded its model in (config.json of `oal run`), float32 when not recorded."""
+def _run_dtype(run_dir: Path, config: dict | None = None) -> torch.dtype:
+    """The dtype the run loaded its model in (config.json of `oal run`, `config` when already read), float32 when
+    not recorded."""
     path = run_dir / "config.json"
-    config = _run_config(run_dir).get("config")
+    config = (_run_config(run_dir) if config is None else config).get("config")
     name = (config.get("dtype") if isinstance(config, dict) else None) or "float32"
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
@@ -164,11 +160,12 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{config_path}: missing; expected the configuration of an `oal run` run directory")
-    record = _run_config(run_dir).get("model")
+    config = _run_config(run_dir)
+    record = config.get("model")
     if not isinstance(record, dict) or not record.get("state_dict_sha256"):
         raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
     name = model or record.get("model") or "default"
-    mdl, tokenizer, provenance = load_model(name, dtype=dtype or _run_dtype(run_dir), device=device)
+    mdl, tokenizer, provenance = load_model(name, dtype=dtype or _run_dtype(run_dir, config), device=device)
     check_base_model({"name_or_path": record.get("model"), "state_dict_sha256": record["state_dict_sha256"],
                       "dtype": record.get("dtype"), "hashes": record.get("sha256")}, mdl, provenance,
                      where=str(config_path))

@@ -24,8 +24,7 @@ import torch
 from oal.artefact.arms import load_converted
 from oal.artefact.base_facts import base_model_facts, data_facts
 from oal.artefact.card import card_metrics, write_card
-from oal.artefact.folder_io import cast_base_weights, without_paths, writable_target
-from oal.artefact.softmax_export import save_export_tokenizer
+from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
 from oal.calibration.kernels import KERNELS_FILE, META_FILE
 from oal.rundir.files import load_json
 from oal.rundir.hashes import sha256_files
@@ -51,7 +50,7 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
         raise ValueError("model: it has no converted layers; call oal.convert or oal.load first")
     with locked_atomic_dir(to) as tmp:  # what a killed export left beside `to` goes first
         if tokenizer is not None:
-            save_export_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
+            save_tokenizer(tokenizer, tmp, getattr(base.config, "max_position_embeddings", None))
         lora = lora_record(model) if peft else None
         if peft:
             base = model.unload()  # LoRA layers out, base weights untouched; trained kernels stay in place

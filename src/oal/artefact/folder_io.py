@@ -29,7 +29,11 @@ def writable_target(to: Path) -> None:
 
 def save_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
     """The tokenizer, with a true model_max_length (the model's positions) where it says "no limit" (transformers'
-    1e30); the tokenizer given is left as it was."""
+    1e30), less what transformers saves of the load that made it (`models.gguf.drop_load_arguments`:
+    `local_files_only: true` would follow the folder to a machine that is online); the tokenizer given is left as it
+    was."""
+    from oal.models.gguf import drop_load_arguments
+
     old = getattr(tokenizer, "model_max_length", None)
     if max_positions and isinstance(old, (int, float)) and old > 1e29:
         tokenizer.model_max_length = int(max_positions)
@@ -38,6 +42,7 @@ def save_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
     finally:
         if old is not None:
             tokenizer.model_max_length = old
+    drop_load_arguments(to)
 
 
 def cast_base_weights(model, dtype: torch.dtype) -> None:

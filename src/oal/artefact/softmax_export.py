@@ -20,19 +20,9 @@ from oal.rundir.files import atomic_write_text
 from oal.rundir.hashes import sha256_files
 from oal.rundir.lock import locked_atomic_dir
 
-__all__ = ["export_softmax", "save_export_tokenizer"]
+__all__ = ["export_softmax"]
 
 log = logging.getLogger("oal")
-
-
-def save_export_tokenizer(tokenizer, to: Path, max_positions: int | None) -> None:
-    """`folder_io.save_tokenizer`, less what transformers saves of the exporting load (`models.gguf.
-    drop_load_arguments`: `local_files_only: true` would follow the folder to a machine that is online)."""
-    from oal.artefact.folder_io import save_tokenizer
-    from oal.models.gguf import drop_load_arguments
-
-    save_tokenizer(tokenizer, to, max_positions)
-    drop_load_arguments(to)
 
 
 def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True, merge: bool = True,
@@ -44,7 +34,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     from oal.artefact.arms import load_arm
     from oal.artefact.base_facts import base_model_facts, data_facts
     from oal.artefact.card import card_metrics, reference_card_text
-    from oal.artefact.folder_io import cast_base_weights, without_paths, writable_target
+    from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
     from oal.models.pretrained import read_json_object, write_manifest
     from oal.models.provenance import model_dtype
     from oal.models.registry import identify
@@ -70,7 +60,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     }
     rows = card_metrics(metrics, "softmax", adapted=info["adapter"] is not None) if metrics else None
     with locked_atomic_dir(to) as tmp:  # what a killed export left beside `to` goes first
-        save_export_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
+        save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
         mdl.save_pretrained(tmp)  # the family's own form: config.json, model.safetensors, generation_config.json
         write_manifest(tmp, source)
         atomic_write_text(tmp / "README.md", reference_card_text(source, rows, model_dtype(mdl)))

@@ -65,7 +65,8 @@ def write_manifest(data_dir: str | Path, configs: tuple[str, ...] | list[str] | 
                    dataset_id: str = DATASET_ID, revision: str = REVISION) -> Path:
     """Record dataset id, revision and the SHA256 of every parquet file of `configs` (atomic write).
 
-    Run it once on a verified download (e.g. the folder `hf_download_command(configs, local_dir=DIR)` fills).
+    Run it once on a verified download (e.g. the folder `hf_download_command(DATASET_ID, REVISION, ["<config>/*.
+    parquet"], repo_type="dataset", local_dir=DIR)` fills).
     """
     data_dir = Path(data_dir)
     configs = list(configs) if configs else [c for c in CONFIGS if (data_dir / c).is_dir()]
@@ -170,13 +171,15 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     return bool(result and result[0])
 
 
-def hf_download_command(configs, revision: str = REVISION, local_dir: str | None = None) -> str:
-    """The `hf download` command (huggingface_hub's CLI) that fetches the parquet files of `configs` at `revision`:
-    into the Hugging Face cache, where the hub path reads them, or into `local_dir` (then `write_manifest`)."""
-    configs = [configs] if isinstance(configs, str) else list(configs)
-    include = " ".join(f"--include '{c}/*.parquet'" for c in configs)
+def hf_download_command(repo_id: str, revision: str | None, include, *, repo_type: str = "model",
+                        local_dir: str | None = None) -> str:
+    """The `hf download` command (huggingface_hub's CLI) that fetches the files of `repo_id` matching the glob
+    patterns `include` at `revision`: into the Hugging Face cache, where the hub paths read them, or into
+    `local_dir`. `--include` is repeated, one pattern each (the CLI reads one per flag)."""
+    kind = f" --repo-type {repo_type}" if repo_type != "model" else ""
+    rev = f" --revision {revision}" if revision else ""
     where = f" --local-dir {local_dir}" if local_dir else ""
-    return f"hf download {DATASET_ID} --repo-type dataset --revision {revision} {include}{where}"
+    return f"hf download {repo_id}{kind}{rev} " + " ".join(f"--include '{p}'" for p in include) + where
 
 
 def cached_revisions(repo_id: str, repo_type: str = "model") -> list[str]:
@@ -188,7 +191,8 @@ def cached_revisions(repo_id: str, repo_type: str = "model") -> list[str]:
 
 
 def _how_to_get(revision: str) -> str:
-    return (f"where the hub is reachable run `{hf_download_command(CONFIGS, revision)}` (fills the cache), or pass "
+    command = hf_download_command(DATASET_ID, revision, [f"{c}/*.parquet" for c in CONFIGS], repo_type="dataset")
+    return (f"where the hub is reachable run `{command}` (fills the cache), or pass "
             f"--data-dir DIR (data_dir=): a local copy, DIR/<config>/<split>-0000i-of-0000n.parquet plus "
             f"{MANIFEST_NAME} (docs/guides/scale.md)")
 

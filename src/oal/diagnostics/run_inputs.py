@@ -9,6 +9,7 @@ import torch
 
 from oal.errors import InputError
 from oal.models.pretrained import read_json_object
+from oal.rundir.claim import START_CLEAN
 
 __all__ = ["read_run", "run_blocks"]
 
@@ -21,7 +22,7 @@ def read_run(out_dir: str | Path) -> dict | None:
     try:
         data = read_json_object(path, "the configuration of an `oal run` run directory (or of a model)")
     except ValueError as exc:
-        raise ValueError(f"{exc}; use another --out, or start the run clean with `oal run --force`") from None
+        raise ValueError(f"{exc}; {START_CLEAN}") from None
     cfg = data.get("config")
     if not isinstance(cfg, dict) or "model" not in cfg or not isinstance(data.get("split_plan"), dict):
         return None

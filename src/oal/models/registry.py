@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from oal.data.wikitext import cached_revisions, hub_reachable
+from oal.data.wikitext import cached_revisions, hf_download_command, hub_reachable
 from oal.models.fetch import LOCAL_MODELS, fetch_model
 from oal.models.folders import (
     PICKLE_SUFFIXES,
@@ -105,18 +105,13 @@ def identify(path: str | Path) -> tuple[str | None, dict]:
 HUB_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")
 
 
-def hf_download_command(name: str, revision: str | None = None) -> str:
-    """The `hf download` command (huggingface_hub's CLI) that puts what `load_model` reads of `name` in the cache."""
-    rev = f" --revision {revision}" if revision else ""
-    return f"hf download {name}{rev} " + " ".join(f"--include '{p}'" for p in HUB_PATTERNS)
-
-
 def _how_to_get(name: str, revision: str) -> str:
     spec = HUB_MODELS.get(name, {})
     gated = (f"accept its license at https://huggingface.co/{name} (a gated model), run `hf auth login`, then "
              if spec.get("gated") else "run ")
-    return (f"where the hub is reachable {gated}`{hf_download_command(name, revision)}` (fills the Hugging Face "
-            "cache; add --local-dir DIR for a folder to pass as --model DIR), or use the embedded model ('default')")
+    command = hf_download_command(name, revision, HUB_PATTERNS)
+    return (f"where the hub is reachable {gated}`{command}` (fills the Hugging Face cache; add --local-dir DIR for a "
+            "folder to pass as --model DIR), or use the embedded model ('default')")
 
 
 def _resolve_hub(name: str, revision: str | None) -> tuple[Path, str]:

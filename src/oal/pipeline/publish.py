@@ -25,7 +25,6 @@ from oal.pipeline.base import StagedRun, tidy_zeroshot
 from oal.pipeline.config import RunConfig
 from oal.pipeline.records import run_config, selection_record
 from oal.rundir.claim import is_run_dir
-from oal.rundir.hashes import sha256_file
 from oal.rundir.metrics import METRICS_FILE, publish_evaluations
 from oal.rundir.stages import StageLog
 
@@ -61,10 +60,7 @@ def _recorded_run(run_dir: Path, console: Console | None) -> StagedRun:
 
     config = _run_config(run_dir)
     log = StageLog(run_dir)
-    want = (log.stages.get("setup") or {}).get("sha256", {}).get("config.json")
-    if want is None or sha256_file(run_dir / "config.json") != want:
-        raise ValueError(f"{run_dir / 'config.json'}: changed since `oal run` wrote it (its SHA256 differs from "
-                         f"{log.path}); rerun `oal run --out {run_dir}`")
+    log.check_config()
     cfg = RunConfig.from_dict({**config["config"], "device": "cpu"})  # nothing runs: no device needed
     if config.get("protocol") == "encoder":
         from oal.pipeline.encoder import EncoderRun as cls

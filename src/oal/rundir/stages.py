@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from oal.rundir.files import atomic_write_json, load_json
-from oal.rundir.hashes import sha256_tree
+from oal.rundir.hashes import sha256_file, sha256_tree
 
 __all__ = ["StageLog", "Timer"]
 
@@ -89,6 +89,16 @@ class StageLog:
                               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
         self._verified.add(stage)
         atomic_write_json(self.path, self.stages)
+
+    def check_config(self, *, required: bool = True) -> None:
+        """ValueError when the run's config.json differs from the SHA256 its setup stage recorded (`required`: also
+        when none is recorded; else a directory without that record, written by the library's parts alone, passes):
+        an edited configuration must not pass for the one the run's files were computed with."""
+        path = self.run_dir / "config.json"
+        want = ((self.stages.get("setup") or {}).get("sha256") or {}).get("config.json")
+        if (want is None and required) or (want is not None and sha256_file(path) != want):
+            raise ValueError(f"{path}: changed since `oal run` wrote it (its SHA256 differs from {self.path}); rerun "
+                             f"`oal run --out {self.run_dir}`")
 
     def elapsed(self) -> dict[str, float]:
         return {k: v["elapsed_s"] for k, v in self.stages.items()}
