@@ -242,3 +242,11 @@ def test_an_option_the_command_lacks_is_not_named():
     assert bad_input_message(exc, ["--out", "--passkey"]) == exc.message
     assert bad_input_message(exc, ["--out", "--lengths"]).startswith("Invalid value for '--lengths': 4096")
     assert bad_input_message(InputError("bad", "--method"), ["--methods"]) == "Invalid value for '--methods': bad"
+
+
+def test_generate_blames_max_new_tokens_when_it_alone_exceeds_the_positions(run_dir):
+    """Any request past the positions was blamed on PROMPT, though no shorter prompt would have fitted."""
+    res, text = _run("generate", "Hi", "--out", run_dir, "--max-new-tokens", 600)  # the tiny llama has 512
+    assert res.exit_code == 2 and "Invalid value for --max-new-tokens" in text and "512 positions" in text, text
+    res, text = _run("generate", "Hi " * 300, "--out", run_dir, "--max-new-tokens", 300)
+    assert res.exit_code == 2 and "Invalid value for PROMPT" in text, text

@@ -328,6 +328,29 @@ def test_metrics_are_rebuilt_from_verified_records(assets, full_run, run_copy):
         full_run[1]["sha256"]["adapter/oal/adapter_model.safetensors"]
 
 
+def test_a_failed_report_is_redone_without_calling_metrics_edited(run_copy, monkeypatch, caplog):
+    """metrics.json is written before the report that reads it: a report that fails must leave a report to redo,
+    not a metrics.json the next publish calls "changed since oal wrote it"."""
+    from oal.pipeline.decoder import Run
+    from oal.pipeline.publish import republish
+
+    def broken(run_dir, console):
+        raise OSError("disk went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(Run, "report", staticmethod(broken))
+        with pytest.raises(OSError):
+            republish(run_copy)
+    with caplog.at_level("WARNING", logger="oal"):
+        republish(run_copy)
+    assert "changed since oal wrote it" not in caplog.text
+    # an edit made after that is still caught
+    (run_copy / "metrics.json").write_text((run_copy / "metrics.json").read_text().replace("\n", "\n "))
+    with caplog.at_level("WARNING", logger="oal"):
+        republish(run_copy)
+    assert "metrics.json was changed since oal wrote it" in caplog.text
+
+
 def test_failed_adapt_records_no_setting(assets, run_copy, monkeypatch):
     config = (run_copy / "config.json").read_bytes()
     import oal.pipeline.decoder as decoder
@@ -429,6 +452,16 @@ def test_wikitext_offline_is_one_line(assets, tmp_path, monkeypatch):
                    "HF_HUB_CACHE": str(tmp_path / "hub")})
     assert_bad_input(res, "--data", "wikitext-2-raw-v1", "is not in the Hugging Face cache", "hf download",
                      "--data-dir")
+
+
+def test_a_pinned_model_missing_offline_is_a_model_error(tmp_path, monkeypatch):
+    """`oal run` printed the message unlabelled, as if no option were at fault; `oal analyze` named --model."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    res = cli("run", "--out", tmp_path / "w", "--model", "Qwen/Qwen2.5-0.5B", env={"HF_HUB_OFFLINE": "1"})
+    assert_bad_input(res, "Invalid value for '--model'", "not in the Hugging Face cache", "hf download")
+    assert not (tmp_path / "w" / "config.json").exists()
 
 
 def test_blocks_beyond_the_plan_are_clamped_with_a_warning_and_logs_go_to_stderr(run_copy):

@@ -97,6 +97,23 @@ def test_export_config_transformers_refuses_is_one_line(folder, edit, needle):
     assert str(info.value).startswith(str(folder)) and needle in str(info.value) and "\n" not in str(info.value)
 
 
+def test_export_config_with_more_layers_than_weights_is_refused_before_building(folder, base_dir, tmp_path):
+    """num_hidden_layers 3 -> 40: transformers allocated and initialised 37 layers before the weights were found
+    not to fit (the size bounded by the config alone); the headers of the weights are read first now."""
+    _edit_config(folder, lambda c: c.update(num_hidden_layers=40))
+    with pytest.raises(ValueError, match="num_hidden_layers is 40, but its weights hold 3 layers") as info:
+        oal.load(folder)
+    assert str(info.value).startswith(str(folder / "config.json"))
+    # a base model folder as well (`--model DIR`)
+    from oal.models.registry import load_model
+
+    base = shutil.copytree(base_dir, tmp_path / "base")
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 40}))
+    with pytest.raises(InputError, match="num_hidden_layers is 40, but its weights hold 3 layers"):
+        load_model(str(base))
+
+
 @pytest.mark.parametrize("name", ["tok\x00enizer.json", "tokenizer.json\n"])
 def test_manifest_name_with_nul_or_newline_names_the_manifest(folder, name):
     manifest = json.loads((folder / MANIFEST).read_text())

@@ -44,8 +44,9 @@ def generate_cmd(
     if max_pos is not None and n_prompt + max_new_tokens > max_pos:
         raise typer.BadParameter(f"the prompt is {n_prompt} tokens; with --max-new-tokens {max_new_tokens} that "
                                  f"exceeds the model's {max_pos} positions (max_position_embeddings): shorten the "
-                                 "prompt or lower --max-new-tokens", param_hint="PROMPT")
+                                 "prompt or lower --max-new-tokens",
+                                 param_hint="--max-new-tokens" if max_new_tokens >= max_pos else "PROMPT")
     with torch.no_grad():
-        seq = mdl.generate(**{k: v.to(device) for k, v in enc.items()}, max_new_tokens=max_new_tokens,
+        seq = mdl.generate(**{k: v.to(mdl.device) for k, v in enc.items()}, max_new_tokens=max_new_tokens,
                            do_sample=False, use_cache=True, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     typer.echo(prompt + tok.decode(seq[0, n_prompt:], skip_special_tokens=True))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.rundir.files import load_json
 
 __all__ = ["ModelUnavailableError", "PICKLE_SUFFIXES", "bad_model", "check_model_folder", "first_line",
-           "looks_like_path"]
+           "layers_beyond_weights", "looks_like_path"]
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -48,6 +49,37 @@ def check_model_folder(path: Path, architectures: Mapping[str, str] | None = Non
                 "AutoModelForCausalLM.from_pretrained(PATH, use_safetensors=False).save_pretrained(NEW_PATH) "
                 "(writes model.safetensors), then pass NEW_PATH")
         raise bad_model(f"{path} holds no weights (no *.safetensors file)")
+    beyond = layers_beyond_weights(path)
+    if beyond:
+        raise bad_model(beyond)
+
+
+# a layer's tensors: model.layers.3.self_attn..., encoder.layer.3.attention..., transformer.h.3...
+_LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def layers_beyond_weights(path: Path) -> str | None:
+    """What is wrong when config.json's num_hidden_layers exceeds the layers its safetensors weights hold (None when
+    it does not, or the weights' names are not recognised): transformers would allocate and initialise the missing
+    layers, as many as the config asks for, before any check of the weights, so a config edited to 40 layers over
+    3 layers' weights costs 40 layers of memory first. Only the files' headers are read."""
+    from safetensors import SafetensorError, safe_open
+
+    cfg = load_json(path / "config.json")
+    n = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    found = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                found.update(int(m[1]) for k in st.keys() if (m := _LAYER_KEY.search(k)))
+        except (SafetensorError, OSError):  # a damaged file is named by whatever loads it next
+            return None
+    if found and n > max(found) + 1:
+        return (f"{path / 'config.json'}: num_hidden_layers is {n}, but its weights hold {max(found) + 1} layers; "
+                "the config does not describe these weights (restore the folder's config.json)")
+    return None
 
 
 def looks_like_path(name: str) -> bool:

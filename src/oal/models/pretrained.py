@@ -45,7 +45,7 @@ from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, record_settings
 from oal.models.attention import _head_shape, converted_methods, dispatch_name, swap_attention
-from oal.models.folders import first_line
+from oal.models.folders import first_line, layers_beyond_weights
 from oal.rundir.confine import escaping_links
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, check_json_size
 from oal.rundir.hashes import sha256_file, versions
@@ -448,6 +448,9 @@ class ConvertedModelMixin:
         if pretrained_model_name_or_path is not None:
             if Path(pretrained_model_name_or_path).is_dir():
                 verify_manifest(pretrained_model_name_or_path)
+                beyond = layers_beyond_weights(Path(pretrained_model_name_or_path))
+                if beyond:  # before transformers allocates the layers the config asks for
+                    raise ValueError(beyond)
             else:
                 log.warning("%s is not a local folder: its file hashes (oal.json) are not checked",
                             pretrained_model_name_or_path)

@@ -29,7 +29,7 @@ from rich.console import Console
 from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
 from oal.data.sources import load_corpus
 from oal.device import release_memory
-from oal.errors import InputError, SelectionSizeError, message_of
+from oal.errors import InputError, ModelUnavailableError, SelectionSizeError, message_of
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
 from oal.pipeline.config import RunConfig
@@ -123,7 +123,10 @@ class StagedRun:
         """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
         writes config.json (cheap, always runs). Every bad input fails here, before anything is written."""
         with Timer() as t:
-            self.model, self.tokenizer, self.provenance = self._load_model()
+            try:
+                self.model, self.tokenizer, self.provenance = self._load_model()
+            except ModelUnavailableError as exc:  # offline without the files: the fix is the --model given
+                raise InputError(str(exc), "--model") from None
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
@@ -307,12 +310,15 @@ class StagedRun:
             log.warning("%s was changed since oal wrote it; rebuilt from the verified stage records (the edited "
                         "numbers are not kept)", path)
         metrics = self.metrics(valid)
+        skipped = {"zeroshot_skipped": self.zeroshot_skipped} if self.zeroshot_skipped else {}
+        # the report reads metrics.json: until it is written, the record says "not done" (no outputs), so a report
+        # that fails leaves a stage to redo, not a metrics.json that looks edited
+        self.log.mark("report", "pending", 0.0, **skipped)
         atomic_write_json(path, metrics)
         with Timer() as t:
             self.report(self.dir, self.console)
         metrics["elapsed_s"]["report"] = round(t.seconds, 3)
         atomic_write_json(path, metrics)
-        skipped = {"zeroshot_skipped": self.zeroshot_skipped} if self.zeroshot_skipped else {}
         self.log.mark("report", config_hash(metrics), t.seconds, outputs=["report.md", METRICS_FILE], **skipped)
         return metrics
 
