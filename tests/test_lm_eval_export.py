@@ -152,10 +152,10 @@ def test_the_device_defaults_to_the_available_one(monkeypatch):
 
     seen = {}
     monkeypatch.setattr("lm_eval.__main__.cli_evaluate", lambda: seen.setdefault("argv", list(sys.argv)))
-    entry.main(["--model", "hf", "--tasks", "x"])
+    entry.main(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "x"])
     assert seen["argv"][-2:] == ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
     seen.clear()
-    entry.main(["--model", "hf", "--tasks", "x", "--device", "cuda:1"])
+    entry.main(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "x", "--device", "cpu"])
     assert seen["argv"].count("--device") == 1
 
 

@@ -24,13 +24,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from oal.data.wikitext import MANIFEST_NAME, cached_revisions, hub_reachable, read_manifest
+from oal.data.wikitext import MANIFEST_NAME, cached_revisions, hf_download_command, hub_reachable, read_manifest
 from oal.errors import parse_names
 from oal.rundir.files import atomic_write_json
 from oal.rundir.hashes import sha256_file
 
-__all__ = ["DISPLAY_NAMES", "SOURCES", "TASKS", "DataUnavailable", "TaskSource", "TaskRows", "fetch_task",
-           "parse_task_files", "parse_tasks", "read_rows", "skip_lines", "verify_manifest", "write_manifest"]
+__all__ = ["DISPLAY_NAMES", "SOURCES", "TASKS", "DataUnavailable", "TaskSource", "TaskRows", "fetch_command",
+           "fetch_task", "parse_task_files", "parse_tasks", "read_rows", "skip_lines", "verify_manifest",
+           "write_manifest"]
 
 log = logging.getLogger("oal")
 
@@ -248,8 +249,16 @@ def _download(spec: TaskSource, task: str) -> Path:
         where = f"offline, not cached{held}" if offline else f"download failed: {exc.__class__.__name__}"
         raise DataUnavailable(
             f"{task}: no {spec.dataset_id}@{spec.revision[:8]} ({where}){_HOW} (--zeroshot-dir DIR with "
-            f"DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file (--task-file {task}=PATH.jsonl)"
+            f"DIR/{task}/{spec.file} and {MANIFEST_NAME}) or a JSON-lines file (--task-file {task}=PATH.jsonl), or "
+            f"where the hub is reachable fill its cache: `{fetch_command(task, spec)}`"
         ) from exc
+
+
+def fetch_command(task: str, spec: TaskSource | None = None) -> str:
+    """The `hf download` command that puts `task`'s pinned file into the Hugging Face cache, where `fetch_task`
+    reads it offline."""
+    spec = spec or _check_task(task)
+    return hf_download_command(spec.dataset_id, spec.revision, [spec.file], repo_type="dataset")
 
 
 _HOW = "; pass a local folder"  # where a DataUnavailable's message turns from what is missing to how to provide it
@@ -257,10 +266,13 @@ _HOW = "; pass a local folder"  # where a DataUnavailable's message turns from w
 
 def skip_lines(skipped: dict[str, str]) -> list[str]:
     """What a command prints of the tasks skipped for want of data ({task: DataUnavailable's message}): one line per
-    task of what is missing, then once how to provide them (three tasks' whole messages wrapped to nine lines)."""
+    task of what is missing, then once how to provide them (three tasks' whole messages wrapped to nine lines), then
+    the command that fetches each task's pinned file."""
     lines = [f"skip zero-shot {why.partition(_HOW)[0]}" for why in skipped.values()]
-    how = "  to score them: --zeroshot-dir DIR or --task-file TASK=PATH.jsonl (docs/guides/evaluation.md)"
-    return lines + [how] * bool(lines)
+    how = ("  to score them: --zeroshot-dir DIR or --task-file TASK=PATH.jsonl (docs/guides/evaluation.md), or fill "
+           "the Hugging Face cache where the hub is reachable:")
+    fetch = [f"    {fetch_command(t)}" for t in skipped if t in SOURCES]
+    return lines + [how] * bool(lines) + fetch * bool(lines)
 
 
 def _check_hub_file(path: Path, spec: TaskSource, task: str) -> str:

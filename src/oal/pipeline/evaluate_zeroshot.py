@@ -5,7 +5,9 @@ Each arm is loaded as `artefact.arms.load_arm` does (the recorded base model, ch
 adapter by default) and scored by `evaluate.zeroshot.evaluate_tasks`; each (arm, task) score is recorded with the
 SHA256 of the run files it read (`rundir.metrics.record_evaluation`), and metrics.json and report.md are rebuilt from
 the records that verify (`pipeline.publish.republish`), under the directory's lock. A task whose data is not
-available is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number.
+available is skipped with one line and recorded under `zeroshot_skipped`: never a made-up number. Scoring some of
+the run's methods on other rows than the others' numbers of a task were (another file or --limit) is refused: a
+task has one data record and one report column.
 
 `log_samples=True` (`oal evaluate --zeroshot --log-samples`) also writes DIR/zeroshot_samples/<method>.json: per
 task, per example, each candidate's log-likelihood and token count, the gold label and the predictions
@@ -50,7 +52,7 @@ def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir,
               progress, console, log_samples) -> dict[str, dict]:
     from oal.artefact.arms import arm_inputs, load_arm
     from oal.data.zeroshot import skip_lines
-    from oal.evaluate.zeroshot import evaluate_tasks, load_tasks
+    from oal.evaluate.zeroshot import SCORING_VERSION, evaluate_tasks, load_tasks
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.files import atomic_write_json
     from oal.rundir.metrics import record_evaluation
@@ -60,6 +62,7 @@ def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir,
     for line in skip_lines(skipped):
         log.warning("%s", line)
     provenance = {t: prov for t, (_, prov) in sets.items()}
+    _check_same_data(out_dir, methods, sets)
     scores: dict[str, dict] = {}
     for m in methods if sets else ():
         model_m, tok, info = load_arm(out_dir, m, adapter, model=model, dtype=dtype, device=device)
@@ -72,11 +75,33 @@ def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir,
                                                                    "data": provenance, "tasks": samples})
         for t, score in scores[m].items():  # zeroshot.<m>.<task> per task (the method's other tasks kept)
             record_evaluation(out_dir, f"zeroshot:{m}:{t}", [(("zeroshot", m, t), score),
-                                                             (("zeroshot_data", t), provenance[t])], inputs)
+                                                             (("zeroshot_data", t), provenance[t])], inputs,
+                              versions={"zeroshot_scoring": SCORING_VERSION})
     for t, why in skipped.items():
         record_evaluation(out_dir, f"zeroshot_skipped:{t}", [(("zeroshot_skipped", t), why)], {})
     republish(out_dir, console)
     return scores
+
+
+def _check_same_data(out_dir: Path, methods, sets: dict) -> None:
+    """InputError where a method left out of `methods` has a number for a task measured on other rows (another file,
+    another --limit): metrics.json keeps one data record per task and the report one column, so scoring some methods
+    alone would put numbers of different data side by side under it."""
+    from oal.pipeline.publish import verified_metrics
+
+    current = verified_metrics(out_dir)
+    for t, (examples, prov) in sets.items():
+        old = (current.get("zeroshot_data") or {}).get(t) or {}
+        others = sorted(m for m, res in (current.get("zeroshot") or {}).items() if m not in methods and t in res
+                        and (res[t].get("n") != len(examples) or old.get("sha256") not in (None, prov["sha256"])))
+        if others:
+            n = current["zeroshot"][others[0]][t].get("n")
+            was, now = str(old.get("sha256"))[:12], prov["sha256"][:12]
+            raise InputError(f"{t}: {', '.join(others)} scored {n} examples of the file of SHA256 {was}, this "
+                             f"would score {len(examples)} of {now}; "
+                             f"one table would mix them: score them too (--methods "
+                             f"{','.join([*methods, *others])}) or pass the same data and --limit", "--methods",
+                             "methods")
 
 
 def zeroshot_table(scores: dict) -> Table:
