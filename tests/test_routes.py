@@ -174,7 +174,8 @@ def test_card_metrics_and_hub_base_model(art):
     rows = card_metrics(metrics, "oal", adapted=True)
     assert rows == {"perplexity (test blocks)": "softmax 10, oal 11.5",
                     "attention fidelity (relative MSE)": "relmse 0.01, relmse_post_o 0.02",
-                    "zero-shot piqa, oal (%)": "acc 60, acc_norm 61, n 100"}
+                    "zero-shot piqa, oal (%)": "acc 60, acc_norm (paper) 61, acc_norm (lm-eval, per "
+                                                          "character) 1, n 100"}
     assert card_metrics(metrics, "oal", adapted=False) == {"perplexity (test blocks)": "oal 14"}
     model = oal.load(art["merged"])
     from oal.artefact.base_facts import base_model_facts

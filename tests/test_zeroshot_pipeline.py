@@ -134,6 +134,36 @@ def test_cli_evaluate_zeroshot_matches_the_stage(zs_run, tmp_path):
     assert RunConfig.from_preset("qwen2.5-0.5b").zeroshot_limit is None  # the paper presets: the full sets
 
 
+def test_evaluate_scores_of_an_older_scorer_or_superseded_by_the_run_are_not_published(
+        zs_run, assets, tmp_path, monkeypatch):  # noqa: F811
+    """`oal evaluate --zeroshot` scores won over the run's own for ever: after a scorer change (SCORING_VERSION, the
+    tokenization of 2026-12-07) and after `oal run` had scored the method again on other data."""
+    import shutil
+
+    import oal.pipeline.base as base
+    from oal.pipeline.publish import republish
+
+    out, metrics = zs_run
+    run = shutil.copytree(out, tmp_path / "run")
+    args = ["evaluate", "--out", str(run), "--methods", "oal,softmax", "--zeroshot", "--limit", str(LIMIT - 2)]
+    res = CliRunner().invoke(load_commands(), args + [a for t, p in TASK_FILES.items()
+                                                      for a in ("--task-file", f"{t}={p}")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "metrics.json").read_text())["zeroshot"]["oal"]["piqa"]["n"] == LIMIT - 2
+    # a newer scorer: the records of the old one are left out, the run's own (rescored by its stage) stay
+    monkeypatch.setitem(base.EVALUATION_VERSIONS, "zeroshot:", {"zeroshot_scoring": -1})
+    assert republish(run)["zeroshot"] == metrics["zeroshot"]
+    monkeypatch.undo()
+    assert republish(run)["zeroshot"]["oal"]["piqa"]["n"] == LIMIT - 2
+    # the run scores oal again on other data: its numbers, not the older evaluation's
+    r = Run(_zs_cfg(assets, zeroshot_limit=LIMIT - 1), run, progress=False)
+    r.setup()
+    r.zeroshot("oal")
+    published = republish(run)["zeroshot"]
+    assert all(row["n"] == LIMIT - 1 for row in published["oal"].values())
+    assert all(row["n"] == LIMIT - 2 for row in published["softmax"].values())  # not scored again: still evaluate's
+
+
 def test_cli_evaluate_offline_without_data(zs_run, tmp_path, monkeypatch):
     _offline(monkeypatch, tmp_path)
     out, _ = zs_run

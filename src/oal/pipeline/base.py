@@ -30,6 +30,7 @@ from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_ke
 from oal.data.sources import load_corpus
 from oal.device import release_memory
 from oal.errors import InputError, ModelUnavailableError, SelectionSizeError, message_of
+from oal.evaluate.zeroshot import SCORING_VERSION
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
 from oal.pipeline.config import RunConfig
@@ -46,6 +47,8 @@ REFERENCE = "softmax"  # the method without an approximation (the reference arm)
 CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated kernels and calibration.json
 
 log = logging.getLogger("oal")
+# the versions of the code an `oal evaluate` record must have been measured by to be published (rundir.metrics)
+EVALUATION_VERSIONS = {"zeroshot:": {"zeroshot_scoring": SCORING_VERSION}}
 
 
 class Stop(Exception):
@@ -294,7 +297,7 @@ class StagedRun:
             return ok
 
         out = self.results(reported)
-        entries, _, inputs = verified_evaluations(self.dir)
+        entries, _, inputs = verified_evaluations(self.dir, EVALUATION_VERSIONS)
         apply_entries(out, entries)
         out["sha256"] = {f: h for s in used for f, h in self.log.stages[s].get("inputs", {}).items()}
         out["sha256"].update(inputs)

@@ -48,6 +48,7 @@ from oal.pipeline.report import write_report
 from oal.pipeline.selection import choose_layers, comparison_sets, criterion_curve, score_layers
 from oal.rundir.files import atomic_write_json, load_json, remove
 from oal.rundir.hashes import config_hash, tensor_hash
+from oal.rundir.metrics import drop_evaluations
 
 __all__ = ["NEEDS_GROUPS", "Run", "SELECTION_FILE"]
 
@@ -394,6 +395,7 @@ class Run(StagedRun):
             res = evaluate_tasks(model, self.tokenizer, sets, progress=self.progress,
                                  description=f"zeroshot:{method}")
             atomic_write_json(path, {"tasks": res, "data": {t: prov for t, (_, prov) in sets.items()}})
+            drop_evaluations(self.dir, f"zeroshot:{method}:")  # `oal evaluate`'s older scores must not win over these
 
         return self.stage(f"zeroshot:{method}", deps, [str(path.relative_to(self.dir))], fn, inputs=inputs, run=run)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from oal.errors import InputError
-from oal.pipeline.base import StagedRun, tidy_zeroshot
+from oal.pipeline.base import EVALUATION_VERSIONS, StagedRun, tidy_zeroshot
 from oal.pipeline.config import RunConfig
 from oal.pipeline.records import run_config, selection_record
 from oal.rundir.claim import is_run_dir
@@ -82,7 +82,7 @@ def republish(run_dir: str | Path, console: Console | None = None) -> dict:
     metrics."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        return publish_evaluations(run_dir, tidy_zeroshot)
+        return publish_evaluations(run_dir, tidy_zeroshot, EVALUATION_VERSIONS)
     r = _recorded_run(run_dir, console)
     return r.publish(r.log.verified)
 
@@ -95,7 +95,7 @@ def verified_metrics(run_dir: str | Path) -> dict:
 
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        entries, defaults, inputs = verified_evaluations(run_dir)
+        entries, defaults, inputs = verified_evaluations(run_dir, EVALUATION_VERSIONS)
         return tidy_zeroshot({**apply_entries(dict(defaults), entries), "sha256": inputs})
     check_publishable(run_dir)
     r = _recorded_run(run_dir, None)
