@@ -336,7 +336,7 @@ def test_embedding_similarity_and_pooling():
     batched = sentence_embeddings(conv, batch)
     torch.testing.assert_close(batched["mean"][1], alone["mean"][0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="mode"):
-        pool(torch.zeros(1, 2, 3), torch.ones(1, 2), "max")
+        pool(torch.zeros(1, 2, 3), torch.ones(1, 2), "median")
 
 
 @torch.no_grad()

@@ -4,6 +4,10 @@ Both models run through the ordinary HF forward (`model(input_ids=..., attention
 state is pooled in the two usual ways, mean over real tokens (sentence-transformers' default) and the first token
 ([CLS] / <s>), and each passage's two embeddings are compared by cosine similarity. Reported per pooling: mean,
 minimum and 5th percentile over passages, plus the per-passage values.
+
+`pool` also takes sentence-transformers' other modes (`SENTENCE_POOLINGS`), computed as its Pooling module does,
+so that a folder declaring one of them is measured with its own pooling; several modes joined by "+" are
+concatenated in the order sentence-transformers concatenates them.
 """
 
 from __future__ import annotations
@@ -12,19 +16,36 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["POOLINGS", "cosine_summary", "embedding_similarity", "pool", "sentence_embeddings"]
+from oal.models.encoder import POOLING_MODES
+
+__all__ = ["POOLINGS", "SENTENCE_POOLINGS", "cosine_summary", "embedding_similarity", "pool",
+           "sentence_embeddings"]
 
 POOLINGS = ("mean", "cls")
+SENTENCE_POOLINGS = tuple(POOLING_MODES)  # sentence-transformers' modes, in the order it concatenates them
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """[B, N, H] -> [B, H]: "mean" over real tokens (mask 1) or "cls" (the first token)."""
+    """[B, N, H] -> [B, H]: "mean" over real tokens (mask 1), "cls" (the first token), or another of
+    `SENTENCE_POOLINGS` as sentence-transformers computes it ("a+b": both, concatenated)."""
+    if "+" in mode:
+        return torch.cat([pool(hidden, attention_mask, m) for m in mode.split("+")], -1)
+    m = attention_mask.to(hidden.dtype)[..., None]
     if mode == "cls":
         return hidden[:, 0]
-    if mode == "mean":
-        m = attention_mask.to(hidden.dtype)[..., None]
-        return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
-    raise ValueError(f"mode: expected one of {POOLINGS}, got {mode!r}")
+    if mode in ("mean", "mean_sqrt_len"):
+        n = m.sum(1).clamp_min(1.0)
+        return (hidden * m).sum(1) / (n if mode == "mean" else n.sqrt())
+    if mode == "max":
+        return hidden.masked_fill(m == 0, -1e9).amax(1)  # padded tokens never win (sentence-transformers' -1e9)
+    if mode == "weightedmean":  # weights 1..N by position, real tokens only
+        w = m * torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)[:, None]
+        return (hidden * w).sum(1) / w.sum(1).clamp_min(1e-9)
+    if mode == "lasttoken":  # the last real token, whichever side the padding is on
+        pos = torch.arange(hidden.shape[1], device=hidden.device)
+        last = (attention_mask.bool() * pos).amax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    raise ValueError(f"mode: expected one of {SENTENCE_POOLINGS} (or several joined by '+'), got {mode!r}")
 
 
 @torch.no_grad()
@@ -41,7 +62,7 @@ def sentence_embeddings(model, batch: Mapping[str, torch.Tensor], *, batch_size:
         i, m = ids[start : start + batch_size].to(device), mask[start : start + batch_size].to(device)
         hidden = model(input_ids=i, attention_mask=m).last_hidden_state
         for p in poolings:
-            out[p].append(pool(hidden, m, p).double().cpu())
+            out[p].append(pool(hidden.double(), m, p).cpu())  # pooled in float64: a bf16 sum would round the mean
     return {p: torch.cat(v) for p, v in out.items()}
 
 

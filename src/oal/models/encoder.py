@@ -27,8 +27,9 @@ from torch import nn
 
 from oal.models.families import ENCODER_ARCHITECTURES
 
-__all__ = ["ENCODER_ARCHITECTURES", "attention_module", "encoder_layers", "is_encoder", "is_encoder_model",
-           "load_encoder", "max_tokens", "noncausal_attention", "output_projection"]
+__all__ = ["ENCODER_ARCHITECTURES", "POOLING_MODES", "attention_module", "encoder_layers", "is_encoder",
+           "is_encoder_model", "load_encoder", "max_tokens", "noncausal_attention", "output_projection",
+           "sentence_pooling"]
 
 
 def _config(model_or_config):
@@ -152,13 +153,35 @@ def load_encoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
 
 
 def sentence_pooling(path: str | Path) -> str | None:
-    """The pooling a sentence-transformers folder declares (`1_Pooling/config.json`): "mean", "cls", or None."""
-    cfg = Path(path) / "1_Pooling" / "config.json"
-    if not cfg.is_file():
+    """The pooling a sentence-transformers folder declares (its Pooling module's config.json, where modules.json
+    puts it, else `1_Pooling/`): one of `POOLING_MODES`, several joined by "+" in the order
+    sentence-transformers concatenates them, or None (no Pooling module, no mode set)."""
+    path = Path(path)
+    where = "1_Pooling"
+    modules = _json_file(path / "modules.json")
+    if isinstance(modules, list):
+        where = next((m.get("path") for m in modules if isinstance(m, dict)
+                      and str(m.get("type", "")).endswith(".Pooling") and m.get("path")), where)
+    data = _json_file(path / where / "config.json")
+    if not isinstance(data, dict):
         return None
-    data = json.loads(cfg.read_text())
-    if data.get("pooling_mode_cls_token"):
-        return "cls"
-    if data.get("pooling_mode_mean_tokens"):
-        return "mean"
-    return None
+    modes = [m for m in POOLING_MODES if data.get(f"pooling_mode_{POOLING_MODES[m]}")]
+    return "+".join(modes) or None
+
+
+# sentence-transformers' Pooling modes (in its concatenation order) -> their config key `pooling_mode_<key>`
+POOLING_MODES = {"cls": "cls_token", "max": "max_tokens", "mean": "mean_tokens",
+                 "mean_sqrt_len": "mean_sqrt_len_tokens", "weightedmean": "weightedmean_tokens",
+                 "lasttoken": "lasttoken"}
+
+
+def _json_file(path: Path):
+    """The JSON in `path`, None when there is no such file; a damaged one is an error naming it."""
+    from oal.models.folders import bad_model
+
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_model(f"{path}: not readable JSON ({exc}); restore it from the model's source") from None

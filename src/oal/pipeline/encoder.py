@@ -10,8 +10,9 @@
 - calibrate: output matching of the non-causal normalised output (Eq. 20, all real keys visible), the same
   driver, one-pass capture store (q/k/v/out with the padding mask) and per-layer checkpoints as for decoders;
 - fidelity: Eq. 21-22 on the held-out passages, padded positions left out;
-- embedding: cosine similarity of pooled embeddings (mean and [CLS]) of each converted model against the
-  original on the held-out passages, through the ordinary HF forward;
+- embedding: cosine similarity of pooled embeddings (mean and [CLS], and the folder's own sentence-transformers
+  pooling when it declares another) of each converted model against the original on the held-out passages,
+  through the ordinary HF forward;
 - adaptation (LoRA), perplexity and zero-shot are decoder-only and do not run; the report says so.
 
 The converted model is rebuilt from the files on disk for every evaluation (kernels on the base model), as in
@@ -25,7 +26,8 @@ from rich.table import Table
 
 from oal.data.passages import PassagePlan, default_passage_plan, plan_passages, tokenize_passages
 from oal.device import resolve_dtype
-from oal.evaluate.embedding import cosine_summary, sentence_embeddings
+from oal.errors import InputError
+from oal.evaluate.embedding import POOLINGS, cosine_summary, sentence_embeddings
 from oal.models.encoder import load_encoder, max_tokens
 from oal.pipeline.aggregate import _mean_std, aggregate_seeds
 from oal.pipeline.base import FIDELITY_FILE
@@ -46,6 +48,18 @@ class EncoderRun(Run):
     """One seed's run directory for an encoder; `blocks[role]` holds tokenised passages (input_ids, attention_mask)."""
 
     protocol = "encoder"
+    # settings no encoder stage reads (adaptation, the decoders' evaluations): another value of one resumes the run
+    # instead of refusing the directory as another configuration
+    UNREAD = ("config.adapt", "config.eval_batch_size", "config.zeroshot_dir")
+
+    def __init__(self, cfg, out_dir, *, allow_changes: tuple[str, ...] = (), **kwargs):
+        super().__init__(cfg, out_dir, allow_changes=(*allow_changes, *self.UNREAD), **kwargs)
+
+    def setup(self) -> None:
+        if (self.cfg.grouping or {}).get("pairs"):  # refused before anything is written
+            raise InputError("app-b-pairs ties RoPE's rotation pairs (r, r + d/2); an encoder has no RoPE: use "
+                             "app-b or budget:G", "--grouping", "grouping")
+        super().setup()
 
     def _load_model(self):  # self.device: Run's, this process's device under a launch
         return load_encoder(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
@@ -73,14 +87,22 @@ class EncoderRun(Run):
 
     def embedding(self) -> bool:
         """Cosine similarity of pooled embeddings, each converted model against the original (held-out passages)."""
-        return self.evaluation("embedding", EMBEDDING_FILE, self._embedding)
+        poolings = self._poolings()
+        # a declared pooling besides the two usual ones joins the key (the usual runs keep theirs)
+        extra = {"poolings": list(poolings)} if poolings != POOLINGS else None
+        return self.evaluation("embedding", EMBEDDING_FILE, lambda methods: self._embedding(methods, poolings), extra)
 
-    def _embedding(self, methods: list[str]) -> dict:
+    def _poolings(self) -> tuple[str, ...]:
+        """Mean and [CLS] pooling, and the folder's own when it declares another (its `1_Pooling`)."""
+        own = self._pooling()
+        return POOLINGS + ((own,) if own and own not in POOLINGS else ())
+
+    def _embedding(self, methods: list[str], poolings: tuple[str, ...] = POOLINGS) -> dict:
         held = self.blocks["heldout"]
-        ref = sentence_embeddings(self.model, held, batch_size=BATCH)
+        ref = sentence_embeddings(self.model, held, batch_size=BATCH, poolings=poolings)
         out = {}
         for m in methods:
-            got = sentence_embeddings(self.model_for(m), held, batch_size=BATCH)
+            got = sentence_embeddings(self.model_for(m), held, batch_size=BATCH, poolings=poolings)
             out[m] = {p: cosine_summary(ref[p], got[p]) for p in ref}
         return out
 
@@ -137,13 +159,22 @@ class EncoderRun(Run):
 
 
 def summary_table(metrics: dict) -> Table:
-    """methods x (fidelity, embedding cosine) for the terminal."""
+    """methods x (fidelity, embedding distance 1 - cos) for the terminal: near 1, cosines need up to 10 decimals,
+    which four pooled columns cannot show in 80 characters; report.md gives the cosines."""
     table = Table(title=f"oal run (encoder): {metrics.get('model')} (layers {metrics.get('converted_layers')})")
-    for col in ("method", "RelMSE", "RelMSE post-o", "cos (mean pool)", "cos ([CLS])", "min cos (mean pool)"):
+    own = metrics.get("pooling")
+    poolings = POOLINGS + ((own,) if own and own not in POOLINGS else ())  # the folder's own pooling too
+    labels = {"mean": "1-cos (mean pool)", "cls": "1-cos ([CLS])"}
+    for col in ("method", "RelMSE", "RelMSE post-o", *(labels.get(p, f"1-cos ({p}, own)") for p in poolings),
+                "max 1-cos (mean pool)"):
         table.add_column(col, justify="right")
     for m in metrics.get("methods", []):
         f, e = metrics.get("fidelity", {}).get(m, {}), metrics.get("embedding", {}).get(m, {})
         table.add_row(m, *(f"{f[k]:.4f}" if k in f else "-" for k in ("relmse", "relmse_post_o")),
-                      *(f"{e[p]['mean']:.5f}" if p in e else "-" for p in ("mean", "cls")),
-                      f"{e['mean']['min']:.5f}" if "mean" in e else "-")
+                      *(_distance(e[p]["mean"]) if p in e else "-" for p in poolings),
+                      _distance(e["mean"]["min"]) if "mean" in e else "-")
     return table
+
+
+def _distance(cos: float) -> str:
+    return f"{1.0 - cos:.2e}"

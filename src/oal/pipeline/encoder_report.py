@@ -8,6 +8,7 @@ The analysis, calibration, fidelity and timing sections are the decoder report's
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -15,13 +16,24 @@ from matplotlib.figure import Figure
 from oal.data.passages import PASSAGE_ROLES
 from oal.pipeline.report import OWN_FIGURES, write_markdown
 from oal.pipeline.report_figures import calibration_figure
-from oal.pipeline.report_format import display_name, fmt, markdown_table, ordered, read_optional
+from oal.pipeline.report_format import display_name, markdown_table, ordered, read_optional
 from oal.pipeline.report_sections import analysis_section, calibration_section, fidelity_section, timing_section
 from oal.rundir.files import atomic_save_figure
 
-__all__ = ["embedding_figure", "write_encoder_report"]
+__all__ = ["cosine_text", "embedding_figure", "write_encoder_report"]
 
-POOLING_LABEL = {"mean": "mean pooling", "cls": "first token ([CLS])"}
+POOLING_LABEL = {"mean": "mean pooling", "cls": "first token ([CLS])", "max": "max pooling",
+                 "mean_sqrt_len": "mean pooling / sqrt(length)", "weightedmean": "position-weighted mean",
+                 "lasttoken": "last token"}
+
+
+def cosine_text(x) -> str:
+    """A cosine with the decimals that show 1 - cos to three significant digits (4 to 10): converted layers often
+    stay above 0.99999, which five decimals print as 1.00000 for every method."""
+    if not isinstance(x, (int, float)) or not math.isfinite(x):
+        return "-"
+    gap = 1.0 - x
+    return f"{x:.{4 if gap <= 0 else min(10, max(4, math.ceil(-math.log10(gap)) + 2))}f}"
 
 
 def embedding_figure(embedding: dict, path: Path) -> bool:
@@ -34,7 +46,7 @@ def embedding_figure(embedding: dict, path: Path) -> bool:
     axes = fig.subplots(1, len(poolings), squeeze=False)
     for ax, p in zip(axes[0], poolings, strict=True):
         ax.boxplot([embedding[m][p]["per_passage"] for m in methods], tick_labels=[display_name(m) for m in methods])
-        ax.set_title(f"Embedding agreement: {POOLING_LABEL.get(p, p)}")
+        ax.set_title(f"Embedding agreement: {_label(p)}")
         ax.set_ylabel("cosine to the original model")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -68,20 +80,36 @@ def provenance_section(config: dict) -> list[str]:
     return out
 
 
-def _embedding(metrics: dict, has_fig: bool) -> list[str]:
+def _embedding(metrics: dict, has_fig: bool, fig_seed=None) -> list[str]:
     out = ["## Embedding agreement with the original encoder (held-out passages)", ""]
     emb = metrics.get("embedding") or {}
     if not emb:
         return out + ["Embedding similarity was not evaluated in this run.", ""]
+    own, std = metrics.get("pooling"), metrics.get("embedding_std") or {}
     poolings = list(next(iter(emb.values())))
-    header = ["Method"] + [f"cosine, {POOLING_LABEL.get(p, p)} (mean / min)" for p in poolings]
-    rows = [[display_name(m)] + [f"{fmt(emb[m][p]['mean'], 5)} / {fmt(emb[m][p]['min'], 5)}" for p in poolings]
-            for m in ordered(emb)]
+    header = ["Method"] + [f"cosine, {_label(p)}{OWN if p == own else ''} (mean / min)" for p in poolings]
+
+    def cell(m, p):
+        sd = std.get(m, {}).get(p, {}).get("mean")
+        spread = f" ± {sd:.1e}" if sd is not None else ""  # over seeds; min: over seeds and passages
+        return f"{cosine_text(emb[m][p]['mean'])}{spread} / {cosine_text(emb[m][p]['min'])}"
+
+    rows = [[display_name(m)] + [cell(m, p) for p in poolings] for m in ordered(emb)]
+    seeds = metrics.get("seeds")
     out += ["Each converted model (kernels on the base weights, ordinary HF forward with padding) against the "
-            "original, one cosine per passage:", "", markdown_table(header, rows), ""]
+            "original, one cosine per passage" + (f"; mean ± sample std over seeds {seeds}, min over every seed"
+                                                  if seeds else "") + ":", "", markdown_table(header, rows), ""]
     if has_fig:
-        out += ["![embedding agreement](figures/embedding_cosine.png)", ""]
+        caption = f" of seed {fig_seed}'s kernels" if fig_seed is not None else ""
+        out += [f"Per-passage cosines{caption}:", "", "![embedding agreement](figures/embedding_cosine.png)", ""]
     return out
+
+
+OWN = " (the model's own)"
+
+
+def _label(pooling: str) -> str:
+    return " + ".join(POOLING_LABEL.get(p, p) for p in pooling.split("+"))
 
 
 def _not_run(metrics: dict) -> list[str]:
@@ -117,5 +145,5 @@ def write_encoder_report(run_dir: str | Path, *, console=None) -> Path:
              "real token), padding masked throughout.", ""]
     lines += provenance_section(config) + analysis + calibration_section(calibration, has_cal)
     lines += fidelity_section(metrics)
-    lines += _embedding(metrics, has_emb) + _not_run(metrics) + timing_section(metrics)
+    lines += _embedding(metrics, has_emb, seeds[0] if seeds else None) + _not_run(metrics) + timing_section(metrics)
     return write_markdown(run_dir, lines, console=console)
