@@ -206,3 +206,31 @@ def test_evaluate_says_an_encoder_run_is_measured_by_oal_run(enc_run):
     for extra in ([], ["--zeroshot"], ["--passkey"]):
         res = CliRunner(env={"COLUMNS": "300"}).invoke(load_commands(), ["evaluate", "--out", str(out), *extra])
         assert res.exit_code == 2 and "an encoder's run" in res.output and "--data" not in res.output, res.output
+
+
+def test_the_other_commands_on_an_encoder_run(enc_run, tmp_path):
+    """`oal generate` and `oal convert` died in tracebacks (no .generate, no .logits); `oal export` told the user to
+    train an adapter with `oal adapt`, which refuses encoders; the softmax export loaded the encoder as a causal LM
+    and blamed --model; `oal select-layers` listed 52 configuration differences and offered --force."""
+    from transformers import AutoModel
+
+    import oal
+    from oal.cli import load_commands
+
+    out, _ = enc_run
+    cli = CliRunner(env={"COLUMNS": "300"})
+    for args in (["generate", "hi", "--out", str(out)], ["select-layers", "--out", str(out), "--k", "1"]):
+        res = cli.invoke(load_commands(), args)
+        assert res.exit_code == 2 and "an encoder's run" in res.output and "Traceback" not in res.output, res.output
+        assert "--force" not in res.output
+    res = cli.invoke(load_commands(), ["convert", "--out", str(out), "--method", "oal"])
+    assert res.exit_code == 0 and "groups per head" in res.output, res.output
+    res = cli.invoke(load_commands(), ["export", "--out", str(out), "--method", "oal", "--to", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert type(oal.load(tmp_path / "o")).__name__ == "OALBertModel"
+    res = cli.invoke(load_commands(), ["export", "--out", str(out), "--method", "softmax", "--to",
+                                       str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    assert type(AutoModel.from_pretrained(tmp_path / "s")).__name__ == "BertModel"
+    assert "AutoModel.from_pretrained" in (tmp_path / "s" / "README.md").read_text()
+    assert "AutoModelForCausalLM" not in (tmp_path / "s" / "README.md").read_text()

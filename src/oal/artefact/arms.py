@@ -152,6 +152,7 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
     if method != "softmax":
         return load_converted(run_dir, method, adapter, model=model, dtype=dtype, device=device)
     from oal.adaptation.adapter import load_adapter
+    from oal.models.encoder import is_encoder_model, load_encoder
     from oal.models.provenance import check_base_model
     from oal.models.registry import load_model
 
@@ -165,7 +166,8 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
     if not isinstance(record, dict) or not record.get("state_dict_sha256"):
         raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
     name = model or record.get("model") or "default"
-    mdl, tokenizer, provenance = load_model(name, dtype=dtype or _run_dtype(run_dir, config), device=device)
+    loader = load_encoder if config.get("protocol") == "encoder" and is_encoder_model(name) else load_model
+    mdl, tokenizer, provenance = loader(name, dtype=dtype or _run_dtype(run_dir, config), device=device)
     check_base_model({"name_or_path": record.get("model"), "state_dict_sha256": record["state_dict_sha256"],
                       "dtype": record.get("dtype"), "hashes": record.get("sha256")}, mdl, provenance,
                      where=str(config_path))

@@ -171,7 +171,8 @@ def _provenance_lines(source: dict, recorded: str) -> list[str]:
             f"; `oal.json` records the SHA256 of {recorded}.", ""]
 
 
-def reference_card_text(source: dict, metrics: dict[str, str] | None = None, weights: str | None = None) -> str:
+def reference_card_text(source: dict, metrics: dict[str, str] | None = None, weights: str | None = None,
+                        encoder: bool = False) -> str:
     """README.md of a run's exported softmax arm (`artefact.softmax_export`): the base model with the run's LoRA
     adapter for softmax merged, loaded by transformers alone. `source` as for `card_text`; `weights`: the dtype
     of the written weights."""
@@ -180,8 +181,10 @@ def reference_card_text(source: dict, metrics: dict[str, str] | None = None, wei
     facts = source.get("base") or base_model_facts(None, None)
     name = facts["id"]
     adapter = source.get("adapter")
+    auto = "AutoModel" if encoder else "AutoModelForCausalLM"
     data = ModelCardData(library_name="transformers", base_model=name, license=facts["license"],
-                         datasets=source.get("datasets") or None, pipeline_tag="text-generation",
+                         datasets=source.get("datasets") or None,
+                         pipeline_tag="feature-extraction" if encoder else "text-generation",
                          tags=["oal", "softmax-reference"])
     lines = [f"# Softmax reference of {name}", "",
              f"`{name}` with softmax attention in every layer, the reference arm of an oal run (library `oal`, "
@@ -190,8 +193,8 @@ def reference_card_text(source: dict, metrics: dict[str, str] | None = None, wei
                 "converted arms, so that it is what they are compared against." if adapter else
                 "without an adapter (the run adapted none for softmax)."),
              "", f"Licence: `{facts['license']}` ({facts['license_note']}).", "",
-             "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             'model = AutoModelForCausalLM.from_pretrained("<this folder>")  # no oal needed',
+             "## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
+             f'model = {auto}.from_pretrained("<this folder>")  # no oal needed',
              'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
              "`oal.json` records the SHA256 of every file that defines the model and of the run files it came "
              "from; `oal.models.pretrained.verify_manifest(folder)` checks them.", ""]

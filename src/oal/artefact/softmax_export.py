@@ -35,6 +35,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
     from oal.artefact.base_facts import base_model_facts, data_facts
     from oal.artefact.card import card_metrics, reference_card_text
     from oal.artefact.folder_io import cast_base_weights, save_tokenizer, without_paths, writable_target
+    from oal.models.encoder import is_encoder
     from oal.models.pretrained import read_json_object, write_manifest
     from oal.models.provenance import model_dtype
     from oal.models.registry import identify
@@ -63,7 +64,7 @@ def export_softmax(run_dir: str | Path, to: str | Path, *, adapter: bool = True,
         save_tokenizer(tok, tmp, getattr(mdl.config, "max_position_embeddings", None))
         mdl.save_pretrained(tmp)  # the family's own form: config.json, model.safetensors, generation_config.json
         write_manifest(tmp, source)
-        atomic_write_text(tmp / "README.md", reference_card_text(source, rows, model_dtype(mdl)))
+        atomic_write_text(tmp / "README.md", reference_card_text(source, rows, model_dtype(mdl), is_encoder(mdl)))
         for f in tmp.rglob("*"):
             if f.is_file():
                 os.chmod(f, 0o644)  # writers that go through mkstemp leave 0600; these are ordinary shared files

@@ -32,9 +32,10 @@ def convert_cmd(
     mdl, tok, info = converted_or_fail(out, model, method, device, adapter, dtype)
     ids = torch.randint(0, mdl.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = mdl(ids.to(device)).logits
-    if not bool(torch.isfinite(logits).all()):
-        raise typer.BadParameter("the converted model produced non-finite logits", param_hint="--out")
+        res = mdl(ids.to(mdl.device))
+    logits = getattr(res, "logits", None)  # an encoder's run: its hidden states
+    if not bool(torch.isfinite(res.last_hidden_state if logits is None else logits).all()):
+        raise typer.BadParameter("the converted model produced non-finite outputs", param_hint="--out")
     table = Table(title=f"{info['base_model']}: converted layers ({method}, "
                         f"{'adapted' if info['adapter'] else 'calibrated kernels'})")
     for col in ("layer", "method", "groups per head", "kernel params"):

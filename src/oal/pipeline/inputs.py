@@ -8,8 +8,8 @@ from pathlib import Path
 
 from oal.errors import InputError, message_of
 
-__all__ = ["blocks_or_fail", "converted_or_fail", "layer_selection", "load_model_or_fail", "parse_layers",
-           "registry_preset", "run_methods"]
+__all__ = ["blocks_or_fail", "causal_lm_run", "converted_or_fail", "layer_selection", "load_model_or_fail",
+           "parse_layers", "registry_preset", "run_methods"]
 
 
 def load_model_or_fail(model: str, device: str, dtype: str | None = None):
@@ -117,3 +117,15 @@ def run_methods(out: Path, methods: list[str] | None, fallback: list[str]) -> li
         return methods
     config = out / "config.json"
     return (run_config(config)["config"].get("methods") if config.is_file() else None) or fallback
+
+
+def causal_lm_run(out: Path, needs: str) -> None:
+    """InputError on --out where OUT is an encoder's run (its config.json's protocol): `needs` says what of a causal
+    LM the command uses ("`oal generate` continues text with a next-token head")."""
+    from oal.rundir.files import load_json
+
+    config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
+    if isinstance(config, dict) and config.get("protocol") == "encoder":
+        model = (config.get("config") or {}).get("model")
+        raise InputError(f"{out} is an encoder's run ({model}); {needs}, which an encoder has not", "--out",
+                         "out_dir")

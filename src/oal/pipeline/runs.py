@@ -14,6 +14,7 @@ from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
 from oal.pipeline.config import ALL_METHODS, RunConfig
 from oal.pipeline.decoder import SELECTION_FILE, Run
+from oal.pipeline.inputs import causal_lm_run
 from oal.pipeline.records import run_config, selection_record
 from oal.pipeline.selection import SELECTION_KEYS
 from oal.rundir.claim import multi_seed_layout
@@ -193,6 +194,7 @@ def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | Non
     records that still verify (the arms of the old selection's kernels drop out until `oal run` redoes them)."""
     if not cfg.select:
         raise InputError("expected a layer selection such as auto:2", "--k", "select")
+    causal_lm_run(Path(out_dir), "layer selection ranks layers by a causal LM's perplexity")
     r = Run(cfg, out_dir, console=console, progress=progress, force=force, allow_changes=SELECTION_KEYS)
     with own_dir(r.dir, r.ranks):
         r.setup()
