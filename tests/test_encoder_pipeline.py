@@ -234,3 +234,13 @@ def test_the_other_commands_on_an_encoder_run(enc_run, tmp_path):
     assert type(AutoModel.from_pretrained(tmp_path / "s")).__name__ == "BertModel"
     assert "AutoModel.from_pretrained" in (tmp_path / "s" / "README.md").read_text()
     assert "AutoModelForCausalLM" not in (tmp_path / "s" / "README.md").read_text()
+
+
+def test_linearize_refuses_an_encoder_in_one_line(assets):
+    """It cut token-stream blocks for BERT and died inside its embeddings (a size mismatch past its positions)."""
+    import oal
+    from oal.models.encoder import load_encoder
+
+    model, tok, _ = load_encoder(assets / "model")
+    with pytest.raises(ValueError, match="model: BertModel is an encoder; .* `oal run --model PATH`"):
+        oal.linearize(model, tok, assets / "corpus.txt", layers=[1])

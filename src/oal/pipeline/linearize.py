@@ -158,7 +158,12 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"model: expected a Hugging Face causal LM (a loaded model), got {type(model).__name__}")
     from oal.models.attention import converted_methods
+    from oal.models.encoder import is_encoder
 
+    if is_encoder(model):  # its blocks would be cut from a token stream, past its position embeddings
+        raise ValueError(f"model: {type(model).__name__} is an encoder; linearize calibrates causal LMs on token "
+                         "blocks. Convert an encoder with `oal run --model PATH` (the passage protocol), then "
+                         "oal.load(run_dir, PATH)")
     converted = sorted(converted_methods(model))
     if converted:  # its captures would be of converted layers' inputs, not of the base model's
         raise ValueError(f"model: layers {converted} are already converted; linearize the base model (its "
