@@ -4,7 +4,7 @@ The prompt follows the passkey format of Mohtashami & Jaggi (2023, "Landmark Att
 later long-context work: an instruction, filler sentences, one needle sentence holding a random number at a chosen
 depth of the filler, more filler, and the question. The model continues greedily (through the generation cache, so
 converted layers decode from their O(1) recurrent state) and scores 1 when the first run of digits it generates
-is exactly the key.
+is exactly the key and whole (not cut by the few tokens generated).
 
 Prompts are assembled from separately tokenised pieces, so their token length is controlled exactly and does not
 depend on how a tokenizer merges across piece boundaries; everything random comes from one seeded generator per
@@ -74,7 +74,7 @@ def make_prompt(tokenizer, length: int, depth: float, *, seed: int = 0, trial: i
                 template: Template = PASSKEY) -> PasskeyPrompt:
     """A prompt of at most `length` tokens with a `digits`-digit key at relative `depth` of the filler."""
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth: expected a fraction in [0, 1], got {depth!r}")
+        raise InputError(f"expected a fraction in [0, 1], got {depth!r}", "--depths", "depth")
     if digits < 1:
         raise ValueError(f"digits: expected >= 1, got {digits!r}")
     rng = random.Random(f"passkey/{seed}/{length}/{depth:.6f}/{trial}")
@@ -83,18 +83,22 @@ def make_prompt(tokenizer, length: int, depth: float, *, seed: int = 0, trial: i
     unit = _ids(tokenizer, template.filler)
     room = length - len(intro) - len(needle) - len(question)
     if room < 0 or not unit:
-        raise ValueError(f"length: {length} tokens cannot hold the instruction, needle and question "
-                         f"({len(intro) + len(needle) + len(question)} tokens)")
+        raise InputError(f"{length} tokens cannot hold the passkey prompt's instruction, needle and question "
+                         f"({len(intro) + len(needle) + len(question)} tokens)", "--lengths", "length")
     n_units = room // len(unit)
     before = round(depth * n_units)
     ids = intro + unit * before + needle + unit * (n_units - before) + question
     return PasskeyPrompt(input_ids=ids, answer=key, depth=depth, length=len(ids))
 
 
-def score_answer(generated: str, answer: str) -> bool:
-    """Exact match of the first run of digits in the continuation against the key."""
+def score_answer(generated: str, answer: str, *, complete: bool = True) -> bool:
+    """Exact match of the first run of digits in the continuation against the key. `complete` False: generation
+    stopped at its token budget, so a run of digits that reaches the end of the text may go on (" 123456" cut to
+    " 12345"): not a match."""
     found = re.search(r"\d+", generated)
-    return found is not None and found.group(0) == answer
+    if found is None or found.group(0) != answer:
+        return False
+    return complete or found.end() < len(generated)
 
 
 def default_lengths(max_positions: int | None, shortest: int = 1024, reserve: int = 0) -> list[int]:
@@ -116,12 +120,20 @@ def answer_tokens(tokenizer, digits: int = 5) -> int:
 
 
 # what a run's passkey cache key records of the decoding, so that a resumed evaluation reruns after a change of it
-DECODING_VERSION = 2  # 2 (2026-12-07): greedy whatever the model's generation_config (1: its penalties applied)
+# 2 (2026-12-07): greedy whatever the model's generation_config (1: its penalties applied); 3: a key whose digits
+# reach the token budget is a miss (the number may go on), 2 counted it
+DECODING_VERSION = 3
+
+
+def _generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
+    """The text of `_greedy`."""
+    return _greedy(model, tokenizer, ids, max_new_tokens)[0]
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
-    """Plain greedy decoding of `max_new_tokens` tokens (fewer at EOS).
+def _greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> tuple[str, bool]:
+    """Plain greedy decoding of `max_new_tokens` tokens (fewer at EOS): (the text, whether it ended before the
+    budget or at EOS, so that a number at its end is whole).
 
     generate() fills every option not given from the model's own `generation_config`, so an instruct model's
     repetition penalty or no_repeat_ngram_size would penalise copying the key out of the prompt: for the call, the
@@ -139,7 +151,11 @@ def _generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
                              do_sample=False, num_beams=1, use_cache=True, pad_token_id=pad)
     finally:
         base.generation_config = own
-    return tokenizer.decode(seq[0, x.shape[1]:], skip_special_tokens=True)
+    new = seq[0, x.shape[1]:].tolist()
+    eos = getattr(own, "eos_token_id", None)
+    eos = {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id} - {None}
+    complete = len(new) < max_new_tokens or (bool(new) and new[-1] in eos)
+    return tokenizer.decode(new, skip_special_tokens=True), complete
 
 
 def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
@@ -152,7 +168,8 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     """
     if trials < 1:
         raise ValueError(f"trials: expected >= 1, got {trials!r}")
-    lengths, depths = [int(n) for n in lengths], [float(x) for x in depths]
+    # each cell once, in order: the heatmap's axes and the table's columns read from short to long, top to bottom
+    lengths, depths = sorted({int(n) for n in lengths}), sorted({float(x) for x in depths})
     if not lengths or not depths:
         raise ValueError("lengths/depths: expected at least one of each")
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -160,6 +177,11 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
     if max_pos is not None and max(lengths) + new_tokens > max_pos:
         raise InputError(f"{max(lengths)} + {new_tokens} generated tokens exceed the model's {max_pos} positions "
                          "(max_position_embeddings)", "--lengths", "lengths")
+    # every prompt is built once before any is decoded: a length too short for one fails now, not after the others
+    for n in lengths:
+        for depth in depths:
+            for t in range(trials):
+                make_prompt(tokenizer, n, depth, seed=seed, trial=t, digits=digits, template=template)
 
     was_training = model.training
     model.eval()
@@ -174,8 +196,8 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
                     hits = 0
                     for t in range(trials):
                         p = make_prompt(tokenizer, n, depth, seed=seed, trial=t, digits=digits, template=template)
-                        text = _generate(model, tokenizer, p.input_ids, new_tokens)
-                        hits += score_answer(text, p.answer)
+                        text, complete = _greedy(model, tokenizer, p.input_ids, new_tokens)
+                        hits += score_answer(text, p.answer, complete=complete)
                         if str(n) not in examples:
                             examples[str(n)] = {"answer": p.answer, "generated": text}
                         bar.advance(task)
@@ -201,7 +223,8 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
 
     from oal.rundir.files import atomic_save_figure
 
-    fig, axes = plt.subplots(1, len(arms), figsize=(2.6 * len(arms) + 1, 2.8), squeeze=False)
+    # constrained: each panel keeps room for its own depth labels (they ran into the panel on their left)
+    fig, axes = plt.subplots(1, len(arms), figsize=(2.6 * len(arms) + 1, 2.8), squeeze=False, layout="constrained")
     for ax, arm in zip(axes[0], arms, strict=True):
         r = results[arm]
         lengths, depths = [str(n) for n in r["lengths"]], [f"{d:g}" for d in r["depths"]]
@@ -221,7 +244,9 @@ def passkey_table(pk: dict) -> tuple[dict[str, dict], list[str], list[list[str]]
     """({arm label: result}, header, rows) of metrics.json["passkey"]: accuracy by context length and the mean, one
     row per arm ("<method> (no adapt|adapted)", softmax first), for the report and the terminal."""
     order = ["softmax"] + [m for m in pk if m != "softmax"]
-    arms = {f"{m} ({v.replace('_', ' ')})": r for m in order if m in pk for v, r in pk[m].items()}
+    # metrics.json keeps its keys sorted ("adapted" first): no adapt first, as measured and printed
+    arms = {f"{m} ({v.replace('_', ' ')})": pk[m][v] for m in order if m in pk
+            for v in sorted(pk[m], key=lambda v: v != "no_adapt")}
     lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
     rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
              f"{r['mean']:.2f}"] for arm, r in arms.items()]
@@ -236,12 +261,16 @@ def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
     if not pk:
         return out + ["Not measured in this run (`oal evaluate --out DIR --passkey`).", ""]
     arms, header, rows = passkey_table(pk)
-    first = next(iter(arms.values()))
-    out += [f"Greedy decoding through the recurrent cache; a {first['digits']}-digit key hidden at depths "
-            f"{', '.join(f'{d:g}' for d in first['depths'])} of the filler, {first['trials']} keys per cell, exact "
-            "match on the first digits generated. Accuracy by context length (tokens), mean over depths. The softmax "
-            "row is what the base model itself can do: a small model that fails there says nothing about the "
-            "conversion.", "", table(header, rows), ""]
+    # arms measured by separate `oal evaluate --passkey` calls may differ in depths and keys: say so, per arm
+    settings: dict[str, list[str]] = {}
+    for arm, r in arms.items():
+        settings.setdefault(f"a {r['digits']}-digit key hidden at depths {', '.join(f'{d:g}' for d in r['depths'])}"
+                            f" of the filler, {r['trials']} keys per cell", []).append(arm)
+    how = next(iter(settings)) if len(settings) == 1 else "the arms were measured with different settings, so their " \
+        "rows do not compare: " + "; ".join(f"{', '.join(a)}: {s}" for s, a in settings.items())
+    out += [f"Greedy decoding through the recurrent cache; {how}; exact match of the first whole number generated. "
+            "Accuracy by context length (tokens), mean over depths. The softmax row is what the base model itself "
+            "can do: a small model that fails there says nothing about the conversion.", "", table(header, rows), ""]
     if passkey_figure(arms, fig_dir / "passkey.png"):
         out += ["![passkey accuracy by length and depth](figures/passkey.png)", ""]
     return out

@@ -47,7 +47,7 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
 
 def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, adapter, device, dtype, progress,
               console) -> dict[str, dict]:
-    from oal.artefact.arms import adapter_dir, arm_inputs, load_arm
+    from oal.artefact.arms import adapter_dir, arm_inputs, calibrated_methods, load_arm
     from oal.evaluate.passkey import DECODING_VERSION, DEPTHS, answer_tokens, default_lengths, evaluate_passkey
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.metrics import record_evaluation
@@ -55,15 +55,21 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
     check_publishable(out_dir)
     cache = out_dir / ".oal" / "passkey"
     # the requested settings (lengths None: the model's default lengths) make each arm's cache key with its files
-    settings = {"lengths": list(lengths) if lengths else None, "depths": list(depths or DEPTHS), "trials": trials,
-                "seed": seed, "decoding": DECODING_VERSION}
-    results: dict[str, dict] = {}
+    settings = {"lengths": sorted(set(lengths)) if lengths else None, "depths": sorted(set(depths or DEPTHS)),
+                "trials": trials, "seed": seed, "decoding": DECODING_VERSION}
+    # every method is checked before the first is measured: a typo in the last one fails now, not an arm later
+    calibrated, plan = calibrated_methods(out_dir), {}
     for m in methods:
+        if m != "softmax" and m not in calibrated:
+            raise InputError(f"the run did not calibrate {m!r} (calibrated: {', '.join(calibrated) or 'none'})",
+                             "--methods", "methods")
         has_adapter = (adapter_dir(out_dir, m) / "oal_adapter.json").is_file()
         if adapter and not has_adapter:
             raise InputError(f"{adapter_dir(out_dir, m)}: the run has no adapter for {m!r}", "--adapter", "adapter")
-        variants = [v for v, on in (("no_adapt", adapter is not True), ("adapted", adapter is not False and
-                                                                        has_adapter)) if on]
+        plan[m] = [v for v, on in (("no_adapt", adapter is not True), ("adapted", adapter is not False and
+                                                                       has_adapter)) if on]
+    results: dict[str, dict] = {}
+    for m, variants in plan.items():
         for variant in variants:
             adapted = variant == "adapted"
             used = arm_inputs(out_dir, m, adapter_dir(out_dir, m) if adapted else None)
