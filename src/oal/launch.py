@@ -27,7 +27,8 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Ranks", "env_rank", "launched", "log_console", "process_device", "ranks", "training_accelerator"]
+__all__ = ["Ranks", "env_rank", "interactive", "launched", "log_console", "process_device", "progress_bar", "ranks",
+           "show_progress", "training_accelerator"]
 
 T = TypeVar("T")
 log = logging.getLogger("oal")
@@ -66,12 +67,26 @@ def reports_error(exc: BaseException) -> bool:
 
 # where stderr is a file, a running bar writes a line this often (seconds): a cluster's log shows a long stage moving
 LOG_EVERY_S = 60.0
+# what a bar does whose caller does not say (`progress=None`): `oal --no-progress` and `oal --quiet` turn it off
+_BARS = {"on": True}
 
 
-def progress_bar(progress: bool = True, console=None):
+def show_progress(on: bool) -> None:
+    """Whether a progress bar whose caller passes no `progress` is shown (the command line's root options)."""
+    _BARS["on"] = bool(on)
+
+
+def interactive(console) -> bool:
+    """A terminal that redraws: rich draws nothing while a bar runs on a file or on a dumb terminal (TERM=dumb,
+    an editor's shell), so there a bar writes lines instead and long lines are not wrapped (grep finds them)."""
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def progress_bar(progress: bool | None = None, console=None):
     """A rich Progress on `console` (default `log_console()`): transient on a terminal; where stderr is a file (a
-    cluster's log), where rich draws nothing while it runs, a bar writes its line every `LOG_EVERY_S` seconds while it
-    moves, and leaves its last line, with its elapsed time."""
+    cluster's log) or a dumb terminal, where rich draws nothing while it runs, a bar writes its line every
+    `LOG_EVERY_S` seconds while it moves, and leaves its last line, with its elapsed time. `progress`: shown or
+    not (default: on, unless `show_progress(False)`)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -82,7 +97,8 @@ def progress_bar(progress: bool = True, console=None):
     )
 
     console = console or log_console()
-    if console.is_terminal:
+    progress = _BARS["on"] if progress is None else progress
+    if interactive(console):
         return Progress(console=console, disable=not progress, transient=True)
 
     class LoggedProgress(Progress):
@@ -113,10 +129,13 @@ def progress_bar(progress: bool = True, console=None):
 
 def log_console():
     """The rich console of what a command says while it works (stage rules, progress bars, skip lines): stderr, so
-    that stdout keeps its results; quiet on the other processes of a launch (the main process reports)."""
+    that stdout keeps its results; quiet on the other processes of a launch (the main process reports). In a file
+    its lines are not wrapped at 80 columns (a path split over two lines is not found by grep)."""
     from rich.console import Console
 
-    return Console(stderr=True, quiet=env_rank() != 0)
+    console = Console(stderr=True, quiet=env_rank() != 0)
+    console.soft_wrap = not interactive(console)
+    return console
 
 
 _CLOSING: list = []  # the exit handler that destroys the process group, once registered

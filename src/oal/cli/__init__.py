@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from oal.cli.app import INTERRUPTED, app
+from oal.cli.consoles import quit_on_ctrl_c
 
 # One module per command (or small family of commands); each adds its commands to `app` on import.
 _COMMAND_MODULES = ("demo", "analyze", "calibrate", "convert", "evaluate", "generate", "run", "adapt", "diagnose",
@@ -21,7 +22,8 @@ def load_commands():
 
 def main() -> None:
     try:
-        commands = load_commands()
+        with quit_on_ctrl_c():  # torch's import: a KeyboardInterrupt inside it may be swallowed or hang the process
+            commands = load_commands()
     except KeyboardInterrupt:  # Ctrl-C while the commands import torch, before `app` handles it: the same line
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)

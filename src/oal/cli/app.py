@@ -11,12 +11,11 @@ import logging
 import typer
 from typer.core import TyperGroup
 
+from oal.cli.consoles import INTERRUPTED, QUIET, setup_logging
 from oal.cli.docs import PANELS, arrange, docs_line
 from oal.cli.failures import bad_input_message, drop_stdout
 
-_STATE = {"debug": False, "quiet": False}
-INTERRUPTED = ("Interrupted. Nothing half-written is left; the same command again resumes from its last checkpoint "
-               "(or starts over where it keeps none).")
+_STATE = {"debug": False}
 
 
 class _Group(TyperGroup):
@@ -77,43 +76,25 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-def quiet() -> bool:
-    """True under `oal --quiet`: a command's notes, stage rules and progress bars stay off (warnings still show)."""
-    return _STATE["quiet"]
-
-
-def setup_logging(level: int) -> None:
-    """`oal` messages through a rich handler on stderr (stdout keeps a command's results); transformers' own progress
-    bars and advice kept quiet."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
-    log = logging.getLogger("oal")
-    log.handlers[:] = [RichHandler(console=Console(stderr=True), show_path=False, show_time=False, markup=False)]
-    from oal.launch import env_rank
-
-    log.setLevel(level if env_rank() == 0 else max(level, logging.ERROR))  # a launch's other processes: errors only
-    log.propagate = False
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 @app.callback()
 def _root(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug messages too."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug messages and transformers' own warnings "
+                                 "too."),
     debug: bool = typer.Option(False, "--debug", help="On an error, show the full traceback (default: one line)."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars in any command (--quiet "
                                      "implies it; a command's own --progress turns them back on)."),
 ) -> None:
     """Outlier-Aware Attention Linearization (OAL)."""
-    _STATE["debug"], _STATE["quiet"] = debug, quiet
+    _STATE["debug"], QUIET["on"] = debug, quiet
     if quiet and verbose:
         raise typer.BadParameter("choose one of --quiet and --verbose", param_hint="--quiet")
     if quiet or no_progress:  # every command's --progress defaults to off (click's default_map)
         ctx.default_map = {name: {"progress": False} for name in ctx.command.list_commands(ctx)}
+    from oal.launch import show_progress
+
+    show_progress(not (quiet or no_progress))  # and the bars of a command without --progress (diagnose)
+    ctx.call_on_close(lambda: show_progress(True))
     setup_logging(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
