@@ -30,6 +30,7 @@ from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_ke
 from oal.data.sources import load_corpus
 from oal.device import release_memory
 from oal.errors import InputError, ModelUnavailableError, SelectionSizeError, message_of
+from oal.evaluate.passkey import DECODING_VERSION
 from oal.evaluate.zeroshot import SCORING_VERSION
 from oal.launch import log_console, process_device, ranks
 from oal.ops import check_errors
@@ -48,7 +49,8 @@ CANDIDATES = "candidates"  # --layers auto:K: every candidate layer's calibrated
 
 log = logging.getLogger("oal")
 # the versions of the code an `oal evaluate` record must have been measured by to be published (rundir.metrics)
-EVALUATION_VERSIONS = {"zeroshot:": {"zeroshot_scoring": SCORING_VERSION}}
+EVALUATION_VERSIONS = {"zeroshot:": {"zeroshot_scoring": SCORING_VERSION},
+                       "passkey:": {"passkey_decoding": DECODING_VERSION}}
 
 
 class Stop(Exception):

@@ -81,7 +81,7 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
                 log.info("passkey %s (%s): already measured for these settings and files", m, variant)
                 results.setdefault(m, {})[variant] = cached["result"]
                 record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), cached["result"])],
-                                  used)
+                                  used, versions={"passkey_decoding": DECODING_VERSION})
                 continue
             arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
             max_pos = getattr(arm.config, "max_position_embeddings", None)
@@ -90,7 +90,8 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
                                    progress=progress, description=f"passkey:{m} ({variant})")
             atomic_write_json(path, {"key": key, "result": res})
             results.setdefault(m, {})[variant] = res
-            record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), res)], used)
+            record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), res)], used,
+                              versions={"passkey_decoding": DECODING_VERSION})
     if results:
         republish(out_dir, console)
     return results
