@@ -131,3 +131,38 @@ def test_ctrl_c_while_torch_imports_says_so_in_one_line():
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.startswith("Interrupted. Nothing half-written is left") and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_adaptation_and_calibration_bars_write_lines_in_a_log_file(monkeypatch, tmp_path):
+    """Their bars were plain rich bars, not `launch.progress_bar`: in a log file `oal calibrate` wrote nothing for
+    its 3 min 44 s and an adaptation only its last line; a tail of the log could not tell a moving stage from a hung
+    one."""
+    import oal.adaptation.train as train
+    from oal import launch
+
+    log = io.StringIO()
+    monkeypatch.setattr(launch, "LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(train, "log_console", lambda: Console(file=log, width=200))
+    with train._progress(True) as bar:
+        task = bar.add_task("adapt oal", total=3, loss="-", val="-")
+        for step in range(3):
+            bar.update(task, advance=1, loss=f"{2.5 - step:.2f}", val="3.10")
+    lines = [line for line in log.getvalue().splitlines() if "adapt oal" in line]
+    assert len(lines) >= 3 and "loss 0.50" in lines[-1] and "val NLL 3.10" in lines[-1]
+    # calibration's bar, in a log file: its line with the layers done
+    import torch
+
+    from oal.calibration.data import CalibConfig
+    from oal.calibration.resume import calibrate_layers
+
+    class Stop(Exception):
+        pass
+
+    def capture(layer):
+        raise Stop  # the bar is open by now; what it wrote is what matters here
+
+    log = io.StringIO()
+    with pytest.raises(Stop):
+        calibrate_layers(["oal"], [0], capture, groups={0: torch.zeros(1, 4, dtype=torch.long)}, cfg=CalibConfig(),
+                         seed=0, progress=True, console=Console(file=log, width=200))
+    assert "calibrate layer 0: oal" in log.getvalue() and "0/1" in log.getvalue()

@@ -75,6 +75,14 @@ def test_an_entry_of_another_length_is_measured_again(monkeypatch):
     res = CliRunner().invoke(load_commands(), args)
     assert res.exit_code == 0, res.output
     assert not timed and "cached, measured" in res.output and "tuning took" not in res.output
+    # `oal --quiet tune-cpu`: its progress lines (stderr) stay off, the chosen settings (stdout) stay
+    from oal.ops import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "describe", lambda: "the kernel, described")
+    shown = CliRunner().invoke(load_commands(), args)
+    quiet = CliRunner().invoke(load_commands(), ["--quiet", *args])
+    assert "the kernel, described" in shown.stderr and "the kernel, described" not in quiet.stderr
+    assert quiet.exit_code == 0 and "cached, measured" in quiet.stdout
 
 
 def test_no_tune_switch_and_stale_torch_version(cache_home, monkeypatch):

@@ -82,11 +82,12 @@ def interactive(console) -> bool:
     return console.is_terminal and not console.is_dumb_terminal
 
 
-def progress_bar(progress: bool | None = None, console=None):
+def progress_bar(progress: bool | None = None, console=None, columns: tuple | None = None):
     """A rich Progress on `console` (default `log_console()`): transient on a terminal; where stderr is a file (a
     cluster's log) or a dumb terminal, where rich draws nothing while it runs, a bar writes its line every
     `LOG_EVERY_S` seconds while it moves, and leaves its last line, with its elapsed time. `progress`: shown or
-    not (default: on, unless `show_progress(False)`)."""
+    not (default: on, unless `show_progress(False)`); `columns`: rich's columns (default: description, bar, count),
+    with the elapsed time added in a file where they have none."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -99,7 +100,7 @@ def progress_bar(progress: bool | None = None, console=None):
     console = console or log_console()
     progress = _BARS["on"] if progress is None else progress
     if interactive(console):
-        return Progress(console=console, disable=not progress, transient=True)
+        return Progress(*(columns or ()), console=console, disable=not progress, transient=True)
 
     class LoggedProgress(Progress):
         """Writes the bars' lines into the log when `LOG_EVERY_S` passed since it last did (checked as they move)."""
@@ -122,8 +123,10 @@ def progress_bar(progress: bool | None = None, console=None):
                 self.logged_at = self.get_time()
                 self.console.print(self.make_tasks_table(self.tasks))
 
-    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # what finished, how long
+    elapsed = any(isinstance(c, TimeElapsedColumn) for c in columns or ())
+    columns = (*columns, *[TimeElapsedColumn()] * (not elapsed)) if columns else (
+        TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn())  # what finished, how long
     return LoggedProgress(*columns, console=console, disable=not progress, transient=False)
 
 

@@ -40,7 +40,7 @@ from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
 from oal.device import module_device
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
-from oal.launch import Ranks, log_console, ranks, training_accelerator
+from oal.launch import Ranks, log_console, progress_bar, ranks, training_accelerator
 from oal.models.attention import converted_methods, kernel_parameters
 from oal.rundir.hashes import config_hash, tensor_hash
 
@@ -105,11 +105,10 @@ def _validation_nll(model, val_blocks: torch.Tensor, group: Ranks) -> float:
 
 
 def _progress(enabled: bool) -> Progress:
-    return Progress(
+    # a file's log gets a line a minute (launch.progress_bar), with the loss and validation NLL of the moment
+    return progress_bar(enabled, log_console(), (
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("val NLL {task.fields[val]}"), TimeRemainingColumn(),
-        transient=False, disable=not enabled, console=log_console(),
-    )
+        TextColumn("loss {task.fields[loss]}"), TextColumn("val NLL {task.fields[val]}"), TimeRemainingColumn()))
 
 
 def adapt(

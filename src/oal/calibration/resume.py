@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from oal.calibration.data import NOT_CALIBRATED, CalibConfig
 from oal.calibration.fit import calibrate_methods, on_step
@@ -120,7 +120,7 @@ def calibrate_layers(methods: Sequence[str], layers: Sequence[int], capture: Cal
     if group.size > 1 and hasattr(capture, "prepare"):
         capture.prepare(todo[group.index::group.size], scratch=not group.is_main)
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not (progress and group.is_main)) as bar:
+    with progress_bar(progress and group.is_main, console, columns) as bar:
         task = bar.add_task(f"calibrate {', '.join(methods)}", total=len(layers), completed=len(results))
         steps = bar.add_task("", total=None, visible=False)  # inside a layer: its fits' optimiser steps
 

@@ -53,7 +53,7 @@ def analyze_cmd(
     from oal.rundir.lock import own_dir
 
     console = notes_console()  # progress and notes on stderr; the summary table is the result (stdout)
-    results = Console()
+    results = Console(soft_wrap=True)  # redirected to a file: whole lines
     try:
         procedure = parse_grouping(grouping)
     except ValueError as exc:

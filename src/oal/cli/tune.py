@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from oal.cli.app import app
+from oal.cli.consoles import notes_console
 from oal.cli.options import Max
 
 
@@ -37,9 +38,10 @@ def tune_cpu(
     probe_writable(tuning.cache_path().parent, "the tuning entries")  # before minutes of timing, not after
     # progress on stderr, the chosen settings on stdout; describe() builds the kernel first (about two seconds), so
     # no timing includes that
-    typer.echo(cpu_kernel.describe(), err=True)
+    notes = notes_console()  # stderr, silent under `oal --quiet`
+    notes.print(cpu_kernel.describe(), markup=False, highlight=False)
     res = autotune.tune([getattr(torch, d) for d in names], threads, length, repeats, force,
-                        log=lambda line: typer.echo(line, err=True), contention=not quiet_only)
+                        log=lambda line: notes.print(line, markup=False, highlight=False), contention=not quiet_only)
     for name, entry in res.items():
         default = entry.get("default_time_s") or float("nan")
         how = (f"cached, measured {entry.get('when', '?')}; --force measures again" if entry.get("cached")

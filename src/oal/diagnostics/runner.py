@@ -203,7 +203,7 @@ def diagnose(
                 task = bar.add_task("Table 2: calibration", total=len(table2_methods) * len(layers))
                 methods, summaries = calibrate_methods(table2_methods, train, val, groups, ccfg, seed=seed,
                                                        on_done=lambda *_: bar.advance(task))
-            fid = run_table2(model, fid_blocks, methods, progress=not console.quiet)  # `oal -q`: no bar
+            fid = run_table2(model, fid_blocks, methods, progress=False if console.quiet else None)  # -q, --no-progress
             done = {"settings_key": key, "fidelity": fid, "calibration": summaries, "layers": layers,
                     "elapsed_s": time.perf_counter() - t0}
             done = write_part(diag / "table2.json", done)
