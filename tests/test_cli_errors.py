@@ -250,3 +250,11 @@ def test_generate_blames_max_new_tokens_when_it_alone_exceeds_the_positions(run_
     assert res.exit_code == 2 and "Invalid value for --max-new-tokens" in text and "512 positions" in text, text
     res, text = _run("generate", "Hi " * 300, "--out", run_dir, "--max-new-tokens", 300)
     assert res.exit_code == 2 and "Invalid value for PROMPT" in text, text
+
+
+@pytest.mark.parametrize("length, words", [(40, "cannot hold the passkey prompt"), (5000, "exceed the models 4096")])
+def test_run_checks_its_passkey_lengths_before_the_run(tmp_path, length, words):
+    """`oal run --passkey 40` (or a length past the model's positions) failed only after the whole run."""
+    res, text = _run("run", "--out", tmp_path / "r", "--passkey", length, "--no-progress", "--tasks", "none")
+    assert res.exit_code == 2 and "Invalid value for --passkey" in text and words in text, text
+    assert not (tmp_path / "r" / "analysis.json").exists() and not (tmp_path / "r" / "kernels.json").exists()

@@ -111,10 +111,10 @@ def run(
                                  f"--out {where}` (without a launch)", param_hint="--passkey")
     if lengths and is_encoder_model(cfg.model):
         raise typer.BadParameter("an encoder has no passkey retrieval (causal LMs only)", param_hint="--passkey")
-    run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force)
+    from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_check, passkey_rich_table
+    run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force,
+                 check=passkey_check(lengths, depths, passkey_trials) if lengths else None)  # lengths before the run
     if lengths:
-        from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_rich_table
-
         res = passkey_after_run(out, cfg.methods, lengths=lengths, depths=depths, trials=passkey_trials,
                                 device=cfg.device, console=notes_console())
         main_console().print(passkey_rich_table(res))

@@ -24,7 +24,7 @@ import torch
 from oal.errors import InputError
 from oal.launch import progress_bar
 
-__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "default_lengths",
+__all__ = ["PASSKEY", "PasskeyPrompt", "Template", "answer_ids", "answer_tokens", "check_settings", "default_lengths",
            "evaluate_passkey", "make_prompt", "passkey_figure", "passkey_section", "passkey_table", "prompt_pieces",
            "score_answer"]
 
@@ -158,14 +158,11 @@ def _greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> tuple[str,
     return tokenizer.decode(new, skip_special_tokens=True), complete
 
 
-def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
-                     trials: int = 4, seed: int = 0, digits: int = 5, template: Template = PASSKEY,
-                     progress: bool = False, description: str = "passkey") -> dict:
-    """Greedy passkey accuracy per (length, depth): metrics.json's `passkey.<arm>` entry.
-
-    Returns {"lengths", "depths", "trials", "digits", "accuracy": {length: {depth: acc}}, "by_length",
-    "by_depth", "mean", "examples": one (answer, generated) pair per length for inspection}.
-    """
+def check_settings(model, tokenizer, *, lengths: Sequence[int], depths: Sequence[float] = DEPTHS, trials: int = 4,
+                   seed: int = 0, digits: int = 5, template: Template = PASSKEY) -> tuple[list[int], list[float]]:
+    """(lengths, depths) sorted and each once, after every prompt was built (InputError naming --lengths for one
+    that cannot hold it or that exceeds the model's positions): what `evaluate_passkey` checks before it decodes,
+    and `oal run --passkey` before the run."""
     if trials < 1:
         raise ValueError(f"trials: expected >= 1, got {trials!r}")
     # each cell once, in order: the heatmap's axes and the table's columns read from short to long, top to bottom
@@ -182,6 +179,20 @@ def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequen
         for depth in depths:
             for t in range(trials):
                 make_prompt(tokenizer, n, depth, seed=seed, trial=t, digits=digits, template=template)
+    return lengths, depths
+
+
+def evaluate_passkey(model, tokenizer, *, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
+                     trials: int = 4, seed: int = 0, digits: int = 5, template: Template = PASSKEY,
+                     progress: bool = False, description: str = "passkey") -> dict:
+    """Greedy passkey accuracy per (length, depth): metrics.json's `passkey.<arm>` entry.
+
+    Returns {"lengths", "depths", "trials", "digits", "accuracy": {length: {depth: acc}}, "by_length",
+    "by_depth", "mean", "examples": one (answer, generated) pair per length for inspection}.
+    """
+    lengths, depths = check_settings(model, tokenizer, lengths=lengths, depths=depths, trials=trials, seed=seed,
+                                     digits=digits, template=template)
+    new_tokens = answer_tokens(tokenizer, digits)
 
     was_training = model.training
     model.eval()

@@ -110,6 +110,20 @@ def _cached(path: Path) -> dict:
         return {}
 
 
+def passkey_check(lengths: Sequence[int], depths: Sequence[float] | None = None, trials: int = 4):
+    """What `oal run --passkey` checks once the run's model is loaded and before any stage (`run(check=...)`):
+    every prompt fits its length and the model's positions, so a bad length fails now, not after the run."""
+    from oal.evaluate.passkey import DEPTHS, check_settings
+
+    def check(r) -> None:
+        try:
+            check_settings(r.model, r.tokenizer, lengths=lengths, depths=depths or DEPTHS, trials=trials)
+        except InputError as exc:  # the option of `oal evaluate` it names is --passkey here
+            raise InputError(exc.message, "--passkey", "passkey") from None
+
+    return check
+
+
 def passkey_after_run(out_dir: str | Path, methods: Sequence[str], *, lengths: Sequence[int],
                       depths: Sequence[float] | None = None, trials: int = 4, device: str = "cpu",
                       console=None) -> dict[str, dict]:

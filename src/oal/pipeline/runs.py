@@ -3,6 +3,7 @@ a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `
 `run_selection` (`oal select-layers`)."""
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -55,12 +56,14 @@ def run_class(cfg: RunConfig) -> type[Run]:
 
 def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
              stop_after: str | None = None, force: bool = False, arms: list[str] | None = None,
-             allow_changes: tuple[str, ...] = (), recorded: dict | None = None) -> dict:
+             allow_changes: tuple[str, ...] = (), recorded: dict | None = None,
+             check: Callable[[Run], None] | None = None) -> dict:
     """All stages for one seed; returns metrics.json's content.
 
     `arms`: run the adapt/perplexity stages of these methods only (the others are reported when their recorded
-    outputs verify); `force`/`allow_changes`/`recorded`: see `StagedRun`. metrics.json and report.md are always
-    rewritten from the stage records that verify, so they describe exactly the files on disk.
+    outputs verify); `force`/`allow_changes`/`recorded`: see `StagedRun`; `check(run)` refuses, once the model is
+    loaded and before any stage, what would fail after them (`oal run --passkey`'s lengths). metrics.json and
+    report.md are always rewritten from the stage records that verify, so they describe exactly the files on disk.
     """
     cfg = for_protocol(cfg)
     r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
@@ -68,6 +71,8 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     with own_dir(r.dir, r.ranks):
         try:
             r.setup()
+            if check is not None:
+                check(r)
             r.stages(arms)
         except Stop:
             return {}
@@ -140,11 +145,12 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
 
 
 def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
-        progress: bool = True, force: bool = False, results: Console | None = None) -> dict:
+        progress: bool = True, force: bool = False, results: Console | None = None,
+        check: Callable[[Run], None] | None = None) -> dict:
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
 
     `console` gets what the stages say while they work (default: stderr), `results` the final table (default:
-    stdout); both on the main process only.
+    stdout); both on the main process only. `check`: as `run_seed`'s, for each seed.
 
     DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
     A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
@@ -160,14 +166,14 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
         group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
         if len(seeds) == 1:
             metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force,
-                               allow_changes=SELECTION_KEYS)
+                               allow_changes=SELECTION_KEYS, check=check)
         else:
             group.on_main(lambda: clean_tmp(out_dir))
             per_seed = {}
             for s in seeds:
                 console.rule(f"[bold]seed {s}")
                 per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
-                                       force=force, allow_changes=SELECTION_KEYS)
+                                       force=force, allow_changes=SELECTION_KEYS, check=check)
             metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
     results.print(protocol.summary(metrics))
     return metrics
