@@ -152,16 +152,25 @@ def plot(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     from benchmarks._common import finish_figure
+    from oal.pipeline.report_figures import method_color
 
     fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.6))
     budgets = sorted(data["budgets"], key=int, reverse=True)
-    colours = {m: f"C{i}" for i, m in enumerate(sorted({m for b in data["budgets"].values() for m in b["curves"]}))}
+    colours = {m: method_color(m) or f"C{i}" for i, m in
+               enumerate(sorted({m for b in data["budgets"].values() for m in b["curves"]}))}
     styles = dict(zip(budgets, ["-", "--", ":", "-."] * 4, strict=False))
     for n in budgets:
         b = data["budgets"][n]
         for m, pts in sorted(b["curves"].items()):
+            seeds = list(b.get("curves_by_seed", {}).get(m, {}).values())
+            spread = f", {len(seeds)} seeds" if len(seeds) > 1 else ""
             ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3, ls=styles[n], color=colours[m],
-                    label=f"{m}, {n} updates (test {b['test_ppl'][m]:.2f})")
+                    label=f"{m}, {n} updates{spread} (test {b['test_ppl'][m]:.2f})")
+            if spread:  # the mean over seeds, with their sample std as a band (a mean alone hides the spread)
+                sd = [_std([c[i][1] for c in seeds]) for i in range(len(pts))]
+                ax.fill_between([s for s, _ in pts], [v - e for (_, v), e in zip(pts, sd, strict=True)],
+                                [v + e for (_, v), e in zip(pts, sd, strict=True)], color=colours[m], alpha=0.15,
+                                lw=0)
             calibrated = b["arms"][m]["test_ppl_calibrated"]
             if calibrated is not None and n == budgets[0]:  # the start (test blocks, not validation: a cross)
                 ax.plot([0], [calibrated], marker="x", color=colours[m], ls="none")
@@ -174,12 +183,16 @@ def plot(data: dict, path: Path) -> None:
                         label=f"{n} updates: test PPL ({test:.3f})")
     ax.set_yscale("log")
     ax.set_xlabel("LoRA updates")
-    ax.set_ylabel("validation PPL (x: test PPL calibrated)")
+    ax.set_ylabel("validation PPL (x: test PPL calibrated)" + (
+        "\nmean over seeds, band: ± sample std" if any(len(c) > 1 for b in data["budgets"].values()
+                                                       for c in b.get("curves_by_seed", {}).values()) else ""))
     if any(b["gap_ratio"] for b in data["budgets"].values()):
         gx.axhline(GOALS["gap_ratio"], color="grey", ls="--", lw=0.8, label=f"goal {GOALS['gap_ratio']}")
         gx.axhline(1.0, color="black", lw=0.6)
     gx.set_xlabel("LoRA updates")
     gx.set_ylabel("gap ratio (oal - softmax) / (global - softmax)")
+    # below the panel: an arm and budget per entry make a tall legend, which "best" laid over the curves
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     finish_figure(fig, [ax, gx], f"SmolLM2-135M: adaptation at {data['tokens_per_update']} tokens per update\n"
                   f"({data['device']})", path)
 

@@ -240,7 +240,8 @@ def finish_figure(fig, axes, title: str, path: Path) -> None:
 
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend() is None:  # a plot that placed its own legend (off its data) keeps it
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)

@@ -431,15 +431,19 @@ def figure(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
+    from oal.pipeline.report_figures import method_color
     from oal.rundir.files import atomic_save_figure
 
     longest = max(res["softmax"]["decode_ms"], key=int)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     s = res["softmax"]
-    ax.scatter([s["decode_ms"][longest]], [s["ppl"]], marker="*", s=160, color="black", label="softmax", zorder=3)
+    ax.scatter([s["decode_ms"][longest]], [s["ppl"]], marker="*", s=160, color=method_color("softmax"),
+               label="softmax", zorder=3)
     for name in dict.fromkeys(arm(r) for r in res["rows"]):
         pts = sorted((r for r in res["rows"] if arm(r) == name), key=lambda r: r["n_linear"])
-        ax.plot([r["decode_ms"][longest] for r in pts], [r["ppl"] for r in pts], "o-", label=name)
+        # a method keeps its colour in every figure; another selection of its layers: squares, dashed
+        ax.plot([r["decode_ms"][longest] for r in pts], [r["ppl"] for r in pts], "o-" if name == pts[0]["method"]
+                else "s--", label=name, color=method_color(pts[0]["method"]))
         for r in pts:
             ax.annotate(f"K={r['n_linear']}", (r["decode_ms"][longest], r["ppl"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))

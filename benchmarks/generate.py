@@ -242,6 +242,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from oal.pipeline.report_figures import method_color
     from oal.rundir.files import atomic_save_figure
 
     specs = sorted({r["batch_spec"] for r in rows})
@@ -255,8 +256,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
                        and r["method"] == method and r["batch_spec"] == spec and r["tokens_per_s"])
                 if pts:
                     xs, tps, mib = zip(*pts, strict=True)
-                    axes[i, 2 * j].plot(xs, tps, "o-", label=method)
-                    axes[i, 2 * j + 1].plot(xs, mib, "o-", label=method)
+                    axes[i, 2 * j].plot(xs, tps, "o-", label=method, color=method_color(method))
+                    axes[i, 2 * j + 1].plot(xs, mib, "o-", label=method, color=method_color(method))
             for ax, ylabel in ((axes[i, 2 * j], "tokens/s"), (axes[i, 2 * j + 1], "peak memory (MiB)")):
                 ax.set(xscale="log", xlabel="context (tokens)", ylabel=ylabel, title=f"{shape}, batch {spec}")
                 ax.grid(alpha=0.3)

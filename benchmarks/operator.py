@@ -303,7 +303,9 @@ def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
         labels = [str(s["n"]) for s in ss]
     axes[2].set_xticks(range(len(labels)), labels)
     axes[2].set(xlabel="N (left bar fp32, right bar bf16, hatched)", ylabel="% of OAL time",
-                title="Where OAL's time goes")
+                title="Where OAL's time goes", ylim=(0, 120))
+    # one row above the stacks: "best" put the five entries over the bars
+    axes[2].legend(fontsize=7, ncol=len(PHASES) + 1, loc="upper center", columnspacing=0.8, handlelength=1.2)
     finish_figure(fig, axes, "B=1, Hq=14, Hkv=2, d=dv=64, G=5, CPU", path)
 
 

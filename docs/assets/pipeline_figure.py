@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
+from oal.rundir.files import atomic_save_figure
+
 STAGES = [
     ("pretrained\ncausal LM", "softmax attention,\nO(N) KV cache"),
     ("analyze", "contribution scores\n(Eq. 2), stable-gap\ngroups (App. B)"),
@@ -40,7 +42,7 @@ def main(path: Path = Path(__file__).with_name("pipeline.png")) -> None:
                                          lw=1.3, color="#37474f"))
     ax.text(len(STAGES), 0.45, "OAL's kernel, positive by construction, evaluated exactly through prefix states: "
             + KERNEL, ha="center", va="center", fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_save_figure(fig, path, dpi=110, bbox_inches="tight")  # temp name + rename, and closed
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import BoundaryNorm  # noqa: E402
 
 from oal.rundir.files import atomic_save_figure  # noqa: E402
 
@@ -60,7 +61,9 @@ def head_panels(path: Path, layer: int, head: dict, mean_abs_q: list[float], mea
     """Fig. 1 (a-c) + Fig. 2(a) for one head: |q|, |k| (its KV head), chi by dimension, sorted chi with groups."""
     d = len(head["chi"])
     top = sorted(range(d), key=lambda r: -head["chi"][r])[:2]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8), layout="constrained")
+    # 2 x 2, not 1 x 4: an 18-inch row shrinks its labels to a few pixels at report.md's page width
+    fig, grid = plt.subplots(2, 2, figsize=(11, 6.4), layout="constrained")
+    axes = grid.flatten()
     for ax, vals, label in (
         (axes[0], mean_abs_q, "mean |query|"),
         (axes[1], mean_abs_k, "mean |key| (KV head)"),
@@ -69,6 +72,7 @@ def head_panels(path: Path, layer: int, head: dict, mean_abs_q: list[float], mea
         ax.bar(range(d), vals, color=[_color(g) for g in head["groups"]], width=1.0)
         for r in top:
             ax.annotate(f"r={r}", (r, vals[r]), fontsize=8, ha="center", va="bottom")
+        ax.margins(y=0.1)  # room above the tallest bar for its label (it ran into the frame)
         ax.set_xlabel("QK dimension")
         ax.set_ylabel(label)
     _sorted_bars(axes[3], head)
@@ -82,10 +86,16 @@ def heatmap(path: Path, values: list[list[float]], layers: list[int], title: str
     """layers x heads heatmap with the value written in each cell."""
     n_l, n_h = len(values), len(values[0])
     fig, ax = plt.subplots(figsize=(0.55 * n_h + 2.5, 0.35 * n_l + 1.8), layout="constrained")
-    im = ax.imshow(values, aspect="auto", cmap="viridis")
+    norm, ticks = None, None
+    if fmt == "d":  # counts: one colour per integer and integer ticks (a continuous bar reads "2.2 groups")
+        lo, hi = int(min(map(min, values))), int(max(map(max, values)))
+        ticks = list(range(lo, hi + 1))
+        norm = BoundaryNorm([t - 0.5 for t in ticks] + [hi + 0.5], plt.get_cmap("viridis").N)
+    im = ax.imshow(values, aspect="auto", cmap="viridis", norm=norm)
     for i in range(n_l):
         for j in range(n_h):
-            bright = im.norm(values[i][j]) > 0.6  # viridis turns yellow: dark text there
+            r, g, b, _ = im.to_rgba(values[i][j])
+            bright = 0.299 * r + 0.587 * g + 0.114 * b > 0.5  # viridis turns yellow: dark text there
             ax.text(j, i, format(values[i][j], fmt), ha="center", va="center", fontsize=7,
                     color="k" if bright else "w")
     ax.set_xticks(range(n_h))
@@ -93,7 +103,7 @@ def heatmap(path: Path, values: list[list[float]], layers: list[int], title: str
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     ax.set_title(title)
-    fig.colorbar(im, ax=ax, label=cbar)
+    fig.colorbar(im, ax=ax, label=cbar, ticks=ticks)
     return _save(fig, path)
 
 
