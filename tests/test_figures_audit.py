@@ -313,3 +313,21 @@ def test_budget_curves_show_the_spread_over_seeds(tmp_path, monkeypatch):
     assert sum("2 seeds" in t for t in labels) == len(b["curves"])
     renderer = _drawn(fig)  # nine entries and their bands: the legend sits under the panel, not on the curves
     assert ax.get_legend().get_window_extent(renderer).y1 <= ax.bbox.y0
+
+
+def test_offset_gain_figure_gives_both_axes_in_percent_as_its_table(tmp_path, monkeypatch):
+    """figures/offset/gain.png plotted the offset share as a fraction (0-0.035) beside a table in percent (1.25%)
+    and a y axis in percent."""
+    import oal.diagnostics.offset_part as offset_part
+
+    kept = []
+    monkeypatch.setattr(offset_part, "atomic_save_figure", lambda fig, path, **kw: kept.append(fig) or path)
+    points = {"real": [{"layer": 2, "x": 0.0125, "gain": 0.10}, {"layer": 3, "x": 0.0363, "gain": -0.02}],
+              "planted": [{"offset_std": 0.5, "x": 0.02, "gain": 0.05}]}
+    offset_part.plot_gain(points, tmp_path / "gain.png")
+    ax = kept[0].axes[0]
+    real = ax.collections[0].get_offsets()
+    assert [round(float(x), 6) for x in real[:, 0]] == [1.25, 3.63] and [round(float(y), 6) for y in real[:, 1]] == \
+        [10.0, -2.0]
+    assert list(ax.lines[0].get_xdata()) == [2.0] and "%" in ax.get_xlabel()
+    plt.close(kept[0])

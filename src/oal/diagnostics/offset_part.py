@@ -187,19 +187,21 @@ def plot_gain(points: Mapping, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.6, 3.4))
+    pct = 100.0  # both axes in percent, as the report's table gives the shares
     if points["planted"]:
         pl = points["planted"]
-        ax.plot([p["x"] for p in pl], [100 * p["gain"] for p in pl], "o--", color="#ff7f0e", mfc="none",
+        ax.plot([pct * p["x"] for p in pl], [pct * p["gain"] for p in pl], "o--", color="#ff7f0e", mfc="none",
                 label="planted offsets (diagnose)")
         for p in pl:
-            ax.annotate(f"{p['offset_std']:g}", (p["x"], 100 * p["gain"]), fontsize=7, xytext=(3, -8),
+            ax.annotate(f"{p['offset_std']:g}", (pct * p["x"], pct * p["gain"]), fontsize=7, xytext=(3, -8),
                         textcoords="offset points")
-    ax.scatter([p["x"] for p in points["real"]], [100 * p["gain"] for p in points["real"]], color="#1f77b4",
+    ax.scatter([pct * p["x"] for p in points["real"]], [pct * p["gain"] for p in points["real"]], color="#1f77b4",
                zorder=3, label="this run, per converted layer")
     for p in points["real"]:
-        ax.annotate(f"L{p['layer']}", (p["x"], 100 * p["gain"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(f"L{p['layer']}", (pct * p["x"], pct * p["gain"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xlabel("isolated offset share of the score variance (mean over heads)")
+    ax.set_xlabel("isolated offset share of the score variance (%, mean over heads)")
     ax.set_ylabel("OAL's RelMSE reduction vs global (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
