@@ -75,8 +75,9 @@ def test_analysis_figures_name_their_axes_and_keep_labels_apart(tmp_path, monkey
     chi = [0.01 * r for r in range(16)]
     heads = [{"head": h, "chi": chi, "groups": [0] * 14 + [1, 1], "cuts": [14], "n_groups": 2} for h in range(9)]
     analysis_figures.layer_profiles(tmp_path / "p.png", 1, heads)
-    rows = [ax for i, ax in enumerate(kept[0].axes) if i % 7 == 0]
-    assert len(rows) == 2 and all("chi" in ax.get_ylabel() for ax in rows)
+    rows = [ax for ax in kept[0].axes if ax.get_subplotspec().colspan.start == 0 and ax.axison]
+    assert len(rows) == 3 and all("chi" in ax.get_ylabel() for ax in rows)  # 9 heads in rows of 4
+    assert kept[0].get_size_inches()[0] <= 11  # readable at the report's width (7 columns: 18 inches)
     calib = [0.001 * r for r in range(10)] + [0.26, 0.18, 0.181, 0.185, 0.15]
     held = calib[:10] + [0.263, 0.188, 0.187, 0.184, 0.152]
     analysis_figures.stability_scatter(tmp_path / "s.png", calib, held, 0.99, 5, "layer 1, head 0")

@@ -36,7 +36,7 @@ def _sorted_bars(ax, head: dict) -> None:
 def layer_profiles(path: Path, layer: int, heads: list[dict]) -> Path:
     """Fig. 2(a)-style sorted contribution profile of every head of one layer, groups coloured."""
     n = len(heads)
-    cols = min(n, 7)
+    cols = min(n, 4)  # 14 heads (Qwen2.5-0.5B) in 7 columns was 18 inches wide: unreadable at report.md's width
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.2 * rows + 0.6), squeeze=False,
                              layout="constrained")
