@@ -10,43 +10,62 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _lacking(per_seed: dict[int, dict], seeds: list[int], has) -> list[int]:
+    return [s for s in seeds if not has(per_seed[s])]
+
+
 def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
-    """Mean and sample std (n-1) over seeds of every perplexity and fidelity number; per-seed values kept."""
+    """Mean and sample std (n-1) over seeds of every perplexity and fidelity number; per-seed values kept.
+
+    A number some seed lacks is not averaged over the others: it is left out, and `not_averaged` names it with the
+    seeds that lack it. Seeds that converted different layers (`--layers auto:K` selects per seed) are listed in
+    `converted_layers_per_seed`, and per-layer fidelity is averaged over the layers every seed converted."""
     seeds = sorted(per_seed)
     first = per_seed[seeds[0]]
     out = {"model": first["model"], "converted_layers": first["converted_layers"], "seeds": seeds,
            "methods": first["methods"], "per_seed": {str(s): per_seed[s] for s in seeds},
-           "perplexity": {}, "perplexity_std": {}, "perplexity_no_adapt": {}, "fidelity": {}, "fidelity_std": {},
-           "seed": seeds[0]}
+           "perplexity": {}, "perplexity_std": {}, "perplexity_no_adapt": {}, "perplexity_no_adapt_std": {},
+           "fidelity": {}, "fidelity_std": {}, "seed": seeds[0]}
+    not_averaged = {}
+    if any(per_seed[s]["converted_layers"] != first["converted_layers"] for s in seeds):
+        out["converted_layers_per_seed"] = {str(s): per_seed[s]["converted_layers"] for s in seeds}
     for key in ("perplexity", "perplexity_no_adapt"):
-        for m in first[key]:
-            vals = [per_seed[s][key][m] for s in seeds if m in per_seed[s][key]]
-            if len(vals) == len(seeds):
-                mean, std = _mean_std(vals)
-                out[key][m] = mean
-                if key == "perplexity":
-                    out["perplexity_std"][m] = std
-    for m in first["fidelity"]:
+        for m in sorted(set().union(*(per_seed[s][key] for s in seeds))):
+            lack = _lacking(per_seed, seeds, lambda p, m=m, key=key: m in p[key])
+            if lack:
+                not_averaged[f"{key}:{m}"] = lack
+                continue
+            out[key][m], out[f"{key}_std"][m] = _mean_std([per_seed[s][key][m] for s in seeds])
+    for m in sorted(set().union(*(per_seed[s]["fidelity"] for s in seeds))):
+        lack = _lacking(per_seed, seeds, lambda p, m=m: m in p["fidelity"])
+        if lack:
+            not_averaged[f"fidelity:{m}"] = lack
+            continue
         out["fidelity"][m], out["fidelity_std"][m] = {}, {}
         for metric in ("mse", "relmse", "mse_post_o", "relmse_post_o"):
-            vals = [per_seed[s]["fidelity"][m][metric] for s in seeds if m in per_seed[s]["fidelity"]]
+            vals = [per_seed[s]["fidelity"][m][metric] for s in seeds if metric in per_seed[s]["fidelity"][m]]
             if len(vals) == len(seeds):
                 out["fidelity"][m][metric], out["fidelity_std"][m][metric] = _mean_std(vals)
-        layers = first["fidelity"][m].get("per_layer", {})
-        if layers and all("per_layer" in per_seed[s]["fidelity"].get(m, {}) for s in seeds):
+        rows = [per_seed[s]["fidelity"][m].get("per_layer") or {} for s in seeds]
+        layers = [layer for layer in rows[0] if all(layer in r for r in rows)]  # converted by every seed
+        if layers:
             out["fidelity"][m]["per_layer"] = {
-                layer: {k: statistics.fmean(per_seed[s]["fidelity"][m]["per_layer"][layer][k] for s in seeds)
-                        for k in row} for layer, row in layers.items()}
-        subsets = first["fidelity"][m].get("subsets", {})
-        if subsets and all("subsets" in per_seed[s]["fidelity"].get(m, {}) for s in seeds):
+                layer: {k: statistics.fmean(r[layer][k] for r in rows) for k in rows[0][layer]} for layer in layers}
+        subs = [per_seed[s]["fidelity"][m].get("subsets") or {} for s in seeds]
+        same = {label: row for label, row in subs[0].items()  # the same layers in every seed
+                if all(sub.get(label, {}).get("layers") == row.get("layers") for sub in subs)}
+        if same:
             out["fidelity"][m]["subsets"] = {
-                label: {k: v if k == "layers" else statistics.fmean(
-                    per_seed[s]["fidelity"][m]["subsets"][label][k] for s in seeds) for k, v in row.items()}
-                for label, row in subsets.items()}
-    for m, tasks in first.get("zeroshot", {}).items():
-        for t, row in tasks.items():
+                label: {k: v if k == "layers" else statistics.fmean(sub[label][k] for sub in subs)
+                        for k, v in row.items()} for label, row in same.items()}
+    for m in sorted(set().union(*(per_seed[s].get("zeroshot", {}) for s in seeds))):
+        for t in sorted(set().union(*(per_seed[s].get("zeroshot", {}).get(m, {}) for s in seeds))):
             per = [per_seed[s].get("zeroshot", {}).get(m, {}).get(t) for s in seeds]
-            if all(per):
+            row = next(p for p in per if p)
+            if not all(per) or any(p["n"] != row["n"] for p in per):  # unmeasured, or on other examples
+                not_averaged[f"zeroshot:{m}:{t}"] = [s for s, p in zip(seeds, per, strict=True)
+                                                     if not p or p["n"] != row["n"]]
+            else:
                 mean_std = {k: _mean_std([p[k] for p in per]) for k in row if k != "n"}
                 out.setdefault("zeroshot", {}).setdefault(m, {})[t] = {k: v[0] for k, v in mean_std.items()} | {
                     "n": row["n"]}
@@ -54,6 +73,8 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
     for key in ("zeroshot_data", "zeroshot_skipped"):
         if key in first:
             out[key] = first[key]
+    if not_averaged:
+        out["not_averaged"] = not_averaged
     out["adapt"] = first.get("adapt", {})  # curves and selection of the first seed (see per_seed for the rest)
     out["elapsed_s"] = {}
     for s in seeds:
@@ -65,6 +86,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
 def summary_table(metrics: dict) -> Table:
     """methods x (fidelity, PPL, PPL against softmax, zero-shot) for the terminal, its caption naming each column's
     unit and what it is compared against."""
+    from oal.pipeline.report_format import fmt_std
     from oal.pipeline.report_summary import ppl_ratio
 
     multi = "perplexity_std" in metrics
@@ -90,8 +112,8 @@ def summary_table(metrics: dict) -> Table:
         f = metrics.get("fidelity", {}).get(m, {})
         ppl = metrics.get("perplexity", {}).get(m)
         cell = "-" if ppl is None else f"{ppl:.3f}"
-        if multi and ppl is not None:
-            cell += f" ± {metrics['perplexity_std'][m]:.3f}"
+        if multi and ppl is not None and m in metrics["perplexity_std"]:
+            cell += f" ± {fmt_std(metrics['perplexity_std'][m], 3)}"  # a spread under 0.0005 is not 0.000
         pre = metrics.get("perplexity_no_adapt", {}).get(m)
         z = metrics.get("zeroshot", {}).get(m, {})
         ratio = ppl_ratio(metrics, m)

@@ -30,7 +30,7 @@ from oal.pipeline.report_summary import summary_section
 from oal.pipeline.selection import selection_section
 from oal.rundir.files import atomic_write_text, make_dirs
 
-__all__ = ["OWN_FIGURES", "figure_references", "write_markdown", "write_report"]
+__all__ = ["OWN_FIGURES", "figure_references", "first_seed", "write_markdown", "write_report"]
 
 OWN_FIGURES = ("calibration_curves.png", "adaptation_curves.png", "perplexity.png", "group_budget.png", "passkey.png",
                "layer_selection.png", "fidelity_per_layer.png")
@@ -68,25 +68,42 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     head = f"Seeds: {seeds}" if seeds else f"Seed: {metrics.get('seed')}"
     lines += [f"{head}; methods: {', '.join(metrics.get('methods', []))}; "
               f"converted layers: {metrics.get('converted_layers')}.", ""]
-    lines += summary_section(metrics)
+    lines += summary_section(metrics, config)
     analysis = analysis_section(analysis_dir, analysis_figs)
     if prefix:
         analysis = [ln.replace("](figures/", f"]({prefix}figures/") for ln in analysis]
         analysis = [ln.replace(f"![{prefix}", "![") for ln in analysis]
-    lines += analysis
-    lines += calibration_section(calibration, has_cal)
+    lines += first_seed(analysis, seeds)
+    lines += first_seed(calibration_section(calibration, has_cal), seeds)
     lines += fidelity_section(metrics)
     if fidelity_figure(metrics, fig_dir / "fidelity_per_layer.png"):
         lines += ["![fidelity per layer](figures/fidelity_per_layer.png)", ""]
-    lines += regime_section(adapt_dir, prefix)
-    lines += perplexity_section(metrics, has_ppl)
-    lines += zeroshot_section(metrics)
+    lines += first_seed(regime_section(adapt_dir, prefix), seeds)
+    cfg = config.get("config") or {}
+    lines += perplexity_section(metrics, has_ppl, cfg.get("preset"))
+    lines += zeroshot_section(metrics, cfg.get("zeroshot_tasks"))
     lines += selection_section(metrics, fig_dir, markdown_table)
     lines += passkey_section(metrics, fig_dir, markdown_table)
     lines += adaptation_section(adapt_dir, metrics, has_adapt)
     lines += timing_section(metrics)
     lines += provenance_section(config)  # last: hashes and versions are for the record, not the first screen
     return write_markdown(run_dir, lines, console=console)
+
+
+def first_seed(lines: list[str], seeds: list[int] | None) -> list[str]:
+    """`lines` with a note under each section heading that its numbers are the first seed's alone: a multi-seed
+    report averages only metrics.json's numbers, and these sections are read from seed-<s>/ (they would otherwise
+    pass for the run's, beside means that differ from them)."""
+    if not seeds or len(seeds) < 2:
+        return lines
+    note = (f"Seed {seeds[0]} alone (of seeds {seeds}; not averaged): each seed's own is in "
+            "seed-<s>/report.md.")
+    out = []
+    for i, ln in enumerate(lines):
+        out.append(ln)
+        if ln.startswith("## ") and i + 1 < len(lines) and not lines[i + 1]:
+            out += ["", note]
+    return out
 
 
 def write_markdown(run_dir: Path, lines: list[str], *, console=None) -> Path:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from oal.pipeline.records import read_record
 
-__all__ = ["DISPLAY", "ORDER", "PAPER_TABLE2_QWEN", "PAPER_TABLE3_QWEN", "display_name", "fmt", "markdown_table",
-           "ordered", "read_optional"]
+__all__ = ["DISPLAY", "ORDER", "PAPER_TABLE2_QWEN", "PAPER_TABLE3", "PAPER_TABLE3_LLAMA", "PAPER_TABLE3_QWEN",
+           "display_name", "distinct_digits", "fmt", "fmt_pm", "fmt_std", "markdown_table", "ordered", "read_optional"]
 
 
 DISPLAY = {"softmax": "Softmax (LoRA)", "performer": "Performer", "spectraformer": "SpectraFormer",
@@ -30,6 +30,22 @@ PAPER_TABLE3_QWEN = {
     "global": (31.71, 61.15, 32.43, 41.41),
     "oal": (27.50, 64.69, 37.20, 50.38),
 }
+
+
+# Paper Table 3, Llama-3.2-1B column group (same columns).
+PAPER_TABLE3_LLAMA = {
+    "softmax": (8.19, 74.92, 62.84, 59.43),
+    "performer": (50.39, 57.07, 27.42, 32.58),
+    "spectraformer": (45.09, 59.36, 30.41, 36.49),
+    "dijiang": (56.27, 58.92, 28.75, 36.32),
+    "taylorshift": (62.67, 57.40, 28.95, 35.77),
+    "global": (36.03, 57.40, 35.02, 33.46),
+    "oal": (32.99, 63.66, 35.42, 41.67),
+}
+
+# The backbone each preset follows -> its Table 3 column group; other models are compared with Qwen2.5-0.5B's.
+PAPER_TABLE3 = {"qwen2.5-0.5b": ("Qwen2.5-0.5B", PAPER_TABLE3_QWEN),
+                "llama-3.2-1b": ("Llama-3.2-1B", PAPER_TABLE3_LLAMA)}
 
 
 # Paper Table 2 (Qwen2.5-0.5B, all query heads of layers 4, 12, 20, N = 4096): MSE, RelMSE before/after W_o.
@@ -61,6 +77,29 @@ def fmt(x, digits=4) -> str:
     if x is None:
         return "-"
     return f"{x:.{digits - 1}e}" if 0 < abs(x) < 10 ** (-digits + 1) else f"{x:.{digits}f}"
+
+
+def distinct_digits(values, digits: int, most: int = 8) -> int:
+    """The fewest decimals (at least `digits`) at which `fmt` tells apart every pair of different values in a
+    column, so rounding never shows two methods as equal when they were not (up to `most`)."""
+    vals = sorted({v for v in values if v is not None})
+    for d in range(digits, most + 1):
+        if len({fmt(v, d) for v in vals}) == len(vals):
+            return d
+    return most
+
+
+def fmt_std(std, digits=4) -> str:
+    """A spread over seeds with two significant digits however small (a std of 3e-06 beside a mean of 0.0649 must
+    not print as 0.0000); an exact 0 prints as 0 (the seeds agreed)."""
+    if std == 0:
+        return "0"
+    return f"{std:.2g}" if abs(std) < 10 ** (-digits + 1) else f"{std:.{digits}f}"
+
+
+def fmt_pm(mean, std, digits=4) -> str:
+    """`mean ± std` (`fmt`, `fmt_std`); the mean alone when `std` is None."""
+    return fmt(mean, digits) if std is None or mean is None else f"{fmt(mean, digits)} ± {fmt_std(std, digits)}"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -13,9 +13,13 @@ from oal.data.zeroshot import DISPLAY_NAMES
 from oal.diagnostics.budget import BUDGET_FILE
 from oal.pipeline.report_format import (
     PAPER_TABLE2_QWEN,
+    PAPER_TABLE3,
     PAPER_TABLE3_QWEN,
     display_name,
+    distinct_digits,
     fmt,
+    fmt_pm,
+    fmt_std,
     markdown_table,
     ordered,
     read_optional,
@@ -29,8 +33,11 @@ __all__ = ["adaptation_section", "analysis_section", "calibration_section", "fid
 def provenance_section(config: dict) -> list[str]:
     out = ["## Configuration and provenance", ""]
     cfg = config.get("config", {})
-    out.append(f"- model: `{cfg.get('model')}`, preset `{cfg.get('preset')}`, dtype {cfg.get('dtype')}, "
-               f"seed {cfg.get('seed')}")
+    seeds = config.get("seeds") if isinstance(config.get("seeds"), list) else []
+    # a multi-seed DIR keeps its first seed's configuration: every seed-<s>/config.json differs in the seed alone
+    seed = (f"seeds {seeds} (the configuration below is seed {cfg.get('seed')}'s)" if len(seeds) > 1
+            else f"seed {cfg.get('seed')}")
+    out.append(f"- model: `{cfg.get('model')}`, preset `{cfg.get('preset')}`, dtype {cfg.get('dtype')}, {seed}")
     out.append(f"- methods: {', '.join(cfg.get('methods', []))}; converted layers: {config.get('converted_layers')}")
     windows = [m for m in cfg.get("methods", []) if m in ("swa", "oal-swa", "global-swa")]
     if windows:
@@ -156,7 +163,9 @@ def calibration_section(calibration: dict | None, has_fig: bool) -> list[str]:
         mean = f"{sum(finite) / len(finite):.5f}" if finite else "-"
         inits = ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))
         rows.append([display_name(m), str(len(heads)), mean, inits])
-    out += [markdown_table(["method", "units (heads or layers)", "mean validation MSE", "chosen initialisation"], rows),
+    out += ["Validation MSE: the calibrated kernel's attention output against softmax's on the calibration "
+            "validation blocks (Eq. 20; lower is better), mean over units.", "",
+            markdown_table(["method", "units (heads or layers)", "mean validation MSE", "chosen initialisation"], rows),
             ""]
     if has_fig:
         out += ["![calibration curves](figures/calibration_curves.png)", ""]
@@ -170,17 +179,14 @@ def fidelity_section(metrics: dict) -> list[str]:
     if not fid:
         return out + ["Fidelity was not evaluated in this run.", ""]
     keys = ("mse", "relmse", "mse_post_o", "relmse_post_o")
-    rows = []
-    for m in ordered(fid):
-        cells = []
-        for k in keys:
-            cell = fmt(fid[m].get(k))
-            if std.get(m, {}).get(k) is not None and len(metrics.get("seeds", [])) > 1:
-                cell += f" ± {std[m][k]:.4f}"
-            cells.append(cell)
-        rows.append([display_name(m), *cells])
+    multi = len(metrics.get("seeds", [])) > 1
+    digits = {k: distinct_digits([fid[m].get(k) for m in fid], 4) for k in keys}
+    rows = [[display_name(m), *(fmt_pm(fid[m].get(k), std.get(m, {}).get(k) if multi else None, digits[k])
+                                for k in keys)] for m in ordered(fid)]
     header = ["Method", "Before W_o MSE", "Before W_o RelMSE", "After W_o MSE", "After W_o RelMSE"]
-    out += [f"This run: layers {metrics.get('converted_layers')}, all query heads, fidelity blocks of the split plan.",
+    out += [f"This run: layers {metrics.get('converted_layers')}, all query heads, fidelity blocks of the split plan "
+            "(lower is better for all four)" + (f"; mean ± sample std over seeds {metrics['seeds']}" if multi else "")
+            + ".",
             "", markdown_table(header, rows), ""]
     paper = {m: fid[m]["subsets"]["paper_layers"] for m in ordered(fid) if "paper_layers" in fid[m].get("subsets", {})}
     if paper:
@@ -190,14 +196,15 @@ def fidelity_section(metrics: dict) -> list[str]:
                 "hold beside its Table 2:", "", markdown_table(header, rows), ""]
     if "oal" in fid and "global" in fid and fid["oal"].get("per_layer") and fid["global"].get("per_layer"):
         rows = []
+        d = distinct_digits([r.get("relmse") for m in ("oal", "global") for r in fid[m]["per_layer"].values()], 4)
         for layer, o in fid["oal"]["per_layer"].items():
             g = fid["global"]["per_layer"].get(layer)
             if g:
                 rel = 100 * (g["relmse"] - o["relmse"]) / g["relmse"]
-                rows.append([layer, fmt(o["relmse"]), fmt(g["relmse"]), f"{rel:+.1f}%",
+                rows.append([layer, fmt(o["relmse"], d), fmt(g["relmse"], d), f"{rel:+.1f}%",
                              "yes" if o["relmse"] < g["relmse"] else "no"])
-        what = " (mean over seeds)" if len(metrics.get("seeds", [])) > 1 else ""
-        out += [f"Per layer, OAL against the learned global quadratic (RelMSE before W_o{what}):", "",
+        what = f", mean over seeds {metrics['seeds']}" if multi else ""
+        out += [f"Per layer, OAL against the learned global quadratic (RelMSE before W_o{what}; lower is better):", "",
                 markdown_table(["layer", "OAL", "global", "reduction", "OAL better"], rows), ""]
     ref = [[display_name(m), *(f"{v:.3f}" for v in vals)] for m, vals in PAPER_TABLE2_QWEN.items()]
     out += ["Reference, **paper Table 2** (Qwen2.5-0.5B, layers 4/12/20, N = 4096; not comparable in scale with a "
@@ -205,7 +212,7 @@ def fidelity_section(metrics: dict) -> list[str]:
     return out
 
 
-def perplexity_section(metrics: dict, has_fig: bool) -> list[str]:
+def perplexity_section(metrics: dict, has_fig: bool, preset: str | None = None) -> list[str]:
     out = ["## Language modelling after LoRA adaptation (paper Table 3 layout; App. F.2-F.3)", ""]
     ppl = metrics.get("perplexity") or {}
     pre = metrics.get("perplexity_no_adapt") or {}
@@ -216,13 +223,14 @@ def perplexity_section(metrics: dict, has_fig: bool) -> list[str]:
         if len(seeds) > 1:
             header.append(f"per seed {seeds}")
         rows = []
+        multi = len(seeds) > 1
+        pre_std = metrics.get("perplexity_no_adapt_std") or {}
+        d_ppl, d_pre = distinct_digits(ppl.values(), 4), distinct_digits(pre.values(), 4)
         for m in ordered(set(ppl) | set(pre)):
-            cell = fmt(ppl.get(m), 4)
-            if m in std and len(seeds) > 1:
-                cell += f" ± {std[m]:.3f}"
-            row = [display_name(m), cell, fmt(pre.get(m), 4)]
-            if len(seeds) > 1:
-                row.append(", ".join(fmt(metrics["per_seed"][str(s)]["perplexity"].get(m), 4) for s in seeds))
+            row = [display_name(m), fmt_pm(ppl.get(m), std.get(m) if multi else None, d_ppl),
+                   fmt_pm(pre.get(m), pre_std.get(m) if multi else None, d_pre)]
+            if multi:
+                row.append(", ".join(fmt(metrics["per_seed"][str(s)]["perplexity"].get(m), d_ppl) for s in seeds))
             rows.append(row)
         label = f"This run ({metrics.get('model')}, test split of the run's corpus"
         label += f", mean ± sample std over seeds {seeds})" if len(seeds) > 1 else ")"
@@ -230,17 +238,20 @@ def perplexity_section(metrics: dict, has_fig: bool) -> list[str]:
         if "oal" in ppl and "global" in ppl:
             verdict = "beats" if ppl["oal"] < ppl["global"] else "does NOT beat"
             rel = 100 * (ppl["global"] - ppl["oal"]) / ppl["global"]
-            line = (f"OAL {verdict} the learned global quadratic in adapted test PPL: {ppl['oal']:.4f} vs "
-                    f"{ppl['global']:.4f} ({rel:+.3f}% relative to global)")
-            if "oal" in std and "global" in std and len(seeds) > 1:
-                line += f"; sample std over seeds {std['oal']:.4f} (OAL) and {std['global']:.4f} (global)"
+            line = (f"OAL {verdict} the learned global quadratic in adapted test PPL: {fmt(ppl['oal'], d_ppl)} vs "
+                    f"{fmt(ppl['global'], d_ppl)} ({rel:+.3f}% relative to global)")
+            if "oal" in std and "global" in std and multi:
+                line += f"; sample std over seeds {fmt_std(std['oal'])} (OAL) and {fmt_std(std['global'])} (global)"
+            elif not multi:
+                line += "; one seed, so no spread is measured (`--seeds` gives mean ± sample std)"
             out += [line + ".", ""]
         out += window_comparison(ppl)
     else:
         out += ["Perplexity was not evaluated in this run.", ""]
-    ref = [[display_name(m), *(f"{v:.2f}" for v in vals)] for m, vals in PAPER_TABLE3_QWEN.items()]
-    out += ["Reference row group, **paper Table 3, Qwen2.5-0.5B** (WikiText-103 test PPL, zero-shot normalised "
-            "accuracy %); reported by the paper, not measured here:", "",
+    backbone, table = PAPER_TABLE3.get(preset, ("Qwen2.5-0.5B", PAPER_TABLE3_QWEN))
+    ref = [[display_name(m), *(f"{v:.2f}" for v in vals)] for m, vals in table.items()]
+    out += [f"Reference row group, **paper Table 3, {backbone}** (WikiText-103 test PPL, lower is better; zero-shot "
+            "normalised accuracy %, higher is better); reported by the paper, not measured here:", "",
             markdown_table(["Method (paper)", "PPL", "PIQA", "HellaSwag", "ARC-E"], ref), ""]
     if has_fig:
         out += ["![perplexity](figures/perplexity.png)", ""]
@@ -285,7 +296,8 @@ def _data_line(task: str, prov: dict) -> str:
             f"{pin}), {prov.get('rows')} rows")
 
 
-def zeroshot_section(metrics: dict) -> list[str]:
+def zeroshot_section(metrics: dict, selected: list[str] | None = None) -> list[str]:
+    """Table 3's zero-shot columns; `selected`: the run's --tasks (config.json), to say why none was measured."""
     out = ["## Zero-shot accuracy (paper Table 3 columns; App. F.3)", ""]
     zs, std = metrics.get("zeroshot") or {}, metrics.get("zeroshot_std") or {}
     skipped = metrics.get("zeroshot_skipped") or {}
@@ -293,8 +305,10 @@ def zeroshot_section(metrics: dict) -> list[str]:
     tasks = [t for t in DISPLAY_NAMES if any(t in z for z in zs.values())]
     if not zs:
         out += ["Zero-shot accuracy was not evaluated in this run; the PIQA, HellaSwag and ARC-E columns are missing."]
-        out += [f"- {DISPLAY_NAMES.get(t, t)}: {why}" for t, why in skipped.items()] + [""]
-        return out
+        out += [f"- {DISPLAY_NAMES.get(t, t)}: {why}" for t, why in skipped.items()]
+        if not skipped and selected is not None and not selected:
+            out += ["- no task was selected (`--tasks none`)."]
+        return out + [""]
     multi = len(metrics.get("seeds", [])) > 1
 
     def cell(m, t, key="acc_norm"):
@@ -302,7 +316,7 @@ def zeroshot_section(metrics: dict) -> list[str]:
         if row is None:
             return "-"
         s = f"{row[key]:.2f}"
-        return s + (f" ± {std[m][t][key]:.2f}" if multi and t in std.get(m, {}) else "")
+        return s + (f" ± {fmt_std(std[m][t][key], 2)}" if multi and t in std.get(m, {}) else "")
 
     ppl = metrics.get("perplexity") or {}
     rows = [[display_name(m), fmt(ppl.get(m), 4), *(cell(m, t) if t in tasks else "-" for t in DISPLAY_NAMES)]
@@ -340,7 +354,8 @@ def adaptation_section(run_dir: Path, metrics: dict, has_fig: bool) -> list[str]
             ((m, ad[m]) for m in ordered(ad))]
     if metrics.get("seeds"):
         out += [f"Seed {metrics['seeds'][0]} shown; the other seeds are in metrics.json `per_seed`.", ""]
-    out += [markdown_table(["method", "updates", "blocks per update", "selected update", "best validation NLL",
+    out += [markdown_table(["method", "updates", "blocks per update", "selected update",
+                            "best validation NLL (nats/token, lower is better)",
                     "LoRA parameters", "kernel parameters", "kernel change (L2)"], rows), ""]
     if has_fig:
         out += ["![adaptation curves](figures/adaptation_curves.png)", ""]
@@ -366,4 +381,6 @@ def timing_section(metrics: dict) -> list[str]:
             "time; a stage resumed mid-way counts only the resuming process).")
     if metrics.get("seeds"):
         note += f" Summed over seeds {metrics['seeds']}."
+    if "report" not in el:
+        note += " Writing this report is itself a stage: metrics.json adds its time once the file is written."
     return ["## Time per stage", "", note, "", markdown_table(["stage", "seconds"], rows), ""]
