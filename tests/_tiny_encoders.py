@@ -57,3 +57,13 @@ def save_tiny_encoder(path, words: list[str], family: str = "bert", seed: int = 
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_word_corpus(path, words: list[str], paragraphs: int = 900, longest: int = 50):
+    """A corpus of `paragraphs` random sentences of 8 to `longest` of `words` (seed 0), blank-line separated."""
+    import random
+
+    rng = random.Random(0)
+    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, longest))) + "."
+                                 for _ in range(paragraphs)))
+    return path

@@ -4,12 +4,11 @@ pooling precision of a bf16 encoder."""
 
 import dataclasses
 import json
-import random
 import re
 
 import pytest
 import torch
-from _tiny_encoders import save_tiny_encoder, tiny_encoder
+from _tiny_encoders import save_tiny_encoder, save_word_corpus, tiny_encoder
 from rich.console import Console
 from test_encoder_pipeline import WORDS, _cfg, _plan
 
@@ -31,9 +30,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("audit_assets")
     save_tiny_encoder(root / "model", WORDS)
     _declare(root / "model", ["max"])
-    rng = random.Random(0)
-    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 50))) + "." for _ in range(900)]
-    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
+    save_word_corpus(root / "corpus.txt", WORDS)
     return root
 
 

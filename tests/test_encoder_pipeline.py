@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from _tiny_encoders import save_tiny_encoder
+from _tiny_encoders import save_tiny_encoder, save_word_corpus
 from typer.testing import CliRunner
 
 from oal.models.encoder import is_encoder_model
@@ -20,9 +20,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("enc_assets")
     save_tiny_encoder(root / "model", WORDS)
-    rng = random.Random(0)
-    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 50))) + "." for _ in range(900)]
-    (root / "corpus.txt").write_text("\n\n".join(paragraphs))
+    save_word_corpus(root / "corpus.txt", WORDS)
     return root
 
 
