@@ -242,3 +242,17 @@ def test_linearize_refuses_an_encoder_in_one_line(assets):
     model, tok, _ = load_encoder(assets / "model")
     with pytest.raises(ValueError, match="model: BertModel is an encoder; .* `oal run --model PATH`"):
         oal.linearize(model, tok, assets / "corpus.txt", layers=[1])
+
+
+@pytest.mark.parametrize("extra, option", [(["--steps", "3"], "--steps"), (["--tasks", "piqa"], "--tasks"),
+                                           (["--passkey", "64"], "--passkey"), (["--limit", "5"], "--limit")])
+def test_run_refuses_options_an_encoder_run_would_ignore(assets, tmp_path, extra, option):
+    """`oal run --model BERT --steps 3` (or --tasks, --window) recorded the option and ignored it."""
+    from oal.cli import load_commands
+
+    args = ["run", "--model", str(assets / "model"), "--data", str(assets / "corpus.txt"), "--out",
+            str(tmp_path / "r"), *extra]
+    res = CliRunner(env={"COLUMNS": "300"}).invoke(load_commands(), args)
+    needs = "applies to a causal LM's run, not an encoder's, only"
+    assert res.exit_code == 2 and f"Invalid value for {option}: {needs}" in res.output, res.output
+    assert not (tmp_path / "r").exists()

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import typer
 
+# `oal run`'s options that only a causal LM's run reads: given for an encoder, they would be ignored
+DECODER_ONLY = ("steps", "val_every", "batch_size", "grad_accum", "lora_dropout", "window", "sinks", "tasks",
+                "limit", "zeroshot_dir", "task_file", "passkey", "passkey_depths", "passkey_trials")
+
 # the options (parameter names) of each mode only; fidelity is the mode without --zeroshot or --passkey
 MODE_OPTIONS = {"fidelity": ("data", "data_dir", "preset", "blocks_limit"),
                 "zeroshot": ("tasks", "task_file", "zeroshot_dir", "limit", "log_samples"),

@@ -8,7 +8,7 @@ import typer
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
-from oal.cli.modes import refuse_unless
+from oal.cli.modes import DECODER_ONLY, refuse_unless
 from oal.cli.options import (
     BatchSizeOpt,
     DataOpt,
@@ -109,8 +109,7 @@ def run(
         where = f"{out}/seed-<s>" if len(seed_list) > 1 else str(out)
         raise typer.BadParameter("one seed, in one process: after the run, measure it with `oal evaluate --passkey "
                                  f"--out {where}` (without a launch)", param_hint="--passkey")
-    if lengths and is_encoder_model(cfg.model):
-        raise typer.BadParameter("an encoder has no passkey retrieval (causal LMs only)", param_hint="--passkey")
+    refuse_unless(ctx, not is_encoder_model(cfg.model), DECODER_ONLY, "a causal LM's run, not an encoder's,")
     from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_check, passkey_rich_table
     run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force,
                  check=passkey_check(lengths, depths, passkey_trials) if lengths else None)  # lengths before the run
