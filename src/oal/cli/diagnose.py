@@ -73,7 +73,7 @@ def diagnose_cmd(
         raise typer.BadParameter(f"{out} is an `oal run` directory of model {run['model']!r}; pass that model",
                                  param_hint="--model")
     mdl, tok, _prov = load_model_or_fail(model, device, dtype)
-    preset = registry_preset(preset, mdl)
+    preset = registry_preset(preset or (run or {}).get("preset"), mdl)  # a run's own: its grouping and plan
     spec = PRESETS[preset]
     n_layers = mdl.config.num_hidden_layers
     if layer is not None and layer >= n_layers:  # before the blocks are built
@@ -96,10 +96,9 @@ def diagnose_cmd(
         raise typer.BadParameter(str(exc), param_hint="--data") from None
     t1 = RetainedErrorConfig.preset("paper" if paper else "default", seed=seed or 0,
                                     **({} if controls is None else {"n_controls": controls}))
-    grouping = dict(tail_fraction=spec["alpha"], min_support=spec["gamma"], min_ratio=spec["tau"],
-                    min_groups=spec["min_groups"], n_bootstrap=spec["n_bootstrap"])
     ref = RunConfig.from_preset(preset, calib=run["calib"], grouping=run["grouping"], seed=run["seed"]) if run \
-        else RunConfig.from_preset(preset)  # what `oal run` calibrated (or would calibrate) with
+        else RunConfig.from_preset(preset)  # what `oal run` grouped and calibrated (or would) with
+    grouping = {k: v for k, v in ref.grouping.items() if k not in ("budget", "pairs")}  # App. B's settings
     o_seed = ref.seed if seed is None else seed
     calib = (CalibConfig(**{**ref.calib, "seed": o_seed}) if run and not paper  # Table 2's OAL = the run's kernels
              else CalibConfig.preset("paper" if paper else "default", seed=seed or 0))
@@ -111,7 +110,8 @@ def diagnose_cmd(
     with own_dir(out):  # not while `oal run` / `oal adapt` writes this run (its report would mix the two)
         diagnose(mdl, blocks, layer_list, out, parts=part_list, table2_methods=method_list, grouping=grouping,
                  table1_cfg=t1, calib_cfg=calib, budget_head=budget_head, budgets=tuple(range(1, max_budget + 1)),
-                 table1_sequences=sequences, seed=seed or 0, offset=offset, console=console, tables=Console())
+                 table1_sequences=sequences, seed=seed or 0, offset=offset, console=console, tables=Console(),
+                 model_name=model, method_options=(run or {}).get("options"))
         if run is not None and (out / "metrics.json").is_file():  # the run's report shows the new diagnostics
             from oal.pipeline.report import write_report
 

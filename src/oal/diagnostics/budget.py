@@ -123,18 +123,22 @@ def plot_budget(result: dict, path: str | Path) -> Path:
 
     pts = result["points"]
     gs = [p["G"] for p in pts]
-    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=150)
-    ax.plot(gs, [p["heldout_mse"] for p in pts], "o-", color="tab:blue", label="held-out output MSE")
+    fig, ax = plt.subplots(figsize=(5.2, 3.9), dpi=150)
+    ax.plot(gs, [p["heldout_mse"] for p in pts], "o-", color="tab:blue", label="held-out output MSE (left)")
     ax.set_xlabel("group budget G")
-    ax.set_ylabel("attention-output MSE", color="tab:blue")
+    ax.set_ylabel("held-out attention-output MSE", color="tab:blue")
     ax2 = ax.twinx()
-    ax2.plot(gs, [p["coefficients"] for p in pts], "s--", color="tab:orange", label="coefficients / head")
+    ax2.plot(gs, [p["coefficients"] for p in pts], "s--", color="tab:orange", label="coefficients / head (right)")
     ax2.set_ylabel("trainable coefficients per head", color="tab:orange")
     for label, key, style in (("App. B choice", "app_b_groups", ":"), ("this run", "run_groups", "-.")):
         g = result.get(key)
         if g is not None and (key == "app_b_groups" or g != result.get("app_b_groups")):
             ax.axvline(g, color="gray", ls=style, lw=1, label=f"{label} (G = {g})")
-    ax.legend(fontsize=7, loc="upper right")
+    # one legend for both axes, under the panel: inside it covered the top-right points (the coefficient curve
+    # ends there) and left the right axis's curve out
+    handles, labels = (sum(pair, []) for pair in zip(ax.get_legend_handles_labels(),
+                                                     ax2.get_legend_handles_labels(), strict=True))
+    ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     ax.set_title(f"Group budget, layer {result['layer']} head {result['head']}")
     ax.set_xticks(gs)
     fig.tight_layout()

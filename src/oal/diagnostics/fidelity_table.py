@@ -56,12 +56,14 @@ def calibrate_methods(
     *,
     seed: int = 0,
     on_done: Callable[[str, int, dict], None] | None = None,
+    options: Mapping | None = None,
 ) -> tuple[dict[str, dict[int, torch.nn.Module]], dict]:
     """Build and calibrate every method of `names` for every layer of `train` ({layer: LayerData}).
 
     Each layer goes through `oal.calibration.fit.calibrate_methods` (the global first, seeding one of OAL's starts;
     trainable baselines from their own parameters; Performer used as drawn with seed `seed`); `oal` needs
-    `groups`. Returns ({name: {layer: method}}, {name: {layer: calibration summary}}).
+    `groups`; `options`: a run's method settings ({"window": W, "sinks": S}). Returns ({name: {layer: method}},
+    {name: {layer: calibration summary}}).
     """
     from oal.calibration.fit import calibrate_methods as calibrate_layer_methods
 
@@ -69,7 +71,8 @@ def calibrate_methods(
     summaries: dict[str, dict] = {n: {} for n in names}
     for layer, tr in train.items():
         g = None if groups is None else groups.get(layer)
-        done = calibrate_layer_methods(names, tr, val[layer], layer=layer, groups=g, cfg=cfg, seed=seed)
+        done = calibrate_layer_methods(names, tr, val[layer], layer=layer, groups=g, cfg=cfg, seed=seed,
+                                       options=options)
         for name, (method, res) in done.items():
             methods[name][layer] = method
             summaries[name][layer] = res.summary() if res is not None else {

@@ -159,7 +159,7 @@ def offset_experiment(grouping, train, val, held, *, layer: int, dims: Sequence[
     Returns {"layer", "dims", "softmax_max_change", "softmax_max_change_captured_dtype", "rows": [...]}: per
     offset std, OAL's and global's held-out RelMSE, their ratio, the regrouped heads and the planted data's
     offset statistics (`oal.analysis.offset`)."""
-    from oal.analysis import head_contributions, stable_gap_groups
+    from oal.analysis import fixed_budget_groups, head_contributions, stable_gap_groups
     from oal.analysis.grouping import pair_tied_groups
     from oal.analysis.offset import group_offsets, offset_moments
     from oal.calibration.fit import calibrate_methods
@@ -177,10 +177,13 @@ def offset_experiment(grouping, train, val, held, *, layer: int, dims: Sequence[
             continue
         g_p, tr_p, va_p, ho_p = (_planted(x, dims, plan) for x in (grouping, train, val, held))
         chi_pp = head_contributions(g_p.q, g_p.k).double().transpose(0, 1)  # [Hq, P, d], Eq. 2 per prompt
-        if grouping_params.get("pairs"):  # the run's pair-tied procedure (`--grouping app-b-pairs`)
-            groups = pair_tied_groups(chi_pp, seed=seed, **{k: v for k, v in grouping_params.items() if k != "pairs"})
+        app_b = {k: v for k, v in grouping_params.items() if k not in ("pairs", "budget")}
+        if grouping_params.get("budget") is not None:  # the run's fixed budget (`--grouping budget:G`)
+            groups = fixed_budget_groups(chi_pp.mean(1), min(int(grouping_params["budget"]), chi_pp.shape[-1]))
+        elif grouping_params.get("pairs"):  # the run's pair-tied procedure (`--grouping app-b-pairs`)
+            groups = pair_tied_groups(chi_pp, seed=seed, **app_b)
         else:
-            groups = stable_gap_groups(chi_pp, seed=seed, **grouping_params).groups
+            groups = stable_gap_groups(chi_pp, seed=seed, **app_b).groups
         fitted = calibrate_methods(("global", "oal"), tr_p, va_p, layer=layer, groups=groups, cfg=cfg, seed=seed)
         fid = _relmse({n: m for n, (m, _res) in fitted.items()}, ho_p, o_proj)
         stats = group_offsets(offset_moments(g_p.q, g_p.k), groups)["heads"]

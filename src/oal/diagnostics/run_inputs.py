@@ -1,5 +1,6 @@
 """What `oal diagnose` takes from an `oal run` directory: its model name, corpus and split plan (the token blocks,
-checked against the hashes its config.json records), converted layers, calibration and grouping settings, seed."""
+checked against the hashes its config.json records), preset, converted layers, calibration and grouping settings,
+seed, and its methods' settings (--window, --sinks)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def read_run(out_dir: str | Path) -> dict | None:
     cfg = data.get("config")
     if not isinstance(cfg, dict) or "model" not in cfg or not isinstance(data.get("split_plan"), dict):
         return None
-    return {"model": str(cfg["model"]), "data": cfg.get("data", "builtin"), "data_dir": cfg.get("data_dir"),
+    return {"model": str(cfg["model"]), "preset": cfg.get("preset"), "data": cfg.get("data", "builtin"),
+            "data_dir": cfg.get("data_dir"),
             "calib": dict(cfg.get("calib") or {}), "grouping": dict(cfg.get("grouping") or {}),
             "seed": cfg.get("seed"), "plan": data["split_plan"], "blocks": data.get("blocks") or {},
-            "layers": _converted_layers(Path(out_dir), data.get("converted_layers")), "path": str(path)}
+            "layers": _converted_layers(Path(out_dir), data.get("converted_layers")), "path": str(path),
+            "options": {k: cfg[k] for k in ("window", "sinks") if cfg.get(k) is not None}}  # its windows' settings
 
 
 def _converted_layers(run_dir: Path, recorded) -> list[int] | None:

@@ -2,7 +2,8 @@
 
 DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian control, matched-control test;
                                           DIR/figures/retained_error.png
-DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png
+DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png (in an `oal run`
+                                          directory DIR/figures/diagnostics/group_budget.png: the run's is its own)
 DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
                                           (not in an `oal run` directory: its metrics are its own kernels')
 DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
@@ -43,7 +44,9 @@ from oal.errors import InputError
 from oal.launch import log_console, progress_bar
 from oal.methods.base import newer_versions
 from oal.models.provenance import weights_record
+from oal.rundir.claim import is_run_dir
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
+from oal.rundir.hashes import tensor_hash
 
 __all__ = ["DEFAULT_PARTS", "PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
 
@@ -61,6 +64,13 @@ def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], 
                    seed: int = 0) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], str]:
     """Groups [Hq, d] and mean chi [Hq, d] per layer: from DIR/groups.json if `oal analyze` wrote it for
     these layers, else computed here with the App. B procedure on the grouping prompts."""
+    groups, chi, source, _ = _resolve_groups(model, grouping_blocks, layers, run_dir, grouping, seed)
+    return groups, chi, source
+
+
+def _resolve_groups(model, grouping_blocks, layers, run_dir: Path, grouping: dict, seed: int):
+    """`resolve_groups`, and App. B's groups beside the groups used: a run grouped with `--grouping budget:G` or
+    `app-b-pairs` keeps App. B's in each head's "app_b" record (Table 1's S_h is App. B's non-bulk groups)."""
     from oal.analysis import stable_gap_groups
 
     path = run_dir / "groups.json"
@@ -71,16 +81,17 @@ def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], 
         groups = load_groups(path)
         if set(layers) <= set(groups):
             check_groups_model(path, model)  # groups of another model would give another model's diagnostics
-            chi = {int(li): torch.tensor([h["chi"] for h in sorted(rows, key=lambda h: h["head"])],
-                                         dtype=torch.float64)
-                   for li, rows in data["heads"].items() if int(li) in layers}
-            return {i: groups[i] for i in layers}, chi, "groups.json"
+            rows = {int(li): sorted(r, key=lambda h: h["head"]) for li, r in data["heads"].items() if int(li) in layers}
+            chi = {li: torch.tensor([h["chi"] for h in r], dtype=torch.float64) for li, r in rows.items()}
+            app_b = {li: torch.tensor([(h.get("app_b") or h)["groups"] for h in r], dtype=torch.long)
+                     for li, r in rows.items()}
+            return {i: groups[i] for i in layers}, chi, "groups.json", app_b
     chi_pp = capture_chi(model, grouping_blocks, layers)
     groups, chi = {}, {}
     for i in layers:
         res = stable_gap_groups(chi_pp[i], seed=seed, **grouping)
         groups[i], chi[i] = res.groups, res.chi
-    return groups, chi, "computed"
+    return groups, chi, "computed", groups
 
 
 def diagnose(
@@ -102,12 +113,15 @@ def diagnose(
     offset=None,
     console: Console | None = None,
     tables: Console | None = None,
+    model_name: str | None = None,
+    method_options: Mapping | None = None,
 ) -> dict:
     """Run the requested diagnostics on `model` with token `blocks` per role ("grouping", "calib_train",
     "calib_val", "fidelity") for `layers`; returns {part: result}. See the module doc for the files.
     `offset`: the `diagnostics.offset_part.OffsetSettings` of the offset part (the run's calibration, grouping and
     seed; required for it). `console`: progress and notes (default: stderr); `tables`: Table 1 and Table 2 (default:
-    `console`)."""
+    `console`). `model_name`: what the tables and JSON name as the measured model (default: its config's path).
+    `method_options`: a run's method settings ({"window": W, "sinks": S}) for Table 2's windowed methods."""
     from oal.calibration.data import CalibConfig
 
     bad = set(parts) - set(PARTS)
@@ -139,15 +153,22 @@ def diagnose(
         results["offset"] = run_offset(model, blocks, layers, out, offset, console=console)
         if set(parts) == {"offset"}:
             return results
-    groups, chi, source = resolve_groups(model, blocks["grouping"], layers, out, grouping, seed)
-    atomic_write_json(diag / "groups.json", {"source": source, "grouping": grouping,
-                                             "groups": {str(i): g.tolist() for i, g in groups.items()}})
+    groups, chi, source, app_b = _resolve_groups(model, blocks["grouping"], layers, out, grouping, seed)
+    procedure = _procedure(out) if source == "groups.json" else "app_b"
+    atomic_write_json(diag / "groups.json", {"source": source, "procedure": procedure, "grouping": grouping,
+                                             "groups": {str(i): g.tolist() for i, g in groups.items()},
+                                             "app_b_groups": {str(i): g.tolist() for i, g in app_b.items()}})
 
     model_sha = weights_record(model)["state_dict_sha256"]  # in every part's key: another model recomputes
+    name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+    about = {"model": name, "model_sha256": model_sha}  # what a part's JSON says it measured
+    # every block a part reads is in its key: another corpus or split plan recomputes it
+    data_key = {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val", "fidelity") if r in blocks}
     if "table1" in parts:
         n_seq = fid_blocks.shape[0] if table1_sequences is None else min(table1_sequences, fid_blocks.shape[0])
+        # S_h is App. B's non-bulk groups (App. A.2), also where the run converted with another procedure
         settings = {"cfg": t1cfg.to_dict(), "methods": list(table1_methods), "layers": layers, "model": model_sha,
-                    "groups": {str(i): g.tolist() for i, g in groups.items()}, "sequences": n_seq,
+                    "groups": {str(i): g.tolist() for i, g in app_b.items()}, "sequences": n_seq,
                     "blocks": fid_blocks[:n_seq].tolist()}
         if versions := newer_versions(table1_methods):
             settings["versions"] = versions
@@ -156,11 +177,14 @@ def diagnose(
         if done is None:
             t0 = time.perf_counter()
             data = capture_sequences(model, fid_blocks[:n_seq], layers)
-            real, gauss = _table1(data, groups, t1cfg, table1_methods, console)
-            done = {"settings_key": key, "config": t1cfg.to_dict(), "layers": layers, "sequences": n_seq,
-                    "high_contribution": real, "gaussian": gauss, "elapsed_s": time.perf_counter() - t0}
+            real, gauss = _table1(data, app_b, t1cfg, table1_methods, console)
+            done = {"settings_key": key, **about, "config": t1cfg.to_dict(), "layers": layers, "sequences": n_seq,
+                    "sequence_length": int(fid_blocks.shape[1]), "high_contribution": real, "gaussian": gauss,
+                    "elapsed_s": time.perf_counter() - t0}
             done = write_part(diag / "table1.json", done)
-            atomic_write_text(diag / "table1.md", "# Table 1\n\n" + table1_markdown(real, gauss))
+            atomic_write_text(diag / "table1.md", "# Table 1\n\n" + f"Model `{name}`, layers {layers}, {n_seq} "
+                              f"held-out sequences of {fid_blocks.shape[1]} tokens; S_h: the non-bulk groups of App. "
+                              "B.\n\n" + table1_markdown(real, gauss))
         plot_table1(done["high_contribution"], done["gaussian"], out / "figures" / "retained_error.png")
         results["table1"] = done
         (tables or console).print(table1_markdown(done["high_contribution"], done["gaussian"]))
@@ -175,7 +199,7 @@ def diagnose(
         if layer not in layers:
             raise ValueError(f"budget_head: layer {layer} is not among the evaluated layers {layers}")
         settings = {"cfg": ccfg.to_dict(), "layer": layer, "head": head, "budgets": list(budgets), "model": model_sha,
-                    "chi": chi[layer][head].tolist()}
+                    "chi": chi[layer][head].tolist(), "data": data_key, "app_b": app_b[layer][head].tolist()}
         key = _key(settings)
         done = done_part(diag / "budget.json", key)
         if done is None:
@@ -184,17 +208,20 @@ def diagnose(
                 task = bar.add_task(f"Fig. 2(b): layer {layer} head {head}", total=len(budgets))
                 res = budget_curve(train[layer], val[layer], held, chi[layer][head], head, budgets, ccfg,
                                    layer=layer, on_budget=lambda _p: bar.advance(task))
-            done = {"settings_key": key, **res}
+            done = {"settings_key": key, **about, **res, "app_b_groups": int(app_b[layer][head].max()) + 1}
             done = write_part(diag / "budget.json", done)
-        plot_budget(done, out / "figures" / "group_budget.png")
+        # an `oal run` directory's figures/group_budget.png is its budget stage's, beside the report's table of it
+        plot_budget(done, out / "figures" / ("diagnostics" if is_run_dir(out) else "") / "group_budget.png")
         results["budget"] = done
 
     if "table2" in parts:
         settings = {"cfg": ccfg.to_dict(), "methods": list(table2_methods), "layers": layers, "seed": seed,
-                    "model": model_sha,
+                    "model": model_sha, "data": data_key,
                     "groups": {str(i): g.tolist() for i, g in groups.items()}, "blocks": fid_blocks.tolist()}
         if versions := newer_versions(table2_methods):
             settings["versions"] = versions
+        if method_options:
+            settings["options"] = dict(method_options)
         key = _key(settings)
         done = done_part(diag / "table2.json", key)
         if done is None:
@@ -202,18 +229,26 @@ def diagnose(
             with progress_bar(console=console) as bar:
                 task = bar.add_task("Table 2: calibration", total=len(table2_methods) * len(layers))
                 methods, summaries = calibrate_methods(table2_methods, train, val, groups, ccfg, seed=seed,
+                                                       options=method_options,
                                                        on_done=lambda *_: bar.advance(task))
             fid = run_table2(model, fid_blocks, methods, progress=False if console.quiet else None)  # -q, --no-progress
-            done = {"settings_key": key, "fidelity": fid, "calibration": summaries, "layers": layers,
-                    "elapsed_s": time.perf_counter() - t0}
+            done = {"settings_key": key, **about, "fidelity": fid, "calibration": summaries, "layers": layers,
+                    "groups_procedure": procedure, "elapsed_s": time.perf_counter() - t0}
             done = write_part(diag / "table2.json", done)
             atomic_write_text(diag / "table2.md", "# Table 2\n\n" + table2_markdown(
-                done["fidelity"], f"Frozen-attention fidelity, layers {layers}, {fid_blocks.shape[0]} held-out "
-                f"blocks of {fid_blocks.shape[1]} tokens. Lower is better."))
+                done["fidelity"], f"Frozen-attention fidelity of model `{name}`, layers {layers}, "
+                f"{fid_blocks.shape[0]} held-out blocks of {fid_blocks.shape[1]} tokens; OAL with {procedure} groups. "
+                "Lower is better."))
         _merge_metrics(out / "metrics.json", done["fidelity"])
         results["table2"] = done
         (tables or console).print(table2_markdown(done["fidelity"]))
     return results
+
+
+def _procedure(run_dir: Path) -> str:
+    """The grouping procedure DIR/groups.json records ("app_b", "budget:G", "app_b_pairs")."""
+    data = load_json(run_dir / "groups.json")
+    return str(data.get("procedure", "app_b")) if isinstance(data, dict) else "app_b"
 
 
 def _table1(data: dict, groups: dict, cfg: RetainedErrorConfig, methods: Sequence[str], console: Console):
@@ -241,7 +276,6 @@ def _merge_metrics(path: Path, fidelity: dict) -> None:
     """metrics.json["fidelity"][method] = {mse, relmse, mse_post_o, relmse_post_o}; other keys untouched.
 
     Not in an `oal run` directory: its metrics describe its own kernels, and Table 2's are calibrated here."""
-    from oal.rundir.claim import is_run_dir
     from oal.rundir.hashes import sha256_file
     from oal.rundir.metrics import publish_evaluations, record_evaluation
 
