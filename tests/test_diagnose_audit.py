@@ -60,15 +60,20 @@ def test_budget_legend_keeps_off_the_points_and_names_both_curves(tmp_path, monk
 
 def test_diagnose_keeps_the_run_directorys_own_budget_figure(tmp_path):
     """In an `oal run` directory the report embeds figures/group_budget.png beside the run's budget table (G = 1, 2,
-    3, 4, 6, 8 with App. B's choice); diagnose's budget part drew over it."""
+    3, 4, 6, 8 with App. B's choice); diagnose's budget part drew over it, and Table 1's figure appeared, unlabelled,
+    among the report's contribution-analysis figures."""
     (tmp_path / "config.json").write_text("{}")  # an `oal run` directory
     (tmp_path / "figures").mkdir()
     run_fig = tmp_path / "figures" / "group_budget.png"
     run_fig.write_bytes(b"the run's figure")
-    res = diagnose(_tiny_model(), _blocks(), [1], tmp_path, parts=("budget",), calib_cfg=CALIB, grouping=GROUPING,
-                   budget_head=(1, 0), budgets=(1, 2))
+    res = diagnose(_tiny_model(), _blocks(), [1], tmp_path, parts=("budget", "table1"), calib_cfg=CALIB,
+                   grouping=GROUPING, budget_head=(1, 0), budgets=(1, 2), table1_methods=("taylorshift",),
+                   table1_cfg=RetainedErrorConfig.preset("tiny"))
     assert run_fig.read_bytes() == b"the run's figure"
-    assert (tmp_path / "figures" / "diagnostics" / "group_budget.png").stat().st_size > 0
+    # Table 1's figure too: the report shows every other figures/*.png as its contribution analysis'
+    assert sorted(p.name for p in (tmp_path / "figures").glob("*.png")) == ["group_budget.png"]
+    for name in ("group_budget.png", "retained_error.png"):
+        assert (tmp_path / "figures" / "diagnostics" / name).stat().st_size > 0
     assert res["budget"]["app_b_groups"] >= 2  # App. B's choice for the head, marked on the curve
 
 

@@ -2,8 +2,9 @@
 
 DIR/diagnostics/table1.json, table1.md    retained-error ratios, Gaussian control, matched-control test;
                                           DIR/figures/retained_error.png
-DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png (in an `oal run`
-                                          directory DIR/figures/diagnostics/group_budget.png: the run's is its own)
+DIR/diagnostics/budget.json               group-budget points;  DIR/figures/group_budget.png
+                                          (in an `oal run` directory both figures go to DIR/figures/diagnostics/:
+                                          its figures/ are its report's)
 DIR/diagnostics/table2.json, table2.md    fidelity of every method; merged into DIR/metrics.json["fidelity"]
                                           (not in an `oal run` directory: its metrics are its own kernels')
 DIR/diagnostics/groups.json               the groups used (from DIR/groups.json when `oal analyze` ran)
@@ -134,6 +135,9 @@ def diagnose(
     console = console or log_console()
     out = Path(out_dir)
     diag = out / "diagnostics"
+    # an `oal run` directory's figures/ are its report's (figures/group_budget.png is its budget stage's, and the
+    # report shows every other figures/*.png as the contribution analysis'): diagnose keeps to figures/diagnostics/
+    fig_dir = out / "figures" / ("diagnostics" if is_run_dir(out) else "")
     diag.mkdir(parents=True, exist_ok=True)
     layers = sorted(int(i) for i in layers)
     grouping = grouping or dict(tail_fraction=0.25, min_support=0.9, min_ratio=1.5, min_groups=2, n_bootstrap=1000)
@@ -185,7 +189,7 @@ def diagnose(
             atomic_write_text(diag / "table1.md", "# Table 1\n\n" + f"Model `{name}`, layers {layers}, {n_seq} "
                               f"held-out sequences of {fid_blocks.shape[1]} tokens; S_h: the non-bulk groups of App. "
                               "B.\n\n" + table1_markdown(real, gauss))
-        plot_table1(done["high_contribution"], done["gaussian"], out / "figures" / "retained_error.png")
+        plot_table1(done["high_contribution"], done["gaussian"], fig_dir / "retained_error.png")
         results["table1"] = done
         (tables or console).print(table1_markdown(done["high_contribution"], done["gaussian"]))
 
@@ -210,8 +214,7 @@ def diagnose(
                                    layer=layer, on_budget=lambda _p: bar.advance(task))
             done = {"settings_key": key, **about, **res, "app_b_groups": int(app_b[layer][head].max()) + 1}
             done = write_part(diag / "budget.json", done)
-        # an `oal run` directory's figures/group_budget.png is its budget stage's, beside the report's table of it
-        plot_budget(done, out / "figures" / ("diagnostics" if is_run_dir(out) else "") / "group_budget.png")
+        plot_budget(done, fig_dir / "group_budget.png")
         results["budget"] = done
 
     if "table2" in parts:
