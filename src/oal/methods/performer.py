@@ -64,7 +64,7 @@ class PerformerMethod(FeatureMapMethod):
         # keys [B, Hkv, N, d] against the projections of every query head in their group; k is never repeated
         b, n_kv, n, d = x.shape
         proj = torch.einsum("bgnd,grmd->bgrnm", x, w.view(n_kv, self.n_rep, -1, d)) - half_sq.unsqueeze(2)
-        return proj.reshape(b, n_kv * self.n_rep, n, -1)
+        return proj.flatten(1, 2)  # [B, Hq, N, m]; a reshape with -1 failed on empty inputs (B or N = 0)
 
     def _features(self, q, k):
         dt = compute_dtype(q, self.dtype)

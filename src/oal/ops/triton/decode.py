@@ -55,7 +55,7 @@ def _dec_step(
     """State rows [blk RB, blk RB + RB) of KV head (b, hk): T tokens' updates and readouts. Grid (NBLK, B * Hkv).
 
     Q [B, Hq, T, d], K [B, Hkv, T, d], V [B, Hkv, T, dv] contiguous; S: KV head bh's [F, dv+1] rows at
-    S + bh s_stride, fp32 (or fp64); PART [NBLK, B * Hq * T, BV], PARTN [NBLK, B * Hq * T].
+    S + bh s_stride (`item_stride`), fp32 (or fp64); PART [NBLK, B * Hq * T, BV], PARTN [NBLK, B * Hq * T].
     EVICT (oal-swa's prefix, `window_decode.py`): token t adds the row that left the window instead of its own key,
     EK [B * Hkv * T, d] and EU [B * Hkv * T, dv + 1] ([v, w], w = 0 for no row), and LL [B * Hq * T] gets
     log lam of each readout; the checks and the rescaling still read the call's own K and V."""
@@ -213,11 +213,24 @@ class Step:
                                              ACC_DT=tl_dtype(acc), EVICT=evict, num_warps=NUM_WARPS))
 
     def __call__(self, q, k, v, state, status, evicted=None) -> None:
-        """Update `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at any stride) and write the
-        readouts' partial sums into `part`, `partn`. `evicted`: (EK, EU, LL) of EVICT."""
+        """Update `state` [B, Hkv, F, dv+1] (each head's rows contiguous, the heads at one stride: `item_stride`)
+        and write the readouts' partial sums into `part`, `partn`. `evicted`: (EK, EU, LL) of EVICT."""
         ek, eu, ll = evicted if evicted is not None else (k, v, self.part)  # unread without EVICT
         self.launch(_dec_step, q, k, v, *self.kernel, state, self.part, self.partn, status, ek, eu, ll, *self.sizes,
-                    state.stride(1), *self.consts)
+                    item_stride(state), *self.consts)
+
+
+def item_stride(state: torch.Tensor) -> int:
+    """The stride `_dec_step` steps by from one (batch row, KV head) item of `state` [B, Hkv, ...] to the next
+    (item b Hkv + hk): stride(1), or stride(0) with one KV head, where stride(1) is arbitrary (the window state's
+    prefix view has F (dv+1) there, not the row's size: batch row 1 then read and updated its own slots as its
+    prefix)."""
+    bsz, n_kv = state.shape[:2]
+    step = state.stride(0) if n_kv == 1 else state.stride(1)
+    if bsz > 1 and n_kv > 1 and state.stride(0) != n_kv * step:  # the kernel trusts the layout: refuse, not misread
+        raise ValueError(f"state: expected its batch rows at Hkv times the KV heads' stride, got strides "
+                         f"{tuple(state.stride())}")
+    return step
 
 
 class Plan:
