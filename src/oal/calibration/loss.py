@@ -82,19 +82,19 @@ def sampled_dense_output(method: AttentionMethod, q, k, v, positions: torch.Tens
     qs, ks = q[:, :, positions], k[:, :, :m]
     if method.positional and not causal:
         raise ValueError(f"method: {method.name!r} is causal only (a sliding window); the data is non-causal")
-    if _is_oal(method):
-        w = _oal_dense_kernel(method, qs, ks, n_copies)
-    elif _is_window_oal(method):
-        w = _window_oal_weights(method, qs, ks, positions, n_copies)
-    else:  # a sliding window's weights depend on where each query sits: pass the sampled positions
-        where = {"positions": positions} if method.positional else {}
-        w = method.dense_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1), **where)
     if causal:
         mask = torch.arange(m, device=q.device)[None, :] <= positions[:, None]
     else:
         mask = torch.ones(1, m, dtype=torch.bool, device=q.device)
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :m].bool()  # [B, 1, n, m]
+    if _is_oal(method):
+        w = _oal_dense_kernel(method, qs, ks, n_copies)
+    elif _is_window_oal(method):
+        w = _window_oal_weights(method, qs, ks, positions, n_copies)
+    else:  # masked before any shift over keys; a sliding window's weights depend on where each query sits
+        where = {"positions": positions} if method.positional else {}
+        w = method.masked_kernel(qs.repeat(1, n_copies, 1, 1), ks.repeat(1, n_copies, 1, 1), mask, **where)
     w = w.masked_fill(~mask, 0.0).to(v.dtype)
     bsz, heads, n = qs.shape[:3]
     vr = repeat_kv(v[:, :, :m], heads // v.shape[1]).unsqueeze(1)  # [B, 1, H, m, dv]

@@ -141,9 +141,10 @@ def hybrid_output(method: AttentionMethod, q, k, v, pos: torch.Tensor, masks: to
     kr = repeat_kv(k[:, :, :m], method.n_rep)  # [1, Hq, M, d]: M is the causal prefix only
     vr = repeat_kv(v[:, :, :m], method.n_rep)
     mk = masks.to(q.dtype)[:, :, None, :]  # [C, Hq, 1, d]
-    approx = _as_mha(method).dense_kernel(qs * mk, kr * mk)  # method kernel on S (Eq. 9 with its preprocessing)
-    logits = (qs * (1 - mk)) @ (kr * (1 - mk)).transpose(-1, -2) / math.sqrt(d)  # exact factor on the complement
     keep = torch.arange(m, device=q.device)[None, :] <= pos[:, None]
+    # method kernel on S (Eq. 9 with its preprocessing), masked before any shift over keys
+    approx = _as_mha(method).masked_kernel(qs * mk, kr * mk, keep)
+    logits = (qs * (1 - mk)) @ (kr * (1 - mk)).transpose(-1, -2) / math.sqrt(d)  # exact factor on the complement
     logits = logits.masked_fill(~keep, -math.inf)
     exact = torch.exp(logits - logits.amax(-1, keepdim=True))  # a per-row constant cancels when normalising
     w = (approx * exact).masked_fill(~keep, 0.0)  # Eq. 10, causally masked

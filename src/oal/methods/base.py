@@ -146,11 +146,16 @@ class AttentionMethod(nn.Module):
         """Unnormalised kernel weights [B, Hq, N, M] between queries q [B, Hq, N, d] and keys k [B, Hkv, M, d]."""
         raise NotImplementedError
 
+    def masked_kernel(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, **kwargs) -> torch.Tensor:
+        """`dense_kernel(q, k, **kwargs)` with 0 wherever `allowed` (bool, broadcastable to [B, Hq, N, M]) is False.
+        A method whose dense kernel shifts an exponent by a max over keys overrides this to take that max over the
+        allowed keys only: a masked key scoring far above the kept ones would underflow every kept weight (0/0)."""
+        return self.dense_kernel(q, k, **kwargs).masked_fill(~allowed, 0.0)
+
     def reference(self, q, k, v, *, causal: bool = True) -> torch.Tensor:
         """Dense O(N^2): normalised kernel-weighted sum of values (Eq. 1 evaluated pairwise)."""
-        w = self.dense_kernel(q, k)
-        if causal:
-            w = w.masked_fill(~causal_mask(*w.shape[-2:], w.device), 0.0)
+        everything = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+        w = self.masked_kernel(q, k, causal_mask(q.shape[2], k.shape[2], q.device) if causal else everything)
         w = w.to(v.dtype)
         return (w @ repeat_kv(v, self.n_rep)) / w.sum(-1, keepdim=True)
 

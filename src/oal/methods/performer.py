@@ -5,7 +5,8 @@ fixed (a buffer, never trained). With x = d^-1/4 q and y = d^-1/4 k,
     phi(x)_l = exp(w_l . x - |x|^2 / 2) / sqrt(m),   E[phi(x) . phi(y)] = exp(x . y) = exp(q . k / sqrt(d)).
 Stabilisation: query log-features are shifted by their per-token max (a per-query factor, cancels in the
 normalisation); key log-features by a max over tokens and features. In the linear path that key max is a
-running max over the causal prefix (see features.py), so no query sees a future key through it.
+running max over the causal prefix (see features.py), so no query sees a future key through it; the masked dense
+path (`masked_kernel`) takes it per query over the keys that query keeps.
 The 1/sqrt(m) factor cancels in the normalised ratio and is dropped. Upstream's FAVOR+ code also adds a
 `numerical_stabilizer` (1e-6) to every feature; App. F.1 states that the shifts cancel, which holds only without
 it, so it is not added (fp64 features need no floor).
@@ -77,6 +78,25 @@ class PerformerMethod(FeatureMapMethod):
     def dense_kernel(self, q, k):
         check_qkv(self, q, k)
         fq, lk = self._features(q, k)
+        if lk.shape[-2] == 0:  # no keys: amax has nothing to reduce
+            return dense_feature_kernel(fq, lk.exp())
         # one shift over all keys' tokens and features: a constant per (batch, head), cancels when normalised
         fk = torch.exp(lk - lk.detach().amax(dim=(-2, -1), keepdim=True))
         return dense_feature_kernel(fq, fk)
+
+    def masked_kernel(self, q, k, allowed):
+        """The key shift taken per query over the keys it keeps (tokens and features), a per-row constant that
+        cancels as the linear path's causal running max does; a masked key cannot underflow the kept weights."""
+        check_qkv(self, q, k)
+        fq, lk = self._features(q, k)
+        top = lk.detach().amax(-1)  # [B, Hq, M] each key's own max: factored out exactly, multiplied back below
+        rel = torch.where(allowed, top.unsqueeze(-2), -torch.inf)  # [B, Hq, N, M], no grad: updated in place
+        if rel.shape[-1]:
+            rel.sub_(rel.amax(-1, keepdim=True).clamp_min(torch.finfo(rel.dtype).min))  # row shift; 0 if none kept
+        w = dense_feature_kernel(fq, torch.exp(lk - top.unsqueeze(-1))) * rel.exp_()
+        # and the row's largest weight set to 1 (per row again), so that callers casting the fp64 weights to the
+        # values' dtype lose only weights too small to count
+        if not w.shape[-1]:
+            return w
+        big = w.detach().amax(-1, keepdim=True)
+        return w / torch.where(big > 0, big, 1.0)

@@ -150,14 +150,13 @@ _VALIDITY = WeakIdKeyDictionary()  # 4-D mask -> (its version, address, n_new; t
 
 def _dense_with_mask(method: AttentionMethod, q, k, v, mask) -> torch.Tensor:
     """Stateless fallback: dense kernel of the new queries against every cached key, masked like softmax."""
-    w = method.dense_kernel(q, k)  # [B, Hq, n, M]
-    n, m = w.shape[-2:]
+    n, m = q.shape[2], k.shape[2]
     if mask is not None and torch.is_tensor(mask) and mask.dim() == 4:
         allowed = mask[..., -n:, -m:]
         allowed = allowed if allowed.dtype == torch.bool else allowed == 0
     else:
-        allowed = causal_mask(n, m, w.device)
-    w = w.masked_fill(~allowed, 0.0).to(v.dtype)
+        allowed = causal_mask(n, m, q.device)
+    w = method.masked_kernel(q, k, allowed).to(v.dtype)  # [B, Hq, n, M], masked before any shift over keys
     return (w @ repeat_kv(v, method.n_rep)) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
 
 
