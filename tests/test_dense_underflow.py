@@ -223,3 +223,25 @@ def test_ordinary_scale_unchanged(name):
         for a, b in zip(_grads(new, (q, k, v), rows), _grads(old, (q, k, v), rows), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     torch.testing.assert_close(m.dense_kernel(q, k), _old_weights(m, q, k), rtol=0, atol=0)  # unmasked: as before
+
+
+@pytest.mark.parametrize("name", ["swa", "oal-swa", "global-swa"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_fallback_ignores_what_padded_keys_hold(name, dtype):
+    """swa, oal-swa and global-swa: a left-padded key inside the sinks or the window at a large score took the row
+    max, and the real rows' weights underflowed to 0 (43 of 45 rows with padded keys at 200). Whatever the padded
+    keys hold, the real rows' outputs are those with ordinary padded keys."""
+    m = build_method(name, HQ, HKV, D, window=6, sinks=2, layer_idx=1, seed=3)
+    allowed, valid = _padding(left=4)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, N, e, generator=g, dtype=torch.float64).to(dtype) for h, e in
+               ((HQ, D), (HKV, D), (HKV, DV)))
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g, dtype=torch.float64), dim=0).to(dtype)
+    q = q + 3.0 * u  # the real queries share a direction that the padded keys below take, at a score of ~1100
+    loud = k.clone()
+    loud[0, :, :4] = 1000.0 * u
+    real = valid[:, None, :, None]
+    want = _dense_with_mask(m, q, k, v, allowed).masked_fill(~real, 0)
+    got = _dense_with_mask(m, q, loud, v, allowed).masked_fill(~real, 0)
+    assert torch.isfinite(want).all() and want.abs().amax() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)

@@ -42,13 +42,30 @@ def _positions(n: int, m: int, positions, device) -> torch.Tensor:
     return positions
 
 
-def _weights(logw: torch.Tensor) -> torch.Tensor:
-    """exp(log w - row max): the unnormalised weights, up to a per-query constant that cancels."""
-    return torch.exp(logw - logw.amax(-1, keepdim=True))
+def _weights(logw: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(log w - row max): the unnormalised weights, up to a per-query constant that cancels; with `allowed`,
+    0 where it is False and the max over the allowed keys only (a masked key scoring far above the kept ones would
+    underflow them all)."""
+    if allowed is None:
+        return torch.exp(logw - logw.amax(-1, keepdim=True))
+    logw = torch.where(allowed, logw, -torch.inf)
+    if logw.shape[-1] == 0:
+        return logw.exp()
+    return torch.exp(logw - logw.amax(-1, keepdim=True).clamp_min(torch.finfo(logw.dtype).min))
+
+
+class _Windowed:
+    """The dense weights of the window methods from their `_log_weights(q, k, positions)`."""
+
+    def dense_kernel(self, q, k, positions=None):
+        return _weights(self._log_weights(q, k, positions))
+
+    def masked_kernel(self, q, k, allowed, positions=None):
+        return _weights(self._log_weights(q, k, positions), allowed)
 
 
 @register
-class SWAMethod(AttentionMethod):
+class SWAMethod(_Windowed, AttentionMethod):
     name = "swa"
     supports_state = True
     settings = ("window", "sinks")
@@ -59,11 +76,10 @@ class SWAMethod(AttentionMethod):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.window, self.sinks = check_int("window", window, 1), check_int("sinks", sinks, 0)
 
-    def dense_kernel(self, q, k, positions=None):
+    def _log_weights(self, q, k, positions=None):
         check_qkv(self, q, k)
         pos = _positions(q.shape[2], k.shape[2], positions, q.device)
-        return _weights(window_log_weights(q, k, pos, window=self.window, sinks=self.sinks,
-                                           scale=1.0 / math.sqrt(q.shape[-1])))
+        return window_log_weights(q, k, pos, window=self.window, sinks=self.sinks, scale=1.0 / math.sqrt(q.shape[-1]))
 
     def reference(self, q, k, v, *, causal: bool = True):
         check_qkv(self, q, k, v)
@@ -75,7 +91,7 @@ class SWAMethod(AttentionMethod):
                                 initial_state=initial_state, output_final_state=output_final_state)
 
 
-class _WindowKernel:
+class _WindowKernel(_Windowed):
     """The window part of oal-swa and global-swa, mixed into OALMethod (groups buffer, trainable factor)."""
 
     window: int
@@ -85,12 +101,12 @@ class _WindowKernel:
     version = 2  # sinks; version 1 had none, i.e. it is this construction with sinks=0
     legacy = {1: {"sinks": 0}}
 
-    def dense_kernel(self, q, k, positions=None):
+    def _log_weights(self, q, k, positions=None):
         check_qkv(self, q, k)
         pos = _positions(q.shape[2], k.shape[2], positions, q.device)
         kernel = (self.groups, self.factor.to(q.dtype), self.eps)
-        return _weights(window_log_weights(q, k, pos, window=self.window, sinks=self.sinks, kernel=kernel,
-                                           scale=1.0 / math.sqrt(q.shape[-1])))
+        return window_log_weights(q, k, pos, window=self.window, sinks=self.sinks, kernel=kernel,
+                                  scale=1.0 / math.sqrt(q.shape[-1]))
 
     def reference(self, q, k, v, *, causal: bool = True):
         check_qkv(self, q, k, v)
