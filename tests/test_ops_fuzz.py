@@ -461,3 +461,19 @@ def test_triton_decoding_on_a_state_whose_one_kv_head_has_any_stride(deferred):
                                  initial_state=odd)
         checks.check_errors()
     assert rel(torch.cat([head, tail], dim=2).cpu(), ref.cpu()) < F32_TOL
+
+
+def test_a_state_checked_first_in_inference_mode_still_trains():
+    """The state check's cached diagonal index was made in inference mode when the first call with a state ran under
+    torch.inference_mode (generation): every later training call with a state then raised "Inference tensors
+    cannot be saved for backward" (the fuzz met it after another test's generation in the same process)."""
+    checks._diagonal.cache_clear()
+    q, k, v, groups, factor = make(1, 2, 1, 5, 7, 3, 2, 0)
+    with torch.inference_mode():
+        state = oal_attention(q, k, v, groups, factor, output_final_state=True)[1]
+        oal_attention(q, k, v, groups, factor, initial_state=state)
+    init = state.clone().requires_grad_()
+    qq = q.clone().requires_grad_()
+    out = oal_attention(qq, k, v, groups, factor, initial_state=init)
+    gq, gs = torch.autograd.grad(out.sum(), (qq, init))
+    assert torch.isfinite(gq).all() and torch.isfinite(gs).all() and gs.abs().sum() > 0

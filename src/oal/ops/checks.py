@@ -205,9 +205,12 @@ def _moments(state: torch.Tensor, d: int):
 
 @functools.cache
 def _diagonal(d: int, device: torch.device) -> torch.Tensor:
-    """Positions of the pairs (r, r) among the packed pairs: an index, not a mask (a mask is a host read)."""
-    r, t, _ = packed_pairs(d, "cpu")
-    return torch.nonzero(r == t).flatten().to(device)
+    """Positions of the pairs (r, r) among the packed pairs: an index, not a mask (a mask is a host read). A normal
+    tensor also when first asked for in inference mode: index_select saves it for backward (a state checked first
+    under torch.inference_mode, as generation does, then made every training call with a state fail)."""
+    with torch.inference_mode(False):
+        r, t, _ = packed_pairs(d, "cpu")
+        return torch.nonzero(r == t).flatten().to(device)
 
 
 def _denominator_message(count: float, squares: float) -> str:
