@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-__all__ = ["check_qkv", "compute_dtype", "generator_for"]
+__all__ = ["check_qkv", "compute_dtype", "generator_for", "shifted_exp"]
 
 
 def generator_for(*parts) -> torch.Generator:
@@ -30,3 +30,17 @@ def check_qkv(method, q, k, v=None) -> None:
         raise ValueError(f"q/k: expected head_dim {method.head_dim}, got {q.shape[-1]} and {k.shape[-1]}")
     if v is not None and (v.dim() != 4 or v.shape[:3] != k.shape[:3]):
         raise ValueError(f"v: expected [B, Hkv, N, dv] matching k {tuple(k.shape)}, got {tuple(v.shape)}")
+
+
+def shifted_exp(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(logits - row max), 0 where `allowed` is False: the unnormalised weights of softmax and the window
+    methods. The shift is a per-row factor (it cancels in the normalised output) taken over the allowed keys only,
+    so that no masked key's larger logit underflows the kept weights."""
+    if allowed is not None:
+        logits = torch.where(allowed, logits, -torch.inf)
+    if logits.shape[-1] == 0:  # no keys: amax has nothing to reduce
+        return logits.exp()
+    top = logits.amax(-1, keepdim=True)
+    if allowed is not None:
+        top = top.clamp_min(torch.finfo(top.dtype).min)  # a row with no allowed key: all its weights 0
+    return torch.exp(logits - top)

@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
+from oal.methods._common import shifted_exp
 from oal.methods.base import AttentionMethod, register
-
-
-def _shifted_exp(scores: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """exp(scores - row max), 0 where `allowed` is False. The shift is a per-row factor (it cancels in the normalised
-    output) taken over the allowed keys only, so that no masked key's larger score underflows the kept weights."""
-    if allowed is not None:
-        scores = torch.where(allowed, scores, -torch.inf)
-    if scores.shape[-1] == 0:  # no keys: amax has nothing to reduce
-        return scores.exp()
-    top = scores.amax(-1, keepdim=True)
-    if allowed is not None:
-        top = top.clamp_min(torch.finfo(top.dtype).min)  # a row with no allowed key: all its weights 0
-    return torch.exp(scores - top)
 
 
 @register
@@ -31,10 +18,10 @@ class SoftmaxMethod(AttentionMethod):
         return q @ k.repeat_interleave(self.n_rep, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
 
     def dense_kernel(self, q, k):
-        return _shifted_exp(self._scores(q, k))
+        return shifted_exp(self._scores(q, k))
 
     def masked_kernel(self, q, k, allowed):
-        return _shifted_exp(self._scores(q, k), allowed)
+        return shifted_exp(self._scores(q, k), allowed)
 
     def forward(self, q, k, v, *, causal=True, initial_state=None, output_final_state=False):
         if initial_state is not None or output_final_state:

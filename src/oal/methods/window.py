@@ -25,7 +25,7 @@ import math
 import torch
 
 from oal.errors import check_int
-from oal.methods._common import check_qkv
+from oal.methods._common import check_qkv, shifted_exp
 from oal.methods.base import AttentionMethod, register
 from oal.methods.oal import GlobalMethod, OALMethod
 from oal.ops.window import window_attention, window_log_weights
@@ -42,26 +42,14 @@ def _positions(n: int, m: int, positions, device) -> torch.Tensor:
     return positions
 
 
-def _weights(logw: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """exp(log w - row max): the unnormalised weights, up to a per-query constant that cancels; with `allowed`,
-    0 where it is False and the max over the allowed keys only (a masked key scoring far above the kept ones would
-    underflow them all)."""
-    if allowed is None:
-        return torch.exp(logw - logw.amax(-1, keepdim=True))
-    logw = torch.where(allowed, logw, -torch.inf)
-    if logw.shape[-1] == 0:
-        return logw.exp()
-    return torch.exp(logw - logw.amax(-1, keepdim=True).clamp_min(torch.finfo(logw.dtype).min))
-
-
 class _Windowed:
     """The dense weights of the window methods from their `_log_weights(q, k, positions)`."""
 
     def dense_kernel(self, q, k, positions=None):
-        return _weights(self._log_weights(q, k, positions))
+        return shifted_exp(self._log_weights(q, k, positions))
 
     def masked_kernel(self, q, k, allowed, positions=None):
-        return _weights(self._log_weights(q, k, positions), allowed)
+        return shifted_exp(self._log_weights(q, k, positions), allowed)
 
 
 @register
