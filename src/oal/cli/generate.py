@@ -35,7 +35,7 @@ def generate_cmd(
     except UnicodeEncodeError as exc:
         raise typer.BadParameter(f"not valid UTF-8 text ({exc.reason} at character {exc.start})",
                                  param_hint="PROMPT") from None
-    causal_lm_run(out, "`oal generate` continues text with a causal LM's next-token head")
+    causal_lm_run(out, "`oal generate` continues text with a causal LM's next-token head, which an encoder has not")
     mdl, tok, _ = converted_or_fail(out, model, method, device, adapter, dtype)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     n_prompt = enc["input_ids"].shape[1]

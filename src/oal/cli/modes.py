@@ -38,11 +38,12 @@ def refuse_unless(ctx: typer.Context, applies: bool, names: tuple[str, ...], nee
 def decoder_run(out: Path) -> Path:
     """--out's callback: a causal LM's run (an encoder's held-out blocks, perplexity, passkey and zero-shot tasks
     do not exist; its plan read as a decoder's failed on --data)."""
-    from oal.rundir.files import load_json
+    from oal.errors import InputError
+    from oal.pipeline.inputs import causal_lm_run
 
-    config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
-    if isinstance(config, dict) and config.get("protocol") == "encoder":  # the run's record, wherever its model is
-        model = (config.get("config") or {}).get("model")
-        raise typer.BadParameter(f"an encoder's run ({model}): `oal evaluate` measures causal LMs, and `oal run "
-                                 f"--out {out}` measured this encoder (fidelity, embedding agreement: report.md)")
+    try:
+        causal_lm_run(out, f"`oal evaluate` measures causal LMs, and `oal run --out {out}` measured this encoder "
+                           "(fidelity, embedding agreement: report.md)")
+    except InputError as exc:
+        raise typer.BadParameter(exc.message) from None
     return out

@@ -119,13 +119,12 @@ def run_methods(out: Path, methods: list[str] | None, fallback: list[str]) -> li
     return (run_config(config)["config"].get("methods") if config.is_file() else None) or fallback
 
 
-def causal_lm_run(out: Path, needs: str) -> None:
-    """InputError on --out where OUT is an encoder's run (its config.json's protocol): `needs` says what of a causal
-    LM the command uses ("`oal generate` continues text with a next-token head")."""
+def causal_lm_run(out: Path, why: str) -> None:
+    """InputError on --out where OUT is an encoder's run (its config.json's protocol, wherever its model is): `why`
+    says what of a causal LM the command needs."""
     from oal.rundir.files import load_json
 
     config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
     if isinstance(config, dict) and config.get("protocol") == "encoder":
         model = (config.get("config") or {}).get("model")
-        raise InputError(f"{out} is an encoder's run ({model}); {needs}, which an encoder has not", "--out",
-                         "out_dir")
+        raise InputError(f"{out} is an encoder's run ({model}): {why}", "--out", "out_dir")

@@ -200,7 +200,7 @@ def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | Non
     records that still verify (the arms of the old selection's kernels drop out until `oal run` redoes them)."""
     if not cfg.select:
         raise InputError("expected a layer selection such as auto:2", "--k", "select")
-    causal_lm_run(Path(out_dir), "layer selection ranks layers by a causal LM's perplexity")
+    causal_lm_run(Path(out_dir), "layer selection ranks layers by a causal LM's perplexity, which an encoder has not")
     r = Run(cfg, out_dir, console=console, progress=progress, force=force, allow_changes=SELECTION_KEYS)
     with own_dir(r.dir, r.ranks):
         r.setup()
