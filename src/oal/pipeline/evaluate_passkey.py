@@ -79,16 +79,14 @@ def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, a
             cached = _cached(path)
             if cached.get("key") == key and isinstance(cached.get("result"), dict):
                 log.info("passkey %s (%s): already measured for these settings and files", m, variant)
-                results.setdefault(m, {})[variant] = cached["result"]
-                record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), cached["result"])],
-                                  used, versions={"passkey_decoding": DECODING_VERSION})
-                continue
-            arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
-            max_pos = getattr(arm.config, "max_position_embeddings", None)
-            lens = settings["lengths"] or default_lengths(max_pos, reserve=answer_tokens(tok))
-            res = evaluate_passkey(arm, tok, lengths=lens, depths=settings["depths"], trials=trials, seed=seed,
-                                   progress=progress, description=f"passkey:{m} ({variant})")
-            atomic_write_json(path, {"key": key, "result": res})
+                res = cached["result"]
+            else:
+                arm, tok, _ = load_arm(out_dir, m, adapted, model=model, dtype=dtype, device=device)
+                max_pos = getattr(arm.config, "max_position_embeddings", None)
+                lens = settings["lengths"] or default_lengths(max_pos, reserve=answer_tokens(tok))
+                res = evaluate_passkey(arm, tok, lengths=lens, depths=settings["depths"], trials=trials, seed=seed,
+                                       progress=progress, description=f"passkey:{m} ({variant})")
+                atomic_write_json(path, {"key": key, "result": res})
             results.setdefault(m, {})[variant] = res
             record_evaluation(out_dir, f"passkey:{m}:{variant}", [(("passkey", m, variant), res)], used,
                               versions={"passkey_decoding": DECODING_VERSION})
