@@ -56,6 +56,12 @@ def _three_seeds() -> dict:
     return aggregate_seeds({1: _seed_metrics(1, 0.0), 2: _seed_metrics(2, 0.03), 3: _seed_metrics(3, 0.09)})
 
 
+def test_the_aggregate_names_every_seed_and_no_single_one():
+    agg = _three_seeds()
+    assert agg["seeds"] == [1, 2, 3] and "seed" not in agg
+    assert [agg["per_seed"][str(s)]["seed"] for s in agg["seeds"]] == [1, 2, 3]
+
+
 def _errbars(container) -> list[float]:
     """Half-lengths of the error bars drawn on a bar container ([] when it has none)."""
     if getattr(container, "errorbar", None) is None:  # a bar container without error bars, or a line's

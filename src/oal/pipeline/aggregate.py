@@ -25,7 +25,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
     out = {"model": first["model"], "converted_layers": first["converted_layers"], "seeds": seeds,
            "methods": first["methods"], "per_seed": {str(s): per_seed[s] for s in seeds},
            "perplexity": {}, "perplexity_std": {}, "perplexity_no_adapt": {}, "perplexity_no_adapt_std": {},
-           "fidelity": {}, "fidelity_std": {}, "seed": seeds[0]}
+           "fidelity": {}, "fidelity_std": {}}  # no top-level "seed": each seed's is in per_seed
     not_averaged = {}
     if any(per_seed[s]["converted_layers"] != first["converted_layers"] for s in seeds):
         out["converted_layers_per_seed"] = {str(s): per_seed[s]["converted_layers"] for s in seeds}
