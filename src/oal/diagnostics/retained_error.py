@@ -26,7 +26,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from oal.methods import build_method, get_method
+from oal.methods._common import shifted_exp
 from oal.methods.base import AttentionMethod, repeat_kv
+from oal.methods.features import FeatureMapMethod, dense_feature_kernel
+from oal.methods.softmax import SoftmaxMethod
 
 __all__ = [
     "RetainedErrorConfig",
@@ -142,13 +145,28 @@ def hybrid_output(method: AttentionMethod, q, k, v, pos: torch.Tensor, masks: to
     vr = repeat_kv(v[:, :, :m], method.n_rep)
     mk = masks.to(q.dtype)[:, :, None, :]  # [C, Hq, 1, d]
     keep = torch.arange(m, device=q.device)[None, :] <= pos[:, None]
-    # method kernel on S (Eq. 9 with its preprocessing), masked before any shift over keys
-    approx = _as_mha(method).masked_kernel(qs * mk, kr * mk, keep)
+    # method kernel on S (Eq. 9 with its preprocessing) as approx * exp(scale)
+    approx, scale = _approx_factor(_as_mha(method), qs * mk, kr * mk, keep)
     logits = (qs * (1 - mk)) @ (kr * (1 - mk)).transpose(-1, -2) / math.sqrt(d)  # exact factor on the complement
-    logits = logits.masked_fill(~keep, -math.inf)
-    exact = torch.exp(logits - logits.amax(-1, keepdim=True))  # a per-row constant cancels when normalising
-    w = (approx * exact).masked_fill(~keep, 0.0)  # Eq. 10, causally masked
+    if scale is not None:
+        logits = logits + scale
+    # Eq. 10 in log space (kernels are positive; log 0 = -inf drops a key), one shift per row over the product: two
+    # factors shifted apart could both be far below their own row max at every key, their product 0 (0/0 rows)
+    w = shifted_exp(approx.abs().log_() + logits, keep)
     return (w @ vr.to(w.dtype)) / w.sum(-1, keepdim=True)  # Eq. 11
+
+
+def _approx_factor(method: AttentionMethod, qa, ka, keep):
+    """The method's kernel on masked inputs as (a, b), kernel = a * exp(b), b [C, Hq, 1, M] or None. Key log-features
+    (Performer) keep each key's own max as b, instead of a shift over keys taken before the exact factor joins (which
+    underflowed keys that factor makes dominant), softmax its scores; other methods give their masked kernel."""
+    if isinstance(method, SoftmaxMethod):
+        return torch.ones((), dtype=qa.dtype, device=qa.device), method._scores(qa, ka)
+    if isinstance(method, FeatureMapMethod) and method.log_keys:
+        fq, lk = method._features(qa, ka)
+        top = lk.detach().amax(-1, keepdim=True)  # [C, Hq, M, 1]: factored out exactly, added back in log space
+        return dense_feature_kernel(fq, torch.exp(lk - top)), top.transpose(-1, -2)
+    return method.masked_kernel(qa, ka, keep), None
 
 
 # --------------------------------------------------------------------------------------------- protocol

@@ -4,11 +4,13 @@ out_i = phi(q_i) . sum_{j<=i} psi(k_j) [v_j; 1]  /  last column,   evaluated chu
 inside a chunk the C x C feature products are masked densely, across chunks a prefix state
 S = sum_j psi(k_j)^T [v_j; 1]  ([m, dv+1] per head) carries the past. Memory per chunk is O(C^2 + m dv).
 
-Key features may be given as *log*-features (Performer): each chunk is exponentiated after subtracting a
-running maximum over all keys seen so far (tokens and features), and the state is rescaled when that
-maximum grows. A factor shared by every key a query sees cancels in the normalised ratio
-(sum_j w_j c v_j / sum_j w_j c = sum_j w_j v_j / sum_j w_j), so the result is exact, and keys of later
-chunks never enter an earlier chunk's shift: the path stays causal.
+Key features may be given as *log*-features (Performer). Each key j is exponentiated after subtracting its
+own max over features t_j (its top feature is 1), and query i's weights carry exp(t_j - M_i), where M_i is the
+running max of t over the keys i sees (j <= i, the carried state's shift included): a factor exp(-M_i) shared by
+every key of query i, which cancels in the normalised ratio (sum_j w_j c v_j / sum_j w_j c = sum_j w_j v_j /
+sum_j w_j), so the result is exact. No key after i enters i's shift, not even one later in i's chunk (one shift
+per chunk let such a key underflow every earlier key's weight: rows of 0). The state is kept at the shift of the
+keys it holds and rescaled when that grows. Added work per chunk: C x C factors beside the C x C x m products.
 
 GQA: query features are [B, Hq, N, m]; key features are either shared per KV head [B, Hkv, N, m] or per
 query head [B, Hq, N, m] (methods whose key map depends on the query head). Values are never repeated.
@@ -37,6 +39,20 @@ def dense_feature_kernel(fq: torch.Tensor, fk: torch.Tensor) -> torch.Tensor:
     n_kv = fk.shape[1]
     w = _group(fq, n_kv) @ _group(fk, n_kv).transpose(-1, -2)
     return w.reshape(fq.shape[0], fq.shape[1], fq.shape[2], fk.shape[2])
+
+
+def _causal_log_chunk(q_c, k_c, u_c, state, shift):
+    """One causal chunk with key log-features k_c [.., C, m]: (rows [.., C, dv+1], state, shift), the state and
+    its shift [.., 1, 1] carried in and out. Shifts are detached: they cancel exactly (module doc)."""
+    top = k_c.detach().amax(-1, keepdim=True)  # [.., C, 1] t_j, each key's max over features
+    run = torch.maximum(shift, top.cummax(-2).values)  # M_i: over the keys query i sees, never a later one
+    k_c = torch.exp(k_c - top)
+    rel = (top.transpose(-1, -2) - run).clamp_max(0).exp()  # [.., C, C] exp(t_j - M_i); the clamp only hits j > i
+    w = ((q_c @ k_c.transpose(-1, -2)) * rel).tril()
+    rows = (q_c @ state) * torch.exp(shift - run) + w @ u_c
+    new = run[..., -1:, :]  # the chunk's last query sees every key the state will hold
+    state = state * torch.exp(shift - new) + k_c.transpose(-1, -2) @ (u_c * torch.exp(top - new))
+    return rows, state, new
 
 
 def feature_attention(fq, fk, v, *, causal: bool = True, log_keys: bool = False, chunk_size: int = 64,
@@ -71,16 +87,18 @@ def feature_attention(fq, fk, v, *, causal: bool = True, log_keys: bool = False,
     step = chunk_size if causal else max(n, 1)
     for c0 in range(0, n, step):
         q_c, k_c, u_c = q5[..., c0:c0 + step, :], k5[..., c0:c0 + step, :], u[..., c0:c0 + step, :]
-        if log_keys:
-            # running max over every key seen so far; detached: the shift cancels exactly (see module doc)
-            new = torch.maximum(shift, k_c.detach().amax(dim=(-2, -1), keepdim=True))
-            state = state * torch.exp(shift - new)
-            k_c, shift = torch.exp(k_c - new), new
-        if causal:
+        if log_keys and causal:
+            y_c, state, shift = _causal_log_chunk(q_c, k_c, u_c, state, shift)
+            outs.append(y_c)
+        elif causal:
             w = (q_c @ k_c.transpose(-1, -2)).tril()  # intra-chunk, j <= i
             outs.append(q_c @ state + w @ u_c)
             state = state + k_c.transpose(-1, -2) @ u_c
         else:
+            if log_keys:  # one chunk, every key visible to every query: one shift for all
+                new = torch.maximum(shift, k_c.detach().amax(dim=(-2, -1), keepdim=True))
+                state = state * torch.exp(shift - new)
+                k_c, shift = torch.exp(k_c - new), new
             state = state + k_c.transpose(-1, -2) @ u_c
     if not causal:
         outs = [q5 @ state]
