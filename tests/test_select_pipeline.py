@@ -219,6 +219,8 @@ def test_another_k_or_criterion_reuses_the_calibration_and_scores(assets, auto_r
     assert saved["converted_layers"] == sel["chosen"] and saved["selection"]["chosen"] == sel["chosen"]
     assert "oal" not in saved["perplexity"] and "softmax" in saved["perplexity"] and not saved["fidelity"]
     # `oal run` with another K and criterion continues: the chosen layers' stages redone, the rest reused
+    adapted, real_adapt = [], decoder.adapt
+    monkeypatch.setattr(decoder, "adapt", lambda *a, **kw: adapted.append(kw["description"]) or real_adapt(*a, **kw))
     metrics = run(_cfg(assets, select={"k": 3, "by": "probe"}), out, progress=False, console=Console(quiet=True),
                   results=Console(quiet=True))
     chosen = json.loads((out / "selection.json").read_text())["chosen"]
@@ -226,5 +228,8 @@ def test_another_k_or_criterion_reuses_the_calibration_and_scores(assets, auto_r
     assert sorted(int(i) for i in metrics["fidelity"]["oal"]["per_layer"]) == chosen
     assert metrics["perplexity"]["oal"] > 1 and set(metrics["selection"]["comparison"]) == {"probe_top2",
                                                                                             "paper_range"}
+    # the paper's range was compared under K = 2 already: its adaptation is reused, the new top-2 is adapted
+    assert sel["paper_layers"] != chosen and "adapt oal paper_range" not in adapted
+    assert "adapt oal probe_top2" in adapted
     check_publishable(out)  # every record verifies: nothing describes the old selection's files
     assert json.loads((out / "config.json").read_text())["converted_layers"]["by"] == "probe"

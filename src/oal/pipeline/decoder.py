@@ -216,7 +216,8 @@ class Run(StagedRun):
             # not rerun here (`oal adapt` of another arm): the processes that adapted it, as `_trained_processes`
             # (a record from before they were named there: the arm's, which the same launch adapted)
             processes = self.ranks.size if run else self._recorded_processes(path, self._trained_processes(method))
-            deps = {"setup": self.keys["setup"], "select": self.keys["select"], "layers": layers,
+            # not the selection's key: another K or criterion that compares the same layers reuses the result
+            deps = {"setup": self.keys["setup"], "method": method, "layers": layers,
                     "adapt": adapt_identity(self.cfg.adapt_config(method), processes),
                     "batch": self.cfg.eval_batch_size}
 
