@@ -136,7 +136,8 @@ def card_text(model, source: dict | None, metrics: dict[str, str] | None = None)
         'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
         "The family's own class and peft's loaders refuse this folder rather than give a softmax model; every load "
         "from a local folder checks the SHA256 of the files listed in `oal.json` (loaded by its hub id, through "
-        "transformers' download cache, it is not checked: download the folder first to have it checked). "
+        "transformers' download cache, it is not checked: load the folder `huggingface_hub.snapshot_download(ID)` "
+        "returns to have it checked). "
         "lm-eval: `python -m oal.lm_eval --model hf "
         '--model_args pretrained=<this folder> --tasks ...`.', "",
     ]

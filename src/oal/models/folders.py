@@ -12,7 +12,7 @@ from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.rundir.files import load_json
 
 __all__ = ["ModelUnavailableError", "PICKLE_SUFFIXES", "bad_model", "check_model_folder", "first_line",
-           "layers_beyond_weights", "looks_like_path"]
+           "hub_blobs", "layers_beyond_weights", "looks_like_path"]
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -80,6 +80,14 @@ def layers_beyond_weights(path: Path) -> str | None:
         return (f"{path / 'config.json'}: num_hidden_layers is {n}, but its weights hold {max(found) + 1} layers; "
                 "the config does not describe these weights (restore the folder's config.json)")
     return None
+
+
+def hub_blobs(directory: str | Path) -> Path | None:
+    """REPO/blobs (resolved) when `directory` is a snapshot of the hub's download cache (REPO/snapshots/<revision>,
+    what `snapshot_download(id)` returns), whose files are links into the repo's blobs; None otherwise."""
+    real = Path(directory).resolve()
+    blobs = real.parent.parent / "blobs"
+    return blobs if real.parent.name == "snapshots" and blobs.is_dir() else None
 
 
 def looks_like_path(name: str) -> bool:

@@ -45,7 +45,7 @@ from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, record_settings
 from oal.models.attention import _head_shape, converted_methods, dispatch_name, swap_attention
-from oal.models.folders import first_line, layers_beyond_weights
+from oal.models.folders import first_line, hub_blobs, layers_beyond_weights
 from oal.rundir.confine import escaping_links
 from oal.rundir.files import atomic_save_safetensors, atomic_write_json, check_json_size
 from oal.rundir.hashes import sha256_file, versions
@@ -259,7 +259,8 @@ def confined_file(directory: str | Path, name, where: str | Path) -> Path:
     if path is None or path.is_absolute() or ".." in path.parts or "\\" in name or path.as_posix() != name:
         raise ValueError(f"{where}: file name {name!r} is not a plain relative path inside {directory}")
     f = directory / path
-    if not f.resolve().is_relative_to(directory.resolve()):
+    blobs = hub_blobs(directory)  # a snapshot's files are links to the downloaded blobs: theirs to lead to
+    if not (f.resolve().is_relative_to(directory.resolve()) or blobs and f.resolve().is_relative_to(blobs)):
         raise ValueError(f"{where}: {name!r} leads outside {directory}")
     return f
 
@@ -288,7 +289,10 @@ def verify_manifest(directory: str | Path) -> dict:
             raise ValueError(f"{f}: missing (listed in {MANIFEST})")
         if _digest(f, name, want) != want:
             raise ValueError(f"{f}: SHA256 does not match {MANIFEST} (file changed or corrupt)")
-    for link, target in escaping_links(directory, limit=1):  # transformers reads unlisted files too (generation)
+    blobs = hub_blobs(directory)
+    for link, target in escaping_links(directory, limit=1 << 20):  # transformers reads unlisted files too
+        if blobs and Path(target).is_relative_to(blobs):
+            continue
         raise ValueError(f"{link}: a symbolic link to {target}, outside {directory}; a converted model folder is read "
                          "from its own files only")
     # added after the manifest was written: weights or an adapter, which transformers would load; and where the
@@ -354,7 +358,7 @@ def _attach_lora(model, where, record, kwargs: dict) -> None:
         config = PeftConfig.from_peft_type(**record)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: config.oal.lora is not a peft adapter config ({exc})") from None
-    hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs}
+    hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
     tensors = load_file(cached_file(str(where), LORA_FILE, **hub))
     config.inference_mode = True
     info = model.load_adapter(adapter_name="default", peft_config=config, adapter_state_dict=tensors)
@@ -445,19 +449,21 @@ class ConvertedModelMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' from_pretrained after checking DIR/oal.json; every checkpoint tensor must fit the model; an
         unmerged LoRA adapter recorded in the config is attached."""
-        if pretrained_model_name_or_path is not None:
-            if Path(pretrained_model_name_or_path).is_dir():
-                verify_manifest(pretrained_model_name_or_path)
-                beyond = layers_beyond_weights(Path(pretrained_model_name_or_path))
+        # the folder transformers reads: `subfolder=` of a local folder (or of a hub repo) holds the model
+        folder = None if pretrained_model_name_or_path is None else Path(pretrained_model_name_or_path,
+                                                                         kwargs.get("subfolder") or "")
+        if folder is not None:
+            if folder.is_dir():
+                verify_manifest(folder)
+                beyond = layers_beyond_weights(folder)
                 if beyond:  # before transformers allocates the layers the config asks for
                     raise ValueError(beyond)
             else:
-                log.warning("%s is not a local folder: its file hashes (oal.json) are not checked",
-                            pretrained_model_name_or_path)
+                log.warning("%s is not a local folder: its file hashes (oal.json) are not checked", folder)
         want_info = kwargs.pop("output_loading_info", False)
         _check_variant(kwargs.pop("variant", None))
         kwargs["use_safetensors"] = True
-        token = _LOADING.set(_loading(pretrained_model_name_or_path))
+        token = _LOADING.set(_loading(folder))
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   variant=VARIANT, **kwargs)
