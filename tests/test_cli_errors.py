@@ -31,9 +31,9 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, option, words", [
-    (["--depths", "7"], "--depths", "applies to --passkey only"),
-    (["--task-file", "piqa=/nonexistent.jsonl"], "--task-file", "applies to --zeroshot only"),
-    (["--passkey", "--blocks", "2"], "--blocks", "applies to fidelity"),
+    (["--depths", "7"], "--depths", "applies only to --passkey"),
+    (["--task-file", "piqa=/nonexistent.jsonl"], "--task-file", "applies only to --zeroshot"),
+    (["--passkey", "--blocks", "2"], "--blocks", "applies only to fidelity"),
     (["--zeroshot", "--tasks", "none"], "--tasks", "nothing for --zeroshot to evaluate"),
 ])
 def test_evaluate_refuses_options_of_another_mode(run_dir, args, option, words):
@@ -43,13 +43,13 @@ def test_evaluate_refuses_options_of_another_mode(run_dir, args, option, words):
 
 
 @pytest.mark.parametrize("args, option, words", [
-    (["run", "--select-by", "fidelity"], "--select-by", "applies to --layers auto:K only"),
-    (["run", "--layers", "1-2", "--select-by", "probe"], "--select-by", "applies to --layers auto:K only"),
-    (["run", "--passkey-depths", "0.5"], "--passkey-depths", "applies to --passkey only"),
-    (["run", "--passkey-trials", "2"], "--passkey-trials", "applies to --passkey only"),
+    (["run", "--select-by", "fidelity"], "--select-by", "applies only to --layers auto:K"),
+    (["run", "--layers", "1-2", "--select-by", "probe"], "--select-by", "applies only to --layers auto:K"),
+    (["run", "--passkey-depths", "0.5"], "--passkey-depths", "applies only to --passkey"),
+    (["run", "--passkey-trials", "2"], "--passkey-trials", "applies only to --passkey"),
     (["run", "--window", "32"], "--window", "applies to the sliding-window methods"),
     (["run", "--methods", "oal", "--sinks", "2"], "--sinks", "applies to the sliding-window methods"),
-    (["calibrate", "--methods", "oal,global", "--window", "32"], "--window", "applies to the sliding-window methods"),
+    (["calibrate", "--methods", "oal,global", "--window", "32"], "--window", "applies only to the sliding-window"),
     # the default preset reads the builtin corpus: a WikiText folder (even a missing one) went unread, unremarked
     (["run", "--data-dir", "."], "--data-dir", "holds WikiText for the paper presets"),
     (["run", "--data-dir", "/no/such/oal-folder"], "--data-dir", "no such folder"),
@@ -258,3 +258,12 @@ def test_run_checks_its_passkey_lengths_before_the_run(tmp_path, length, words):
     res, text = _run("run", "--out", tmp_path / "r", "--passkey", length, "--no-progress", "--tasks", "none")
     assert res.exit_code == 2 and "Invalid value for --passkey" in text and words in text, text
     assert not (tmp_path / "r" / "analysis.json").exists() and not (tmp_path / "r" / "kernels.json").exists()
+
+
+def test_export_of_a_stage_by_stage_folder_does_not_suggest_oal_adapt(run_dir, tmp_path):
+    """The hint named `oal adapt --out DIR`, which refuses a folder without `oal run`'s config.json."""
+    res, text = _run("export", "--out", run_dir, "--method", "oal", "--to", tmp_path / "x")
+    assert res.exit_code == 2 and "no adapter for oal" in text and "--no-adapter" in text, res.output
+    assert "oal adapt" not in text and not (tmp_path / "x").exists()
+    res, _ = _run("adapt", "--out", run_dir, "--method", "oal")
+    assert res.exit_code == 2 and "config.json" in res.output, res.output  # why the hint would not have worked

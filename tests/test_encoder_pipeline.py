@@ -253,6 +253,6 @@ def test_run_refuses_options_an_encoder_run_would_ignore(assets, tmp_path, extra
     args = ["run", "--model", str(assets / "model"), "--data", str(assets / "corpus.txt"), "--out",
             str(tmp_path / "r"), *extra]
     res = CliRunner(env={"COLUMNS": "300"}).invoke(load_commands(), args)
-    needs = "applies to a causal LM's run, not an encoder's, only"
+    needs = "applies only to a causal LM's run, not an encoder's"
     assert res.exit_code == 2 and f"Invalid value for {option}: {needs}" in res.output, res.output
     assert not (tmp_path / "r").exists()

@@ -220,4 +220,4 @@ def test_cli_evaluate_log_samples_writes_per_example_loglikelihoods(zs_run, tmp_
         assert 100 * sum(r["pred"] == r["label"] for r in records) / LIMIT == pytest.approx(row["acc"])
         assert 100 * sum(r["pred_norm"] == r["label"] for r in records) / LIMIT == pytest.approx(row["acc_norm"])
     res = CliRunner(env={"COLUMNS": "400"}).invoke(load_commands(), ["evaluate", "--out", str(run), "--log-samples"])
-    assert res.exit_code == 2 and "--log-samples" in res.output and "applies to --zeroshot only" in res.output
+    assert res.exit_code == 2 and "--log-samples" in res.output and "applies only to --zeroshot" in res.output

@@ -74,9 +74,11 @@ def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path |
         return None
     if not (adir / _ADAPTER_MANIFEST).is_file():
         if adapter:
-            raise InputError(f"{adir / _ADAPTER_MANIFEST} is missing: the run has no adapter for {method!r} (train "
-                             f"one with `oal adapt --out {run_dir} --method {method}`, or pass --no-adapter for the "
-                             "calibrated kernels alone)", "--adapter", "adapter")
+            # `oal adapt` adapts an `oal run` directory; one made stage by stage (analyze, calibrate) has no config
+            train = (f"train one with `oal adapt --out {run_dir} --method {method}`, or " if
+                     (run_dir / "config.json").is_file() else "")
+            raise InputError(f"{adir / _ADAPTER_MANIFEST} is missing: the run has no adapter for {method!r} ({train}"
+                             "pass --no-adapter for the calibrated kernels alone)", "--adapter", "adapter")
         return None
     return adir
 

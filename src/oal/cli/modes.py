@@ -32,7 +32,7 @@ def refuse_unless(ctx: typer.Context, applies: bool, names: tuple[str, ...], nee
     # typer vendors click: compare the source by name, not with click's own enum
     given = [flags[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
     if given and not applies:
-        raise typer.BadParameter(f"applies to {needs} only", param_hint=given[0])
+        raise typer.BadParameter(f"applies only to {needs}", param_hint=given[0])
 
 
 def decoder_run(out: Path) -> Path:

@@ -109,7 +109,7 @@ def run(
         where = f"{out}/seed-<s>" if len(seed_list) > 1 else str(out)
         raise typer.BadParameter("one seed, in one process: after the run, measure it with `oal evaluate --passkey "
                                  f"--out {where}` (without a launch)", param_hint="--passkey")
-    refuse_unless(ctx, not is_encoder_model(cfg.model), DECODER_ONLY, "a causal LM's run, not an encoder's,")
+    refuse_unless(ctx, not is_encoder_model(cfg.model), DECODER_ONLY, "a causal LM's run, not an encoder's")
     from oal.pipeline.evaluate_passkey import passkey_after_run, passkey_check, passkey_rich_table
     run_pipeline(cfg, out, seed_list, console=notes_console(), results=main_console(), progress=progress, force=force,
                  check=passkey_check(lengths, depths, passkey_trials) if lengths else None)  # lengths before the run
