@@ -47,15 +47,31 @@ def test_short_help_is_the_first_sentence_outside_parentheses(text, line):
     assert short_help(text) == line
 
 
+def _options(cmd) -> list:
+    # by kind, not class: typer 0.29 vendors click, so its options are no `click.Option` (that check saw none)
+    options = [p for p in cmd.params if p.param_type_name == "option"]
+    assert options, cmd.name
+    return options
+
+
 def test_every_option_has_help_and_long_commands_take_no_progress():
     _, _, commands = _commands()
     for name, cmd in commands.items():
         assert cmd.help, name
-        for p in cmd.params:
-            if isinstance(p, click.Option) and p.name != "help":
+        for p in _options(cmd):
+            if p.name != "help":
                 assert p.help, f"{name} {p.opts}"
     for name in ("run", "adapt", "calibrate", "select-layers", "analyze", "evaluate"):
         assert "--no-progress" in [o for p in commands[name].params for o in p.secondary_opts], name
+
+
+def test_no_option_states_its_default_twice():
+    """`oal calibrate --help` printed '--window ... (default: 64). [default: 64]'."""
+    _, _, commands = _commands()
+    for name, cmd in commands.items():
+        for p in _options(cmd):
+            if "(default:" in (p.help or ""):
+                assert not p.show_default or p.default is None, f"{name} {p.opts}"
 
 
 @pytest.fixture

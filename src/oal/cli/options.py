@@ -86,11 +86,13 @@ TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local J
                                                 "schema instead of the pinned set (unverified; its SHA256 is "
                                                 "recorded). Repeat for several tasks.")]
 # the sliding windows (swa, oal-swa, global-swa): recorded in config.json; other methods ignore them
-WindowOpt = Annotated[int, typer.Option(min=1, max=Max.WINDOW, help="Sliding window W of swa, oal-swa and "
-                                        "global-swa: the last W keys get exact softmax weights (default: 64).")]
-SinksOpt = Annotated[int, typer.Option(min=0, max=Max.WINDOW, help="Attention sinks S of swa, oal-swa and "
-                                       "global-swa: the first S keys get exact softmax weights beside the window "
-                                       "(default: 4).")]
+# show_default=False: the help names the default, also where a command's own default is None (the run's)
+WindowOpt = Annotated[int, typer.Option(min=1, max=Max.WINDOW, show_default=False,
+                                        help="Sliding window W of swa, oal-swa and global-swa: the last W keys get "
+                                             "exact softmax weights (default: 64).")]
+SinksOpt = Annotated[int, typer.Option(min=0, max=Max.WINDOW, show_default=False,
+                                       help="Attention sinks S of swa, oal-swa and global-swa: the first S keys get "
+                                            "exact softmax weights beside the window (default: 4).")]
 SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
                                           "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars (on stderr; "
