@@ -8,7 +8,7 @@ import typer
 
 from oal.cli.app import app
 from oal.cli.options import AdapterOpt, BaseModelOpt, DeviceOpt, Max, RunDtypeOpt
-from oal.pipeline.inputs import causal_lm_run, converted_or_fail
+from oal.pipeline.inputs import causal_lm_run, converted_or_fail, one_seed_run
 
 
 @app.command("generate")
@@ -35,6 +35,7 @@ def generate_cmd(
     except UnicodeEncodeError as exc:
         raise typer.BadParameter(f"not valid UTF-8 text ({exc.reason} at character {exc.start})",
                                  param_hint="PROMPT") from None
+    one_seed_run(out)
     causal_lm_run(out, "`oal generate` continues text with a causal LM's next-token head, which an encoder has not")
     mdl, tok, _ = converted_or_fail(out, model, method, device, adapter, dtype)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)

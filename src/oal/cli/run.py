@@ -47,7 +47,8 @@ def run(
                                 "applies: an encoder gets all but the causal sliding windows)."),
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
                                "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
-    seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std."),
+    seeds: str = typer.Option("42", help="Comma-separated seeds; several give mean ± sample std (more seeds "
+                                         "than a multi-seed --out holds add the new ones)."),
     layers: str = typer.Option(None, help="Converted layers, e.g. 1-4 (default: the model family's range), or auto:K "
                                "to calibrate every layer and convert the K best (--select-by)."),
     select_by: SelectByOpt = "probe",

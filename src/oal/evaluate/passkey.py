@@ -251,16 +251,18 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
     return True
 
 
-def passkey_table(pk: dict) -> tuple[dict[str, dict], list[str], list[list[str]]]:
+def passkey_table(pk: dict, std: dict | None = None) -> tuple[dict[str, dict], list[str], list[list[str]]]:
     """({arm label: result}, header, rows) of metrics.json["passkey"]: accuracy by context length and the mean, one
-    row per arm ("<method> (no adapt|adapted)", softmax first), for the report and the terminal."""
+    row per arm ("<method> (no adapt|adapted)", softmax first), for the report and the terminal; `std` (a multi-seed
+    run's metrics.json["passkey_std"]) adds the spread over seeds to the mean."""
     order = ["softmax"] + [m for m in pk if m != "softmax"]
     # metrics.json keeps its keys sorted ("adapted" first): no adapt first, as measured and printed
     arms = {f"{m} ({v.replace('_', ' ')})": pk[m][v] for m in order if m in pk
             for v in sorted(pk[m], key=lambda v: v != "no_adapt")}
     lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
+    spread = {f"{m} ({v.replace('_', ' ')})": s["mean"] for m, vs in (std or {}).items() for v, s in vs.items()}
     rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
-             f"{r['mean']:.2f}"] for arm, r in arms.items()]
+             f"{r['mean']:.2f}" + (f" ± {spread[arm]:.2f}" if arm in spread else "")] for arm, r in arms.items()]
     return arms, ["arm", *map(str, lens), "mean"], rows
 
 
@@ -268,10 +270,14 @@ def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
     """report.md's passkey section from metrics.json["passkey"] (and figures/passkey.png); `table(header, rows)`
     renders a markdown table."""
     pk = metrics.get("passkey") or {}
+    seeds = metrics.get("seeds") or []
     out = ["## Passkey retrieval (long-context recall)", ""]
     if not pk:
+        if len(seeds) > 1:  # `oal evaluate` measures one seed's directory; DIR's aggregate then averages them
+            return out + [f"Not measured for every seed of {seeds} with the same settings (`oal evaluate --out "
+                          "DIR/seed-<s> --passkey` for each seed; DIR's report then gives their mean).", ""]
         return out + ["Not measured in this run (`oal evaluate --out DIR --passkey`).", ""]
-    arms, header, rows = passkey_table(pk)
+    arms, header, rows = passkey_table(pk, metrics.get("passkey_std"))
     # arms measured by separate `oal evaluate --passkey` calls may differ in depths and keys: say so, per arm
     settings: dict[str, list[str]] = {}
     for arm, r in arms.items():
@@ -281,7 +287,9 @@ def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
         "rows do not compare: " + "; ".join(f"{', '.join(a)}: {s}" for s, a in settings.items())
     out += [f"Greedy decoding through the recurrent cache; {how}; exact match of the first whole number generated. "
             "Accuracy by context length (tokens), mean over depths. The softmax row is what the base model itself "
-            "can do: a small model that fails there says nothing about the conversion.", "", table(header, rows), ""]
+            "can do: a small model that fails there says nothing about the conversion." + (
+                f" Mean over seeds {seeds}, the same prompts in each (mean column: ± sample std over seeds); each "
+                "seed's own: seed-<s>/report.md." if len(seeds) > 1 else ""), "", table(header, rows), ""]
     if passkey_figure(arms, fig_dir / "passkey.png"):
         out += ["![passkey accuracy by length and depth](figures/passkey.png)", ""]
     return out

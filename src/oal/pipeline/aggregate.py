@@ -70,6 +70,7 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
                 out.setdefault("zeroshot", {}).setdefault(m, {})[t] = {k: v[0] for k, v in mean_std.items()} | {
                     "n": row["n"]}
                 out.setdefault("zeroshot_std", {}).setdefault(m, {})[t] = {k: v[1] for k, v in mean_std.items()}
+    _passkey(per_seed, seeds, out, not_averaged)
     for key in ("zeroshot_data", "zeroshot_skipped"):
         if key in first:
             out[key] = first[key]
@@ -81,6 +82,36 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
         for stage, sec in per_seed[s]["elapsed_s"].items():
             out["elapsed_s"][stage] = out["elapsed_s"].get(stage, 0.0) + sec
     return out
+
+
+PASSKEY_SETTINGS = ("lengths", "depths", "trials", "digits", "seed")  # the same prompts in every seed
+
+
+def _passkey(per_seed: dict[int, dict], seeds: list[int], out: dict, not_averaged: dict) -> None:
+    """out["passkey"][method][variant]: each cell's accuracy averaged over the seeds that measured it with the same
+    prompts (out["passkey_std"]: the sample std of each length's accuracy and of the mean); any other variant is in
+    `not_averaged` with the seeds that lack it or measured other prompts."""
+    pk = {s: per_seed[s].get("passkey") or {} for s in seeds}
+    for m in sorted(set().union(*pk.values())):
+        for v in sorted(set().union(*(pk[s].get(m) or {} for s in seeds))):
+            per = [(pk[s].get(m) or {}).get(v) for s in seeds]
+            row = next(p for p in per if p)
+            differs = [s for s, p in zip(seeds, per, strict=True)
+                       if not p or any(p.get(k) != row.get(k) for k in PASSKEY_SETTINGS)]
+            if differs:
+                not_averaged[f"passkey:{m}:{v}"] = differs
+                continue
+            acc = {n: {d: statistics.fmean(p["accuracy"][n][d] for p in per) for d in cells}
+                   for n, cells in row["accuracy"].items()}
+            by_length = {n: _mean_std([p["by_length"][n] for p in per]) for n in row["by_length"]}
+            mean = _mean_std([p["mean"] for p in per])
+            out.setdefault("passkey", {}).setdefault(m, {})[v] = {
+                **{k: row[k] for k in PASSKEY_SETTINGS if k in row}, "accuracy": acc,
+                "by_length": {n: ms[0] for n, ms in by_length.items()},
+                "by_depth": {d: statistics.fmean(p["by_depth"][d] for p in per) for d in row["by_depth"]},
+                "mean": mean[0]}
+            out.setdefault("passkey_std", {}).setdefault(m, {})[v] = {
+                "by_length": {n: ms[1] for n, ms in by_length.items()}, "mean": mean[1]}
 
 
 def summary_table(metrics: dict) -> Table:

@@ -44,8 +44,12 @@ def evaluate_fidelity(out_dir: str | Path, methods: Sequence[str] | None = None,
     if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
         raise InputError(f"expected a number of blocks >= 1, got {blocks!r}", "--blocks", "blocks")
     with own_dir(out_dir):
-        return _evaluate(out_dir, methods, model=model, data=data, data_dir=data_dir, preset=preset, blocks=blocks,
-                         adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+        res = _evaluate(out_dir, methods, model=model, data=data, data_dir=data_dir, preset=preset, blocks=blocks,
+                        adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+    from oal.pipeline.runs import refresh_aggregate
+
+    refresh_aggregate(out_dir, console)  # a seed of a multi-seed run: its aggregate takes the new numbers
+    return res
 
 
 def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, adapter, device, dtype, progress,

@@ -41,8 +41,12 @@ def evaluate_passkey_run(out_dir: str | Path, methods: Sequence[str], *, model: 
     if trials < 1:
         raise InputError(f"expected trials >= 1, got {trials}", "--trials", "trials")
     with own_dir(out_dir):
-        return _evaluate(out_dir, methods, model=model, lengths=lengths, depths=depths, trials=trials, seed=seed,
-                         adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+        res = _evaluate(out_dir, methods, model=model, lengths=lengths, depths=depths, trials=trials, seed=seed,
+                        adapter=adapter, device=device, dtype=dtype, progress=progress, console=console)
+    from oal.pipeline.runs import refresh_aggregate
+
+    refresh_aggregate(out_dir, console)  # a seed of a multi-seed run: its aggregate takes the new numbers
+    return res
 
 
 def _evaluate(out_dir: Path, methods, *, model, lengths, depths, trials, seed, adapter, device, dtype, progress,

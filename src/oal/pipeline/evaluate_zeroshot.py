@@ -43,9 +43,13 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
     if not methods:
         raise InputError("expected at least one method", "--methods", "methods")
     with own_dir(out_dir):
-        return _evaluate(out_dir, methods, model=model, tasks=tasks, task_files=task_files, zeroshot_dir=zeroshot_dir,
-                         limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console,
-                         log_samples=log_samples)
+        res = _evaluate(out_dir, methods, model=model, tasks=tasks, task_files=task_files, zeroshot_dir=zeroshot_dir,
+                        limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console,
+                        log_samples=log_samples)
+    from oal.pipeline.runs import refresh_aggregate
+
+    refresh_aggregate(out_dir, console)  # a seed of a multi-seed run: its aggregate takes the new numbers
+    return res
 
 
 def _evaluate(out_dir: Path, methods, *, model, tasks, task_files, zeroshot_dir, limit, adapter, device, dtype,

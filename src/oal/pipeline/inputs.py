@@ -9,7 +9,7 @@ from pathlib import Path
 from oal.errors import InputError, message_of
 
 __all__ = ["blocks_or_fail", "causal_lm_run", "converted_or_fail", "layer_selection", "load_model_or_fail",
-           "parse_layers", "registry_preset", "run_methods"]
+           "one_seed_run", "parse_layers", "registry_preset", "run_methods"]
 
 
 def load_model_or_fail(model: str, device: str, dtype: str | None = None):
@@ -128,3 +128,17 @@ def causal_lm_run(out: Path, why: str) -> None:
     if isinstance(config, dict) and config.get("protocol") == "encoder":
         model = (config.get("config") or {}).get("model")
         raise InputError(f"{out} is an encoder's run ({model}): {why}", "--out", "out_dir")
+
+
+def one_seed_run(out: Path, config: dict | None = None) -> None:
+    """InputError on --out where OUT is the top of a multi-seed run (its config.json, or `config`, lists "seeds"):
+    it holds the aggregate, no model; the message names the seeds' own run directories."""
+    from oal.rundir.files import load_json
+
+    if config is None:
+        config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
+    seeds = config.get("seeds") if isinstance(config, dict) else None
+    if isinstance(seeds, list) and seeds:
+        dirs = ", ".join(str(out / f"seed-{s}") for s in seeds)
+        raise InputError(f"{out} is a multi-seed run (seeds {seeds}): it holds their aggregate, and each seed's "
+                         f"model is in its own run directory; give one of them as --out: {dirs}", "--out", "out_dir")

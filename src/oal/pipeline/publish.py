@@ -20,7 +20,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from oal.errors import InputError
 from oal.pipeline.base import EVALUATION_VERSIONS, StagedRun, tidy_zeroshot
 from oal.pipeline.config import RunConfig
 from oal.pipeline.records import run_config, selection_record
@@ -34,10 +33,10 @@ log = logging.getLogger("oal")
 
 
 def _run_config(run_dir: Path) -> dict:
+    from oal.pipeline.inputs import one_seed_run
+
     config = run_config(run_dir / "config.json")
-    if "seeds" in config:
-        raise InputError(f"{run_dir} is a multi-seed run; evaluate one seed (--out {run_dir}/seed-<s>) instead",
-                         "--out", "out_dir")
+    one_seed_run(run_dir, config)
     return config
 
 

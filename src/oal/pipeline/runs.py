@@ -152,7 +152,8 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     `console` gets what the stages say while they work (default: stderr), `results` the final table (default:
     stdout); both on the main process only. `check`: as `run_seed`'s, for each seed.
 
-    DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`.
+    DIR keeps one configuration and one layout (single or multi-seed): anything else is refused unless `force`;
+    a multi-seed DIR given its seeds and more keeps its seeds and adds the others.
     A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
     """
     out_dir = check_out_dir(out_dir)
@@ -163,7 +164,7 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     cfg = for_protocol(cfg)
     protocol = run_class(cfg)
     with own_dir(out_dir, group):
-        group.on_main(lambda: multi_seed_layout(out_dir, seeds, force=force))
+        group.on_main(lambda: multi_seed_layout(out_dir, _layout_seeds(out_dir, seeds), force=force))
         if len(seeds) == 1:
             metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force,
                                allow_changes=SELECTION_KEYS, check=check)
@@ -179,6 +180,20 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     return metrics
 
 
+def _layout_seeds(out_dir: Path, seeds: list[int]) -> list[int]:
+    """The seeds `multi_seed_layout` checks: a multi-seed DIR given all its recorded seeds and more (or the same in
+    another order) keeps what it has, each seed resumed as recorded, and adds the new ones (rerunning them all
+    under --force was the only way); fewer seeds than recorded stay refused."""
+    top = out_dir / "config.json"
+    try:
+        recorded = run_config(top).get("seeds") if top.is_file() else None
+    except ValueError:
+        return seeds  # multi_seed_layout names the damage
+    if len(seeds) > 1 and isinstance(recorded, list) and set(recorded) <= set(seeds):
+        return recorded
+    return seeds
+
+
 def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
                      console: Console) -> dict:
     """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
@@ -190,6 +205,43 @@ def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_s
     atomic_write_json(out_dir / "metrics.json", metrics)
     protocol.report(out_dir, console)
     return metrics
+
+
+def refresh_aggregate(seed_dir: str | Path, console: Console | None = None) -> dict | None:
+    """After `oal evaluate` on DIR/seed-<s> of a multi-seed `oal run`: DIR's metrics.json and report.md aggregated
+    again from every seed's metrics.json, so that they include what was just measured (else DIR would go on showing
+    the older numbers). None where `seed_dir` is no such seed, or (with a warning) where a seed's run is unfinished
+    or its metrics.json no longer matches its record: DIR is then left as it was."""
+    from oal.rundir.files import load_json
+    from oal.rundir.stages import StageLog
+
+    seed_dir = Path(seed_dir)
+    top = seed_dir.parent / "config.json"
+    try:
+        seeds = run_config(top).get("seeds") if top.is_file() else None
+    except ValueError:
+        return None
+    if not isinstance(seeds, list) or seed_dir.name not in {f"seed-{s}" for s in seeds}:
+        return None
+    per_seed = {}
+    for s in seeds:
+        d = seed_dir.parent / f"seed-{s}"
+        try:
+            finished = (d / ".oal" / "stages.json").is_file() and StageLog(d).verified("report")
+        except ValueError:
+            finished = False
+        if not finished:
+            log.warning("%s not updated: %s is not a finished run whose records verify (`oal run --out %s --seeds "
+                        "%s` with the run's options finishes it and aggregates)", seed_dir.parent / "metrics.json", d,
+                        seed_dir.parent, ",".join(map(str, seeds)))
+            return None
+        per_seed[s] = load_json(d / "metrics.json")
+    try:
+        with own_dir(seed_dir.parent):
+            return _write_aggregate(Run, seed_dir.parent, seeds, per_seed, console or Console(quiet=True))
+    except InputError as exc:  # another command holds DIR: the seed's own numbers are written; say what is not
+        log.warning("%s not updated: %s", seed_dir.parent / "metrics.json", exc.message)
+        return None
 
 
 def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = None, progress: bool = True,
