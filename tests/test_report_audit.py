@@ -253,3 +253,20 @@ def test_terminal_table_shows_a_small_seed_spread(tmp_path):
     out = console.export_text()
     assert "± 0.000 " not in out and "± 0.000│" not in out.replace(" ", "")
     assert f"± {metrics['perplexity_std']['oal']:.2g}" in out
+
+
+def test_terminal_table_gives_every_averaged_number_its_spread(tmp_path):
+    """The terminal table showed ± on the adapted PPL only: RelMSE, PPL no adapt and zero-shot were means alone."""
+    from rich.console import Console
+
+    metrics = _multi_seed(tmp_path, seeds=(1, 2, 3))
+    console = Console(record=True, width=250)
+    console.print(summary_table(metrics))
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in console.export_text().splitlines() if line.count("│") > 3}
+    oal = rows["oal"]  # RelMSE, RelMSE post-o, PPL no adapt, PPL (LoRA), PPL / softmax, PIQA
+    assert agrees(oal[0], metrics["fidelity"]["oal"]["relmse"], metrics["fidelity_std"]["oal"]["relmse"]), oal
+    assert agrees(oal[2], metrics["perplexity_no_adapt"]["oal"], metrics["perplexity_no_adapt_std"]["oal"]), oal
+    assert agrees(oal[3], metrics["perplexity"]["oal"], metrics["perplexity_std"]["oal"]), oal
+    assert agrees(oal[5], metrics["zeroshot"]["oal"]["piqa"]["acc_norm"],
+                  metrics["zeroshot_std"]["oal"]["piqa"]["acc_norm"]), oal

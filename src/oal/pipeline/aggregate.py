@@ -117,14 +117,15 @@ def _passkey(per_seed: dict[int, dict], seeds: list[int], out: dict, not_average
 def summary_table(metrics: dict) -> Table:
     """methods x (fidelity, PPL, PPL against softmax, zero-shot) for the terminal, its caption naming each column's
     unit and what it is compared against."""
-    from oal.pipeline.report_format import fmt_std
+    from oal.pipeline.report_format import fmt_pm
     from oal.pipeline.report_summary import ppl_ratio
 
     multi = "perplexity_std" in metrics
     tasks = [t for t in DISPLAY_NAMES if any(t in z for z in metrics.get("zeroshot", {}).values())]
     has_ratio = bool(metrics.get("perplexity", {}).get("softmax"))
     caption = ["RelMSE: held-out attention-output error against softmax, before / after W_o (0 = identical). "
-               "PPL: test perplexity, lower is better" + (" (mean ± sample std over seeds)" if multi else "") + "."]
+               "PPL: test perplexity, lower is better."
+               + (" Every number: mean ± sample std over seeds." if multi else "")]
     if has_ratio:
         caption.append("PPL / softmax: adapted PPL over softmax's (1.000x = matches softmax).")
     if tasks:
@@ -139,18 +140,17 @@ def summary_table(metrics: dict) -> Table:
             *(DISPLAY_NAMES[t] for t in tasks))
     for col in cols:
         table.add_column(col, justify="right")
+
+    def cell(key: str, m: str, *path: str, digits: int = 3) -> str:  # mean, and ± the seeds' spread where known
+        mean, std = metrics.get(key, {}).get(m), metrics.get(f"{key}_std", {}).get(m)
+        for k in path:
+            mean, std = (mean or {}).get(k), (std or {}).get(k)
+        return "-" if mean is None else fmt_pm(mean, std if multi else None, digits)
+
     for m in metrics.get("methods", []):
-        f = metrics.get("fidelity", {}).get(m, {})
-        ppl = metrics.get("perplexity", {}).get(m)
-        cell = "-" if ppl is None else f"{ppl:.3f}"
-        if multi and ppl is not None and m in metrics["perplexity_std"]:
-            cell += f" ± {fmt_std(metrics['perplexity_std'][m], 3)}"  # a spread under 0.0005 is not 0.000
-        pre = metrics.get("perplexity_no_adapt", {}).get(m)
-        z = metrics.get("zeroshot", {}).get(m, {})
         ratio = ppl_ratio(metrics, m)
         ratio_cell = ("1.000x" if m == "softmax" else "-" if ratio is None else f"{ratio:.3f}x",) if has_ratio else ()
-        table.add_row(m, f"{f['relmse']:.4f}" if "relmse" in f else "-",
-                      f"{f['relmse_post_o']:.4f}" if "relmse_post_o" in f else "-",
-                      "-" if pre is None else f"{pre:.3f}", cell, *ratio_cell,
-                      *(f"{z[t]['acc_norm']:.2f}" if t in z else "-" for t in tasks))
+        table.add_row(m, cell("fidelity", m, "relmse", digits=4), cell("fidelity", m, "relmse_post_o", digits=4),
+                      cell("perplexity_no_adapt", m), cell("perplexity", m), *ratio_cell,
+                      *(cell("zeroshot", m, t, "acc_norm", digits=2) for t in tasks))
     return table
