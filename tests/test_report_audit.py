@@ -270,3 +270,18 @@ def test_terminal_table_gives_every_averaged_number_its_spread(tmp_path):
     assert agrees(oal[3], metrics["perplexity"]["oal"], metrics["perplexity_std"]["oal"]), oal
     assert agrees(oal[5], metrics["zeroshot"]["oal"]["piqa"]["acc_norm"],
                   metrics["zeroshot_std"]["oal"]["piqa"]["acc_norm"]), oal
+
+
+def test_zero_shot_of_some_seeds_only_is_reported_as_such(tmp_path):
+    """Zero-shot scored on one seed of two (`oal evaluate --zeroshot` on seed-1/ alone) was reported as 'not evaluated
+    in this run', with '`--tasks none`' where the run had selected none."""
+    per = {s: _seed_dir(tmp_path, s, 0.001 * s) for s in (1, 2)}
+    del per[2]["zeroshot"]
+    metrics = aggregate_seeds(per)
+    atomic_write_json(tmp_path / "metrics.json", metrics)
+    config = json.loads((tmp_path / "seed-1" / "config.json").read_text())
+    config["config"]["zeroshot_tasks"] = []
+    atomic_write_json(tmp_path / "config.json", {**config, "seeds": [1, 2]})
+    body = write_report(tmp_path).read_text().split("## Zero-shot accuracy")[1].split("\n## ")[0]
+    assert "measured on some seeds only" in body and "oal:piqa: seeds [2] lack it" in body, body
+    assert "not evaluated in this run" not in body and "--tasks none" not in body, body

@@ -304,9 +304,15 @@ def zeroshot_section(metrics: dict, selected: list[str] | None = None) -> list[s
     data = metrics.get("zeroshot_data") or {}
     tasks = [t for t in DISPLAY_NAMES if any(t in z for z in zs.values())]
     if not zs:
-        out += ["Zero-shot accuracy was not evaluated in this run; the PIQA, HellaSwag and ARC-E columns are missing."]
+        # `oal evaluate --zeroshot` on some seeds of a multi-seed run: not averaged, their own reports have it
+        partial = {k.split(":", 1)[1]: v for k, v in (metrics.get("not_averaged") or {}).items()
+                   if k.startswith("zeroshot:")}
+        out += ["Zero-shot accuracy was " + ("measured on some seeds only, so not averaged (" + "; ".join(
+            f"{k}: seeds {v} lack it or used other examples" for k, v in partial.items()) + "; each measured seed's "
+            "`seed-<s>/report.md` gives its numbers)" if partial else "not evaluated in this run")
+                + "; the PIQA, HellaSwag and ARC-E columns are missing."]
         out += [f"- {DISPLAY_NAMES.get(t, t)}: {why}" for t, why in skipped.items()]
-        if not skipped and selected is not None and not selected:
+        if not partial and not skipped and selected is not None and not selected:
             out += ["- no task was selected (`--tasks none`)."]
         return out + [""]
     multi = len(metrics.get("seeds", [])) > 1
