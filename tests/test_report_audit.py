@@ -285,3 +285,14 @@ def test_zero_shot_of_some_seeds_only_is_reported_as_such(tmp_path):
     body = write_report(tmp_path).read_text().split("## Zero-shot accuracy")[1].split("\n## ")[0]
     assert "measured on some seeds only" in body and "oal:piqa: seeds [2] lack it" in body, body
     assert "not evaluated in this run" not in body and "--tasks none" not in body, body
+
+
+def test_zero_shot_on_another_file_of_as_many_rows_is_not_averaged(tmp_path):
+    """Seeds scored on different --task-file data with the same number of examples were averaged as one task."""
+    per = {s: _seed_dir(tmp_path, s, 0.001 * s) for s in (1, 2)}
+    for s, digest in ((1, "a" * 64), (2, "b" * 64)):
+        per[s]["zeroshot_data"] = {"piqa": {"source": "task_file", "sha256": digest, "rows": 100}}
+    metrics = aggregate_seeds(per)
+    assert "zeroshot" not in metrics and metrics["not_averaged"]["zeroshot:oal:piqa"] == [2]
+    per[2]["zeroshot_data"] = per[1]["zeroshot_data"]
+    assert aggregate_seeds(per)["zeroshot"]["oal"]["piqa"]["n"] == 100

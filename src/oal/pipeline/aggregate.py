@@ -62,9 +62,12 @@ def aggregate_seeds(per_seed: dict[int, dict]) -> dict:
         for t in sorted(set().union(*(per_seed[s].get("zeroshot", {}).get(m, {}) for s in seeds))):
             per = [per_seed[s].get("zeroshot", {}).get(m, {}).get(t) for s in seeds]
             row = next(p for p in per if p)
-            if not all(per) or any(p["n"] != row["n"] for p in per):  # unmeasured, or on other examples
-                not_averaged[f"zeroshot:{m}:{t}"] = [s for s, p in zip(seeds, per, strict=True)
-                                                     if not p or p["n"] != row["n"]]
+            # the examples: their count, and the file's SHA256 (another --task-file of as many rows is other data)
+            data = [((per_seed[s].get("zeroshot_data") or {}).get(t) or {}).get("sha256") for s in seeds]
+            want = data[per.index(row)]
+            other = [s for s, p, d in zip(seeds, per, data, strict=True) if not p or p["n"] != row["n"] or d != want]
+            if other:  # unmeasured, or on other examples
+                not_averaged[f"zeroshot:{m}:{t}"] = other
             else:
                 mean_std = {k: _mean_std([p[k] for p in per]) for k in row if k != "n"}
                 out.setdefault("zeroshot", {}).setdefault(m, {})[t] = {k: v[0] for k, v in mean_std.items()} | {
