@@ -1,4 +1,4 @@
-"""A converted model used as a demanding Hugging Face user would (a helper's audit, 2026-12-08): what it found wrong,
+"""A converted model used as a demanding Hugging Face user would (a helper's audit, 2026-12-07): what it found wrong,
 each now right or refused with one line. What it found right is covered by test_hf_usage, test_interop, test_decode
 and test_export."""
 
@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import tiny_model
+from test_hf_usage import _converted, _ids
 from transformers import AutoModelForCausalLM
 
 import oal
 from oal.artefact.export import save_converted
-
-LAYERS = (1,)
-
-
-def _converted(seed: int = 0):
-    from benchmarks.model import random_kernels
-
-    model = tiny_model("qwen2", vocab_size=67)
-    return oal.convert(model, list(LAYERS), random_kernels(model, LAYERS, seed=seed)).eval()
-
-
-def _ids(n=9, seed=1):
-    return torch.randint(0, 67, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def _logits(model, ids):
