@@ -65,3 +65,15 @@ def test_passkey_records_carry_the_decoding_version(tmp_path, monkeypatch):
                          progress=False)
     records = json.loads((tmp_path / ".oal" / "evaluations.json").read_text())
     assert records and all(r["versions"] == {"passkey_decoding": DECODING_VERSION} for r in records.values())
+
+
+def test_an_evaluation_record_claims_no_time_it_did_not_measure(tmp_path):
+    """Every record said `elapsed_s: 0.0`, also for passkey arms that took a minute; a stage's time stays recorded."""
+    from oal.rundir.stages import StageLog
+
+    record_evaluation(tmp_path, "zeroshot:oal:piqa", [(("zeroshot", "oal", "piqa"), 1)], {})
+    (record,) = json.loads((tmp_path / ".oal" / "evaluations.json").read_text()).values()
+    assert "elapsed_s" not in record and record["outputs"]
+    log = StageLog(tmp_path)
+    log.mark("setup", "k", 1.25)
+    assert log.elapsed() == {"setup": 1.25}

@@ -52,7 +52,7 @@ def record_evaluation(run_dir: str | Path, name: str, entries: Iterable[Entry], 
     value = {"entries": [[list(path), v] for path, v in entries], "defaults": dict(defaults or {})}
     atomic_write_json(run_dir / rel, value)
     seq = 1 + max((int(r.get("seq", 0)) for r in records.stages.values()), default=0)
-    records.mark(name, config_hash({"value": value, "inputs": dict(inputs)}), 0.0, outputs=[rel],
+    records.mark(name, config_hash({"value": value, "inputs": dict(inputs)}), None, outputs=[rel],
                  inputs=dict(inputs), seq=seq, **({"versions": dict(versions)} if versions else {}))
 
 

@@ -81,11 +81,13 @@ class StageLog:
         self._verified.add(stage)
         return True
 
-    def mark(self, stage: str, key: str, elapsed_s: float, outputs=(), inputs: dict | None = None, **extra) -> None:
+    def mark(self, stage: str, key: str, elapsed_s: float | None, outputs=(), inputs: dict | None = None,
+             **extra) -> None:
+        """`elapsed_s` None: not timed (an evaluation record), and none is written rather than a false 0."""
         outputs = [str(o) for o in outputs]
         self.stages[stage] = {"key": key, "outputs": outputs, "sha256": self.outputs_hash(outputs),
                               **({"inputs": inputs} if inputs else {}),
-                              "elapsed_s": round(float(elapsed_s), 3),
+                              **({} if elapsed_s is None else {"elapsed_s": round(float(elapsed_s), 3)}),
                               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
         self._verified.add(stage)
         atomic_write_json(self.path, self.stages)
@@ -101,7 +103,7 @@ class StageLog:
                              f"`oal run --out {self.run_dir}`")
 
     def elapsed(self) -> dict[str, float]:
-        return {k: v["elapsed_s"] for k, v in self.stages.items()}
+        return {k: v["elapsed_s"] for k, v in self.stages.items() if "elapsed_s" in v}
 
 
 def _bad_shape(rec: dict) -> str | None:
