@@ -337,3 +337,15 @@ def test_offset_gain_figure_gives_both_axes_in_percent_as_its_table(tmp_path, mo
         [10.0, -2.0]
     assert list(ax.lines[0].get_xdata()) == [2.0] and "%" in ax.get_xlabel()
     plt.close(kept[0])
+
+
+def test_a_multi_seed_reports_one_seed_curves_say_whose_they_are(tmp_path, kept):
+    """The top report's calibration and adaptation curves are seed 1's; the figures did not say so."""
+    from test_report_audit import _multi_seed
+
+    _multi_seed(tmp_path, seeds=(1, 2))
+    write_report(tmp_path)
+    titles = {fig._suptitle.get_text() if fig._suptitle else "" for fig in kept}
+    assert "seed 1 alone (of seeds [1, 2])" in titles
+    curves = [f for f in kept if f._suptitle and "seed 1 alone" in f._suptitle.get_text()]
+    assert {ax.get_title().split(":")[0] for f in curves for ax in f.axes} >= {"Adaptation", "OAL"}, curves

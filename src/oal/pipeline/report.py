@@ -54,9 +54,11 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
                    or read_optional(run_dir / "candidates" / "calibration.json"))
     if calibration is None and metrics.get("seeds"):
         calibration = read_optional(run_dir / f"seed-{metrics['seeds'][0]}" / "calibration.json")
-    has_cal = bool(calibration) and calibration_figure(calibration, fig_dir / "calibration_curves.png")
+    seeds = metrics.get("seeds") or []
+    one = f"seed {seeds[0]} alone (of seeds {seeds})" if len(seeds) > 1 else ""  # the curves are not averaged
+    has_cal = bool(calibration) and calibration_figure(calibration, fig_dir / "calibration_curves.png", one)
     adapt_dir = run_dir if not metrics.get("seeds") else run_dir / f"seed-{metrics['seeds'][0]}"
-    has_adapt = adaptation_figure(adapt_dir, metrics.get("methods", []), fig_dir / "adaptation_curves.png")
+    has_adapt = adaptation_figure(adapt_dir, metrics.get("methods", []), fig_dir / "adaptation_curves.png", one)
     has_ppl = perplexity_figure(metrics, fig_dir / "perplexity.png")
     analysis_dir = adapt_dir
     analysis_figs = sorted(p.name for p in (analysis_dir / "figures").glob("*.png") if p.name not in OWN_FIGURES) \

@@ -80,8 +80,9 @@ def _legend_above_bars(ax, n_entries: int) -> None:
     ax.legend(fontsize=8, ncol=ncol, loc="upper center")
 
 
-def calibration_figure(calibration: dict, path: Path) -> bool:
-    """Per method: mean validation MSE over heads and layers against updates, one line per initialisation."""
+def calibration_figure(calibration: dict, path: Path, note: str = "") -> bool:
+    """Per method: mean validation MSE over heads and layers against updates, one line per initialisation; `note`
+    (a multi-seed run's "seed S of [...]") heads the figure."""
     methods = [m for m in ordered(calibration.get("methods", {}))
                if any(v.get("heads") for v in calibration["methods"][m].values())]
     if not methods:
@@ -109,12 +110,14 @@ def calibration_figure(calibration: dict, path: Path) -> bool:
         _auto_scale(ax, plotted, "validation output MSE (mean over heads)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if note:
+        fig.suptitle(note)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)
     return True
 
 
-def adaptation_figure(run_dir: Path, methods: list[str], path: Path) -> bool:
+def adaptation_figure(run_dir: Path, methods: list[str], path: Path, note: str = "") -> bool:
     runs = {m: read_optional(run_dir / "adapter" / m / "adapt.json") for m in methods}
     runs = {m: r for m, r in runs.items() if r}
     if not runs:
@@ -134,6 +137,8 @@ def adaptation_figure(run_dir: Path, methods: list[str], path: Path) -> bool:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if note:
+        fig.suptitle(note)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=120)
     return True
