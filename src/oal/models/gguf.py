@@ -5,8 +5,10 @@ and refuses `save_pretrained`. So the tensors are loaded into a plain model of t
 tokenizer into `cache_root("gguf")/<sha256[:16]>-<dtype>/`. From then on every stage sees an ordinary local folder,
 and provenance binds as for any other: its config.json records the GGUF's name and SHA256 (`oal_gguf`), and the
 hidden file `.oal_record` (written with the folder, renamed into place with it) the SHA256 of every file in it:
-config, weights, tokenizer, card. A reuse checks every file against it; one that differs (an edited
-`rms_norm_eps`, two swapped token ids) makes the folder be written again from the GGUF file, with one warning.
+config, weights, tokenizer, card. A reuse checks the GGUF SHA256 and dtype it records and every file against it;
+one that differs (an edited `rms_norm_eps`, two swapped token ids, a float32 folder copied under the bfloat16 name)
+makes the folder be written again from the GGUF file, with one warning. Its files are readable by all (0644, as
+every file of the cache; safetensors writes the weights 0600), so a cache filled by one user serves others.
 The record's name has no suffix that `models.provenance.hash_model_dir` hashes, so it leaves a run's model
 fingerprint as it was.
 """
@@ -95,9 +97,9 @@ def gguf_metadata(path: str | Path) -> dict:
             "basename": _field(reader, "general.basename"), "context_length": _field(reader, f"{arch}.context_length")}
 
 
-def cache_problem(folder: Path, sha: str) -> str | None:
-    """None when `folder` holds exactly the files its record lists, as written from the GGUF file of SHA256 `sha`;
-    else what is wrong, naming the file."""
+def cache_problem(folder: Path, sha: str, dtype: str | None = None) -> str | None:
+    """None when `folder` holds exactly the files its record lists, as written from the GGUF file of SHA256 `sha`
+    (in `dtype`, when given: "float32", ...); else what is wrong, naming the file."""
     if not folder.is_dir():
         return "missing"
     record = read_record(folder / RECORD)
@@ -106,6 +108,8 @@ def cache_problem(folder: Path, sha: str) -> str | None:
     gguf = record.get("gguf")
     if not isinstance(gguf, dict) or gguf.get("sha256") != sha:
         return f"{RECORD} records another GGUF file"
+    if dtype is not None and gguf.get("dtype") != dtype:  # a folder copied or renamed under another dtype's name
+        return f"{RECORD} records the dtype {gguf.get('dtype')!r}, not {dtype!r}"
     changed = changed_file(folder, record.get("files"), file_sha256, skip=(RECORD,))
     return None if changed is None else f"its files differ from the record written with them ({changed})"
 
@@ -170,12 +174,12 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     dname = str(dtype).replace("torch.", "")
     folder = cache_root("gguf") / f"{sha[:16]}-{dname}"
     clean_stale(folder.parent)  # what a killed dequantisation left, on every use
-    problem = cache_problem(folder, sha)
+    problem = cache_problem(folder, sha, dname)
     if problem is None:
         return folder
     # several processes at once: one dequantises, the others wait and use its folder
     with cache_writes(f"the dequantised {path.name}", folder.parent), entry_lock(folder):
-        problem = cache_problem(folder, sha)
+        problem = cache_problem(folder, sha, dname)
         if problem is None:
             return folder
         if problem != "missing":
@@ -221,5 +225,8 @@ def _write_folder(path: Path, meta: dict, sha: str, dtype: torch.dtype, source: 
     written[GGUF_RECORD] = record
     cfg_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "README.md").write_text(_card(meta, record, source))
+    for p in out.rglob("*"):  # safetensors writes the weights 0600: another user of a shared cache could not read them
+        if p.is_file():
+            os.chmod(p, 0o644)
     write_record(out / RECORD, {"format": RECORD_FORMAT, "gguf": record, "license": meta.get("license"),
                                 "files": files_sha256(out, file_sha256, skip=(RECORD,))})

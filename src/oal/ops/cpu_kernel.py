@@ -62,6 +62,7 @@ _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
+_SHA = ""  # the loaded library's SHA256, as checked before dlopen (the file may go or change later)
 _SAID_OFF = False
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
 SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_readout_f32", "oal_readout_bf16",
@@ -89,17 +90,26 @@ def _compiler() -> str | None:
     return next((path for path in map(shutil.which, COMPILERS) if path), None)
 
 
+# ARM's /proc/cpuinfo has no model name or flags: these tell a Neoverse V1 (SVE) from an N1, which would run the
+# V1's -march=native build into SIGILL (a cache in a home folder that a mixed cluster shares)
+ARM_FIELDS = ("CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision", "Features")
+
+
 def _cpu_identity() -> str:
-    """The CPU's model and every flag (-march=native compiles for all of them)."""
-    model, flags = "", ""
+    """The CPU's model and every flag (-march=native compiles for all of them); on ARM its part and features."""
+    model, flags, arm = "", "", {}
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
+            key = key.strip()
+            if key == "model name" and not model:
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
+            elif key == "flags" and not flags:
                 flags = " ".join(sorted(value.split()))
-    return f"{model}|{flags}" if model or flags else platform.processor()
+            elif key in ARM_FIELDS and key not in arm:
+                arm[key] = " ".join(sorted(value.split()))
+    ident = f"{model}|{flags}" if model or flags else platform.processor()
+    return ident + "".join(f"|{key}={arm[key]}" for key in ARM_FIELDS if key in arm)  # x86: unchanged
 
 
 def _key(cxx: str) -> str:
@@ -143,11 +153,23 @@ def build(folder: Path | None = None) -> Path:
         res = subprocess.run([cxx, *_flags(), "-o", str(out), str(SOURCE)], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0 or not out.is_file():
-            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:200])
-            raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {first}")
+            raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name} (building into {folder}): "
+                               f"{_first_error(res.stderr)}")
         write_record(_record(path), {"sha256": sha256_file(out), "key": key, "flags": _flags(), "compiler": cxx})
         os.replace(out, path)
     return path
+
+
+def _first_error(stderr: str) -> str:
+    """The compiler's line that says why it failed. Not collect2's summary ("ld returned 1 exit status"): the
+    linker's own line before it names the cause, such as a full cache ("final link failed: No space left on
+    device")."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    summary = next((i for i, ln in enumerate(lines) if ln.startswith("collect2")), None)
+    first = next((ln for ln in lines if "error" in ln), None)
+    if summary is not None and first == lines[summary] and summary > 0:
+        return lines[summary - 1]
+    return first or (lines[0][:200] if lines else "no message")
 
 
 class _NotTheKernel(OSError):
@@ -175,12 +197,13 @@ def _symbols(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _LIB, _TRIED, _STATUS
+    global _LIB, _TRIED, _STATUS, _SHA
     with _LOCK:
         if not _TRIED:
             _TRIED = True
             try:
                 path = build()  # its SHA256 checked: a truncated file never reaches dlopen
+                sha = sha256_file(path)
                 lib = _symbols(ctypes.CDLL(str(path)), path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 if isinstance(err, _NotTheKernel):  # this process keeps the torch path; the next builds it again
@@ -191,7 +214,7 @@ def _load() -> ctypes.CDLL | None:
                 log.warning("oal: the fused CPU kernel is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
             else:
-                _LIB, _STATUS = lib, str(path)
+                _LIB, _STATUS, _SHA = lib, str(path), sha
         return _LIB
 
 
@@ -202,12 +225,12 @@ def available() -> bool:
 
 def record() -> dict:
     """What a run records of the kernel its numbers came from: whether it runs and, when it does, the library's
-    file name (it holds the build key: source, flags, compiler, CPU), its SHA256 and the paths it takes; no local
-    path."""
+    file name (it holds the build key: source, flags, compiler, CPU), its SHA256 when loaded (the file may have gone
+    since: a cache cleared under a long run) and the paths it takes; no local path."""
     if not available():
         return {"runs": False, "why": "OAL_CPU_KERNEL=0" if not enabled() else "unavailable"}
     path = Path(_STATUS)
-    return {"runs": True, "library": path.name, "sha256": sha256_file(path), "vector_width": vector_width(),
+    return {"runs": True, "library": path.name, "sha256": _SHA, "vector_width": vector_width(),
             "bf16": "amx" if amx() else "dots" if bf16_dots() else "fp32"}
 
 

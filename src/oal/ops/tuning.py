@@ -218,7 +218,11 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
         if (dtype, threads) in _FOUND:
             return _FOUND[dtype, threads]
         if _LOADED is None:
-            _LOADED = _read(cache_path())
+            try:
+                _LOADED = _read(cache_path())
+            except OSError as exc:  # no cache folder at all (no home folder): the operator must run all the same
+                _warn_once(f"{exc}; the operator runs its fixed settings")
+                _LOADED = {}
         key = machine_key(dtype, threads)
         entry = _LOADED.get(key)
         found = None

@@ -40,14 +40,19 @@ STALE_S = 900
 
 
 def cache_root(*parts: str) -> Path:
-    """The folder `cache_root("gguf")` etc., not created."""
-    base = os.environ.get("OAL_CACHE_DIR")
-    if base:
-        root = Path(base).expanduser()
-    else:
-        xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
-        # the XDG spec: a relative path is invalid and ignored (else each working folder got a cache of its own)
-        root = (xdg if xdg.is_absolute() else Path.home() / ".cache") / "oal"
+    """The folder `cache_root("gguf")` etc., not created. CacheWriteError when there is no home folder to put it in
+    and neither variable names one."""
+    try:
+        base = os.environ.get("OAL_CACHE_DIR")
+        if base:
+            root = Path(base).expanduser()
+        else:
+            xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+            # the XDG spec: a relative path is invalid and ignored (else each working folder got a cache of its own)
+            root = (xdg if xdg.is_absolute() else Path.home() / ".cache") / "oal"
+    except RuntimeError:  # no $HOME and a user id without a passwd entry (`env -i`, a container's --user 1234)
+        raise CacheWriteError("no folder for oal's cache: $HOME is not set and this user has no home folder; set "
+                              "OAL_CACHE_DIR to a writable folder") from None
     return root.joinpath(*parts)
 
 
@@ -81,11 +86,15 @@ def cache_writes(what: str, folder: Path) -> Iterator[None]:
         raise CacheWriteError(f"cannot write {what} into the cache folder {folder} ({reason}); {advice}") from None
 
 
-def probe_writable(folder: Path, what: str) -> None:
-    """CacheWriteError now, before any long work, when `folder` cannot be created or written."""
+def probe_writable(folder: Path, what: str, room: int = 1 << 16) -> None:
+    """CacheWriteError now, before any long work, when `folder` cannot be created or written, or has no `room`
+    bytes free (a full disk still makes an empty file)."""
     with cache_writes(what, folder):
         folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(bytes(room))
+            f.flush()
+            os.fsync(f.fileno())  # a file system that allocates late (NFS) says "full" here
 
 
 # ----------------------------------------------------------------------------------------------- file records
