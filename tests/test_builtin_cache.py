@@ -143,3 +143,16 @@ def test_the_builtin_corpus_names_every_file_it_reads():
     assert files[:-1] == corpus.stdlib_files()
     assert files[-1].name == "topics.py" and files[-1].parent.name == "pydoc_data"
     assert all(f.is_relative_to(root) for f in files)
+
+
+def test_without_a_cache_folder_the_corpus_is_built_and_not_cached(inputs, monkeypatch):
+    """With no home folder (and neither OAL_CACHE_DIR nor XDG_CACHE_HOME), `oal analyze` stopped with 'Invalid value
+    for --data: no folder for oal's cache': the corpus needs no cache to be built."""
+    from oal.rundir.user_cache import CacheWriteError
+
+    def no_cache(*parts):
+        raise CacheWriteError("no folder for oal's cache")
+
+    monkeypatch.setattr(bc, "cache_root", no_cache)
+    root, files, code = inputs
+    assert bc.cached_layout(lambda: LAYOUT, code, files, root, corpus.SPLITS) == LAYOUT

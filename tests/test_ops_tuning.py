@@ -233,6 +233,38 @@ def test_busy_process_spins_and_stops():
     assert proc.poll() is not None
 
 
+def test_busy_process_stops_when_its_tuner_is_killed():
+    """`oal tune-cpu` killed by SIGTERM (or -9) runs no `finally`: its spinning child went on for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tuner = subprocess.Popen([sys.executable, "-c", "import time\nfrom oal.ops import autotune\n"
+                              "with autotune.busy_process() as p:\n    print(p.pid, flush=True)\n    time.sleep(600)"],
+                             stdout=subprocess.PIPE, text=True)
+    child = int(tuner.stdout.readline())
+    tuner.send_signal(signal.SIGTERM)
+    tuner.wait()
+
+    def alive() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{child}/stat") as f:  # reaped by init soon after it exits: a zombie counts as stopped
+            return f.read().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 60
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = not alive()
+    if not stopped:
+        os.kill(child, signal.SIGKILL)
+    assert stopped
+
+
 def test_a_run_records_the_operator_settings_it_ran_with(monkeypatch):
     """A tuning entry changes the chunking, hence the rounding (about 1e-7) of every number: a run's stage log
     records the settings, their source and the fused kernel's library by name and SHA256, with no local path."""

@@ -75,10 +75,10 @@ def cached_layout(build: Callable[[], dict], code: Path, files: Sequence[Path], 
     """`build()`, the builtin corpus's layout ({"splits": {name: text for name in splits}, "pretrain_start",
     "units"}) computed by `code` from `files`, read from the user's cache when an entry for these inputs verifies,
     else built and written there (atomically; a cache that cannot be written only costs the next process the time)."""
-    folder = cache_root(FOLDER) if folder is None else folder
     try:
+        folder = cache_root(FOLDER) if folder is None else folder
         key = layout_key(code, files, root)
-    except (OSError, ValueError) as exc:  # an unreadable input, or one outside `root`: no key, so no cache
+    except (OSError, ValueError) as exc:  # an unreadable input, one outside `root`, or no cache folder: no cache
         log.info("the builtin corpus is not cached (%s)", exc)
         return build()
     path = folder / f"builtin-{key}.layout.json"

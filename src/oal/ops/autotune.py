@@ -59,10 +59,16 @@ def _time(settings: Settings, inputs, repeats: int) -> float:
     return best
 
 
+# spins in pure Python, asking every ~1e5 iterations (a few ms) whether its parent still lives
+_SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100000):\n        pass\n"
+
+
 @contextlib.contextmanager
 def busy_process():
-    """One competing process spinning a core for the duration of the block (issue 25's "one busy process")."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """One competing process spinning a core for the duration of the block (issue 25's "one busy process"). It
+    stops by itself once its parent is gone (a tuner killed by SIGTERM or -9 runs no `finally`: the child spun on for
+    ever), and has a session of its own, so that a terminal's Ctrl-C reaches the tuner alone (no second traceback)."""
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN], start_new_session=True)
     try:
         time.sleep(0.3)  # past the interpreter's start: spinning when the timing begins
         yield proc
