@@ -5,14 +5,16 @@ The public face: `oal.linearize` (`pipeline.linearize`: analysis, grouping, cali
 (`artefact.load`), `oal.save_kernels` (`calibration.kernels`) and `oal.ops.oal_attention`; the packages below
 follow the pipeline (docs/design/architecture.md).
 
-Top-level helpers are imported lazily so that `import oal` stays light (no transformers import). Importing oal
-registers the converted-model types ("oal_qwen2", ...) with transformers' Auto classes as soon as transformers
-loads them (`models.auto`), so `AutoModelForCausalLM.from_pretrained(DIR)` rebuilds a saved converted model.
+Top-level helpers and the subpackages (`oal.ops`, `oal.methods`, ...) are imported lazily, on first use, so that
+`import oal` stays light (no transformers import). Importing oal registers the converted-model types ("oal_qwen2",
+...) with transformers' Auto classes as soon as transformers loads them (`models.auto`), so
+`AutoModelForCausalLM.from_pretrained(DIR)` rebuilds a saved converted model.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from oal.models import auto as _auto
 
@@ -27,6 +29,10 @@ _LAZY = {"add_lora": "oal.pipeline.linearize", "convert": "oal.models.convert", 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name.isidentifier() and not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # the subpackages as the docs spell them after a bare `import oal` (`oal.ops.oal_attention`,
+        # `oal.methods.method_names()`): an AttributeError until something else had imported them
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'oal' has no attribute {name!r}")
 
 

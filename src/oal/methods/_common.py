@@ -21,6 +21,11 @@ def compute_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def check_qkv(method, q, k, v=None) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            # integer q/k were cast silently by the feature maps, or failed deep in torch (TaylorShift's norm)
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a floating-point tensor, got {got}")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q/k: expected 4-D [B, H, N, d], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[1] != method.n_heads or k.shape[1] != method.n_kv_heads:

@@ -14,6 +14,7 @@ unless `legacy` names the settings under which this construction computes that v
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import ClassVar
 
 import torch
@@ -123,7 +124,12 @@ class AttentionMethod(nn.Module):
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int = 0, seed: int = 0):
         super().__init__()
-        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        for arg, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                # 0, -3 or 4.0 failed deep in a method's tensor constructors, or built a method nothing could call
+                raise ValueError(f"{arg}: expected an integer >= 1, got {value!r}")
+        n_heads, n_kv_heads, head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
+        if n_heads % n_kv_heads:
             raise ValueError(f"n_heads: {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.layer_idx, self.seed = layer_idx, seed

@@ -103,7 +103,7 @@ class GlobalMethod(OALMethod):
             n_heads,
             n_kv_heads,
             head_dim,
-            groups=torch.zeros(n_heads, head_dim, dtype=torch.long),
+            groups=None,  # one group; built once the base class has checked the sizes
             factor=factor,
             n_groups=1,
             eps=eps,

@@ -11,6 +11,7 @@ checkpoints (`oal.calibration.resume.calibrate_directory`), layer selection for 
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
@@ -75,6 +76,9 @@ def calib_config(calib: Mapping | None, seed: int):
         raise ValueError(f"calib: expected a dict of CalibConfig settings or None (e.g. {{'preset': 'paper'}}, "
                          f"{{'max_steps': 100}}), got {calib!r}")
     settings = dict(calib or {})
+    for key, value in settings.items():  # CalibConfig took lr=inf (the factor overflowed later) and True as 1
+        if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"calib: {key}: expected a finite number, got {value!r}")
     try:
         return CalibConfig.preset(settings.pop("preset", "default"), **{"seed": seed, **settings})
     except (TypeError, ValueError) as exc:  # an unknown field is a TypeError of the dataclass
@@ -150,13 +154,20 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
 
     Raises:
         ValueError: bad input, naming the argument (too little text, an unknown method, a layer out of range or
-            not an integer, a model of an unsupported family), before any work where it can be seen up front.
+            not an integer, a model of an unsupported family or compiled by `torch.compile`, a tokenizer giving ids
+            the model does not embed), before any work where it can be seen up front.
     """
     from oal.errors import check_int
     from oal.methods import get_method, method_names
 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"model: expected a Hugging Face causal LM (a loaded model), got {type(model).__name__}")
+    if hasattr(model, "_orig_mod"):  # it forwards `config` and layers, and failed at the swap, after the calibration
+        raise ValueError("model: a torch.compile'd model; linearize the model itself (its `_orig_mod`), then compile "
+                         "the converted model it returns")
+    if any(p.is_meta for p in model.parameters()):  # device_map offload or a model built on the meta device
+        raise ValueError("model: some of its weights are on the meta device (not loaded, or offloaded by device_map); "
+                         "load it whole onto the device to compute on")
     from oal.models.attention import converted_methods
     from oal.models.encoder import is_encoder
 
@@ -227,6 +238,11 @@ def _linearize(model, tokenizer, texts, out: Path, candidates: list[int], k: int
         blocks = plan_blocks(corpus, tokenizer, plan)
     except ValueError as exc:
         raise ValueError(f"texts: too little text for the grouping prompts and calibration blocks ({exc})") from None
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = max(int(b.max()) for b in blocks.values() if b.numel())
+    if top >= vocab:  # it failed in the analysis with torch's IndexError from the embedding
+        raise ValueError(f"tokenizer: it gives token id {top}, and the model embeds {vocab} ids; pass the model's own "
+                         "tokenizer")
     model.eval()
     name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     provenance = weights_record(model)  # binds the kernels to these tensors (`oal.load(out_dir, model)` checks)
@@ -323,4 +339,8 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16, dropout: float 
                          "default) to adapt further")
     cfg = AdaptConfig(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                       train_kernel=train_kernel, seed=seed)
-    return with_kernels_in_saves(wrap_lora(model, cfg)[0])
+    import torch
+
+    cuda = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=cuda):  # `seed` seeds the LoRA initialisation, not the caller's own draws
+        return with_kernels_in_saves(wrap_lora(model, cfg)[0])
