@@ -173,3 +173,10 @@ def test_add_lora_seeds_its_initialisation_without_reseeding_the_callers_draws()
     again, other = _lora_a(oal.add_lora(models[1], seed=3)), _lora_a(oal.add_lora(models[2], seed=4))
     assert first and all(torch.equal(first[n], again[n]) for n in first)  # the seed still fixes the LoRA init
     assert not all(torch.equal(first[n], other[n]) for n in first)
+
+
+@pytest.mark.parametrize("bad", [3, None])
+def test_load_names_a_directory_that_is_not_a_path(bad):
+    """`oal.load(3)` and `oal.load(None)` raised pathlib's TypeError."""
+    with pytest.raises(ValueError, match="directory: expected a folder's path, got"):
+        oal.load(bad)

@@ -43,6 +43,8 @@ def load(directory: str | Path, base_model: nn.Module | str | os.PathLike | None
         ValueError: a folder that is neither, a base model whose architecture or tensors differ from the
             kernels' record, files changed since they were saved.
     """
+    if not isinstance(directory, (str, os.PathLike)):  # pathlib's TypeError named no argument
+        raise ValueError(f"directory: expected a folder's path, got {type(directory).__name__}")
     if not Path(directory).is_dir():
         raise ValueError(f"directory: {directory} is not a folder (expected a converted model's folder, or a run's "
                          "kernels folder with base_model)")
