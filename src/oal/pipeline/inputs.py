@@ -119,12 +119,17 @@ def run_methods(out: Path, methods: list[str] | None, fallback: list[str]) -> li
     return (run_config(config)["config"].get("methods") if config.is_file() else None) or fallback
 
 
+def _run_record(out: Path):
+    """OUT/config.json as `oal run` wrote it ({} without one)."""
+    from oal.rundir.files import load_json
+
+    return load_json(out / "config.json") if (out / "config.json").is_file() else {}
+
+
 def causal_lm_run(out: Path, why: str) -> None:
     """InputError on --out where OUT is an encoder's run (its config.json's protocol, wherever its model is): `why`
     says what of a causal LM the command needs."""
-    from oal.rundir.files import load_json
-
-    config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
+    config = _run_record(out)
     if isinstance(config, dict) and config.get("protocol") == "encoder":
         model = (config.get("config") or {}).get("model")
         raise InputError(f"{out} is an encoder's run ({model}): {why}", "--out", "out_dir")
@@ -133,10 +138,8 @@ def causal_lm_run(out: Path, why: str) -> None:
 def one_seed_run(out: Path, config: dict | None = None) -> None:
     """InputError on --out where OUT is the top of a multi-seed run (its config.json, or `config`, lists "seeds"):
     it holds the aggregate, no model; the message names the seeds' own run directories."""
-    from oal.rundir.files import load_json
-
     if config is None:
-        config = load_json(out / "config.json") if (out / "config.json").is_file() else {}
+        config = _run_record(out)
     seeds = config.get("seeds") if isinstance(config, dict) else None
     if isinstance(seeds, list) and seeds:
         dirs = ", ".join(str(out / f"seed-{s}") for s in seeds)

@@ -184,14 +184,19 @@ def _layout_seeds(out_dir: Path, seeds: list[int]) -> list[int]:
     """The seeds `multi_seed_layout` checks: a multi-seed DIR given all its recorded seeds and more (or the same in
     another order) keeps what it has, each seed resumed as recorded, and adds the new ones (rerunning them all
     under --force was the only way); fewer seeds than recorded stay refused."""
-    top = out_dir / "config.json"
     try:
-        recorded = run_config(top).get("seeds") if top.is_file() else None
+        recorded = _recorded_seeds(out_dir)
     except ValueError:
         return seeds  # multi_seed_layout names the damage
     if len(seeds) > 1 and isinstance(recorded, list) and set(recorded) <= set(seeds):
         return recorded
     return seeds
+
+
+def _recorded_seeds(out_dir: Path):
+    """The "seeds" DIR/config.json records (None without one); ValueError for a damaged config.json."""
+    top = out_dir / "config.json"
+    return run_config(top).get("seeds") if top.is_file() else None
 
 
 def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
@@ -216,9 +221,8 @@ def refresh_aggregate(seed_dir: str | Path, console: Console | None = None) -> d
     from oal.rundir.stages import StageLog
 
     seed_dir = Path(seed_dir)
-    top = seed_dir.parent / "config.json"
     try:
-        seeds = run_config(top).get("seeds") if top.is_file() else None
+        seeds = _recorded_seeds(seed_dir.parent)
     except ValueError:
         return None
     if not isinstance(seeds, list) or seed_dir.name not in {f"seed-{s}" for s in seeds}:
