@@ -7,8 +7,10 @@ and provenance binds as for any other: its config.json records the GGUF's name a
 hidden file `.oal_record` (written with the folder, renamed into place with it) the SHA256 of every file in it:
 config, weights, tokenizer, card. A reuse checks the GGUF SHA256 and dtype it records and every file against it;
 one that differs (an edited `rms_norm_eps`, two swapped token ids, a float32 folder copied under the bfloat16 name)
-makes the folder be written again from the GGUF file, with one warning. Its files are readable by all (0644, as
-every file of the cache; safetensors writes the weights 0600), so a cache filled by one user serves others.
+makes the folder be written again from the GGUF file, with one warning; so does a record of another format (an oal
+that writes its folders otherwise bumps RECORD_FORMAT) and a file that is not a regular one (a FIFO, named, never
+opened). Its files are readable by all (0644, its folders 0755, as all of the cache, whatever the umask;
+safetensors writes the weights 0600), so a cache filled by one user serves others.
 The record's name has no suffix that `models.provenance.hash_model_dir` hashes, so it leaves a run's model
 fingerprint as it was.
 """
@@ -26,6 +28,8 @@ from oal.models.families import SUPPORTED_ARCHITECTURES
 from oal.models.folders import bad_model, first_line
 from oal.models.provenance import file_sha256
 from oal.rundir.user_cache import (
+    SHARED_DIR,
+    SHARED_FILE,
     cache_root,
     cache_writes,
     changed_file,
@@ -105,6 +109,8 @@ def cache_problem(folder: Path, sha: str, dtype: str | None = None) -> str | Non
     record = read_record(folder / RECORD)
     if record is None:
         return f"{RECORD} is missing or damaged (no record of the files written)"
+    if record.get("format") != RECORD_FORMAT:  # written by an oal whose folders hold other files, or other bytes
+        return f"{RECORD} records the format {record.get('format')!r}, not {RECORD_FORMAT!r}"
     gguf = record.get("gguf")
     if not isinstance(gguf, dict) or gguf.get("sha256") != sha:
         return f"{RECORD} records another GGUF file"
@@ -177,13 +183,12 @@ def materialize_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, so
     problem = cache_problem(folder, sha, dname)
     if problem is None:
         return folder
+    if problem != "missing":  # said before any write: a read-only cache then fails, and this says why it wrote
+        log.warning("%s: %s; writing it again from %s", folder, problem, path.name)
     # several processes at once: one dequantises, the others wait and use its folder
     with cache_writes(f"the dequantised {path.name}", folder.parent), entry_lock(folder):
-        problem = cache_problem(folder, sha, dname)
-        if problem is None:
+        if cache_problem(folder, sha, dname) is None:  # written by another process meanwhile
             return folder
-        if problem != "missing":
-            log.warning("%s: %s; writing it again from %s", folder, problem, path.name)
         log.info("dequantising %s to %s (once; cached in %s)", path.name, dname, folder)
         with work_dir(folder.parent, folder.name) as work:
             out = work / "folder"
@@ -225,8 +230,9 @@ def _write_folder(path: Path, meta: dict, sha: str, dtype: torch.dtype, source: 
     written[GGUF_RECORD] = record
     cfg_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "README.md").write_text(_card(meta, record, source))
-    for p in out.rglob("*"):  # safetensors writes the weights 0600: another user of a shared cache could not read them
-        if p.is_file():
-            os.chmod(p, 0o644)
+    # safetensors writes the weights 0600, and under umask 077 the folders are 0700: another user of a shared cache
+    # could not read them
+    for p in [out, *out.rglob("*")]:
+        os.chmod(p, SHARED_DIR if p.is_dir() else SHARED_FILE)
     write_record(out / RECORD, {"format": RECORD_FORMAT, "gguf": record, "license": meta.get("license"),
                                 "files": files_sha256(out, file_sha256, skip=(RECORD,))})

@@ -19,15 +19,16 @@ from oal.ops.tuning import (
     OPERATOR_REVISION,
     TUNE_SHAPE,
     Settings,
-    _current,
     _dtype_name,
     _read,
     cache_path,
     cpu_info,
     entry_problem,
     forced,
+    kernel_mode,
     machine_key,
     reload,
+    stale_reason,
     store_entry,
 )
 
@@ -141,10 +142,11 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
     torch.set_num_threads(threads)
     try:
         for dtype in dtypes:
-            key = machine_key(dtype, threads, info)
+            kernel = kernel_mode(dtype)  # the calls timed run this path; an entry of the other is another key's
+            key = machine_key(dtype, threads, info, kernel)
             old = _read(cache_path()).get(key)
-            if not force and _current(old):
-                problem = _reuse_problem(old, n, shape)
+            if not force and isinstance(old, dict):
+                problem = stale_reason(old) or _reuse_problem(old, n, shape)
                 if problem is None:
                     results[_dtype_name(dtype)] = {**old, "cached": True}  # marked for the caller, not stored
                     continue
@@ -189,7 +191,7 @@ def tune(dtypes=(torch.float32, torch.bfloat16), threads: int | None = None, n: 
                         log(f"  {_dtype_name(dtype)} {cand.label()} beside a busy process: {loaded[cand]:.3f} s")
                 best = min(loaded, key=lambda c: (tried[c] + loaded[c]) / 2)
             entry = {"settings": dataclasses.asdict(best), "torch": torch.__version__, "revision": OPERATOR_REVISION,
-                     "cpu": info, "threads": threads,
+                     "cpu": info, "threads": threads, "cpu_kernel": kernel,
                      "n": n, "shape": shape, "default": dataclasses.asdict(default),
                      "time_s": tried[best], "default_time_s": tried.get(default),
                      "candidates": [dataclasses.asdict(s) | {"time_s": t} for s, t in tried.items()],

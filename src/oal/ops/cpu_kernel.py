@@ -7,13 +7,13 @@ reads them back in a GEMM; the fused kernel forms them in vector registers insid
 built from the group sums (Eq. 7). It is plain C++ without torch headers, compiled with the system compiler
 (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native` on first use, in about two seconds, into the user's
 cache folder (`cache_root("kernels")`), keyed by the source, the flags, the compiler and the CPU. The build runs in a
-locked temporary folder and only a finished library is renamed into place, beside a record of its SHA256; later
-processes load the built file only when its SHA256 is the recorded one (checked before dlopen: a truncated or
-foreign file is built again, never loaded) and it has every symbol the kernel needs (else this process runs the
-torch path and the file goes, so that the next one builds it again). `$OAL_CPU_MARCH` names
-another target (e.g. x86-64-v3, AVX2, for the older machines of a mixed cluster). It is called through ctypes,
-which releases the GIL, so the operator's worker threads run it side by side. (torch.utils.cpp_extension would
-compile torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers.)
+locked temporary folder and only a finished library (0755 whatever the umask) is renamed into place, beside a
+record of its SHA256; later processes load the built file only when its SHA256 is the recorded one (checked before
+dlopen: a truncated or foreign file is built again, never loaded) and it has every symbol the kernel needs (else
+this process runs the torch path and the file goes, so that the next one builds it again). `$OAL_CPU_MARCH` names
+another target (e.g. x86-64-v3, AVX2, for the older machines of a mixed cluster). Called through ctypes, which
+releases the GIL, so the operator's worker threads run it side by side (torch.utils.cpp_extension would compile
+torch's headers too, a minute on 2 cores, and need ninja; the kernel only reads and writes float buffers).
 
 It serves inference calls on CPU tensors in fp32 and bf16 (bf16 dot products where the CPU has AVX512_BF16, the
 AMX tiles where it has AMX-BF16 and `OAL_CPU_AMX` is not 0) whose chunk is a multiple of the vector width, and
@@ -41,10 +41,10 @@ import torch
 from oal.errors import env_flag
 from oal.ops.kernel import feature_dim, row_maps
 from oal.rundir.hashes import sha256_file
-from oal.rundir.user_cache import cache_root, clean_stale, file_problem, work_dir, write_record
+from oal.rundir.user_cache import SHARED_DIR, cache_root, checked_file, clean_stale, work_dir, write_record
 
 __all__ = ["Heads", "Intra", "amx", "available", "bf16_dots", "build", "decode", "decodes", "describe", "enabled",
-           "heads", "readout", "record", "supports", "vector_width", "window_decode"]
+           "expected", "heads", "readout", "record", "supports", "vector_width", "window_decode"]
 
 log = logging.getLogger("oal")
 
@@ -62,8 +62,7 @@ _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _STATUS = ""  # the built library's path, or why there is none
-_SHA = ""  # the loaded library's SHA256, as checked before dlopen (the file may go or change later)
-_SAID_OFF = False
+_SHA, _SAID_OFF = "", False  # the loaded library's SHA256 (`_load`); whether OAL_CPU_KERNEL=0 was said
 DECODE_SPLIT = 1 << 20  # state entries (4 MB) per worker of a decoding call
 SYMBOLS = ("oal_readout_vw", "oal_readout_bf16_dots", "oal_readout_amx", "oal_readout_f32", "oal_readout_bf16",
            "oal_states_bf16", "oal_states_f32", "oal_decode_f32", "oal_window_decode_f32")
@@ -122,17 +121,15 @@ def _record(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def _problem(path: Path, key: str, cxx: str) -> str | None:
-    """None when `path` is the library this module builds for `key` (its record names that key, these flags and
-    this compiler, and its SHA256 is the one recorded at the build), else why not: a build of an earlier source
-    copied in with its record would take this build's argument lists."""
-    return file_problem(path, _record(path), key=key, flags=_flags(), compiler=cxx)
-
-
 def build(folder: Path | None = None) -> Path:
-    """Compile the kernel for this machine (once: an existing build of the same key whose SHA256 is the recorded one
-    is reused; another file in its place is built again, with a warning) and return the shared library's path.
-    Raises RuntimeError with the compiler's first error line."""
+    """Compile the kernel for this machine once (a build of this key whose SHA256 is the recorded one is reused, another
+    file there built again, with a warning); the library's path. RuntimeError: the compiler's first error line."""
+    return _build(folder)[0]
+
+
+def _build(folder: Path | None = None) -> tuple[Path, str]:
+    """`build`, and the SHA256 of the library it checked or built (`_load` records it). Reused when its record names
+    its key, flags, compiler (an earlier source's build copied in with its record has other signatures) and SHA256."""
     cxx = _compiler()
     if cxx is None and os.environ.get("CXX"):  # the user's choice is kept, not replaced by one found on PATH
         raise RuntimeError(f"CXX={os.environ['CXX']!r} is not a program on PATH (one word: the compiler); unset it "
@@ -143,9 +140,9 @@ def build(folder: Path | None = None) -> Path:
     key = _key(cxx)
     path = folder / f"readout-{key}.so"
     clean_stale(folder)  # what a killed build left, on every use
-    problem = _problem(path, key, cxx)
+    problem, sha = checked_file(path, _record(path), key=key, flags=_flags(), compiler=cxx)
     if problem is None:
-        return path
+        return path, sha
     if problem != "missing":
         log.warning("%s: %s; building it again", path, problem)
     with work_dir(folder, path.stem) as tmp:  # only a finished library leaves it: never a half-written one
@@ -155,9 +152,11 @@ def build(folder: Path | None = None) -> Path:
         if res.returncode != 0 or not out.is_file():
             raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name} (building into {folder}): "
                                f"{_first_error(res.stderr)}")
-        write_record(_record(path), {"sha256": sha256_file(out), "key": key, "flags": _flags(), "compiler": cxx})
+        os.chmod(out, SHARED_DIR)  # under umask 077 the compiler makes it 0700: no other user of the cache can load it
+        sha = sha256_file(out)
+        write_record(_record(path), {"sha256": sha, "key": key, "flags": _flags(), "compiler": cxx})
         os.replace(out, path)
-    return path
+    return path, sha
 
 
 def _first_error(stderr: str) -> str:
@@ -202,8 +201,7 @@ def _load() -> ctypes.CDLL | None:
         if not _TRIED:
             _TRIED = True
             try:
-                path = build()  # its SHA256 checked: a truncated file never reaches dlopen
-                sha = sha256_file(path)
+                path, sha = _build()  # its SHA256 checked: a truncated file never reaches dlopen
                 lib = _symbols(ctypes.CDLL(str(path)), path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 if isinstance(err, _NotTheKernel):  # this process keeps the torch path; the next builds it again
@@ -213,7 +211,7 @@ def _load() -> ctypes.CDLL | None:
                 _STATUS = str(err)
                 log.warning("oal: the fused CPU kernel is unavailable (%s); the chunked operator runs its torch "
                             "path", err)
-            else:
+            else:  # the SHA256 checked before dlopen is the one recorded: the file may go or change later
                 _LIB, _STATUS, _SHA = lib, str(path), sha
         return _LIB
 
@@ -221,6 +219,11 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the fused kernel runs here (enabled, and built or buildable)."""
     return enabled() and _load() is not None
+
+
+def expected() -> bool:
+    """`available` without a build (before the first load: enabled and a compiler found), for `tuning.kernel_mode`."""
+    return enabled() and (_LIB is not None if _TRIED else _compiler() is not None)
 
 
 def record() -> dict:

@@ -2,12 +2,14 @@
 
 The chunk size, the chunks per block and the worker layout were chosen by measurement on one CPU; on another the
 best choice differs (issue 36). `tune()` times a pruned grid of them at the Qwen head shape and stores the best
-per CPU model (with its SIMD flags), torch thread count and dtype, in the user's cache folder
+per CPU model (with its SIMD flags), torch thread count, dtype and the path the calls ran (`kernel_mode`: the fused
+CPU kernel, or the torch path under `OAL_CPU_KERNEL=0`, at another speed), in the user's cache folder
 (`cpu_tuning.json` under `oal.rundir.user_cache.cache_root`: `$OAL_CACHE_DIR`, else `$XDG_CACHE_HOME/oal`, else
 `~/.cache/oal`), written atomically. An entry measured under another torch version (or another
-OPERATOR_REVISION) is stale: it is not used, and the next `tune()` measures it again. So is an entry whose fields
-are not what `tune()` writes (`entry_problem`: a chunk of 0 or "abc", a missing time), with one warning line; a
-file that is not JSON is reported once and read as empty.
+OPERATOR_REVISION), or on the other path, is stale: it is not used (one log line says why), and the next `tune()`
+measures it again. So is an entry whose fields are not what `tune()` writes (`entry_problem`: a chunk of 0 or
+"abc", a missing time), with one warning line; a file that is not JSON (or not a regular file) is reported once
+and read as empty.
 
 The operator never measures on a user's call: it reads the cache (once per process) and, without an entry, runs
 the fixed defaults. Tuning runs when asked: `oal tune-cpu` or `oal.ops.autotune.tune()`, and
@@ -33,10 +35,18 @@ from pathlib import Path
 import torch
 
 from oal.errors import env_flag
-from oal.rundir.user_cache import cache_root, cache_writes, clean_stale, entry_lock
+from oal.rundir.user_cache import (
+    SHARED_FILE,
+    cache_root,
+    cache_writes,
+    clean_stale,
+    entry_lock,
+    make_folder,
+    regular_problem,
+)
 
-__all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "lookup", "machine_key", "settings_for",
-           "source", "store_entry"]
+__all__ = ["Settings", "cache_path", "cpu_info", "entry_problem", "forced", "kernel_mode", "lookup", "machine_key",
+           "settings_for", "source", "stale_reason", "store_entry"]
 
 log = logging.getLogger("oal")
 
@@ -118,15 +128,39 @@ def _cpu_info() -> dict:
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def machine_key(dtype: torch.dtype, threads: int, info: dict | None = None) -> str:
+def kernel_mode(dtype: torch.dtype) -> str:
+    """The path the chunked operator's CPU calls in `dtype` run here, which moves their best settings: "torch path"
+    (`OAL_CPU_KERNEL=0`, no compiler, a dtype the kernel does not serve) or "fused kernel" (bf16 on a CPU with AMX
+    tiles under `OAL_CPU_AMX=0`: "fused kernel without AMX"). Never builds the kernel (`cpu_kernel.expected`)."""
+    from oal.ops import cpu_kernel
+
+    if dtype not in (torch.float32, torch.bfloat16) or not cpu_kernel.expected():
+        return "torch path"
+    amx_off = not (cpu_kernel.AMX and env_flag("OAL_CPU_AMX", True))
+    return "fused kernel without AMX" if dtype == torch.bfloat16 and amx_off and \
+        "amx_bf16" in cpu_info()["flags"] else "fused kernel"
+
+
+def _base_key(dtype: torch.dtype, threads: int, info: dict | None = None) -> str:
+    """The key without the kernel's path: what an oal before `kernel_mode` wrote (its entries say nothing of it)."""
     info = cpu_info() if info is None else info
     flags = hashlib.sha256(" ".join(info["flags"] + [info["capability"]]).encode()).hexdigest()[:8]
     return f"{info['model']} [{flags}] | {threads} threads | {_dtype_name(dtype)}"
 
 
+def machine_key(dtype: torch.dtype, threads: int, info: dict | None = None, kernel: str | None = None) -> str:
+    """The cache key of an entry: CPU (model, SIMD flags), threads, dtype and `kernel_mode` (`kernel`, else now's)."""
+    return f"{_base_key(dtype, threads, info)} | {kernel_mode(dtype) if kernel is None else kernel}"
+
+
 def _read(path: Path) -> dict:
     """The cache file's entries ({} when there is none; a damaged file is reported once and treated as empty)."""
+    problem = regular_problem(path)
+    if problem == "missing":
+        return {}
     try:
+        if problem is not None:  # a FIFO: its read would wait for ever
+            raise OSError(problem)
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
@@ -188,13 +222,13 @@ def store_entry(key: str, entry: dict) -> None:
 def _write(path: Path, entries: dict) -> None:
     """Atomically: a temporary file in the same folder, renamed over the cache file (and those a killed write left
     are removed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     clean_stale(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"version": 1, "entries": entries}, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)  # as every file of the cache (write_record); mkstemp makes it 0600
+        os.chmod(tmp, SHARED_FILE)  # as every file of the cache (write_record); mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -211,8 +245,8 @@ def reload() -> None:
 
 
 def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
-    """The cached settings of this machine, thread count and dtype, or None (none measured, or measured under
-    another torch version)."""
+    """The cached settings of this machine, thread count, dtype and kernel path, or None (none measured, or measured
+    under another torch version, operator revision or kernel path: `stale_reason`, said once)."""
     global _LOADED
     with _LOCK:
         if (dtype, threads) in _FOUND:
@@ -224,8 +258,11 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
                 _warn_once(f"{exc}; the operator runs its fixed settings")
                 _LOADED = {}
         key = machine_key(dtype, threads)
-        entry = _LOADED.get(key)
-        found = None
+        entry, found = _LOADED.get(key), None
+        stale = _stale_here(key, entry)
+        if stale is not None:
+            _say_once(f"{cache_path()}: the tuned settings of {key!r} are not used: {stale}; the operator runs its "
+                      "fixed settings (`oal tune-cpu` measures them)")
         if _current(entry):
             problem = entry_problem(entry)
             if problem is None:
@@ -239,8 +276,36 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
 
 def _current(entry) -> bool:
     """Measured under this torch and this revision of the operator (valid or not: `entry_problem`)."""
-    return isinstance(entry, dict) and entry.get("torch") == torch.__version__ and \
-        entry.get("revision") == OPERATOR_REVISION
+    return isinstance(entry, dict) and stale_reason(entry) is None
+
+
+def stale_reason(entry: dict) -> str | None:
+    """Why an entry (an object) was measured under other conditions than now's, or None."""
+    if entry.get("torch") != torch.__version__:
+        return f"measured under torch {entry.get('torch')}, this is {torch.__version__}"
+    if entry.get("revision") != OPERATOR_REVISION:
+        return f"measured with operator revision {entry.get('revision')}, this is {OPERATOR_REVISION}"
+    return None
+
+
+def _stale_here(key: str, entry) -> str | None:
+    """Why this machine's entries cannot answer `key` (its dtype, threads and kernel path), or None: measured on the
+    other path (`OAL_CPU_KERNEL`), by an oal that did not record the path, or under another torch or revision."""
+    if entry is None:  # none for this path: this machine's entry of the other, or of an oal before the paths
+        base, _, mode = key.rpartition(" | ")
+        other = next((k.rpartition(" | ")[2] for k in _LOADED if k.startswith(f"{base} | ")), None)
+        if other is not None:
+            return f"measured with the {other}, this process runs the {mode}"
+        if base in _LOADED:
+            return "measured by an earlier oal, which did not record whether the fused CPU kernel ran"
+        return None
+    return stale_reason(entry) if isinstance(entry, dict) else None
+
+
+def _say_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.info(message)
 
 
 def settings_for(dtype: torch.dtype, threads: int | None = None) -> Settings | None:

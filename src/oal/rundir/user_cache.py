@@ -7,7 +7,10 @@ Work in progress lives in temporary folders (`work_dir`) that hold a lock while 
 removes what a killed process left (`clean_stale`) and never a running one's: a folder is created and locked while
 its process holds a lock on the parent folder itself, which a cleanup also takes, so none sees a new folder before
 its lock. An entry that several processes may fill at once (a dequantised model, the tuning file) is filled under
-its own lock (`entry_lock`): the others wait, then use what the first wrote.
+its own lock (`entry_lock`): the others wait, then use what the first wrote. A reader opens only regular files
+(`regular_problem`): a FIFO put where a file was would block its read for ever. Records and the folders made here
+are readable by all whatever the umask (SHARED_FILE, SHARED_DIR: `write_record`, `make_folder`), and writers give
+what they write the same modes, so that a cache one user fills serves the others.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,8 +31,9 @@ from pathlib import Path
 from oal.rundir.files import flock
 from oal.rundir.hashes import sha256_file
 
-__all__ = ["WRITE_ERRNOS", "CacheWriteError", "cache_root", "cache_writes", "changed_file", "clean_stale", "entry_lock",
-           "file_problem", "files_sha256", "probe_writable", "read_record", "work_dir", "write_record"]
+__all__ = ["SHARED_DIR", "SHARED_FILE", "WRITE_ERRNOS", "CacheWriteError", "cache_root", "cache_writes", "changed_file",
+           "checked_file", "clean_stale", "entry_lock", "file_problem", "files_sha256", "make_folder", "probe_writable",
+           "read_record", "regular_problem", "work_dir", "write_record"]
 
 log = logging.getLogger("oal")
 
@@ -37,6 +42,7 @@ _LOCK = ".lock"  # inside a temporary folder: flock-ed by the process filling it
 # A temporary entry without a lock (a file, or a folder of an oal that took none) is stale once this old: longer
 # than any single write or compile (the C++ build's timeout is 300 s).
 STALE_S = 900
+SHARED_FILE, SHARED_DIR = 0o644, 0o755  # the modes of what the cache holds, whatever the umask
 
 
 def cache_root(*parts: str) -> Path:
@@ -90,14 +96,42 @@ def probe_writable(folder: Path, what: str, room: int = 1 << 16) -> None:
     """CacheWriteError now, before any long work, when `folder` cannot be created or written, or has no `room`
     bytes free (a full disk still makes an empty file)."""
     with cache_writes(what, folder):
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         with tempfile.TemporaryFile(dir=folder) as f:
             f.write(bytes(room))
             f.flush()
             os.fsync(f.fileno())  # a file system that allocates late (NFS) says "full" here
 
 
+def make_folder(folder: Path) -> None:
+    """`folder` and its missing parents, those made here SHARED_DIR: under umask 077 they were 0700, and another
+    user of a shared cache could not reach the 0644 files inside."""
+    made, p = [], folder
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in made:
+        with contextlib.suppress(OSError):  # made by another user's process meanwhile: theirs to set
+            os.chmod(p, SHARED_DIR)
+
+
 # ----------------------------------------------------------------------------------------------- file records
+
+
+def regular_problem(path: Path) -> str | None:
+    """None when `path` is a regular file (a link to one included), else why not, in a few words: "missing", "not a
+    regular file (a FIFO)". Checked before a read: opening a FIFO waits for a writer that never comes."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file where a folder above it should be
+        return "missing"
+    except OSError as exc:  # a loop of links, a folder it may not enter
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return f"not a regular file ({next((kind for test, kind in kinds if test(mode)), 'a device')})"
 
 
 def files_sha256(folder: Path, hasher: Callable[[Path], str] = sha256_file, skip: tuple[str, ...] = ()) -> dict:
@@ -112,7 +146,7 @@ def write_record(path: Path, record: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, SHARED_FILE)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):
@@ -120,7 +154,9 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def read_record(path: Path) -> dict | None:
-    """The JSON object at `path`, or None (missing, unreadable, damaged, not an object)."""
+    """The JSON object at `path`, or None (missing, unreadable, damaged, not an object, not a regular file)."""
+    if regular_problem(path) is not None:
+        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
@@ -131,7 +167,8 @@ def read_record(path: Path) -> dict | None:
 def changed_file(folder: Path, recorded, hasher: Callable[[Path], str] = sha256_file,
                  skip: tuple[str, ...] = ()) -> str | None:
     """None when the files below `folder` are exactly those of `recorded` ({relative path: SHA256}), else which
-    differs first and how ("config.json was changed", "x.json was added", "tokenizer.json is missing")."""
+    differs first and how ("config.json was changed", "x.json was added", "tokenizer.json is missing",
+    "config.json is not a regular file (a FIFO)")."""
     if not isinstance(recorded, dict) or not recorded:
         return "the record lists no files"
     found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir() or p.is_symlink()}
@@ -142,8 +179,13 @@ def changed_file(folder: Path, recorded, hasher: Callable[[Path], str] = sha256_
             return f"{name} was added"
         if name not in found:
             return f"{name} is missing"
+        if path.is_symlink():
+            return f"{name} was changed"
+        problem = regular_problem(path)
+        if problem is not None:  # before the hash, which would wait for ever on a FIFO
+            return f"{name} is {problem}" if problem.startswith("not") else f"{name}: {problem}"
         try:
-            if path.is_symlink() or hasher(path) != recorded[name]:
+            if hasher(path) != recorded[name]:
                 return f"{name} was changed"
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror})"
@@ -153,18 +195,26 @@ def changed_file(folder: Path, recorded, hasher: Callable[[Path], str] = sha256_
 def file_problem(path: Path, record_path: Path, **expected) -> str | None:
     """None when `path` is the file that the record at `record_path` describes (its SHA256, and the value of every
     field in `expected`), else why not: "missing", or a few words that a warning can quote."""
-    if not path.is_file():
-        return "missing"
+    return checked_file(path, record_path, **expected)[0]
+
+
+def checked_file(path: Path, record_path: Path, **expected) -> tuple[str | None, str]:
+    """(`file_problem`, the SHA256 it checked: "" when it read none), for a caller that records the hash of the file
+    it then uses without reading it a second time."""
+    problem = regular_problem(path)
+    if problem is not None:
+        return problem, ""
     record = read_record(record_path)
     if record is None:
-        return f"no record of how it was built ({record_path.name} missing or damaged)"
+        return f"no record of how it was built ({record_path.name} missing, damaged or not a regular file)", ""
     if any(record.get(name) != value for name, value in expected.items()):
-        return "its record names other inputs"
+        return "its record names other inputs", ""
     try:
         sha = sha256_file(path)
     except OSError as exc:
-        return f"unreadable ({exc.strerror})"
-    return None if record.get("sha256") == sha else "its SHA256 is not the one recorded when it was written"
+        return f"unreadable ({exc.strerror})", ""
+    return (None, sha) if record.get("sha256") == sha else ("its SHA256 is not the one recorded when it was written",
+                                                            sha)
 
 
 # ----------------------------------------------------------------------------------------------- temporaries
@@ -174,7 +224,7 @@ def file_problem(path: Path, record_path: Path, **expected) -> str | None:
 def entry_lock(entry: Path) -> Iterator[None]:
     """Hold `entry`'s lock (`.<name>.lock` beside it) for the block: a cache entry that several processes may fill at
     once is filled by one, while the others wait (then find it filled)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(entry.parent)
     lock = entry.parent / f".{entry.name}.lock"
     with flock(lock, wait=False) as free:
         if free:
@@ -189,7 +239,7 @@ def entry_lock(entry: Path) -> Iterator[None]:
 def work_dir(parent: Path, label: str) -> Iterator[Path]:
     """A fresh temporary folder `.<label>.<random>.tmp` in `parent`, locked while the block runs and removed after
     it (what the block renames out of it stays). Stale ones in `parent` are removed first."""
-    parent.mkdir(parents=True, exist_ok=True)
+    make_folder(parent)
     clean_stale(parent)
     with flock(parent):  # a cleanup in another process must not see the folder before its lock
         tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TMP_SUFFIX, dir=parent))
