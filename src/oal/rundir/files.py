@@ -229,8 +229,11 @@ def safetensors_metadata(path: str | Path) -> dict[str, str]:
 def flock(path: Path, wait: bool = True) -> Iterator[bool]:
     """An exclusive flock on `path`, a folder or a file (created empty), for the block; with `wait=False` the block
     gets False, and no lock, when another process holds it."""
-    fd = os.open(path, os.O_RDONLY) if path.is_dir() else os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_CREAT | os.O_RDONLY, 0o644)  # flock needs no write
     try:
+        if not path.is_dir():  # readable by the other users of a shared cache, whatever the umask (not ours: theirs)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
