@@ -39,6 +39,17 @@ class ToolParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"Error: {' '.join(message.split())} (see --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        import json
+
+        global PARSED
+        parsed, rest = super().parse_known_args(args, namespace)
+        PARSED = json.loads(json.dumps(vars(parsed), default=str))  # `environment()`: every JSON records them
+        return parsed, rest
+
+
+PARSED: dict | None = None  # the arguments of the last ToolParser parse (the tool's own, in a benchmark process)
+
 
 def run_tool(main, args: argparse.Namespace) -> None:
     """`main(args)` as a command: bad input found after parsing (a ValueError, an OSError, a model that cannot be
@@ -101,6 +112,9 @@ def output_file(text: str) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder; expected a file to write")
+    if path.suffix.lower() == ".png":  # the figure goes beside the file as NAME.png: it would replace the file
+        raise argparse.ArgumentTypeError(f"{path}: the PNG is written beside this file under its name; give the "
+                                         "JSON's name (e.g. .json)")
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{path} is not writable")
     _check_writable(path, path.parent)
@@ -299,9 +313,10 @@ def direct_launch(on: bool, otherwise: str | None = None):
 
 def environment() -> dict:
     """What a benchmark's numbers were measured with, for its JSON: the versions of the interpreter and libraries
-    (`oal.rundir.hashes.versions`, torch's build included), the commit of the checkout (as scripts/gpu_check.sh:
-    $COMMIT where set, else `git rev-parse HEAD` with "+uncommitted" when tracked files differ; None outside git)
-    and the machine (CPU model, cores, torch's threads, the GPU torch sees)."""
+    (`oal.rundir.hashes.versions`, torch's build included), the tool's arguments (`args`, as parsed, defaults
+    included), the commit of the checkout (as scripts/gpu_check.sh: $COMMIT where set, else `git rev-parse HEAD`
+    with "+uncommitted" when tracked files differ; None outside git) and the machine (CPU model, cores, torch's
+    threads, the GPU torch sees)."""
     import platform
     import subprocess
 
@@ -325,7 +340,7 @@ def environment() -> dict:
             commit += "+uncommitted"
     cuda = torch.cuda.is_available()
     return {"versions": versions() | {"torch_build": torch.__version__, "cuda": torch.version.cuda},
-            "commit": commit,
+            "commit": commit, "args": PARSED,
             "machine": {"platform": platform.platform(), "cpu": cpu_info()["model"],
                         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                         "gpu": torch.cuda.get_device_name() if cuda else None}}

@@ -570,12 +570,13 @@ def figure(result: dict, path: Path) -> None:
 
     from benchmarks._common import finish_figure
 
-    shapes = result["shapes"]
+    # in the names' order, not the dicts': a JSON read back is key-sorted, and the figure is the one redrawn from it
+    shapes = {n: result["shapes"][n] for n in SHAPE_NAMES if n in result["shapes"]}
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5))
     axes = list(axes) if len(shapes) > 1 else [axes]
     colors = plt.get_cmap("tab10")
     for ax, (name, s) in zip(axes, shapes.items(), strict=True):
-        gpus = list(s["total_s"])
+        gpus = [g for g in GPU_NAMES if g in s["total_s"]]
         bottom = [0.0] * len(gpus)
         for i, cat in enumerate(CATEGORIES):
             hours = [sum(r["seconds"][g] for r in s["stages"] if r["stage"].startswith(cat)) / 3600 for g in gpus]

@@ -30,6 +30,7 @@ from pathlib import Path
 from benchmarks._common import MAX_THREADS, ToolParser, environment, int_in, run_tool
 
 SHAPES = ("default", "qwen2.5-0.5b")
+VARIANTS = ("softmax", "oal", "oal-all")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,7 +103,7 @@ def decode_time(model, context: int, tokens: int, warmup: int = 2) -> tuple[floa
 
 def measure(shape: str, contexts: list[int], tokens: int) -> dict:
     record = {"variants": {}}
-    for name in ("softmax", "oal", "oal-all"):
+    for name in VARIANTS:
         model, source = variant(name, shape)
         record["source"] = source
         rows = []
@@ -122,8 +123,11 @@ def measure(shape: str, contexts: list[int], tokens: int) -> dict:
 
 def plot(shapes: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(shapes), 2, figsize=(10, 3.8 * len(shapes)), squeeze=False)
-    for row, (shape, record) in zip(axes, shapes.items(), strict=True):
-        for name, rows in record["variants"].items():
+    # in a fixed order, not the dicts': a JSON read back is key-sorted, and the figure is the one redrawn from it
+    for row, shape in zip(axes, [s for s in SHAPES if s in shapes], strict=True):
+        record = shapes[shape]
+        for name in [v for v in VARIANTS if v in record["variants"]]:
+            rows = sorted(record["variants"][name], key=lambda r: r["context"])
             xs = [r["context"] for r in rows]
             row[0].plot(xs, [r["ms_per_token"] for r in rows], marker="o", label=name)
             row[1].plot(xs, [r["cache_bytes"] / 2**20 for r in rows], marker="o", label=name)

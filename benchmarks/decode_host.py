@@ -26,8 +26,8 @@ call include the host's time to issue it.
 through the compiled kernels' own launchers (`oal.ops.triton.launch`), in a row's `direct` entry (and the prefill
 call in `prefill.oal_direct_us`).
 
-Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us, direct; `prefill`), a PNG beside it,
-and prints a table.
+Writes --out (JSON: rows of method, softmax_us, converted_us, difference_us, direct; `prefill`; rewritten after
+each part, with `complete` false until the last write), a PNG beside it, and prints a table.
 
     python -m benchmarks.decode_host --out benchmarks/reference/decode_host_cpu.json
 """
@@ -271,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     record = {"device": name, "stand_in": args.device == "cpu", "torch": torch.__version__,
               "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-              "prefill": None, "environment": environment()}
+              "prefill": None, "environment": environment(), "complete": False}  # True once every part ran
     failed = record["failed"] = {}  # what raised, by part: the other parts still run and are kept
 
     def attempt(part: str, fn):
@@ -295,6 +295,7 @@ def main(args: argparse.Namespace) -> int:
                 rows[-1]["direct"] = {k: again[k] for k in ("softmax_us", "converted_us", "difference_us")}
     if args.prefill_n:
         record["prefill"] = attempt("prefill", lambda: prefill(args, args.device))
+    record["complete"] = True  # the writes before this one (after each part) are partial: cut short, they say so
     atomic_write_json(args.out, record)
     if rows:
         plot(rows, title, args.out.with_suffix(".png"))

@@ -63,6 +63,12 @@ SHAPES = {  # transformers config values (the published checkpoints' config.json
                                    rope_theta=5e5, tie_word_embeddings=True, max_position_embeddings=131072)),
 }
 assert tuple(sorted(SHAPES)) == SHAPE_NAMES  # --shape's choices, named before the imports
+PHASES = ("build", "convert", "forward + loss", "backward", "optimizer step", "validation block")
+
+
+def _phases(result: dict) -> list[str]:
+    """The phases in the order they ran (a JSON read back is key-sorted: the table and figure keep this order)."""
+    return [p for p in PHASES if p in result["phases"]]
 
 
 def _rss_gb() -> float:
@@ -164,7 +170,7 @@ def _table(results: list[dict]) -> None:
         table.add_column(f"{r['loss']}: RSS at end")
         table.add_column(f"{r['loss']}: own peak")
         table.add_column(f"{r['loss']}: s")
-    for name in results[0]["phases"]:
+    for name in _phases(results[0]):
         table.add_row(name, *[f"{x:.2f}" for r in results for x in (r["phases"][name]["rss_gb"],
                                                                      r["phases"][name]["peak_above_start_gb"],
                                                                      r["phases"][name]["seconds"])])
@@ -182,7 +188,7 @@ def _figure(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results[0]["phases"])
+    names = _phases(results[0])
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(results)
     for i, r in enumerate(results):

@@ -49,7 +49,8 @@ from benchmarks._common import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/model.json, rewritten after every length) and a "
+OUTPUTS = ("the JSON of the run (--out; default benchmarks/results/model.json, rewritten after every length, "
+           "`complete` false until the end) and a "
            "PNG beside it; the tables on stdout, progress on stderr")
 
 
@@ -342,6 +343,8 @@ def main(args: argparse.Namespace) -> None:
 
     console = Console(width=170)
     rows = []
+    # what every write records, the partial ones too (`complete` says which): what the rows were measured with
+    meta = {"dtype": args.dtype, "torch": torch.__version__, "clock": args.clock, "environment": bench.environment()}
     jobs = _jobs(models, lengths, args.compose_from, args.check_compose)
     with Progress(console=Console(width=170, stderr=True)) as progress:
         task = progress.add_task("prefill + decode", total=len(jobs))
@@ -355,7 +358,7 @@ def main(args: argparse.Namespace) -> None:
                                        f"prefill {r['prefill_s']:.2f} s, decode {r['decode_ms']:.1f} ms/token, "
                                        f"cache {r['cache_mib']:.0f} MiB (load {r['load_before']:.1f})")
             # partial results survive an interrupted run
-            atomic_write_json(args.out, {"rows": rows, "complete": False})
+            atomic_write_json(args.out, {"rows": rows, "complete": False, **meta})
             progress.advance(task)
     title = f"{args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock"
     summary = _summary(rows, models, lengths, console, title)
@@ -368,8 +371,7 @@ def main(args: argparse.Namespace) -> None:
                          f"{'met' if got >= goal else 'NOT met'}")
     if goals:
         console.print("goals: " + "; ".join(goals))
-    atomic_write_json(args.out, {"rows": rows, "summary": summary, "complete": True, "dtype": args.dtype,
-                                 "torch": torch.__version__, "clock": args.clock, "environment": bench.environment()})
+    atomic_write_json(args.out, {"rows": rows, "summary": summary, "complete": True, **meta})
     _plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 

@@ -275,10 +275,20 @@ def measure(model, cfg: SimpleNamespace) -> dict:
 # ------------------------------------------------------------------------------------------------- output
 
 
+def _arms(res: dict) -> list[str]:
+    """The arms in the benchmark's order: a JSON read back is key-sorted, and its figure must be the same."""
+    return [a for a in ("softmax", *METHODS) if a in res["accuracy"]]
+
+
+def _by_value(keys) -> list[str]:
+    """Lengths or pair counts (JSON keys, strings) in numeric order: "64" after "512" as text."""
+    return sorted(keys, key=int)
+
+
 def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the accuracy by length, by number of pairs, and the state size."""
-    arms = list(res["accuracy"])
-    lengths, pairs = list(res["accuracy"]["softmax"]), list(res["accuracy_by_pairs"]["softmax"])
+    arms = _arms(res)
+    lengths, pairs = _by_value(res["accuracy"]["softmax"]), _by_value(res["accuracy_by_pairs"]["softmax"])
     trained = res["trained_length"]
     by_len = [[a, *(f"{res['accuracy'][a][n]:.3f}" for n in lengths)] for a in arms]
     by_pairs = [[a, *(f"{res['accuracy_by_pairs'][a][p]:.3f}" for p in pairs)] for a in arms]
@@ -298,13 +308,14 @@ def figure(res: dict, path: Path) -> None:
     from benchmarks._common import finish_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for arm in res["accuracy"]:
+    for arm in _arms(res):
         style = "--" if "swa" in arm else "-"
-        lens = [int(n) for n in res["accuracy"][arm]]
-        axes[0].plot(lens, list(res["accuracy"][arm].values()), style, marker="o", label=arm)
-        pairs = [int(p) for p in res["accuracy_by_pairs"][arm]]
-        axes[1].plot(pairs, list(res["accuracy_by_pairs"][arm].values()), style, marker="o", label=arm)
-        axes[2].plot(lens, [b / 1024 for b in res["state_bytes"][arm].values()], style, marker="o", label=arm)
+        lens, pairs = _by_value(res["accuracy"][arm]), _by_value(res["accuracy_by_pairs"][arm])
+        axes[0].plot([int(n) for n in lens], [res["accuracy"][arm][n] for n in lens], style, marker="o", label=arm)
+        axes[1].plot([int(p) for p in pairs], [res["accuracy_by_pairs"][arm][p] for p in pairs], style, marker="o",
+                     label=arm)
+        axes[2].plot([int(n) for n in lens], [res["state_bytes"][arm][n] / 1024 for n in lens], style, marker="o",
+                     label=arm)
     for ax, xl, yl in ((axes[0], "sequence length", "accuracy"), (axes[1], "key-value pairs", "accuracy"),
                        (axes[2], "sequence length", "decode state (KiB)")):
         ax.set_xscale("log", base=2)

@@ -132,7 +132,8 @@ def _plot(res: dict, path: Path) -> None:
 
     from benchmarks._common import finish_figure
 
-    names = sorted(res["settings"], key=lambda nm: nm != "tuned")  # tuned first (a JSON read back is key-sorted)
+    # tuned first, then by name: the order of the JSON read back (key-sorted), whose figure this is
+    names = sorted(res["settings"], key=lambda nm: (nm != "tuned", nm))
     conds = sorted(res["median"], key=lambda c: c != "quiet")
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(conds)
