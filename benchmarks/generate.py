@@ -53,8 +53,8 @@ WINDOW = dict(window=64, sinks=4)
 
 
 def parse_args(argv=None):
-    ap = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/generate.json) and a PNG beside "
-                    "it; the table on stdout")
+    ap = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/generate.json, rewritten after "
+                    "every row, `complete` false until the end) and a PNG beside it; the table on stdout")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: cuda when torch sees a GPU")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {SHAPES}")
@@ -296,16 +296,17 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
     rows = []
     env = environment()
 
-    def record(interrupted: bool) -> dict:
+    def record(interrupted: bool, complete: bool = True) -> dict:  # complete: False on the writes between rows
         return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(), "environment": env,
                 "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "speedups": ratios(rows),
-                "goals": goals(rows, args.device), "interrupted": interrupted, "elapsed_s": time.time() - t0}
+                "goals": goals(rows, args.device), "interrupted": interrupted,
+                "complete": complete and not interrupted, "elapsed_s": time.time() - t0}
 
     interrupted = False
     try:
         for row in measure(args):
             rows.append(row)
-            atomic_write_json(args.out, record(False))  # a time-out keeps what finished
+            atomic_write_json(args.out, record(False, complete=False))  # a kill after the INT keeps these
     except KeyboardInterrupt:
         interrupted = True
         progress.print("interrupted: reporting the rows measured so far")

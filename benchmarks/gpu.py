@@ -64,7 +64,7 @@ LENGTHS = tuple(2048 << i for i in range(7))  # 2k .. 128k
 
 def parse_args(argv=None):
     parser = ToolParser(__doc__, "the JSON of the run (--out; default benchmarks/results/gpu.json, rewritten after "
-                        "every length) and a PNG beside it; the table on stdout")
+                        "every method, `complete` false until the end) and a PNG beside it; the table on stdout")
     parser.add_argument("--lengths", type=list_of(int_in(1, MAX_TOKENS)), default=",".join(map(str, LENGTHS)),
                         help="comma-separated N values")
     parser.add_argument("--warmup", type=int, default=3)
@@ -525,7 +525,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
     env = environment()
     console.print(f"default SDPA picks: {picked['backend']} (kernels: {', '.join(picked['kernels'][:4])})")
 
-    def record(interrupted: bool) -> dict:
+    def record(interrupted: bool, complete: bool = True) -> dict:  # complete: False on the writes between methods
         rows = [row_of(n, measured) for n in args.lengths if any(key[1] == n for key in measured)]
         return {"shape": SHAPE | {"dtype": "bfloat16", "causal": True}, "device": device_name,
                 "versions": _versions(), "host": platform.node(), "environment": env,
@@ -533,7 +533,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                 "default_sdpa_backend": picked, "sanity": check, "rows": rows, "skipped": skipped,
                 "tuning": tuning(args.device),
                 "goals": goals(rows), "args": {k: str(v) for k, v in vars(args).items()},
-                "interrupted": interrupted, "elapsed_s": time.time() - t0}
+                "interrupted": interrupted, "complete": complete and not interrupted,
+                "elapsed_s": time.time() - t0}
 
     interrupted = False
     try:
@@ -554,7 +555,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> None:
                         skipped[f"{method} {mode} {n}"] = reason
                     r = measured.get((method, n, mode))
                     progress.print(f"  {method:13s} {mode:7s} N={n:7d} " + (f"{r['ms']:9.3f} ms" if r else reason))
-                    atomic_write_json(args.out, record(False))  # after every method: a time-out keeps what finished
+                    atomic_write_json(args.out, record(False, complete=False))  # a time-out keeps what finished
     except KeyboardInterrupt:  # a time limit (timeout --signal=INT): report what was measured
         interrupted = True
         progress.print("interrupted: reporting the lengths measured so far")

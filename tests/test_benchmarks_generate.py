@@ -117,3 +117,18 @@ def test_progress_goes_to_stderr_and_the_table_to_stdout(tiny, tmp_path, capsys)
     out, err = capsys.readouterr()
     assert "ctx=   100" in err and "ctx=" not in out
     assert "tokens/s" in out and "wrote" in err
+
+
+def test_writes_between_rows_say_they_are_partial(tiny, tmp_path, monkeypatch):
+    """A JSON left by the SIGKILL after scripts/gpu_perf.sh's SIGINT said "interrupted": false, as a finished run's;
+    only the last write is `complete`."""
+    import oal.rundir.files as files
+
+    writes, real = [], files.atomic_write_json
+    monkeypatch.setattr(files, "atomic_write_json", lambda path, obj: writes.append(json.loads(json.dumps(obj)))
+                        or real(path, obj))
+    out = tmp_path / "gen.json"
+    generate.main(["--device", "cpu", "--shapes", "smollm2-135m", "--contexts", "100", "--methods", "softmax,oal",
+                   "--tokens", "2", "--warmup", "1", "--prompt", "80", "--out", str(out)])
+    assert [w["complete"] for w in writes] == [False, False, True]
+    assert json.loads(out.read_text())["complete"] is True

@@ -239,3 +239,18 @@ def test_progress_goes_to_stderr_and_the_table_to_stdout(monkeypatch, tmp_path, 
     out, err = capsys.readouterr()
     assert "N=     32" in err and "N=     32" not in out
     assert "goal:" in out and "sdpa/OAL" in out and "wrote" in err
+
+
+def test_writes_between_methods_say_they_are_partial(monkeypatch, tmp_path):
+    """scripts/gpu_*.sh stop a part with SIGINT, then SIGKILL 15 s later: a JSON written between methods, left by
+    the kill, said "interrupted": false as a finished run does. Only the last write is `complete`."""
+    import oal.rundir.files as files
+
+    writes, real = [], files.atomic_write_json
+    monkeypatch.setattr(files, "atomic_write_json", lambda path, obj: writes.append(json.loads(json.dumps(obj)))
+                        or real(path, obj))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main sets it for the CPU smoke test: undone after this one
+    gpu.main(["--device", "cpu", "--lengths", "32", "--methods", "oal,oal_chunked", "--repeats", "1", "--warmup",
+              "0", "--no-backward", "--sanity-n", "0", "--out", str(tmp_path / "gpu.json")])
+    assert len(writes) >= 3 and [w["complete"] for w in writes] == [False] * (len(writes) - 1) + [True]
+    assert json.loads((tmp_path / "gpu.json").read_text())["complete"] is True
