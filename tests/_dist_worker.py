@@ -1,10 +1,12 @@
 """One process of a multi-process test (tests/test_distributed.py), started by
 `python -m torch.distributed.run --nproc_per_node N tests/_dist_worker.py SPEC.json`.
 
-SPEC: {"mode": "adapt" | "calibrate" | "run" | "cli", "watch": folder, "audit": folder, ...}. Every process records the
-file-system writes it makes below `watch` (a Python audit hook: file opens for writing, renames, removals, new
-folders and temporary files) and writes them to `audit/rank<r>.json`, so the tests can check that only the main
-process wrote. The builders of the tiny models and data live here, so the tests' one-process references use the same.
+SPEC: {"mode": "adapt" | "calibrate" | "run" | "cli", "watch": folder, "audit": folder, ...}; "cfg_by_rank" and
+"args_by_rank" (RANK -> settings) give a process settings or arguments of its own, "join_timeout_s" shortens
+`oal.launch.JOIN_TIMEOUT`. Every process records the file-system writes it makes below `watch` (a Python audit
+hook: file opens for writing, renames, removals, new folders and temporary files) and writes them to
+`audit/rank<r>.json`, so the tests can check that only the main process wrote. The builders of the tiny models and
+data live here, so the tests' one-process references use the same.
 """
 
 from __future__ import annotations
@@ -85,11 +87,12 @@ def run_adapt(spec: dict) -> None:
     kill = spec.get("kill_after")
 
     def on_step(step):
-        if step == kill and ranks().is_main:
-            os._exit(3)  # the main process dies right after this update (and its checkpoint)
+        if step == kill and ranks().index == spec.get("kill_rank", 0):
+            os._exit(3)  # the main process (or kill_rank) dies right after this update (and its checkpoint)
 
     model, train, val = adapt_inputs()
-    peft_model, res = adapt(model, train, val, AdaptConfig(**spec["cfg"]), ckpt_dir=spec["ckpt"], progress=False,
+    cfg = {**spec["cfg"], **spec.get("cfg_by_rank", {}).get(os.environ.get("RANK", "0"), {})}  # a mismatched launch
+    peft_model, res = adapt(model, train, val, AdaptConfig(**cfg), ckpt_dir=spec["ckpt"], progress=False,
                             on_step=on_step)
     from safetensors.torch import save_file
 
@@ -134,7 +137,7 @@ def run_cli(spec: dict) -> int:
 
     oal.pipeline.decoder.adapt = lambda *args, **kw: train(*args, on_step=on_step, **kw)
     try:
-        load_commands()(spec["args"], prog_name="oal")
+        load_commands()(spec.get("args_by_rank", {}).get(os.environ.get("RANK", "0"), spec["args"]), prog_name="oal")
     except SystemExit as exc:
         return exc.code or 0
     return 0
@@ -142,6 +145,12 @@ def run_cli(spec: dict) -> int:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if "join_timeout_s" in spec:  # how long the processes wait for one another to start (oal.launch)
+        from datetime import timedelta
+
+        import oal.launch
+
+        oal.launch.JOIN_TIMEOUT = timedelta(seconds=spec["join_timeout_s"])
     writes = record_writes(spec["watch"])
     modes = {"adapt": run_adapt, "calibrate": run_calibrate, "run": run_pipeline, "cli": run_cli}
     code = modes[spec["mode"]](spec) or 0

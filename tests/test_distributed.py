@@ -308,7 +308,8 @@ def test_killed_oal_adapt_launch_resumes_on_every_process(one_process_run, doubl
     run_dir = _copy(ref, tmp_path / "run")
     spec = {"mode": "cli", "watch": str(run_dir), "args": [*CLI_ADAPT, "--out", str(run_dir), "--batch-size", "1"]}
     proc, writes = launch(tmp_path, {**spec, "kill_after": 2}, check=False, audit=tmp_path / "killed")
-    assert proc.returncode != 0 and not writes  # killed: no process got to the end
+    # killed: no process got to the end (the other one may stop in order, having lost the main one: it wrote nothing)
+    assert proc.returncode != 0 and not any(writes)
     assert json.loads((run_dir / ".oal" / "checkpoints" / "oal" / "state.json").read_text())["step"] == 2
     stages = [json.loads((d / ".oal" / "stages.json").read_text()) for d in (run_dir, ref)]
     assert stages[0]["adapt:oal"] == stages[1]["adapt:oal"]  # still the finished run's entry: not marked done

@@ -13,22 +13,27 @@ for the others what is already done (`Ranks.on_main`: its result, or its error, 
 process reads a file the main process may be writing. The run directory must be on a filesystem every process
 sees (a shared one across machines): the others read the run's kernels and groups from it.
 
+Processes must be given the same settings (`Ranks.agree` refuses others). One that never joins (`JOIN_TIMEOUT`) or
+that stops mid-launch (`peer_errors`) makes the others stop with one line rather than wait.
+
 A plain process (no launcher, or a launch of one) is rank 0 of 1, and nothing here touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 
-__all__ = ["Ranks", "env_rank", "interactive", "launched", "log_console", "process_device", "progress_bar", "ranks",
-           "show_progress", "training_accelerator"]
+__all__ = ["Ranks", "env_rank", "interactive", "launched", "log_console", "peer_errors", "process_device",
+           "progress_bar", "ranks", "show_progress", "training_accelerator"]
 
 T = TypeVar("T")
 log = logging.getLogger("oal")
@@ -36,6 +41,9 @@ log = logging.getLogger("oal")
 # The other processes wait at a barrier while the main process runs a single-process stage (perplexity on the test
 # split, analysis); torch's default of 10-30 minutes is too short for the paper's models.
 TIMEOUT = timedelta(hours=6)
+# How long the processes wait for one another to start (seconds apart: the group forms before any model is read). A
+# process that stopped before it joined (bad input on one machine) left the others waiting for TIMEOUT.
+JOIN_TIMEOUT = timedelta(minutes=10)
 
 
 # what `accelerate launch` sets for the sharded engines oal does not drive (FSDP, DeepSpeed, Megatron-LM)
@@ -61,8 +69,13 @@ def reports_error(exc: BaseException) -> bool:
 
     if env_rank() == 0:
         return True
-    alike = isinstance(exc, (InputError, ModelUnavailableError)) or getattr(exc, "oal_from_main", False)
-    return "this" in _RANKS and not alike
+    if getattr(exc, "oal_from_main", False):
+        return False
+    # the first process of each machine prints the errors alike on every process too: another machine's log (its
+    # own --model path missing, a mistyped option there) otherwise showed nothing while the main process waited
+    first_here = int(os.environ.get("LOCAL_RANK", env_rank())) == 0
+    alike = isinstance(exc, (InputError, ModelUnavailableError))
+    return first_here or ("this" in _RANKS and not alike)
 
 
 # where stderr is a file, a running bar writes a line this often (seconds): a cluster's log shows a long stage moving
@@ -146,9 +159,22 @@ _CLOSING: list = []  # the exit handler that destroys the process group, once re
 
 def _state(cpu: bool):
     """accelerate's process state (it starts the process group: gloo on the CPU, NCCL on CUDA)."""
+    import torch.distributed as dist
     from accelerate import PartialState
 
-    state = PartialState(cpu=cpu, timeout=TIMEOUT)
+    forming = not dist.is_initialized()
+    try:
+        state = PartialState(cpu=cpu, timeout=JOIN_TIMEOUT if forming else TIMEOUT)
+        if forming and dist.is_initialized():  # everyone joined (NCCL connects lazily: the barrier makes it)
+            state.wait_for_everyone()
+            dist.distributed_c10d._set_pg_timeout(TIMEOUT)
+            dist.distributed_c10d._get_default_store().set_timeout(TIMEOUT)
+    except dist.DistError as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise ConnectionError(
+            f"launch: process {env_rank()} of {os.environ.get('WORLD_SIZE')} did not meet the others at {where} "
+            f"within {int(JOIN_TIMEOUT.total_seconds())} s ({str(exc).splitlines()[0]}); a process that stopped "
+            "before joining says why in its own log (on its machine)") from None
     if not _CLOSING:  # once: a process that exits with its group alive may abort in gloo's threads (SIGABRT)
         _CLOSING.append(atexit.register(state.destroy_process_group))
     if (state.device.type == "cpu") != cpu:
@@ -181,7 +207,7 @@ class Ranks:
             return obj
         from accelerate.utils import broadcast_object_list
 
-        return broadcast_object_list([obj])[0]
+        return self._talk(broadcast_object_list, [obj])[0]
 
     def gather(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] on every process (pickled: keep tensors on the CPU)."""
@@ -189,7 +215,7 @@ class Ranks:
             return [obj]
         from accelerate.utils import gather_object
 
-        return gather_object([obj])
+        return self._talk(gather_object, [obj])
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over the processes, the same tensor on every one of them."""
@@ -197,7 +223,28 @@ class Ranks:
             return tensor
         from accelerate.utils import reduce
 
-        return reduce(tensor.to(self.state.device), reduction="sum").to(tensor.device)
+        return self._talk(reduce, tensor.to(self.state.device), "sum").to(tensor.device)
+
+    def _talk(self, collective: Callable, *args):
+        with peer_errors():
+            return collective(*args)
+
+    def agree(self, values: dict, options: dict[str, str] | None = None) -> None:
+        """Refuse, on every process alike (InputError), a launch whose processes hold different `values` (name ->
+        a picklable value: settings, hashes of their data): each would compute its own result while the collectives
+        mixed them. `options`: the command-line option of a name, named in the error."""
+        if self.size == 1:
+            return
+        from oal.errors import InputError
+
+        every = self.gather(values)
+        for rank, theirs in enumerate(every[1:], 1):
+            differ = sorted(k for k in {*every[0], *theirs} if every[0].get(k) != theirs.get(k))
+            if differ:
+                name = differ[0]
+                raise InputError(f"the processes of this launch differ in {', '.join(differ)} (process 0: "
+                                 f"{_short(every[0].get(name))}, process {rank}: {_short(theirs.get(name))}); start "
+                                 "every process with the same command, model and data", (options or {}).get(name))
 
     def on_main(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the main process only; every process returns its result or raises its error (so a bad input
@@ -217,6 +264,31 @@ class Ranks:
             error.oal_from_main = True  # the main process reports it (`reports_error`)
             raise error from None
         return result
+
+
+# what torch's backends say when a peer has gone (gloo: 'Connection closed by peer', a plain RuntimeError)
+_PEER_GONE = re.compile(r"gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Tt]imed out")
+
+
+@contextlib.contextmanager
+def peer_errors():
+    """Collectives (DDP's included) inside: a failure because another process of the launch stopped becomes a
+    ConnectionError of one line (each survivor prints it, marked with its rank), not a traceback."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except RuntimeError as exc:
+        if not dist.is_initialized() or not (isinstance(exc, dist.DistError) or _PEER_GONE.search(str(exc))):
+            raise  # one process, or not the backend's: as it is
+        text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))  # gloo's '[.../pair.cc:553] ' in front
+        raise ConnectionError(f"launch: lost contact with another process of this launch ({text.split('. ')[0]}); "
+                              "it stopped: its own log (or torchrun's summary) says why") from None
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 _RANKS: dict[str, Ranks] = {}

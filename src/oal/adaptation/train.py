@@ -40,7 +40,7 @@ from oal.adaptation.config import AdaptConfig, AdaptResult, adapt_identity
 from oal.device import module_device
 from oal.evaluate.loss import CausalLMLoss
 from oal.evaluate.perplexity import block_nll
-from oal.launch import Ranks, log_console, progress_bar, ranks, training_accelerator
+from oal.launch import Ranks, log_console, peer_errors, progress_bar, ranks, training_accelerator
 from oal.models.attention import converted_methods, kernel_parameters
 from oal.rundir.hashes import config_hash, tensor_hash
 
@@ -77,6 +77,10 @@ def wrap_lora(model, cfg: AdaptConfig):
         if strip_peft_prefix(name) in kernel_names:
             p.requires_grad_(True)
     return peft_model, sorted(kernel_names)
+
+
+# the command-line options of the settings a launch's processes must share (named in the error when they differ)
+_OPTIONS = {k: "--" + k.replace("_", "-") for k in ("steps", "val_every", "batch_size", "grad_accum", "lora_dropout")}
 
 
 def _trainable(model) -> dict[str, torch.nn.Parameter]:
@@ -157,10 +161,14 @@ def adapt(
     train_model, optimizer = acc.prepare(CausalLMLoss(peft_model), optimizer)
     per_update = cfg.batch_size * group.size * cfg.grad_accum  # the global batch
     order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
-    key = config_hash({"cfg": adapt_identity(cfg, group.size), "train": tensor_hash(train_blocks),
-                       "val": tensor_hash(val_blocks), "params": sorted(params),
-                       "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256,
-                       "conversion": conversion})
+    inputs = {"train": tensor_hash(train_blocks), "val": tensor_hash(val_blocks), "params": sorted(params),
+              "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256,
+              "conversion": conversion}
+    identity = adapt_identity(cfg, group.size)
+    # processes given other settings or data would each train their own schedule while DDP averaged their gradients
+    # (one that stops first leaves the other's collectives matched with unrelated ones): refused on every process
+    group.agree({**cfg.to_dict(), **inputs}, _OPTIONS)
+    key = config_hash({"cfg": identity, **inputs})
 
     state = {"key": key, "step": 0, "best_step": -1, "best_val_nll": math.inf, "history": [], "validation": []}
     best = {n: p.detach().clone() for n, p in params.items()}
@@ -185,7 +193,8 @@ def adapt(
             for micro in range(cfg.grad_accum):  # this process's batch_size blocks of each micro-batch
                 start = first + (micro * group.size + group.index) * cfg.batch_size
                 ids = train_blocks[order[start : start + cfg.batch_size]]
-                with acc.accumulate(train_model):  # gradients are averaged across processes on the last one
+                # gradients are averaged across processes on the last one (a process that stopped: one line)
+                with acc.accumulate(train_model), peer_errors():
                     loss = train_model(ids)
                     acc.backward(loss)  # divided by grad_accum
                 losses.append(loss.detach())
@@ -194,7 +203,8 @@ def adapt(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = float(acc.reduce(torch.stack(losses).mean(), reduction="mean"))  # over the global batch
+            with peer_errors():
+                loss = float(acc.reduce(torch.stack(losses).mean(), reduction="mean"))  # over the global batch
             state["step"] += 1
             step = state["step"]
             state["history"].append({"step": step, "loss": loss, "lr": lr})
