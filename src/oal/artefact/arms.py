@@ -106,6 +106,24 @@ def _run_dtype(run_dir: Path, config: dict | None = None) -> torch.dtype:
     return dtype
 
 
+def _load_dtype(run_dir: Path, dtype: torch.dtype | None, config: dict | None = None):
+    """(the dtype to load the base model in, the dtype to cast it to afterwards or None). A wider dtype than the
+    run's (float32 on a bfloat16 run) loads the run's model and casts it: exactly the weights its kernels and adapter
+    were made on (a float32 checkpoint loaded as float32 has other, unrounded weights, which no adapter matches)."""
+    run = _run_dtype(run_dir, config)
+    want = dtype or run
+    if want != run and want.is_floating_point and want.itemsize > run.itemsize:
+        return run, want
+    return want, None
+
+
+def _widen(mdl, dtype: torch.dtype | None) -> None:
+    if dtype is not None:
+        from oal.artefact.folder_io import cast_base_weights
+
+        cast_base_weights(mdl, dtype)  # the kernels keep their own dtype
+
+
 def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | None = None, *,
                    model: str | None = None, dtype: torch.dtype | None = None, device: str = "cpu",
                    merge: bool = True):
@@ -127,7 +145,8 @@ def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | Non
     adir = _adapter_or_none(run_dir, method, adapter)
     base = read_json_object(kdir / META_FILE, "kernels metadata (oal.save_kernels)").get("base_model")
     name = model or (base.get("name_or_path") if isinstance(base, dict) else None) or "default"
-    mdl = load(kdir, name, dtype=dtype or _run_dtype(run_dir), device=device)  # checks the base model's hashes
+    load_dtype, widen = _load_dtype(run_dir, dtype)
+    mdl = load(kdir, name, dtype=load_dtype, device=device)  # checks the base model's hashes
     tokenizer = AutoTokenizer.from_pretrained(mdl.config.name_or_path, local_files_only=True)
     if adir is not None:
         from oal.adaptation.adapter import load_adapter
@@ -135,6 +154,7 @@ def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | Non
         mdl = load_adapter(mdl, adir)
         if merge:
             mdl = mdl.merge_and_unload()
+    _widen(mdl, widen)
     mdl.eval()
     if adir is not None:
         how = f"its LoRA adapter ({'merged' if merge else 'unmerged'}) and trained kernels from {adir}"
@@ -169,13 +189,15 @@ def load_arm(run_dir: str | Path, method: str, adapter: bool | None = None, *, m
         raise ValueError(f"{config_path}: records no fingerprint of the run's base model; rerun `oal run`")
     name = model or record.get("model") or "default"
     loader = load_encoder if config.get("protocol") == "encoder" and is_encoder_model(name) else load_model
-    mdl, tokenizer, provenance = loader(name, dtype=dtype or _run_dtype(run_dir, config), device=device)
+    load_dtype, widen = _load_dtype(run_dir, dtype, config)
+    mdl, tokenizer, provenance = loader(name, dtype=load_dtype, device=device)
     check_base_model({"name_or_path": record.get("model"), "state_dict_sha256": record["state_dict_sha256"],
                       "dtype": record.get("dtype"), "hashes": record.get("sha256")}, mdl, provenance,
                      where=str(config_path))
     adir = _adapter_or_none(run_dir, method, adapter)
     if adir is not None:
         mdl = load_adapter(mdl, adir).merge_and_unload()
+    _widen(mdl, widen)
     log.info("%s: using softmax %s", run_dir, f"with its LoRA adapter from {adir}" if adir else "(no adapter)")
     info = {"method": method, "base_model": name, "kernels": None, "adapter": str(adir) if adir else None,
             "merged": adir is not None}

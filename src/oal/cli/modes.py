@@ -25,14 +25,40 @@ def refuse_other_modes(ctx: typer.Context, mode: str) -> None:
         refuse_unless(ctx, other == mode, names, needs)
 
 
+def refuse_run_options(ctx: typer.Context, *, layers: str | None, passkey: str | None, methods: str,
+                       tasks: str) -> None:
+    """`oal run`'s options that apply only with another, refused where given without it (a value equal to the
+    default included: it would be recorded, yet change nothing)."""
+    from oal.methods import get_method, method_names
+    from oal.pipeline.config import parse_methods
+
+    refuse_unless(ctx, passkey is not None, ("passkey_depths", "passkey_trials"), "--passkey")
+    refuse_unless(ctx, (layers or "").strip().lower().startswith("auto"), ("select_by",), "--layers auto:K")
+    try:
+        names = parse_methods(methods)
+    except ValueError:
+        return  # RunConfig names the bad --methods
+    given = _given(ctx, ("window", "sinks"))
+    if given and not any(get_method(m).settings for m in names if m in method_names()):  # as RunConfig words it
+        raise typer.BadParameter("applies to the sliding-window methods (swa, oal-swa, global-swa) only, and methods "
+                                 f"{','.join(names)} have none", param_hint=given[0])
+    refuse_unless(ctx, tasks.strip().lower() != "none", ("limit", "zeroshot_dir", "task_file"),
+                  "zero-shot tasks (--tasks other than none)")
+
+
 def refuse_unless(ctx: typer.Context, applies: bool, names: tuple[str, ...], needs: str) -> None:
     """typer's one-line error for the first option of `names` given on the command line where it does not apply
     (`applies` False): it would be ignored."""
-    flags = {p.name: p.opts[0] for p in ctx.command.params}
-    # typer vendors click: compare the source by name, not with click's own enum
-    given = [flags[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
+    given = _given(ctx, names)
     if given and not applies:
         raise typer.BadParameter(f"applies only to {needs}", param_hint=given[0])
+
+
+def _given(ctx: typer.Context, names: tuple[str, ...]) -> list[str]:
+    """The flags of `names` given on the command line."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    # typer vendors click: compare the source by name, not with click's own enum
+    return [flags[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
 
 
 def decoder_run(out: Path) -> Path:

@@ -8,7 +8,7 @@ import typer
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
-from oal.cli.modes import DECODER_ONLY, refuse_unless
+from oal.cli.modes import DECODER_ONLY, refuse_run_options, refuse_unless
 from oal.cli.options import (
     BatchSizeOpt,
     DataOpt,
@@ -90,8 +90,7 @@ def run(
     from oal.pipeline.runs import run as run_pipeline
 
     set_threads(threads)
-    refuse_unless(ctx, passkey is not None, ("passkey_depths", "passkey_trials"), "--passkey")
-    refuse_unless(ctx, (layers or "").strip().lower().startswith("auto"), ("select_by",), "--layers auto:K")
+    refuse_run_options(ctx, layers=layers, passkey=passkey, methods=methods, tasks=tasks)
     lengths = parse_numbers(passkey, int, "--passkey", 16, Max.TOKENS)
     depths = parse_numbers(passkey_depths, float, "--passkey-depths", 0.0, 1.0)
     try:

@@ -15,8 +15,8 @@ from oal.data.zeroshot import parse_task_files, parse_tasks
 from oal.device import resolve_dtype
 from oal.errors import InputError, from_known_keys, parse_names
 
-__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "SINKS", "WINDOW", "RunConfig", "grouping_preset",
-           "parse_methods", "parse_seeds"]
+__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "PRESETS", "SINKS", "WINDOW", "RunConfig", "check_task_files",
+           "grouping_preset", "parse_methods", "parse_seeds"]
 
 DEFAULT_METHODS = ("oal", "global", "softmax")
 ALL_METHODS = ("oal", "global", "softmax", "performer", "spectraformer", "dijiang", "taylorshift", "swa", "oal-swa",
@@ -77,12 +77,21 @@ def grouping_preset(preset: str) -> dict:
 
 
 def parse_methods(spec: str | list[str] | tuple[str, ...]) -> list[str]:
-    """'oal,global' -> ['oal', 'global']; 'all' -> every method. softmax is always kept as the reference arm."""
+    """'oal,global' -> ['oal', 'global']; 'all' -> every method (softmax, the reference arm, included)."""
     out = parse_names(spec, ALL_METHODS, "methods")
     if not out:
         raise InputError("expected a comma-separated list of method names or 'all', got nothing", "--methods",
                          "methods")
     return out
+
+
+def check_task_files(tasks, files: dict) -> None:
+    """A --task-file of a task outside --tasks would be read by nothing (yet recorded): refused, naming it."""
+    selected = parse_tasks(tasks)
+    unread = sorted(set(files or {}) - set(selected))
+    if unread:
+        raise InputError(f"{', '.join(unread)} is not among the tasks evaluated ({', '.join(selected) or 'none'}): "
+                         "add it to --tasks, or leave its file out", "--task-file", "zeroshot_files")
 
 
 MAX_SEED = 2**32
@@ -198,6 +207,7 @@ class RunConfig:
         base.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**base)
         # checked here, not on reading a recorded run whose folders may have moved (oal export needs neither)
+        check_task_files(cfg.zeroshot_tasks, cfg.zeroshot_files)
         if cfg.zeroshot_dir is not None and not Path(cfg.zeroshot_dir).is_dir():
             raise InputError(f"no such folder: {cfg.zeroshot_dir}", "--zeroshot-dir", "zeroshot_dir")
         if cfg.data_dir is not None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.table import Table
 
 from oal.errors import InputError
+from oal.pipeline.config import check_task_files
 from oal.rundir.lock import own_dir
 
 __all__ = ["SAMPLES_DIR", "evaluate_zeroshot"]
@@ -42,6 +43,7 @@ def evaluate_zeroshot(out_dir: str | Path, methods: Sequence[str], *, model: str
         raise InputError(f"no such run directory: {out_dir}", "--out", "out_dir")
     if not methods:
         raise InputError("expected at least one method", "--methods", "methods")
+    check_task_files(tasks, task_files)
     with own_dir(out_dir):
         res = _evaluate(out_dir, methods, model=model, tasks=tasks, task_files=task_files, zeroshot_dir=zeroshot_dir,
                         limit=limit, adapter=adapter, device=device, dtype=dtype, progress=progress, console=console,

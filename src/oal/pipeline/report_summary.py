@@ -83,10 +83,12 @@ def summary_section(metrics: dict, config: dict | None = None) -> list[str]:
                      fmt_pm(f.get("relmse_post_o"), fid_std.get(m, {}).get("relmse_post_o") if multi else None,
                             d_fid), _zeroshot_mean(metrics, m)])
     over = f", mean ± sample std over seeds {seeds}" if multi else ""
+    reference = ("softmax adapted with LoRA too (updates per arm: the Adaptation section); **PPL / softmax** is the "
+                 "arm's adapted PPL over softmax's (1.000x: the converted model matches softmax)" if "softmax" in
+                 methods else "no softmax arm in this run (`--methods` without softmax), so no **PPL / softmax**")
     out += [f"Model `{metrics.get('model')}`, converted layers {metrics.get('converted_layers')}{over}. Test "
-            "perplexity (PPL, lower is better) on the test split of the run's corpus, softmax adapted with LoRA "
-            "too (updates per arm: the Adaptation section); **PPL / softmax** is the arm's adapted PPL over "
-            "softmax's (1.000x: the converted model matches softmax). Fidelity: held-out relative MSE of the "
+            f"perplexity (PPL, lower is better) on the test split of the run's corpus, {reference}. Fidelity: "
+            "held-out relative MSE of the "
             "attention output after W_o against the softmax attention it replaces, kernels as calibrated (0: "
             "identical; lower is better).", "",
             markdown_table(["method", "test PPL (LoRA)", "PPL / softmax", "test PPL before adaptation",
