@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from oal.calibration.kernels import META_FILE, check_kernels_base, load_kernels, model_fingerprint, recorded_base_model
+from oal.device import resolve_device, resolve_dtype
+from oal.errors import InputError
 from oal.models.folders import first_line
 from oal.models.pretrained import read_json_object
 from oal.rundir.confine import escaping_links
@@ -41,28 +43,79 @@ def load(directory: str | Path, base_model: nn.Module | str | os.PathLike | None
 
     Raises:
         ValueError: a folder that is neither, a base model whose architecture or tensors differ from the
-            kernels' record, files changed since they were saved.
+            kernels' record (or a converted model's folder given as one), files changed since they were saved,
+            a device this torch cannot use, an option that does not apply.
     """
     if not isinstance(directory, (str, os.PathLike)):  # pathlib's TypeError named no argument
         raise ValueError(f"directory: expected a folder's path, got {type(directory).__name__}")
     if not Path(directory).is_dir():
         raise ValueError(f"directory: {directory} is not a folder (expected a converted model's folder, or a run's "
                          "kernels folder with base_model)")
+    if "device" in load_kwargs:  # before any loading: `cuda` without a GPU was torch's AssertionError after it
+        load_kwargs["device"] = resolve_device(load_kwargs["device"])
     if base_model is None:
-        from oal.artefact.load import load_export
-
         if not (Path(directory) / "config.json").is_file() and _kernel_folders(directory):
             raise ValueError(f"base_model: {directory} holds kernels, not a converted model; pass the base model "
                              "they were calibrated on: oal.load(directory, base_model)")
-        return load_export(directory, **load_kwargs)
+        return load_export(directory, **_known(load_export, load_kwargs))
+    if not _kernel_folders(directory):  # "DIR/kernels.json: is missing" for a converted model's folder
+        what = ("is a converted model's folder; load it without base_model: oal.load(directory)"
+                if _converted_folder(directory) else f"holds no kernels ({META_FILE}, or kernels/<method>/{META_FILE}, "
+                "as oal.save_kernels and oal.linearize's out_dir write them)")
+        raise ValueError(f"directory: {directory} {what}")
     if isinstance(base_model, (str, os.PathLike)):
-        return load_with_tokenizer(directory, str(base_model), **load_kwargs)[0]
+        _check_base_folder(base_model)
+        from oal.models.encoder import is_encoder_model, load_encoder
+        from oal.models.registry import load_model
+
+        kwargs = _known(load_encoder if is_encoder_model(str(base_model)) else load_model, load_kwargs)
+        if isinstance(kwargs.get("dtype"), str):  # as load_export takes it
+            kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+        try:
+            return load_with_tokenizer(directory, str(base_model), **kwargs)[0]
+        except InputError as exc:  # load_model's, naming its own argument (name_or_path)
+            if exc.arg != "name_or_path":
+                raise
+            raise ValueError(f"base_model: {exc.message}") from None
     if not isinstance(base_model, nn.Module) or not hasattr(base_model, "config"):
         raise ValueError(f"base_model: expected an HF model or a name/path, got {type(base_model).__name__}")
     if load_kwargs:
         raise ValueError(f"load_kwargs: {sorted(load_kwargs)} set how a model is loaded, and base_model is already "
                          "loaded (convert it with .to() first)")
     return _convert_checked(directory, base_model, None)
+
+
+def _known(fn, load_kwargs: dict) -> dict:
+    """`load_kwargs` when `fn` takes each of them; ValueError naming the others (not a TypeError of `fn`)."""
+    import inspect
+
+    known = [k for k, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    unknown = sorted(set(load_kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"load_kwargs: {', '.join(unknown)} not among the options here ({', '.join(known)})")
+    return load_kwargs
+
+
+def _converted_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a converted model (config.json of an "oal_<family>" model_type)."""
+    cfg = Path(folder) / "config.json"
+    try:
+        return cfg.is_file() and str(read_json_object(cfg, "config").get("model_type", "")).startswith("oal_")
+    except ValueError:
+        return False
+
+
+def _check_base_folder(base_model: str | os.PathLike) -> None:
+    """A base model given by path is not a converted model's folder nor a kernels folder (load_model's error named
+    `name_or_path` and an unsupported architecture, or a missing config.json)."""
+    folder = Path(base_model).expanduser()
+    if not folder.is_dir():
+        return
+    if _converted_folder(folder):
+        raise ValueError(f"base_model: {folder} is a converted model's folder; pass the base model the kernels were "
+                         "calibrated on (or load that folder alone: oal.load(folder))")
+    if _kernel_folders(folder):
+        raise ValueError(f"base_model: {folder} is a kernels folder; pass the base model they were calibrated on")
 
 
 def _kernels_folder(directory: str | Path) -> Path:
@@ -119,10 +172,7 @@ def load_export(directory: str | Path, *, dtype: torch.dtype | None = None, devi
     """Load a folder written by `export` / `save_pretrained` of a converted model (`oal.load(directory)`)."""
     from oal.models.auto import base_model_type, register_model
 
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: expected a torch device ('cpu', 'cuda', 'cuda:1'), got {device!r} ({exc})") from None
+    device = resolve_device(device)  # 'cuda' without a GPU: one line here, not torch's assertion after the load
     directory = Path(directory)
     cfg_path = directory / "config.json"
     model_type = read_json_object(cfg_path, "the config of a converted model folder (oal export)").get("model_type")

@@ -3,6 +3,8 @@ parameters of a layer with their per-head evidence (calibration.json)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -41,11 +43,16 @@ class CalibConfig:
         return replace(presets[name], **overrides)
 
     def __post_init__(self):
-        for name in ("max_steps", "val_every", "patience", "queries"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
-        if not (self.lr > 0 and self.clip_norm > 0 and self.perturb_std >= 0):
-            raise ValueError("lr/clip_norm: expected > 0 and perturb_std >= 0")
+        # True counted as 1 update, and lr=inf passed `lr > 0` (the factor overflowed after the capture)
+        for name, low in (("max_steps", 1), ("val_every", 1), ("patience", 1), ("queries", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        for name, positive in (("lr", True), ("clip_norm", True), ("perturb_std", False)):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+            if not number or value < 0 or (positive and value == 0):
+                raise ValueError(f"{name}: expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64', got {self.dtype!r}")
 

@@ -14,6 +14,8 @@ every file of its folder.
 
 from __future__ import annotations
 
+import operator
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from torch import nn
 
 from oal.methods.base import AttentionMethod, build_method, check_version, get_method, record_settings
 from oal.models.pretrained import check_records
-from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors
+from oal.rundir.files import atomic_save_safetensors, atomic_write_json, load_json, load_safetensors, to_jsonable
 from oal.rundir.hashes import header_binds, record_header, sha256_file
 
 __all__ = ["KERNELS_FILE", "META_FILE", "check_kernels_base", "kernel_dir", "load_kernels", "method_from_record",
@@ -54,10 +56,32 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 
 def _methods_of(model_or_methods) -> tuple[dict[int, AttentionMethod], nn.Module | None]:
-    if isinstance(model_or_methods, Mapping):
-        return dict(model_or_methods), None
+    if isinstance(model_or_methods, Mapping):  # {1: "oal"} failed on str.state_dict, {} wrote a kernels file that
+        # no model could load, and a key "a" a record that loading called damaged
+        if not model_or_methods:
+            raise ValueError("model_or_methods: expected a converted model or a dict layer index -> AttentionMethod, "
+                             "got an empty dict")
+        methods = {}
+        for i, m in model_or_methods.items():
+            try:
+                index = None if isinstance(i, bool) else operator.index(i)  # numpy ints too
+            except TypeError:
+                index = None
+            if index is None or index < 0:
+                raise ValueError(f"model_or_methods: expected layer indices (integers >= 0) as keys, got {i!r}")
+            if not isinstance(m, AttentionMethod):
+                raise ValueError(f"model_or_methods[{i}]: expected an AttentionMethod (oal.methods.build_method), "
+                                 f"got {type(m).__name__}")
+            methods[index] = m
+        return methods, None
     from oal.models.attention import converted_methods
 
+    if not isinstance(model_or_methods, nn.Module) or not hasattr(model_or_methods, "config"):
+        raise ValueError(f"model_or_methods: expected a converted model or a dict layer index -> AttentionMethod, "
+                         f"got {type(model_or_methods).__name__}")
+    if hasattr(model_or_methods, "peft_config"):  # its tensors (LoRA's too) are no base model's: `load` refused it
+        raise ValueError("model_or_methods: it carries LoRA (a peft model, oal.add_lora's); its own save_pretrained "
+                         "keeps the LoRA and the kernels, or merge_and_unload() it and save_pretrained the result")
     methods = converted_methods(model_or_methods)
     if not methods:
         raise ValueError("model_or_methods: the model has no converted layers; call oal.convert first")
@@ -88,14 +112,20 @@ def save_kernels(model_or_methods: nn.Module | Mapping[int, AttentionMethod], di
         the path of the written `kernels.json`.
 
     Raises:
-        ValueError: a model with no converted layers, a `directory` that is a file.
+        ValueError: a model with no converted layers or with LoRA attached (a peft model), an empty dict or one of
+            other keys or values, a `directory` that is a file.
     """
     from oal.models.provenance import weights_record
 
     methods, model = _methods_of(model_or_methods)
+    _check_records(extra=extra, model_hashes=model_hashes, fingerprint=fingerprint)
+    if provenance is not None and not isinstance(provenance, Mapping):  # read by key only, not written whole
+        raise ValueError(f"provenance: expected a dict (load_model's), got {type(provenance).__name__}")
     provenance = dict(provenance or {})
     model_hashes = model_hashes or provenance.get("sha256")
     revision = revision or provenance.get("revision")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"directory: expected a folder's path, got {type(directory).__name__}")
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"directory: {directory} is a file; expected a folder to write the kernels to")
@@ -123,6 +153,22 @@ def save_kernels(model_or_methods: nn.Module | Mapping[int, AttentionMethod], di
     meta_path = directory / META_FILE
     atomic_write_json(meta_path, meta)
     return meta_path
+
+
+def _check_records(**records) -> None:
+    """Each of `records` (written whole into kernels.json) is None or a dict that JSON can hold: a list failed on
+    dict(), a numpy number as a TypeError of the JSON writer, naming neither."""
+    import json
+
+    for name, value in records.items():
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name}: expected a dict, got {type(value).__name__}")
+        try:
+            json.dumps(dict(value), default=to_jsonable)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: not JSON-able ({exc})") from None
 
 
 def load_kernels(directory: str | Path, *, fingerprint: Mapping | None = None,

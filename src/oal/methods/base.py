@@ -20,8 +20,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-__all__ = ["AttentionMethod", "METHODS", "build_method", "causal_mask", "check_version", "get_method", "method_names",
-           "method_settings", "newer_versions", "record_settings", "register", "repeat_kv"]
+__all__ = ["AttentionMethod", "METHODS", "build_method", "causal_mask", "check_version", "constructor_settings",
+           "get_method", "method_names", "method_settings", "newer_versions", "record_settings", "register",
+           "repeat_kv"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -59,8 +60,27 @@ def get_method(name: str) -> type[AttentionMethod]:
 
 def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwargs) -> AttentionMethod:
     """A new, uncalibrated `name` method for a layer of `n_heads` query and `n_kv_heads` KV heads of `head_dim`;
-    `kwargs` are its constructor's (`layer_idx`, `seed`, and the method's own: `groups`, `window`, ...)."""
-    return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
+    `kwargs` are its constructor's (`layer_idx`, `seed`, and the method's own: `groups`, `window`, ...). A setting
+    the constructor does not take is a ValueError naming it (a misspelt `windw=64` was dropped silently)."""
+    cls = get_method(name)
+    known = constructor_settings(name)
+    unknown = [] if known is None else sorted(set(kwargs) - set(known) - {"layer_idx"})
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a setting of method {name!r} (its settings: "
+                         f"{', '.join(known) or 'none'})")
+    return cls(n_heads, n_kv_heads, head_dim, **kwargs)
+
+
+def constructor_settings(name: str) -> list[str] | None:
+    """The keyword settings method `name`'s constructor takes, besides its sizes and `layer_idx` (sorted); None
+    for a constructor that takes any (`**kwargs`)."""
+    import inspect
+
+    params = inspect.signature(get_method(name).__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):  # a registered method that takes anything
+        return None
+    return sorted(k for k, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and k not in ("self", "n_heads", "n_kv_heads", "head_dim", "layer_idx"))
 
 
 def method_settings(name: str, options) -> dict:

@@ -56,7 +56,7 @@ class DiJiangMethod(FeatureMapMethod):
     layer_shared = ("projection",)  # one fixed [d, d] draw per layer (theta is per query head)
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float32, chunk_size: int = 64,
-                 layer_idx: int = 0, seed: int = 0, **_ignored):
+                 layer_idx: int = 0, seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.dtype, self.chunk_size = dtype, chunk_size
         g = inverse_normal_samples(head_dim, generator_for("dijiang", seed, layer_idx))

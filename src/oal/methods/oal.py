@@ -95,10 +95,13 @@ class GlobalMethod(OALMethod):
         *,
         factor=None,
         eps: float = 1e-6,
+        groups=None,
+        n_groups: int = 1,
         layer_idx: int = 0,
         seed: int = 0,
-        **_ignored,
     ):
+        # groups / n_groups are accepted and ignored (one group whatever the caller's grouping): a saved record
+        # holds n_groups = 1, and callers pass OAL's settings to both
         super().__init__(
             n_heads,
             n_kv_heads,

@@ -46,7 +46,7 @@ class PerformerMethod(FeatureMapMethod):
     log_keys = True  # key features stay in log space until `feature_attention` shifts them causally
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, n_features: int = 250, dtype=torch.float64,
-                 chunk_size: int = 64, layer_idx: int = 0, seed: int = 0, **_ignored):
+                 chunk_size: int = 64, layer_idx: int = 0, seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         if n_features < 1:
             raise ValueError(f"n_features: expected a positive integer, got {n_features}")

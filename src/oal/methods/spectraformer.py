@@ -77,11 +77,15 @@ class SpectraFormerMethod(FeatureMapMethod):
     layer_shared = ("B", "G", "S", "perm", "H")  # App. F.1: one set per layer, shared by its query heads
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, dtype=torch.float64, chunk_size: int = 64,
-                 layer_idx: int = 0, seed: int = 0, **_ignored):
+                 n_features: int | None = None, layer_idx: int = 0, seed: int = 0):
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.dtype, self.chunk_size = dtype, chunk_size
         p = 1 << max(0, math.ceil(math.log2(head_dim)))
         self.p = p
+        if n_features is not None and n_features != self.n_features:  # saved records hold it; a different one
+            # was dropped silently, as if it set the feature count (head_dim sets it: FastFood's power of two, + 1)
+            raise ValueError(f"n_features: spectraformer has p + 1 = {self.n_features} features for head_dim "
+                             f"{head_dim} (p the next power of two), got {n_features!r}")
         g = generator_for("spectraformer", seed, layer_idx)
         b = torch.randint(0, 2, (p,), generator=g).double() * 2 - 1  # Rademacher
         gauss = torch.randn(p, generator=g, dtype=torch.float64)

@@ -28,7 +28,10 @@ class TaylorShiftMethod(AttentionMethod):
     name = "taylorshift"
     supports_state = True
 
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, layer_idx: int = 0, seed: int = 0, **_ignored):
+    def __init__(self, n_heads, n_kv_heads, head_dim, *, chunk_size: int | None = None, layer_idx: int = 0,
+                 seed: int = 0):
+        # chunk_size: the other baselines' setting, taken so that one set builds them all; OAL's operator, which
+        # this method runs, picks its own chunks
         super().__init__(n_heads, n_kv_heads, head_dim, layer_idx=layer_idx, seed=seed)
         self.tau = nn.Parameter(torch.ones(n_heads))
         # fixed: one group and the Taylor factor, buffers so that they move with the model (not saved; not named

@@ -43,6 +43,7 @@ Sliding-window models (Mistral): a converted layer attends the full causal prefi
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -388,9 +389,16 @@ def swap_attention(model: nn.Module, layers: Sequence[int] | None = None,
     if set(layers) != set(methods):
         raise ValueError(f"methods: expected one method per layer {layers}, got layers {sorted(methods)}")
     attns = {i: _attention(model, i) for i in layers}
-    for i, m in methods.items():
+    # the layers that keep their method: one object in two layers would train, save and reload as one (it
+    # shared its parameters silently, and a reload split them)
+    owner = {id(m): i for i, m in converted_methods(model).items() if i not in methods}
+    for i, m in sorted(methods.items()):
         if not isinstance(m, AttentionMethod):
             raise ValueError(f"methods[{i}]: expected an AttentionMethod, got {type(m).__name__}")
+        if id(m) in owner:
+            raise ValueError(f"methods[{i}]: the same method object as layer {owner[id(m)]}'s; give each layer its "
+                             "own (build_method per layer, or copy.deepcopy)")
+        owner[id(m)] = i
         if (m.n_heads, m.n_kv_heads, m.head_dim) != (n_heads, n_kv, head_dim):
             raise ValueError(f"methods[{i}]: built for (Hq, Hkv, d) = {(m.n_heads, m.n_kv_heads, m.head_dim)}, "
                              f"the model has {(n_heads, n_kv, head_dim)}")
@@ -412,7 +420,9 @@ def swap_attention(model: nn.Module, layers: Sequence[int] | None = None,
 
 
 def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:
-    """layer index -> method for every converted layer of `model` (empty when none)."""
+    """layer index -> method for every converted layer of `model` (empty when none); a peft model's
+    (`oal.add_lora`'s) are those of the model it wraps."""
+    model = _unwrapped(model)
     out = {}
     for i, layer in enumerate(_decoder_layers(model)):
         attn = encoder.attention_module(model, i) if encoder.is_encoder(model) else getattr(layer, "self_attn", None)
@@ -420,6 +430,13 @@ def converted_methods(model: nn.Module) -> dict[int, AttentionMethod]:
         if m is not None:
             out[i] = m
     return out
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft model (imported only where peft already is); `model` otherwise."""
+    if "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel):
+        return model.get_base_model()
+    return model
 
 
 def is_converted(model: nn.Module) -> bool:

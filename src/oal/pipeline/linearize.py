@@ -76,7 +76,8 @@ def calib_config(calib: Mapping | None, seed: int):
         raise ValueError(f"calib: expected a dict of CalibConfig settings or None (e.g. {{'preset': 'paper'}}, "
                          f"{{'max_steps': 100}}), got {calib!r}")
     settings = dict(calib or {})
-    for key, value in settings.items():  # CalibConfig took lr=inf (the factor overflowed later) and True as 1
+    for key, value in settings.items():  # one message for a flag or non-finite value of any key (CalibConfig checks
+        # each field's range too)
         if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
             raise ValueError(f"calib: {key}: expected a finite number, got {value!r}")
     try:
@@ -108,6 +109,14 @@ def _layers(spec, model) -> tuple[list[int], int | None]:
     if layers[0] < 0 or layers[-1] >= n_layers:
         raise ValueError(f"layers: expected layer indices in [0, {n_layers}), got {list(spec)}")
     return layers, None
+
+
+def _non_finite_weights(model: nn.Module) -> list[str]:
+    """The names of `model`'s floating-point parameters and buffers that hold a NaN or inf."""
+    import torch
+
+    return [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str] | str | Path | Corpus,
@@ -154,8 +163,8 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
 
     Raises:
         ValueError: bad input, naming the argument (too little text, an unknown method, a layer out of range or
-            not an integer, a model of an unsupported family or compiled by `torch.compile`, a tokenizer giving ids
-            the model does not embed), before any work where it can be seen up front.
+            not an integer, a model of an unsupported family or compiled by `torch.compile`, weights holding NaN or
+            inf, a tokenizer giving ids the model does not embed), before any work where it can be seen up front.
     """
     from oal.errors import check_int
     from oal.methods import get_method, method_names
@@ -168,6 +177,10 @@ def linearize(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Seque
     if any(p.is_meta for p in model.parameters()):  # device_map offload or a model built on the meta device
         raise ValueError("model: some of its weights are on the meta device (not loaded, or offloaded by device_map); "
                          "load it whole onto the device to compute on")
+    bad = _non_finite_weights(model)
+    if bad:  # it failed after the analysis's capture as "q, k: non-finite values", naming no layer
+        raise ValueError(f"model: NaN or inf in {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}; "
+                         "calibration fits the model's own attention, which these weights make non-finite")
     from oal.models.attention import converted_methods
     from oal.models.encoder import is_encoder
 

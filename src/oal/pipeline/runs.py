@@ -3,6 +3,7 @@ a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `
 `run_selection` (`oal select-layers`)."""
 
 import logging
+import numbers
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from oal.launch import log_console, process_device, ranks
 from oal.methods.base import get_method
 from oal.models.encoder import is_encoder_model
 from oal.pipeline.base import REFERENCE, Stop
-from oal.pipeline.config import ALL_METHODS, RunConfig
+from oal.pipeline.config import ALL_METHODS, RunConfig, parse_seeds
 from oal.pipeline.decoder import SELECTION_FILE, Run
 from oal.pipeline.inputs import causal_lm_run
 from oal.pipeline.records import run_config, selection_record
@@ -24,6 +25,23 @@ from oal.rundir.hashes import sha256_file
 from oal.rundir.lock import own_dir
 
 log = logging.getLogger("oal")
+
+
+def _check_cfg(cfg) -> None:
+    """`cfg` is a RunConfig: a preset's name or a dict failed on a missing attribute, deep inside."""
+    if not isinstance(cfg, RunConfig):
+        hint = (f"RunConfig.from_preset({cfg!r})" if isinstance(cfg, str) else "RunConfig.from_dict(d)"
+                if isinstance(cfg, dict) else "RunConfig.from_preset('default')")
+        raise ValueError(f"cfg: expected a RunConfig ({hint}), got {type(cfg).__name__}")
+
+
+def _seeds(seeds) -> list[int]:
+    """`run`'s seeds read as `--seeds` is: "0,1" ran the seeds "0", "," and "1" (after making seed-0/), [0, 0]
+    seed 0 twice, 0.5 failed on len()."""
+    items = seeds if isinstance(seeds, (list, tuple, range)) else [seeds]
+    if any(isinstance(s, bool) or not isinstance(s, (str, numbers.Integral)) for s in items):
+        raise ValueError(f"seeds: expected a list of integers or a string such as '42,43,44', got {seeds!r}")
+    return parse_seeds(seeds)
 
 
 def for_protocol(cfg: RunConfig) -> RunConfig:
@@ -65,6 +83,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
     loaded and before any stage, what would fail after them (`oal run --passkey`'s lengths). metrics.json and
     report.md are always rewritten from the stage records that verify, so they describe exactly the files on disk.
     """
+    _check_cfg(cfg)
     cfg = for_protocol(cfg)
     r = run_class(cfg)(cfg, out_dir, console=console, progress=progress, stop_after=stop_after, force=force,
                        allow_changes=allow_changes, recorded=recorded)
@@ -144,10 +163,12 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
     return old, d
 
 
-def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, console: Console | None = None,
-        progress: bool = True, force: bool = False, results: Console | None = None,
+def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = None, *,
+        console: Console | None = None, progress: bool = True, force: bool = False, results: Console | None = None,
         check: Callable[[Run], None] | None = None) -> dict:
     """`oal run`: one seed writes DIR directly; several seeds write DIR/seed-<s>/ and aggregate into DIR.
+
+    `seeds`: distinct integers >= 0, as a list or as `--seeds` takes them ("42,43,44"); default: `cfg.seed`.
 
     `console` gets what the stages say while they work (default: stderr), `results` the final table (default:
     stdout); both on the main process only. `check`: as `run_seed`'s, for each seed.
@@ -156,11 +177,12 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | None = None, *, 
     a multi-seed DIR given its seeds and more keeps its seeds and adds the others.
     A local BERT-family encoder folder runs the encoder protocol (`oal.pipeline.encoder.EncoderRun`).
     """
+    _check_cfg(cfg)
+    seeds = [cfg.seed] if seeds is None else _seeds(seeds)
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(cfg.device))
     console = (console or log_console()) if group.is_main else Console(quiet=True)  # the main process reports
     results = (results or Console()) if group.is_main else Console(quiet=True)
-    seeds = seeds or [cfg.seed]
     cfg = for_protocol(cfg)
     protocol = run_class(cfg)
     with own_dir(out_dir, group):
@@ -254,6 +276,7 @@ def run_selection(cfg: RunConfig, out_dir: str | Path, *, console: Console | Non
     run` with the same options continues from there. Another K or criterion than recorded reuses the calibration
     and the scores; where the run went on past the selection, metrics.json and report.md are rebuilt from the
     records that still verify (the arms of the old selection's kernels drop out until `oal run` redoes them)."""
+    _check_cfg(cfg)
     if not cfg.select:
         raise InputError("expected a layer selection such as auto:2", "--k", "select")
     causal_lm_run(Path(out_dir), "layer selection ranks layers by a causal LM's perplexity, which an encoder has not")
