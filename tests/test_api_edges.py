@@ -248,3 +248,15 @@ def test_linearize_names_the_weight_that_holds_a_nan(tmp_path):
         model.model.layers[2].self_attn.v_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"^model: NaN or inf in model\.layers\.2\.self_attn\.v_proj\.weight;"):
         oal.linearize(model, tok, ["a few words " * 2000], layers=[1, 2], calib={"preset": "tiny"}, progress=False)
+
+
+def test_convert_takes_a_dict_of_methods_given_as_layers():
+    """convert(model, {1: m}) kept the dict's keys as the layers and converted layer 1 with a fresh, uncalibrated
+    OAL method: `m` (calibrated, say) was dropped without a word."""
+    model = tiny_model("qwen2", 64)
+    m = build_method("global", 6, 2, 8)
+    oal.convert(model, {1: m})
+    assert oal.models.attention.converted_methods(model) == {1: m}
+    for extra in ({"methods": "swa"}, {"method": "swa"}, {"eps": 1e-3}):
+        with pytest.raises(ValueError, match=r"^layers: got a dict; a dict layer index -> AttentionMethod goes in"):
+            oal.convert(model, {2: build_method("global", 6, 2, 8)}, **extra)

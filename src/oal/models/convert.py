@@ -50,6 +50,7 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
         model: a Hugging Face causal LM (Llama, Qwen2, Mistral, Qwen3 families) or a BERT-family encoder.
         layers: the layer indices to convert. Default: the keys of `methods`, or `default_layers(model)` (the
             paper's range for its backbones, else every layer but the first and last) when `methods` is a name.
+            A dict of methods given here (`convert(model, {1: m})`) is taken as `methods`.
         methods: a dict layer index -> `AttentionMethod` built for this model's (Hq, Hkv, d) (calibrated ones:
             `oal.load`), or a method name (`oal.methods.method_names()`), which builds an uncalibrated default
             instance per layer.
@@ -64,6 +65,11 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
         ValueError: a model of an unsupported architecture, layer indices out of range or not integers, a method
             built for another head shape, an unknown method name.
     """
+    if isinstance(layers, Mapping):  # convert(model, {1: m}): the dict's keys were kept and `m` dropped silently
+        if method is not None or method_kwargs or not (isinstance(methods, str) and methods == "oal"):
+            raise ValueError("layers: got a dict; a dict layer index -> AttentionMethod goes in `methods` "
+                             "(convert(model, methods={1: m})), and `layers` takes indices")
+        layers, methods = None, layers
     if method is not None:
         if not (isinstance(methods, str) and methods == "oal"):
             raise ValueError(f"method: given both as `methods` ({methods!r}) and as `method` ({method!r}); give one")
@@ -78,16 +84,12 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
 
 
 def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
-    """Refuse a setting that method `name`'s constructor does not name: several take `**_ignored` (the calibration
-    passes every method the same settings), so `convert(model, layers, "dijiang", windw=64)` dropped it silently."""
-    import inspect
+    """Refuse a setting that method `name`'s constructor does not name (`convert(model, layers, "dijiang",
+    windw=64)` once dropped it silently), naming this function's argument."""
+    from oal.methods.base import constructor_settings
 
-    from oal.methods import get_method
-
-    params = inspect.signature(get_method(name).__init__).parameters
-    known = sorted(k for k, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-                   and k not in ("self", "n_heads", "n_kv_heads", "head_dim", "layer_idx"))
-    unknown = sorted(set(settings) - set(known))
+    known = constructor_settings(name)
+    unknown = [] if known is None else sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"method_kwargs: {name} takes no setting {', '.join(map(repr, unknown))} (its settings: "
                          f"{', '.join(known) or 'none'})")
