@@ -2,6 +2,8 @@
 a time, every write confined to the directory): `run` (`oal run`), `run_seed`, `adapt_arm` (`oal adapt`) and
 `run_selection` (`oal select-layers`)."""
 
+import hashlib
+import json
 import logging
 import numbers
 from collections.abc import Callable
@@ -21,7 +23,6 @@ from oal.pipeline.records import run_config, selection_record
 from oal.pipeline.selection import SELECTION_KEYS
 from oal.rundir.claim import multi_seed_layout
 from oal.rundir.files import atomic_write_json, check_out_dir, clean_tmp
-from oal.rundir.hashes import sha256_file
 from oal.rundir.lock import own_dir
 
 log = logging.getLogger("oal")
@@ -192,12 +193,13 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = Non
                                allow_changes=SELECTION_KEYS, check=check)
         else:
             group.on_main(lambda: clean_tmp(out_dir))
-            per_seed = {}
             for s in seeds:
                 console.rule(f"[bold]seed {s}")
-                per_seed[s] = run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress,
-                                       force=force, allow_changes=SELECTION_KEYS, check=check)
-            metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, per_seed, console))
+                run_seed(cfg.with_seed(s), out_dir / f"seed-{s}", console=console, progress=progress, force=force,
+                         allow_changes=SELECTION_KEYS, check=check)
+            # each seed's metrics.json as it is now, not as run_seed returned it: `oal evaluate` on a finished seed
+            # while a later one ran rewrote it (and could not refresh DIR, which this run holds)
+            metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, console))
     results.print(protocol.summary(metrics))
     return metrics
 
@@ -221,12 +223,16 @@ def _recorded_seeds(out_dir: Path):
     return run_config(top).get("seeds") if top.is_file() else None
 
 
-def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], per_seed: dict[int, dict],
-                     console: Console) -> dict:
-    """The multi-seed aggregate of `protocol`: metrics.json, config.json and report.md of DIR (main process)."""
+def _write_aggregate(protocol: type[Run], out_dir: Path, seeds: list[int], console: Console) -> dict:
+    """The multi-seed aggregate of `protocol` from each seed's metrics.json on disk (each read once: the numbers
+    and the SHA256 recorded of them are of the same bytes): metrics.json, config.json and report.md of DIR (main
+    process)."""
+    per_seed, sha = {}, {}
+    for s in seeds:
+        data = (out_dir / f"seed-{s}" / "metrics.json").read_bytes()
+        per_seed[s], sha[f"seed-{s}/metrics.json"] = json.loads(data), hashlib.sha256(data).hexdigest()
     metrics = protocol.aggregate(per_seed)
-    metrics["sha256"] = {f"seed-{s}/metrics.json": sha256_file(out_dir / f"seed-{s}" / "metrics.json")
-                         for s in seeds}
+    metrics["sha256"] = sha
     config = run_config(out_dir / f"seed-{seeds[0]}" / "config.json")
     atomic_write_json(out_dir / "config.json", {**config, "seeds": list(seeds)})
     atomic_write_json(out_dir / "metrics.json", metrics)
@@ -239,7 +245,6 @@ def refresh_aggregate(seed_dir: str | Path, console: Console | None = None) -> d
     again from every seed's metrics.json, so that they include what was just measured (else DIR would go on showing
     the older numbers). None where `seed_dir` is no such seed, or (with a warning) where a seed's run is unfinished
     or its metrics.json no longer matches its record: DIR is then left as it was."""
-    from oal.rundir.files import load_json
     from oal.rundir.stages import StageLog
 
     seed_dir = Path(seed_dir)
@@ -249,7 +254,6 @@ def refresh_aggregate(seed_dir: str | Path, console: Console | None = None) -> d
         return None
     if not isinstance(seeds, list) or seed_dir.name not in {f"seed-{s}" for s in seeds}:
         return None
-    per_seed = {}
     for s in seeds:
         d = seed_dir.parent / f"seed-{s}"
         try:
@@ -261,10 +265,9 @@ def refresh_aggregate(seed_dir: str | Path, console: Console | None = None) -> d
                         "%s` with the run's options finishes it and aggregates)", seed_dir.parent / "metrics.json", d,
                         seed_dir.parent, ",".join(map(str, seeds)))
             return None
-        per_seed[s] = load_json(d / "metrics.json")
     try:
         with own_dir(seed_dir.parent):
-            return _write_aggregate(Run, seed_dir.parent, seeds, per_seed, console or Console(quiet=True))
+            return _write_aggregate(Run, seed_dir.parent, seeds, console or Console(quiet=True))
     except InputError as exc:  # another command holds DIR: the seed's own numbers are written; say what is not
         log.warning("%s not updated: %s", seed_dir.parent / "metrics.json", exc.message)
         return None
