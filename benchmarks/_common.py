@@ -311,12 +311,14 @@ def direct_launch(on: bool, otherwise: str | None = None):
 # ------------------------------------------------------------------------------------------------ provenance
 
 
-def environment() -> dict:
+def environment(args: argparse.Namespace | None = None) -> dict:
     """What a benchmark's numbers were measured with, for its JSON: the versions of the interpreter and libraries
     (`oal.rundir.hashes.versions`, torch's build included), the tool's arguments (`args`, as parsed, defaults
-    included), the commit of the checkout (as scripts/gpu_check.sh: $COMMIT where set, else `git rev-parse HEAD`
-    with "+uncommitted" when tracked files differ; None outside git) and the machine (CPU model, cores, torch's
-    threads, the GPU torch sees)."""
+    included: those of the last `ToolParser`, or `args` for a tool with a parser of its own), the commit of the
+    checkout (as scripts/gpu_check.sh: $COMMIT where set, else `git rev-parse HEAD` with "+uncommitted" when
+    tracked files differ; None outside git) and the machine (CPU model, cores, torch's threads, the GPU torch
+    sees)."""
+    import json
     import platform
     import subprocess
 
@@ -340,7 +342,7 @@ def environment() -> dict:
             commit += "+uncommitted"
     cuda = torch.cuda.is_available()
     return {"versions": versions() | {"torch_build": torch.__version__, "cuda": torch.version.cuda},
-            "commit": commit, "args": PARSED,
+            "commit": commit, "args": PARSED if args is None else json.loads(json.dumps(vars(args), default=str)),
             "machine": {"platform": platform.platform(), "cpu": cpu_info()["model"],
                         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                         "gpu": torch.cuda.get_device_name() if cuda else None}}

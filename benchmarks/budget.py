@@ -20,9 +20,11 @@ collect writes --json (default benchmarks/results/smollm2_budget.json) with
    "curves": {method: [[updates, val_ppl], ...]},                          # mean over seeds at each validation
    "test_ppl": {method: float},                                            # after adaptation (best val checkpoint)
    "tokens_per_update": int, "device": str,
-   "frozen_tables": [...], "frozen_runs": {...}, "goals": {...}, "gap_ratio": {...}, "arms": {...}, "sources": {...}}
-and --png (default beside the JSON): validation PPL against updates per arm, and the gap ratio
-(OAL - softmax) / (global - softmax) at each validation.
+   "frozen_tables": [...], "frozen_runs": {...}, "goals": {...}, "gap_ratio": {...}, "arms": {...}, "sources": {...},
+   "environment": {...}}                          # versions, commit, machine, collect's arguments (`args`)
+and --png (default beside the JSON, so a --json named .png needs --png): validation PPL against updates per arm,
+and the gap ratio (OAL - softmax) / (global - softmax) at each validation. Both are checked writable before the
+records are read.
 
     .venv/bin/python -m benchmarks.budget run --out runs/budget-512 --adapt-len 512 --steps 256 --val-every 32
     .venv/bin/python -m benchmarks.budget table2 --out runs/t2-2048 --fidelity-len 2048 --layers 3-26
@@ -35,6 +37,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from benchmarks._common import _check_writable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_METHODS = "oal,global,softmax"
@@ -193,6 +197,7 @@ def _parse_run_spec(spec: str) -> tuple[Path, list[str] | None]:
 def cmd_collect(args) -> None:
     from benchmarks._budget_records import RecordError
     from benchmarks._budget_study import collect, markdown, plot
+    from benchmarks._common import environment
     from oal.rundir.files import atomic_write_json
 
     runs = [_parse_run_spec(s) for s in args.runs]
@@ -208,8 +213,14 @@ def cmd_collect(args) -> None:
         raise UsageError(str(exc)) from None
     data["sources"] = {"runs": [str(p) + (":" + ",".join(a) if a else "") for p, a in runs],
                        "table2": [str(t) for t in args.table2 or []], "command": " ".join(sys.argv)}
-    atomic_write_json(args.json, data)
-    plot(data, args.png or args.json.with_suffix(".png"))
+    data["environment"] = environment(args)
+    png = _png(args)
+    for option, path, write in (("--json", args.json, lambda: atomic_write_json(args.json, data)),
+                                ("--png", png, lambda: plot(data, png))):
+        try:
+            write()
+        except OSError as exc:  # checked writable before the work (`_check`), but the disk may fill or change
+            raise UsageError(f"{option}: cannot write {path} ({exc.strerror or exc})") from None
     print(markdown(data))
 
 
@@ -286,10 +297,24 @@ def _check(args) -> None:
                 if getattr(args, name) < 1:
                     raise UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
             _plan_of(args)
-    else:
-        for path in (args.json, args.png):
-            if path is not None and path.is_dir():
-                raise UsageError(f"{path} is a directory; expected a file name")
+    else:  # the outputs, before the records are read and verified
+        if args.json.suffix.lower() == ".png" and args.png is None:
+            raise UsageError(f"--json: {args.json}: the figure goes beside the JSON as NAME.png and would replace "
+                             "it; give the JSON's name (e.g. .json) or --png")
+        if args.png is not None and args.png.expanduser().resolve() == args.json.expanduser().resolve():
+            raise UsageError(f"--png: {args.png} is the --json file; expected another name")
+        for option, path in (("--json", args.json), ("--png", _png(args))):
+            if path.is_dir():
+                raise UsageError(f"{option}: {path} is a directory; expected a file name")
+            try:
+                _check_writable(path, path.parent)
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(f"{option}: {exc}") from None
+
+
+def _png(args) -> Path:
+    """collect's figure: --png, or beside the JSON under its name."""
+    return args.png or args.json.with_suffix(".png")
 
 
 def main(argv=None) -> int:
@@ -304,6 +329,9 @@ def main(argv=None) -> int:
         return 2
     except InputError as exc:  # found by the library once it has the model and the data (e.g. too few blocks)
         print(f"Error: {exc.param}: {exc.message}" if exc.param else f"Error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or folder that cannot be read or written, found during the work
+        print(f"Error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -11,13 +11,14 @@ For a context of L tokens the cache is set up directly instead of prefilling L t
 the cache's size; `_long_context`): 64 real prompt tokens are prefilled, then softmax layers get random K/V of length
 L and converted layers keep their real state with the token count set to L (the state's size does not depend on
 L); decoding continues at position L. For long-context generation at batch sizes, on a GPU too, and the recipe's
-sliding-window conversion: `benchmarks.generate`. RoPE's max_position_embeddings is raised to cover 32k. Times
-are medians over tokens, `--threads` torch threads (default: torch's). Writes benchmarks/results/decode.json,
-decode.png and prints a table per shape.
+sliding-window conversion: `benchmarks.generate`. RoPE's max_position_embeddings is raised to cover the longest
+context (at least 40k). Times are medians over tokens, `--threads` torch threads (default: torch's). Writes --out
+(default benchmarks/results/decode.json), a PNG beside it and prints a table per shape.
 
     .venv/bin/python -m benchmarks.decode                       # quick: 1k, 4k, 32k; both shapes
     .venv/bin/python -m benchmarks.decode --full                # 1k, 2k, 4k, 8k, 16k, 32k
     .venv/bin/python -m benchmarks.decode --shape default --threads 1
+    .venv/bin/python -m benchmarks.decode --shape default --lengths 128,256 --tokens 2 --out /tmp/decode.json
 """
 
 from __future__ import annotations
@@ -27,21 +28,31 @@ import platform
 import statistics
 from pathlib import Path
 
-from benchmarks._common import MAX_THREADS, ToolParser, environment, int_in, run_tool
+from benchmarks._common import MAX_THREADS, MAX_TOKENS, ToolParser, environment, int_in, list_of, output_file, run_tool
 
 SHAPES = ("default", "qwen2.5-0.5b")
 VARIANTS = ("softmax", "oal", "oal-all")
+RESULTS = Path(__file__).resolve().parent / "results"
+QUICK, FULL = [1024, 4096, 32768], [1024, 2048, 4096, 8192, 16384, 32768]  # the contexts without --lengths
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The arguments, checked before the heavy imports (one-line errors, exit code 2; --help names the outputs)."""
-    ap = ToolParser(__doc__, "benchmarks/results/decode.json and decode.png; a table per shape on stdout")
+    ap = ToolParser(__doc__, "the JSON (--out; default benchmarks/results/decode.json) and a PNG beside it; a table "
+                    "per shape on stdout")
     ap.add_argument("--full", action="store_true", help="1k..32k in powers of two (default: 1k, 4k, 32k)")
+    ap.add_argument("--lengths", type=list_of(int_in(1, MAX_TOKENS)),
+                    help="comma-separated context lengths instead of the default or --full ones")
     ap.add_argument("--tokens", type=int_in(1, 10_000), default=None,
                     help="timed tokens per context (default 5, full 15)")
     ap.add_argument("--threads", type=int_in(0, MAX_THREADS), default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", type=output_file, default=str(RESULTS / "decode.json"), help="the JSON to write (default "
+                    "benchmarks/results/decode.json; the PNG beside it)")
+    args = ap.parse_args(argv)
+    if args.lengths and args.full:
+        ap.error("--lengths: not with --full (which picks the lengths)")
+    return args
 
 
 ARGS = parse_args() if __name__ == "__main__" else None  # before the heavy imports: --help and bad input at once
@@ -61,13 +72,12 @@ from oal.models.convert import convert  # noqa: E402
 from oal.models.registry import default_layers  # noqa: E402
 from oal.rundir.files import atomic_save_figure, atomic_write_json  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-MAX_POS = 40_000
+MAX_POS = 40_000  # at least; raised to cover the longest context (`base_model`)
 
 
-def base_model(shape: str = "default"):
+def base_model(shape: str = "default", max_pos: int = MAX_POS):
     if shape == "qwen2.5-0.5b":
-        return lc.build(shape, max_positions=MAX_POS)
+        return lc.build(shape, max_positions=max_pos)
     try:
         from oal.models.registry import load_model
 
@@ -79,12 +89,12 @@ def base_model(shape: str = "default"):
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(cfg).eval()
         source = f"random init of the embedded model's shape (embedded model unavailable: {exc})"
-    model.config.max_position_embeddings = MAX_POS
+    model.config.max_position_embeddings = max_pos
     return model.eval(), source
 
 
-def variant(name: str, shape: str = "default"):
-    model, source = base_model(shape)
+def variant(name: str, shape: str = "default", max_pos: int = MAX_POS):
+    model, source = base_model(shape, max_pos)
     n = model.config.num_hidden_layers
     if name == "oal":
         convert(model, default_layers(model), "oal")
@@ -103,8 +113,9 @@ def decode_time(model, context: int, tokens: int, warmup: int = 2) -> tuple[floa
 
 def measure(shape: str, contexts: list[int], tokens: int) -> dict:
     record = {"variants": {}}
+    max_pos = max(MAX_POS, max(contexts) + tokens + 2)  # decode's 2 warm-up steps and the timed ones
     for name in VARIANTS:
-        model, source = variant(name, shape)
+        model, source = variant(name, shape, max_pos)
         record["source"] = source
         rows = []
         for ctx in contexts:
@@ -160,15 +171,14 @@ def table(shape: str, record: dict, contexts: list[int], threads: int, tokens: i
 def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    contexts = [1024, 2048, 4096, 8192, 16384, 32768] if args.full else [1024, 4096, 32768]
+    contexts = sorted(set(args.lengths)) if args.lengths else FULL if args.full else QUICK
     tokens = args.tokens or (15 if args.full else 5)
     shapes = SHAPES if args.shape == "both" else (args.shape,)
     record = {"contexts": contexts, "tokens": tokens, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),
               "shapes": {shape: measure(shape, contexts, tokens) for shape in shapes}, "environment": environment()}
-    RESULTS.mkdir(exist_ok=True)
-    atomic_write_json(RESULTS / "decode.json", record)
-    plot(record["shapes"], RESULTS / "decode.png")
+    atomic_write_json(args.out, record)
+    plot(record["shapes"], args.out.with_suffix(".png"))
     console = Console()
     for shape, rec in record["shapes"].items():
         console.print(table(shape, rec, contexts, record["threads"], tokens))

@@ -9,9 +9,10 @@ perplexity use) or transformers' own `model(ids, labels=ids).loss` over the whol
 the code before issue 24). `--compare-full` also runs the full-logits step in a child process (the peak RSS of a
 process cannot be reset) and reports both.
 
-Writes `{"peak_rss_gb": ..., "phases": {...}}` to --json (peak RSS of the process, GB = 1e9 bytes; per phase the
-RSS at its end, its own peak above its start, and seconds), a PNG beside it and prints a table (without --json, the
-table only).
+Writes `{"peak_rss_gb": ..., "phases": {...}, "compared": {...}, "complete": ...}` to --json (peak RSS of the
+process, GB = 1e9 bytes; per phase the RSS at its end, its own peak above its start, and seconds; `compared`: the
+full-logits step of --compare-full), a PNG beside it and prints a table (without --json, the table only). With
+--compare-full the JSON is written before the comparison too, with `"complete": false` until it is in.
 
     python -m benchmarks.memory --shape qwen2.5-0.5b --layers 1 --seq-len 4096 --json OUT.json
     python -m benchmarks.memory --shape qwen2.5-0.5b --layers 1 --seq-len 4096 --json OUT.json --compare-full
@@ -213,20 +214,22 @@ def main(args: argparse.Namespace) -> None:
         print(json.dumps(step(args.shape, args.layers, args.seq_len, args.loss, getattr(torch, args.dtype))))
         return
     results = [_child(args, args.loss)]  # a fresh process: its peak RSS is this step's alone
-    _write(args.json, results)  # before the (long) comparison, so that an interrupted one loses nothing
-    if args.compare_full and args.loss != "full":
+    compare = args.compare_full and args.loss != "full"
+    # before the (long) comparison, so that an interrupted one loses nothing; marked partial until the last write
+    _write(args.json, results, complete=not compare)
+    if compare:
         results.append(_child(args, "full"))
-        _write(args.json, results)
+        _write(args.json, results, complete=True)
     _table(results)
 
 
-def _write(path: Path | None, results: list[dict]) -> None:
+def _write(path: Path | None, results: list[dict], complete: bool) -> None:
     if path is None:
         return
     from oal.rundir.files import atomic_write_json
 
     goal = results[0]["goal_gb"]
-    atomic_write_json(path, dict(results[0], compared={r["loss"]: r for r in results[1:]},
+    atomic_write_json(path, dict(results[0], compared={r["loss"]: r for r in results[1:]}, complete=complete,
                                  goal_met=results[0]["peak_rss_gb"] <= goal if goal is not None else None,
                                  environment=environment()))
     _figure(results, path.with_suffix(".png"))

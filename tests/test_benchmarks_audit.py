@@ -68,12 +68,22 @@ def _settings_ab_result():
                        for k, c in enumerate(("quiet", "loaded"))}}
 
 
+def _encoder_result():
+    cos = lambda x: {"mean": 1 - x, "min": 1 - 2 * x, "p05": 1 - 1.5 * x}  # noqa: E731
+    return {"model": "/m/tiny-bert", "layers": [1, 2], "passages": 3,
+            "methods": {m: {"relmse": 0.1 * (i + 1), "relmse_post_o": 0.12 * (i + 1), "mse": 0.01,
+                            "per_layer_relmse": {"1": 0.1, "2": 0.2}, "cosine": {"mean": cos(1e-4 * (i + 1)),
+                                                                                 "cls": cos(2e-4 * (i + 1))}}
+                        for i, m in enumerate(("taylor", "oal", "global"))}}
+
+
 FIGURES = {  # module: (its figure function as the module calls it, data as the module holds it in memory)
     "decode": (lambda m, data, path: m.plot(data, path), _decode_record),
     "recall": (lambda m, data, path: m.figure(data, path), _recall_result),
     "cost_model": (lambda m, data, path: m.figure(data, path), _cost_result),
     "memory": (lambda m, data, path: m._figure([data], path), _memory_results),
     "settings_ab": (lambda m, data, path: m._plot(data, path), _settings_ab_result),
+    "encoder": (lambda m, data, path: m.plot(data, path), _encoder_result),
 }
 
 
@@ -196,4 +206,159 @@ def test_decode_host_cut_short_says_its_json_is_partial(tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert record["complete"] is False and [r["method"] for r in record["rows"]] == ["oal"]
     assert decode_host.main(decode_host.parse_args([*argv, "--methods", "oal"])) == 0
+    assert json.loads(out.read_text())["complete"] is True
+
+
+ENCODER_WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "query", "key", "value", "head", "group", "token"]
+
+
+def test_encoder_json_names_the_run_it_read_and_has_its_figure(tmp_path):
+    """benchmarks.encoder's JSON did not say which run directory it read, nor which config and kernels (their
+    SHA256), and it wrote no PNG: a number could not be traced to the kernels that gave it."""
+    from _tiny_encoders import save_tiny_encoder, save_word_corpus
+
+    from benchmarks import encoder
+    from oal.pipeline.config import RunConfig
+    from oal.pipeline.runs import run
+    from oal.rundir.files import load_json
+    from oal.rundir.hashes import sha256_file
+
+    save_tiny_encoder(tmp_path / "model", ENCODER_WORDS)
+    save_word_corpus(tmp_path / "corpus.txt", ENCODER_WORDS, paragraphs=200)
+    plan = {"grouping": {"split": "train", "start": 0, "count": 6},
+            "calib_train": {"split": "train", "start": 6, "count": 4},
+            "calib_val": {"split": "train", "start": 10, "count": 2},
+            "heldout": {"split": "test", "start": 0, "count": 3}, "max_len": 32}
+    cfg = RunConfig(model=str(tmp_path / "model"), data=str(tmp_path / "corpus.txt"), plan=plan,
+                    methods=["oal", "global"], grouping={"n_bootstrap": 5},
+                    calib={"max_steps": 3, "val_every": 2, "patience": 4})
+    run(cfg, tmp_path / "run", progress=False)
+    out = tmp_path / "res" / "enc.json"
+    encoder.main(encoder.parse_args([str(tmp_path / "run"), "--out", str(out)]))
+    record = load_json(out)
+    files = ("config.json", "kernels.json", "kernels.safetensors", "kernels/global/kernels.json",
+             "kernels/global/kernels.safetensors")
+    assert record["run"]["dir"] == str((tmp_path / "run").resolve())
+    assert record["run"]["sha256"] == {f: sha256_file(tmp_path / "run" / f) for f in files}
+    assert set(record["methods"]) == {"taylor", "oal", "global"}
+    encoder.plot(record, tmp_path / "redrawn.png")
+    assert out.with_suffix(".png").read_bytes() == (tmp_path / "redrawn.png").read_bytes()
+
+
+def _decode_stubs(monkeypatch, seen):
+    from benchmarks import decode
+
+    def variant(name, shape="default", max_pos=decode.MAX_POS):
+        seen.setdefault("max_pos", set()).add(max_pos)
+        return object(), "stub"
+
+    monkeypatch.setattr(decode, "variant", variant)
+    monkeypatch.setattr(decode, "decode_time", lambda model, ctx, tokens: (1e-6 * ctx, {0: 2 * ctx, 1: ctx}))
+    return decode
+
+
+def test_decode_writes_its_out_at_the_lengths_asked(tmp_path, monkeypatch):
+    """benchmarks.decode had no --out (it always wrote benchmarks/results/decode.json) and no smoke size: its
+    contexts were 1k, 4k, 32k or, with --full, 1k..32k."""
+    seen = {}
+    decode = _decode_stubs(monkeypatch, seen)
+    default = decode.RESULTS / "decode.json"
+    before = default.stat().st_mtime_ns if default.exists() else None
+    out = tmp_path / "d.json"
+    decode.main(decode.parse_args(["--shape", "default", "--lengths", "128,64", "--tokens", "1", "--out", str(out)]))
+    record = json.loads(out.read_text())
+    assert record["contexts"] == [64, 128] and record["environment"]["args"]["out"] == str(out)
+    assert [r["context"] for r in record["shapes"]["default"]["variants"]["oal"]] == [64, 128]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert (default.stat().st_mtime_ns if default.exists() else None) == before
+    assert decode.parse_args([]).lengths is None  # the default contexts stay those of before
+    decode.main(decode.parse_args(["--shape", "default", "--lengths", "65536", "--tokens", "3", "--out", str(out)]))
+    assert seen["max_pos"] == {decode.MAX_POS, 65536 + 3 + 2}  # RoPE's positions cover the longest context
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--lengths", "64", "--full"])
+
+
+def _budget_stubs(tmp_path, monkeypatch):
+    from benchmarks import _budget_study
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    monkeypatch.setattr(_budget_study, "collect", lambda runs, tables, device: {"budgets": {}, "device": "stub"})
+    monkeypatch.setattr(_budget_study, "plot", lambda data, path: Path(path).write_bytes(b"figure"))
+    monkeypatch.setattr(_budget_study, "markdown", lambda data: "table")
+    return ["collect", "--runs", str(tmp_path / "run")]
+
+
+def test_budget_collect_records_its_environment(tmp_path, monkeypatch):
+    """`benchmarks.budget collect` wrote no `environment` (versions, commit, machine, arguments): only the command."""
+    from benchmarks import budget
+
+    argv = _budget_stubs(tmp_path, monkeypatch)
+    out = tmp_path / "study.json"
+    assert budget.main([*argv, "--json", str(out)]) == 0
+    env = json.loads(out.read_text())["environment"]
+    assert env["args"]["json"] == str(out) and env["args"]["runs"] == [str(tmp_path / "run")]
+    assert env["versions"]["torch"] and "machine" in env
+    assert out.with_suffix(".png").read_bytes() == b"figure"
+
+
+def test_budget_collect_checks_its_outputs_first(tmp_path, monkeypatch, capsys):
+    """`collect --json x.png` wrote the JSON and then the figure over it (the default --png is beside the JSON under
+    its name); an unwritable --json was found only at the write, after the records were read, as a traceback."""
+    from benchmarks import budget
+
+    argv = _budget_stubs(tmp_path, monkeypatch)
+    read = []
+    monkeypatch.setattr("benchmarks._budget_study.collect", lambda *a: read.append(a) or {"device": "stub"})
+    for outputs, option in ((["--json", str(tmp_path / "x.png")], "--json"),
+                            (["--json", "/proc/no-such-folder/x.json"], "--json"),  # root may write anywhere else
+                            (["--json", str(tmp_path / "a.json"), "--png", "/proc/no-such-folder/a.png"], "--png")):
+        assert budget.main([*argv, *outputs]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"Error: {option}:"), err
+    assert read == [] and not list(tmp_path.glob("*.png"))
+
+
+def test_budget_collect_a_failed_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """A --json that could not be written once the work was done (a full disk) ended `collect` in a traceback:
+    main caught only its usage errors and the library's input errors."""
+    import errno
+
+    from benchmarks import budget
+    from oal.rundir import files
+
+    argv = _budget_stubs(tmp_path, monkeypatch)
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(files, "atomic_write_json", full)
+    assert budget.main([*argv, "--json", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("Error: --json:") and "No space left" in err[0], err
+
+
+def test_memory_compare_full_marks_its_first_json_partial(tmp_path, monkeypatch):
+    """With --compare-full, memory writes its JSON before the (long) full-logits child: that copy had
+    `compared: {}` and nothing saying the comparison was still to come (it read as a run without --compare-full)."""
+    from benchmarks import memory
+
+    def child(args, loss):
+        if loss == "full" and calls.pop(0) == "interrupt":
+            raise KeyboardInterrupt  # the full-logits child cut short
+        return _memory_results() | {"loss": loss, "dtype": "float32"}
+
+    out = tmp_path / "m.json"
+    argv = ["--layers", "1", "--seq-len", "64", "--json", str(out)]
+    monkeypatch.setattr(memory, "_child", child)
+    calls = ["interrupt"]
+    with pytest.raises(KeyboardInterrupt):
+        memory.main(memory.parse_args([*argv, "--compare-full"]))
+    record = json.loads(out.read_text())
+    assert record["complete"] is False and record["compared"] == {}
+    calls = ["finish"]
+    memory.main(memory.parse_args([*argv, "--compare-full"]))
+    record = json.loads(out.read_text())
+    assert record["complete"] is True and set(record["compared"]) == {"full"}
+    memory.main(memory.parse_args(argv))
     assert json.loads(out.read_text())["complete"] is True
