@@ -7,6 +7,7 @@ import json
 import logging
 import numbers
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -189,7 +190,8 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = Non
     with own_dir(out_dir, group):
         group.on_main(lambda: multi_seed_layout(out_dir, _layout_seeds(out_dir, seeds), force=force))
         if len(seeds) == 1:
-            metrics = run_seed(cfg.with_seed(seeds[0]), out_dir, console=console, progress=progress, force=force,
+            one = _amended(cfg.with_seed(seeds[0]), out_dir, force)
+            metrics = run_seed(one, out_dir, console=console, progress=progress, force=force,
                                allow_changes=SELECTION_KEYS, check=check)
         else:
             group.on_main(lambda: clean_tmp(out_dir))
@@ -202,6 +204,25 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = Non
             metrics = group.on_main(lambda: _write_aggregate(protocol, out_dir, seeds, console))
     results.print(protocol.summary(metrics))
     return metrics
+
+
+def _amended(cfg: RunConfig, out_dir: Path, force: bool) -> RunConfig:
+    """`cfg` with the arm settings `oal adapt` recorded in OUT/config.json (`adapt_overrides`), where `cfg` sets
+    none: `oal run` resumes a run `oal adapt --steps N` amended (it was refused as another configuration, and
+    --force, which deletes the run, was the only way on)."""
+    path = out_dir / "config.json"
+    if force or cfg.adapt_overrides or not path.is_file():
+        return cfg
+    try:
+        recorded = run_config(path)["config"].get("adapt_overrides")
+    except ValueError:
+        return cfg  # the run's own checks name the damage
+    kept = {m: v for m, v in recorded.items() if m in cfg.methods} if isinstance(recorded, dict) else {}
+    if not kept:
+        return cfg
+    log.info("%s: keeping the arm settings `oal adapt` recorded (%s)", path,
+             "; ".join(f"{m}: {', '.join(f'{k} {v}' for k, v in settings.items())}" for m, settings in kept.items()))
+    return replace(cfg, adapt_overrides=kept)
 
 
 def _layout_seeds(out_dir: Path, seeds: list[int]) -> list[int]:
