@@ -262,7 +262,7 @@ def test_run_checks_its_passkey_lengths_before_the_run(tmp_path, length, words):
 
 def test_export_of_a_stage_by_stage_folder_does_not_suggest_oal_adapt(run_dir, tmp_path):
     """The hint named `oal adapt --out DIR`, which refuses a folder without `oal run`'s config.json."""
-    res, text = _run("export", "--out", run_dir, "--method", "oal", "--to", tmp_path / "x")
+    res, text = _run("export", "--out", run_dir, "--method", "oal", "--adapter", "--to", tmp_path / "x")
     assert res.exit_code == 2 and "no adapter for oal" in text and "--no-adapter" in text, res.output
     assert "oal adapt" not in text and not (tmp_path / "x").exists()
     res, _ = _run("adapt", "--out", run_dir, "--method", "oal")

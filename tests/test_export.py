@@ -224,7 +224,7 @@ def test_run_errors_name_the_file(run_dir, tmp_path):
                                          r"json is missing"):
         load_converted(run_dir, "dijiang")
     with pytest.raises(ValueError, match=r"adapter/taylorshift/oal_adapter.json is missing"):
-        export(run_dir, "taylorshift", tmp_path / "t")
+        export(run_dir, "taylorshift", tmp_path / "t", adapter=True)  # required
     assert not (tmp_path / "t").exists()
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -318,7 +318,8 @@ def _text(res) -> str:
 
 def test_cli_bad_input_is_one_clean_line(cli, run_dir, tmp_path):
     cases = {
-        ("export", "--out", run_dir, "--method", "taylorshift", "--to", tmp_path / "a"): "oal_adapter.json",
+        ("export", "--out", run_dir, "--method", "taylorshift", "--adapter", "--to", tmp_path / "a"):
+            "oal_adapter.json",
         # softmax exports from an `oal run` directory (tests/test_recipe.py); this one has no config.json
         ("export", "--out", run_dir, "--method", "softmax", "--to", tmp_path / "b"): "config.json: missing",
         ("export", "--out", tmp_path / "nowhere", "--to", tmp_path / "c"): "not a directory",
@@ -330,8 +331,8 @@ def test_cli_bad_input_is_one_clean_line(cli, run_dir, tmp_path):
         res = cli(*args)
         assert res.exit_code == 2 and msg in _text(res), (args, res.output)
         assert "Traceback" not in res.output
-    # the option to change is the one named: export takes the adapter unless told --no-adapter
-    res = cli("export", "--out", run_dir, "--method", "taylorshift", "--to", tmp_path / "a")
+    # the option to change is the one named: --adapter requires the run's adapter
+    res = cli("export", "--out", run_dir, "--method", "taylorshift", "--adapter", "--to", tmp_path / "a")
     assert res.exit_code == 2 and "Invalid value for '--adapter'" in _text(res), res.output
     assert "pass --no-adapter" in _text(res), res.output
     res = cli("export", "--out", run_dir, "--method", "taylorshift", "--no-adapter", "--to", tmp_path / "e",

@@ -77,8 +77,9 @@ def _adapter_or_none(run_dir: Path, method: str, adapter: bool | None) -> Path |
             # `oal adapt` adapts an `oal run` directory; one made stage by stage (analyze, calibrate) has no config
             train = (f"train one with `oal adapt --out {run_dir} --method {method}`, or " if
                      (run_dir / "config.json").is_file() else "")
+            alone = "the base model alone" if method == "softmax" else "the calibrated kernels alone"  # no kernels
             raise InputError(f"{adir / _ADAPTER_MANIFEST} is missing: the run has no adapter for {method!r} ({train}"
-                             "pass --no-adapter for the calibrated kernels alone)", "--adapter", "adapter")
+                             f"pass --no-adapter for {alone})", "--adapter", "adapter")
         return None
     return adir
 

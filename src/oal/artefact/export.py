@@ -62,11 +62,12 @@ def save_converted(model, to: str | Path, tokenizer=None, source: dict | None = 
     return to
 
 
-def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool = True, merge: bool = True,
+def export(run_dir: str | Path, method: str, to: str | Path, *, adapter: bool | None = None, merge: bool = True,
            model: str | None = None, dtype: torch.dtype | None = None, metrics: dict | None = None,
            config: dict | None = None) -> Path:
-    """Write the run's converted `method` model (with its adapter unless `adapter=False`) as one folder `to`; for
-`method="softmax"`, the reference arm as a plain transformers folder (`artefact.softmax_export`).
+    """Write the run's converted `method` model as one folder `to`; for `method="softmax"`, the reference arm as a
+    plain transformers folder (`artefact.softmax_export`). `adapter` as in `artefact.arms.load_converted`: None
+    includes the run's adapter for `method` when it has one, True requires it, False leaves it out.
 
     The folder reloads with `oal.load(to)`, or with `AutoModelForCausalLM.from_pretrained(to)` after `import oal`.
     `metrics`: the run's numbers to quote in the card, as metrics.json lays them out, from verified records only

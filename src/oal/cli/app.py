@@ -36,7 +36,12 @@ class _Group(TyperGroup):
         except (typer.Exit, typer.Abort):
             raise
         except KeyboardInterrupt:  # Ctrl-C: one line (typer would exit 130 in silence, a progress bar last)
-            typer.echo(INTERRUPTED, err=True)
+            from oal.errors import InputError
+            from oal.launch import reports_error
+
+            # it reaches every process of a launch alike, as bad input does: printed where bad input would be
+            if reports_error(InputError(INTERRUPTED)):
+                typer.echo(INTERRUPTED, err=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:  # whoever read stdout has gone (`oal fetch NAME | head -0`): nothing to report
             drop_stdout()

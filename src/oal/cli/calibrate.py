@@ -22,6 +22,7 @@ from oal.cli.options import (
     WindowOpt,
     main_console,
 )
+from oal.errors import InputError, message_of
 from oal.launch import process_device, ranks
 from oal.pipeline.inputs import blocks_or_fail, load_model_or_fail, parse_layers
 
@@ -55,7 +56,7 @@ def calibrate_cmd(
     from oal.methods import get_method, method_names
     from oal.models.registry import default_layers
     from oal.rundir.claim import refuse_run_dir
-    from oal.rundir.files import check_out_dir
+    from oal.rundir.files import check_out_dir, load_json
     from oal.rundir.lock import own_dir
 
     console = notes_console()  # under torchrun the processes share the layers out; the main one reports
@@ -75,8 +76,12 @@ def calibrate_cmd(
         except ValueError as exc:
             raise typer.BadParameter(f"{exc} (run `oal analyze --out {out}` first)", param_hint="--out") from None
         mdl, tok, prov = load_model_or_fail(model, device, dtype)
-        if groups:
-            check_groups_model(out, mdl, prov)  # groups of another model would calibrate nonsense
+        if groups:  # groups of another model would calibrate nonsense
+            try:
+                check_groups_model(out, mdl, prov)
+            except ValueError as exc:  # a record of this model in another dtype: --dtype is at fault
+                other = (load_json(out / "groups.json").get("base_model") or {}).get("dtype") not in (None, dtype)
+                raise InputError(message_of(exc), "--dtype" if other else "--model") from None
         layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
             sorted(groups) if groups else default_layers(mdl))
         missing = [i for i in layer_list if grouped and i not in groups]

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import BaseModelOpt
+from oal.cli.options import AdapterOpt, BaseModelOpt
 from oal.errors import InputError, message_of
 
 
@@ -45,8 +45,7 @@ def export_cmd(
     method: str = typer.Option("oal", help="Which arm: a converted one (oal, global, performer, ...) or softmax (the "
                                "reference, its adapter merged: a plain transformers folder)."),
     to: Path = typer.Option(..., "--to", help="Folder to write (created; an earlier export there is replaced)."),
-    adapter: bool = typer.Option(True, "--adapter/--no-adapter", help="Include the run's LoRA adapter and trained "
-                                 "kernels (--no-adapter: the calibrated kernels alone)."),
+    adapter: AdapterOpt = None,
     merge: bool = typer.Option(True, "--merge/--no-merge", help="Merge LoRA into the base weights (--no-merge: keep "
                                "it separate in the folder, adapter_model.safetensors; oal's class attaches it on "
                                "load)."),

@@ -63,7 +63,7 @@ GroupingOpt = Annotated[str, typer.Option(help="'app-b': App. B stable-gap group
                                           "G - 1 largest contribution gaps (both departures from the paper).")]
 AdapterOpt = Annotated[bool | None, typer.Option(
     "--adapter/--no-adapter", help="Use the run's LoRA adapter and trained kernels for the method (default: when "
-    "the run has one; --adapter requires it, --no-adapter takes the calibrated kernels alone).")]
+    "the run has one; --adapter requires it, --no-adapter: the calibrated kernels, or softmax's base model, alone).")]
 ThreadsOpt = Annotated[int, typer.Option(min=0, max=Max.THREADS, help="CPU threads for torch; 0 keeps torch's "
                                          "default. One thread is the predictable choice on a small or shared CPU "
                                          "(oversubscribed threads stall).")]

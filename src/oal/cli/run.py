@@ -31,7 +31,7 @@ from oal.cli.options import (
     parse_numbers,
     set_threads,
 )
-from oal.pipeline.inputs import layer_selection
+from oal.pipeline.inputs import grouping_or_fail, layer_selection
 
 
 @app.command()
@@ -82,7 +82,6 @@ def run(
     the original; no adaptation, perplexity or zero-shot. Under torchrun / accelerate launch,
     calibration and adaptation run on every process (docs/guides/distributed.md).
     """
-    from oal.analysis import parse_grouping
     from oal.data.zeroshot import parse_task_files
     from oal.launch import launched
     from oal.models.encoder import is_encoder_model
@@ -93,10 +92,7 @@ def run(
     refuse_run_options(ctx, layers=layers, passkey=passkey, methods=methods, tasks=tasks)
     lengths = parse_numbers(passkey, int, "--passkey", 16, Max.TOKENS)
     depths = parse_numbers(passkey_depths, float, "--passkey-depths", 0.0, 1.0)
-    try:
-        procedure = parse_grouping(grouping)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--grouping") from None
+    procedure = grouping_or_fail(grouping)
     seed_list = parse_seeds(seeds)
     adapt = {k: v for k, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
                                ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}

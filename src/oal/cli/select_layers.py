@@ -10,13 +10,29 @@ from rich.table import Table
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
-from oal.cli.options import DataOpt, DeviceOpt, DtypeOpt, Max, ProgressOpt, ThreadsOpt, set_threads
+from oal.cli.modes import refuse_run_options
+from oal.cli.options import (
+    BatchSizeOpt,
+    DataOpt,
+    DeviceOpt,
+    DtypeOpt,
+    GradAccumOpt,
+    GroupingOpt,
+    LoraDropoutOpt,
+    Max,
+    ProgressOpt,
+    SinksOpt,
+    ThreadsOpt,
+    WindowOpt,
+    set_threads,
+)
 from oal.errors import InputError, SelectionSizeError
-from oal.pipeline.inputs import layer_selection
+from oal.pipeline.inputs import grouping_or_fail, layer_selection
 
 
 @app.command("select-layers")
 def select_layers_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory (as for `oal run`; `oal run --layers auto:K` with the "
                              "same options continues it)."),
     k: int = typer.Option(..., "--k", min=1, max=Max.LAYERS, help="Number of layers to convert."),
@@ -29,6 +45,16 @@ def select_layers_cmd(
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
                                "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seed: int = typer.Option(42, min=0, max=Max.SEED, help="Seed."),
+    # recorded in config.json as `oal run` records them, so that `oal run` with the same options continues the run
+    steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the number of adaptation updates (of the "
+                              "`oal run` that continues)."),
+    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the validation interval (updates)."),
+    grouping: GroupingOpt = "app-b",
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
+    batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
     force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT (another --k "
                                "or --by needs none: the calibration and scores are reused)."),
     device: DeviceOpt = "auto",
@@ -44,8 +70,12 @@ def select_layers_cmd(
     from oal.pipeline.selection import SELECTION_COLUMNS, selection_rows
 
     set_threads(threads)
+    refuse_run_options(ctx, layers=f"auto:{k}", passkey=None, methods=methods, tasks="all")
+    adapt = {name: v for name, v in (("steps", steps), ("val_every", val_every), ("batch_size", batch_size),
+                                     ("grad_accum", grad_accum), ("lora_dropout", lora_dropout)) if v is not None}
     cfg = RunConfig.from_preset(preset, model=model, data=data, data_dir=data_dir, methods=parse_methods(methods),
-                                **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype)
+                                **layer_selection(f"auto:{k}", by, "--by"), seed=seed, device=device, dtype=dtype,
+                                adapt=adapt, grouping=grouping_or_fail(grouping), window=window, sinks=sinks)
     try:
         sel = run_selection(cfg, out, console=notes_console(), progress=progress, force=force)
     except SelectionSizeError as exc:  # the run words it as `--layers auto:K`; this command takes K as --k

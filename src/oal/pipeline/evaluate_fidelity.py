@@ -106,8 +106,9 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
             teacher = base
         res[key].update(fidelity(teacher, held_out, {m: converted_methods(converted)}, progress=progress))
         layers = layers or sorted(converted_methods(converted))
+        # the base model's dtype it was measured in: `--dtype` may differ from the run's (a wider one casts it)
         res[key][m].update({"data": corpus.name, "n_blocks": int(held_out.shape[0]),
-                            "block_len": int(held_out.shape[1])})
+                            "block_len": int(held_out.shape[1]), "dtype": str(dtype).removeprefix("torch.")})
         record_evaluation(out_dir, f"{key}:{m}", [((key, m), res[key][m])], arm_inputs(out_dir, m, info["adapter"]),
                           defaults={"model": name, "converted_layers": layers})
     republish(out_dir, console)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from oal.errors import InputError, message_of
 
-__all__ = ["blocks_or_fail", "causal_lm_run", "converted_or_fail", "layer_selection", "load_model_or_fail",
-           "one_seed_run", "parse_layers", "registry_preset", "run_methods"]
+__all__ = ["blocks_or_fail", "causal_lm_run", "converted_or_fail", "grouping_or_fail", "layer_selection",
+           "load_model_or_fail", "one_seed_run", "parse_layers", "registry_preset", "run_methods"]
 
 
 def load_model_or_fail(model: str, device: str, dtype: str | None = None):
@@ -51,6 +51,16 @@ def layer_selection(spec: str | None, by: str, by_option: str = "--select-by") -
     if k is not None:
         return {"layers": None, "select": {"k": k, "by": by}}
     return {"layers": parse_layers(spec) if spec is not None else None}
+
+
+def grouping_or_fail(spec: str) -> dict:
+    """RunConfig's `grouping` from --grouping (`oal run`, `oal select-layers`)."""
+    from oal.analysis import parse_grouping
+
+    try:
+        return parse_grouping(spec)
+    except ValueError as exc:
+        raise InputError(message_of(exc), "--grouping") from None
 
 
 def parse_layers(spec: str, n_layers: int | None = None) -> list[int]:

@@ -112,7 +112,8 @@ def export_run(run_dir: str | Path, method: str, to: str | Path, **kwargs) -> Pa
     run_dir = Path(run_dir)
     metrics = verified_metrics(run_dir)
     config = run_config(run_dir) if is_run_dir(run_dir) else None
-    if (config or {}).get("protocol") == "encoder" and kwargs.get("adapter", True):
-        log.info("%s is an encoder run, which oal does not adapt: exported without an adapter", run_dir)
+    if (config or {}).get("protocol") == "encoder":
+        if kwargs.get("adapter"):  # asked for (the default, None, takes one where the run has it)
+            log.info("%s is an encoder run, which oal does not adapt: exported without an adapter", run_dir)
         kwargs["adapter"] = False
     return export(run_dir, method, to, metrics=metrics, config=config, **kwargs)

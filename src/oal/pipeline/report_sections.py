@@ -188,6 +188,9 @@ def fidelity_section(metrics: dict) -> list[str]:
             "(lower is better for all four)" + (f"; mean ± sample std over seeds {metrics['seeds']}" if multi else "")
             + ".",
             "", markdown_table(header, rows), ""]
+    measured = [f"{display_name(m)} {fid[m]['dtype']}" for m in ordered(fid) if fid[m].get("dtype")]
+    if measured:  # `oal evaluate --dtype` may measure in another dtype than the run's
+        out += [f"Base model dtype of the rows measured by `oal evaluate`: {', '.join(measured)}.", ""]
     paper = {m: fid[m]["subsets"]["paper_layers"] for m in ordered(fid) if "paper_layers" in fid[m].get("subsets", {})}
     if paper:
         rows = [[display_name(m), *(fmt(row.get(k)) for k in keys)] for m, row in paper.items()]
