@@ -19,6 +19,7 @@ if os.environ.get("OAL_TEST_DEVICE") != "cuda":
 # runs the fixed defaults, which its block-size tests set through the module constants.
 os.environ.setdefault("OAL_NO_TUNE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402  (does not import triton)
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
@@ -40,3 +41,12 @@ def pytest_collection_modifyitems(items):
     idles. The sort is stable: each file's tests keep their order (and their module fixtures)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """A tiny GGUF model file (tests/_tiny_gguf.py), for the tests of the GGUF folders in the user's cache."""
+    pytest.importorskip("gguf")
+    from _tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path / "tiny.gguf")

@@ -29,14 +29,6 @@ def cache(tmp_path, monkeypatch):
     tuning.reload()
 
 
-@pytest.fixture
-def tiny_gguf(tmp_path):
-    pytest.importorskip("gguf")
-    from _tiny_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path / "tiny.gguf")
-
-
 # ----------------------------------------------------------------------------------------------- no home folder
 
 

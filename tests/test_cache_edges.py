@@ -34,14 +34,6 @@ def cache(tmp_path, monkeypatch):
     tuning.reload()
 
 
-@pytest.fixture
-def tiny_gguf(tmp_path):
-    pytest.importorskip("gguf")
-    from _tiny_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path / "tiny.gguf")
-
-
 @contextlib.contextmanager
 def at_most(seconds: int):
     """Fail, rather than hang the suite, when the block blocks (a read of a FIFO waits for a writer for ever)."""

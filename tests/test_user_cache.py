@@ -45,14 +45,6 @@ def test_the_cache_folder_follows_the_xdg_spec(monkeypatch, tmp_path, xdg, where
 # ----------------------------------------------------------------------------------------------- GGUF folders
 
 
-@pytest.fixture
-def tiny_gguf(tmp_path):
-    pytest.importorskip("gguf")
-    from _tiny_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path / "tiny.gguf")
-
-
 def _edit_json(path: Path, edit) -> None:
     data = json.loads(path.read_text())
     edit(data)

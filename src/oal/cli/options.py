@@ -1,4 +1,4 @@
-"""Options shared by several CLI commands (one declaration each: the same help text and the same checks)."""
+"""Options shared by several CLI commands, `name: ModelOpt = "default"` (one declaration each: one help, one check)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import typer
 
 from oal.cli.bounds import Max, parse_numbers  # noqa: F401  (the commands import them from here)
 
-# `name: ModelOpt = "default"`: one declaration of each option the commands share.
 ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]
 BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one recorded in kernels.json).")]
-DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', 'wikitext-2-raw-v1', ... or a local path.")]
 DataOpt = Annotated[str, typer.Option(help="Corpus: 'builtin', a WikiText config, or a local file or folder of text, "
                                       "JSON-lines or parquet (docs/guides/evaluation.md).")]
 DataDirOpt = Annotated[str, typer.Option(help="Local WikiText folder (with manifest) for WikiText corpora.")]
@@ -93,6 +91,8 @@ WindowOpt = Annotated[int, typer.Option(min=1, max=Max.WINDOW, show_default=Fals
 SinksOpt = Annotated[int, typer.Option(min=0, max=Max.WINDOW, show_default=False,
                                        help="Attention sinks S of swa, oal-swa and global-swa: the first S keys get "
                                             "exact softmax weights beside the window (default: 4).")]
+StepsOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Override the number of adaptation updates.")]
+ValEveryOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Override the validation interval (updates).")]
 SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
                                           "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars (on stderr; "

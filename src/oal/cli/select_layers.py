@@ -22,7 +22,9 @@ from oal.cli.options import (
     Max,
     ProgressOpt,
     SinksOpt,
+    StepsOpt,
     ThreadsOpt,
+    ValEveryOpt,
     WindowOpt,
     set_threads,
 )
@@ -45,16 +47,11 @@ def select_layers_cmd(
     preset: str = typer.Option("default", help="default | smollm2-135m (a real LM, fetched offline; CPU budget) | "
                                "qwen2.5-0.5b | llama-3.2-1b (the paper's protocol)."),
     seed: int = typer.Option(42, min=0, max=Max.SEED, help="Seed."),
-    # recorded in config.json as `oal run` records them, so that `oal run` with the same options continues the run
-    steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the number of adaptation updates (of the "
-                              "`oal run` that continues)."),
-    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Override the validation interval (updates)."),
-    grouping: GroupingOpt = "app-b",
-    window: WindowOpt = None,
-    sinks: SinksOpt = None,
-    batch_size: BatchSizeOpt = None,
-    grad_accum: GradAccumOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
+    # the calibration that the selection ranks is made with these
+    grouping: GroupingOpt = "app-b", window: WindowOpt = None, sinks: SinksOpt = None,
+    # only recorded in config.json, as `oal run` records them: `oal run` with the same options continues the run
+    steps: StepsOpt = None, val_every: ValEveryOpt = None, batch_size: BatchSizeOpt = None,
+    grad_accum: GradAccumOpt = None, lora_dropout: LoraDropoutOpt = None,
     force: bool = typer.Option(False, "--force", help="Replace a run of another configuration in OUT (another --k "
                                "or --by needs none: the calibration and scores are reused)."),
     device: DeviceOpt = "auto",
