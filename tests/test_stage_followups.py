@@ -153,3 +153,17 @@ def test_ctrl_c_under_a_launch_prints_once_per_machine(monkeypatch, rank, local_
     res, _ = _cli("demo", "--length", "8")
     assert res.exit_code == 130, res.output
     assert res.output.count("Interrupted.") == int(printed), res.output
+
+
+def test_convert_in_another_dtype_than_the_kernels_names_dtype(base, tmp_path):
+    """`oal convert --dtype bfloat16` on kernels calibrated in float32: the line began `base_model:`, naming the
+    model the user had not given (the base-model check knows that the dtype is at fault)."""
+    out = tmp_path / "run"
+    for args in (("analyze", "--n-bootstrap", "5", "--heldout", "0", "--no-figures"),
+                 ("calibrate", "--max-steps", "1")):
+        res, _ = _cli(*args, "--out", out, "--model", base, "--layers", "1", "--no-progress", "--device", "cpu")
+        assert res.exit_code == 0, res.output
+    res, text = _cli("convert", "--out", out, "--dtype", "bfloat16", "--device", "cpu")
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert errors[0].startswith("Error: Invalid value for '--dtype':") and "--dtype float32" in text, res.output

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from oal.errors import InputError
 from oal.rundir.hashes import sha256_file
 
 __all__ = ["check_base_model", "file_sha256", "hash_model_dir", "model_dtype", "state_dict_sha256", "weights_record"]
@@ -103,10 +104,12 @@ def check_base_model(recorded: Mapping, model: nn.Module, provenance: Mapping | 
     label = (provenance or {}).get("model") or getattr(getattr(model, "config", None), "_name_or_path", None) or "?"
     if have != want:
         own = model_dtype(model)
-        note = (f"; that record is of the model in {dtype} and this one is {own}: load it with dtype={dtype} "
-                f"(--dtype {dtype})" if dtype and own != dtype else "")
-        raise ValueError(f"base_model: the weights of {label!r} (sha256 {_short(have)}) differ from the base model "
-                         f"recorded in {where} ({name!r}, sha256 {_short(want)}){note}")
+        message = (f"the weights of {label!r} (sha256 {_short(have)}) differ from the base model recorded in "
+                   f"{where} ({name!r}, sha256 {_short(want)})")
+        if dtype and own != dtype:  # the dtype asked for is at fault, not the model: the error names --dtype
+            raise InputError(f"{message}; that record is of the model in {dtype} and this one is {own}: load it "
+                             f"with dtype={dtype} (--dtype {dtype})", "--dtype", "dtype")
+        raise ValueError(f"base_model: {message}")
     files = recorded.get("hashes")
     if provenance is not None and files:
         got = provenance.get("sha256") or {}
