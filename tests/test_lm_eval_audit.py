@@ -87,7 +87,7 @@ def test_scoring_some_methods_on_other_data_is_refused(zs_run, tmp_path):  # noq
     run = tmp_path / "run"
     shutil.copytree(out, run)
     before = (run / "metrics.json").read_text()
-    files = [a for t, p in TASK_FILES.items() for a in ("--task-file", f"{t}={p}")]
+    files = ["--task-file", f"piqa={TASK_FILES['piqa']}"]  # a file of a task outside --tasks is refused
     app, wide = load_commands(), CliRunner(env={"COLUMNS": "400"})
     args = ["evaluate", "--out", str(run), "--zeroshot", "--tasks", "piqa", "--methods", "softmax", *files]
     res = wide.invoke(app, [*args, "--limit", str(LIMIT - 1)])
