@@ -114,18 +114,21 @@ def test_a_seed_is_added_to_a_multi_seed_run(assets, copy):
     assert json.loads((copy / "config.json").read_text())["seeds"] == [0, 1, 2]
 
 
-def test_a_seed_evaluated_while_a_later_seed_runs_reaches_the_final_aggregate(assets, copy):
-    """`oal evaluate` on seed-0 while `oal run --seeds 0,1` worked on seed-1 rewrote seed-0's metrics.json but could
-    not refresh DIR (the run holds it); the run then aggregated seed-0's numbers as it had returned them, beside the
-    SHA256 of the new file."""
-    def evaluate_seed_0(r):
-        if r.dir.name == "seed-1":
-            evaluate_passkey_run(copy / "seed-0", ["softmax"], adapter=False, progress=False, **PASSKEY)
 
-    run(_ms_cfg(assets), copy, SEEDS, progress=False, check=evaluate_seed_0)
+def test_the_final_aggregate_reads_each_seeds_metrics_as_they_are_on_disk(assets, copy, monkeypatch):
+    """`oal evaluate` on seed-0 while `oal run --seeds 0,1` worked on seed-1 rewrote seed-0's metrics.json but could
+    not refresh DIR (the run holds it); the run then aggregated seed-0's numbers as its run_seed had returned them,
+    beside the SHA256 of the new file. Here run_seed returns the older numbers and seed-0's file holds newer ones."""
+    import oal.pipeline.runs as runs
+    from oal.rundir.files import atomic_write_json
+
+    returned = {s: json.loads((copy / f"seed-{s}" / "metrics.json").read_text()) for s in SEEDS}
+    monkeypatch.setattr(runs, "run_seed", lambda cfg, out, **kw: returned[cfg.seed])
+    newer = json.loads(json.dumps(returned[0]))
+    newer["perplexity"] = {m: 1.5 * ppl for m, ppl in newer["perplexity"].items()}  # as `oal evaluate` left it
+    atomic_write_json(copy / "seed-0" / "metrics.json", newer)
+    run(_ms_cfg(assets), copy, SEEDS, progress=False)
     top = json.loads((copy / "metrics.json").read_text())
     assert top["sha256"] == {f"seed-{s}/metrics.json": _sha(copy / f"seed-{s}" / "metrics.json") for s in SEEDS}
-    per_seed = {s: json.loads((copy / f"seed-{s}" / "metrics.json").read_text()) for s in SEEDS}
-    assert "passkey" in per_seed[0] and "passkey" not in per_seed[1]
-    assert {k: v for k, v in top.items() if k != "sha256"} == \
-        {k: v for k, v in aggregate_seeds(per_seed).items() if k != "sha256"}
+    want = aggregate_seeds({0: newer, 1: returned[1]})
+    assert top["perplexity"] == want["perplexity"] != aggregate_seeds(returned)["perplexity"]
