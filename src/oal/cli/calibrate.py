@@ -56,7 +56,7 @@ def calibrate_cmd(
     from oal.methods import get_method, method_names
     from oal.models.registry import default_layers
     from oal.rundir.claim import refuse_run_dir
-    from oal.rundir.files import check_out_dir, load_json
+    from oal.rundir.files import check_out_dir
     from oal.rundir.lock import own_dir
 
     console = notes_console()  # under torchrun the processes share the layers out; the main one reports
@@ -79,9 +79,10 @@ def calibrate_cmd(
         if groups:  # groups of another model would calibrate nonsense
             try:
                 check_groups_model(out, mdl, prov)
-            except ValueError as exc:  # a record of this model in another dtype: --dtype is at fault
-                other = (load_json(out / "groups.json").get("base_model") or {}).get("dtype") not in (None, dtype)
-                raise InputError(message_of(exc), "--dtype" if other else "--model") from None
+            except InputError:
+                raise  # a record of this model in another dtype: the check names --dtype
+            except ValueError as exc:  # another model's groups
+                raise InputError(message_of(exc), "--model") from None
         layer_list = parse_layers(layers, mdl.config.num_hidden_layers) if layers is not None else (
             sorted(groups) if groups else default_layers(mdl))
         missing = [i for i in layer_list if grouped and i not in groups]
