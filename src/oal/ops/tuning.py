@@ -263,7 +263,7 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
         if stale is not None:
             _say_once(f"{cache_path()}: the tuned settings of {key!r} are not used: {stale}; the operator runs its "
                       "fixed settings (`oal tune-cpu` measures them)")
-        if _current(entry):
+        if stale is None and isinstance(entry, dict):  # measured under this torch, revision and path
             problem = entry_problem(entry)
             if problem is None:
                 found = Settings(**entry["settings"])
@@ -272,11 +272,6 @@ def lookup(dtype: torch.dtype, threads: int) -> Settings | None:
                            "runs its fixed settings (`oal tune-cpu` measures it again)")
         _FOUND[dtype, threads] = found
         return found
-
-
-def _current(entry) -> bool:
-    """Measured under this torch and this revision of the operator (valid or not: `entry_problem`)."""
-    return isinstance(entry, dict) and stale_reason(entry) is None
 
 
 def stale_reason(entry: dict) -> str | None:
