@@ -5,7 +5,8 @@ and the calibrated kernels from its files, and adds the uncalibrated start: the 
 1 + s + s^2/2 (G = 1), which is also OAL's Taylor start on any groups. For each it reports frozen-attention fidelity
 (Eq. 21-22, non-causal, padding masked) and the cosine of mean- and [CLS]-pooled embeddings against the original.
 Writes `--out` (default benchmarks/results/encoder_<model folder name>.json) with the run it read (`run`: the
-folder and the SHA256 of its config.json and of the kernel files read), a PNG beside it (RelMSE, and 1 - cosine
+folder and the SHA256 of its config.json and of the kernel files read; `base_model`: the encoder folder loaded,
+the SHA256 of its files and tensors, which must be those the kernels record), a PNG beside it (RelMSE, and 1 - cosine
 of the pooled embeddings, per kernel) and prints a table.
 
     .venv/bin/python -m benchmarks.encoder RUN_DIR
@@ -15,6 +16,7 @@ of the pooled embeddings, per kernel) and prints a table.
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 
 from benchmarks._common import ToolParser, environment, output_file, run_tool
@@ -52,7 +54,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks._common import finish_figure
-from oal.calibration.kernels import KERNELS_FILE, META_FILE, kernel_dir, load_kernels
+from oal.calibration.kernels import KERNELS_FILE, META_FILE, check_kernels_base, kernel_dir, load_kernels
 from oal.data import load_corpus
 from oal.data.passages import PassagePlan, plan_passages, tokenize_passages
 from oal.evaluate.embedding import embedding_similarity
@@ -102,21 +104,24 @@ def main(args: argparse.Namespace) -> None:
     if not isinstance(config, dict) or config.get("protocol") != "encoder":
         raise ValueError(f"run_dir: {args.run_dir} is not an encoder run (config.json protocol)")
     cfg = config["config"]
-    model, tok, _ = load_encoder(cfg["model"])
+    model, tok, base = load_encoder(cfg["model"])
     plan = PassagePlan.from_dict(config["split_plan"])
     held = tokenize_passages(tok, plan_passages(load_corpus(cfg["data"], data_dir=cfg["data_dir"]), plan)["heldout"],
                              plan.max_len)
-    sets = {m: load_kernels(kernel_dir(args.run_dir, m))[0] for m in KERNELS}
+    sets = {}
+    for m in KERNELS:  # the folder at cfg["model"] may have changed since the run: its kernels' base model or nothing
+        sets[m], meta = load_kernels(kernel_dir(args.run_dir, m))
+        check_kernels_base(kernel_dir(args.run_dir, m), meta, model, base)
     sets = {"taylor": taylor_start(sets["oal"]), **sets}
     layers = config["converted_layers"]
     fid = fidelity(model, held["input_ids"], sets, layers, batch_size=8, attention_mask=held["attention_mask"])
     result = {"model": cfg["model"], "layers": layers, "passages": int(held["input_ids"].shape[0]), "methods": {},
-              "run": run}
+              "run": run, "base_model": {k: base[k] for k in ("model", "sha256", "state_dict_sha256", "dtype")}}
     table = Table(title=f"{Path(cfg['model']).name}: layers {layers}, {result['passages']} held-out passages")
     for col in ("kernel", "RelMSE", "RelMSE post-o", "cos mean-pool (mean / min)", "cos [CLS] (mean / min)"):
         table.add_column(col, justify="right")
     for name, methods in sets.items():
-        conv = convert(load_encoder(cfg["model"])[0], layers, methods)
+        conv = convert(copy.deepcopy(model), layers, methods)  # the checked model, not a second read of its folder
         emb = embedding_similarity(model, conv, held, batch_size=8)
         f = fid[name]
         result["methods"][name] = {"relmse": f["relmse"], "relmse_post_o": f["relmse_post_o"], "mse": f["mse"],

@@ -216,6 +216,7 @@ def test_encoder_json_names_the_run_it_read_and_has_its_figure(tmp_path):
     """benchmarks.encoder's JSON did not say which run directory it read, nor which config and kernels (their
     SHA256), and it wrote no PNG: a number could not be traced to the kernels that gave it."""
     from _tiny_encoders import save_tiny_encoder, save_word_corpus
+    from safetensors.torch import load_file, save_file
 
     from benchmarks import encoder
     from oal.pipeline.config import RunConfig
@@ -243,6 +244,16 @@ def test_encoder_json_names_the_run_it_read_and_has_its_figure(tmp_path):
     assert set(record["methods"]) == {"taylor", "oal", "global"}
     encoder.plot(record, tmp_path / "redrawn.png")
     assert out.with_suffix(".png").read_bytes() == (tmp_path / "redrawn.png").read_bytes()
+    hashed = record["base_model"]["sha256"]
+    assert "model.safetensors" in hashed and hashed == {f: sha256_file(tmp_path / "model" / f) for f in hashed}
+    # the encoder folder changed since the run: it loaded it again and compared the old kernels with another model
+    weights = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k, t in tensors.items() if t.is_floating_point() and t.ndim == 2)
+    save_file({**tensors, name: tensors[name] * 1.5}, weights)
+    with pytest.raises(ValueError, match="base_model: the weights of .* differ from the base model recorded"):
+        encoder.main(encoder.parse_args([str(tmp_path / "run"), "--out", str(tmp_path / "res" / "again.json")]))
+    assert not (tmp_path / "res" / "again.json").exists()
 
 
 def _decode_stubs(monkeypatch, seen):
