@@ -110,9 +110,11 @@ def main() -> None:
     parser.add_argument("--march", default="native", help="the -march target to build for")
     args = parser.parse_args()
     if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # the runtime must be loaded before the interpreter
-        env = os.environ | {"LD_PRELOAD": _libasan(), "ASAN_OPTIONS": "detect_leaks=0",
-                            "OAL_CACHE_DIR": tempfile.mkdtemp(prefix="oal-asan-"), "OAL_CPU_MARCH": args.march}
-        sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
+        with tempfile.TemporaryDirectory(prefix="oal-asan-") as cache:  # the instrumented build is not kept
+            env = os.environ | {"LD_PRELOAD": _libasan(), "ASAN_OPTIONS": "detect_leaks=0", "OAL_CACHE_DIR": cache,
+                                "OAL_CPU_MARCH": args.march}
+            code = subprocess.run([sys.executable, *sys.argv], env=env).returncode
+        sys.exit(code)
     worst = check()
     print(f"clean under AddressSanitizer; largest fp32 relative error {worst:.2e}")
 
