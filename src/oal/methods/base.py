@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["AttentionMethod", "METHODS", "build_method", "causal_mask", "check_version", "constructor_settings",
            "get_method", "method_names", "method_settings", "newer_versions", "record_settings", "register",
-           "repeat_kv"]
+           "repeat_kv", "unknown_settings"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -62,13 +62,17 @@ def build_method(name: str, n_heads: int, n_kv_heads: int, head_dim: int, **kwar
     """A new, uncalibrated `name` method for a layer of `n_heads` query and `n_kv_heads` KV heads of `head_dim`;
     `kwargs` are its constructor's (`layer_idx`, `seed`, and the method's own: `groups`, `window`, ...). A setting
     the constructor does not take is a ValueError naming it (a misspelt `windw=64` was dropped silently)."""
-    cls = get_method(name)
-    known = constructor_settings(name)
-    unknown = [] if known is None else sorted(set(kwargs) - set(known) - {"layer_idx"})
+    unknown, known = unknown_settings(name, set(kwargs) - {"layer_idx"})  # the layer's index is every method's
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not a setting of method {name!r} (its settings: "
-                         f"{', '.join(known) or 'none'})")
-    return cls(n_heads, n_kv_heads, head_dim, **kwargs)
+        raise ValueError(f"{', '.join(unknown)}: not a setting of method {name!r} (its settings: {known})")
+    return get_method(name)(n_heads, n_kv_heads, head_dim, **kwargs)
+
+
+def unknown_settings(name: str, settings) -> tuple[list[str], str]:
+    """(the keys of `settings` that method `name`'s constructor does not take, sorted; its settings as a phrase)."""
+    known = constructor_settings(name)
+    unknown = [] if known is None else sorted(set(settings) - set(known))
+    return unknown, ", ".join(known or []) or ("any" if known is None else "none")
 
 
 def constructor_settings(name: str) -> list[str] | None:

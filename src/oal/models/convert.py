@@ -86,10 +86,9 @@ def convert(model: nn.Module, layers: Sequence[int] | None = None,
 def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
     """Refuse a setting that method `name`'s constructor does not name (`convert(model, layers, "dijiang",
     windw=64)` once dropped it silently), naming this function's argument."""
-    from oal.methods.base import constructor_settings
+    from oal.methods.base import unknown_settings
 
-    known = constructor_settings(name)
-    unknown = [] if known is None else sorted(set(settings) - set(known))
+    unknown, known = unknown_settings(name, settings)
     if unknown:
         raise ValueError(f"method_kwargs: {name} takes no setting {', '.join(map(repr, unknown))} (its settings: "
-                         f"{', '.join(known) or 'none'})")
+                         f"{known})")
