@@ -248,10 +248,14 @@ def test_a_rerun_naming_the_same_files_by_other_paths_resumes(assets, run_copy, 
 
 
 def test_force_deletes_every_result_of_a_run(run_copy):
-    """`--force` left budget.json and regime.json of the earlier configuration, which the new report shows."""
+    """`--force` left budget.json and regime.json of the earlier configuration, which the new report shows, and the
+    per-question samples of `oal evaluate --zeroshot --log-samples` beside the new run's numbers."""
+    from oal.pipeline.evaluate_zeroshot import SAMPLES_DIR
     from oal.rundir.claim import clear_run
 
     assert {"budget.json", "regime.json"} <= {p.name for p in run_copy.iterdir()}
+    (run_copy / SAMPLES_DIR).mkdir()
+    (run_copy / SAMPLES_DIR / "oal.json").write_text("{}")
     clear_run(run_copy)
     assert [p.name for p in run_copy.iterdir() if p.name != LOCK_FILE] == []
 

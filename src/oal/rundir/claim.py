@@ -25,7 +25,7 @@ log = logging.getLogger("oal")
 # earlier configuration's.
 RUN_ENTRIES = ("config.json", "groups.json", "analysis.json", "regime.json", "budget.json", "selection.json",
                "kernels.safetensors", "kernels.json", "calibration.json", "metrics.json", "report.md", "kernels",
-               "candidates", "adapter", "figures", "diagnostics", ".oal")
+               "candidates", "adapter", "figures", "diagnostics", "zeroshot_samples", ".oal")
 # Configuration keys that do not change the numbers' meaning: where things run and where local files live, as typed
 # (their content is what counts, and `identity` holds it: the model's SHA256 and the corpus's). So a run resumes
 # when --data or --model names the same files by another path.
