@@ -47,8 +47,17 @@ class AdaptConfig:
             raise ValueError(f"warmup_frac: expected a value in [0, 1), got {self.warmup_frac!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout: expected a value in [0, 1), got {self.lora_dropout!r}")
-        if self.grad_clip <= 0:
-            raise ValueError(f"grad_clip: expected > 0, got {self.grad_clip!r}")
+        # a NaN grad_clip passed `<= 0` and made every parameter NaN, as did an adam_eps of 0 (LoRA A's first
+        # gradient is 0 while B = 0: 0 / 0); a lora_alpha of 0 scaled LoRA's update to nothing. grad_clip inf: none
+        for name, closed, top in (("grad_clip", False, math.inf), ("lora_alpha", False, None),
+                                  ("weight_decay", True, None), ("adam_eps", False, None)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+            if not ok or value < 0 or (value == 0 and not closed) or (math.isinf(value) and value != top):
+                kind = "a number" if top else "a finite number"
+                raise ValueError(f"{name}: expected {kind} {'>=' if closed else '>'} 0, got {value!r}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> AdaptConfig:

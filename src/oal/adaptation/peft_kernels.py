@@ -33,6 +33,18 @@ def _binding(folder: Path) -> dict:
     return {"adapter_sha256": sha256_file(adapter) if adapter.is_file() else None}
 
 
+def _kernels_file(model_id, kwargs: dict) -> Path | None:
+    """The kernels file beside the adapter peft read: in the folder, its `subfolder`, or the hub repository (and
+    revision) it came from; only `model_id / KERNELS_FILE` was looked at, so an adapter read from a subfolder or the
+    hub kept the model's calibrated kernels without a word."""
+    from transformers.utils import cached_file
+
+    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token", "local_files_only", "force_download",
+                                  "proxies") if kwargs.get(k) is not None}
+    found = cached_file(str(model_id), KERNELS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
+    return Path(found) if found else None
+
+
 class _KernelsInSaves:
     """In front of a peft model class: its saves and loads carry the kernel coefficients too."""
 
@@ -45,8 +57,8 @@ class _KernelsInSaves:
 
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         out = super().load_adapter(model_id, adapter_name, *args, **kwargs)
-        path = Path(str(model_id)) / KERNELS_FILE
-        if path.is_file():  # a folder saved without them (peft's own) keeps the model's kernels
+        path = _kernels_file(model_id, kwargs)
+        if path is not None:  # a folder saved without them (peft's own) keeps the model's kernels
             if header_binds(path, _binding(path.parent)) is False:
                 raise ValueError(f"{path}: saved beside another {LORA_FILE} than the one in its folder")
             saved, own = load_safetensors(path), _kernels(self)

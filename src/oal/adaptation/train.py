@@ -144,6 +144,9 @@ def adapt(
     # which layers run which method: a method without tensors (swa) leaves no trace in the tensor fingerprint, and a
     # checkpoint of another conversion must not be resumed
     conversion = {i: [m.name, {k: getattr(m, k) for k in m.settings}] for i, m in converted_methods(model).items()}
+    # base_sha256 hashes as float32, so a bfloat16 model and its float32 upcast share it; a checkpoint of one must not
+    # be resumed by the other (float32 alone is left out: checkpoints written before this stay valid)
+    precision = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
     peft_model, kernel_names = wrap_lora(model, cfg)
     params = _trainable(peft_model)
     kernel_set = set(kernel_names)
@@ -163,7 +166,7 @@ def adapt(
     order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
     inputs = {"train": tensor_hash(train_blocks), "val": tensor_hash(val_blocks), "params": sorted(params),
               "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256,
-              "conversion": conversion}
+              "conversion": conversion, **({"precision": precision} if precision != ["float32"] else {})}
     identity = adapt_identity(cfg, group.size)
     # processes given other settings or data would each train their own schedule while DDP averaged their gradients
     # (one that stops first leaves the other's collectives matched with unrelated ones): refused on every process
