@@ -105,3 +105,12 @@ def test_load_adapter_reads_the_kernels_wherever_peft_read_the_lora(tmp_path, wh
     fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_token_blocks_that_are_not_ids_are_refused_by_name(dtype):
+    """Float token ids (a tokenizer's output cast by the user) failed deep inside the embedding with torch's message;
+    the check said "integer tensor" but looked at the shape only."""
+    with pytest.raises(ValueError, match=f"^train_blocks: expected a non-empty integer tensor .*{dtype}"):
+        adapt(_tiny_model(convert="oal"), _blocks(5, 12, 0).to(dtype), _blocks(2, 12, 1), AdaptConfig(**CFG),
+              progress=False)

@@ -137,8 +137,10 @@ def adapt(
     """
     cfg = cfg or AdaptConfig()
     for name, blocks in (("train_blocks", train_blocks), ("val_blocks", val_blocks)):
-        if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
-            got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        ids = isinstance(blocks, torch.Tensor) and not (blocks.is_floating_point() or blocks.is_complex()
+                                                        or blocks.dtype == torch.bool)  # float ids failed deep inside
+        if not ids or blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
+            got = f"{blocks.dtype} {tuple(blocks.shape)}" if isinstance(blocks, torch.Tensor) else type(blocks).__name__
             raise ValueError(f"{name}: expected a non-empty integer tensor [n_blocks, L >= 2], got {got}")
     base_sha256 = converted_model_sha256(model)
     # which layers run which method: a method without tensors (swa) leaves no trace in the tensor fingerprint, and a
