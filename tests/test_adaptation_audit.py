@@ -114,3 +114,12 @@ def test_token_blocks_that_are_not_ids_are_refused_by_name(dtype):
     with pytest.raises(ValueError, match=f"^train_blocks: expected a non-empty integer tensor .*{dtype}"):
         adapt(_tiny_model(convert="oal"), _blocks(5, 12, 0).to(dtype), _blocks(2, 12, 1), AdaptConfig(**CFG),
               progress=False)
+
+
+def test_a_global_batch_beyond_the_training_blocks_is_said(caplog):
+    """A batch larger than the dataset repeated blocks within one update without a word."""
+    with caplog.at_level("WARNING", logger="oal"):
+        adapt(_tiny_model(convert="oal"), _blocks(3, 12, 0), _blocks(2, 12, 1),
+              AdaptConfig(**{**CFG, "steps": 1, "batch_size": 2, "grad_accum": 2}), progress=False)
+    assert "an update takes 4 blocks (batch 2 x grad_accum 2 x 1 processes) and there are 3 training blocks" \
+        in caplog.text

@@ -165,6 +165,10 @@ def adapt(
     # the loss module runs the decoder and the chunked LM head + cross-entropy (oal.evaluate.loss): no [N, V] logits
     train_model, optimizer = acc.prepare(CausalLMLoss(peft_model), optimizer)
     per_update = cfg.batch_size * group.size * cfg.grad_accum  # the global batch
+    if per_update > train_blocks.shape[0] and group.is_main:
+        log.warning("adapt: an update takes %d blocks (batch %d x grad_accum %d x %d processes) and there are %d "
+                    "training blocks: blocks repeat within an update", per_update, cfg.batch_size, cfg.grad_accum,
+                    group.size, train_blocks.shape[0])
     order = _block_order(train_blocks.shape[0], cfg.steps * per_update, cfg.seed)
     inputs = {"train": tensor_hash(train_blocks), "val": tensor_hash(val_blocks), "params": sorted(params),
               "kernel_start": {n: tensor_hash(v) for n, v in kernel_start.items()}, "base": base_sha256,
