@@ -260,3 +260,12 @@ def test_convert_takes_a_dict_of_methods_given_as_layers():
     for extra in ({"methods": "swa"}, {"method": "swa"}, {"eps": 1e-3}):
         with pytest.raises(ValueError, match=r"^layers: got a dict; a dict layer index -> AttentionMethod goes in"):
             oal.convert(model, {2: build_method("global", 6, 2, 8)}, **extra)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_a_cuda_device_without_a_gpu_is_refused_with_advice_for_python_too():
+    """`oal.load(..., device="cuda")` on a CPU-only torch advised `--device cpu`, an option a Python caller has not."""
+    from oal.device import resolve_device
+
+    with pytest.raises(ValueError, match=r"^device: 'cuda' requested .*; use 'cpu' or 'auto' \(on the command line: "):
+        resolve_device("cuda")

@@ -64,7 +64,7 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU"
             raise ValueError(f"device: {spec!r} requested but this torch ({torch.__version__}) is {build}; "
-                             "use --device cpu or auto")
+                             "use 'cpu' or 'auto' (on the command line: --device cpu)")
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise ValueError(f"device: {spec!r} requested but only {n} CUDA device(s) are visible")
