@@ -10,6 +10,8 @@ Encoders (`causal=False`): Omega_p is every pair (i, j) of real tokens, and the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
@@ -130,3 +132,27 @@ def prefix_contributions(
     out = running.index_select(-2, idx) * scale  # [..., L, d]
     out = out / pairs[:, None]
     return out.movedim(-2, 0)
+
+
+def check_finite_attention(layer: int, tensors: Mapping[str, torch.Tensor], where: str,
+                           real: torch.Tensor | None = None) -> None:
+    """Refuse captured attention tensors [B, H, N, d] of `layer` that hold a NaN or inf (ValueError naming the
+    layer, the tensors and their heads, and what to try), where a stage first sees a layer's capture: the analysis
+    and the calibration both failed on it later as "q, k: non-finite values", naming no layer. `real` [B, N]: the
+    real tokens; `out` is checked there only (padded queries are never scored). `where`: the blocks it came from."""
+    bad = []
+    for name, t in tensors.items():
+        finite = torch.isfinite(t)
+        if name == "out" and real is not None:
+            finite = finite | ~real.bool()[:, None, :, None]
+        if not bool(finite.all()):
+            heads = (~finite).transpose(0, 1).flatten(1).any(1).nonzero().flatten().tolist()
+            kind = "query" if name in ("q", "out") else "KV"
+            bad.append(f"{name} in {kind} head{'s' * (len(heads) > 1)} {', '.join(map(str, heads))}")
+    if not bad:
+        return
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    hint = (f"computed in {dtype}, which overflows: try --dtype float32 (in Python: load the model in torch.float32)"
+            if dtype in ("float16", "bfloat16") else f"computed in {dtype}: check the model's weights and inputs")
+    raise ValueError(f"model: layer {layer}'s attention is non-finite (NaN or inf) on {where}: "
+                     f"{'; '.join(bad)}; {hint}")

@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from oal.analysis import figures as figs
-from oal.analysis.contributions import head_contributions, prefix_contributions
+from oal.analysis.contributions import check_finite_attention, head_contributions, prefix_contributions
 from oal.analysis.controls import gaussian_chi, share_at, spearman, topk_concentration, topk_overlap
 from oal.analysis.grouping import (
     check_min_groups,
@@ -111,10 +111,18 @@ class _Collector:
             self.offset += b
 
 
-def _run_capture(model, batches, layers, n_prompts, progress, task, *reducers) -> _Collector:
+def _check_finite(c: Captured, where: str) -> None:
+    """Each layer's capture is checked once, before any reducer reads it (they failed naming no layer); v and the
+    output too, which the analysis does not read: a layer whose attention overflows makes every later layer's q, k
+    non-finite, and the error then named a later layer."""
+    check_finite_attention(c.layer, {"q": c.q, "k": c.k, "v": c.v, "out": c.out}, where, real=c.attention_mask)
+
+
+def _run_capture(model, batches, layers, n_prompts, progress, task, *reducers, where: str) -> _Collector:
     col = _Collector(layers, n_prompts)
 
     def on_layer(c: Captured) -> None:
+        _check_finite(c, where)
         col(c)
         for reduce in reducers:
             reduce(c)
@@ -130,11 +138,12 @@ def _prefix_shares(model, seq: torch.Tensor, layers: list[int], lengths: list[in
     out = {}
 
     def on_layer(c: Captured) -> None:
+        _check_finite(c, f"the {seq.numel()}-token sequence")
         rep = c.q.shape[1] // c.k.shape[1]
         k = c.k.repeat_interleave(rep, 1)  # GQA: query head h uses KV head h // rep
         chi = prefix_contributions(c.q[0], k[0], lengths).to("cpu", torch.float64)  # [n_len, Hq, d]
         share = chi / chi.sum(-1, keepdim=True)
-        dims = chi[-1].topk(TOP_K, dim=-1).indices  # [Hq, 5] at the longest length
+        dims = chi[-1].topk(min(TOP_K, chi.shape[-1]), dim=-1).indices  # [Hq, 5] at the longest length
         out[c.layer] = (dims, share.gather(-1, dims[None].expand(len(lengths), -1, -1)))  # [n_len, Hq, 5]
 
     capture(model, seq[None], layers, on_layer, stop_after_last=True)
@@ -235,12 +244,13 @@ def analyze(
         regime = RegimeAccumulator(min_keys=min(16, min(prompt_lengths)), max_rows=ANALYZE_ROWS,
                                     max_logits=ANALYZE_LOGITS)  # linear in N: see oal.analysis.regime
         offsets = OffsetAccumulator()
-        calib = _run_capture(model, batches, layers, n_prompts, bars, task, regime, offsets)
+        calib = _run_capture(model, batches, layers, n_prompts, bars, task, regime, offsets,
+                             where="the grouping prompts")
         held = None
         if held_batches is not None:
             n_held = sum(b[0].shape[0] for b in held_batches)
             task = bars.add_task("capture: held-out prompts", total=n_held)
-            held = _run_capture(model, held_batches, layers, n_held, bars, task)
+            held = _run_capture(model, held_batches, layers, n_held, bars, task, where="the held-out prompts")
         prefix = None
         if long_sequence is not None:
             task = bars.add_task(f"capture: {long_sequence.numel()}-token sequence", total=1)
@@ -257,8 +267,9 @@ def analyze(
     n_used = used.amax(-1) + 1
     t_group = time.perf_counter() - t1
     chi = res.chi  # [L, Hq, d]
-    top_dims = chi.topk(TOP_K, dim=-1).indices
-    real_top = topk_concentration(chi, TOP_K)
+    top_k = min(TOP_K, d)  # a head of fewer dims (a toy model's) failed after the capture with topk's RuntimeError
+    top_dims = chi.topk(top_k, dim=-1).indices
+    real_top = topk_concentration(chi, top_k)
 
     # Fig. 5 controls: i.i.d. N(0, 1) q/k with the real prompt count, lengths and head dim
     gen = torch.Generator().manual_seed(seed)
@@ -267,13 +278,13 @@ def analyze(
                         for _ in layers])
     g_chi = g_pp.mean(2)
     g_res = stable_gap_groups(g_pp, **params)
-    gauss_top = topk_concentration(g_chi, TOP_K)
+    gauss_top = topk_concentration(g_chi, top_k)
     gauss_at_real = share_at(g_chi, top_dims)
 
     stab = None
     if held is not None:
         h_chi = torch.stack([held.chi[i].mean(0) for i in layers])  # [L, Hq, d]
-        stab = dict(spearman=spearman(chi, h_chi), overlap=topk_overlap(chi, h_chi, TOP_K), chi=h_chi)
+        stab = dict(spearman=spearman(chi, h_chi), overlap=topk_overlap(chi, h_chi, top_k), chi=h_chi)
 
     heads_json = {}
     for li, layer in enumerate(layers):

@@ -113,17 +113,18 @@ def on_step(callback: Callable[[str, int, int], None]) -> Iterator[None]:
         _on_step.reset(token)
 
 
-def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, n_units: int,
+def _optimize(method: AttentionMethod, train: LayerData, val: LayerData, cfg: CalibConfig, per_head: bool,
               n_copies: int = 1):
     """Run the protocol on `method` (already folded/sliced; `n_copies` stacked initialisations of the data's
-    heads). Units are heads, or 1 for shared parameters.
+    heads). Units are heads (`per_head`), or 1 for shared parameters (said, not inferred from the unit count: a
+    one-head layer's shared parameters were taken per head and failed with an IndexError).
 
     Returns (best_params {name: tensor}, best_val [U], best_step [U], steps [U], curves [U] of [step, val, train]).
     """
     params = {n: p for n, p in method.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError(f"method: {method.name!r} has no trainable parameters to calibrate")
-    per_head = n_units == method.n_heads
+    n_units = method.n_heads if per_head else 1
     opt = torch.optim.Adam(params.values(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     n_seq, _, n_tok, _ = train.q.shape
@@ -290,8 +291,7 @@ def calibrate_layer(method: AttentionMethod, train: LayerData, val: LayerData, c
     train, val, copies, per_head = _prepare(method, inits, train, val, cfg)
     n_init, hq = len(copies), method.n_heads
     folded = _fold(list(copies.values())) if n_init > 1 else next(iter(copies.values()))
-    units = folded.n_heads if per_head else 1
-    best, best_val, best_step, steps, curves = _optimize(folded, train, val, cfg, units, n_init)
+    best, best_val, best_step, steps, curves = _optimize(folded, train, val, cfg, per_head, n_init)
     results = {}
     for i, name in enumerate(copies):
         sl = slice(i * hq, (i + 1) * hq) if per_head else slice(0, 1)
@@ -310,9 +310,9 @@ def calibrate_layer_sequential(method: AttentionMethod, train: LayerData, val: L
     results = {}
     for name, m in copies.items():
         if not per_head:
-            results[name] = _optimize(m, train, val, cfg, 1)
+            results[name] = _optimize(m, train, val, cfg, False)
             continue
-        outs = [_optimize(_head(m, h), train.head(h, m.n_rep), val.head(h, m.n_rep), cfg, 1)
+        outs = [_optimize(_head(m, h), train.head(h, m.n_rep), val.head(h, m.n_rep), cfg, True)
                 for h in range(m.n_heads)]
         best = {n: torch.cat([o[0][n] for o in outs]) for n in outs[0][0]}
         results[name] = (best, *(torch.cat([o[j] for o in outs]) for j in (1, 2, 3)),

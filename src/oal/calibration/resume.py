@@ -46,6 +46,10 @@ __all__ = ["CHECKPOINT_DIR", "LayerCheckpoints", "OnePassCapture", "calibrate_la
 
 log = logging.getLogger("oal")
 CHECKPOINT_DIR = Path(".oal") / "calibrate"
+# the command-line option of each setting the processes of a launch must agree on (`calibrate_directory`)
+AGREE_OPTIONS = {"max_steps": "--max-steps", "val_every": "--val-every", "patience": "--patience", "seed": "--seed",
+                 "methods": "--methods", "layers": "--layers", "window": "--window", "sinks": "--sinks",
+                 "model": "--model", "base_dtype": "--dtype", "data": "--data", "groups": "--out"}
 
 
 class LayerCheckpoints:
@@ -185,8 +189,10 @@ class OnePassCapture:
         layer checkpoints' `LayerCheckpoints.capture_record`), so that a calibration killed after its last layer
         and resumed from the checkpoints alone, which captures nothing, records the capture an uninterrupted one
         records."""
-        self.model, self.blocks, self.layers = model, blocks, list(layers)
-        self.root, self.key, self.progress = Path(root), key, progress
+        self.model, self.blocks, self.layers = model, blocks, sorted(int(i) for i in layers)
+        # the layers are part of the store's key: a calibration killed after its capture and resumed with more
+        # layers reused the store and failed on every rerun ("capture: no data for ... layer 2")
+        self.root, self.key, self.progress = Path(root), config_hash({"key": key, "layers": self.layers}), progress
         self.record = Path(record) if record is not None else None
         self.store = None
         self.seconds = 0.0
@@ -202,6 +208,7 @@ class OnePassCapture:
             self.record = None
 
     def __call__(self, layer: int):
+        from oal.analysis.contributions import check_finite_attention
         from oal.calibration.data import LayerData
         from oal.models.capture_store import block_ids, capture_to_disk
 
@@ -216,7 +223,15 @@ class OnePassCapture:
             if self.record is not None:
                 atomic_write_json(self.record, {"key": self.key, "stats": self.stats()})
         device = next(self.model.parameters()).device
-        return tuple(LayerData(**self.store.load(r, layer, device), causal=self.store.causal) for r in self.ROLES)
+        out = []
+        for role in self.ROLES:
+            tensors = self.store.load(role, layer, device)
+            # here, once per layer: LayerData's own check names no layer
+            where = f"the calibration {'training' if role == 'calib_train' else 'validation'} blocks"
+            check_finite_attention(layer, {f: tensors[f] for f in ("q", "k", "v", "out")}, where,
+                                   real=tensors.get("mask"))
+            out.append(LayerData(**tensors, causal=self.store.causal))
+        return tuple(out)
 
     def stats(self) -> dict | None:
         """What calibration.json records of the capture: when every layer came from a checkpoint, the record the
@@ -288,13 +303,18 @@ def calibrate_directory(out_dir: str | Path, model, blocks: Mapping[str, torch.T
     from oal.launch import ranks
     from oal.rundir.hashes import tensor_hash
 
-    key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed,
-                       "model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
-                       "blocks": {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val")},
-                       "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups},
+    inputs = {"model": {k: provenance.get(k) for k in ("sha256", "state_dict_sha256")},
+              "blocks": {r: tensor_hash(blocks[r]) for r in ("calib_train", "calib_val")},
+              "groups": {i: tensor_hash(groups[i]) for i in layers if i in groups}}
+    key = config_hash({"cfg": cfg.to_dict(), "methods": list(methods), "seed": seed, **inputs,
                        **({"options": dict(options)} if options else {})})
 
     group = ranks(next(model.parameters()).device)
+    # each process would calibrate its share of the layers with its own settings and data, the main one writing
+    # them all as one calibration: refused, naming the first that differs, on every process before any work
+    group.agree({**cfg.to_dict(), "seed": seed, "methods": list(methods), "layers": list(layers), **dict(options or {}),
+                 "base_dtype": str(next(model.parameters()).dtype), "model": inputs["model"], "data": inputs["blocks"],
+                 "groups": inputs["groups"]}, AGREE_OPTIONS)
     checkpoints = LayerCheckpoints(out_dir, key)
     capture = OnePassCapture(model, blocks, layers, Path(out_dir) / ".oal" / "capture", key, progress=progress,
                              record=checkpoints.capture_record)

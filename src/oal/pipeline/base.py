@@ -53,6 +53,15 @@ EVALUATION_VERSIONS = {"zeroshot:": {"zeroshot_scoring": SCORING_VERSION},
                        "passkey:": {"passkey_decoding": DECODING_VERSION}}
 
 
+# the command-line option of a setting that the processes of a launch hold differently (`StagedRun.setup`)
+LAUNCH_OPTIONS = {"seed": "--seed", "methods": "--methods", "layers": "--layers", "converted_layers": "--layers",
+                  "select.k": "--layers", "select.by": "--select-by", "dtype": "--dtype", "preset": "--preset",
+                  "window": "--window", "sinks": "--sinks", "model": "--model", "data": "--data", "blocks": "--data",
+                  "zeroshot_tasks": "--tasks", "zeroshot_limit": "--limit", "adapt.steps": "--steps",
+                  "adapt.val_every": "--val-every", "adapt.batch_size": "--batch-size",
+                  "adapt.grad_accum": "--grad-accum", "adapt.lora_dropout": "--lora-dropout"}
+
+
 class Stop(Exception):
     """Raised by `stop_after` (tests): simulate a kill right after a stage finished."""
 
@@ -171,6 +180,12 @@ class StagedRun:
                                           "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")},
                                           "data": self.corpus.sha256})
 
+        # processes started with other settings would each compute their own share of the stages that run on every
+        # process (calibration's layers with its own seed and blocks; adaptation checks only its own settings):
+        # refused on every process, naming the first setting that differs, before anything is written
+        if self.ranks.size > 1:
+            self.ranks.agree(self._launch_settings(config["blocks"]), LAUNCH_OPTIONS)
+
         def claim():  # the main process only: it alone reads the stage log and writes
             claim_run_dir(self.dir, config, force=self.force, allow=self.allow_changes)
             self.log = StageLog(self.dir)
@@ -182,6 +197,18 @@ class StagedRun:
 
         self._config = config
         self.ranks.on_main(claim)
+
+    def _launch_settings(self, blocks: dict) -> dict:
+        """What every process of a launch must hold alike: the configuration (its dicts one level down, so the
+        setting is named) with the model, corpus and `blocks` (their record) by content, not path (another machine
+        may mount them elsewhere); `device` is this process's own."""
+        values = {}
+        for k, v in self.cfg.to_dict().items():
+            if k in ("model", "data", "data_dir", "zeroshot_dir", "zeroshot_files", "device"):
+                continue
+            values.update({f"{k}.{sub}": x for sub, x in v.items()} if isinstance(v, dict) else {k: v})
+        return {**values, "converted_layers": self.layers, "blocks": blocks, "data": self.corpus.sha256,
+                "model": {k: self.provenance.get(k) for k in ("sha256", "state_dict_sha256")}}
 
     def _check_windows(self) -> None:
         """Refuse a sliding window that covers every block of the run: its methods would be plain softmax there."""
