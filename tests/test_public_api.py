@@ -104,8 +104,11 @@ def test_the_operator_names_an_argument_that_is_not_a_tensor(name):
 
 # --------------------------------------------------------------------------------------------- oal.convert
 
-@pytest.mark.parametrize("layers,match", [(1, "^layers:"), ([1.5], "^layers:"), ([], "^layers:"), ("1", "^layers:")])
+@pytest.mark.parametrize("layers,match", [(1, "^layers:"), ([1.5], "^layers:"), ([], "^layers:"), ("1", "^layers:"),
+                                          ([True], "^layers:"), ([np.bool_(True)], "^layers:"),
+                                          ([torch.tensor(True)], "^layers:")])
 def test_convert_names_bad_layers(layers, match):
+    """A bool is an index to `operator.index` (True is layer 1): a mask passed as layers converted layer 1."""
     with pytest.raises(ValueError, match=match):
         oal.convert(tiny_model("qwen2", 100), layers, "oal")
 

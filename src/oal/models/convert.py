@@ -29,6 +29,8 @@ def layer_indices(layers) -> list[int]:
     out = []
     for i in layers:
         try:
+            if isinstance(i, bool) or str(getattr(i, "dtype", "")) in ("bool", "torch.bool"):  # not a mask's True
+                raise TypeError
             out.append(operator.index(i))
         except TypeError:
             raise ValueError(f"layers: expected integer layer indices, got {i!r}") from None
