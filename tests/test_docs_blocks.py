@@ -67,10 +67,14 @@ def _quick_start(path: str, layers: str) -> list[tuple[str, str]]:
              .replace('method="oal-swa")', 'method="oal-swa", calib={"preset": "tiny"})'))]
 
 
+# The conversion guide's adaptation sketches on 2 blocks and 2 Trainer updates rather than 8: the same code, each
+# update a forward and backward through the model (most of this session's time).
+ADAPT_SKETCHES = [("input_ids[0, : 8 * 256].reshape(8, 256)", "input_ids[0, : 2 * 256].reshape(2, 256)"),
+                  ("max_steps=8,", "max_steps=2,")]
 # page -> (old, new) replacements applied to its python blocks before they run (on the embedded default model)
 SUBSTITUTIONS = {
     "README.md": lambda: _quick_start(_default_model(), "2,3"),
-    "docs/guides/convert.md": lambda: _quick_start(_default_model(), "2,3"),
+    "docs/guides/convert.md": lambda: _quick_start(_default_model(), "2,3") + ADAPT_SKETCHES,
 }
 # pages whose python blocks run as one session, in this order (their shared blocks run once)
 SESSIONS = [("README.md", "docs/guides/convert.md")]

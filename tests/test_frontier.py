@@ -3,6 +3,7 @@ the K layers its ranking puts first, the softmax arm measured alike, and a rerun
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,12 +14,33 @@ ARGS = ["--model", "default", "--methods", "swa,oal", "--k", "1,2", "--steps", "
         "--passkey-lengths", "128", "--trials", "1", "--depths", "0.5", "--decode-tokens", "2", "--threads", "1"]
 
 
+def _small_plan():
+    """The default preset's split plan with fewer blocks per role (same roles, block lengths and reading code): the
+    frontier tests check its plumbing, not the numbers (with the calibration budget below: 70 s to about 25 s)."""
+    from dataclasses import replace
+
+    from oal.data.splits import BlockSet, default_plan
+
+    return replace(default_plan("default"), grouping=BlockSet("train", 128, list(range(10))),
+                   calib_train=BlockSet("train", 512, [10, 11]), fidelity=BlockSet("train", 512, [20, 21]),
+                   val=BlockSet("validation", 512, [0, 1]), test=BlockSet("test", 512, [0, 1, 2]))
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
+    """One frontier run, shared by the module's tests (which read it back or re-time it: the smaller plan and
+    calibration budget stay in place for all of them)."""
+    from oal.data.splits import PLAN_PRESETS
+    from oal.pipeline.config import PRESETS
+
     tmp = tmp_path_factory.mktemp("frontier")
     args = ARGS + ["--work", str(tmp / "work"), "--json", str(tmp / "out.json")]
-    assert frontier.main(args) == 0
-    return tmp, args, json.loads((tmp / "out.json").read_text())
+    small = _small_plan()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PLAN_PRESETS, "default", lambda: copy.deepcopy(small))
+        mp.setitem(PRESETS["default"], "calib", {"max_steps": 10, "val_every": 5, "patience": 10})
+        assert frontier.main(args) == 0
+        yield tmp, args, json.loads((tmp / "out.json").read_text())
 
 
 @pytest.mark.slow

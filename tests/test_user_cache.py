@@ -164,16 +164,32 @@ needs_compiler = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C
 _REPORT = "from oal.ops import cpu_kernel; print(cpu_kernel.describe())"
 
 
+@pytest.fixture(scope="module")
+def one_build(tmp_path_factory):
+    """The kernel compiled once for the module: the tests that need a good build before they damage it start from
+    a copy (a compile is seconds; the builds under test, after the damage, still compile)."""
+    return cpu_kernel.build(tmp_path_factory.mktemp("one_build") / "kernels")
+
+
+def _copy_build(built: Path, folder: Path) -> Path:
+    """`built` and its record copied into `folder`: what `cpu_kernel.build(folder)` leaves, for the same key."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(cpu_kernel._record(built), folder / cpu_kernel._record(built).name)
+    return Path(shutil.copy2(built, folder / built.name))
+
+
 def _fresh_process(code: str, cache_dir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OAL_CACHE_DIR": str(cache_dir)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
 
 @needs_compiler
-def test_a_truncated_or_foreign_kernel_is_built_again_never_loaded(tmp_path):
+def test_a_truncated_or_foreign_kernel_is_built_again_never_loaded(tmp_path, one_build):
     """A truncated kernels/readout-*.so killed every process that loaded it (SIGBUS, rc 135); a foreign library in its
     place gave an AttributeError traceback. Both are now built again before anything is loaded."""
-    path = cpu_kernel.build(tmp_path / "kernels")
+    path = _copy_build(one_build, tmp_path / "kernels")
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 3])  # truncated
     res = _fresh_process(_REPORT, tmp_path)
@@ -188,13 +204,13 @@ def test_a_truncated_or_foreign_kernel_is_built_again_never_loaded(tmp_path):
 
 
 @needs_compiler
-def test_a_build_of_another_source_copied_in_with_its_record_is_built_again(tmp_path, caplog):
+def test_a_build_of_another_source_copied_in_with_its_record_is_built_again(tmp_path, caplog, one_build):
     """The record of a build names its key (source, flags, compiler, CPU): a library and record of another key
     (an earlier source, whose functions may take other arguments) put in this key's place are not loaded."""
     from oal.rundir.hashes import sha256_file
 
     folder = tmp_path / "kernels"
-    path = cpu_kernel.build(folder)
+    path = _copy_build(one_build, folder)
     good = path.read_bytes()
     record = json.loads(cpu_kernel._record(path).read_text())
     other = "0" * 16
@@ -206,10 +222,10 @@ def test_a_build_of_another_source_copied_in_with_its_record_is_built_again(tmp_
 
 
 @needs_compiler
-def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monkeypatch, caplog):
+def test_a_library_without_the_kernel_symbols_runs_the_torch_path(tmp_path, monkeypatch, caplog, one_build):
     """Even with a record that matches (a foreign file and its hash both put there), the symbol check after dlopen
     keeps it unused: the torch path runs, with one log line."""
-    path = cpu_kernel.build(tmp_path / "kernels")
+    path = _copy_build(one_build, tmp_path / "kernels")
     record = json.loads(path.with_suffix(".json").read_text())  # this build's key, flags and compiler
     subprocess.run([cpu_kernel._compiler(), "-shared", "-fPIC", "-x", "c++", "-", "-o", str(path)],
                    input="extern \"C\" int other() { return 1; }\n", text=True, check=True)
