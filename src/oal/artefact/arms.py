@@ -97,14 +97,17 @@ def _run_config(run_dir: Path) -> dict:
 
 def _run_dtype(run_dir: Path, config: dict | None = None) -> torch.dtype:
     """The dtype the run loaded its model in (config.json of `oal run`, `config` when already read), float32 when
-    not recorded."""
+    not recorded. Any torch dtype name passed: "int8" loaded the base model in int8 (even under --dtype float32,
+    a wider dtype), and the error blamed the base model rather than config.json."""
+    from oal.device import resolve_dtype
+
     path = run_dir / "config.json"
     config = (_run_config(run_dir) if config is None else config).get("config")
     name = (config.get("dtype") if isinstance(config, dict) else None) or "float32"
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{path}: config.dtype: expected a torch dtype name, got {name!r}")
-    return dtype
+    try:
+        return resolve_dtype(name if isinstance(name, str) else repr(name))
+    except ValueError as exc:
+        raise ValueError(f"{path}: config.{exc}") from None
 
 
 def _load_dtype(run_dir: Path, dtype: torch.dtype | None, config: dict | None = None):

@@ -3,36 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import (
-    BatchSizeOpt,
-    DeviceOpt,
-    GradAccumOpt,
-    LoraDropoutOpt,
-    Max,
-    ProgressOpt,
-    RunDtypeOpt,
-    SinksOpt,
-    ThreadsOpt,
-    WindowOpt,
-    set_threads,
-)
+from oal.cli.options import DeviceOpt, Max, ProgressOpt, RunDtypeOpt, ThreadsOpt, set_threads
 
 
 @app.command("adapt")
 def adapt_cmd(
     out: Path = typer.Option(..., "--out", help="An existing run directory (after `oal run`)."),
     method: str = typer.Option("oal", help="The arm to adapt: a calibrated method of the run, or softmax."),
-    steps: int = typer.Option(None, min=1, max=Max.STEPS,
-                              help="Adaptation updates for this arm (recorded in config.json)."),
-    batch_size: BatchSizeOpt = None,
-    grad_accum: GradAccumOpt = None,
-    lora_dropout: LoraDropoutOpt = None,
-    window: WindowOpt = None,
-    sinks: SinksOpt = None,
+    steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Adaptation updates for this arm (default: the run's; "
+                              "recorded in config.json)."),
+    # the shared options' help names `oal run`'s defaults; here each one left out keeps the run's own setting
+    batch_size: Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Adaptation blocks per process and micro-"
+                                            "batch (default: the run's).")] = None,
+    grad_accum: Annotated[int, typer.Option(min=1, max=Max.BATCH, help="Micro-batches accumulated per update "
+                                            "(default: the run's).")] = None,
+    lora_dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="LoRA dropout (default: the run's).")] = None,
+    window: Annotated[int, typer.Option(min=1, max=Max.WINDOW, help="Sliding window W of the window methods "
+                                        "(default: the run's; another one reruns their calibration).")] = None,
+    sinks: Annotated[int, typer.Option(min=0, max=Max.WINDOW, help="Attention sinks S of the window methods "
+                                       "(default: the run's; another number reruns their calibration).")] = None,
     device: DeviceOpt = "auto",
     dtype: RunDtypeOpt = None,
     threads: ThreadsOpt = 1,

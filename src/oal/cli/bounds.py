@@ -19,6 +19,12 @@ class Max:
     HEADS, DIM, LAYERS = 1024, 1024, 4096  # DIM: head dims and group counts
 
 
+def positive_examples(value: int | None) -> int | None:
+    """--limit's callback: `oal evaluate --zeroshot --limit 0` said 'limit: ...', the library's argument, where `oal
+    run` names --limit (RunConfig's check, in the same words)."""
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"expected a positive number of examples, got {value}")
+    return value
 
 
 def parse_numbers(text: str | None, kind, option: str, low: float, high: float) -> list | None:

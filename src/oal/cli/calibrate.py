@@ -38,9 +38,10 @@ def calibrate_cmd(
     methods: str = typer.Option("oal,global", help="Comma-separated trainable methods to calibrate."),
     preset: str = typer.Option(None, help="Split-plan preset (default: detected from the model)."),
     paper: bool = typer.Option(False, help="App. B budgets: 1000 updates, validation every 100, patience 400."),
-    max_steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Updates per initialisation (override)."),
-    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Validation interval in updates (override)."),
-    patience: int = typer.Option(None, min=1, max=Max.STEPS, help="Early-stopping patience in updates (override)."),
+    max_steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Updates per start (default 200, --paper 1000)."),
+    val_every: int = typer.Option(None, min=1, max=Max.STEPS, help="Updates per validation (default 25, --paper 100)."),
+    patience: int = typer.Option(None, min=1, max=Max.STEPS, help="Early-stopping patience in updates (default 100, "
+                                 "--paper 400)."),
     window: WindowOpt = 64,
     sinks: SinksOpt = 4,
     seed: int = typer.Option(0, min=0, max=Max.SEED,

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from oal.cli.app import app
-from oal.cli.options import DeviceOpt, DtypeOpt, Max
+from oal.cli.options import DeviceOpt, Max, dtype_choice
 from oal.ops import oal_attention
 from oal.ops.kernel import perturbed_factor, taylor_factor
 
@@ -26,7 +26,8 @@ def demo(
                                  "one)."),
     seed: int = typer.Option(0, min=0, max=Max.SEED, help="Random seed."),
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
+    dtype: str = typer.Option("float32", callback=dtype_choice, help="dtype of the random q, k and v: float32, "
+                              "bfloat16 or float16 (the kernel's factor stays float32)."),
 ) -> None:
     """Run every backend of the OAL operator on random inputs and compare it with the dense reference."""
     if heads % kv_heads:

@@ -10,12 +10,15 @@ from rich.console import Console
 
 from oal.cli.app import app
 from oal.cli.consoles import notes_console
+from oal.cli.diagnose_parts import budget_head as pick_head
+from oal.cli.diagnose_parts import refuse_unread
 from oal.cli.options import DataDirOpt, DataOpt, DeviceOpt, DtypeOpt, Max, ModelOpt, comma_names
 from oal.pipeline.inputs import load_model_or_fail, parse_layers, registry_preset
 
 
 @app.command("diagnose")
 def diagnose_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Output or `oal run` directory (then its corpus, split plan, layers, "
                              "and for calibration (Table 2, Fig. 2(b), offset part) its settings and seed are used, "
                              "unless --paper / --seed). Writes diagnostics/, figures/ and metrics.json['fidelity'] "
@@ -34,13 +37,14 @@ def diagnose_cmd(
                                   "part (default: all fidelity blocks)."),
     head: str = typer.Option(None, help="Fig. 2(b) head 'LAYER:HEAD' (default: the paper's, Qwen2.5-0.5B's 4:0; "
                              "else the first layer's head 0)."),
-    max_budget: int = typer.Option(16, min=1, max=Max.DIM, help="Largest group budget G for Fig. 2(b)."),
+    max_budget: int = typer.Option(16, min=1, max=Max.DIM, help="Largest group budget G for Fig. 2(b), at most the "
+                                   "head dim."),
     layer: int = typer.Option(None, min=0, max=Max.LAYERS, help="Offset part: the layer (default: the run's "
                               "representative layer)."),
     offsets: str = typer.Option("0,1,2,3,6", help="Offset part: planted per-query offset stds in logits, at most 1000 "
                                  "(with 0)."),
     steps: int = typer.Option(None, min=1, max=Max.STEPS, help="Offset part: calibration updates per start "
-                              "(default: the run's)."),
+                              "(default: the run's, else the preset's)."),
     seed: int = typer.Option(None, min=0, max=Max.SEED, help="Seed of query positions, controls, Gaussian draws "
                              "and calibration (default 0; calibration on a run directory: the run's; the offset part: "
                              "the run's, 42 without a run directory)."),
@@ -56,7 +60,7 @@ def diagnose_cmd(
     from oal.diagnostics.offset_part import OffsetSettings, parse_stds
     from oal.diagnostics.retained_error import RetainedErrorConfig
     from oal.diagnostics.run_inputs import read_run, run_blocks
-    from oal.diagnostics.runner import PARTS, diagnose
+    from oal.diagnostics.runner import PARTS, check_outputs, diagnose
     from oal.models.registry import PRESETS, default_layers, representative_head, table_layers
     from oal.pipeline.config import RunConfig
     from oal.rundir.files import check_out_dir
@@ -65,10 +69,12 @@ def diagnose_cmd(
     console = notes_console()  # progress and notes on stderr; the tables are the results (stdout)
     check_out_dir(out)
     part_list = comma_names(parts, PARTS, "--parts")
+    check_outputs(out, part_list)  # before the model loads (and minutes of work), not when a part writes
     method_list = list(TABLE2_METHODS) if methods.strip().lower() == "all" else comma_names(methods, TABLE2_METHODS,
                                                                                        "--methods")
     stds = parse_stds(offsets)
     run = read_run(out)
+    refuse_unread(ctx, part_list, run is not None)  # before the model loads
     if run is not None and run["model"] != model:
         raise typer.BadParameter(f"{out} is an `oal run` directory of model {run['model']!r}; pass that model",
                                  param_hint="--model")
@@ -80,15 +86,7 @@ def diagnose_cmd(
         raise typer.BadParameter(f"expected a layer in [0, {n_layers}), got {layer}", param_hint="--layer")
     layer_list = (parse_layers(layers, n_layers) if layers is not None else table_layers(preset, range(n_layers))
                   or (run["layers"] if run and run["layers"] else default_layers(mdl)))  # Qwen: the paper's 4, 12, 20
-    budget_head = representative_head(preset, layer_list)
-    if head:
-        try:
-            budget_head = tuple(int(x) for x in head.split(":"))
-            assert len(budget_head) == 2 and budget_head[0] in layer_list
-            assert 0 <= budget_head[1] < mdl.config.num_attention_heads
-        except (ValueError, AssertionError):
-            raise typer.BadParameter(f"expected 'LAYER:HEAD' with LAYER in {layer_list} and HEAD in [0, "
-                                     f"{mdl.config.num_attention_heads}), got {head!r}", param_hint="--head") from None
+    budget_head = pick_head(head, layer_list, mdl.config.num_attention_heads, representative_head(preset, layer_list))
     try:
         blocks = (run_blocks(run, tok) if run else
                   plan_blocks(load_corpus(data, data_dir=data_dir), tok, default_plan(spec["plan"]), data_dir=data_dir))

@@ -43,6 +43,9 @@ OPTION_PANELS = {
     "Device and runtime": ("device", "dtype", "threads", "progress"),
 }
 OPTION_PANEL_COMMANDS = ("run", "evaluate", "adapt", "calibrate", "select-layers")
+# a command's own panels, before OPTION_PANELS: `oal calibrate --val-every` is calibration's (it was listed under
+# adaptation, beside none of the calibration budgets it goes with)
+OWN_PANELS = {"calibrate": {"Calibration budgets": ("paper", "max_steps", "val_every", "patience")}}
 
 
 def arrange(name: str, command) -> None:
@@ -53,7 +56,8 @@ def arrange(name: str, command) -> None:
     command.rich_help_panel = next((p for p, names in PANELS.items() if name in names), None)
     if name in OPTION_PANEL_COMMANDS:
         for param in command.params:
-            param.rich_help_panel = next((p for p, names in OPTION_PANELS.items() if param.name in names), None)
+            param.rich_help_panel = next((p for panels in (OWN_PANELS.get(name, {}), OPTION_PANELS)
+                                          for p, names in panels.items() if param.name in names), None)
 
 
 def short_help(text: str) -> str:

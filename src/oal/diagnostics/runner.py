@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import logging
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ from oal.rundir.claim import is_run_dir
 from oal.rundir.files import atomic_write_json, atomic_write_text, load_json
 from oal.rundir.hashes import tensor_hash
 
-__all__ = ["DEFAULT_PARTS", "PARTS", "TABLE1_METHODS", "diagnose", "resolve_groups"]
+__all__ = ["DEFAULT_PARTS", "PARTS", "TABLE1_METHODS", "check_outputs", "diagnose", "resolve_groups"]
 
 log = logging.getLogger("oal")
 TABLE1_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift")
@@ -59,6 +60,33 @@ DEFAULT_PARTS = PARTS[:3]  # the paper's; the offset experiment runs when asked 
 
 def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_outputs(out_dir: str | Path, parts: Sequence[str]) -> None:
+    """InputError on --out now, before any part runs, where a folder `parts` write into cannot be made or written
+    (a file in its way, a read-only folder): a figure or record that could not be written failed after the minutes
+    of its part. Creates nothing (a temporary file in the nearest folder that exists, removed at once)."""
+    out = Path(out_dir)
+    figures = out / "figures" / ("diagnostics" if is_run_dir(out) else "")
+    folders = [out / "diagnostics", *([figures] if {"table1", "budget"} & set(parts) else []),
+               *([out / "figures" / "offset"] if "offset" in parts else [])]
+    if "table2" in parts and not is_run_dir(out):  # merged into metrics.json, recorded under .oal/
+        folders.append(out / ".oal" / "evaluate")
+        if (out / "metrics.json").exists() and not (out / "metrics.json").is_file():
+            raise InputError(f"{out / 'metrics.json'} is not a file, so Table 2 cannot be merged into it; use "
+                             "another --out", "--out", "out_dir")
+    for folder in folders:
+        near = folder
+        while not near.exists() and near != near.parent:
+            near = near.parent
+        if not near.is_dir():
+            below = "" if near == folder else f", so {folder} cannot be made"
+            raise InputError(f"{near} is not a folder{below}; move it, or use another --out", "--out", "out_dir")
+        try:
+            tempfile.TemporaryFile(dir=near).close()
+        except OSError as exc:
+            raise InputError(f"cannot write in {near} ({exc.strerror or exc}); use another --out", "--out",
+                             "out_dir") from None
 
 
 def resolve_groups(model, grouping_blocks: torch.Tensor, layers: Sequence[int], run_dir: Path, grouping: dict,
@@ -134,6 +162,14 @@ def diagnose(
                          "table1_sequences")
     console = console or log_console()
     out = Path(out_dir)
+    check_outputs(out, parts)  # before any capture or calibration
+    cfg = model.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    bad = [g for g in budgets if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= dim]
+    if "budget" in parts and (bad or not budgets):
+        # a budget above d failed once the smaller ones had been calibrated (after Table 1, with the default parts)
+        raise InputError(f"expected group budgets in [1, {dim}] (the head dim: each dimension is in one group), got "
+                         f"{bad[-1] if bad else 'none'!r}", "--max-budget", "budgets")
     diag = out / "diagnostics"
     # an `oal run` directory's figures/ are its report's (figures/group_budget.png is its budget stage's, and the
     # report shows every other figures/*.png as the contribution analysis'): diagnose keeps to figures/diagnostics/

@@ -7,6 +7,7 @@ this dataclass: it comes from `oal.data.default_plan(preset)` and is recorded in
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -98,8 +99,12 @@ MAX_SEED = 2**32
 
 
 def parse_seeds(spec: str | int | list[int]) -> list[int]:
-    """'42,43,44' -> [42, 43, 44]: distinct non-negative integers, no empty items."""
-    items = [spec] if isinstance(spec, int) else spec.split(",") if isinstance(spec, str) else list(spec)
+    """'42,43,44' -> [42, 43, 44]: distinct non-negative integers, no empty items. A bool is not a seed (True ran
+    as seed 1)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, (list, tuple, range)) \
+        else [spec]
+    if any(isinstance(s, bool) or not isinstance(s, (str, numbers.Integral)) for s in items):
+        raise ValueError(f"seeds: expected integers or a string such as '42,43,44', got {spec!r}")
     try:
         seeds = [int(s) if isinstance(s, int) else int(str(s).strip()) for s in items]
     except ValueError as exc:
@@ -164,6 +169,10 @@ class RunConfig:
         if self.select is not None:
             self.select = parse_select(self.select)
         resolve_dtype(self.dtype)  # float32, bfloat16, float16 (float64 for exactness tests)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or \
+                not 0 <= self.seed < MAX_SEED:  # the seed of every generator (seed=True ran as 1, recorded as true)
+            raise InputError(f"expected an integer in [0, 2**32), got {self.seed!r}", "--seeds", "seed")
+        self.seed = int(self.seed)  # a numpy integer is recorded in config.json as a number
         for name, low, default in (("window", 1, WINDOW), ("sinks", 0, SINKS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

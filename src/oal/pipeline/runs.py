@@ -146,8 +146,9 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
         from oal.methods import method_names
 
         if method not in method_names():
-            raise InputError(f"unknown method {method!r}; expected one of {', '.join(d['methods'])} (this run's) "
-                             f"or {REFERENCE}", "--method", "method")
+            also = "" if REFERENCE in d["methods"] else f" or {REFERENCE}"  # it read "oal, softmax (...) or softmax"
+            raise InputError(f"unknown method {method!r}; expected one of {', '.join(d['methods'])} (this run's)"
+                             f"{also}", "--method", "method")
         if method != REFERENCE:
             have = ",".join(d["methods"])
             raise InputError(f"{out_dir} has no calibrated kernels for {method!r} (it calibrated {have}); a run "
@@ -209,14 +210,22 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = Non
 def _amended(cfg: RunConfig, out_dir: Path, force: bool) -> RunConfig:
     """`cfg` with the arm settings `oal adapt` recorded in OUT/config.json (`adapt_overrides`), where `cfg` sets
     none: `oal run` resumes a run `oal adapt --steps N` amended (it was refused as another configuration, and
-    --force, which deletes the run, was the only way on)."""
+    --force, which deletes the run, was the only way on). The same for the softmax arm `oal adapt --method softmax`
+    appended to the run's methods."""
     path = out_dir / "config.json"
-    if force or cfg.adapt_overrides or not path.is_file():
+    if force or not path.is_file():
         return cfg
     try:
-        recorded = run_config(path)["config"].get("adapt_overrides")
+        config = run_config(path)["config"]
     except ValueError:
         return cfg  # the run's own checks name the damage
+    if REFERENCE not in cfg.methods and config.get("methods") == [*cfg.methods, REFERENCE]:
+        log.info("%s: keeping the %s arm `oal adapt --method %s` added (methods %s)", path, REFERENCE, REFERENCE,
+                 ",".join(config["methods"]))
+        cfg = replace(cfg, methods=list(config["methods"]))
+    recorded = config.get("adapt_overrides")
+    if cfg.adapt_overrides:
+        return cfg
     kept = {m: v for m, v in recorded.items() if m in cfg.methods} if isinstance(recorded, dict) else {}
     if not kept:
         return cfg
