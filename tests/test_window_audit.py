@@ -1,6 +1,8 @@
 """Audit of the sliding windows against a definition written here (not `ops.window.reference`): random chains of
 calls on one state, each call on a random backend and chunk, in float64; and the inference paths (the C decoding
-loop, the banded continuation) on rows of one batch with different histories, as a padded generation makes them."""
+loop, the banded continuation) on rows of one batch with different histories, as a padded generation makes them.
+Through a converted HF model: an offloaded cache, prefill / continuation split points around the window and the
+sinks, and a multi-token continuation of a left-padded batch, against one forward."""
 
 from __future__ import annotations
 
@@ -96,3 +98,117 @@ def test_inference_paths_on_rows_with_different_histories(monkeypatch, kernel):
         want = definition(*s, window, sinks, groups if kernel else None, factor)[:, :, n:]
         torch.testing.assert_close(got[b : b + 1], want, rtol=0, atol=2e-6, msg=f"row {b} (prefill {n})")
     assert calls or not cpu_kernel.available()  # the C loop served the single tokens where it is built
+
+
+class _NoStream:
+    """CUDA's stream calls in transformers' offloaded cache, answered on a CPU (nothing to wait for)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_an_offloaded_cache_keeps_the_window_state_on_the_device(monkeypatch):
+    """generate(cache_implementation="offloaded") (a DynamicCache(offloading=True)) offloads each layer to the CPU
+    right after its `update`, and a converted layer's attention reads its state after that: the state left for the
+    CPU beside CUDA queries and the second token failed ("initial_state: expected a tensor on q's device"). On the
+    fake device (tests/_fake_device.py), CUDA's streams stubbed: the tokens of the model on the CPU, the softmax
+    layer's K/V offloaded and the window states still on the device."""
+    import copy
+
+    from _fake_device import FAKE, fake_device, is_fake
+    from test_decode import _ids
+    from test_window_models import _model
+    from transformers import DynamicCache
+
+    from oal.models.cache import cache_kwargs
+
+    model = _model("oal-swa", layers=(0, 1)).float()
+    ids = _ids(2, 9) % 52 + 1
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: _NoStream())
+    with fake_device():
+        on_device = copy.deepcopy(model).to(FAKE)
+        cache = DynamicCache(config=on_device.config, offloading=True)
+        cache.prefetch_stream = _NoStream()
+        got = on_device.generate(ids.to(FAKE), **cache_kwargs(on_device, cache), **kw)
+        assert torch.equal(got.cpu(), want)
+        assert not is_fake(cache.layers[2].keys)  # transformers did offload: the softmax layer's K/V
+        assert is_fake(cache.layers[0].state) and is_fake(cache.layers[1].state)
+
+
+def _hf_model(name, window, sinks, layers=(0, 1)):
+    """A tiny float64 Qwen2 (test_decode's shape) with seeded window methods, the hybrids' factors off their start."""
+    from test_decode import HKV, HQ, D, V
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from oal.methods import build_method
+    from oal.models.convert import convert
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=HQ * D, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=HQ, num_key_value_heads=HKV, max_position_embeddings=128)
+    gen = torch.Generator().manual_seed(3)
+    methods = {}
+    for i in layers:
+        kw = {"groups": torch.randint(0, 3, (HQ, D), generator=gen), "n_groups": 3} if name == "oal-swa" else {}
+        methods[i] = build_method(name, HQ, HKV, D, window=window, sinks=sinks, layer_idx=i, **kw)
+        with torch.no_grad():
+            for p in methods[i].parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return convert(Qwen2ForCausalLM(cfg).double().eval(), list(layers), methods)
+
+
+@pytest.mark.parametrize("name", ["oal-swa", "swa"])
+def test_split_points_around_the_window_and_sinks(name):
+    """A prefill of A tokens, a continuation of B tokens in one call, then single tokens, for A below the sinks, at
+    the window, at W + S - 1, W + S, W + S + 1, and B crossing those boundaries: every position's logits are those
+    of one forward (float64)."""
+    from test_decode import _ids
+    from test_window_models import _in_chunks
+
+    window, sinks = 4, 3
+    model = _hf_model(name, window, sinks)
+    ids = _ids(2, 16, seed=7)
+    with torch.no_grad():
+        full = model(ids).logits
+    for a, b in [(1, 2), (2, 5), (4, 1), (4, 4), (6, 2), (6, 7), (7, 1), (8, 3), (5, 9)]:
+        got, _ = _in_chunks(model, ids, [a, b] + [1] * (16 - a - b))
+        torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-10, msg=f"prefill {a}, then {b}")
+
+
+def test_multi_token_continuation_of_a_left_padded_batch():
+    """Rows prefilled with 14, 1, 5 and 2 real tokens (left padding longer than the window, a row of one token:
+    sinks and window at different fills), then 4 tokens in one call and single tokens: each row's logits are those
+    of the row run alone (float64)."""
+    from transformers import DynamicCache
+
+    from oal.models.cache import cache_kwargs
+
+    model = _hf_model("oal-swa", 3, 2)
+    lengths, width, more = (14, 1, 5, 2), 14, 6
+    rows = [torch.randint(1, 53, (1, n + more), generator=torch.Generator().manual_seed(s)) for s, n in
+            enumerate(lengths)]
+    batch = torch.cat([torch.nn.functional.pad(r[:, :-more], (width - r.shape[1] + more, 0)) for r in rows])
+    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        parts = [model(batch, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache)).logits]
+        start = 0
+        for size in (4, 1, 1):
+            new = torch.cat([r[:, r.shape[1] - more + start : r.shape[1] - more + start + size] for r in rows])
+            mask = torch.cat([mask, torch.ones(len(rows), size, dtype=mask.dtype)], 1)
+            at = pos[:, -1:] + 1 + torch.arange(size)[None]
+            parts.append(model(new, attention_mask=mask, position_ids=at, **cache_kwargs(model, cache)).logits)
+            pos = torch.cat([pos, at], 1)
+            start += size
+        got = torch.cat(parts, 1)
+        for b, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+            torch.testing.assert_close(got[b, width - n :], model(r).logits[0], rtol=1e-9, atol=1e-10, msg=f"row {b}")

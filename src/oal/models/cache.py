@@ -7,8 +7,8 @@ forward pre-hook of the attention module). Softmax layers keep their `DynamicLay
 
 `OALStateLayer.update(k, v)` only counts tokens and hands the new k/v back; the attention function then runs the
 method with `initial_state=layer.state, output_final_state=True` and stores the new state
-[B, Hkv, 1 + d + d(d+1)/2, dv + 1] (H0, H1, packed H2 and the denominator column, see `oal.ops`). Its size does
-not depend on the context length.
+[B, Hkv, 1 + d + d(d+1)/2, dv + 1] (OAL's: H0, H1, packed H2 and the denominator column, see `oal.ops`; the
+sliding windows' is one flat [B, Hkv, size], `oal.ops.window.state`). Its size does not depend on the context length.
 
 A state the operator returned is the cache's own (`OALStateLayer.keep`, `owned`): the attention function hands it
 back under `oal.ops.checks.cache_owned`, so the operator neither checks it again nor copies it (it updates it in
@@ -19,7 +19,8 @@ converted layer get `OALStateLayer(stateful=False)`, which stores K/V like a dyn
 recomputes the dense kernel of the new queries against all cached keys (exact, O(N) per token, not O(1)).
 
 Beam search (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`) is supported; `crop` (assisted
-decoding) is not, because a summed state cannot forget tokens.
+decoding) is not, because a summed state cannot forget tokens. An offloaded cache keeps the states on their device
+(only stateless layers' K/V go to the CPU).
 """
 
 from __future__ import annotations
@@ -142,10 +143,14 @@ class OALStateLayer(CacheLayerMixin):
                              "(assisted/speculative decoding is not supported)")
 
     def offload(self):
-        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+        # an offloaded cache (generate(cache_implementation="offloaded")) offloads a layer right after `update`, but
+        # a state is read after it (by the attention function): moved to the CPU there, the next token failed on
+        # CUDA. A state's size does not grow with the context, so it stays on its device; K/V are offloaded
+        if not self.stateful:
+            self._map_batch(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self):
-        if self.is_initialized:
+        if self.is_initialized and not self.stateful:
             self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
 
