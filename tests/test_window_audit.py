@@ -133,6 +133,9 @@ def test_an_offloaded_cache_keeps_the_window_state_on_the_device(monkeypatch):
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **kw)
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: _NoStream())
+    # the cache makes its stream with torch.Stream(): on a CUDA build without a GPU (the GPU machine's twin) that
+    # fails, so a stub stands in from the start
+    monkeypatch.setattr(torch, "Stream", lambda *args, **kwargs: _NoStream())
     with fake_device():
         on_device = copy.deepcopy(model).to(FAKE)
         cache = DynamicCache(config=on_device.config, offloading=True)
