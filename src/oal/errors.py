@@ -10,6 +10,7 @@ ValueError) with `param` set, so the CLI can name the option (`--data`, `--model
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 
@@ -87,8 +88,10 @@ def parse_names(spec: str | list | tuple, known: tuple[str, ...], label: str) ->
     for item in (i for i in items if i):
         for name in (known if item == "all" else (item,)):
             if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"{label}: unknown {label.rstrip('s')} {name!r}; expected some of {', '.join(known)} "
-                                 "or 'all'")
+                                 f"or 'all'{hint}")
             if name not in out:
                 out.append(name)
     return out

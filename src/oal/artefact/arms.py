@@ -95,26 +95,32 @@ def _run_config(run_dir: Path) -> dict:
     return config
 
 
-def _run_dtype(run_dir: Path, config: dict | None = None) -> torch.dtype:
-    """The dtype the run loaded its model in (config.json of `oal run`, `config` when already read), float32 when
-    not recorded. Any torch dtype name passed: "int8" loaded the base model in int8 (even under --dtype float32,
-    a wider dtype), and the error blamed the base model rather than config.json."""
+def _run_dtype(run_dir: Path, config: dict | None = None, base: tuple[Path, dict] | None = None) -> torch.dtype:
+    """The dtype the run loaded its model in: config.json of `oal run` (`config` when already read), else the one
+    the kernels' base-model record holds (`base`: kernels.json's path and its "base_model"), float32 when neither
+    records one. A directory made stage by stage (`oal analyze`, `oal calibrate`) has no config.json: its bfloat16
+    kernels were loaded on a float32 model. Any torch dtype name passed: "int8" loaded the base model in int8 (even
+    under --dtype float32, a wider dtype), and the error blamed the base model rather than config.json."""
     from oal.device import resolve_dtype
 
-    path = run_dir / "config.json"
+    path, key = run_dir / "config.json", "config."
     config = (_run_config(run_dir) if config is None else config).get("config")
-    name = (config.get("dtype") if isinstance(config, dict) else None) or "float32"
+    name = config.get("dtype") if isinstance(config, dict) else None
+    if not name and base is not None and isinstance(base[1], dict) and base[1].get("dtype"):
+        (path, record), key = base, "base_model."
+        name = record["dtype"]
     try:
-        return resolve_dtype(name if isinstance(name, str) else repr(name))
+        return resolve_dtype((name if isinstance(name, str) else repr(name)) if name else "float32")
     except ValueError as exc:
-        raise ValueError(f"{path}: config.{exc}") from None
+        raise ValueError(f"{path}: {key}{exc}") from None
 
 
-def _load_dtype(run_dir: Path, dtype: torch.dtype | None, config: dict | None = None):
+def _load_dtype(run_dir: Path, dtype: torch.dtype | None, config: dict | None = None,
+                base: tuple[Path, dict] | None = None):
     """(the dtype to load the base model in, the dtype to cast it to afterwards or None). A wider dtype than the
     run's (float32 on a bfloat16 run) loads the run's model and casts it: exactly the weights its kernels and adapter
     were made on (a float32 checkpoint loaded as float32 has other, unrounded weights, which no adapter matches)."""
-    run = _run_dtype(run_dir, config)
+    run = _run_dtype(run_dir, config, base)
     want = dtype or run
     if want != run and want.is_floating_point and want.itemsize > run.itemsize:
         return run, want
@@ -149,7 +155,7 @@ def load_converted(run_dir: str | Path, method: str = "oal", adapter: bool | Non
     adir = _adapter_or_none(run_dir, method, adapter)
     base = read_json_object(kdir / META_FILE, "kernels metadata (oal.save_kernels)").get("base_model")
     name = model or (base.get("name_or_path") if isinstance(base, dict) else None) or "default"
-    load_dtype, widen = _load_dtype(run_dir, dtype)
+    load_dtype, widen = _load_dtype(run_dir, dtype, base=(kdir / META_FILE, base))
     mdl = load(kdir, name, dtype=load_dtype, device=device)  # checks the base model's hashes
     tokenizer = AutoTokenizer.from_pretrained(mdl.config.name_or_path, local_files_only=True)
     if adir is not None:

@@ -55,6 +55,7 @@ def calibrate_cmd(
     from oal.calibration.data import CalibConfig
     from oal.calibration.resume import calibrate_directory
     from oal.methods import get_method, method_names
+    from oal.methods.base import unknown_method
     from oal.models.registry import default_layers
     from oal.rundir.claim import refuse_run_dir
     from oal.rundir.files import check_out_dir
@@ -64,7 +65,8 @@ def calibrate_cmd(
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in method_names()]
     if not wanted or unknown:
-        raise typer.BadParameter(f"unknown {unknown}; expected some of {method_names()}", param_hint="--methods")
+        raise typer.BadParameter(unknown_method(unknown[0], some=True) if unknown else "expected at least one method",
+                                 param_hint="--methods")
     refuse_unless(ctx, any(get_method(m).settings for m in wanted), ("window", "sinks"),
                   "the sliding-window methods (swa, oal-swa, global-swa)")
     check_out_dir(out)

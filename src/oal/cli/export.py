@@ -21,7 +21,8 @@ def export_or_fail(out: Path, method: str, to: Path, **kwargs) -> Path:
     except ValueError as exc:
         if isinstance(exc, InputError) and exc.param:  # it names its option: the CLI's one line names it too
             raise
-        hint = {"to": "--to", "merge": "--no-merge"}.get(str(exc).partition(":")[0], "--out")
+        given = {"base_model": "--model"} if kwargs.get("model") else {}  # the base model --model named
+        hint = {"to": "--to", "merge": "--no-merge", **given}.get(str(exc).partition(":")[0], "--out")
         raise typer.BadParameter(message_of(exc), param_hint=hint) from None  # the option named once
     auto = "AutoModel" if _is_encoder(path) else "AutoModelForCausalLM"
     if method == "softmax":

@@ -73,13 +73,15 @@ def run_budget(model, blocks: dict, groups_file: str | Path, layer: int, head: i
     """`oal run`'s group-budget curve: Fig. 2(b) for one head (calibration on the plan's calib_train / calib_val
     blocks, held-out MSE on its fidelity blocks), with the G App. B chose for that head and the G the run used.
     Writes DIR/budget.json and DIR/figures/group_budget.png; returns the result."""
-    from oal.calibration.model import capture_layer_data
+    from oal.diagnostics.fidelity_table import capture_layers
     from oal.rundir.files import atomic_write_json, load_json
 
     data = load_json(groups_file)
     row = next(h for h in data["heads"][str(layer)] if h["head"] == head)
-    train, val, held = (capture_layer_data(model, blocks[r], layer, batch_size=1)
-                        for r in ("calib_train", "calib_val", "fidelity"))
+    train, val, held = (capture_layers(model, blocks[r], [layer], where, batch_size=1)[layer] for r, where in
+                        (("calib_train", "the calibration training blocks"),
+                         ("calib_val", "the calibration validation blocks"),
+                         ("fidelity", "the held-out fidelity blocks")))
     res = budget_curve(train, val, held, torch.tensor(row["chi"], dtype=torch.float64), head, budgets, cfg,
                        layer=layer)
     res["app_b_groups"] = row.get("app_b", row)["n_groups"]

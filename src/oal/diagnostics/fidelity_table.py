@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from oal.analysis.contributions import check_finite_attention
 from oal.diagnostics.retained_error import SequenceQKV
 from oal.models.capture import capture_batches
 
@@ -16,6 +17,7 @@ __all__ = [
     "TABLE2_METHODS",
     "calibrate_methods",
     "capture_chi",
+    "capture_layers",
     "capture_sequences",
     "table2",
 ]
@@ -25,11 +27,20 @@ TABLE2_METHODS = ("performer", "spectraformer", "dijiang", "taylorshift", "globa
                   "oal-swa")
 
 
-def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4) -> dict:
-    """{layer: [SequenceQKV per block]} for Table 1 (float64 copies, one sequence each)."""
+def _checked(c, where: str) -> None:
+    """Each layer's capture of each batch, before anything reads it: a layer whose attention overflows (float16)
+    failed later as "q: non-finite values ...", naming no layer (as the analysis and calibration check theirs)."""
+    check_finite_attention(c.layer, {"q": c.q, "k": c.k, "v": c.v, "out": c.out}, where, real=c.attention_mask)
+
+
+def capture_sequences(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_size: int = 4,
+                      where: str = "the held-out fidelity blocks") -> dict:
+    """{layer: [SequenceQKV per block]} for Table 1 (float64 copies, one sequence each). `where`: the blocks, as a
+    non-finite layer's error names them."""
     out: dict[int, list[SequenceQKV]] = {int(i): [] for i in layers}
 
     def on_layer(c):
+        _checked(c, where)
         for b in range(c.q.shape[0]):
             out[c.layer].append(SequenceQKV(*(t[b : b + 1].double() for t in (c.q, c.k, c.v))))
 
@@ -42,9 +53,28 @@ def capture_chi(model, blocks: torch.Tensor, layers: Sequence[int], *, batch_siz
     from oal.analysis import head_contributions
 
     got: dict[int, list] = {int(i): [] for i in layers}
-    capture_batches(model, blocks, layers, lambda c: got[c.layer].append(head_contributions(c.q, c.k).double()),
-             batch_size)
+
+    def on_layer(c):
+        _checked(c, "the grouping prompts")
+        got[c.layer].append(head_contributions(c.q, c.k).double())
+
+    capture_batches(model, blocks, layers, on_layer, batch_size)
     return {i: torch.cat(v).transpose(0, 1) for i, v in got.items()}
+
+
+def capture_layers(model, blocks: torch.Tensor, layers: Sequence[int], where: str, *, batch_size: int = 4) -> dict:
+    """{layer: LayerData} of `blocks` [S, N] (`oal.calibration.model.capture_layers_data`), each layer's capture
+    checked for non-finite values first; `where`: the blocks, as that error names them."""
+    from oal.calibration.data import LayerData
+
+    got: dict[int, list] = {int(i): [] for i in layers}
+
+    def on_layer(c):
+        _checked(c, where)
+        got[c.layer].append(c)
+
+    capture_batches(model, blocks, list(got), on_layer, batch_size)
+    return {i: LayerData.from_captured(items) for i, items in got.items()}
 
 
 def calibrate_methods(

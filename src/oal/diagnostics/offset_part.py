@@ -80,7 +80,8 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
     """The experiment of `oal.diagnostics.offset` on the grouping, calib_train, calib_val and fidelity `blocks`,
     written to DIR/diagnostics/offset.json (+ .md, figure). Reuses a complete result with the same settings, and
     the finished rows of an interrupted one."""
-    from oal.calibration.model import capture_layer_data
+    from oal.diagnostics.fidelity_table import capture_layers
+    from oal.methods.base import newer_versions
     from oal.models.capture import output_projection
     from oal.models.provenance import weights_record
     from oal.rundir.hashes import config_hash, tensor_hash
@@ -97,6 +98,8 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
               "blocks": {r: tensor_hash(blocks[r]) for r in ("grouping", "calib_train", "calib_val")}
               | {"fidelity": tensor_hash(held_ids)},
               "model": weights_record(model)["state_dict_sha256"]}
+    if versions := newer_versions(("global", "oal")):  # what it recalibrates: a new construction recomputes
+        record["versions"] = versions
     key = config_hash(record)
     path = out / "diagnostics" / OFFSET_FILE
     old = done_part(path, key)
@@ -104,9 +107,11 @@ def run_offset(model, blocks: Mapping[str, torch.Tensor], layers: Sequence[int],
         t0 = time.perf_counter()
         if console is not None:
             console.print(f"offset experiment: layer {layer}, RoPE pair {dims}, offset std {list(settings.stds)}")
-        data = {r: capture_layer_data(model, ids, layer) for r, ids in
-                (("grouping", blocks["grouping"]), ("train", blocks["calib_train"]), ("val", blocks["calib_val"]),
-                 ("held", held_ids))}
+        data = {r: capture_layers(model, ids, [layer], where)[layer] for r, ids, where in
+                (("grouping", blocks["grouping"], "the grouping prompts"),
+                 ("train", blocks["calib_train"], "the calibration training blocks"),
+                 ("val", blocks["calib_val"], "the calibration validation blocks"),
+                 ("held", held_ids, "the held-out fidelity blocks"))}
 
         def write(rows: list[dict], complete: bool = False, **extra) -> dict:
             return write_part(path, {"settings_key": key, "settings": record, "complete": complete, **extra,

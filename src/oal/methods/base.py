@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["AttentionMethod", "METHODS", "build_method", "causal_mask", "check_version", "constructor_settings",
            "get_method", "method_names", "method_settings", "newer_versions", "record_settings", "register",
-           "repeat_kv", "unknown_settings"]
+           "repeat_kv", "unknown_method", "unknown_settings"]
 
 METHODS: dict[str, type[AttentionMethod]] = {}
 
@@ -50,11 +50,24 @@ def method_names() -> list[str]:
     return list(METHODS)
 
 
+def unknown_method(name, known=None, *, some: bool = False, whose: str = "") -> str:
+    """The one message for a method name not among `known` (default: every registered method), wherever a command or
+    the library takes one: "unknown method 'oall'; expected one of oal, global, ... (did you mean 'oal'?)". `some`:
+    a list of names is asked for (--methods); `whose` follows the names (" (this run's)"). The messages differed,
+    one as Python lists ("unknown ['oall']; expected some of ['oal', ...]")."""
+    import difflib
+
+    known = [str(k) for k in (method_names() if known is None else known)]
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown method {name!r}; expected {'some' if some else 'one'} of {', '.join(known)}{whose}{hint}"
+
+
 def get_method(name: str) -> type[AttentionMethod]:
     """The `AttentionMethod` subclass registered as `name`; ValueError naming the known ones otherwise."""
     _load_builtin()
     if name not in METHODS:
-        raise ValueError(f"method: unknown {name!r}; expected one of {', '.join(METHODS)}")
+        raise ValueError(f"method: {unknown_method(name)}")
     return METHODS[name]
 
 

@@ -114,8 +114,14 @@ def converted_or_fail(out: Path, model: str | None, method: str, device: str, ad
     from oal.artefact.arms import load_converted
     from oal.device import resolve_dtype
 
-    return load_converted(out, method, adapter, model=model, device=device,
-                          dtype=resolve_dtype(dtype) if dtype else None)
+    try:
+        return load_converted(out, method, adapter, model=model, device=device,
+                              dtype=resolve_dtype(dtype) if dtype else None)
+    except ValueError as exc:
+        # `oal.load`'s errors name its own argument; the base model given on the command line is --model
+        if model is None or isinstance(exc, InputError) or not str(exc).startswith("base_model: "):
+            raise
+        raise InputError(message_of(exc), "--model") from None
 
 
 def run_methods(out: Path, methods: list[str] | None, fallback: list[str]) -> list[str]:

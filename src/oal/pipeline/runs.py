@@ -144,11 +144,12 @@ def _arm_config(out_dir: Path, method: str, dtype: str | None, settings: dict,
     d = dict(old)
     if method not in d["methods"]:
         from oal.methods import method_names
+        from oal.methods.base import unknown_method
 
         if method not in method_names():
-            also = "" if REFERENCE in d["methods"] else f" or {REFERENCE}"  # it read "oal, softmax (...) or softmax"
-            raise InputError(f"unknown method {method!r}; expected one of {', '.join(d['methods'])} (this run's)"
-                             f"{also}", "--method", "method")
+            also = [] if REFERENCE in d["methods"] else [REFERENCE]  # it read "oal, softmax (...) or softmax"
+            raise InputError(unknown_method(method, [*d["methods"], *also], whose=" (this run's arms)"), "--method",
+                             "method")
         if method != REFERENCE:
             have = ",".join(d["methods"])
             raise InputError(f"{out_dir} has no calibrated kernels for {method!r} (it calibrated {have}); a run "
@@ -184,6 +185,9 @@ def run(cfg: RunConfig, out_dir: str | Path, seeds: list[int] | str | None = Non
     seeds = [cfg.seed] if seeds is None else _seeds(seeds)
     out_dir = check_out_dir(out_dir)
     group = ranks(process_device(cfg.device))
+    # before any seed: processes given other --seeds lists ran apart (one seed-42/, the other DIR itself) until
+    # a collective of seed 43 found no peer ("lost contact"); each seed's own settings are agreed in its setup
+    group.agree({"seeds": seeds}, {"seeds": "--seeds"})
     console = (console or log_console()) if group.is_main else Console(quiet=True)  # the main process reports
     results = (results or Console()) if group.is_main else Console(quiet=True)
     cfg = for_protocol(cfg)
