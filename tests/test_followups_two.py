@@ -197,6 +197,11 @@ def test_a_stage_by_stage_directory_loads_its_base_model_in_the_recorded_dtype(b
     assert mdl.model.embed_tokens.weight.dtype == torch.bfloat16
     wide, _, _ = load_converted(run, "oal", False, dtype=torch.float32)  # the recorded weights, cast
     assert torch.equal(wide.model.embed_tokens.weight, mdl.model.embed_tokens.weight.float())
+    # oal evaluate's fidelity asked load_converted for float32 outright there, and recorded float32
+    from oal.pipeline.evaluate_fidelity import evaluate_fidelity
+
+    res = evaluate_fidelity(run, ["oal"], blocks=1, progress=False)
+    assert res["fidelity"]["oal"]["dtype"] == "bfloat16"
 
 
 # ------------------------------------------------------------------------------- 6. unknown method names

@@ -61,6 +61,7 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
     from oal.device import resolve_dtype
     from oal.evaluate.fidelity import fidelity
     from oal.models.attention import converted_methods
+    from oal.models.provenance import model_dtype
     from oal.models.registry import preset_for
     from oal.pipeline.publish import check_publishable, republish
     from oal.rundir.metrics import record_evaluation
@@ -75,7 +76,8 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
     methods = list(methods)
     if not methods:
         raise InputError("expected at least one calibrated method", "--methods", "methods")
-    dtype = resolve_dtype(dtype or recorded.get("dtype") or "float32")
+    # none recorded (a directory made stage by stage): the dtype its kernels record (`load_converted`), not float32
+    dtype = resolve_dtype(dtype or recorded["dtype"]) if dtype or recorded.get("dtype") else None
     data = data or recorded.get("data") or "builtin"
     data_dir = data_dir or recorded.get("data_dir")
     res: dict[str, dict] = {"fidelity": {}, "fidelity_adapted": {}}
@@ -108,7 +110,7 @@ def _evaluate(out_dir: Path, methods, *, model, data, data_dir, preset, blocks, 
         layers = layers or sorted(converted_methods(converted))
         # the base model's dtype it was measured in: `--dtype` may differ from the run's (a wider one casts it)
         res[key][m].update({"data": corpus.name, "n_blocks": int(held_out.shape[0]),
-                            "block_len": int(held_out.shape[1]), "dtype": str(dtype).removeprefix("torch.")})
+                            "block_len": int(held_out.shape[1]), "dtype": model_dtype(converted)})
         record_evaluation(out_dir, f"{key}:{m}", [((key, m), res[key][m])], arm_inputs(out_dir, m, info["adapter"]),
                           defaults={"model": name, "converted_layers": layers})
     republish(out_dir, console)
