@@ -299,9 +299,9 @@ def test_kernels_record_the_real_model(full_run):
 
 def test_other_model_is_refused_everywhere(assets, run_copy):
     before = tree(run_copy)
-    for cmd in (["evaluate"], ["convert"], ["generate", "alpha"]):
+    for cmd, name in ((["evaluate"], "base_model"), (["convert"], "'--model'"), (["generate", "alpha"], "'--model'")):
         res = cli(*cmd, "--out", run_copy, "--model", assets / "other")
-        assert_bad_input(res, "base_model", "differ")
+        assert_bad_input(res, name, "differ")
     assert tree(run_copy) == before
     from oal.models.registry import load_model
 

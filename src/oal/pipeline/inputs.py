@@ -108,15 +108,17 @@ def blocks_or_fail(tokenizer, mdl, data: str, data_dir: str | None, preset: str 
 
 
 def converted_or_fail(out: Path, model: str | None, method: str, device: str, adapter: bool | None = None,
-                      dtype: str | None = None):
-    """(model, tokenizer, info) of `artefact.arms.load_converted`: the run's base model (checked against the kernels'
-    record), `method`'s kernels and, by default, its adapter; `dtype` defaults to the run's."""
-    from oal.artefact.arms import load_converted
+                      dtype: str | None = None, *, softmax: bool = False):
+    """(model, tokenizer, info) of `artefact.arms.load_converted`: the run's base model (checked against the
+    kernels' record), `method`'s kernels and, by default, its adapter; `dtype` defaults to the run's. `softmax`: the
+    softmax arm too (`load_arm`: the base model and its adapter). A base model given as `model` that is not the
+    run's is an error on --model."""
+    from oal.artefact.arms import load_arm, load_converted
     from oal.device import resolve_dtype
 
+    load = load_arm if softmax else load_converted
     try:
-        return load_converted(out, method, adapter, model=model, device=device,
-                              dtype=resolve_dtype(dtype) if dtype else None)
+        return load(out, method, adapter, model=model, device=device, dtype=resolve_dtype(dtype) if dtype else None)
     except ValueError as exc:
         # `oal.load`'s errors name its own argument; the base model given on the command line is --model
         if model is None or isinstance(exc, InputError) or not str(exc).startswith("base_model: "):

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from oal.pipeline.report_format import display_name, ordered, read_optional  # noqa: E402
 from oal.rundir.files import atomic_save_figure  # noqa: E402
@@ -105,7 +106,7 @@ def calibration_figure(calibration: dict, path: Path, note: str = "") -> bool:
             mean = [sum(v[i] for v in vals) / len(vals) for i in range(len(steps))]
             ax.plot(steps, mean, marker="o", ms=3, label=init, color=colors[init])
             plotted += mean
-        ax.set_title(f"{display_name(m)}: calibration (Eq. 20)")
+        ax.set_title(f"{display_name(m)}:\ncalibration (Eq. 20)")  # one line ran past a 4.5-inch panel
         ax.set_xlabel("update")
         _auto_scale(ax, plotted, "validation output MSE (mean over heads)")
         ax.grid(alpha=0.3)
@@ -135,6 +136,7 @@ def adaptation_figure(run_dir: Path, methods: list[str], path: Path, note: str =
     ax1.set(title="Adaptation: training loss (moving average)", xlabel="update", ylabel="next-token NLL (nats)")
     ax2.set(title="Validation NLL (checkpoint selection)", xlabel="update", ylabel="next-token NLL (nats)")
     for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # updates are whole: a short run showed 1.2, 1.4
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if note:
@@ -197,7 +199,8 @@ def fidelity_figure(metrics: dict, path: Path) -> bool:
                    color=method_color(m), yerr=yerr, capsize=2)
             values += ys
         ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
-        ax.set(title=f"Attention fidelity per layer, {where}" + _seeds_note(metrics), xlabel="converted layer")
+        # two lines: on one, the left title ran into the right panel's y label
+        ax.set(title=f"Attention fidelity per layer,\n{where}" + _seeds_note(metrics), xlabel="converted layer")
         _auto_scale(ax, values, "held-out RelMSE vs softmax (lower is better)")
         ax.grid(alpha=0.3, axis="y")
         _legend_above_bars(ax, len(methods))
