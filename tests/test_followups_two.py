@@ -244,3 +244,18 @@ def test_run_methods_suggest_a_close_match_too():
         parse_names("oal,performr", tuple(method_names()), "methods")
     with pytest.raises(ValueError, match=r"or 'all'$"):  # nothing close: no hint
         parse_names("zzzz", tuple(method_names()), "methods")
+
+
+def test_a_refused_passkey_length_leaves_no_run_behind(tmp_path):
+    """`oal run --passkey 100000` on a model of fewer positions wrote OUT/config.json before refusing the length, so
+    the corrected command with other settings was refused as another configuration ("use --force")."""
+    from test_pipeline import _cfg, make_assets
+
+    from oal.pipeline.evaluate_passkey import passkey_check
+    from oal.pipeline.runs import run
+
+    out = tmp_path / "run"
+    with pytest.raises(InputError, match="max_position_embeddings") as info:
+        run(_cfg(make_assets(tmp_path / "assets"), layers=[1]), out, progress=False, check=passkey_check([100000]))
+    assert info.value.param == "--passkey"
+    assert not (out / "config.json").exists()

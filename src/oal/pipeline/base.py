@@ -133,9 +133,10 @@ class StagedRun:
         self.zeroshot_skipped: dict[str, str] = {}
         self.other_corpora: dict = {}  # name -> Corpus of the corpora the split plan reads besides --data
 
-    def setup(self) -> None:
+    def setup(self, check: Callable[[StagedRun], None] | None = None) -> None:
         """Model, tokenizer, corpus, split plan and token blocks; checks that DIR holds no other configuration, then
-        writes config.json (cheap, always runs). Every bad input fails here, before anything is written."""
+        writes config.json (cheap, always runs). Every bad input fails here, before anything is written; so does
+        `check(self)` (`oal run --passkey`'s lengths against the model), run once the model is loaded."""
         with Timer() as t:
             try:
                 self.model, self.tokenizer, self.provenance = self._load_model()
@@ -160,6 +161,8 @@ class StagedRun:
             except (ValueError, OSError) as exc:
                 raise InputError(message_of(exc, self.cfg.data), "--data", "data") from exc
             self._check_windows()
+            if check is not None:  # before config.json: a refused --passkey length left a run of its settings
+                check(self)
         config = {
             **({"protocol": self.protocol} if self.protocol else {}),
             "config": self.recorded or self.cfg.to_dict(),

@@ -91,9 +91,7 @@ def run_seed(cfg: RunConfig, out_dir: str | Path, *, console: Console | None = N
                        allow_changes=allow_changes, recorded=recorded)
     with own_dir(r.dir, r.ranks):
         try:
-            r.setup()
-            if check is not None:
-                check(r)
+            r.setup(check)
             r.stages(arms)
         except Stop:
             return {}
