@@ -11,12 +11,12 @@ import pytest
 import torch
 from _runs import make_run, random_methods
 from _tiny import save_tiny_llama, tiny_model
+from test_calibration_audit import _Gathered, _LaunchOfTwo  # a launch of two, faked
 from typer.testing import CliRunner
 
 from oal.calibration.data import CalibConfig
 from oal.cli import load_commands
 from oal.errors import InputError
-from oal.launch import Ranks
 
 VOCAB = 61
 GROUPING = dict(tail_fraction=0.25, min_support=0.5, min_ratio=1.2, min_groups=2, n_bootstrap=20)
@@ -86,28 +86,6 @@ def test_diagnose_captures_check_each_layer(capture):
 
 
 # ------------------------------------------------------------------------------- 2. a launch's seed lists
-
-
-class _Gathered(Exception):
-    pass
-
-
-class _LaunchOfTwo(Ranks):
-    """A launch of two processes without torch.distributed (tests/test_calibration_audit.py's): without `theirs`
-    it is process 1, stopped at its first collective; with `theirs` (what process 1 sent), process 0."""
-
-    def __init__(self, theirs=None):
-        self.index, self.size, self.state = 0, 2, None
-        self.theirs, self.sent = theirs, []
-
-    def gather(self, obj) -> list:
-        if self.theirs is None:
-            self.sent.append(obj)
-            raise _Gathered
-        return [obj, self.theirs]
-
-    def broadcast(self, obj):
-        return obj
 
 
 def test_run_processes_given_other_seed_lists_are_refused_up_front(monkeypatch, tmp_path):
