@@ -55,11 +55,11 @@ class EncoderRun(Run):
     def __init__(self, cfg, out_dir, *, allow_changes: tuple[str, ...] = (), **kwargs):
         super().__init__(cfg, out_dir, allow_changes=(*allow_changes, *self.UNREAD), **kwargs)
 
-    def setup(self) -> None:
+    def setup(self, check=None) -> None:
         if (self.cfg.grouping or {}).get("pairs"):  # refused before anything is written
             raise InputError("app-b-pairs ties RoPE's rotation pairs (r, r + d/2); an encoder has no RoPE: use "
                              "app-b or budget:G", "--grouping", "grouping")
-        super().setup()
+        super().setup(check)
 
     def _load_model(self):  # self.device: Run's, this process's device under a launch
         return load_encoder(self.cfg.model, dtype=resolve_dtype(self.cfg.dtype), device=self.device)
