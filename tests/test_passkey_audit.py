@@ -99,7 +99,7 @@ def test_report_names_the_settings_of_each_arm_when_they_differ(tmp_path: Path):
     pk = {"oal": {"no_adapt": _result([256], every, 2, 0.0)}, "softmax": {"no_adapt": _result([256], [0.5], 1)}}
     text = "\n".join(passkey_section({"passkey": pk}, tmp_path, _table))
     assert "different settings" in text
-    assert "softmax (no adapt): a 5-digit key hidden at depths 0.5 of the filler, 1 keys per cell" in text
+    assert "softmax (no adapt): a 5-digit key hidden at depths 0.5 of the filler, 1 key per cell" in text
     assert "oal (no adapt): a 5-digit key hidden at depths 0, 0.25, 0.5, 0.75, 1 of the filler, 2 keys" in text
     same = {"oal": {"no_adapt": _result([256], every, 2)}, "softmax": {"no_adapt": _result([256], every, 2)}}
     text = "\n".join(passkey_section({"passkey": same}, tmp_path, _table))

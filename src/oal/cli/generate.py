@@ -27,10 +27,9 @@ def generate_cmd(
     dtype: RunDtypeOpt = None,
 ) -> None:
     """Greedy generation with the converted model (recurrent O(1) state in converted layers), adapted when the run
-    has an adapter for the method; `--method softmax` generates with the run's softmax arm.
-
-    The prompt plus --max-new-tokens must fit the model's maximum positions (max_position_embeddings): a longer
-    request is refused, not truncated, so the model never runs on positions it was not trained for.
+    has an adapter for the method; `--method softmax` generates with the run's softmax arm. The prompt plus
+    --max-new-tokens must fit the model's maximum positions (max_position_embeddings): a longer request is refused,
+    not truncated, so the model never runs on positions it was not trained for.
     """
     import torch
 

@@ -251,24 +251,39 @@ def passkey_figure(results: dict[str, dict], path) -> bool:
     return True
 
 
-def passkey_table(pk: dict, std: dict | None = None) -> tuple[dict[str, dict], list[str], list[list[str]]]:
+def passkey_table(pk: dict, std: dict | None = None, name=None) -> tuple[dict[str, dict], list[str], list[list[str]]]:
     """({arm label: result}, header, rows) of metrics.json["passkey"]: accuracy by context length and the mean, one
     row per arm ("<method> (no adapt|adapted)", softmax first), for the report and the terminal; `std` (a multi-seed
-    run's metrics.json["passkey_std"]) adds the spread over seeds to the mean."""
+    run's metrics.json["passkey_std"]) adds the spread over seeds to the mean. `name` (the report's display names,
+    "Softmax (LoRA)") labels the arms as the report's other tables and figures do: "<name> (LoRA)" and "<name>
+    before adaptation"."""
+    label = _arm_label if name is None else _display_label(name)
     order = ["softmax"] + [m for m in pk if m != "softmax"]
     # metrics.json keeps its keys sorted ("adapted" first): no adapt first, as measured and printed
-    arms = {f"{m} ({v.replace('_', ' ')})": pk[m][v] for m in order if m in pk
+    arms = {label(m, v): pk[m][v] for m in order if m in pk
             for v in sorted(pk[m], key=lambda v: v != "no_adapt")}
     lens = sorted({int(n) for r in arms.values() for n in r["by_length"]})
-    spread = {f"{m} ({v.replace('_', ' ')})": s["mean"] for m, vs in (std or {}).items() for v, s in vs.items()}
+    spread = {label(m, v): s["mean"] for m, vs in (std or {}).items() for v, s in vs.items()}
     rows = [[arm, *(f"{r['by_length'][str(n)]:.2f}" if str(n) in r["by_length"] else "-" for n in lens),
              f"{r['mean']:.2f}" + (f" ± {spread[arm]:.2f}" if arm in spread else "")] for arm, r in arms.items()]
     return arms, ["arm", *map(str, lens), "mean"], rows
 
 
-def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
+def _arm_label(m: str, variant: str) -> str:
+    return f"{m} ({variant.replace('_', ' ')})"
+
+
+def _display_label(name):
+    def label(m: str, variant: str) -> str:
+        shown = name(m).removesuffix(" (LoRA)")
+        return {"adapted": f"{shown} (LoRA)", "no_adapt": f"{shown} before adaptation"}.get(
+            variant, f"{shown} ({variant.replace('_', ' ')})")
+    return label
+
+
+def passkey_section(metrics: dict, fig_dir: Path, table, name=None) -> list[str]:
     """report.md's passkey section from metrics.json["passkey"] (and figures/passkey.png); `table(header, rows)`
-    renders a markdown table."""
+    renders a markdown table; `name` as in `passkey_table`."""
     pk = metrics.get("passkey") or {}
     seeds = metrics.get("seeds") or []
     out = ["## Passkey retrieval (long-context recall)", ""]
@@ -277,12 +292,13 @@ def passkey_section(metrics: dict, fig_dir: Path, table) -> list[str]:
             return out + [f"Not measured for every seed of {seeds} with the same settings (`oal evaluate --out "
                           "DIR/seed-<s> --passkey` for each seed; DIR's report then gives their mean).", ""]
         return out + ["Not measured in this run (`oal evaluate --out DIR --passkey`).", ""]
-    arms, header, rows = passkey_table(pk, metrics.get("passkey_std"))
+    arms, header, rows = passkey_table(pk, metrics.get("passkey_std"), name)
     # arms measured by separate `oal evaluate --passkey` calls may differ in depths and keys: say so, per arm
     settings: dict[str, list[str]] = {}
     for arm, r in arms.items():
+        keys = f"{r['trials']} key{'s' if r['trials'] != 1 else ''}"
         settings.setdefault(f"a {r['digits']}-digit key hidden at depths {', '.join(f'{d:g}' for d in r['depths'])}"
-                            f" of the filler, {r['trials']} keys per cell", []).append(arm)
+                            f" of the filler, {keys} per cell", []).append(arm)
     how = next(iter(settings)) if len(settings) == 1 else "the arms were measured with different settings, so their " \
         "rows do not compare: " + "; ".join(f"{', '.join(a)}: {s}" for s, a in settings.items())
     out += [f"Greedy decoding through the recurrent cache; {how}; exact match of the first whole number generated. "

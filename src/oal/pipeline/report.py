@@ -14,7 +14,7 @@ from pathlib import Path
 
 from oal.evaluate.passkey import passkey_section
 from oal.pipeline.report_figures import adaptation_figure, calibration_figure, fidelity_figure, perplexity_figure
-from oal.pipeline.report_format import markdown_table, read_optional
+from oal.pipeline.report_format import display_name, markdown_table, read_optional
 from oal.pipeline.report_sections import (
     adaptation_section,
     analysis_section,
@@ -85,7 +85,7 @@ def write_report(run_dir: str | Path, *, console=None) -> Path:
     lines += perplexity_section(metrics, has_ppl, cfg.get("preset"))
     lines += zeroshot_section(metrics, cfg.get("zeroshot_tasks"))
     lines += selection_section(metrics, fig_dir, markdown_table)
-    lines += passkey_section(metrics, fig_dir, markdown_table)
+    lines += passkey_section(metrics, fig_dir, markdown_table, display_name)
     lines += adaptation_section(adapt_dir, metrics, has_adapt)
     lines += timing_section(metrics)
     lines += provenance_section(config)  # last: hashes and versions are for the record, not the first screen
